@@ -1,0 +1,86 @@
+"""Run a function on N real torch.distributed ranks (gloo, CPU) from a test.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, gives each a
+gloo process group through a FileStore (no ports to race for), calls
+``fn(rank, world_size, *args)`` and returns the list of per-rank results. A rank that
+raises fails the call with that rank's traceback; a rank that hangs fails it after
+``timeout`` seconds instead of hanging the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(
+    rank: int, world_size: int, tmpdir: str, fn: Callable, args: tuple
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": result}, os.path.join(tmpdir, f"result_{rank}.pt"))
+    except BaseException:
+        torch.save(
+            {"error": traceback.format_exc()}, os.path.join(tmpdir, f"result_{rank}.pt")
+        )
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable, world_size: int = 2, *args: Any, timeout: float = 300
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks."""
+    with tempfile.TemporaryDirectory() as tmpdir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(world_size, tmpdir, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            deadline = time.monotonic() + timeout
+            while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise AssertionError(f"ranks still running after {timeout}s")
+        except mp.ProcessRaisedException as exc:
+            raise AssertionError(f"a rank failed:\n{exc}") from None
+        except mp.ProcessExitedException as exc:
+            raise AssertionError(f"a rank died: {exc}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world_size):
+            out = torch.load(os.path.join(tmpdir, f"result_{rank}.pt"), weights_only=False)
+            if "error" in out:
+                raise AssertionError(f"rank {rank} failed:\n{out['error']}")
+            results.append(out["ok"])
+        return results
