@@ -1,0 +1,64 @@
+"""Sharding API: shard-as-you-build (``enable_wrap``/``wrap``/``auto_wrap``) on FSDP2 and
+FSDP1, wrap policies, backends, mixed precision and the wrap plan."""
+
+from .backends import (
+    BACKENDS,
+    Backend,
+    build_backend,
+    build_sharded_model,
+    canonical_name,
+    fsdp1_wrapper,
+    materialize_meta_,
+)
+from .plan import Unit, WrapPlan, wrap_plan
+from .policies import (
+    BlockPolicy,
+    ComposedPolicy,
+    ManualPolicy,
+    SizePolicy,
+    WrapPolicy,
+    build_policy,
+)
+from .precision import PRECISIONS, Precision, get_precision
+from .wrap import (
+    DEFAULT_EXCLUDE_WRAP_MODULES,
+    DEFAULT_FORCE_LEAF_MODULES,
+    auto_wrap,
+    enable_wrap,
+    is_wrapped,
+    plan_auto_wrap,
+    wrap,
+    wrap_enabled,
+    wrap_module,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_EXCLUDE_WRAP_MODULES",
+    "DEFAULT_FORCE_LEAF_MODULES",
+    "PRECISIONS",
+    "Backend",
+    "BlockPolicy",
+    "ComposedPolicy",
+    "ManualPolicy",
+    "Precision",
+    "SizePolicy",
+    "Unit",
+    "WrapPlan",
+    "WrapPolicy",
+    "auto_wrap",
+    "build_backend",
+    "build_policy",
+    "build_sharded_model",
+    "canonical_name",
+    "enable_wrap",
+    "fsdp1_wrapper",
+    "get_precision",
+    "is_wrapped",
+    "materialize_meta_",
+    "plan_auto_wrap",
+    "wrap",
+    "wrap_enabled",
+    "wrap_module",
+    "wrap_plan",
+]

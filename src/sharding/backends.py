@@ -1,0 +1,272 @@
+"""Backends: how units are wrapped, how the root is wrapped, and the step-time helpers.
+
+The same model code runs under all of them:
+
+- ``fsdp2`` (default): FSDP2 ``fully_shard`` per unit, in place, on a 1-D device mesh.
+- ``fsdp1``: ``FullyShardedDataParallel`` per unit (``use_orig_params=True``).
+- ``ddp``: no units; the root is wrapped in ``DistributedDataParallel`` (a baseline).
+- ``none``: one process, nothing wrapped.
+- ``plan``: records units without sharding anything (plan-only, on the meta device).
+
+The root is always wrapped last, so no parameter is left out of a unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, ShardingStrategy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .policies import WrapPolicy
+from .precision import Precision, get_precision
+from .wrap import enable_wrap, wrap_module
+
+BACKENDS = ("fsdp2", "fsdp1", "ddp", "none", "plan")
+
+
+def fsdp1_wrapper(
+    module: nn.Module,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: Precision | None = None,
+    **kwargs: Any,
+) -> FSDP1:
+    """``FullyShardedDataParallel`` taking FSDP2's argument names, so the same
+    ``wrap(..., reshard_after_forward=False)`` annotation works on both backends."""
+    strategy = (
+        ShardingStrategy.FULL_SHARD
+        if reshard_after_forward
+        else ShardingStrategy.SHARD_GRAD_OP
+    )
+    kwargs.setdefault("use_orig_params", True)
+    if mp_policy is not None:
+        kwargs.setdefault("mixed_precision", mp_policy.fsdp1_policy())
+    return FSDP1(module, sharding_strategy=strategy, **kwargs)
+
+
+def record_unit(module: nn.Module, **_: Any) -> nn.Module:
+    """A wrapper that shards nothing: ``wrap_module`` tags the unit, which is all a
+    plan needs."""
+    return module
+
+
+@dataclass
+class Backend:
+    """One backend, bound to this process's device and ranks."""
+
+    name: str
+    precision: Precision
+    device: torch.device
+    reshard_after_forward: bool = True
+    world_size: int = 1
+    rank: int = 0
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.precision.param_dtype
+
+    @property
+    def shards(self) -> bool:
+        return self.name in ("fsdp2", "fsdp1", "plan")
+
+    # -- building -------------------------------------------------------------------
+    def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
+        """The wrapper and its context defaults for ``enable_wrap``."""
+        if self.name == "fsdp2":
+            return fully_shard, {
+                "mesh": self.mesh,
+                "reshard_after_forward": self.reshard_after_forward,
+                "mp_policy": self.precision.fsdp2_policy(),
+            }
+        if self.name == "fsdp1":
+            # FSDP1 needs device_id even on CPU, where it cannot infer one.
+            return fsdp1_wrapper, {
+                "reshard_after_forward": self.reshard_after_forward,
+                "mp_policy": self.precision,
+                "device_id": self.device,
+            }
+        if self.name == "plan":
+            return record_unit, {}
+        raise ValueError(f"backend {self.name!r} has no per-unit wrapper")
+
+    def wrap_context(
+        self, policy: WrapPolicy | None
+    ) -> contextlib.AbstractContextManager:
+        """``enable_wrap`` with this backend's wrapper, or a null context for ddp/none."""
+        if not self.shards:
+            return contextlib.nullcontext()
+        wrapper_cls, defaults = self.wrapper()
+        return enable_wrap(wrapper_cls, policy=policy, **defaults)
+
+    def wrap_root(self, model: nn.Module) -> nn.Module:
+        """Wrap the root last (inside the wrap context for sharding backends)."""
+        if self.shards:
+            return wrap_module(model)
+        return model
+
+    # -- step-time helpers ------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast for backends without their own mixed precision (ddp, none)."""
+        if self.shards or not self.precision.is_mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.precision.param_dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """A gradient scaler for fp16 (sharded for FSDP), else None."""
+        if not self.precision.needs_grad_scaler:
+            return None
+        if self.name in ("fsdp1", "fsdp2"):
+            return ShardedGradScaler(device=self.device.type)
+        return torch.amp.GradScaler(self.device.type)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm over all shards; returns that norm (a plain tensor)."""
+        if self.name == "fsdp1":
+            return model.clip_grad_norm_(max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip the gradient reduction (inner gradient-accumulation steps)."""
+        if self.name == "fsdp2" and isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        elif self.name in ("fsdp1", "ddp"):
+            with model.no_sync():
+                yield
+        else:
+            yield
+
+
+def build_backend(
+    name: str,
+    precision: str | Precision = "fp32",
+    device: torch.device | str | None = None,
+    reshard_after_forward: bool = True,
+) -> Backend:
+    """A backend for this process; distributed ones need an initialised process group."""
+    if name not in BACKENDS:
+        raise ValueError(f"sharding.backend: unknown {name!r}; choose from {BACKENDS}")
+    prec = get_precision(precision) if isinstance(precision, str) else precision
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backend = Backend(name, prec, device, reshard_after_forward)
+    if name in ("fsdp2", "fsdp1", "ddp"):
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"sharding={name} needs torch.distributed initialised (launch with "
+                "trainer.devices=N or torchrun), or use sharding=none"
+            )
+        backend.world_size = dist.get_world_size()
+        backend.rank = dist.get_rank()
+        if name == "fsdp2":
+            backend.mesh = init_device_mesh(device.type, (backend.world_size,))
+    return backend
+
+
+def build_sharded_model(
+    model_fn: Callable[[], nn.Module],
+    backend: Backend,
+    policy: WrapPolicy | None,
+    init_device: str | torch.device = "cpu",
+    init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> nn.Module:
+    """Build the model inside the wrap context, so units are sharded as they are built.
+
+    Steps: ``model_fn()`` runs inside ``enable_wrap`` with ``init_device`` as the default
+    device (annotated modules are sharded the moment they exist); the policy's
+    ``finalize`` wraps what spans annotations; the root is wrapped last. On the meta
+    device nothing is allocated until the end, where each rank allocates and fills only
+    its own shards with ``init_fn(canonical_name, param) -> full tensor``.
+    """
+    init_device = torch.device(init_device)
+    if init_device.type == "meta" and backend.name in ("fsdp1", "ddp"):
+        raise ValueError(
+            f"model.init_device=meta: not supported with sharding={backend.name} "
+            "(use fsdp2 or none)"
+        )
+    if init_device.type == "meta" and init_fn is None and backend.name != "plan":
+        raise ValueError(
+            "model.init_device=meta needs an init_fn to materialise shards"
+        )
+    with backend.wrap_context(policy), init_device:
+        model = model_fn()
+        if backend.shards and policy is not None:
+            model = policy.finalize(model)
+        model = backend.wrap_root(model)
+    if backend.name == "plan":
+        return model
+    if init_device.type == "meta":
+        materialize_meta_(model, init_fn, backend.device)
+    elif backend.name in ("ddp", "none"):
+        model = model.to(backend.device)
+    if backend.name == "ddp":
+        device_ids = [backend.device] if backend.device.type == "cuda" else None
+        model = DDP(model, device_ids=device_ids)
+    return model
+
+
+_WRAPPER_PREFIXES = re.compile(
+    r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\."
+)
+
+
+def canonical_name(name: str, model: nn.Module | None = None) -> str:
+    """A parameter's name as in the unwrapped model (without wrapper prefixes)."""
+    name = _WRAPPER_PREFIXES.sub(r"\1", name)
+    if isinstance(model, DDP) and name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+@torch.no_grad()
+def materialize_meta_(
+    model: nn.Module,
+    init_fn: Callable[[str, torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Allocate a meta-built (and possibly sharded) model on ``device`` and fill it.
+
+    Each rank allocates only its local shards. ``init_fn`` returns the full initial value
+    of one parameter at a time; a rank keeps its slice of it, so values equal those of a
+    normal (non-meta) build whatever the number of ranks.
+    """
+    model.to_empty(device=device)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        full = init_fn(canonical_name(name, model), tensor).to(device)
+        if isinstance(tensor, DTensor):
+            local = distribute_tensor(
+                full.to(tensor.dtype),
+                tensor.device_mesh,
+                tensor.placements,
+                src_data_rank=None,
+            ).to_local()
+            tensor.to_local().copy_(local)
+        else:
+            tensor.copy_(full)
+
+
+def local_world() -> tuple[int, int]:
+    """(local rank, local world size) from the launcher's environment."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(
+        os.environ.get("LOCAL_WORLD_SIZE", 1)
+    )

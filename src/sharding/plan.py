@@ -1,0 +1,146 @@
+"""The wrap plan: which units a model has, how big they are, what a rank holds.
+
+The "small visualization" asked for in the original auto-wrap design: a list of units
+(module path, class, parameter count, bytes per rank) that prints as a tree, and an
+estimate of per-rank memory. It reads the tags that ``wrap_module`` leaves on each unit,
+so it works on a sharded model and on one built on the meta device with the ``plan``
+backend (which shards nothing and allocates nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from .backends import canonical_name
+from .wrap import UnitInfo, is_wrapped
+
+GIB = 1024**3
+
+
+@dataclass
+class Unit:
+    path: str  # canonical module path; "" is the root
+    cls: str
+    numel: int
+    bytes_per_rank: int
+    unsharded_bytes: int
+
+    @property
+    def depth(self) -> int:
+        return 0 if not self.path else self.path.count(".") + 1
+
+
+@dataclass
+class WrapPlan:
+    units: list[Unit]
+    world_size: int
+    total_numel: int
+
+    def rows(self) -> list[dict]:
+        """One dict per unit, for tables (wandb, CSV)."""
+        return [
+            {
+                "path": u.path or "<root>",
+                "class": u.cls,
+                "params": u.numel,
+                "bytes_per_rank": u.bytes_per_rank,
+            }
+            for u in self.units
+        ]
+
+    def tree(self, max_units: int = 40) -> str:
+        """The units as an indented tree (parents before children), with sizes."""
+        units = sorted(self.units, key=lambda u: _sort_key(u.path))
+        lines = [
+            f"wrap plan: {len(self.units)} units, {_count(self.total_numel)} params, "
+            f"{_bytes(self.bytes_per_rank())} of parameters per rank "
+            f"(world size {self.world_size})"
+        ]
+        shown = units if len(units) <= max_units else units[: max_units - 1]
+        for u in shown:
+            indent = "  " * _nesting(u.path, units)
+            lines.append(
+                f"  {indent}{u.path or '<root>'} ({u.cls}): {_count(u.numel)} params, "
+                f"{_bytes(u.bytes_per_rank)}/rank"
+            )
+        if len(shown) < len(units):
+            lines.append(f"  ... {len(units) - len(shown)} more units")
+        return "\n".join(lines)
+
+    def bytes_per_rank(self) -> int:
+        return sum(u.bytes_per_rank for u in self.units)
+
+    def memory_estimate(
+        self, param_bytes: int = 4, optimizer_states: int = 2, prefetch_units: int = 2
+    ) -> dict[str, float]:
+        """Per-rank GiB: sharded fp32 params, grads, optimizer states, and the largest
+        units all-gathered at once in the compute dtype (``param_bytes`` per element;
+        FSDP keeps the current and the prefetched unit unsharded). Activations are not
+        included."""
+        params = self.bytes_per_rank()
+        largest = sorted((u.numel for u in self.units), reverse=True)[:prefetch_units]
+        est = {
+            "params_gib": params / GIB,
+            "grads_gib": params / GIB,
+            "optimizer_gib": optimizer_states * params / GIB,
+            "unsharded_units_gib": sum(largest) * param_bytes / GIB,
+        }
+        est["total_gib"] = sum(est.values())
+        return est
+
+
+def wrap_plan(model: nn.Module, world_size: int = 1) -> WrapPlan:
+    """The units of a wrapped (or ``plan``-backend) model, in module order."""
+    units = []
+    for name, module in model.named_modules(remove_duplicate=True):
+        info: UnitInfo | None = module.__dict__.get("_sharding_unit_info")
+        if info is None or not is_wrapped(module):
+            continue
+        units.append(
+            Unit(
+                path=canonical_name(name, model),
+                cls=_class_name(module),
+                numel=info.numel,
+                bytes_per_rank=info.bytes_per_rank(world_size),
+                unsharded_bytes=info.unsharded_bytes(),
+            )
+        )
+    total = sum(u.numel for u in units)
+    return WrapPlan(units=units, world_size=world_size, total_numel=total)
+
+
+def _class_name(module: nn.Module) -> str:
+    inner = getattr(module, "_fsdp_wrapped_module", module)
+    name = type(inner).__name__
+    # FSDP2 swaps in a subclass named FSDP<Class>.
+    return name[4:] if name.startswith("FSDP") and len(name) > 4 else name
+
+
+def _sort_key(path: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in path.split(".")) if path else ()
+
+
+def _nesting(path: str, units: list[Unit]) -> int:
+    if not path:
+        return 0
+    return sum(
+        1
+        for u in units
+        if u.path != path and (not u.path or path.startswith(u.path + "."))
+    )
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for unit, div in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"

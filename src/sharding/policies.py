@@ -1,0 +1,141 @@
+"""Wrap policies: what a ``wrap()`` annotation means, and what to wrap after the build.
+
+A policy has two hooks. ``annotate(module, overrides)`` runs when model code calls
+``wrap(module)`` inside ``enable_wrap(policy=...)``, right after ``module`` was built:
+this is where shard-as-you-build happens. ``finalize(model)`` runs once the whole model
+exists (still inside the context), for units that span more than one annotated module.
+
+- ``manual``: an annotation wraps the module; nothing else is wrapped.
+- ``block``: every instance of the model's block class is a unit.
+- ``size``: units by parameter count (``auto_wrap``): an annotated module is explored
+  and split as it is built; after the build, the rest of the model is planned as a
+  whole, which is also where tied parameters (embedding and head) are seen together.
+
+Policies compose: ``build_policy(["block", "size"])`` applies each hook in turn, and a
+module already wrapped by an earlier policy is left as it is by later ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from .wrap import auto_wrap, is_wrapped, wrap_module
+
+
+class WrapPolicy:
+    """Base policy: annotations wrap, nothing else is wrapped (``manual``)."""
+
+    def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        return wrap_module(module, **overrides)
+
+    def finalize(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+class ManualPolicy(WrapPolicy):
+    pass
+
+
+@dataclass
+class SizePolicy(WrapPolicy):
+    min_num_params: int | float = 1e8
+    exclude_wrap_modules: Sequence[type[nn.Module]] = ()
+    force_leaf_modules: Sequence[type[nn.Module]] = ()
+
+    def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        return self._auto_wrap(module, overrides)
+
+    def finalize(self, model: nn.Module) -> nn.Module:
+        return self._auto_wrap(model, {})
+
+    def _auto_wrap(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        return auto_wrap(
+            module,
+            self.min_num_params,
+            self.exclude_wrap_modules,
+            self.force_leaf_modules,
+            **overrides,
+        )
+
+
+@dataclass
+class BlockPolicy(WrapPolicy):
+    block_cls: tuple[type[nn.Module], ...] = ()
+
+    def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        return self._wrap_blocks(module, overrides)
+
+    def finalize(self, model: nn.Module) -> nn.Module:
+        return self._wrap_blocks(model, {})
+
+    def _wrap_blocks(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        if is_wrapped(module):
+            return module
+        # Children first, so nested blocks become units before their parents.
+        for name, child in list(module.named_children()):
+            if not is_wrapped(child):
+                new = self._wrap_blocks(child, overrides)
+                if new is not child:
+                    setattr(module, name, new)
+        if isinstance(module, self.block_cls):
+            return wrap_module(module, **overrides)
+        return module
+
+
+@dataclass
+class ComposedPolicy(WrapPolicy):
+    policies: list[WrapPolicy] = field(default_factory=list)
+
+    def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        for policy in self.policies:
+            module = policy.annotate(module, overrides)
+        return module
+
+    def finalize(self, model: nn.Module) -> nn.Module:
+        for policy in self.policies:
+            model = policy.finalize(model)
+        return model
+
+
+POLICY_NAMES = ("size", "block", "manual")
+
+
+def build_policy(
+    names: str | Iterable[str] = "size",
+    min_num_params: int | float = 1e8,
+    exclude_wrap_modules: Sequence[type[nn.Module]] = (),
+    force_leaf_modules: Sequence[type[nn.Module]] = (),
+    block_cls: type[nn.Module] | Sequence[type[nn.Module]] | None = None,
+) -> WrapPolicy:
+    """The policy (or composition of policies) named by ``names``."""
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError(f"sharding.policy: give at least one of {list(POLICY_NAMES)}")
+    policies: list[WrapPolicy] = []
+    for name in names:
+        if name == "size":
+            policies.append(
+                SizePolicy(
+                    min_num_params,
+                    tuple(exclude_wrap_modules),
+                    tuple(force_leaf_modules),
+                )
+            )
+        elif name == "block":
+            if block_cls is None:
+                raise ValueError(
+                    "sharding.policy=block: the model does not name its block class"
+                )
+            classes = (block_cls,) if isinstance(block_cls, type) else tuple(block_cls)
+            policies.append(BlockPolicy(classes))
+        elif name == "manual":
+            policies.append(ManualPolicy())
+        else:
+            raise ValueError(
+                f"sharding.policy: unknown policy {name!r}; choose from {list(POLICY_NAMES)}"
+            )
+    return policies[0] if len(policies) == 1 else ComposedPolicy(policies)

@@ -1,0 +1,239 @@
+"""Token streams and per-rank shards of every global batch.
+
+Three sources, chosen by ``data.name``:
+
+- ``text``: byte-level (tokens 0..255) over local files matched by ``data.paths``; the
+  default corpus is the Python standard library's own sources (``<stdlib>``), so it
+  exists on every machine without a download.
+- ``tokens``: nanoGPT's format, a flat ``np.uint16`` binary per split, read through
+  ``np.memmap`` so a large corpus is never loaded into RAM.
+- ``synthetic``: seeded random tokens, for benchmarks.
+
+Batches are stateless: the global batch of ``(step, micro_step)`` is a set of windows at
+offsets drawn from a generator seeded by ``(seed, step, micro_step)``, and rank ``r`` of
+``W`` takes its contiguous slice of rows. The same global batch (hence the same losses)
+results whatever the number of ranks, and resuming needs only the step.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+STDLIB_PLACEHOLDER = "<stdlib>"
+DOC_SEPARATOR = 0  # byte between files: a document boundary, absent from source text
+TEXT_VOCAB = 256
+SYNTHETIC_VAL_FRACTION = 0.05
+_MAX_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its max
+
+
+class TokenStream:
+    """A 1-D integer token array (``np.memmap`` or ndarray) checked against the vocab.
+
+    ``source`` is the config key the tokens came from, so errors point at it.
+    """
+
+    def __init__(self, tokens: np.ndarray, vocab_size: int, source: str):
+        if tokens.ndim != 1:
+            raise ValueError(
+                f"{source}: expected a 1-D token array, got {tokens.shape}"
+            )
+        self.tokens = tokens
+        self.source = source
+        top = _max_token(tokens)
+        if top >= vocab_size:
+            raise ValueError(
+                f"{source}: token id {top} is out of range for "
+                f"model.vocab_size={vocab_size} (needs model.vocab_size >= {top + 1})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        kind = type(self.tokens).__name__
+        return f"TokenStream({self.source}, {len(self)} tokens, {kind})"
+
+
+def _max_token(tokens: np.ndarray) -> int:
+    """Largest token id, read in chunks so a memmap is scanned without loading it."""
+    if len(tokens) == 0:
+        return -1
+    return max(
+        int(tokens[i : i + _MAX_CHUNK].max()) for i in range(0, len(tokens), _MAX_CHUNK)
+    )
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return getattr(cfg, key, default)
+
+
+def load_splits(
+    data_cfg: Any, vocab_size: int, seed: int
+) -> tuple[TokenStream, TokenStream]:
+    """Build the (train, val) token streams described by the ``data`` config group."""
+    name = _get(data_cfg, "name")
+    if name == "text":
+        return _text_splits(data_cfg, vocab_size)
+    if name == "tokens":
+        return _token_file_splits(data_cfg, vocab_size)
+    if name == "synthetic":
+        return _synthetic_splits(data_cfg, vocab_size, seed)
+    raise ValueError(f"data.name={name!r} is not one of: text, tokens, synthetic")
+
+
+def _split_at(n: int, val_fraction: float) -> int:
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+    return n - max(1, int(n * val_fraction))
+
+
+def resolve_text_files(paths: str | Sequence[str]) -> list[str]:
+    """Expand ``data.paths`` (a glob or list of globs; ``<stdlib>`` is replaced by the
+    standard library's directory) into a sorted, de-duplicated list of files."""
+    patterns = [paths] if isinstance(paths, str) else list(paths)
+    if not patterns:
+        raise ValueError("data.paths: empty list, give at least one glob")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files: set[str] = set()
+    for pattern in patterns:
+        pattern = os.path.expanduser(str(pattern).replace(STDLIB_PLACEHOLDER, stdlib))
+        matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        if not matched:
+            raise ValueError(f"data.paths: no files match {pattern!r}")
+        files.update(matched)
+    return sorted(files)
+
+
+def _text_splits(cfg: Any, vocab_size: int) -> tuple[TokenStream, TokenStream]:
+    if vocab_size < TEXT_VOCAB:
+        raise ValueError(
+            f"model.vocab_size={vocab_size} is too small for data=text (byte-level): "
+            f"needs >= {TEXT_VOCAB}"
+        )
+    files = resolve_text_files(_get(cfg, "paths", f"{STDLIB_PLACEHOLDER}/*.py"))
+    max_bytes = _get(cfg, "max_bytes")
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"data.max_bytes={max_bytes} must be positive or null")
+    chunks, total = [], 0
+    for path in files:
+        with open(path, "rb") as f:
+            chunk = f.read() + bytes([DOC_SEPARATOR])
+        chunks.append(chunk)
+        total += len(chunk)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    data = np.frombuffer(b"".join(chunks), dtype=np.uint8)[:max_bytes]
+    if len(data) < 2:
+        raise ValueError(f"data.paths: {len(data)} bytes of text, too few to split")
+    cut = _split_at(len(data), _get(cfg, "val_fraction", 0.05))
+    return (
+        TokenStream(data[:cut], vocab_size, "data.paths"),
+        TokenStream(data[cut:], vocab_size, "data.paths"),
+    )
+
+
+def _memmap_tokens(path: str, key: str) -> np.memmap:
+    path = os.path.expanduser(str(path))
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{key}: no such file {path!r} (expected a flat np.uint16 .bin)"
+        )
+    size = os.path.getsize(path)
+    if size == 0 or size % 2:
+        raise ValueError(
+            f"{key}: {path!r} has {size} bytes, not a non-empty np.uint16 token file"
+        )
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _token_file_splits(cfg: Any, vocab_size: int) -> tuple[TokenStream, TokenStream]:
+    return tuple(
+        TokenStream(
+            _memmap_tokens(_get(cfg, key), f"data.{key}"), vocab_size, f"data.{key}"
+        )
+        for key in ("train_path", "val_path")
+    )
+
+
+def _synthetic_splits(
+    cfg: Any, vocab_size: int, seed: int
+) -> tuple[TokenStream, TokenStream]:
+    num_tokens = int(_get(cfg, "num_tokens", 1_000_000))
+    if num_tokens < 2:
+        raise ValueError(f"data.num_tokens={num_tokens} must be at least 2")
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    data = np.random.default_rng(seed).integers(0, vocab_size, num_tokens, dtype=dtype)
+    cut = _split_at(num_tokens, SYNTHETIC_VAL_FRACTION)
+    return (
+        TokenStream(data[:cut], vocab_size, "data.num_tokens"),
+        TokenStream(data[cut:], vocab_size, "data.num_tokens"),
+    )
+
+
+class GlobalBatches:
+    """Stateless global batches of ``global_batch_size`` windows of ``block_size + 1``
+    tokens, of which each rank gathers only its own rows."""
+
+    def __init__(
+        self, stream: TokenStream, global_batch_size: int, block_size: int, seed: int
+    ):
+        if global_batch_size <= 0 or block_size <= 0:
+            raise ValueError(
+                f"global batch size ({global_batch_size}) and model.block_size "
+                f"({block_size}) must be positive"
+            )
+        if len(stream) < block_size + 1:
+            raise ValueError(
+                f"{stream.source}: split has {len(stream)} tokens, fewer than "
+                f"model.block_size + 1 = {block_size + 1}"
+            )
+        self.stream = stream
+        self.global_batch_size = global_batch_size
+        self.block_size = block_size
+        self.seed = seed
+        self._window = np.arange(block_size + 1)
+        self._num_offsets = len(stream) - block_size  # valid window starts
+
+    def _rows(self, rank: int, world_size: int) -> slice:
+        if world_size <= 0 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if self.global_batch_size % world_size:
+            raise ValueError(
+                f"global batch size {self.global_batch_size} is not divisible by "
+                f"world_size={world_size} (trainer.devices)"
+            )
+        per_rank = self.global_batch_size // world_size
+        return slice(rank * per_rank, (rank + 1) * per_rank)
+
+    def _gather(self, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        # Fancy indexing reads only these windows, even from a memmap.
+        windows = np.asarray(self.stream.tokens[offsets[:, None] + self._window])
+        windows = torch.from_numpy(windows.astype(np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def get(
+        self, step: int, micro_step: int, rank: int, world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s rows of the global batch of ``(step, micro_step)``: int64
+        ``x`` of shape (B/W, T) and ``y`` = ``x`` shifted by one token."""
+        rows = self._rows(rank, world_size)
+        rng = np.random.default_rng([self.seed, step, micro_step])
+        offsets = rng.integers(0, self._num_offsets, self.global_batch_size)
+        return self._gather(offsets[rows])
+
+    def val_batches(
+        self, n: int, world_size: int, rank: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` fixed batches (this rank's rows), the same in every run whatever the
+        seed: windows evenly spaced over the split, so val losses are comparable."""
+        rows = self._rows(rank, world_size)
+        offsets = np.linspace(0, self._num_offsets - 1, n * self.global_batch_size)
+        offsets = offsets.astype(np.int64).reshape(n, self.global_batch_size)
+        return [self._gather(batch[rows]) for batch in offsets]
