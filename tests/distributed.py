@@ -22,9 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(
-    rank: int, world_size: int, tmpdir: str, fn: Callable, args: tuple
-) -> None:
+def _worker(rank: int, world_size: int, tmpdir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank),
@@ -79,7 +77,9 @@ def run_distributed(
                     p.kill()
         results = []
         for rank in range(world_size):
-            out = torch.load(os.path.join(tmpdir, f"result_{rank}.pt"), weights_only=False)
+            out = torch.load(
+                os.path.join(tmpdir, f"result_{rank}.pt"), weights_only=False
+            )
             if "error" in out:
                 raise AssertionError(f"rank {rank} failed:\n{out['error']}")
             results.append(out["ok"])

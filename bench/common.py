@@ -1,0 +1,46 @@
+"""Shared helpers for the benchmarks: tables and docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def machine() -> str:
+    """One line naming the machine a figure was measured on."""
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"CPU, {os.cpu_count()} cores"
+    return f"{device}, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def append_to_benchmarks(title: str, command: str, table: str, note: str = "") -> None:
+    """Append a measured table, with the command that produced it, to docs/benchmarks.md."""
+    DOCS.parent.mkdir(exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    block = [
+        f"\n### {title} ({stamp})\n",
+        f"Machine: {machine()}.\n",
+        f"Command: `{command}`\n",
+    ]
+    if note:
+        block.append(f"{note}\n")
+    block.append("\n" + table + "\n")
+    with DOCS.open("a") as f:
+        f.write("".join(block))

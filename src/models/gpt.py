@@ -1,0 +1,319 @@
+"""A GPT-2 style decoder-only transformer, in one nanoGPT-style file.
+
+Layout (parameter names are the *canonical* names used everywhere: init, checkpoints,
+export)::
+
+    wte.weight                      token embedding, tied with the output head
+    wpe.weight                      learned position embedding
+    h.{i}.ln_1.{weight,bias}        pre-norm before attention
+    h.{i}.attn.c_attn.{weight,bias} fused q, k, v projection
+    h.{i}.attn.c_proj.{weight,bias} attention output projection
+    h.{i}.ln_2.{weight,bias}        pre-norm before the MLP
+    h.{i}.mlp.c_fc.{weight,bias}    MLP up-projection (4x)
+    h.{i}.mlp.c_proj.{weight,bias}  MLP down-projection
+    ln_f.{weight,bias}              final LayerNorm
+    lm_head.weight                  the same Parameter object as wte.weight
+
+Every block is annotated with ``wrap(...)`` as it is built, so inside an ``enable_wrap``
+context each block is sharded the moment it exists; outside one, ``wrap`` is a no-op.
+
+Initialisation is deterministic per parameter *name*: :func:`init_tensor` derives the
+value of a parameter from ``(seed, canonical name)`` alone, so the initial model is the
+same whatever the number of ranks, the wrap policy or the device it is built on. The
+model has no registered buffers (the causal mask comes from SDPA), so it can be built on
+the meta device and materialised later by calling :func:`init_tensor` per parameter.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from src.sharding import wrap
+
+
+@dataclass
+class GPTConfig:
+    """GPT shape, with minGPT / nanoGPT names."""
+
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    vocab_size: int = 50304
+    block_size: int = 1024
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+    def __post_init__(self) -> None:
+        for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"model.{key} must be a positive integer, got {value!r}"
+                )
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by "
+                f"model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping) -> GPTConfig:
+        """Build from a mapping such as the ``model`` config group (an OmegaConf
+        DictConfig works); keys that are not GPT shape fields (``name``,
+        ``init_device``) are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: cfg[k] for k in cfg if k in names})
+
+
+# --------------------------------------------------------------------------- init
+
+_INIT_STD = 0.02
+# Modules whose weight is drawn from N(0, 0.02); c_proj is scaled down (GPT-2).
+_NORMAL_INIT = {"wte", "wpe", "c_attn", "c_fc"}
+
+
+def _name_seed(seed: int, name: str) -> int:
+    """A stable 32-bit seed for one parameter (zlib.crc32; Python's ``hash`` of a str
+    changes from process to process)."""
+    return zlib.crc32(f"{seed}/{name}".encode())
+
+
+def init_tensor(
+    name: str, shape: Sequence[int], config: GPTConfig, seed: int
+) -> torch.Tensor:
+    """The full fp32 initial value (on CPU) of the parameter with canonical ``name``.
+
+    GPT-2 init: normal(0, 0.02) for Linear and Embedding weights, the residual
+    projections (``c_proj.weight``) normal(0, 0.02 / sqrt(2 * n_layer)), biases 0,
+    LayerNorm weight 1. Random values come from a ``torch.Generator`` seeded from
+    ``crc32(seed, name)``, so one parameter's value depends on nothing else (not on the
+    order of construction, the wrap policy, the rank count or the device).
+    ``lm_head.weight`` is the tied ``wte.weight`` and gets the same value.
+    """
+    return _init_(name, torch.empty(tuple(int(s) for s in shape)), config, seed)
+
+
+def _init_(name: str, out: torch.Tensor, config: GPTConfig, seed: int) -> torch.Tensor:
+    """Fill the CPU fp32 contiguous tensor ``out`` with the value of :func:`init_tensor`."""
+    if name == "lm_head.weight":
+        name = "wte.weight"  # tied: one value under both names
+    parts = name.split(".")
+    module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if leaf == "bias":
+        return out.zero_()
+    if leaf == "weight" and module.startswith("ln_"):
+        return out.fill_(1.0)
+    if leaf == "weight" and module == "c_proj":
+        std = _INIT_STD / math.sqrt(2 * config.n_layer)
+    elif leaf == "weight" and module in _NORMAL_INIT:
+        std = _INIT_STD
+    else:
+        raise ValueError(f"init_tensor: not a GPT parameter name: {name!r}")
+    gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
+    return out.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def _materialize(
+    modules: dict[str, nn.Module], device: torch.device, config: GPTConfig, seed: int
+) -> None:
+    """Give the parameters of each ``modules[prefix]`` (built on meta) storage on
+    ``device`` and their :func:`init_tensor` value, canonical name ``prefix + local``.
+    On the meta device nothing happens: the sharding layer materialises those
+    parameters later, with the same :func:`init_tensor`."""
+    if device.type == "meta":
+        return
+    for prefix, module in modules.items():
+        module.to_empty(device=device)
+        for local, p in module.named_parameters():
+            name = prefix + local
+            if (
+                p.device.type == "cpu"
+                and p.dtype == torch.float32
+                and p.is_contiguous()
+            ):
+                _init_(name, p, config, seed)  # in place: no temporary, no copy
+            else:
+                p.copy_(init_tensor(name, p.shape, config, seed))
+
+
+def _default_device() -> torch.device:
+    """Where a new tensor goes now (honours ``with torch.device(...)``)."""
+    return torch.empty(()).device
+
+
+# ------------------------------------------------------------------------ modules
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for t in (q, k, v)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; ``index`` gives its canonical prefix ``h.{index}.``."""
+
+    def __init__(self, config: GPTConfig, index: int, seed: int = 0) -> None:
+        super().__init__()
+        device = _default_device()
+        with torch.device("meta"):  # no default init: init_tensor sets every value
+            self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.attn = CausalSelfAttention(config)
+            self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.mlp = MLP(config)
+        _materialize({f"h.{index}.": self}, device, config, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    block_cls = Block  # the `block` wrap policy wraps every instance of this class
+
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.seed = seed
+        device = _default_device()
+        # Built on meta (skipping torch's default init), materialised below.
+        with torch.device("meta"):
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        # Each block initialises itself (and is sharded by `wrap` inside enable_wrap).
+        self.h = nn.ModuleList(
+            wrap(Block(config, i, seed)) for i in range(config.n_layer)
+        )
+        with torch.device("meta"):
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        own = {"wte.": self.wte, "wpe.": self.wpe, "ln_f.": self.ln_f}
+        _materialize(own, device, config, seed)
+        self.lm_head.weight = self.wte.weight  # tied: one Parameter object
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply (behind .to(), .to_empty(), .cuda(), ...) gives each module a
+        # new Parameter when the tensor types differ, e.g. to_empty() from meta: the
+        # tied head would then get its own, uninitialised copy. Re-tie.
+        super()._apply(fn, recurse)
+        if self.lm_head.weight is not self.wte.weight:
+            self.lm_head.weight = self.wte.weight
+        return self
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``idx`` (B, T) token ids -> ``(logits (B, T, vocab), loss)``; ``loss`` is the
+        mean cross-entropy over all positions (computed in fp32) when ``targets`` is
+        given (entries equal to -1 are ignored), else None."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds model.block_size {self.config.block_size}"
+            )
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)),
+                targets.view(-1),
+                ignore_index=-1,
+            )
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Number of (unique) parameters; the tied head is counted once. With
+        ``non_embedding`` the position embedding is left out (the token embedding
+        stays: it is also the output head's weight), as in nanoGPT."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wpe.weight.numel()
+        return n
+
+
+# -------------------------------------------------------------------------- FLOPs
+
+
+def count_params(config: GPTConfig) -> int:
+    """Parameter count of ``GPT(config)`` from its shape alone (tied head counted once)."""
+    d, b = config.n_embd, int(config.bias)
+    ln = d * (1 + b)  # one LayerNorm
+    per_block = 2 * ln + (12 * d * d) + b * (3 * d + d + 4 * d + d)
+    return (
+        config.vocab_size * d + config.block_size * d + config.n_layer * per_block + ln
+    )
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward) of ``GPT(config)`` at ``seq_len``.
+
+    PaLM (appendix B) / torchtitan convention::
+
+        6 * N + 12 * n_layer * n_embd * seq_len
+
+    ``N`` is the number of parameters that take part in matmuls: every parameter
+    except the position embedding (a lookup), with the tied token embedding counted
+    once, for the output-head matmul. Each such weight costs 2 FLOPs per token in the
+    forward pass and 4 in the backward (grad of input and of weight). The second term
+    is attention: Q.K^T and attn.V are 2 * seq_len * n_embd FLOPs each per token and
+    layer in the forward, x3 for forward + backward; causal masking is not discounted
+    (the full seq_len x seq_len score matrix is counted, as PaLM and FlopCounterMode
+    do). Left out: LayerNorm, softmax, GELU, residual adds, dropout, the embedding
+    lookup, the loss, and the optimizer step. Biases and LayerNorm parameters are in
+    ``N`` (they are < 0.5% of it for real shapes). Activation recomputation is not
+    counted (this is *model* FLOPs, for MFU).
+
+    Checked in tests/test_model.py against ``torch.utils.flop_counter.FlopCounterMode``
+    (within 1.5% on small shapes). Note that torch 2.13's FlopCounterMode has no formula
+    for the CPU SDPA kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), so
+    on CPU it counts attention only under the math backend
+    (``sdpa_kernel(SDPBackend.MATH)``); on CUDA its flash/efficient formulas count the
+    backward's recomputation of the scores too (14 rather than 12 in the second term).
+    """
+    n_matmul = count_params(config) - config.block_size * config.n_embd
+    return 6 * n_matmul + 12 * config.n_layer * config.n_embd * seq_len

@@ -1,0 +1,587 @@
+"""Sharded checkpoints with atomic publish, resume, resharding and consolidated export.
+
+Layout of a checkpoint directory (``trainer.ckpt_every`` writes one per save)::
+
+    checkpoints/
+      step_00000200/          published: renamed into place only once complete
+        .metadata, __0_0.distcp, __1_0.distcp, ...   torch.distributed.checkpoint (DCP)
+        rng/rank_00000.safetensors                    per-rank RNG states (tensors + JSON)
+        meta.json                                     step, world size, scheduler, extra
+        COMPLETE                                      completion marker, written last
+      .tmp.step_00000300/     a save in progress (or one that crashed): never loaded
+
+Model and optimizer go through DCP, so a checkpoint written by N ranks loads on M ranks
+under any of FSDP2, FSDP1 (``use_orig_params=True``), DDP or a plain module. Only tensors
+are given to DCP; every non-tensor value (optimizer hyperparameters, scheduler state,
+extra) is stored as JSON and the DCP index is read with an allow-list unpickler, so
+loading a checkpoint never runs arbitrary pickled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+MARKER = "COMPLETE"
+META = "meta.json"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+_TMP_PREFIX = ".tmp."
+_OLD_PREFIX = ".old."
+# Flat optimizer keys ("state.<fqn>.exp_avg") reshard by name, like the model's.
+_DSD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Module names that wrappers insert; the canonical name leaves them out.
+_WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank if ``what`` failed on any rank.
+
+    A rank that raised alone would leave the others waiting forever in the next
+    collective; this turns one rank's failure into the same failure everywhere.
+    """
+    if _distributed():
+        device = "cpu"
+        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+            device = f"cuda:{torch.cuda.current_device()}"
+        failed = torch.tensor([int(error is not None)], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is None and failed.item():
+            raise RuntimeError(f"checkpoint {what} failed on another rank")
+    if error is not None:
+        raise error
+
+
+# ------------------------------------------------------------------- JSON values
+
+
+def _to_json(obj: Any) -> Any:
+    """Tag tuples so that JSON gives back exactly what was saved (betas stay a tuple)."""
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_to_json(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_to_json(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): _to_json(v) for k, v in obj.items()}
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TypeError(
+        f"checkpoint: cannot store {type(obj).__name__} value {obj!r} as JSON; "
+        "only tensors, numbers, strings, lists, tuples and dicts are supported"
+    )
+
+
+def _from_json(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if obj.keys() == {"__tuple__"}:
+            return tuple(_from_json(v) for v in obj["__tuple__"])
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (for DCP) and everything else (for JSON) of a flat state dict."""
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    return tensors, others
+
+
+# ------------------------------------------------------------------------- RNG
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's RNG states as tensors plus JSON scalars (no pickle needed)."""
+    version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors = {
+        "torch_cpu": torch.get_rng_state(),
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
+    }
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = state
+    scalars = {
+        "python_version": version,
+        "python_gauss": py_gauss,
+        "numpy_name": np_name,
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+    }
+    return tensors, scalars
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    random.setstate(
+        (
+            scalars["python_version"],
+            tuple(tensors["python_state"].tolist()),
+            scalars["python_gauss"],
+        )
+    )
+    np.random.set_state(
+        (
+            scalars["numpy_name"],
+            tensors["numpy_keys"].numpy().astype(np.uint32),
+            scalars["numpy_pos"],
+            scalars["numpy_has_gauss"],
+            scalars["numpy_gauss"],
+        )
+    )
+    cuda = sorted(k for k in tensors if k.startswith("cuda_"))
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            warnings.warn(
+                f"checkpoint: saved {len(cuda)} CUDA RNG states, "
+                f"{torch.cuda.device_count()} devices now; CUDA RNG not restored",
+                stacklevel=3,
+            )
+        else:
+            torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+
+
+def _rng_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / RNG_DIR / f"rank_{rank:05d}.safetensors"
+
+
+# ----------------------------------------------------------- safe DCP metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickler for DCP's ``.metadata`` index that only builds DCP's own records.
+
+    DCP stores its index (tensor shapes, chunk offsets, file offsets) with pickle;
+    this refuses every global outside that vocabulary instead of importing it.
+    """
+
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (
+            module
+            in (
+                "torch.distributed.checkpoint.metadata",
+                "torch.distributed.checkpoint.planner",
+            )
+            or (module, name) in self._ALLOWED
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint: refusing to load {module}.{name} from a DCP index"
+        )
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every call without a process group; one process is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@contextlib.contextmanager
+def _plain_errors(what: str) -> Iterator[None]:
+    """DCP raises CheckpointException, a BaseException that ``except Exception`` misses.
+
+    It already carries every rank's failure (DCP gathers them), so all ranks raise.
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        raise RuntimeError(f"checkpoint {what} failed: {exc}") from exc
+
+
+# ----------------------------------------------------------------- discovery
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: str | Path) -> bool:
+    """A published checkpoint: a ``step_N`` dir holding the completion marker."""
+    path = Path(path)
+    return (
+        _step_of(path) is not None
+        and (path / MARKER).is_file()
+        and (path / META).is_file()
+    )
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints under ``directory``, oldest step first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=_step_of)
+
+
+def resolve_resume(resume: str | Path | None, directory: str | Path) -> Path | None:
+    """The checkpoint a run continues from, given ``trainer.resume``.
+
+    ``None`` (or ``"none"``) starts fresh; ``"auto"`` takes the newest complete checkpoint
+    in ``directory`` if there is one, else starts fresh; anything else is a path to a
+    checkpoint, or to a directory of checkpoints (or a run dir with ``checkpoints/``)
+    whose newest is taken. A path that holds no complete checkpoint is an error: a typo
+    must not silently restart training from step 0.
+    """
+    if resume is None or str(resume).strip().lower() in ("", "none", "null"):
+        return None
+    if str(resume).strip().lower() == "auto":
+        found = complete_checkpoints(directory)
+        return found[-1] if found else None
+    path = Path(resume).expanduser()
+    if is_complete(path):
+        return path
+    for candidates in (path, path / "checkpoints"):
+        found = complete_checkpoints(candidates)
+        if found:
+            return found[-1]
+    raise FileNotFoundError(
+        f"trainer.resume={resume!r}: not a complete checkpoint (a step_N directory "
+        f"with a {MARKER} marker) nor a directory holding one"
+    )
+
+
+# ---------------------------------------------------------------- checkpointer
+
+
+class Checkpointer:
+    """Save, find and restore sharded training checkpoints in one directory.
+
+    ``save`` and ``load`` are collectives: every rank calls them. Without a process group
+    they work in a single process (``sharding=none``).
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int = 2):
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}"
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint; temporary and unmarked dirs are ignored."""
+        found = complete_checkpoints(self.directory)
+        return found[-1] if found else None
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        extra: dict | None = None,
+    ) -> Path:
+        """Write a checkpoint of ``step`` and publish it once every rank has written.
+
+        Ranks write into ``.tmp.step_N``; rank 0 then adds ``meta.json`` and the
+        ``COMPLETE`` marker and renames the dir to ``step_N`` (atomic on one
+        filesystem). A crash at any point before the rename leaves only a tmp dir,
+        which ``latest`` ignores and the next save removes.
+        """
+        if extra and "step" in extra:
+            raise ValueError(
+                "checkpoint extra must not hold 'step': save(step=...) sets it"
+            )
+        rank, world_size = _rank(), _world_size()
+        final = self.path_for(step)
+        tmp = self.directory / f"{_TMP_PREFIX}{final.name}"
+
+        rng_tensors, rng_scalars = _rng_state()  # before anything below draws from it
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
+        model_tensors, model_objects = _split(model_sd)
+        optim_tensors, optim_objects = _split(optim_sd)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": world_size,
+            "torch_version": torch.__version__,
+            "model_objects": _to_json(model_objects),
+            "optim_objects": _to_json(optim_objects),
+            "scheduler": None
+            if scheduler is None
+            else _to_json(scheduler.state_dict()),
+            "extra": _to_json(dict(extra or {})),
+        }
+        meta_text = json.dumps(meta, indent=1)  # fails here, on every rank, if not JSON
+
+        error = None
+        if rank == 0:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / RNG_DIR).mkdir(parents=True)
+            except OSError as exc:
+                error = exc
+        _agree(error, "setup")
+
+        with _quiet_single_process(), _plain_errors(f"save to {tmp}"):
+            dcp.save(
+                {"model": model_tensors, "optim": optim_tensors},
+                storage_writer=dcp.FileSystemWriter(tmp),
+            )
+
+        error = None
+        try:
+            save_file(
+                rng_tensors,
+                _rng_file(tmp, rank),
+                metadata={"scalars": json.dumps(rng_scalars)},
+            )
+        except Exception as exc:
+            error = exc
+        _agree(error, "RNG write")
+
+        error = None
+        if rank == 0:
+            try:
+                self._publish(tmp, final, meta_text)
+                self._prune()
+            except Exception as exc:
+                error = exc
+        _agree(error, "publish")
+        return final
+
+    def _publish(self, tmp: Path, final: Path, meta_text: str) -> None:
+        """Marker last, then one rename: readers see all of a checkpoint or none of it."""
+        _write_synced(tmp / META, meta_text)
+        _write_synced(tmp / MARKER, "")
+        _fsync_dir(tmp)
+        if final.exists():  # saving a step again (e.g. after a resume): replace it
+            old = final.with_name(f"{_OLD_PREFIX}{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.directory)
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints; drop crashed tmp dirs."""
+        for path in self.directory.iterdir():
+            if path.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
+                shutil.rmtree(path, ignore_errors=True)
+        if self.keep_last:
+            for path in complete_checkpoints(self.directory)[: -self.keep_last]:
+                # Unmark first so a crash mid-delete leaves an ignored dir.
+                (path / MARKER).unlink()
+                shutil.rmtree(path)
+
+    def load(
+        self,
+        path: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+    ) -> dict:
+        """Restore a checkpoint into ``model``/``optimizer``/``scheduler`` in place.
+
+        The model and optimizer may be sharded differently than when saved (any world
+        size, any backend). Per-rank RNG states are restored only when the world size
+        is unchanged (they have no meaning otherwise). Returns
+        ``{"step": step, **extra}``.
+        """
+        path = Path(path)
+        if not is_complete(path):
+            raise FileNotFoundError(f"not a complete checkpoint: {path}")
+        meta = json.loads((path / META).read_text())
+
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
+        model_tensors, _ = _split(model_sd)
+        optim_tensors, _ = _split(optim_sd)
+        with _quiet_single_process(), _plain_errors(f"load from {path}"):
+            # Fills the (possibly sharded) tensors in place with this rank's part.
+            dcp.load(
+                {"model": model_tensors, "optim": optim_tensors},
+                storage_reader=_SafeReader(path),
+            )
+        model_tensors.update(_from_json(meta["model_objects"]))
+        optim_tensors.update(_from_json(meta["optim_objects"]))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_tensors,
+            optim_state_dict=optim_tensors,
+            options=_DSD_OPTIONS,
+        )
+        if scheduler is not None:
+            if meta["scheduler"] is None:
+                raise ValueError(f"{path} holds no scheduler state")
+            scheduler.load_state_dict(_from_json(meta["scheduler"]))
+
+        if meta["world_size"] == _world_size():
+            rng_path = _rng_file(path, _rank())
+            with safe_open(rng_path, framework="pt") as f:
+                scalars = json.loads(f.metadata()["scalars"])
+            _set_rng_state(load_file(rng_path), scalars)
+        else:
+            warnings.warn(
+                f"checkpoint {path.name} was written by {meta['world_size']} ranks and "
+                f"is loaded on {_world_size()}: model and optimizer resharded, RNG "
+                "states not restored (random streams will differ from the original run)",
+                stacklevel=2,
+            )
+        return {"step": meta["step"], **_from_json(meta["extra"])}
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------- export
+
+
+def _canonical_name(model: nn.Module, name: str) -> str:
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    if isinstance(model, DistributedDataParallel) and parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: kept name}`` for every parameter/buffer registered under several names."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, tensor in named:
+        name = _canonical_name(model, name)
+        kept = first.setdefault(id(tensor), name)
+        if kept != name:
+            aliases[name] = kept
+    return aliases
+
+
+def export_consolidated(model: nn.Module, path: str | Path) -> None:
+    """Write the full, unsharded model as one safetensors file (rank 0 writes).
+
+    A collective: every rank calls it (shards are gathered to rank 0 on CPU, one
+    tensor at a time). Floating tensors are written as fp32 under canonical names; a
+    tied tensor is written once and its other names are recorded in the file's
+    metadata, so ``load_consolidated`` hands them back.
+    """
+    path = Path(path)
+    # Offload gathers to rank 0's host memory one tensor at a time; with CPU-resident
+    # params there is nothing to offload, and FSDP1 crashes (SIGSEGV) when asked to.
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu)
+    state = get_model_state_dict(model, options=options)
+    error = None
+    if _rank() == 0:
+        try:
+            aliases = {a: k for a, k in _tied_aliases(model).items() if a in state}
+            tensors = {
+                name: (t.float() if t.is_floating_point() else t).contiguous()
+                for name, t in state.items()
+                if name not in aliases
+            }
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp")
+            save_file(
+                tensors, tmp, metadata={"format": "pt", "aliases": json.dumps(aliases)}
+            )
+            os.replace(tmp, path)
+        except Exception as exc:
+            error = exc
+    _agree(error, "export")
+
+
+def load_consolidated(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read an exported model (no pickle); tied names share one tensor, as in the model."""
+    state = load_file(path)
+    with safe_open(path, framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    for alias, kept in aliases.items():
+        state[alias] = state[kept]
+    return state

@@ -1,0 +1,288 @@
+"""Training-speed and memory metrics: throughput, MFU, peak memory, cross-rank reduce.
+
+Conventions (see docs/metrics.md):
+
+- ``tokens_per_s`` is global (all ranks) and measured from wall time between two log
+  points; the first window (compilation, allocator and cache warm-up) is never reported.
+- MFU = achieved model FLOP/s per rank / peak FLOP/s per rank. Model FLOPs per token are
+  the caller's (forward + backward of the model, no recomputation); the peak comes from a
+  table of known accelerators, a user override, or on CPU a short matmul probe.
+- ``peak_mem_gib`` is the CUDA caching allocator's peak allocated bytes on GPU and the
+  process's peak resident set (VmHWM) on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+GIB = 2**30
+
+# Dense (no structured sparsity) peak tensor-core TFLOP/s per device from the vendors'
+# datasheets. Ordered: the first row whose every substring occurs in the device name
+# wins, so specific variants come before their family ("A100" before "A10").
+# Columns: bf16, fp16, tf32 (fp32 matmuls on tensor cores), fp32 (plain FMA units).
+_GPU_PEAK_TFLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
+    (("B200",), {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
+    (("H200", "NVL"), {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H200",), {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (("H100", "NVL"), {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H100", "PCIE"), {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    # Any other H100 (e.g. "NVIDIA H100 80GB HBM3") is the SXM part.
+    (("H100",), {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (("A100",), {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("L40S",), {"bf16": 362.1, "fp16": 362.1, "tf32": 183.2, "fp32": 91.6}),
+    (("L40",), {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5}),
+    (("L4",), {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (("A10G",), {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2}),
+    (("A10",), {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (("4090",), {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    # Pre-Ampere parts have no bf16 or tf32 tensor cores: those run at the fp32 rate.
+    (("V100",), {"bf16": 15.7, "fp16": 125.0, "tf32": 15.7, "fp32": 15.7}),
+    (("T4",), {"bf16": 8.1, "fp16": 65.0, "tf32": 8.1, "fp32": 8.1}),
+    (("MI300X",), {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
+    (("MI325X",), {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
+]
+
+
+def _dtype_column(dtype: torch.dtype) -> str:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    if dtype == torch.float32:
+        # fp32 matmuls use tensor cores (tf32) unless the user asked for full precision.
+        high = torch.get_float32_matmul_precision() != "highest"
+        return "tf32" if high or torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    raise ValueError(f"no peak FLOP/s figure for dtype {dtype}")
+
+
+def lookup_gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
+    """Dense peak TFLOP/s of a known accelerator for ``dtype``; None if not in the table."""
+    name = device_name.upper()
+    for keys, figures in _GPU_PEAK_TFLOPS:
+        if all(k.upper() in name for k in keys):
+            return figures[_dtype_column(dtype)]
+    return None
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    sync()
+    return time.perf_counter() - t0
+
+
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, seconds: float = 0.3
+) -> float:
+    """Best achieved FLOP/s of square ``dtype`` matmuls on ``device`` within ``seconds``.
+
+    The size doubles (from 256) until one matmul takes a noticeable slice of the budget,
+    so a slow dtype (bf16 on a CPU without bf16 units) still finishes in time and a fast
+    one is measured on a size big enough to reach its peak. Best-of-repeats keeps the
+    figure an upper bound, as a datasheet peak is. Uses the threads torch already has.
+    """
+    n, max_n = 256, 4096 if device.type != "cpu" else 2048
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        # Two tries per size: the very first matmul also starts the thread pool.
+        best = min(_time_matmul(a, b), _time_matmul(a, b))
+        if best > seconds / 16 or n >= max_n:
+            break
+        n *= 2
+    deadline = time.perf_counter() + seconds
+    for repeat in range(64):
+        if repeat >= 3 and time.perf_counter() > deadline:
+            break
+        best = min(best, _time_matmul(a, b))
+    return 2.0 * n**3 / best
+
+
+def measure_cpu_matmul_flops(dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """Peak FLOP/s this CPU rank reaches on ``dtype`` matmuls (see measure_matmul_flops)."""
+    return measure_matmul_flops(torch.device("cpu"), dtype, seconds)
+
+
+def peak_flops_per_rank(
+    device: torch.device, dtype: torch.dtype, override_tflops: float | None = None
+) -> float:
+    """Peak FLOP/s one rank can reach in ``dtype``: the MFU denominator.
+
+    ``override_tflops`` (``trainer.peak_tflops``) wins; then the datasheet table for a
+    known GPU; otherwise (CPU, or an unknown GPU) a short matmul probe on the device.
+    """
+    if override_tflops:
+        return float(override_tflops) * 1e12
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops = lookup_gpu_peak_tflops(name, dtype)
+        if tflops is not None:
+            return tflops * 1e12
+        warnings.warn(
+            f"no peak FLOP/s figure for {name!r}; measuring a matmul probe instead "
+            "(set trainer.peak_tflops to use the datasheet figure)",
+            stacklevel=2,
+        )
+    return measure_matmul_flops(device, dtype)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class ThroughputMeter:
+    """Tokens/s, step time and MFU over the window between two log points.
+
+    ``tokens_per_step`` is global: tokens consumed by all ranks in one optimizer step
+    (batch x seq_len x grad-accum x data-parallel ranks). The first window, from the
+    start to the first log point, holds warm-up and is never reported.
+    """
+
+    def __init__(
+        self,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops_per_rank: float,
+        world_size: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops_per_rank = peak_flops_per_rank
+        self.world_size = world_size
+        self.clock = clock
+        self._mark: tuple[int, float] | None = None
+
+    def _now(self) -> float:
+        _synchronize()  # GPU work is asynchronous: time it when it has finished
+        return self.clock()
+
+    def restart(self, step: int) -> None:
+        """Start a new window at ``step`` (e.g. after eval or a checkpoint, so their
+        time is not counted as training time). Before the first log point this does
+        nothing: the warm-up window stays open and is still left out."""
+        if self._mark is not None:
+            self._mark = (step, self._now())
+
+    def step(self, step: int, log: bool) -> dict | None:
+        """Call after every optimizer step; at log points returns the window's figures
+        (None at the first log point, which closes the warm-up window)."""
+        if not log:
+            return None
+        now = self._now()
+        mark, self._mark = self._mark, (step, now)
+        if mark is None or step <= mark[0] or now <= mark[1]:
+            return None
+        steps, seconds = step - mark[0], now - mark[1]
+        tokens_per_s = self.tokens_per_step * steps / seconds
+        per_rank = tokens_per_s / self.world_size
+        mfu = per_rank * self.flops_per_token / self.peak_flops_per_rank
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_rank": per_rank,
+            "step_time_s": seconds / steps,
+            "mfu": mfu,
+        }
+
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+
+
+def _reset_cpu_peak_rss() -> bool:
+    # "5" resets VmHWM to the current RSS (Linux >= 4.0, see proc(5)).
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cpu_peak_rss_bytes() -> int:
+    """Peak resident set of this process: VmHWM, else getrusage's ru_maxrss."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory phase (so a phase such as model construction can be
+    measured alone). On CPU without /proc/self/clear_refs the peak cannot be reset
+    and stays the process's lifetime peak."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        _reset_cpu_peak_rss()
+
+
+def memory_metrics(device: torch.device, prefix: str = "") -> dict:
+    """This rank's peak memory since the last reset_peak_memory, in GiB.
+
+    GPU: the caching allocator's peak allocated (``peak_mem_gib``) and reserved bytes,
+    allocation retries (cudaMalloc failed, cache flushed and retried: a sign of
+    fragmentation near the limit) and OOMs. CPU: the peak resident set.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        out = {
+            "peak_mem_gib": stats.get("allocated_bytes.all.peak", 0) / GIB,
+            "peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GIB,
+            "alloc_retries": stats.get("num_alloc_retries", 0),
+            "ooms": stats.get("num_ooms", 0),
+        }
+    else:
+        out = {"peak_mem_gib": cpu_peak_rss_bytes() / GIB}
+    return {prefix + k: v for k, v in out.items()}
+
+
+def _pg_device(group) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_max_min(metrics: dict, group=None) -> dict:
+    """``{k: max over ranks, k + "_min": min over ranks}`` with a single all_reduce.
+
+    Max is what decides whether a run fits; the min beside it shows imbalance. Without a
+    process group the local values are both. Every rank must pass the same keys.
+    """
+    keys = sorted(metrics)
+    values = [float(metrics[k]) for k in keys]
+    if dist.is_available() and dist.is_initialized() and keys:
+        # max(-x) = -min(x): both reductions in one MAX all_reduce.
+        t = torch.tensor(values + [-v for v in values], dtype=torch.float64)
+        t = t.to(_pg_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        t = t.cpu().tolist()
+        maxs, mins = t[: len(keys)], [-v for v in t[len(keys) :]]
+    else:
+        maxs, mins = values, values
+    out = {}
+    for k, hi, lo in zip(keys, maxs, mins, strict=True):
+        is_int = isinstance(metrics[k], int) and not isinstance(metrics[k], bool)
+        cast = int if is_int and math.isfinite(hi) else float
+        out[k], out[k + "_min"] = cast(hi), cast(lo)
+    return out

@@ -1,0 +1,328 @@
+"""Throughput/MFU, memory metrics, cross-rank reduce, and the jsonl/wandb loggers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from src.trainer.loggers import (
+    build_logger,
+    read_wandb_offline_history,
+    read_wandb_offline_run,
+    run_identity,
+)
+from src.trainer.metrics import (
+    ThroughputMeter,
+    lookup_gpu_peak_tflops,
+    measure_cpu_matmul_flops,
+    memory_metrics,
+    peak_flops_per_rank,
+    reduce_max_min,
+    reset_peak_memory,
+)
+from tests.distributed import run_distributed
+
+MIB = 2**20
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- throughput and MFU ---------------------------------------------------------------
+
+
+def test_throughput_meter_excludes_warmup_and_measures_windows():
+    times = iter([10.0, 11.0, 13.0, 20.0, 20.5])
+    meter = ThroughputMeter(
+        tokens_per_step=1000,
+        flops_per_token=6000.0,
+        peak_flops_per_rank=1e9,
+        world_size=2,
+        clock=lambda: next(times),
+    )
+    meter.restart(0)  # before the first log point: keeps the warm-up window open
+    assert meter.step(1, log=False) is None  # off log points the clock is not read
+    assert meter.step(2, log=True) is None  # t=10: end of the warm-up window
+    assert meter.step(3, log=False) is None
+    m = meter.step(4, log=True)  # t=11: 2 steps in 1 s
+    assert m == pytest.approx(
+        {
+            "tokens_per_s": 2000.0,
+            "tokens_per_s_per_rank": 1000.0,
+            "step_time_s": 0.5,
+            "mfu": 1000.0 * 6000.0 / 1e9,
+        }
+    )
+    m = meter.step(6, log=True)  # t=13: 2 steps in 2 s
+    assert m["tokens_per_s"] == pytest.approx(1000.0)
+    assert m["step_time_s"] == pytest.approx(1.0)
+    meter.restart(6)  # t=20: e.g. after eval; the 7 s gap is not training time
+    m = meter.step(7, log=True)  # t=20.5
+    assert m["step_time_s"] == pytest.approx(0.5)
+    assert m["tokens_per_s"] == pytest.approx(2000.0)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as a launched rank on a 2-core machine has: a multi-thread
+    matmul runs at the pace of its slowest thread, which makes timings on a shared
+    machine far noisier."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_mfu_of_a_real_cpu_matmul_loop_is_a_fraction_of_the_probe(one_thread):
+    # Best of a probe before and after the loop: other processes on a shared machine
+    # can only slow a probe down, and an underestimated peak would inflate MFU.
+    probe = measure_cpu_matmul_flops(torch.float32)
+    assert 1e8 < probe < 1e13  # 0.1 GFLOP/s .. 10 TFLOP/s: a real CPU core
+    tokens, d = 128, 256
+    x0 = torch.randn(tokens, d)
+    w1, w2 = torch.randn(d, 4 * d) / d**0.5, torch.randn(4 * d, d) / (4 * d) ** 0.5
+    meter = ThroughputMeter(
+        tokens_per_step=tokens,
+        # Model FLOPs: the two matmuls (2 FLOPs per multiply-add); the layer norm and
+        # GELU are not counted, as in the GPT convention.
+        flops_per_token=2 * (d * 4 * d) * 2,
+        peak_flops_per_rank=probe,
+        world_size=1,
+    )
+    results = []
+    for step in range(1, 61):
+        x = torch.nn.functional.gelu(torch.layer_norm(x0, (d,)) @ w1) @ w2
+        m = meter.step(step, log=step % 20 == 0)
+        if m is not None:
+            results.append(m)
+    assert x.shape == x0.shape
+    probe = max(probe, measure_cpu_matmul_flops(torch.float32))
+    assert len(results) == 2  # 3 log points, the first one is warm-up
+    for m in results:
+        mfu = m["mfu"] * meter.peak_flops_per_rank / probe
+        assert 0.0 < mfu < 1.0
+        assert m["tokens_per_s"] == pytest.approx(tokens / m["step_time_s"])
+
+
+def test_peak_flops_override_table_and_cpu_probe():
+    cpu = torch.device("cpu")
+    assert peak_flops_per_rank(cpu, torch.bfloat16, 989.0) == pytest.approx(989e12)
+    assert peak_flops_per_rank(cpu, torch.float32, None) > 1e8
+    assert lookup_gpu_peak_tflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4
+    assert lookup_gpu_peak_tflops("NVIDIA H200", torch.float16) == 989.4
+    assert lookup_gpu_peak_tflops("NVIDIA H100 PCIe", torch.bfloat16) == 756.0
+    assert lookup_gpu_peak_tflops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312.0
+    assert lookup_gpu_peak_tflops("NVIDIA A10G", torch.bfloat16) == 70.0
+    assert lookup_gpu_peak_tflops("NVIDIA L4", torch.bfloat16) == 121.0
+    assert lookup_gpu_peak_tflops("NVIDIA L40S", torch.bfloat16) == 362.1
+    assert lookup_gpu_peak_tflops("Some Future GPU", torch.bfloat16) is None
+
+
+# --- memory ---------------------------------------------------------------------------
+
+
+def _clear_refs_works() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def test_memory_metrics_cpu_peak_rises_and_resets():
+    cpu = torch.device("cpu")
+    base = memory_metrics(cpu)["peak_mem_gib"]
+    assert base > 0
+    if not _clear_refs_works():
+        pytest.skip("/proc/self/clear_refs not writable: the CPU peak cannot be reset")
+    reset_peak_memory(cpu)
+    before = memory_metrics(cpu, prefix="init_")["init_peak_mem_gib"]
+    x = torch.ones(200 * MIB // 4)  # 200 MiB, touched (ones writes every page)
+    risen = memory_metrics(cpu)["peak_mem_gib"]
+    assert risen - before > 190 / 1024
+    del x
+    # A peak outlives the tensor (up to the kernel's batched RSS accounting).
+    assert memory_metrics(cpu)["peak_mem_gib"] > risen - 4 / 1024
+    reset_peak_memory(cpu)
+    assert memory_metrics(cpu)["peak_mem_gib"] < risen - 150 / 1024
+
+
+def _reduce_on_ranks(rank: int, world_size: int) -> dict:
+    local = {"peak_mem_gib": 1.0 + rank, "ooms": rank}
+    reduced = reduce_max_min(local)
+    real = reduce_max_min(memory_metrics(torch.device("cpu")))
+    return {"reduced": reduced, "real": real}
+
+
+@pytest.mark.slow
+def test_reduce_max_min_on_two_gloo_ranks():
+    results = run_distributed(_reduce_on_ranks, 2)
+    for r in results:
+        assert r["reduced"] == {
+            "peak_mem_gib": 2.0,
+            "peak_mem_gib_min": 1.0,
+            "ooms": 1,
+            "ooms_min": 0,
+        }
+        assert isinstance(r["reduced"]["ooms"], int)
+        assert r["real"]["peak_mem_gib"] >= r["real"]["peak_mem_gib_min"] > 0
+    assert results[0]["real"] == results[1]["real"]
+
+
+def test_reduce_max_min_without_process_group_is_local():
+    assert reduce_max_min({"a": 2.5}) == {"a": 2.5, "a_min": 2.5}
+
+
+# --- loggers --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wandb_env(monkeypatch):
+    """The logger sets WANDB_* for its process; restore them after the test."""
+    for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_ERROR_REPORTING"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _cfg(backend: str):
+    return OmegaConf.create(
+        {
+            "logger": {
+                "backend": backend,
+                "mode": "offline",
+                "project": "shardwrap-test",
+                "group": "grp",
+                "tags": ["cpu", "test"],
+                "name": None,
+            },
+            "trainer": {"log_every": 1, "lr": 3e-4, "lr_peak": "${trainer.lr}"},
+        }
+    )
+
+
+def _log_a_run(logger) -> None:
+    for step in (1, 2, 3):
+        logger.log(
+            {"train/loss": 4.0 / step, "lr": torch.tensor(1e-3 * step), "mfu": 0.25},
+            step=step,
+        )
+    logger.log_table(
+        "wrap_plan",
+        [
+            {"unit": "blocks.0", "params": 1000, "dtype": torch.bfloat16},
+            {"unit": "root", "params": 50},
+        ],
+    )
+    logger.log_summary({"val_loss": 1.25, "peak_mem_gib": 0.5})
+    logger.finish()
+
+
+def _check_local_files(run_dir: Path) -> None:
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["train/loss"] == 2.0 and rows[2]["lr"] == pytest.approx(3e-3)
+    assert json.loads((run_dir / "summary.json").read_text()) == {
+        "val_loss": 1.25,
+        "peak_mem_gib": 0.5,
+    }
+    plan = json.loads((run_dir / "wrap_plan.json").read_text())
+    assert plan[0] == {"unit": "blocks.0", "params": 1000, "dtype": "torch.bfloat16"}
+
+
+def test_wandb_offline_logger_round_trip(tmp_path, wandb_env):
+    run_dir = tmp_path / "run-a"
+    start = time.perf_counter()
+    logger = build_logger(_cfg("wandb"), run_dir, rank=0)
+    init_s = time.perf_counter() - start
+    assert init_s < 30
+    _log_a_run(logger)
+    _check_local_files(run_dir)
+
+    history = read_wandb_offline_history(run_dir)
+    by_step = {h["_step"]: h for h in history}
+    assert sorted(by_step) == [1, 2, 3]
+    assert [by_step[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(
+        [4.0, 2.0, 4.0 / 3]
+    )
+    assert by_step[2]["lr"] == pytest.approx(2e-3)
+    assert by_step[3]["wrap_plan._type"] == "table-file"
+    assert by_step[3]["wrap_plan.nrows"] == 2
+    table = json.loads(
+        next(
+            run_dir.glob("wandb/offline-run-*/files/media/table/wrap_plan_*.json")
+        ).read_text()
+    )
+    assert table["columns"] == ["unit", "params", "dtype"]
+    assert table["data"] == [["blocks.0", 1000, "torch.bfloat16"], ["root", 50, None]]
+
+    run = read_wandb_offline_run(run_dir)
+    assert run["project"] == "shardwrap-test"
+    assert run["run_group"] == "grp"
+    assert run["tags"] == ["cpu", "test"]
+    assert run["display_name"] == "run-a"  # no Hydra job: the run dir's name
+    config = run["config"]["update"]
+    assert config["trainer"]["lr_peak"] == 3e-4  # resolved
+    assert run["summary"]["val_loss"] == 1.25
+
+
+def test_logger_none_writes_files_but_no_wandb(tmp_path, wandb_env):
+    run_dir = tmp_path / "run-b"
+    _log_a_run(build_logger(_cfg("none"), run_dir, rank=0))
+    _check_local_files(run_dir)
+    assert not (run_dir / "wandb").exists()
+
+
+def test_non_zero_rank_logger_is_a_no_op(tmp_path, wandb_env):
+    run_dir = tmp_path / "run-c"
+    _log_a_run(build_logger(_cfg("wandb"), run_dir, rank=1))
+    assert not run_dir.exists()
+
+
+_HYDRA_APP = """
+import json, os, sys
+import hydra
+from hydra.core.hydra_config import HydraConfig
+sys.path.insert(0, {repo!r})
+from src.trainer.loggers import run_identity
+
+@hydra.main(config_path=None, config_name=None, version_base="1.3")
+def main(cfg):
+    out = HydraConfig.get().runtime.output_dir
+    with open(os.path.join(out, "identity.json"), "w") as f:
+        json.dump(run_identity(cfg, out), f)
+
+main()
+"""
+
+
+def test_run_identity_from_a_hydra_multirun(tmp_path, wandb_env):
+    """Group and name from a real Hydra multirun: live in the job, and from the
+    .hydra/hydra.yaml it saved (how a launched rank, a new process, sees it)."""
+    app = tmp_path / "app.py"
+    app.write_text(textwrap.dedent(_HYDRA_APP.format(repo=str(REPO))))
+    sweep = tmp_path / "sweep"
+    subprocess.run(
+        [sys.executable, str(app), "-m", f"hydra.sweep.dir={sweep}", "+seed=1,2"],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+    )
+    for job in (0, 1):
+        job_dir = sweep / str(job)
+        live = json.loads((job_dir / "identity.json").read_text())
+        assert live["group"] == "app-sweep"
+        assert live["name"] == f"app:+seed={job + 1}"
+        cfg = OmegaConf.create({"logger": {"group": None, "name": None}})
+        assert run_identity(cfg, job_dir) == live  # read back from .hydra/hydra.yaml
+    cfg = OmegaConf.create({"logger": {"group": "mine", "name": "x", "tags": ["t"]}})
+    ident = run_identity(cfg, sweep / "0")
+    assert (ident["group"], ident["name"], ident["tags"]) == ("mine", "x", ["t"])
