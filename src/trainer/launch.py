@@ -1,0 +1,149 @@
+"""Start the ranks of a run: N local processes, or the ones torchrun already started.
+
+- ``trainer.devices=N`` (N > 1): torch's elastic launcher (``elastic_launch``, what
+  ``torchrun --standalone`` runs) starts N local ranks on a private c10d rendezvous and
+  restarts the group up to ``trainer.max_restarts`` times after a failure.
+- ``trainer.devices=1``: the single rank runs in this process (a debugger works).
+- Under ``torchrun`` (its environment is set): this process is one rank of a possibly
+  multi-node job; the world comes from torchrun's rendezvous, and rank 0's run dir is
+  broadcast so every rank writes its checkpoint shards to the same place.
+
+The Hydra output dir is decided once, in the Hydra job, and handed to every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import uuid
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from src.config import resolve_devices
+from src.trainer.loop import plan_only, train
+
+
+def under_torchrun() -> bool:
+    """True when torchelastic (torchrun) started this process as one of its ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def launch(cfg: DictConfig, run_dir: str) -> None:
+    """Run training for ``cfg`` on its ranks; exit non-zero, showing the first failed
+    rank's error once, if any rank fails. With ``trainer.plan_only`` no rank starts:
+    the wrap plan for that many ranks is printed instead."""
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.resolve(cfg)  # ranks have no Hydra context for ${hydra:...} and ${now:}
+    if cfg.trainer.plan_only:
+        if int(os.environ.get("RANK", 0)) == 0:
+            world = int(os.environ.get("WORLD_SIZE", 0)) or None
+            plan_only(cfg, run_dir, world_size=world)
+        return
+    if under_torchrun():
+        # record(): torchrun's failure summary then shows this rank's traceback.
+        record(run_rank)(cfg, run_dir)
+        return
+    nprocs = resolve_devices(cfg.trainer.devices)
+    if nprocs == 1:
+        run_rank(cfg, run_dir)
+        return
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
+        max_restarts=cfg.trainer.max_restarts,
+        # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console.
+        logs_specs=DefaultLogsSpecs(
+            log_dir=os.path.join(run_dir, "ranks"),
+            redirects={r: Std.ALL for r in range(1, nprocs)},
+        ),
+    )
+    _quiet_launcher_logs()
+    try:
+        elastic_launch(config, _rank_entry)(cfg, run_dir)
+    except ChildFailedError as err:
+        sys.exit(_failure_report(err))
+
+
+def _rank_entry(cfg: DictConfig, run_dir: str) -> None:
+    # Module level so the spawned ranks can unpickle it.
+    run_rank(cfg, run_dir)
+
+
+def _quiet_launcher_logs() -> None:
+    """The launcher logs a failed rank's traceback at ERROR level and we report it
+    ourselves (once); its INFO chatter would flood Hydra's INFO-level console."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
+        logging.CRITICAL
+    )
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+
+
+def _failure_report(err: ChildFailedError) -> str:
+    rank, failure = err.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # the rank's error file, written by record()
+        message = message.get("extraInfo", {}).get("py_callstack") or message["message"]
+    return f"rank {rank} failed (exit code {failure.exitcode}):\n{message}".rstrip()
+
+
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the process group (NCCL on GPU, gloo on CPU) and pick this rank's device.
+
+    On CPU each rank gets ``cores // local ranks`` threads so the ranks on a machine
+    do not oversubscribe it.
+    """
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+        torch.set_num_threads(max(1, (cores or os.cpu_count() or 1) // local_world))
+    backend = "nccl" if cuda else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:  # set by the launcher: env:// rendezvous
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a single in-process rank
+        store = dist.HashStore()
+        dist.init_process_group(
+            backend, store=store, rank=0, world_size=1, timeout=timeout
+        )
+    return device
+
+
+def _shared_run_dir(run_dir: str) -> str:
+    """Rank 0's run dir on every rank (under torchrun each rank's Hydra chose its own)."""
+    if not under_torchrun() or dist.get_world_size() == 1:
+        return run_dir
+    box = [run_dir]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_rank(cfg: DictConfig, run_dir: str) -> Any:
+    """One rank: join the group, train, leave the group."""
+    device = init_distributed(cfg.trainer.timeout_s)
+    try:
+        if dist.get_rank() != 0:
+            warnings.simplefilter("ignore")  # only rank 0 talks
+        return train(cfg, _shared_run_dir(run_dir), device)
+    finally:
+        dist.destroy_process_group()

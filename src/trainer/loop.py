@@ -1,0 +1,319 @@
+"""The training loop, run by every rank: build, then step, validate and log.
+
+``train(cfg, run_dir, device)`` reads top to bottom: backend and data, the model built
+shard by shard under the wrap context, optimizer and schedule, then the loop. The global
+batch and the logged loss (its mean over the global batch) are the same whatever the
+number of ranks, so runs on 1 and N ranks give the same losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from src.config import import_classes, policy_names, resolve_devices
+from src.models import GPT, GPTConfig, flops_per_token, init_tensor
+from src.sharding import (
+    Backend,
+    WrapPlan,
+    build_backend,
+    build_policy,
+    build_sharded_model,
+    canonical_name,
+    wrap_plan,
+)
+from src.trainer.data import GlobalBatches, load_splits
+from src.trainer.loggers import Logger, build_logger
+from src.trainer.metrics import (
+    ThroughputMeter,
+    memory_metrics,
+    peak_flops_per_rank,
+    reduce_max_min,
+    reset_peak_memory,
+)
+
+
+def build_model(
+    cfg: DictConfig, backend: Backend, init_device: str | None = None
+) -> nn.Module:
+    """GPT built inside the wrap context: each unit is sharded as it is constructed,
+    and a meta-device model is materialised shard by shard from ``init_tensor``."""
+    init_device = init_device or cfg.model.init_device
+    gpt_cfg = GPTConfig.from_dict(cfg.model)
+    seed = cfg.trainer.seed
+    s = cfg.sharding
+    policy = build_policy(
+        policy_names(s.policy),
+        min_num_params=int(s.min_params),
+        exclude_wrap_modules=import_classes(
+            s.exclude_wrap_modules, "sharding.exclude_wrap_modules"
+        ),
+        force_leaf_modules=import_classes(
+            s.force_leaf_modules, "sharding.force_leaf_modules"
+        ),
+        block_cls=GPT.block_cls,
+    )
+    init_fn = None
+    if init_device == "meta":
+
+        def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
+            return init_tensor(name, t.shape, gpt_cfg, seed)
+
+    return build_sharded_model(
+        lambda: GPT(gpt_cfg, seed=seed), backend, policy, init_device, init_fn
+    )
+
+
+def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases and LayerNorm gains).
+
+    A parameter's rank is read from an unsharded meta copy of the model: FSDP1 shards
+    are flat 1-D views, so the live tensors cannot say.
+    """
+    with torch.device("meta"):
+        ndim = {
+            n: p.dim()
+            for n, p in GPT(GPTConfig.from_dict(cfg.model)).named_parameters()
+        }
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if ndim[canonical_name(name, model)] >= 2 else no_decay).append(p)
+    t = cfg.trainer
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas))
+
+
+def lr_lambda(cfg: DictConfig):
+    """LR multiplier per step: linear warmup to 1, then cosine down to min_lr / lr."""
+    t = cfg.trainer
+    floor = t.min_lr / t.lr
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def global_mean(value: torch.Tensor) -> float:
+    """Mean of a per-rank scalar over all ranks (each rank holds an equal share)."""
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value.item() / dist.get_world_size()
+
+
+def train_step(
+    model: nn.Module,
+    batches: GlobalBatches,
+    step: int,
+    backend: Backend,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    cfg: DictConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns this rank's share
+    of the loss and the global gradient norm (before clipping)."""
+    t = cfg.trainer
+    rank, world = backend.rank, backend.world_size
+    model.train()
+    loss_sum = torch.zeros((), device=backend.device)
+    for micro in range(t.grad_accum):
+        x, y = batches.get(step, micro, rank, world)
+        x, y = x.to(backend.device), y.to(backend.device)
+        last = micro == t.grad_accum - 1
+        # Gradients are reduced across ranks only on the last micro-step.
+        with contextlib.nullcontext() if last else backend.no_sync(model):
+            with backend.autocast():
+                _, loss = model(x, y)
+            loss = loss / t.grad_accum
+            (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum += loss.detach()
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = backend.clip_grad_norm_(model, t.grad_clip or math.inf)
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
+    """Mean loss over the fixed validation batches (the same in every run)."""
+    model.eval()
+    total = torch.zeros((), device=backend.device)
+    for x, y in batches:
+        with backend.autocast():
+            _, loss = model(x.to(backend.device), y.to(backend.device))
+        total += loss.float()
+    return global_mean(total / max(1, len(batches)))
+
+
+def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
+    if rank == 0 and plan.units:  # ddp and none have no units
+        print(plan.tree(), flush=True)
+    logger.log_table("wrap_plan", plan.rows())
+
+
+def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]:
+    """Train on this rank (the process group is already initialised); rank 0 logs to
+    the console, ``run_dir`` (metrics.jsonl, summary.json) and wandb. Returns the
+    summary."""
+    t = cfg.trainer
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
+    start_time = time.perf_counter()
+    backend = build_backend(
+        cfg.sharding.backend,
+        cfg.precision.name,
+        device,
+        cfg.sharding.reshard_after_forward,
+    )
+    logger = build_logger(cfg, run_dir, rank)
+
+    # Data: every rank sees the same global batches and takes its own rows.
+    block_size = cfg.model.block_size
+    micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
+    train_split, val_split = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
+    batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
+    val_set = []
+    if t.val_every and t.val_batches:
+        val_set = GlobalBatches(val_split, micro_batch, block_size, t.seed).val_batches(
+            t.val_batches, world, rank
+        )
+
+    # Model, sharded as it is built; its construction peak is measured on its own.
+    reset_peak_memory(device)
+    model = build_model(cfg, backend)
+    init_mem = reduce_max_min(memory_metrics(device, prefix="init_"))
+    plan = wrap_plan(model, world)
+    log_wrap_plan(plan, logger, rank)
+    num_params = sum(u.numel for u in plan.units) or sum(
+        p.numel() for p in model.parameters()
+    )
+
+    optimizer = build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scaler = backend.grad_scaler()
+
+    start_step = 0
+    # TODO(lead): checkpointing. Resume here (trainer.resume: null|auto|path) by loading
+    # model, optimizer, scheduler and RNG state and setting start_step.
+
+    gpt_cfg = GPTConfig.from_dict(cfg.model)
+    meter = ThroughputMeter(
+        tokens_per_step=t.batch_size * block_size,
+        flops_per_token=flops_per_token(gpt_cfg, block_size),
+        # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe.
+        peak_flops_per_rank=(
+            peak_flops_per_rank(device, backend.param_dtype, t.peak_tflops)
+            if rank == 0
+            else 1.0
+        ),
+        world_size=world,
+    )
+    logger.log(
+        {
+            "init_peak_mem_gib": init_mem["init_peak_mem_gib"],
+            "num_params": num_params,
+            "wrap_units": len(plan.units),
+        },
+        step=start_step,
+    )
+
+    bar = tqdm(
+        total=t.max_steps,
+        initial=start_step,
+        disable=rank != 0 or not t.progress,
+        desc="train",
+        dynamic_ncols=True,
+    )
+    summary: dict[str, Any] = {}
+    for step in range(start_step + 1, t.max_steps + 1):
+        lr = scheduler.get_last_lr()[0]
+        loss, grad_norm = train_step(
+            model, batches, step - 1, backend, optimizer, scaler, cfg
+        )
+        scheduler.step()
+        # TODO(lead): NaN guard (a non-finite loss or grad_norm: skip, stop or roll back).
+        bar.update(1)
+
+        log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
+        speed = meter.step(step, log=log_now)  # None before the first full window
+        if log_now:
+            metrics = {
+                "loss": global_mean(loss),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                **(speed or {}),
+                **reduce_max_min(memory_metrics(device)),
+            }
+            logger.log(metrics, step=step)
+            summary.update(metrics)
+            if bar.disable and rank == 0:
+                print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+
+        if val_set and (step % t.val_every == 0 or step == t.max_steps):
+            val_loss = evaluate(model, val_set, backend)
+            logger.log({"val_loss": val_loss}, step=step)
+            summary["val_loss"] = val_loss
+            if rank == 0:
+                bar.write(f"step {step}: val_loss {val_loss:.4f}")
+            meter.restart(step)  # validation time is not training throughput
+
+        # TODO(lead): checkpointing. Save every trainer.ckpt_every steps here.
+    bar.close()
+
+    summary.update(
+        steps=t.max_steps,
+        world_size=world,
+        num_params=num_params,
+        wrap_units=len(plan.units),
+        init_peak_mem_gib=init_mem["init_peak_mem_gib"],
+        wall_time_s=time.perf_counter() - start_time,
+    )
+    logger.log_summary(summary)
+    logger.finish()
+    return summary
+
+
+def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> WrapPlan:
+    """Print the wrap plan and per-rank memory estimate of ``cfg`` for
+    ``trainer.devices`` ranks without starting any or allocating the model (it is
+    built on the meta device with the recording-only ``plan`` backend)."""
+    world_size = world_size or resolve_devices(cfg.trainer.devices)
+    backend = build_backend("plan", cfg.precision.name, "cpu")
+    model = build_model(cfg, backend, init_device="meta")
+    plan = wrap_plan(model, world_size)
+    estimate = plan.memory_estimate(param_bytes=backend.param_dtype.itemsize)
+    print(plan.tree(), flush=True)
+    print(
+        "per-rank memory estimate (GiB, activations excluded): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in estimate.items()),
+        flush=True,
+    )
+    logger = Logger(run_dir)
+    logger.log_table("wrap_plan", plan.rows())
+    logger.log_summary(
+        {"world_size": world_size, "wrap_units": len(plan.units), **estimate}
+    )
+    logger.finish()
+    return plan

@@ -1,0 +1,169 @@
+"""Config composition (Hydra's compose API) and one-line errors for bad configs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from src.config import CONFIG_ERRORS, one_line, policy_names, resolve_devices, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def config_error(*overrides: str) -> str:
+    """The one-line message for a config that must fail (compose or validate)."""
+    with pytest.raises(CONFIG_ERRORS) as info:
+        validate(make_cfg(*overrides))
+    return one_line(info.value)
+
+
+def test_default_config_composes_and_validates():
+    cfg = make_cfg()
+    validate(cfg)
+    assert cfg.model.name == "small"
+    assert cfg.sharding.backend == "fsdp2"
+    assert cfg.precision.name == "fp32"
+    assert cfg.data.name == "text"
+    assert cfg.logger.backend == "wandb" and cfg.logger.mode == "offline"
+    assert cfg.trainer.devices == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [("sharding.min_params=1e8", 100_000_000), ("sharding.min_params=2000", 2000)],
+)
+def test_min_params_int_or_float(override, expected):
+    cfg = make_cfg(override)
+    validate(cfg)
+    assert isinstance(cfg.sharding.min_params, float)
+    assert int(cfg.sharding.min_params) == expected
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1", "ddp"])
+def test_sharding_group_sets_backend_and_keeps_knobs(backend):
+    cfg = make_cfg(f"sharding={backend}", "sharding.min_params=1e6")
+    validate(cfg)
+    assert cfg.sharding.backend == backend
+    assert cfg.sharding.min_params == 1e6
+    assert cfg.sharding.policy == "size"
+
+
+def test_groups_and_presets_compose():
+    cfg = make_cfg(
+        "sharding=none",
+        "trainer.devices=1",
+        "precision=bf16_mixed",
+        "model=gpt2",
+        "model.init_device=meta",
+        "data=synthetic",
+        "logger=none",
+        "trainer.resume=auto",
+    )
+    validate(cfg)
+    assert (cfg.model.n_layer, cfg.model.n_embd) == (12, 768)
+    assert cfg.precision.name == "bf16_mixed"
+    assert cfg.logger.backend == "none"
+
+
+def test_policy_string_or_list_and_class_lists():
+    cfg = make_cfg(
+        "sharding.policy=[size,block]",
+        "sharding.exclude_wrap_modules=[torch.nn.LayerNorm]",
+        "sharding.force_leaf_modules=[src.models.gpt.MLP]",
+    )
+    validate(cfg)
+    assert policy_names(cfg.sharding.policy) == ["size", "block"]
+    assert policy_names("manual") == ["manual"]
+
+
+def test_devices_auto_is_gpu_count_or_one():
+    import torch
+
+    assert resolve_devices("auto") == max(1, torch.cuda.device_count())
+    assert resolve_devices(3) == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["sharding.min_params=-1"], "sharding.min_params"),
+        (["sharding.min_params=lots"], "sharding.min_params"),
+        (["sharding.min_param=1e8"], "sharding.min_param"),
+        (["sharding.policy=biggest"], "sharding.policy"),
+        (["sharding.exclude_wrap_modules=[torch.nn.LayerNom]"], "sharding.exclude"),
+        (["sharding.force_leaf_modules=[os.path]"], "sharding.force_leaf_modules"),
+        (["sharding=fsdp3"], "sharding"),
+        (["model.n_head=3"], "model.n_embd"),
+        (["model.n_layer=0"], "model.n_layer"),
+        (["model.init_device=tpu"], "model.init_device"),
+        (["model.init_device=meta", "sharding=fsdp1"], "model.init_device"),
+        (["trainer.devices=0"], "trainer.devices"),
+        (["trainer.devices=many"], "trainer.devices"),
+        (["trainer.batch_size=15"], "trainer.batch_size"),
+        (["trainer.max_steps=1.5"], "trainer.max_steps"),
+        (["trainer.betas=[0.9]"], "trainer.betas"),
+        (["trainer.resume=/no/such/ckpt"], "trainer.resume"),
+        (["sharding=none"], "trainer.devices"),
+        (["precision=fp8"], "precision"),
+        (["data=tokens", "data.train_path=/no/such.bin"], "data.train_path"),
+        (["logger.mode=loud"], "logger.mode"),
+    ],
+)
+def test_bad_config_fails_with_one_line_naming_the_key(overrides, key):
+    message = config_error(*overrides)
+    assert "\n" not in message
+    assert message.startswith(key), message
+
+
+def test_unknown_key_message_lists_the_allowed_keys():
+    message = config_error("trainer.max_step=10")
+    assert message.startswith("trainer.max_step: unknown key")
+    assert "max_steps" in message
+
+
+def test_wrong_type_message_says_what_is_allowed():
+    assert "could not be converted to Float" in config_error("sharding.min_params=x")
+    assert "expected an integer >= 1 or 'auto'" in config_error("trainer.devices=0")
+
+
+def run_train(*args: str, timeout: float = 60, cwd: Path = ROOT):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("sharding.min_params=abc", "sharding.min_params"),
+        ("trainer.devices=0", "trainer.devices"),
+        ("sharding.exclude_wrap_modules=[torch.nn.LayerNom]", "sharding.exclude"),
+    ],
+)
+def test_cli_config_error_is_one_line_on_stderr(override, key, tmp_path):
+    out = run_train(override, f"hydra.run.dir={tmp_path}/run")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"config error: {key}")
+    assert "Traceback" not in out.stderr + out.stdout
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -1,0 +1,160 @@
+"""The trainer end to end: train.py on 2 ranks, 1 rank vs 2 ranks, failures, torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from src.models import GPT, GPTConfig
+from src.trainer.loop import build_optimizer, lr_lambda, plan_only, train
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+# A short fp32 run on model=tiny: several wrap units, two micro-batches per step.
+SMALL_RUN = [
+    "model=tiny",
+    "logger=none",
+    "trainer.max_steps=6",
+    "trainer.batch_size=8",
+    "trainer.grad_accum=2",
+    "trainer.log_every=1",
+    "trainer.val_every=3",
+    "trainer.val_batches=2",
+    "trainer.warmup_steps=2",
+    "trainer.progress=false",
+    "trainer.peak_tflops=1",  # skip the CPU matmul probe
+    "sharding.min_params=2e4",
+]
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = make_cfg("trainer.lr=1e-3", "trainer.min_lr=1e-4", "trainer.warmup_steps=10")
+    f = lr_lambda(cfg)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(cfg.trainer.max_steps) == pytest.approx(0.1)
+    steps = range(10, cfg.trainer.max_steps + 1)
+    assert all(f(a) >= f(b) for a, b in zip(steps, steps[1:], strict=False))
+
+
+def test_weight_decay_only_on_matrices():
+    cfg = make_cfg("model=tiny")
+    model = GPT(GPTConfig.from_dict(cfg.model))
+    decay, no_decay = build_optimizer(model, cfg).param_groups
+    assert decay["weight_decay"] == cfg.trainer.weight_decay
+    assert no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(
+        list(model.parameters())
+    )
+
+
+def test_plan_only_allocates_nothing_and_writes_the_plan(tmp_path, capsys):
+    cfg = make_cfg("model=gpt2_xl", "trainer.plan_only=true", "sharding.policy=block")
+    plan = plan_only(cfg, str(tmp_path))
+    assert len(plan.units) == cfg.model.n_layer + 1  # every block + the root
+    assert plan.total_numel > 1.5e9
+    assert "wrap plan:" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["total_gib"] > 0
+    assert len(json.loads((tmp_path / "wrap_plan.json").read_text())) == len(plan.units)
+
+
+def _train_rank(rank: int, world_size: int, cfg, run_dir: str) -> list[dict] | None:
+    train(cfg, run_dir, torch.device("cpu"))
+    return read_rows(Path(run_dir)) if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_losses_same_on_one_and_two_ranks(tmp_path):
+    cfg = make_cfg(*SMALL_RUN)
+    one = run_distributed(_train_rank, 1, cfg, str(tmp_path / "one"))[0]
+    two = run_distributed(_train_rank, 2, cfg, str(tmp_path / "two"))[0]
+
+    def series(rows, key):
+        return [(r["step"], r[key]) for r in rows if key in r]
+
+    for key in ("loss", "grad_norm", "val_loss"):
+        a, b = series(one, key), series(two, key)
+        assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
+        for (step, x), (_, y) in zip(a, b, strict=True):
+            assert abs(x - y) < 1e-5, (key, step, x, y)
+    losses = [v for _, v in series(one, "loss")]
+    assert losses[-1] < losses[0]
+
+
+def run_cmd(args: list[str], cwd: Path = ROOT, timeout: float = 120):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+
+
+@pytest.mark.slow
+def test_train_py_on_two_ranks_writes_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_cmd(
+        [sys.executable, "train.py", *SMALL_RUN, "sharding.min_params=1e8"]
+        + ["trainer.devices=2", f"hydra.run.dir={run_dir}"]
+    )
+    assert out.returncode == 0, out.stderr
+    rows = read_rows(run_dir)
+    loss_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in loss_rows] == [1, 2, 3, 4, 5, 6]
+    for r in loss_rows:
+        assert math.isfinite(r["loss"]) and r["lr"] > 0 and r["peak_mem_gib"] > 0
+    assert "tokens_per_s" in loss_rows[-1] and "mfu" in loss_rows[-1]
+    assert rows[0]["step"] == 0 and rows[0]["init_peak_mem_gib"] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["wrap_units"] == 1  # min_params=1e8: only the root
+    assert out.stdout.count("wrap plan:") == 1  # rank 0 only
+
+
+@pytest.mark.slow
+def test_failing_rank_fails_the_command_and_shows_its_error_once(tmp_path):
+    # 50 bytes of text cannot fill one model=tiny window: every rank raises.
+    out = run_cmd(
+        [sys.executable, "train.py", *SMALL_RUN, "data.max_bytes=50"]
+        + [f"hydra.run.dir={tmp_path}/run"]
+    )
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert text.count("fewer than model.block_size") == 1, text
+    assert "failed (exit code 1)" in out.stderr
+
+
+@pytest.mark.slow
+def test_under_torchrun_ranks_share_rank0_run_dir(tmp_path):
+    out = run_cmd(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + ["--nproc_per_node=2", str(ROOT / "train.py"), *SMALL_RUN]
+        + ["trainer.max_steps=2"],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    metrics = list(tmp_path.glob("outputs/*/*/metrics.jsonl"))
+    assert len(metrics) == 1
+    assert [r["step"] for r in read_rows(metrics[0].parent) if "loss" in r] == [1, 2]

@@ -1,0 +1,34 @@
+"""Train a GPT with sharded data parallelism: ``python train.py [key=value ...]``.
+
+Hydra composes and validates the config (conf/ + the schema in src/config.py) in this
+process, then the ranks start (see src/trainer/launch.py). A config error is one line
+on stderr naming the key, and exits with status 2 before any rank starts. In a
+multirun (``-m``) a failed job is recorded instead and the other jobs still run
+(docs/sweeps.md).
+"""
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from src.config import exit_on_config_error, run_cli, validate
+from src.trainer.launch import launch
+from src.trainer.sweep import run_job
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    """Returns the job's objective for sweepers (tokens/s; see src/trainer/sweep.py).
+    In a multirun a failed job is recorded as failed and the sweep goes on."""
+    run_dir = HydraConfig.get().runtime.output_dir
+    return run_job(cfg, run_dir, lambda: _run(cfg, run_dir))
+
+
+def _run(cfg: DictConfig, run_dir: str) -> None:
+    with exit_on_config_error():
+        validate(cfg)
+    launch(cfg, run_dir)
+
+
+if __name__ == "__main__":
+    run_cli(main)
