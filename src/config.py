@@ -92,6 +92,7 @@ class TrainerConfig:
     ckpt_every: int = 0
     keep_last: int = 2
     resume: str | None = None
+    export: bool = False
     max_restarts: int = 0
     timeout_s: float = 600.0
     plan_only: bool = False

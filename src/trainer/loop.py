@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from src.sharding import (
     canonical_name,
     wrap_plan,
 )
+from src.trainer.checkpoint import Checkpointer, export_consolidated, resolve_resume
 from src.trainer.data import GlobalBatches, load_splits
 from src.trainer.loggers import Logger, build_logger
 from src.trainer.metrics import (
@@ -166,6 +169,61 @@ def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
     return global_mean(total / max(1, len(batches)))
 
 
+def resume(
+    cfg: DictConfig,
+    ckpt: Checkpointer,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    rank: int,
+) -> int:
+    """Restore the checkpoint named by ``trainer.resume`` and return its step (0 if none).
+
+    After an elastic restart (``trainer.max_restarts``) the ranks resume from the newest
+    complete checkpoint by themselves, whatever ``trainer.resume`` says.
+    """
+    wanted = cfg.trainer.resume
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        wanted = "auto"
+    path = resolve_resume(wanted, ckpt.directory)
+    if path is None:
+        return 0
+    step = ckpt.load(path, model, optimizer, scheduler)["step"]
+    if rank == 0:
+        print(f"resumed from {path} (step {step})", flush=True)
+    return step
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm became NaN or inf."""
+
+
+def check_finite(
+    loss: float,
+    grad_norm: torch.Tensor,
+    step: int,
+    scaler: torch.amp.GradScaler | None,
+    ckpt: Checkpointer,
+) -> int:
+    """Stop on a NaN/inf loss, naming the step; with the fp16 scaler, overflowing
+    gradients only skip the step (the scaler did not apply it). Returns 1 if skipped.
+
+    The run stops before any later checkpoint is written, so the last good checkpoint
+    stays intact and ``trainer.resume=auto`` continues from it.
+    """
+    norm = float(grad_norm)
+    if math.isfinite(loss) and math.isfinite(norm):
+        return 0
+    if scaler is not None and math.isfinite(loss):
+        return 1
+    last = ckpt.latest()
+    where = f"last good checkpoint: {last}" if last else "no checkpoint was written"
+    raise NonFiniteLossError(
+        f"non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; "
+        f"stopping ({where})"
+    )
+
+
 def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
     if rank == 0 and plan.units:  # ddp and none have no units
         print(plan.tree(), flush=True)
@@ -213,9 +271,8 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     scaler = backend.grad_scaler()
 
-    start_step = 0
-    # TODO(lead): checkpointing. Resume here (trainer.resume: null|auto|path) by loading
-    # model, optimizer, scheduler and RNG state and setting start_step.
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep_last=t.keep_last)
+    start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank)
 
     gpt_cfg = GPTConfig.from_dict(cfg.model)
     meter = ThroughputMeter(
@@ -246,25 +303,31 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
         dynamic_ncols=True,
     )
     summary: dict[str, Any] = {}
+    skipped_steps = 0
     for step in range(start_step + 1, t.max_steps + 1):
         lr = scheduler.get_last_lr()[0]
         loss, grad_norm = train_step(
             model, batches, step - 1, backend, optimizer, scaler, cfg
         )
         scheduler.step()
-        # TODO(lead): NaN guard (a non-finite loss or grad_norm: skip, stop or roll back).
+        step_loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
+        skipped = check_finite(step_loss, grad_norm, step, scaler, ckpt)
+        skipped_steps += skipped
         bar.update(1)
 
         log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
         speed = meter.step(step, log=log_now)  # None before the first full window
         if log_now:
             metrics = {
-                "loss": global_mean(loss),
+                "loss": step_loss,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 **(speed or {}),
                 **reduce_max_min(memory_metrics(device)),
             }
+            if scaler is not None:
+                metrics["loss_scale"] = scaler.get_scale()
+                metrics["skipped_steps"] = skipped_steps
             logger.log(metrics, step=step)
             summary.update(metrics)
             if bar.disable and rank == 0:
@@ -279,8 +342,16 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
                 bar.write(f"step {step}: val_loss {val_loss:.4f}")
             meter.restart(step)  # validation time is not training throughput
 
-        # TODO(lead): checkpointing. Save every trainer.ckpt_every steps here.
+        if t.ckpt_every and (step % t.ckpt_every == 0 or step == t.max_steps):
+            path = ckpt.save(step, model, optimizer, scheduler)
+            if rank == 0:
+                bar.write(f"step {step}: checkpoint saved to {path}")
     bar.close()
+    if t.export:
+        export_path = Path(run_dir) / "model.safetensors"
+        export_consolidated(model, export_path)
+        if rank == 0:
+            print(f"exported consolidated weights to {export_path}", flush=True)
 
     summary.update(
         steps=t.max_steps,

@@ -1,0 +1,183 @@
+"""Runs that die: SIGKILL after a checkpoint and exact resume, a rank killed mid-step,
+elastic restarts that resume by themselves, and a NaN loss that stops the run.
+
+Each test drives ``train.py`` on 2 gloo ranks in a subprocess and waits on its output
+(a blocking read of the lines rank 0 prints), never on a timer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.models.gpt import GPT, GPTConfig
+from src.trainer.checkpoint import Checkpointer, resolve_resume
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = [
+    "model=tiny",
+    "data=synthetic",
+    "logger=none",
+    "trainer.devices=2",
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "trainer.val_every=0",
+    "trainer.batch_size=8",
+]
+
+pytestmark = pytest.mark.slow
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *BASE,
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        command(run_dir, *overrides),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,  # its own process group, so the test can kill it all
+    )
+
+
+def read_until(proc: subprocess.Popen, needle: str) -> list[str]:
+    """Lines printed until one contains ``needle`` (fails if the run ends first)."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if needle in line:
+            return seen
+    proc.wait()
+    raise AssertionError(f"run ended without printing {needle!r}:\n{''.join(seen)}")
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The rank processes the launcher started (children of ``pid`` running spawn)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and "spawn_main" in cmdline:
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
+    steps = ["trainer.max_steps=12", "trainer.ckpt_every=4"]
+    straight = tmp_path / "straight"
+    subprocess.run(command(straight, *steps), check=True, cwd=ROOT, capture_output=True)
+
+    broken = tmp_path / "broken"
+    proc = start(broken, *steps)
+    read_until(proc, "checkpoint saved to")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    resumed = subprocess.run(
+        command(broken, *steps, "trainer.resume=auto"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout
+    expected, got = losses(straight), losses(broken)
+    assert max(got) == 12
+    # Every step logged by either attempt equals the uninterrupted run, bit for bit.
+    assert {s: expected[s] for s in got} == got
+
+
+def test_rank_killed_mid_step_ends_the_job_with_an_error(tmp_path):
+    timeout_s = 60
+    proc = start(tmp_path, "trainer.max_steps=100000", f"trainer.timeout_s={timeout_s}")
+    read_until(proc, "step 3:")
+    victims = worker_pids(proc.pid)
+    assert len(victims) == 2, victims
+    killed_at = time.monotonic()
+    os.kill(victims[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=timeout_s + 30)
+    elapsed = time.monotonic() - killed_at
+    assert proc.returncode != 0
+    assert "failed" in out and "Signals.SIGKILL" in out or "exit code -9" in out, out[
+        -2000:
+    ]
+    assert elapsed < timeout_s, f"took {elapsed:.0f}s to notice the dead rank"
+
+
+def test_max_restarts_restarts_the_ranks_and_they_resume(tmp_path):
+    proc = start(
+        tmp_path,
+        "trainer.max_steps=16",
+        "trainer.ckpt_every=4",
+        "trainer.max_restarts=1",
+    )
+    read_until(proc, "checkpoint saved to")
+    os.kill(worker_pids(proc.pid)[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    assert max(losses(tmp_path)) == 16
+    assert (tmp_path / "checkpoints" / "step_00000016").is_dir()
+
+
+def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_path):
+    # An absurd learning rate blows the weights up after the first update.
+    run = subprocess.run(
+        command(
+            tmp_path,
+            "trainer.max_steps=20",
+            "trainer.ckpt_every=1",
+            "trainer.lr=1e30",
+            "trainer.min_lr=0",
+            "trainer.warmup_steps=0",
+            "trainer.grad_clip=0",
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0
+    assert "non-finite loss" in run.stdout + run.stderr
+    assert "at step" in run.stdout + run.stderr
+    last = resolve_resume("auto", tmp_path / "checkpoints")
+    assert last is not None
+    model = GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64)
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = Checkpointer(tmp_path / "checkpoints").load(last, model, optimizer)
+    assert state["step"] >= 1
