@@ -131,9 +131,7 @@ def test_rank_killed_mid_step_ends_the_job_with_an_error(tmp_path):
     out, _ = proc.communicate(timeout=timeout_s + 30)
     elapsed = time.monotonic() - killed_at
     assert proc.returncode != 0
-    assert "failed" in out and "Signals.SIGKILL" in out or "exit code -9" in out, out[
-        -2000:
-    ]
+    assert "failed (exit code -9)" in out, out[-2000:]
     assert elapsed < timeout_s, f"took {elapsed:.0f}s to notice the dead rank"
 
 
