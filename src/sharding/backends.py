@@ -113,7 +113,13 @@ class Backend:
         return enable_wrap(wrapper_cls, policy=policy, **defaults)
 
     def wrap_root(self, model: nn.Module) -> nn.Module:
-        """Wrap the root last (inside the wrap context for sharding backends)."""
+        """Wrap the root last (inside the wrap context for sharding backends).
+
+        FSDP2's root keeps its parameters gathered after forward: backward needs them
+        first, so freeing and re-gathering them would only cost a collective.
+        """
+        if self.name == "fsdp2":
+            return wrap_module(model, reshard_after_forward=False)
         if self.shards:
             return wrap_module(model)
         return model
