@@ -1,0 +1,278 @@
+"""Sweeps: multirun summary (CSV, Markdown, PNG, wandb), failed jobs, presets, Optuna."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from src.config import ConfigError, exit_on_config_error
+from src.trainer.loggers import read_wandb_offline_run
+from src.trainer.sweep import (
+    STATUS_FILE,
+    error_line,
+    main,
+    objective,
+    run_job,
+    swept_keys,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny model for 3 steps: step 1 closes the warm-up window, step 3 reports tokens/s.
+TINY = [
+    "model=tiny",
+    "data=synthetic",
+    "data.num_tokens=50000",
+    "trainer.max_steps=3",
+    "trainer.val_batches=1",
+    "trainer.progress=false",
+    "trainer.peak_tflops=1",  # skip the CPU matmul probe
+]
+
+
+def multirun(sweep_dir: Path, *overrides: str, timeout: float = 240):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "train.py", "-m", *TINY, *overrides]
+        + [f"hydra.sweep.dir={sweep_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def markdown_rows(path: Path) -> list[list[str]]:
+    lines = path.read_text().splitlines()
+    assert lines[1].startswith("|---")
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.slow
+def test_multirun_summary_table_plot_and_one_wandb_run_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = multirun(
+        sweep,
+        "trainer.devices=1",
+        "trainer.batch_size=4",
+        "sharding=fsdp2",
+        "sharding.min_params=1e3,1e4",
+        "precision=fp32,bf16_mixed",
+        "logger=wandb",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    rows = read_csv(sweep / "sweep_summary.csv")
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
+    assert [(r["sharding.min_params"], r["precision"]) for r in rows] == [
+        ("1000.0", "fp32"),
+        ("1000.0", "bf16_mixed"),
+        ("10000.0", "fp32"),
+        ("10000.0", "bf16_mixed"),
+    ]
+    assert "model" not in rows[0]  # constant overrides are not swept values
+    for r in rows:
+        assert r["status"] == "completed" and r["error"] == ""
+        for key in ("tokens_per_s", "mfu", "peak_mem_gib", "init_peak_mem_gib"):
+            assert float(r[key]) > 0, (key, r)
+        assert 4 < float(r["loss"]) < 7 and 4 < float(r["val_loss"]) < 7
+    # A lower threshold makes more units: every Linear of model=tiny vs fewer.
+    units = {r["sharding.min_params"]: int(r["wrap_units"]) for r in rows}
+    assert units["1000.0"] > units["10000.0"] >= 1
+    best = [r for r in rows if r["best"] == "True"]
+    assert len(best) == 1
+    assert float(best[0]["tokens_per_s"]) == max(float(r["tokens_per_s"]) for r in rows)
+
+    md = markdown_rows(sweep / "sweep_summary.md")
+    assert len(md) == 4
+    assert md[0][:4] == ["0", "1000.0", "fp32", "completed"]
+    assert sum(cell.startswith("**") for row in md for cell in row) == 1  # best
+
+    width, height = png_size(sweep / "sweep_summary.png")
+    assert width > 400 and height > 400
+    assert (sweep / "sweep_summary.png").stat().st_size > 10_000
+
+    # One offline wandb run per job, all in the sweep's group, plus the summary run.
+    groups = set()
+    for job in range(4):
+        runs = list((sweep / str(job) / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1, runs
+        run = read_wandb_offline_run(sweep / str(job))
+        assert run.get("job_type") is None
+        groups.add(run["run_group"])
+    assert groups == {"train-sweep"}
+    summary_run = read_wandb_offline_run(sweep)
+    assert summary_run["job_type"] == "sweep-summary"
+    assert summary_run["run_group"] == "train-sweep"
+    s = summary_run["summary"]
+    assert s["jobs"] == 4 and s["failed"] == 0
+    assert s["sweep_summary._type"] == "table-file" and s["sweep_summary.nrows"] == 4
+    assert s["sweep_plot._type"] == "image-file"
+    assert s["best/tokens_per_s"] == pytest.approx(float(best[0]["tokens_per_s"]))
+
+
+@pytest.mark.slow
+def test_a_failed_job_is_a_row_and_the_others_still_run(tmp_path):
+    """2 ranks per job. batch_size=3 fails config validation on 2 ranks (sys.exit(2)
+    in the job); num_tokens=20 passes it and fails at run time on the ranks (the
+    launcher's sys.exit with the rank's traceback). Both used to end the multirun."""
+    sweep = tmp_path / "sweep"
+    out = multirun(
+        sweep,
+        "trainer.devices=2",
+        "trainer.batch_size=3,4",
+        "data.num_tokens=20,50000",
+        "logger=none",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_csv(sweep / "sweep_summary.csv")
+    got = {(r["trainer.batch_size"], r["data.num_tokens"]): r for r in rows}
+    assert sorted(got) == [("3", "20"), ("3", "50000"), ("4", "20"), ("4", "50000")]
+    for key in (("3", "20"), ("3", "50000")):
+        assert got[key]["status"] == "failed"
+        assert got[key]["error"].startswith("config error: trainer.batch_size: 3 ")
+    runtime = got[("4", "20")]
+    assert runtime["status"] == "failed" and runtime["tokens_per_s"] == ""
+    assert runtime["error"].startswith("rank ")
+    assert "ValueError: data.num_tokens: split has 19 tokens" in runtime["error"]
+    ok = got[("4", "50000")]
+    assert ok["status"] == "completed" and ok["best"] == "True"
+    assert float(ok["tokens_per_s"]) > 0 and int(ok["wrap_units"]) >= 1
+    md = (sweep / "sweep_summary.md").read_text()
+    assert md.count("| failed |") == 3 and "split has 19 tokens" in md
+    assert png_size(sweep / "sweep_summary.png")[0] > 400
+    assert not (sweep / "wandb").exists()  # logger=none: no summary run either
+
+    # The summary can be rebuilt from the sweep dir alone.
+    (sweep / "sweep_summary.csv").unlink()
+    main([str(sweep), "--no-wandb", "--no-plot"])
+    assert read_csv(sweep / "sweep_summary.csv") == rows
+
+
+@pytest.mark.slow
+def test_optuna_preset_maximises_the_returned_tokens_per_s(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = multirun(
+        sweep,
+        "hydra/sweeper=optuna_throughput",
+        "hydra.sweeper.n_trials=2",
+        "trainer.devices=1",
+        "logger=none",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    rows = read_csv(sweep / "sweep_summary.csv")
+    assert len(rows) == 2 and all(r["status"] == "completed" for r in rows)
+    assert set(result["best_params"]) == {"sharding.min_params", "trainer.batch_size"}
+    best = max(rows, key=lambda r: float(r["tokens_per_s"]))
+    assert result["best_value"] == pytest.approx(float(best["tokens_per_s"]))
+    assert best["best"] == "True"
+    assert 1e3 <= float(best["sharding.min_params"]) <= 1e9
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_slurm_launcher_preset_composes():
+    cfg = _compose("hydra/launcher=slurm", "hydra.launcher.partition=gpu")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == (
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    )
+    assert launcher.partition == "gpu"
+    assert launcher.tasks_per_node == 1 and launcher.nodes == 1
+    for key in ("gpus_per_node", "timeout_min", "cpus_per_task", "mem_gb"):
+        assert isinstance(launcher[key], int) and launcher[key] > 0, key
+    assert launcher.submitit_folder.endswith("/.submitit/%j")
+    assert get_class(launcher._target_).__name__ == "SlurmLauncher"
+    # The plugin's schema types the preset: a wrong type fails while composing.
+    with pytest.raises(Exception, match="timeout_min"):
+        _compose("hydra/launcher=slurm", "hydra.launcher.timeout_min=soon")
+    # The default launcher stays the basic one, with the summary callback.
+    default = _compose()
+    assert default.hydra.launcher._target_.endswith("BasicLauncher")
+    assert default.hydra.callbacks.sweep_summary._target_ == (
+        "src.trainer.sweep.SweepSummary"
+    )
+
+
+def test_optuna_sweeper_preset_composes():
+    sweeper = _compose("hydra/sweeper=optuna_throughput").hydra.sweeper
+    assert sweeper._target_.endswith("OptunaSweeper")
+    assert sweeper.direction == "maximize"
+    assert set(sweeper.params) == {"sharding.min_params", "trainer.batch_size"}
+    assert "log" in sweeper.params["sharding.min_params"]
+    assert sweeper.sampler._target_ == "optuna.samplers.TPESampler"
+
+
+def test_objective_is_tokens_per_s_under_the_memory_cap():
+    summary = {"tokens_per_s": 1000.0, "peak_mem_gib": 3.0}
+    assert objective(summary) == 1000.0
+    assert objective(summary, mem_cap_gib=4.0) == 1000.0
+    over = objective(summary, mem_cap_gib=2.5)
+    assert over == pytest.approx(-0.5)
+    assert objective({**summary, "peak_mem_gib": 9.0}, mem_cap_gib=2.5) < over < 0
+    assert objective({}) == -math.inf  # failed or plan-only: no throughput
+    assert objective({"tokens_per_s": float("nan")}) == -math.inf
+
+
+def test_error_line_keeps_the_useful_line():
+    assert error_line(ValueError("bad value\nmore")) == "ValueError: bad value"
+    report = (
+        "rank 1 failed (exit code 1):\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\nRuntimeError: out of memory\n'
+    )
+    assert error_line(SystemExit(report)) == (
+        "rank 1 failed (exit code 1): RuntimeError: out of memory"
+    )
+    try:
+        with exit_on_config_error():
+            raise ConfigError("trainer.devices", "got 0")
+    except SystemExit as err:
+        assert err.code == 2
+        assert error_line(err) == "config error: trainer.devices: got 0"
+    assert error_line(SystemExit(3)) == "exit status 3"
+
+
+def test_swept_keys_are_the_overrides_that_vary():
+    jobs = [
+        {"model": "tiny", "a": "1", "b": "x"},
+        {"model": "tiny", "a": "2", "b": "x"},
+        {"model": "tiny", "a": "1", "b": "y"},
+    ]
+    assert swept_keys(jobs) == ["a", "b"]
+    assert swept_keys(jobs[:1]) == ["model", "a", "b"]
+
+
+def test_run_job_outside_a_multirun_lets_failures_through(tmp_path):
+    (tmp_path / "summary.json").write_text('{"tokens_per_s": 5.0}')
+    cfg = OmegaConf.create({})
+    assert run_job(cfg, str(tmp_path), lambda: None) == 5.0
+    with pytest.raises(SystemExit, match="rank 0 failed"):
+        run_job(cfg, str(tmp_path), lambda: sys.exit("rank 0 failed"))
+    assert not (tmp_path / STATUS_FILE).exists()  # records are for multiruns
