@@ -125,6 +125,14 @@ class LoggerConfig:
 
 
 @dataclass
+class SweepConfig:
+    """Read by src/trainer/sweep.py: a job whose peak memory is above the cap scores
+    below every job within it (for sweepers such as Optuna)."""
+
+    mem_cap_gib: float | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
@@ -132,6 +140,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 ConfigStore.instance().store(name="base_config", node=Config)
@@ -216,6 +225,10 @@ def validate(cfg: DictConfig) -> None:
     Raises :class:`ConfigError` (one line naming the key) at the first problem.
     """
     m, s, t = cfg.model, cfg.sharding, cfg.trainer
+    cap = cfg.sweep.mem_cap_gib
+    _require(
+        cap is None or cap > 0, "sweep.mem_cap_gib", f"got {cap}, expected null or > 0"
+    )
     for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
         _positive_int(cfg, f"model.{key}")
     _require(

@@ -261,7 +261,7 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)),
-                targets.view(-1),
+                targets.reshape(-1),
                 ignore_index=-1,
             )
         return logits, loss

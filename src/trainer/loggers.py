@@ -101,21 +101,22 @@ class Logger:
             table = wandb.Table(columns=columns, data=data)
             self.wandb_run.log({name: table}, step=self._last_step)
 
-    def finish(self) -> None:
-        """Close the files and finish the wandb run (once; safe to call again)."""
+    def finish(self, exit_code: int = 0) -> None:
+        """Close the files and finish the wandb run (once; safe to call again);
+        a non-zero ``exit_code`` marks the wandb run as failed."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None
         self.run_dir = None
 
     def __enter__(self) -> Logger:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.finish()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(exit_code=0 if exc_type is None else 1)
 
 
 def _table_cell(value: Any) -> Any:

@@ -244,126 +244,126 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
         device,
         cfg.sharding.reshard_after_forward,
     )
-    logger = build_logger(cfg, run_dir, rank)
+    # A failed run (exception, NaN, a dead peer) still closes its files and marks its
+    # wandb run failed, so the next job of a sweep does not inherit it.
+    with build_logger(cfg, run_dir, rank) as logger:
+        # Data: every rank sees the same global batches and takes its own rows.
+        block_size = cfg.model.block_size
+        micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
+        train_split, val_split = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
+        batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
+        val_set = []
+        if t.val_every and t.val_batches:
+            val_set = GlobalBatches(
+                val_split, micro_batch, block_size, t.seed
+            ).val_batches(t.val_batches, world, rank)
 
-    # Data: every rank sees the same global batches and takes its own rows.
-    block_size = cfg.model.block_size
-    micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
-    train_split, val_split = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
-    batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
-    val_set = []
-    if t.val_every and t.val_batches:
-        val_set = GlobalBatches(val_split, micro_batch, block_size, t.seed).val_batches(
-            t.val_batches, world, rank
+        # Model, sharded as it is built; its construction peak is measured on its own.
+        reset_peak_memory(device)
+        model = build_model(cfg, backend)
+        init_mem = reduce_max_min(memory_metrics(device, prefix="init_"))
+        plan = wrap_plan(model, world)
+        log_wrap_plan(plan, logger, rank)
+        num_params = sum(u.numel for u in plan.units) or sum(
+            p.numel() for p in model.parameters()
         )
 
-    # Model, sharded as it is built; its construction peak is measured on its own.
-    reset_peak_memory(device)
-    model = build_model(cfg, backend)
-    init_mem = reduce_max_min(memory_metrics(device, prefix="init_"))
-    plan = wrap_plan(model, world)
-    log_wrap_plan(plan, logger, rank)
-    num_params = sum(u.numel for u in plan.units) or sum(
-        p.numel() for p in model.parameters()
-    )
+        optimizer = build_optimizer(model, cfg)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        scaler = backend.grad_scaler()
 
-    optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    scaler = backend.grad_scaler()
+        ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep_last=t.keep_last)
+        start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank)
 
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep_last=t.keep_last)
-    start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank)
-
-    gpt_cfg = GPTConfig.from_dict(cfg.model)
-    meter = ThroughputMeter(
-        tokens_per_step=t.batch_size * block_size,
-        flops_per_token=flops_per_token(gpt_cfg, block_size),
-        # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe.
-        peak_flops_per_rank=(
-            peak_flops_per_rank(device, backend.param_dtype, t.peak_tflops)
-            if rank == 0
-            else 1.0
-        ),
-        world_size=world,
-    )
-    logger.log(
-        {
-            "init_peak_mem_gib": init_mem["init_peak_mem_gib"],
-            "num_params": num_params,
-            "wrap_units": len(plan.units),
-        },
-        step=start_step,
-    )
-
-    bar = tqdm(
-        total=t.max_steps,
-        initial=start_step,
-        disable=rank != 0 or not t.progress,
-        desc="train",
-        dynamic_ncols=True,
-    )
-    summary: dict[str, Any] = {}
-    skipped_steps = 0
-    for step in range(start_step + 1, t.max_steps + 1):
-        lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(
-            model, batches, step - 1, backend, optimizer, scaler, cfg
+        gpt_cfg = GPTConfig.from_dict(cfg.model)
+        meter = ThroughputMeter(
+            tokens_per_step=t.batch_size * block_size,
+            flops_per_token=flops_per_token(gpt_cfg, block_size),
+            # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe.
+            peak_flops_per_rank=(
+                peak_flops_per_rank(device, backend.param_dtype, t.peak_tflops)
+                if rank == 0
+                else 1.0
+            ),
+            world_size=world,
         )
-        scheduler.step()
-        step_loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
-        skipped = check_finite(step_loss, grad_norm, step, scaler, ckpt)
-        skipped_steps += skipped
-        bar.update(1)
+        logger.log(
+            {
+                "init_peak_mem_gib": init_mem["init_peak_mem_gib"],
+                "num_params": num_params,
+                "wrap_units": len(plan.units),
+            },
+            step=start_step,
+        )
 
-        log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
-        speed = meter.step(step, log=log_now)  # None before the first full window
-        if log_now:
-            metrics = {
-                "loss": step_loss,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                **(speed or {}),
-                **reduce_max_min(memory_metrics(device)),
-            }
-            if scaler is not None:
-                metrics["loss_scale"] = scaler.get_scale()
-                metrics["skipped_steps"] = skipped_steps
-            logger.log(metrics, step=step)
-            summary.update(metrics)
-            if bar.disable and rank == 0:
-                print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        bar = tqdm(
+            total=t.max_steps,
+            initial=start_step,
+            disable=rank != 0 or not t.progress,
+            desc="train",
+            dynamic_ncols=True,
+        )
+        summary: dict[str, Any] = {}
+        skipped_steps = 0
+        for step in range(start_step + 1, t.max_steps + 1):
+            lr = scheduler.get_last_lr()[0]
+            loss, grad_norm = train_step(
+                model, batches, step - 1, backend, optimizer, scaler, cfg
+            )
+            scheduler.step()
+            step_loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
+            skipped = check_finite(step_loss, grad_norm, step, scaler, ckpt)
+            skipped_steps += skipped
+            bar.update(1)
 
-        if val_set and (step % t.val_every == 0 or step == t.max_steps):
-            val_loss = evaluate(model, val_set, backend)
-            logger.log({"val_loss": val_loss}, step=step)
-            summary["val_loss"] = val_loss
+            log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
+            speed = meter.step(step, log=log_now)  # None before the first full window
+            if log_now:
+                metrics = {
+                    "loss": step_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    **(speed or {}),
+                    **reduce_max_min(memory_metrics(device)),
+                }
+                if scaler is not None:
+                    metrics["loss_scale"] = scaler.get_scale()
+                    metrics["skipped_steps"] = skipped_steps
+                logger.log(metrics, step=step)
+                summary.update(metrics)
+                if bar.disable and rank == 0:
+                    print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+
+            if val_set and (step % t.val_every == 0 or step == t.max_steps):
+                val_loss = evaluate(model, val_set, backend)
+                logger.log({"val_loss": val_loss}, step=step)
+                summary["val_loss"] = val_loss
+                if rank == 0:
+                    bar.write(f"step {step}: val_loss {val_loss:.4f}")
+                meter.restart(step)  # validation time is not training throughput
+
+            if t.ckpt_every and (step % t.ckpt_every == 0 or step == t.max_steps):
+                path = ckpt.save(step, model, optimizer, scheduler)
+                if rank == 0:
+                    bar.write(f"step {step}: checkpoint saved to {path}")
+        bar.close()
+        if t.export:
+            export_path = Path(run_dir) / "model.safetensors"
+            export_consolidated(model, export_path)
             if rank == 0:
-                bar.write(f"step {step}: val_loss {val_loss:.4f}")
-            meter.restart(step)  # validation time is not training throughput
+                print(f"exported consolidated weights to {export_path}", flush=True)
 
-        if t.ckpt_every and (step % t.ckpt_every == 0 or step == t.max_steps):
-            path = ckpt.save(step, model, optimizer, scheduler)
-            if rank == 0:
-                bar.write(f"step {step}: checkpoint saved to {path}")
-    bar.close()
-    if t.export:
-        export_path = Path(run_dir) / "model.safetensors"
-        export_consolidated(model, export_path)
-        if rank == 0:
-            print(f"exported consolidated weights to {export_path}", flush=True)
-
-    summary.update(
-        steps=t.max_steps,
-        world_size=world,
-        num_params=num_params,
-        wrap_units=len(plan.units),
-        init_peak_mem_gib=init_mem["init_peak_mem_gib"],
-        wall_time_s=time.perf_counter() - start_time,
-    )
-    logger.log_summary(summary)
-    logger.finish()
-    return summary
+        summary.update(
+            steps=t.max_steps,
+            world_size=world,
+            num_params=num_params,
+            wrap_units=len(plan.units),
+            init_peak_mem_gib=init_mem["init_peak_mem_gib"],
+            wall_time_s=time.perf_counter() - start_time,
+        )
+        logger.log_summary(summary)
+        return summary
 
 
 def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> WrapPlan:

@@ -1,0 +1,89 @@
+"""Smoke tests of the benchmarks on tiny sizes: each main() runs, its table has the
+expected rows and sane figures, and nothing is appended to docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import common, init_memory, mfu
+
+
+@pytest.fixture
+def docs_untouched():
+    """Fails the test if docs/benchmarks.md changed (no --append-docs in smoke runs)."""
+    before = common.DOCS.read_bytes() if common.DOCS.exists() else None
+    yield
+    after = common.DOCS.read_bytes() if common.DOCS.exists() else None
+    assert after == before, "a smoke run appended to docs/benchmarks.md"
+
+
+@pytest.mark.slow
+def test_init_memory_tiny(docs_untouched):
+    # ~80 MB of fp32 parameters in 24 blocks of 3 MiB, on 2 gloo ranks.
+    rows = init_memory.main(
+        [
+            "--n-layer=24",
+            "--n-embd=256",
+            "--vocab-size=1024",
+            "--block-size=64",
+            "--ranks=2",
+            "--modes",
+            "none",
+            "cpu",
+        ]
+    )
+    assert [r["mode"] for r in rows] == ["none", "cpu"]
+    figures = {
+        r["mode"]: {
+            k: float(r[k])
+            for k in (
+                "baseline (GiB)",
+                "peak/rank (GiB)",
+                "peak - baseline (GiB)",
+                "P/N (GiB)",
+                "local params (GiB)",
+            )
+        }
+        for r in rows
+    }
+    for f in figures.values():
+        assert f["peak/rank (GiB)"] > f["baseline (GiB)"] > 0
+    none, cpu = figures["none"], figures["cpu"]
+    # Unsharded: each rank holds all parameters, about twice P/N at 2 ranks.
+    assert none["local params (GiB)"] == pytest.approx(2 * none["P/N (GiB)"], rel=0.01)
+    assert none["peak - baseline (GiB)"] >= 1.5 * none["P/N (GiB)"]
+    # Sharded as built: half the parameters, and a smaller construction peak.
+    assert cpu["local params (GiB)"] == pytest.approx(cpu["P/N (GiB)"], rel=0.01)
+    assert float(rows[1]["plan estimate/rank (GiB)"]) == pytest.approx(
+        cpu["local params (GiB)"], abs=0.002
+    )
+    assert cpu["peak - baseline (GiB)"] < none["peak - baseline (GiB)"]
+
+
+def test_mfu_tiny(docs_untouched):
+    threads = torch.get_num_threads()
+    try:
+        rows = mfu.main(
+            [
+                "--n-layer=1",
+                "--n-embd=64",
+                "--n-head=2",
+                "--vocab-size=256",
+                "--seq-len=32",
+                "--batch-size=2",
+                "--steps=2",
+                "--warmup=1",
+                "--peak-seconds=0.02",
+                "--dtypes",
+                "fp32",
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["dtype"] for r in rows] == ["fp32"]
+    row = rows[0]
+    assert row["tokens/step"] == 64
+    assert float(row["tokens/s"]) > 0
+    assert float(row["achieved GFLOP/s"]) > 0
+    assert 0 < float(row["MFU (median step)"].rstrip("%")) < 100
