@@ -1,0 +1,692 @@
+"""Trainer overhead: train.py's tokens/s against a minimal hand-written FSDP2 loop.
+
+Both sides train the same GPT (``conf/model/<model>.yaml``), on the same synthetic
+tokens (``src.trainer.data`` ``GlobalBatches``), with the same global batch, 2 gloo
+ranks of 1 thread each, FSDP2 ``fully_shard`` on every block and on the root, AdamW
+(weight decay on matrices only), warmup + cosine LR and grad-norm clipping, with the
+hyper-parameters of ``conf/trainer/default.yaml``. So the losses match step for step
+(checked: ``max |dloss|``).
+
+- ``trainer``: ``python train.py model=<model> data=synthetic sharding.policy=block
+  trainer.devices=2 ... logger=none trainer.progress=false`` in a subprocess; its
+  throughput over steps (W, N] comes from metrics.jsonl (each log record's
+  ``step_time_s`` x steps in its window), so the log points at W and N bound the window.
+- ``minimal``: the loop below, started with ``torch.multiprocessing`` (``spawn``) or
+  torch's elastic launcher (``elastic``, as train.py does); rank 0 times steps (W, N].
+
+Repeats alternate the order of the sides; the ratio trainer / minimal is reported per
+repeat and as the median, with the CPU time of each side's process tree (read from
+/proc at the log lines of steps W and N), which other load on a shared machine
+disturbs less than wall time.
+
+``--ab`` instead runs the arms of ``AB_ARMS`` (the minimal step, the trainer's own
+build_model + train_step, root resharding on/off, the log-point work) inside the same
+2 ranks, one step of each in turn, so machine load hits them alike: the step-level
+comparison without process start-up, launcher or Hydra.
+
+    python -m bench.overhead [--model small] [--steps 60] [--warmup 10] [--repeats 3]
+        [--minimal spawn elastic] [--ab] [--append-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from bench.common import append_to_benchmarks, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+
+
+def load_settings(args: argparse.Namespace) -> dict:
+    """The model shape and trainer hyper-parameters both sides use."""
+    model = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    trainer = OmegaConf.load(ROOT / "conf" / "trainer" / "default.yaml")
+    data = OmegaConf.load(ROOT / "conf" / "data" / "synthetic.yaml")
+    return {
+        "shape": {
+            k: model[k]
+            for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+        }
+        | {"dropout": float(model.dropout), "bias": bool(model.bias)},
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "log_every": args.log_every,
+        "seed": int(trainer.seed),
+        "lr": float(trainer.lr),
+        "min_lr": float(trainer.min_lr),
+        "warmup_steps": int(trainer.warmup_steps),
+        "weight_decay": float(trainer.weight_decay),
+        "betas": tuple(float(b) for b in trainer.betas),
+        "grad_clip": float(trainer.grad_clip),
+        "num_tokens": int(data.num_tokens),
+    }
+
+
+# --------------------------------------------------------------------- minimal loop
+
+
+def _lr_factor(s: dict, step: int) -> float:
+    """Linear warmup, then cosine to min_lr (the trainer's schedule)."""
+    if step < s["warmup_steps"]:
+        return (step + 1) / s["warmup_steps"]
+    floor = s["min_lr"] / s["lr"]
+    progress = (step - s["warmup_steps"]) / max(1, s["steps"] - s["warmup_steps"])
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def minimal_train(s: dict, out_dir: str) -> None:
+    """One rank of the hand-written loop (process group already initialised)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from src.models.gpt import GPT, GPTConfig
+    from src.trainer.data import GlobalBatches, load_splits
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(s["seed"])
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = GPTConfig(**s["shape"])
+    model = GPT(cfg, seed=s["seed"])
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {
+                "params": [p for p in params if p.dim() >= 2],
+                "weight_decay": s["weight_decay"],
+            },
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=s["lr"],
+        betas=s["betas"],
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: _lr_factor(s, step)
+    )
+    train_split, _ = load_splits(
+        SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
+        cfg.vocab_size,
+        s["seed"],
+    )
+    batches = GlobalBatches(train_split, s["batch_size"], cfg.block_size, s["seed"])
+
+    losses, stamps = [], {}
+    progress = open(  # rank 0's log points, read by run_side
+        os.path.join(out_dir, "progress.jsonl") if rank == 0 else os.devnull, "a"
+    )
+    for step in range(1, s["steps"] + 1):
+        x, y = batches.get(step - 1, 0, rank, world)
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"] or math.inf)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        stamps[step] = time.perf_counter()
+        if rank == 0 and (step == 1 or step % s["log_every"] == 0):
+            progress.write(json.dumps({"step": step, "loss": losses[-1]}) + "\n")
+            progress.flush()
+    progress.close()
+    with open(os.path.join(out_dir, f"minimal_{rank}.json"), "w") as f:
+        json.dump({"losses": losses, "stamps": stamps}, f)
+
+
+def _spawn_worker(rank: int, s: dict, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
+    )
+    try:
+        minimal_train(s, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def _elastic_worker(s: dict, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    try:
+        minimal_train(s, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def minimal_process(launcher: str, out_dir: str) -> None:
+    """``--worker``: start the minimal loop's ranks (a subprocess of the benchmark, as
+    train.py is, so both sides are measured the same way)."""
+    with open(os.path.join(out_dir, "settings.json")) as f:
+        s = json.load(f)
+    s["betas"] = tuple(s["betas"])
+    if launcher == "spawn":
+        mp.start_processes(
+            _spawn_worker, args=(s, out_dir), nprocs=WORLD, start_method="spawn"
+        )
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=WORLD,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+    )
+    elastic_launch(config, _elastic_worker)(s, out_dir)
+
+
+# ------------------------------------------- interleaved A/B inside the same ranks
+
+# Arms of --ab: each a model + optimizer + schedule in the same 2 ranks, stepped in
+# turn (one step of each arm, rotating the order), so load on the machine hits all
+# arms alike. ``minimal*``: hand-written FSDP2 and step; ``trainer*``: the trainer's
+# own build_model / build_optimizer / train_step (src.trainer.loop).
+AB_ARMS = (
+    "minimal",  # fully_shard(block), fully_shard(root) with torch's defaults
+    "minimal+root_reshard",  # the same, root with reshard_after_forward=True
+    "trainer_step",  # the trainer's build_model + train_step, config as given
+    "trainer_step+root_keep",  # the same, root with reshard_after_forward=False
+    "trainer_step+log",  # trainer_step plus a log point's work at every step
+)
+
+
+def compose_trainer_cfg(args: argparse.Namespace, s: dict):
+    """The composed (resolved) train.py config of the trainer side."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import src.config  # noqa: F401  (registers base_config)
+
+    overrides = trainer_command(s, args, "/unused")[2:-1]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
+    """(step function, model) of one arm."""
+    from torch.distributed.fsdp import fully_shard
+
+    from src.models.gpt import GPT, GPTConfig
+    from src.sharding import build_backend
+    from src.trainer import loop
+
+    if name.startswith("minimal"):
+        model = GPT(GPTConfig(**s["shape"]), seed=s["seed"])
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        root_reshard = True if name.endswith("root_reshard") else None
+        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard)
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(
+            [
+                {
+                    "params": [p for p in params if p.dim() >= 2],
+                    "weight_decay": s["weight_decay"],
+                },
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=s["lr"],
+            betas=s["betas"],
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: _lr_factor(s, step)
+        )
+
+        def step_fn(batches, step: int) -> float:
+            x, y = batches.get(step, 0, dist.get_rank(), dist.get_world_size())
+            _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+
+        return step_fn
+
+    backend = build_backend(
+        "fsdp2", cfg.precision.name, "cpu", cfg.sharding.reshard_after_forward
+    )
+    model = loop.build_model(cfg, backend)
+    if name.endswith("root_keep"):
+        model.set_reshard_after_forward(False, recurse=False)
+    optimizer = loop.build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, loop.lr_lambda(cfg))
+    log_every_step = name.endswith("+log")
+    if log_every_step:
+        from src.trainer import metrics as tm
+        from src.trainer.loggers import Logger
+
+        logger = Logger(out_dir if dist.get_rank() == 0 else None)
+        meter = tm.ThroughputMeter(s["batch_size"] * cfg.model.block_size, 1.0, 1.0, 2)
+
+    def step_fn(batches, step: int) -> float:
+        lr = scheduler.get_last_lr()[0]
+        loss, grad_norm = loop.train_step(
+            model, batches, step, backend, optimizer, None, cfg
+        )
+        scheduler.step()
+        if log_every_step:  # what the loop does at a log point (src/trainer/loop.py)
+            speed = meter.step(step + 1, log=True)
+            row = {
+                "loss": loop.global_mean(loss),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                **(speed or {}),
+                **tm.reduce_max_min(tm.memory_metrics(torch.device("cpu"))),
+            }
+            logger.log(row, step=step + 1)
+            return row["loss"]  # the global mean, on every rank
+        return loss.item()
+
+    return step_fn
+
+
+def _ab_worker(rank: int, s: dict, cfg, arms: list[str], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
+    )
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from src.trainer.data import GlobalBatches, load_splits
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        steps = {a: _ab_arm(a, s, cfg, mesh, out_dir) for a in arms}
+        train_split, _ = load_splits(
+            SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
+            s["shape"]["vocab_size"],
+            s["seed"],
+        )
+        batches = GlobalBatches(
+            train_split, s["batch_size"], s["shape"]["block_size"], s["seed"]
+        )
+        out = {a: {"wall": [], "cpu": [], "loss": []} for a in arms}
+        for step in range(s["steps"]):
+            k = step % len(arms)
+            for arm in arms[k:] + arms[:k]:
+                dist.barrier()  # each arm's step starts with both ranks ready
+                t0, c0 = time.perf_counter(), time.process_time()
+                loss = steps[arm](batches, step)
+                out[arm]["wall"].append(time.perf_counter() - t0)
+                out[arm]["cpu"].append(time.process_time() - c0)
+                out[arm]["loss"].append(loss)
+        with open(os.path.join(out_dir, f"ab_{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
+    """Per-step wall (rank 0) and CPU (both ranks) of each arm after the warm-up."""
+    cfg = compose_trainer_cfg(args, s)
+    arms = list(args.ab_arms)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _ab_worker,
+            args=(s, cfg, arms, out_dir),
+            nprocs=WORLD,
+            start_method="spawn",
+        )
+        ranks = []
+        for r in range(WORLD):
+            with open(os.path.join(out_dir, f"ab_{r}.json")) as f:
+                ranks.append(json.load(f))
+    w = s["warmup"]
+    rows, base = [], None
+    for arm in arms:
+        wall = statistics.median(ranks[0][arm]["wall"][w:])
+        cpu = statistics.median(
+            sum(v) for v in zip(*(r[arm]["cpu"][w:] for r in ranks), strict=True)
+        )
+        losses = [
+            statistics.fmean(v)
+            for v in zip(*(r[arm]["loss"] for r in ranks), strict=True)
+        ]
+        base = base or (wall, cpu, losses)
+        rows.append(
+            {
+                "arm": arm,
+                "step ms (median)": f"{wall * 1e3:.1f}",
+                "tokens/s": _fmt_tps(s["batch_size"] * s["shape"]["block_size"] / wall),
+                "arm / first (tokens/s)": f"{base[0] / wall:.3f}",
+                "CPU ms/step, both ranks (median)": f"{cpu * 1e3:.1f}",
+                "CPU: arm / first": f"{cpu / base[1]:.3f}",
+                "max dloss vs first": f"{max(abs(a - b) for a, b in zip(losses, base[2], strict=True)):.1e}",
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+# ------------------------------------------------------------- CPU time from /proc
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def tree_cpu(root: int) -> dict[int, float]:
+    """CPU seconds of ``root`` and each of its live descendants, by pid."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                stats[int(entry)] = st
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            out[pid] = stats[pid][1]
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def run_side(cmd: list[str], progress: str, s: dict) -> dict:
+    """Run one side; while it runs, watch its progress file (one JSON line per log
+    step) and read the CPU time of its process tree when steps W and N appear."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    marks: dict[int, tuple[float, dict[int, float]]] = {}
+    offset, pending = 0, ""
+    while proc.poll() is None:
+        time.sleep(0.01)
+        if len(marks) == 2 or not os.path.exists(progress):
+            continue
+        with open(progress) as f:
+            f.seek(offset)
+            chunk = f.read()
+            offset = f.tell()
+        *lines, pending = (pending + chunk).split("\n")
+        for line in lines:
+            step = json.loads(line).get("step")
+            if step in (s["warmup"], s["steps"]):
+                marks[step] = (time.perf_counter(), tree_cpu(proc.pid))
+    stderr = proc.stderr.read()
+    if proc.returncode or len(marks) != 2:
+        raise RuntimeError(f"{cmd[1:3]} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    (t0, cpu0), (t1, cpu1) = marks[s["warmup"]], marks[s["steps"]]
+    steps = s["steps"] - s["warmup"]
+    used = {pid: cpu1[pid] - cpu0.get(pid, 0.0) for pid in cpu1}
+    return {
+        "cpu_per_step": sum(used.values()) / steps,
+        "launcher_cpu_share": used.get(proc.pid, 0.0) / (t1 - t0),
+        "ranks_cpu_share": (sum(used.values()) - used.get(proc.pid, 0.0))
+        / (t1 - t0)
+        / WORLD,
+    }
+
+
+def run_minimal(s: dict, launcher: str) -> dict:
+    with tempfile.TemporaryDirectory() as out_dir:
+        with open(os.path.join(out_dir, "settings.json"), "w") as f:
+            json.dump(s, f)
+        cmd = [sys.executable, "-m", "bench.overhead", "--worker", launcher, out_dir]
+        result = run_side(cmd, os.path.join(out_dir, "progress.jsonl"), s)
+        ranks = []
+        for r in range(WORLD):
+            with open(os.path.join(out_dir, f"minimal_{r}.json")) as f:
+                ranks.append(json.load(f))
+    stamps = {int(k): v for k, v in ranks[0]["stamps"].items()}
+    points = range(s["warmup"], s["steps"] + 1, s["log_every"])
+    result["windows"] = [
+        (stamps[b] - stamps[a]) / (b - a) for a, b in itertools.pairwise(points)
+    ]
+    losses = [
+        statistics.fmean(v) for v in zip(*(r["losses"] for r in ranks), strict=True)
+    ]
+    result["losses"] = {i + 1: v for i, v in enumerate(losses)}
+    return result
+
+
+# ---------------------------------------------------------------------- the trainer
+
+
+def trainer_command(s: dict, args: argparse.Namespace, run_dir: str) -> list[str]:
+    return [
+        sys.executable,
+        "train.py",
+        f"model={args.model}",
+        "data=synthetic",
+        "sharding.policy=block",
+        f"trainer.devices={WORLD}",
+        f"trainer.max_steps={s['steps']}",
+        f"trainer.batch_size={s['batch_size']}",
+        f"trainer.log_every={s['log_every']}",
+        "trainer.val_every=0",
+        "logger=none",
+        "trainer.progress=false",
+        *args.trainer_overrides,
+        f"hydra.run.dir={run_dir}",  # last: compose_trainer_cfg drops it
+    ]
+
+
+def run_trainer(s: dict, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as run_dir:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        result = run_side(trainer_command(s, args, run_dir), metrics, s)
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+    logged = [r for r in records if "loss" in r]
+    result["windows"] = [
+        r["step_time_s"]
+        for r in logged
+        if "step_time_s" in r and r["step"] > s["warmup"]
+    ]
+    result["losses"] = {r["step"]: r["loss"] for r in logged}
+    return result
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--batch-size", type=int, default=16, help="global, in sequences")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument(
+        "--warmup", type=int, default=10, help="steps left out of the timing"
+    )
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--minimal",
+        nargs="+",
+        default=["spawn", "elastic"],
+        choices=["spawn", "elastic"],
+        help="launchers of the minimal loop (each one is a column)",
+    )
+    p.add_argument(
+        "--trainer-overrides",
+        nargs="*",
+        default=[],
+        help="extra train.py overrides (trainer side only: a changed hyper-parameter shows as max dloss)",
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="interleaved in-process A/B of the minimal step and the trainer's own "
+        "build_model/train_step (and variants) instead of the end-to-end runs",
+    )
+    p.add_argument("--ab-arms", nargs="+", default=list(AB_ARMS), choices=AB_ARMS)
+    p.add_argument("--append-docs", action="store_true")
+    p.add_argument(
+        "--worker", nargs=2, metavar=("LAUNCHER", "DIR"), help=argparse.SUPPRESS
+    )
+    args = p.parse_args(argv)
+    if args.warmup % args.log_every or args.steps % args.log_every or args.warmup <= 0:
+        p.error("--warmup and --steps must be positive multiples of --log-every")
+    if args.steps <= args.warmup:
+        p.error("--steps must exceed --warmup")
+    return args
+
+
+def _fmt_tps(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.worker:
+        minimal_process(*args.worker)
+        return []
+    s = load_settings(args)
+    if args.ab:
+        rows = run_ab(args, s)
+        table = markdown_table(rows)
+        print(table)
+        if args.append_docs:
+            append_to_benchmarks(
+                f"Trainer step against a minimal FSDP2 step, interleaved, "
+                f"model={args.model}, {WORLD} gloo ranks",
+                "python -m bench.overhead "
+                + " ".join(argv if argv is not None else sys.argv[1:]),
+                table,
+                note=(
+                    "All arms live in the same 2 ranks (1 thread each) and take one "
+                    "step each in turn (rotating order, a barrier before each step), "
+                    f"{s['steps']} steps, the first {s['warmup']} left out; medians of "
+                    "per-step wall time (rank 0) and CPU time (sum of both ranks). "
+                    "`minimal`: fully_shard per block and root with torch's defaults "
+                    "(the root keeps its parameters unsharded after forward); "
+                    "`trainer_step`: src.trainer.loop's build_model, build_optimizer, "
+                    "lr_lambda and train_step with the composed train.py config."
+                ),
+            )
+        return rows
+    tokens_per_step = s["batch_size"] * s["shape"]["block_size"]
+    sides = ["trainer"] + [f"minimal-{m}" for m in args.minimal]
+    rows = []
+    for repeat in range(args.repeats):
+        order = sides if repeat % 2 == 0 else sides[::-1]
+        res = {}
+        for side in order:
+            if side == "trainer":
+                r = run_trainer(s, args)
+            else:
+                r = run_minimal(s, side.split("-", 1)[1])
+            r["step_s"] = statistics.fmean(r["windows"])
+            r["median_step_s"] = statistics.median(r["windows"])
+            res[side] = r
+            print(
+                f"repeat {repeat}: {side}: {tokens_per_step / r['step_s']:,.0f} tokens/s"
+                f", CPU {r['cpu_per_step']:.3f} s/step (launcher "
+                f"{r['launcher_cpu_share']:.1%} of a core, ranks "
+                f"{r['ranks_cpu_share']:.0%} each); s/step per window: "
+                + " ".join(f"{w:.3f}" for w in r["windows"]),
+                flush=True,
+            )
+        for side in sides:
+            r, t = res[side], res["trainer"]
+            common = set(t["losses"]) & set(r["losses"])
+            dloss = max(abs(t["losses"][k] - r["losses"][k]) for k in common)
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "side": side,
+                    "tokens/s": _fmt_tps(tokens_per_step / r["step_s"]),
+                    "tokens/s (median window)": _fmt_tps(
+                        tokens_per_step / r["median_step_s"]
+                    ),
+                    "trainer / this": f"{r['step_s'] / t['step_s']:.3f}",
+                    "(median window)": f"{r['median_step_s'] / t['median_step_s']:.3f}",
+                    "CPU s/step": f"{r['cpu_per_step']:.3f}",
+                    "CPU: this / trainer": f"{r['cpu_per_step'] / t['cpu_per_step']:.3f}",
+                    "launcher CPU": f"{r['launcher_cpu_share']:.1%}",
+                    "rank CPU/wall": f"{r['ranks_cpu_share']:.2f}",
+                    "max dloss": "-" if side == "trainer" else f"{dloss:.1e}",
+                }
+            )
+    for side in sides[1:]:
+        mine = [r for r in rows if r["side"] == side]
+        rows.append(
+            {
+                "repeat": "median",
+                "side": side,
+                **{
+                    k: f"{statistics.median(float(r[k]) for r in mine):.3f}"
+                    for k in (
+                        "trainer / this",
+                        "(median window)",
+                        "CPU: this / trainer",
+                    )
+                },
+            }
+        )
+    table = markdown_table(rows)
+    print(table)
+    if args.append_docs:
+        command = "python -m bench.overhead " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
+        append_to_benchmarks(
+            f"Trainer overhead against a minimal FSDP2 loop, model={args.model}, "
+            f"{WORLD} gloo ranks",
+            command,
+            table,
+            note=(
+                f"Same GPT, synthetic tokens, global batch {s['batch_size']} x "
+                f"{s['shape']['block_size']}, FSDP2 per block + root, fp32, AdamW, clip "
+                f"{s['grad_clip']}, 1 thread per rank, {s['steps']} steps. Throughput "
+                f"over steps ({s['warmup']}, {s['steps']}] in windows of "
+                f"{s['log_every']} steps: trainer from metrics.jsonl, minimal timed on "
+                "rank 0; the sides alternate order per repeat. `trainer / this`: "
+                "trainer tokens/s over this side's (> 1: the trainer is faster), from "
+                "the mean and the median window. `CPU s/step`: CPU time (user + sys) of "
+                "the side's whole process tree (launcher + ranks) over the same steps, "
+                "read from /proc when the log lines of steps W and N appear; it is far "
+                "less sensitive to other load on the machine than wall time. "
+                "`launcher CPU`: the launching process's share of a core (train.py: "
+                "Hydra + torch's elastic agent). `rank CPU/wall` < 1: ranks waiting or "
+                "preempted. `max dloss`: largest difference of the logged losses "
+                "against the trainer's (same work)."
+            ),
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

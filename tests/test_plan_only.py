@@ -1,0 +1,167 @@
+"""``trainer.plan_only=true``: the wrap plan and per-rank memory estimate of a
+multi-billion-parameter model, in seconds, without allocating its parameters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+import src.config  # noqa: F401  (registers the base_config schema for compose)
+from src.models.gpt import GPTConfig, count_params
+from src.trainer import metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+ESTIMATE_KEYS = (
+    "params_gib",
+    "grads_gib",
+    "optimizer_gib",
+    "unsharded_units_gib",
+    "total_gib",
+)
+
+# Runs a command and prints its exit code, output, wall time and peak RSS as JSON.
+# A fresh process, so RUSAGE_CHILDREN holds that command's tree alone (pytest's own
+# children from earlier tests would otherwise set the maximum).
+_MEASURE = textwrap.dedent(
+    """
+    import json, resource, subprocess, sys, time
+    t0 = time.perf_counter()
+    proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+    maxrss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(json.dumps({
+        "rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss": maxrss * (1 if sys.platform == "darwin" else 1024),
+    }))
+    """
+)
+
+
+def _rss_bytes() -> int:
+    """This process's resident set now (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _num_params(model: str) -> int:
+    return count_params(GPTConfig.from_dict(_compose(f"model={model}").model))
+
+
+def _check_estimate(estimate: dict, unit_params: list[int], model: str, world: int):
+    """The estimate against the preset's parameter count and the plan's units (fp32:
+    4 bytes per parameter, AdamW: 2 states, the 2 largest units all-gathered)."""
+    n = _num_params(model)
+    assert sum(unit_params) == n  # every parameter is in exactly one unit
+    assert estimate["params_gib"] == pytest.approx(4 * n / world / GIB, rel=0.01)
+    assert estimate["grads_gib"] == pytest.approx(estimate["params_gib"])
+    assert estimate["optimizer_gib"] == pytest.approx(2 * estimate["params_gib"])
+    top2 = sorted(unit_params, reverse=True)[:2]
+    assert estimate["unsharded_units_gib"] == pytest.approx(4 * sum(top2) / GIB)
+    assert estimate["total_gib"] == pytest.approx(
+        sum(estimate[k] for k in ESTIMATE_KEYS[:-1])
+    )
+
+
+@pytest.mark.slow
+def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "train.py",
+        "trainer.plan_only=true",
+        "model=llama_7b_shape",
+        "trainer.devices=8",
+        f"hydra.run.dir={run_dir}",
+        "logger=none",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *cmd],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["rc"] == 0, result["stderr"][-3000:]
+
+    # The plan and the estimate are printed.
+    assert "wrap plan:" in result["stdout"]
+    assert "(world size 8)" in result["stdout"]
+    assert "per-rank memory estimate" in result["stdout"]
+    assert "total_gib" in result["stdout"]
+
+    # 6.6B fp32 parameters are 24.5 GiB; planning on meta stays at the runtime's size.
+    model_bytes = 4 * _num_params("llama_7b_shape")
+    assert model_bytes > 24 * GIB
+    assert result["peak_rss"] < 1.5 * GIB, (
+        f"peak RSS {result['peak_rss'] / GIB:.2f} GiB"
+    )
+    assert result["peak_rss"] < model_bytes / 16
+    assert result["wall_s"] < 120  # seconds on a 2-core machine; generous for CI load
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plan = json.loads((run_dir / "wrap_plan.json").read_text())
+    assert summary["world_size"] == 8
+    assert summary["wrap_units"] == len(plan)
+    _check_estimate(summary, [row["params"] for row in plan], "llama_7b_shape", 8)
+    # ~24.5 GiB over 8 ranks, then x4 for grads + AdamW, plus 2 unsharded units.
+    assert 3.0 < summary["params_gib"] < 3.2
+    assert 12 < summary["total_gib"] < 14
+
+    # No rank started, no step ran.
+    assert not (run_dir / "ranks").exists()
+    metrics_file = run_dir / "metrics.jsonl"
+    lines = metrics_file.read_text().split() if metrics_file.exists() else []
+    assert not any("loss" in json.loads(line) for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("model", "world"), [("llama_7b_shape", 8), ("gpt_70b", 64), ("small", 2)]
+)
+def test_plan_only_in_process(tmp_path, capsys, model, world):
+    from src.trainer.loop import plan_only
+
+    cfg = _compose(
+        "trainer.plan_only=true",
+        f"model={model}",
+        f"trainer.devices={world}",
+        "logger=none",
+    )
+    rss_before = _rss_bytes()
+    peak_resets = metrics._reset_cpu_peak_rss()  # False where the kernel cannot
+    plan = plan_only(cfg, str(tmp_path))
+    peak = metrics.cpu_peak_rss_bytes()
+    printed = capsys.readouterr().out
+
+    assert not dist.is_initialized()
+    assert f"(world size {world})" in printed
+    assert "per-rank memory estimate" in printed
+    assert plan.world_size == world
+    assert plan.total_numel == _num_params(model)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["wrap_units"] == len(plan.units)
+    _check_estimate(summary, [u.numel for u in plan.units], model, world)
+    if peak_resets and rss_before:
+        # Planning on meta: the peak grows by far less than one rank's share of the
+        # parameters (llama_7b_shape: 3 GiB per rank; gpt_70b: 4 GiB).
+        assert peak - rss_before < 0.25 * GIB, f"{(peak - rss_before) / GIB:.2f} GiB"
