@@ -146,7 +146,9 @@ def run_rank(cfg: DictConfig, run_dir: str) -> Any:
             warnings.simplefilter("ignore")  # only rank 0 talks
         # FSDP2 warns whenever a unit returns a view (any Linear on 3-D input) because an
         # in-place op on it would skip a hook; the GPT never modifies outputs in place.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* view tensor")
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module .* view tensor"
+        )
         return train(cfg, _shared_run_dir(run_dir), device)
     finally:
         dist.destroy_process_group()
