@@ -120,7 +120,17 @@ def init_distributed(timeout_s: float) -> torch.device:
     backend = "nccl" if cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ:  # set by the launcher: env:// rendezvous
-        dist.init_process_group(backend, timeout=timeout)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # After an elastic restart the store can still hold the dead attempt's gloo
+        # addresses; a per-attempt prefix keeps the new ranks from dialling them.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"attempt_{attempt}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
     else:  # a single in-process rank
         store = dist.HashStore()
         dist.init_process_group(
