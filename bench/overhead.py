@@ -85,31 +85,17 @@ def load_settings(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------- minimal loop
 
 
-def _lr_factor(s: dict, step: int) -> float:
-    """Linear warmup, then cosine to min_lr (the trainer's schedule)."""
-    if step < s["warmup_steps"]:
-        return (step + 1) / s["warmup_steps"]
-    floor = s["min_lr"] / s["lr"]
-    progress = (step - s["warmup_steps"]) / max(1, s["steps"] - s["warmup_steps"])
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def minimal_train(s: dict, out_dir: str) -> None:
-    """One rank of the hand-written loop (process group already initialised)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _minimal_setup(s: dict, mesh, root_reshard: bool | None = None):
+    """The hand-written side: fully_shard per block and on the root, AdamW with decay on
+    matrices only, the same LR schedule as the trainer."""
     from torch.distributed.fsdp import fully_shard
 
     from src.models.gpt import GPT, GPTConfig
-    from src.trainer.data import GlobalBatches, load_splits
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(s["seed"])
-    mesh = init_device_mesh("cpu", (world,))
-    cfg = GPTConfig(**s["shape"])
-    model = GPT(cfg, seed=s["seed"])
+    model = GPT(GPTConfig(**s["shape"]), seed=s["seed"])
     for block in model.h:
         fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [
@@ -125,6 +111,30 @@ def minimal_train(s: dict, out_dir: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _lr_factor(s, step)
     )
+    return model, optimizer, scheduler
+
+
+def _lr_factor(s: dict, step: int) -> float:
+    """Linear warmup, then cosine to min_lr (the trainer's schedule)."""
+    if step < s["warmup_steps"]:
+        return (step + 1) / s["warmup_steps"]
+    floor = s["min_lr"] / s["lr"]
+    progress = (step - s["warmup_steps"]) / max(1, s["steps"] - s["warmup_steps"])
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def minimal_train(s: dict, out_dir: str) -> None:
+    """One rank of the hand-written loop (process group already initialised)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from src.models.gpt import GPTConfig
+    from src.trainer.data import GlobalBatches, load_splits
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(s["seed"])
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = GPTConfig(**s["shape"])
+    model, optimizer, scheduler = _minimal_setup(s, mesh)
     train_split, _ = load_splits(
         SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
         cfg.vocab_size,
@@ -231,33 +241,13 @@ def compose_trainer_cfg(args: argparse.Namespace, s: dict):
 
 def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
     """(step function, model) of one arm."""
-    from torch.distributed.fsdp import fully_shard
 
-    from src.models.gpt import GPT, GPTConfig
     from src.sharding import build_backend
     from src.trainer import loop
 
     if name.startswith("minimal"):
-        model = GPT(GPTConfig(**s["shape"]), seed=s["seed"])
-        for block in model.h:
-            fully_shard(block, mesh=mesh)
         root_reshard = True if name.endswith("root_reshard") else None
-        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard)
-        params = list(model.parameters())
-        optimizer = torch.optim.AdamW(
-            [
-                {
-                    "params": [p for p in params if p.dim() >= 2],
-                    "weight_decay": s["weight_decay"],
-                },
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-            ],
-            lr=s["lr"],
-            betas=s["betas"],
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: _lr_factor(s, step)
-        )
+        model, optimizer, scheduler = _minimal_setup(s, mesh, root_reshard)
 
         def step_fn(batches, step: int) -> float:
             x, y = batches.get(step, 0, dist.get_rank(), dist.get_world_size())
