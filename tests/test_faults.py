@@ -179,3 +179,29 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_pat
     optimizer = torch.optim.AdamW(model.parameters())
     state = Checkpointer(tmp_path / "checkpoints").load(last, model, optimizer)
     assert state["step"] >= 1
+
+
+def test_fp16_resume_restores_the_grad_scaler_and_matches(tmp_path):
+    """Resume from the middle checkpoint of a finished fp16 run: the loss scale comes
+    back with the model, so the resumed steps equal the original ones."""
+    steps = ["trainer.max_steps=6", "trainer.ckpt_every=3", "precision=fp16_mixed"]
+    straight = tmp_path / "straight"
+    subprocess.run(command(straight, *steps), check=True, cwd=ROOT, capture_output=True)
+    meta = json.loads((straight / "checkpoints/step_00000003/meta.json").read_text())
+    assert meta["extra"]["scaler"]["scale"] > 0
+
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    os.rename(
+        straight / "checkpoints/step_00000003", resumed / "checkpoints/step_00000003"
+    )
+    run = subprocess.run(
+        command(resumed, *steps, "trainer.resume=auto"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    got, expected = losses(resumed), losses(straight)
+    assert sorted(got) == [4, 5, 6]
+    assert got == {s: expected[s] for s in got}

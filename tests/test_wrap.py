@@ -431,3 +431,24 @@ def test_integer_inputs_and_outputs_without_grad(
         precision, torch.float16
     )
     assert loss.dtype == expected
+
+
+def test_second_wrap_of_an_fsdp1_inner_module_returns_its_wrapper(one_rank_group):
+    layer = lin(4, 4)
+    with enable_wrap(FSDP1, use_orig_params=True, device_id=torch.device("cpu")):
+        first = wrap(layer)
+        assert isinstance(first, FSDP1)
+        assert wrap(layer) is first
+
+
+def test_plan_tree_sorts_numeric_and_named_siblings():
+    model = build_sharded_model(
+        lambda: nn.ModuleDict(
+            {"0": wrap(lin(4, 4)), "head": wrap(lin(4, 4)), "10": wrap(lin(4, 4))}
+        ),
+        build_backend("plan"),
+        build_policy("manual"),
+        init_device="meta",
+    )
+    tree = wrap_plan(model, 2).tree()
+    assert tree.index("  0 (") < tree.index("  10 (") < tree.index("  head (")

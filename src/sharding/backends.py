@@ -154,7 +154,10 @@ class Backend:
         first, so freeing and re-gathering them would only cost a collective.
         """
         if self.name == "fsdp2":
-            return wrap_module(model, reshard_after_forward=False)
+            model = wrap_module(model, reshard_after_forward=False)
+            # A policy may have made the root a unit already, with the defaults.
+            model.set_reshard_after_forward(False, recurse=False)
+            return model
         if self.shards:
             return wrap_module(model)
         return model

@@ -119,7 +119,8 @@ def _class_name(module: nn.Module) -> str:
 
 
 def _sort_key(path: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in path.split(".")) if path else ()
+    # numeric names (list indices) in numeric order, before named siblings
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
 def _nesting(path: str, units: list[Unit]) -> int:

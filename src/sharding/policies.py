@@ -74,13 +74,12 @@ class BlockPolicy(WrapPolicy):
 
     def _wrap_blocks(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
         if is_wrapped(module):
-            return module
+            return wrap_module(module)  # the unit's wrapper (FSDP1 returns a new one)
         # Children first, so nested blocks become units before their parents.
         for name, child in list(module.named_children()):
-            if not is_wrapped(child):
-                new = self._wrap_blocks(child, overrides)
-                if new is not child:
-                    setattr(module, name, new)
+            new = self._wrap_blocks(child, overrides)
+            if new is not child:
+                setattr(module, name, new)
         if isinstance(module, self.block_cls):
             return wrap_module(module, **overrides)
         return module

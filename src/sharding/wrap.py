@@ -151,8 +151,10 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
 def wrap_module(module: nn.Module, **overrides: Any) -> nn.Module:
     """Wrap ``module`` with the active context's wrapper, ignoring any policy."""
     ctx = _active
-    if ctx is None or is_wrapped(module):
+    if ctx is None:
         return module
+    if is_wrapped(module):  # FSDP1 returned a new module: hand back that wrapper
+        return module.__dict__.get("_sharding_wrapper", module)
     kwargs = {**ctx.defaults, **_class_overrides(ctx, module), **overrides}
     info = _unit_info(module)
     out = ctx.wrapper_cls(module, **kwargs)
@@ -160,6 +162,8 @@ def wrap_module(module: nn.Module, **overrides: Any) -> nn.Module:
     for m in {id(module): module, id(out): out}.values():
         m.__dict__[_UNIT_ATTR] = True
     out.__dict__["_sharding_unit_info"] = info
+    if out is not module:
+        module.__dict__["_sharding_wrapper"] = out
     return out
 
 

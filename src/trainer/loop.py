@@ -176,6 +176,7 @@ def resume(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     rank: int,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> int:
     """Restore the checkpoint named by ``trainer.resume`` and return its step (0 if none).
 
@@ -188,7 +189,10 @@ def resume(
     path = resolve_resume(wanted, ckpt.directory)
     if path is None:
         return 0
-    step = ckpt.load(path, model, optimizer, scheduler)["step"]
+    state = ckpt.load(path, model, optimizer, scheduler)
+    step = state["step"]
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])  # fp16 resume stays exact
     if rank == 0:
         print(f"resumed from {path} (step {step})", flush=True)
     return step
@@ -273,7 +277,7 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
         scaler = backend.grad_scaler()
 
         ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep_last=t.keep_last)
-        start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank)
+        start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank, scaler)
 
         gpt_cfg = GPTConfig.from_dict(cfg.model)
         meter = ThroughputMeter(
@@ -344,7 +348,8 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
                 meter.restart(step)  # validation time is not training throughput
 
             if t.ckpt_every and (step % t.ckpt_every == 0 or step == t.max_steps):
-                path = ckpt.save(step, model, optimizer, scheduler)
+                extra = {"scaler": scaler.state_dict()} if scaler else None
+                path = ckpt.save(step, model, optimizer, scheduler, extra=extra)
                 if rank == 0:
                     bar.write(f"step {step}: checkpoint saved to {path}")
         bar.close()
