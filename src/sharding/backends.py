@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -269,17 +267,18 @@ def build_sharded_model(
     return model
 
 
-_WRAPPER_PREFIXES = re.compile(
-    r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\."
+_WRAPPER_SEGMENTS = frozenset(
+    {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
 )
 
 
 def canonical_name(name: str, model: nn.Module | None = None) -> str:
-    """A parameter's name as in the unwrapped model (without wrapper prefixes)."""
-    name = _WRAPPER_PREFIXES.sub(r"\1", name)
-    if isinstance(model, DDP) and name.startswith("module."):
-        name = name[len("module.") :]
-    return name
+    """A parameter's name as in the unwrapped model (without wrapper prefixes, also
+    when several wrappers are stacked)."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    if isinstance(model, DDP) and parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 @torch.no_grad()
@@ -307,10 +306,3 @@ def materialize_meta_(
             tensor.to_local().copy_(local)
         else:
             tensor.copy_(full)
-
-
-def local_world() -> tuple[int, int]:
-    """(local rank, local world size) from the launcher's environment."""
-    return int(os.environ.get("LOCAL_RANK", 0)), int(
-        os.environ.get("LOCAL_WORLD_SIZE", 1)
-    )

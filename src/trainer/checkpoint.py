@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.nn.parallel import DistributedDataParallel
+
+from src.sharding import canonical_name
 
 MARKER = "COMPLETE"
 META = "meta.json"
@@ -58,7 +59,6 @@ _OLD_PREFIX = ".old."
 # Flat optimizer keys ("state.<fqn>.exp_avg") reshard by name, like the model's.
 _DSD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # Module names that wrappers insert; the canonical name leaves them out.
-_WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
 
 
 # --------------------------------------------------------------------------- ranks
@@ -520,13 +520,6 @@ def _fsync_dir(path: Path) -> None:
 # -------------------------------------------------------------------- export
 
 
-def _canonical_name(model: nn.Module, name: str) -> str:
-    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
-    if isinstance(model, DistributedDataParallel) and parts[:1] == ["module"]:
-        parts = parts[1:]
-    return ".".join(parts)
-
-
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
     """``{alias: kept name}`` for every parameter/buffer registered under several names."""
     first: dict[int, str] = {}
@@ -536,7 +529,7 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
         *model.named_buffers(remove_duplicate=False),
     ]
     for name, tensor in named:
-        name = _canonical_name(model, name)
+        name = canonical_name(name, model)
         kept = first.setdefault(id(tensor), name)
         if kept != name:
             aliases[name] = kept
