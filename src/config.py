@@ -13,6 +13,7 @@ names the key.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import sys
@@ -219,11 +220,37 @@ def resolve_devices(devices: Any) -> int:
     return devices
 
 
+def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
+    """Fail on a key that no schema declares, at any depth.
+
+    Hydra's ``+key=value`` adds keys to structured nodes (it opens them for the
+    append), so a typo written with ``+`` would otherwise be accepted silently.
+    Nodes without a dataclass type (free-form dicts) are left alone.
+    """
+    schema = OmegaConf.get_type(node)
+    known = (
+        {f.name for f in dataclasses.fields(schema)}
+        if dataclasses.is_dataclass(schema)
+        else None
+    )
+    for key in node.keys():
+        full_key = f"{prefix}{key}"
+        _require(
+            known is None or key in known,
+            full_key,
+            f"unknown key, expected one of: {', '.join(sorted(known or ()))}",
+        )
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing():
+            reject_unknown_keys(child, f"{full_key}.")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check what the schema's types cannot, so a bad run fails before any rank starts.
 
     Raises :class:`ConfigError` (one line naming the key) at the first problem.
     """
+    reject_unknown_keys(cfg)
     m, s, t = cfg.model, cfg.sharding, cfg.trainer
     cap = cfg.sweep.mem_cap_gib
     _require(

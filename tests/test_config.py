@@ -167,3 +167,18 @@ def test_cli_config_error_is_one_line_on_stderr(override, key, tmp_path):
     assert lines[0].startswith(f"config error: {key}")
     assert "Traceback" not in out.stderr + out.stdout
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("+trainer.nosuchkey=1", "trainer.nosuchkey"),
+        ("+nosuchgroup=1", "nosuchgroup"),
+        ("+logger.extra.deep=2", "logger.extra"),
+    ],
+)
+def test_appended_unknown_key_fails_like_a_plain_one(override, key):
+    """``+key=value`` opens the node for the append; validate() still names the key."""
+    line = config_error(override)
+    assert line.startswith(f"{key}: unknown key, expected one of: ")
+    assert "\n" not in line
