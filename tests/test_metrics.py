@@ -113,7 +113,10 @@ def test_mfu_of_a_real_cpu_matmul_loop_is_a_fraction_of_the_probe(one_thread):
 def test_peak_flops_override_table_and_cpu_probe():
     cpu = torch.device("cpu")
     assert peak_flops_per_rank(cpu, torch.bfloat16, 989.0) == pytest.approx(989e12)
+    rng = torch.get_rng_state()
     assert peak_flops_per_rank(cpu, torch.float32, None) > 1e8
+    # The probe runs after a resume restored the RNG: it must not draw from it.
+    assert torch.equal(torch.get_rng_state(), rng)
     assert lookup_gpu_peak_tflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4
     assert lookup_gpu_peak_tflops("NVIDIA H200", torch.float16) == 989.4
     assert lookup_gpu_peak_tflops("NVIDIA H100 PCIe", torch.bfloat16) == 756.0

@@ -91,11 +91,14 @@ def measure_matmul_flops(
     so a slow dtype (bf16 on a CPU without bf16 units) still finishes in time and a fast
     one is measured on a size big enough to reach its peak. Best-of-repeats keeps the
     figure an upper bound, as a datasheet peak is. Uses the threads torch already has.
+    The operands come from a private generator: the probe runs after a resume restored
+    the training RNG, and drawing from it would change every later dropout mask.
     """
     n, max_n = 256, 4096 if device.type != "cpu" else 2048
+    gen = torch.Generator(device=device).manual_seed(0)
     while True:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+        b = torch.randn(n, n, device=device, generator=gen).to(dtype)
         # Two tries per size: the very first matmul also starts the thread pool.
         best = min(_time_matmul(a, b), _time_matmul(a, b))
         if best > seconds / 16 or n >= max_n:
