@@ -274,7 +274,7 @@ def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
         from src.trainer import metrics as tm
         from src.trainer.loggers import Logger
 
-        logger = Logger(out_dir if dist.get_rank() == 0 else None)
+        logger = Logger.files(out_dir if dist.get_rank() == 0 else None)
         meter = tm.ThroughputMeter(s["batch_size"] * cfg.model.block_size, 1.0, 1.0, 2)
 
     def step_fn(batches, step: int) -> float:

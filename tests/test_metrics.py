@@ -13,12 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.trainer.loggers import (
-    build_logger,
-    read_wandb_offline_history,
-    read_wandb_offline_run,
-    run_identity,
-)
+from src.trainer.loggers import build_logger, run_identity
 from src.trainer.metrics import (
     ThroughputMeter,
     lookup_gpu_peak_tflops,
@@ -29,6 +24,7 @@ from src.trainer.metrics import (
     reset_peak_memory,
 )
 from tests.distributed import run_distributed
+from tests.wandb_offline import read_wandb_offline_history, read_wandb_offline_run
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]

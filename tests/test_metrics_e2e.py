@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from src.trainer.loggers import read_wandb_offline_history, read_wandb_offline_run
+from tests.wandb_offline import read_wandb_offline_history, read_wandb_offline_run
 
 ROOT = Path(__file__).resolve().parent.parent
 

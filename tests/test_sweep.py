@@ -17,7 +17,6 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from src.config import ConfigError, exit_on_config_error
-from src.trainer.loggers import read_wandb_offline_run
 from src.trainer.sweep import (
     STATUS_FILE,
     error_line,
@@ -26,6 +25,7 @@ from src.trainer.sweep import (
     run_job,
     swept_keys,
 )
+from tests.wandb_offline import read_wandb_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny model for 3 steps: step 1 closes the warm-up window, step 3 reports tokens/s.

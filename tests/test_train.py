@@ -131,6 +131,11 @@ def test_train_py_on_two_ranks_writes_metrics(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 6
     assert summary["wrap_units"] == 1  # min_params=1e8: only the root
     assert out.stdout.count("wrap plan:") == 1  # rank 0 only
+    # The console ends with the closing summary, once, with the final figures.
+    closing = out.stdout.strip().splitlines()[-2:]
+    assert closing[0].startswith("finished 6 steps in ")
+    assert f"loss {summary['loss']:.4f}" in closing[0] and "tokens/s" in closing[0]
+    assert closing[1] == f"outputs: {run_dir}"
 
 
 @pytest.mark.slow

@@ -1,19 +1,27 @@
-"""Metric sinks: metrics.jsonl + summary.json in the run dir always, wandb optionally.
+"""Metric sinks behind one :class:`Logger`: files, console and wandb.
 
-Only rank 0 writes; on other ranks every method is a no-op, so the loop can call the
-logger unconditionally. wandb runs offline by default (nothing needs a network; sync
-later with ``wandb sync <run_dir>/wandb/offline-run-*``), one run per Hydra job.
+Every sink takes the same calls (a metrics row, the summary, a table, the end of the
+run), so a new destination is one small class. Only rank 0 has sinks; on other ranks
+the logger holds none and every call is a no-op, so the loop can call it
+unconditionally.
+
+- :class:`FileSink`: ``metrics.jsonl`` (one row per logged step), ``summary.json``
+  and ``<table>.json`` in the run dir.
+- :class:`ConsoleSink`: the closing summary of a finished run (final loss and
+  val_loss, throughput, MFU, memory, where the outputs are, how to upload).
+- :class:`WandbSink`: a wandb run, offline by default (nothing needs a network; sync
+  later with ``wandb sync <run_dir>/wandb/offline-run-*``), one run per Hydra job.
+  :func:`init_wandb` is the one wandb setup, for training runs and sweep summaries.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
 import re
-import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,76 +49,160 @@ def _json_default(value: Any) -> Any:
     return str(value)  # dtypes, devices, paths: readable rather than an error
 
 
-class Logger:
-    """Writes metrics to the run dir (always) and to a wandb run (if given); rank 0 only."""
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON through a temporary file and a rename: readers never see half of it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default))
+    tmp.replace(path)
 
-    def __init__(self, run_dir: str | os.PathLike | None, wandb_run=None) -> None:
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.wandb_run = wandb_run
-        self._summary: dict = {}
-        self._last_step = 0
-        self._jsonl = None
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            # Append: a resumed run continues the same file.
-            self._jsonl = open(self.run_dir / METRICS_FILE, "a")
 
-    @property
-    def enabled(self) -> bool:
-        return self.run_dir is not None
+class Sink:
+    """One destination of a run's figures; every method may be left as a no-op."""
 
-    def log(self, metrics: dict, step: int) -> None:
-        """One row: ``{"step": step, **metrics}`` to metrics.jsonl and wandb history."""
-        if not self.enabled:
-            return
-        row = _plain(metrics)
+    def log(self, row: dict, step: int) -> None:
+        """A row of plain scalars logged at ``step``."""
+
+    def log_summary(self, summary: dict) -> None:
+        """The whole summary so far (later calls extend earlier ones)."""
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """Rows of dicts, e.g. the wrap plan; ``step`` is the last logged step."""
+
+    def finish(self, exit_code: int) -> None:
+        """The run ended (``exit_code`` != 0: it failed)."""
+
+
+class FileSink(Sink):
+    """metrics.jsonl, summary.json and tables as JSON in the run dir."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run continues the same file.
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a")
+
+    def log(self, row: dict, step: int) -> None:
         self._jsonl.write(json.dumps({"step": step, **row}, default=_json_default))
         self._jsonl.write("\n")
         self._jsonl.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(row, step=step)
-        self._last_step = max(self._last_step, step)
 
-    def log_summary(self, d: dict) -> None:
-        """Final figures (val_loss, totals): merged into summary.json and the run summary."""
-        if not self.enabled:
-            return
-        self._summary.update(_plain(d))
-        tmp = self.run_dir / (SUMMARY_FILE + ".tmp")
-        tmp.write_text(json.dumps(self._summary, indent=2, default=_json_default))
-        tmp.replace(self.run_dir / SUMMARY_FILE)
-        if self.wandb_run is not None:
-            self.wandb_run.summary.update(self._summary)
+    def log_summary(self, summary: dict) -> None:
+        write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
 
-    def log_table(self, name: str, rows: list[dict]) -> None:
-        """Rows of dicts (e.g. the wrap plan) as ``<name>.json`` and a wandb Table."""
-        if not self.enabled:
-            return
-        rows = [_plain(r) for r in rows]
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
         safe = re.sub(r"[^\w.-]+", "_", name)
         (self.run_dir / f"{safe}.json").write_text(
             json.dumps(rows, indent=2, default=_json_default)
         )
-        if self.wandb_run is not None:
-            import wandb
 
-            columns = list(dict.fromkeys(k for r in rows for k in r))
-            data = [[_table_cell(r.get(c)) for c in columns] for r in rows]
-            # At the last logged step, so it never moves wandb's step counter past
-            # the loop's next step (wandb drops rows logged with a smaller step).
-            table = wandb.Table(columns=columns, data=data)
-            self.wandb_run.log({name: table}, step=self._last_step)
+    def finish(self, exit_code: int) -> None:
+        self._jsonl.close()
+
+
+class WandbSink(Sink):
+    """History, summary and tables of one wandb run."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def log(self, row: dict, step: int) -> None:
+        self.run.log(row, step=step)
+
+    def log_summary(self, summary: dict) -> None:
+        self.run.summary.update(summary)
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        import wandb
+
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        data = [[_table_cell(r.get(c)) for c in columns] for r in rows]
+        # At the last logged step, so it never moves wandb's step counter past the
+        # loop's next step (wandb drops rows logged with a smaller step).
+        self.run.log({name: wandb.Table(columns=columns, data=data)}, step=step)
+
+    def finish(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+# The closing summary's figures: (summary key, label, format).
+_CLOSING_FIGURES = (
+    ("loss", "loss", "{:.4f}"),
+    ("val_loss", "val_loss", "{:.4f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("peak_mem_gib", "peak memory/rank", "{:.3f} GiB"),
+)
+
+
+class ConsoleSink(Sink):
+    """At the end of a successful training run, the summary a user reads first."""
+
+    def __init__(self, run_dir: str | os.PathLike, wandb_sync: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.wandb_sync = wandb_sync  # an offline wandb run's files, to upload
+        self._summary: dict = {}
+
+    def log_summary(self, summary: dict) -> None:
+        self._summary = summary
+
+    def finish(self, exit_code: int) -> None:
+        s = self._summary
+        if exit_code != 0 or "loss" not in s:
+            return  # failed, or not a training run (plan-only prints its own)
+        figures = ", ".join(
+            f"{label} {fmt.format(s[key])}"
+            for key, label, fmt in _CLOSING_FIGURES
+            if isinstance(s.get(key), int | float)
+        )
+        took = f" in {s['wall_time_s']:.0f} s" if "wall_time_s" in s else ""
+        lines = [
+            f"finished {s.get('steps', '?')} steps{took}: {figures}",
+            f"outputs: {self.run_dir}",
+        ]
+        if self.wandb_sync:
+            lines.append(f"upload to wandb: wandb sync {self.wandb_sync}")
+        print("\n".join(lines), flush=True)
+
+
+class Logger:
+    """Fans each call out to its sinks (none on ranks other than 0)."""
+
+    def __init__(self, sinks: Sequence[Sink] = ()) -> None:
+        self.sinks = list(sinks)
+        self._summary: dict = {}
+        self._last_step = 0
+
+    @classmethod
+    def files(cls, run_dir: str | os.PathLike | None) -> Logger:
+        """A logger of the run-dir files only (no sink at all if ``run_dir`` is None)."""
+        return cls([FileSink(run_dir)] if run_dir is not None else [])
+
+    def log(self, metrics: dict, step: int) -> None:
+        """One row: ``{"step": step, **metrics}`` to every sink."""
+        row = _plain(metrics)
+        for sink in self.sinks:
+            sink.log(row, step)
+        self._last_step = max(self._last_step, step)
+
+    def log_summary(self, d: dict) -> None:
+        """Final figures (val_loss, totals), merged into the run's summary."""
+        self._summary.update(_plain(d))
+        for sink in self.sinks:
+            sink.log_summary(self._summary)
+
+    def log_table(self, name: str, rows: list[dict]) -> None:
+        """Rows of dicts (e.g. the wrap plan) as ``<name>.json`` and a wandb Table."""
+        rows = [_plain(r) for r in rows]
+        for sink in self.sinks:
+            sink.log_table(name, rows, self._last_step)
 
     def finish(self, exit_code: int = 0) -> None:
-        """Close the files and finish the wandb run (once; safe to call again);
-        a non-zero ``exit_code`` marks the wandb run as failed."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self.wandb_run is not None:
-            self.wandb_run.finish(exit_code=exit_code)
-            self.wandb_run = None
-        self.run_dir = None
+        """End every sink once (safe to call again); a non-zero ``exit_code`` marks
+        the run failed (the wandb run too)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.finish(exit_code)
 
     def __enter__(self) -> Logger:
         return self
@@ -182,13 +274,24 @@ def run_identity(cfg: DictConfig, run_dir: str | os.PathLike) -> dict:
     }
 
 
-def _init_wandb(cfg: DictConfig, run_dir: Path):
+def init_wandb(
+    cfg: DictConfig,
+    wandb_dir: str | os.PathLike,
+    identity_dir: str | os.PathLike | None = None,
+    **init_kwargs: Any,
+):
+    """Start a wandb run from the config's ``logger.*`` keys, its files in ``wandb_dir``.
+
+    The one wandb setup: training runs and sweep summaries both start theirs here.
+    Project, group, tags and name come from :func:`run_identity` of ``identity_dir``
+    (default ``wandb_dir``); ``init_kwargs`` (name, job_type, config, ...) beat them.
+    """
     mode = OmegaConf.select(cfg, "logger.mode", default=None) or "offline"
     if mode == "offline":
         os.environ["WANDB_MODE"] = "offline"
     # No crash reports to sentry, and wandb's files stay in the run dir.
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
-    os.environ["WANDB_DIR"] = str(run_dir)
+    os.environ["WANDB_DIR"] = str(wandb_dir)
     import wandb
 
     system_stats = bool(OmegaConf.select(cfg, "logger.system_stats", default=False))
@@ -200,89 +303,38 @@ def _init_wandb(cfg: DictConfig, run_dir: Path):
         save_code=False,
         silent=True,
     )
-    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    kwargs = {
+        **run_identity(cfg, identity_dir or wandb_dir),
+        "config": OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False),
+        **init_kwargs,
+    }
     start = time.perf_counter()
     run = wandb.init(
-        dir=str(run_dir),
+        dir=str(wandb_dir),
         mode=mode,
-        config=config,
         settings=settings,
         reinit="finish_previous",  # one run per Hydra job, also in a multirun process
-        **run_identity(cfg, run_dir),
+        **kwargs,
     )
     log.info("wandb.init (%s) took %.2fs", mode, time.perf_counter() - start)
     return run
 
 
 def build_logger(cfg: DictConfig, run_dir: str | os.PathLike, rank: int) -> Logger:
-    """The run's logger. ``logger.backend``: ``wandb`` (default) or ``none`` (files only).
-
-    Rank 0 gets the real logger; other ranks get one whose methods do nothing.
-    """
+    """The run's logger: files and console always, wandb unless ``logger.backend`` is
+    ``none``. Ranks other than 0 get one without sinks."""
     if rank != 0:
-        return Logger(None)
+        return Logger()
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    sinks: list[Sink] = [FileSink(run_dir)]
     kind = str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb")
     if kind.lower() == "none":
-        return Logger(run_dir)
+        return Logger([*sinks, ConsoleSink(run_dir)])
     if kind != "wandb":
         raise ValueError(f"unknown logger {kind!r}; use logger=wandb or logger=none")
-    return Logger(run_dir, _init_wandb(cfg, run_dir))
-
-
-def _offline_run_file(run_dir: str | os.PathLike) -> Path:
-    files = sorted(
-        glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb")),
-        key=os.path.getmtime,
+    offline = (OmegaConf.select(cfg, "logger.mode", default=None) or "offline") == (
+        "offline"
     )
-    if not files:
-        raise FileNotFoundError(f"no offline wandb run under {run_dir}/wandb")
-    return Path(files[-1])
-
-
-def read_wandb_offline_records(run_dir: str | os.PathLike) -> list[dict]:
-    """Every record of the latest offline run's .wandb transaction log, decoded by
-    wandb's own reader (``wandb leet inspect --json``, a wandb-core command)."""
-    from wandb.util import get_core_path
-
-    run_file = _offline_run_file(run_dir)
-    out = subprocess.run(
-        [
-            get_core_path(),
-            "leet",
-            "inspect",
-            "--json",
-            "--no-observability",
-            "--run-file",
-            str(run_file),
-            str(run_file.parent.parent),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-
-
-def read_wandb_offline_history(run_dir: str | os.PathLike) -> list[dict]:
-    """The logged history rows (each with ``_step``) of the offline run in ``run_dir``,
-    read from its own files: for tests, and for users who do not sync."""
-    return [
-        r["history"]["item"]
-        for r in read_wandb_offline_records(run_dir)
-        if r.get("type") == "history"
-    ]
-
-
-def read_wandb_offline_run(run_dir: str | os.PathLike) -> dict:
-    """The offline run's identity and config (its ``run`` record) plus its summary."""
-    run: dict = {}
-    summary: dict = {}
-    for r in read_wandb_offline_records(run_dir):
-        if r.get("type") == "run":
-            run = r["run"]
-        elif r.get("type") == "summary":
-            summary.update(r["summary"].get("update", {}))
-    return {**run, "summary": summary}
+    sync = str(run_dir / "wandb" / "offline-run-*") if offline else None
+    run = init_wandb(cfg, run_dir)
+    return Logger([*sinks, ConsoleSink(run_dir, sync), WandbSink(run)])

@@ -386,7 +386,7 @@ def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> W
         + ", ".join(f"{k} {v:.3f}" for k, v in estimate.items()),
         flush=True,
     )
-    logger = Logger(run_dir)
+    logger = Logger.files(run_dir)
     logger.log_table("wrap_plan", plan.rows())
     logger.log_summary(
         {"world_size": world_size, "wrap_units": len(plan.units), **estimate}

@@ -38,6 +38,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.trainer.loggers import write_json_atomic
+
 log = logging.getLogger(__name__)
 
 STATUS_FILE = "job_status.json"
@@ -115,12 +117,6 @@ def objective(summary: dict, mem_cap_gib: float | None = None) -> float:
     return float(tps)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
-
-
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -152,12 +148,12 @@ def run_job(cfg: DictConfig, run_dir: str, fn: Callable[[], Any]) -> float:
                 )
             else:
                 log.error("job failed: %s", line, exc_info=err)
-            _write_json(status_file, {"status": "failed", "error": line})
+            write_json_atomic(status_file, {"status": "failed", "error": line})
             return FAILED
     cap = OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None)
     value = objective(_read_json(Path(run_dir) / "summary.json"), cap)
     if multirun:
-        _write_json(
+        write_json_atomic(
             status_file, {"status": "completed", "objective": value, "mem_cap_gib": cap}
         )
     return value
@@ -373,39 +369,23 @@ def _log_to_wandb(
 ) -> str | None:
     """A ``sweep-summary`` run in the sweep's wandb group (the group of its jobs'
     runs); nothing if the jobs log with ``logger=none``. Returns the run's dir."""
-    from src.trainer.loggers import run_identity
+    from src.trainer.loggers import init_wandb, run_identity
 
     cfg = _job_config(first_job)
     if str(OmegaConf.select(cfg, "logger.backend", default="wandb")) != "wandb":
         return None
-    mode = OmegaConf.select(cfg, "logger.mode", default=None) or "offline"
-    if mode == "disabled":
+    if OmegaConf.select(cfg, "logger.mode", default=None) == "disabled":
         return None
-    if mode == "offline":
-        os.environ["WANDB_MODE"] = "offline"
-    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
-    os.environ["WANDB_DIR"] = str(sweep_dir)
     import wandb
 
-    ident = run_identity(cfg, first_job)
-    settings = wandb.Settings(
-        x_disable_stats=True,
-        x_disable_machine_info=True,
-        disable_git=True,
-        save_code=False,
-        silent=True,
-    )
-    run = wandb.init(
-        dir=str(sweep_dir),
-        mode=mode,
-        project=ident["project"],
-        group=ident["group"],
-        tags=ident["tags"],
-        name=f"{ident['group']}:summary",
+    group = run_identity(cfg, first_job)["group"]
+    run = init_wandb(
+        OmegaConf.merge(cfg, {"logger": {"system_stats": False}}),
+        sweep_dir,
+        identity_dir=first_job,
+        name=f"{group}:summary",
         job_type="sweep-summary",
         config={"sweep_dir": str(sweep_dir), "jobs": len(rows)},
-        settings=settings,
-        reinit="finish_previous",
     )
     columns = [c for c in rows[0] if c != "job_dir"]
     data = [
@@ -481,7 +461,7 @@ class SweepSummary(Callback):
         if run_dir and Path(run_dir).is_dir():
             err = job_return._return_value
             line = error_line(err) if isinstance(err, BaseException) else str(err)
-            _write_json(
+            write_json_atomic(
                 Path(run_dir) / STATUS_FILE, {"status": "failed", "error": line}
             )
 
