@@ -165,3 +165,19 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
         # Planning on meta: the peak grows by far less than one rank's share of the
         # parameters (llama_7b_shape: 3 GiB per rank; gpt_70b: 4 GiB).
         assert peak - rss_before < 0.25 * GIB, f"{(peak - rss_before) / GIB:.2f} GiB"
+
+
+def test_trainer_threshold_is_not_truncated(tmp_path):
+    """``sharding.min_params`` reaches auto_wrap as a number: half a parameter above a
+    block's size, no block is a unit (``int()`` truncation used to make them units)."""
+    from src.trainer.loop import plan_only
+
+    def units(min_params: float) -> dict[str, int]:
+        cfg = _compose("trainer.plan_only=true", "model=small", "logger=none")
+        cfg.sharding.min_params = min_params
+        plan = plan_only(cfg, str(tmp_path))
+        return {u.path: u.numel for u in plan.units}
+
+    block = units(1.5e5)["h.0"]  # the default makes each block a unit
+    assert "h.0" in units(block)
+    assert "h.0" not in units(block + 0.5)

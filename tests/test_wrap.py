@@ -218,23 +218,30 @@ def test_user_exclusions_extend_the_defaults():
 
 
 def test_multihead_attention_is_a_forced_leaf_by_default():
+    """A force-leaf module is never split and never a unit by itself (as in fairscale
+    and torch: the wrap decision is made only while recursing, and force-leaf stops
+    the recursion); its parameters land in the parent's remainder. Until issue 16 a
+    large enough force-leaf module was made a unit of its own, unlike torch."""
     mha = nn.MultiheadAttention(16, 2)  # out_proj alone has 272 params
     model = nn.Sequential(mha, lin(4, 4))
-    got = units_of(model, min_num_params=200)
-    assert mha.out_proj not in got and got == [mha]
+    assert units_of(model, min_num_params=200) == [model]
+    # As the root it is not explored, so nothing at all is a unit.
+    assert units_of(nn.MultiheadAttention(16, 2), min_num_params=200) == []
 
 
 def test_user_force_leaf_extends_the_defaults():
-    inner = nn.Sequential(lin(10, 10), lin(10, 10))
-    mha = nn.MultiheadAttention(16, 2)
-    model = nn.Sequential(inner, mha)
+    """User force-leaf classes join {MultiheadAttention}: neither kind is split nor
+    a unit by itself (before issue 16 both became units of their own)."""
+    model = nn.Module()
+    model.inner = nn.Sequential(lin(10, 10), lin(10, 10))
+    model.mha = nn.MultiheadAttention(16, 2)
+    model.tail = lin(10, 10)
     got = units_of(model, min_num_params=100, force_leaf_modules={nn.Sequential})
-    # the root is a Sequential too: it is explored (root) but never split further...
-    # so nothing below it is a unit and it becomes the only unit.
-    assert got == [model]
-    model = nn.ModuleDict({"inner": inner, "mha": mha})
-    got = units_of(model, min_num_params=100, force_leaf_modules={nn.Sequential})
-    assert got == [inner, mha]
+    # inner (200) and mha (1088) stay whole in the root's remainder.
+    assert got == [model.tail, model]
+    # A force-leaf root is not explored at all.
+    root = nn.Sequential(model.inner, model.mha)
+    assert units_of(root, min_num_params=100, force_leaf_modules={nn.Sequential}) == []
 
 
 class Tied(nn.Module):

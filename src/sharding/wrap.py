@@ -37,7 +37,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 DEFAULT_EXCLUDE_WRAP_MODULES: frozenset[type[nn.Module]] = frozenset(
     {nn.ModuleList, nn.ModuleDict}
 )
-#: Never split: their forward reads their children's parameters directly.
+#: Never recursed into (their forward reads their children's parameters directly), so
+#: never units by themselves either: their parameters go to the parent's remainder.
 DEFAULT_FORCE_LEAF_MODULES: frozenset[type[nn.Module]] = frozenset(
     {nn.MultiheadAttention}
 )
@@ -230,14 +231,20 @@ def plan_auto_wrap(
 ) -> AutoWrapPlan:
     """Choose units by parameter count, without wrapping anything (works on meta).
 
+    The rule is that of fairscale and of torch's ``size_based_auto_wrap_policy``
+    recursion, compared as numbers (``numel >= min_num_params``): a module is explored
+    if it is the root or its parent was explored, its not-yet-wrapped parameters reach
+    ``min_num_params`` and it is not force-leaf; an explored module that is not
+    excluded becomes a unit when its remainder -- parameters not inside units below
+    it -- reaches ``min_num_params``. So a force-leaf module is never split and never a
+    unit by itself (it stays in its parent's remainder); an excluded one is never a
+    unit but its children may be; a module with no parameters, own or below, is never
+    a unit. The one difference from torch is ties: a shared parameter is counted once,
+    at the lowest common ancestor of its users, and no module strictly between a user
+    and that ancestor is a unit, so a tie is never split across units.
+
     One post-order pass, linear in the number of modules: subtree sizes are summed once
-    bottom-up, never re-summed per level. The rule (fairscale's): a child whose
-    not-yet-wrapped parameters reach ``min_num_params`` is explored; a module becomes a
-    unit when its remainder -- parameters not inside units below it -- reaches
-    ``min_num_params``. Excluded classes are never units (their children may be);
-    force-leaf classes are never split. A module holding a parameter that is shared
-    with a module outside its subtree is never a unit: the shared parameter stays in
-    the unit of the lowest common ancestor of its users.
+    bottom-up, never re-summed per level.
     """
     min_params = _check_min_params(min_num_params)
     # The pass allocates one small object per module; with the cyclic GC running, its
@@ -253,12 +260,13 @@ def plan_auto_wrap(
 
 def _plan(
     module: nn.Module,
-    min_params: int,
+    min_params: int | float,
     exclude_wrap_modules: Iterable[type[nn.Module]] | None,
     force_leaf_modules: Iterable[type[nn.Module]] | None,
 ) -> AutoWrapPlan:
     exclude = tuple(DEFAULT_EXCLUDE_WRAP_MODULES | set(exclude_wrap_modules or ()))
     force_leaf = tuple(DEFAULT_FORCE_LEAF_MODULES | set(force_leaf_modules or ()))
+    never_unit = exclude + force_leaf
 
     nodes, owners, shared_modules = _collect(module)
     # Each parameter lives at ("is homed at") the lowest common ancestor of its users;
@@ -288,14 +296,15 @@ def _plan(
     for i in range(len(nodes) - 1, 0, -1):  # nodes are in pre-order: children after
         subtree[nodes[i].parent] += subtree[i]
 
+    # Explored: torch's policy(recurse=True) said yes, so children are visited and
+    # the module's own unit decision is made; an unexplored module stays whole in
+    # its parent's remainder.
     explored = [False] * len(nodes)
-    explored[0] = subtree[0] >= min_params
-    for i in range(1, len(nodes)):
-        parent = nodes[i].parent
+    for i, node in enumerate(nodes):
         explored[i] = (
-            explored[parent]
-            and not isinstance(nodes[parent].module, force_leaf)
+            (i == 0 or explored[node.parent])
             and subtree[i] >= min_params
+            and not isinstance(node.module, force_leaf)
         )
 
     remainder = subtree[:]
@@ -303,21 +312,18 @@ def _plan(
     blocked: dict[int, list[str]] = {}
     for i in range(len(nodes) - 1, -1, -1):  # children have larger indices
         node = nodes[i]
-        if explored[i] and not isinstance(node.module, force_leaf):
+        if explored[i]:
             remainder[i] = home_numel[i] + sum(
                 0 if is_unit[c] else remainder[c] for c in node.children
             )
-        if isinstance(node.module, exclude):
+        if isinstance(node.module, never_unit):
             continue
         if i in tainted:
             # Would it have been a unit, had it homed the shared parameters it uses?
-            parent_explored = i == 0 or (
-                explored[node.parent]
-                and not isinstance(nodes[node.parent].module, force_leaf)
-            )
-            if parent_explored and remainder[i] + tied_numel[i] >= min_params:
+            visited = i == 0 or explored[node.parent]
+            if visited and remainder[i] + tied_numel[i] >= min_params:
                 blocked[i] = tainted[i]
-        elif explored[i] and remainder[i] >= min_params:
+        elif explored[i] and remainder[i] >= min_params and subtree[i] > 0:
             is_unit[i] = True
 
     order = _post_order(nodes)
@@ -381,12 +387,12 @@ def auto_wrap(
     return root
 
 
-def _check_min_params(min_num_params: int | float) -> int:
+def _check_min_params(min_num_params: int | float) -> int | float:
     if isinstance(min_num_params, bool) or not isinstance(min_num_params, int | float):
         raise TypeError(f"min_num_params must be a number, got {min_num_params!r}")
     if not math.isfinite(min_num_params) or min_num_params < 0:
         raise ValueError(f"min_num_params must be >= 0, got {min_num_params!r}")
-    return int(min_num_params)
+    return min_num_params  # compared as a number, as torch does: never truncated
 
 
 def _collect(

@@ -55,7 +55,7 @@ def build_model(
     s = cfg.sharding
     policy = build_policy(
         policy_names(s.policy),
-        min_num_params=int(s.min_params),
+        min_num_params=s.min_params,
         exclude_wrap_modules=import_classes(
             s.exclude_wrap_modules, "sharding.exclude_wrap_modules"
         ),
