@@ -97,7 +97,10 @@ ALLOCATORS = {
 
 def gpt_config(args: argparse.Namespace):
     """GPTConfig from the shape args; n_layer derived from --model-params-gb if unset."""
-    from src.models.gpt import GPTConfig, count_params
+    from src.models import get_spec
+
+    spec = get_spec("gpt")
+    GPTConfig, count_params = spec.config_cls, spec.num_params
 
     d = args.n_embd
     n_head = args.n_head or (d // 128 if d % 128 == 0 else 1)
@@ -121,17 +124,19 @@ def gpt_config(args: argparse.Namespace):
 
 def _build(mode: str, cfg, backend, seed: int = 0):
     """A function that builds the model as ``mode`` says, with ``backend``."""
-    from src.models import GPT, init_tensor
+    from src.models import get_spec
     from src.sharding import build_policy, build_sharded_model
 
-    policy = build_policy("block", block_cls=GPT.block_cls)
+    spec = get_spec("gpt")
+
+    policy = build_policy("block", block_cls=spec.block_classes(cfg))
     if mode == "none":
-        return lambda: GPT(cfg, seed=seed)
+        return lambda: spec.build(cfg, seed)
 
     if mode == "after":
 
         def build():
-            model = GPT(cfg, seed=seed)  # whole, unsharded
+            model = spec.build(cfg, seed)  # whole, unsharded
             with backend.wrap_context(policy):
                 model = policy.finalize(model)  # FSDP2 per block
                 return backend.wrap_root(model)  # then the root
@@ -139,15 +144,15 @@ def _build(mode: str, cfg, backend, seed: int = 0):
         return build
     if mode == "cpu":
         return lambda: build_sharded_model(
-            lambda: GPT(cfg, seed=seed), backend, policy, "cpu"
+            lambda: spec.build(cfg, seed), backend, policy, "cpu"
         )
     if mode == "meta":
 
         def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
-            return init_tensor(name, t.shape, cfg, seed)
+            return spec.init_tensor(name, t.shape, cfg, seed)
 
         return lambda: build_sharded_model(
-            lambda: GPT(cfg, seed=seed), backend, policy, "meta", init_fn
+            lambda: spec.build(cfg, seed), backend, policy, "meta", init_fn
         )
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
@@ -354,10 +359,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    from src.models.gpt import count_params
+    from src.models import get_spec
 
     cfg = gpt_config(args)
-    n_params = count_params(cfg)
+    n_params = get_spec("gpt").num_params(cfg)
     param_bytes = 4 * n_params
     block_bytes = 4 * (12 * cfg.n_embd**2 + 13 * cfg.n_embd)
     largest = 4 * max(4 * cfg.n_embd**2, cfg.vocab_size * cfg.n_embd)

@@ -2,7 +2,7 @@
 
 One process: GPT forward + backward + AdamW step on random tokens, timed per step.
 Achieved FLOP/s = tokens/s x ``flops_per_token`` (model FLOPs: 6N + attention, no
-recomputation, see ``src.models.gpt.flops_per_token``). The peak is
+recomputation, the GPT spec's ``flops_per_token``). The peak is
 ``measure_cpu_matmul_flops`` in the same dtype, measured in the same run before and
 after the loop with the same thread count; MFU = achieved / max(peak before, after).
 ``fp32`` runs plain fp32; ``bf16`` runs the forward under ``torch.autocast`` (bf16
@@ -28,11 +28,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def run_dtype(args: argparse.Namespace, dtype_name: str) -> dict:
     """Time the training loop in one dtype and return one table row."""
-    from src.models import GPT, GPTConfig, flops_per_token
+    from src.models import get_spec
     from src.trainer.metrics import measure_cpu_matmul_flops
 
     dtype = DTYPES[dtype_name]
-    cfg = GPTConfig(
+    spec = get_spec("gpt")
+    cfg = spec.config_cls(
         n_layer=args.n_layer,
         n_head=args.n_head,
         n_embd=args.n_embd,
@@ -40,7 +41,7 @@ def run_dtype(args: argparse.Namespace, dtype_name: str) -> dict:
         block_size=args.seq_len,
     )
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = spec.build(cfg, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(
@@ -67,7 +68,7 @@ def run_dtype(args: argparse.Namespace, dtype_name: str) -> dict:
     peak_after = measure_cpu_matmul_flops(dtype, args.peak_seconds)
 
     tokens = args.batch_size * args.seq_len
-    fpt = flops_per_token(cfg, args.seq_len)
+    fpt = spec.flops_per_token(cfg, args.seq_len)
     peak = max(peak_before, peak_after)
     median, best = statistics.median(times), min(times)
     achieved = tokens / median * fpt

@@ -90,10 +90,13 @@ def _minimal_setup(s: dict, mesh, root_reshard: bool | None = None):
     matrices only, the same LR schedule as the trainer."""
     from torch.distributed.fsdp import fully_shard
 
-    from src.models.gpt import GPT, GPTConfig
+    from src.models import get_spec
 
-    model = GPT(GPTConfig(**s["shape"]), seed=s["seed"])
-    for block in model.h:
+    spec = get_spec("gpt")
+    config = spec.config_cls(**s["shape"])
+    model = spec.build(config, s["seed"])
+    blocks = spec.block_classes(config)
+    for block in [m for m in model.modules() if isinstance(m, blocks)]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard)
     params = list(model.parameters())
@@ -127,13 +130,13 @@ def minimal_train(s: dict, out_dir: str) -> None:
     """One rank of the hand-written loop (process group already initialised)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from src.models.gpt import GPTConfig
+    from src.models import get_spec
     from src.trainer.data import GlobalBatches, load_splits
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(s["seed"])
     mesh = init_device_mesh("cpu", (world,))
-    cfg = GPTConfig(**s["shape"])
+    cfg = get_spec("gpt").config_cls(**s["shape"])
     model, optimizer, scheduler = _minimal_setup(s, mesh)
     train_split, _ = load_splits(
         SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),

@@ -28,12 +28,14 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
     OmegaConfBaseException,
 )
+
+from src.models import ModelSpec, families, get_spec
 
 BACKENDS = ("fsdp2", "fsdp1", "ddp", "none")
 PRECISIONS = ("fp32", "bf16_mixed", "fp16_mixed")
@@ -42,19 +44,6 @@ INIT_DEVICES = ("cpu", "cuda", "meta")
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 DATA_SOURCES = ("text", "tokens", "synthetic")
-
-
-@dataclass
-class ModelConfig:
-    name: str = "small"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    vocab_size: int = 256
-    block_size: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    init_device: str = "cpu"
 
 
 @dataclass
@@ -135,7 +124,9 @@ class SweepConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # Typed by the family's schema, which each conf/model/*.yaml picks in its defaults
+    # list (`schema/<family>@_here_`; registered below from src/models).
+    model: Any = MISSING
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -144,7 +135,10 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
-ConfigStore.instance().store(name="base_config", node=Config)
+_store = ConfigStore.instance()
+_store.store(name="base_config", node=Config)
+for _family in families():
+    _store.store(group="model/schema", name=_family, node=get_spec(_family).schema())
 
 
 class ConfigError(ValueError):
@@ -245,6 +239,30 @@ def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
             reject_unknown_keys(child, f"{full_key}.")
 
 
+def _model_error(err: ValueError) -> ConfigError:
+    """A model family's ``ValueError("model.<key> ...")`` as a ConfigError on that key."""
+    key, _, rest = str(err).partition(" ")
+    if not key.startswith("model"):
+        key, rest = "model", str(err)
+    return ConfigError(key.rstrip(":"), rest)
+
+
+def model_spec(cfg: DictConfig) -> ModelSpec:
+    """The spec of ``cfg.model``'s family (ConfigError if unknown)."""
+    try:
+        return get_spec(cfg.model.family)
+    except ValueError as err:
+        raise _model_error(err) from None
+
+
+def model_config(cfg: DictConfig) -> Any:
+    """``cfg.model`` as its family's config (ConfigError naming the key if bad)."""
+    try:
+        return model_spec(cfg).make_config(cfg.model)
+    except ValueError as err:
+        raise _model_error(err) from None
+
+
 def validate(cfg: DictConfig) -> None:
     """Check what the schema's types cannot, so a bad run fails before any rank starts.
 
@@ -256,17 +274,14 @@ def validate(cfg: DictConfig) -> None:
     _require(
         cap is None or cap > 0, "sweep.mem_cap_gib", f"got {cap}, expected null or > 0"
     )
-    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
-        _positive_int(cfg, f"model.{key}")
-    _require(
-        m.n_embd % m.n_head == 0,
-        "model.n_embd",
-        f"{m.n_embd} is not divisible by model.n_head={m.n_head}",
-    )
-    _require(
-        0.0 <= m.dropout < 1.0, "model.dropout", f"got {m.dropout}, expected [0, 1)"
-    )
+    spec = model_spec(cfg)
+    model_config(cfg)
     _choice(cfg, "model.init_device", INIT_DEVICES)
+    _require(
+        m.init_device != "meta" or spec.init_tensor is not None,
+        "model.init_device",
+        f"meta needs a per-parameter init, which model family {spec.name!r} has not",
+    )
     _choice(cfg, "sharding.backend", BACKENDS)
     _require(
         m.init_device != "meta" or s.backend in ("fsdp2", "none"),
@@ -343,9 +358,13 @@ def validate(cfg: DictConfig) -> None:
 # ------------------------------------------------------------ one-line errors
 
 
-def _allowed_keys(full_key: str) -> list[str]:
-    """The schema's keys next to ``full_key`` (for an unknown-key message)."""
-    parent = full_key.rpartition(".")[0]
+def _allowed_keys(cause: OmegaConfBaseException) -> list[str]:
+    """The schema's keys next to the unknown key of ``cause`` (the family's schema for
+    a ``model.*`` key)."""
+    schema = getattr(cause, "object_type", None)
+    if dataclasses.is_dataclass(schema):
+        return [f.name for f in dataclasses.fields(schema)]
+    parent = cause.full_key.rpartition(".")[0]
     node = OmegaConf.structured(Config)
     node = OmegaConf.select(node, parent) if parent else node
     return list(node.keys()) if isinstance(node, DictConfig) else []
@@ -368,7 +387,7 @@ def one_line(err: BaseException) -> str:
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         msg = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-            allowed = _allowed_keys(cause.full_key)
+            allowed = _allowed_keys(cause)
             if allowed:
                 msg = f"unknown key, expected one of: {', '.join(allowed)}"
         return f"{cause.full_key}: {msg}"

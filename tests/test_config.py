@@ -118,6 +118,20 @@ def test_devices_auto_is_gpu_count_or_one():
         (["precision=fp8"], "precision"),
         (["data=tokens", "data.train_path=/no/such.bin"], "data.train_path"),
         (["logger.mode=loud"], "logger.mode"),
+        (["model.n_layr=3"], "model.n_layr: unknown key"),
+        (["model.bias=maybe"], "model.bias"),
+        (["model.family=mamba"], "model.family: unknown model family"),
+        (["model=custom"], "model._target_"),
+        (["model=custom", "model._target_=no.such.Model"], "model._target_"),
+        (["model=custom", "model.n_layer=2"], "model.n_layer"),
+        (
+            [
+                "model=custom",
+                "model._target_=torch.nn.Linear",
+                "model.init_device=meta",
+            ],
+            "model.init_device",
+        ),
     ],
 )
 def test_bad_config_fails_with_one_line_naming_the_key(overrides, key):
@@ -130,6 +144,15 @@ def test_unknown_key_message_lists_the_allowed_keys():
     message = config_error("trainer.max_step=10")
     assert message.startswith("trainer.max_step: unknown key")
     assert "max_steps" in message
+
+
+def test_unknown_model_key_lists_the_family_keys():
+    message = config_error("model.n_layr=3")
+    assert (
+        "n_layer" in message and "block_size" in message and "_target_" not in message
+    )
+    message = config_error("model=custom", "model.n_layer=3")
+    assert "_target_" in message and "n_embd" not in message
 
 
 def test_wrong_type_message_says_what_is_allowed():

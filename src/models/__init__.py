@@ -1,5 +1,10 @@
-"""Models: a GPT-style transformer built under the wrap context."""
+"""Models: one spec per family (src/models/spec.py), each built under the wrap context.
 
+Importing this package registers every family: ``get_spec(family)`` is how the rest of
+the code reaches a model (docs/models.md).
+"""
+
+from src.models import custom, gpt, llama  # noqa: F401  (registers the families)
 from src.models.gpt import (
     GPT,
     Block,
@@ -8,12 +13,18 @@ from src.models.gpt import (
     flops_per_token,
     init_tensor,
 )
+from src.models.spec import ModelKeys, ModelSpec, families, get_spec, register
 
 __all__ = [
     "GPT",
     "Block",
     "GPTConfig",
-    "flops_per_token",
-    "init_tensor",
+    "ModelKeys",
+    "ModelSpec",
     "count_params",
+    "families",
+    "flops_per_token",
+    "get_spec",
+    "init_tensor",
+    "register",
 ]

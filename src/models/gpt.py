@@ -27,7 +27,6 @@ the meta device and materialised later by calling :func:`init_tensor` per parame
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -35,6 +34,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.spec import (
+    ModelSpec,
+    default_device,
+    lm_loss,
+    materialize,
+    name_generator,
+    register,
+)
 from src.sharding import wrap
 
 
@@ -81,12 +88,6 @@ _INIT_STD = 0.02
 _NORMAL_INIT = {"wte", "wpe", "c_attn", "c_fc"}
 
 
-def _name_seed(seed: int, name: str) -> int:
-    """A stable 32-bit seed for one parameter (zlib.crc32; Python's ``hash`` of a str
-    changes from process to process)."""
-    return zlib.crc32(f"{seed}/{name}".encode())
-
-
 def init_tensor(
     name: str, shape: Sequence[int], config: GPTConfig, seed: int
 ) -> torch.Tensor:
@@ -118,37 +119,15 @@ def _init_(name: str, out: torch.Tensor, config: GPTConfig, seed: int) -> torch.
         std = _INIT_STD
     else:
         raise ValueError(f"init_tensor: not a GPT parameter name: {name!r}")
-    gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
-    return out.normal_(0.0, std, generator=gen)
+    return out.normal_(0.0, std, generator=name_generator(seed, name))
 
 
-@torch.no_grad()
 def _materialize(
     modules: dict[str, nn.Module], device: torch.device, config: GPTConfig, seed: int
 ) -> None:
-    """Give the parameters of each ``modules[prefix]`` (built on meta) storage on
-    ``device`` and their :func:`init_tensor` value, canonical name ``prefix + local``.
-    On the meta device nothing happens: the sharding layer materialises those
-    parameters later, with the same :func:`init_tensor`."""
-    if device.type == "meta":
-        return
-    for prefix, module in modules.items():
-        module.to_empty(device=device)
-        for local, p in module.named_parameters():
-            name = prefix + local
-            if (
-                p.device.type == "cpu"
-                and p.dtype == torch.float32
-                and p.is_contiguous()
-            ):
-                _init_(name, p, config, seed)  # in place: no temporary, no copy
-            else:
-                p.copy_(init_tensor(name, p.shape, config, seed))
-
-
-def _default_device() -> torch.device:
-    """Where a new tensor goes now (honours ``with torch.device(...)``)."""
-    return torch.empty(()).device
+    """Storage on ``device`` and :func:`init_tensor` values for modules built on meta,
+    canonical name ``prefix + local`` (nothing happens on meta)."""
+    materialize(modules, device, lambda name, out: _init_(name, out, config, seed))
 
 
 # ------------------------------------------------------------------------ modules
@@ -195,7 +174,7 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, index: int, seed: int = 0) -> None:
         super().__init__()
-        device = _default_device()
+        device = default_device()
         with torch.device("meta"):  # no default init: init_tensor sets every value
             self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.attn = CausalSelfAttention(config)
@@ -215,7 +194,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.seed = seed
-        device = _default_device()
+        device = default_device()
         # Built on meta (skipping torch's default init), materialised below.
         with torch.device("meta"):
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -257,14 +236,7 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)),
-                targets.reshape(-1),
-                ignore_index=-1,
-            )
-        return logits, loss
+        return logits, lm_loss(logits, targets)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of (unique) parameters; the tied head is counted once. With
@@ -317,3 +289,15 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     """
     n_matmul = count_params(config) - config.block_size * config.n_embd
     return 6 * n_matmul + 12 * config.n_layer * config.n_embd * seq_len
+
+
+SPEC = register(
+    ModelSpec(
+        name="gpt",
+        config_cls=GPTConfig,
+        build=lambda config, seed: GPT(config, seed=seed),
+        block_classes=lambda config: (GPT.block_cls,),
+        flops_per_token=flops_per_token,
+        init_tensor=init_tensor,
+    )
+)

@@ -21,8 +21,13 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from src.config import import_classes, policy_names, resolve_devices
-from src.models import GPT, GPTConfig, flops_per_token, init_tensor
+from src.config import (
+    import_classes,
+    model_config,
+    model_spec,
+    policy_names,
+    resolve_devices,
+)
 from src.sharding import (
     Backend,
     WrapPlan,
@@ -47,10 +52,11 @@ from src.trainer.metrics import (
 def build_model(
     cfg: DictConfig, backend: Backend, init_device: str | None = None
 ) -> nn.Module:
-    """GPT built inside the wrap context: each unit is sharded as it is constructed,
-    and a meta-device model is materialised shard by shard from ``init_tensor``."""
+    """The model of ``cfg.model``'s family built inside the wrap context: each unit is
+    sharded as it is constructed, and a meta-device model is materialised shard by
+    shard from the family's per-parameter init."""
     init_device = init_device or cfg.model.init_device
-    gpt_cfg = GPTConfig.from_dict(cfg.model)
+    spec, config = model_spec(cfg), model_config(cfg)
     seed = cfg.trainer.seed
     s = cfg.sharding
     policy = build_policy(
@@ -62,34 +68,29 @@ def build_model(
         force_leaf_modules=import_classes(
             s.force_leaf_modules, "sharding.force_leaf_modules"
         ),
-        block_cls=GPT.block_cls,
+        block_cls=spec.block_classes(config) or None,
     )
     init_fn = None
-    if init_device == "meta":
+    if init_device == "meta" and spec.init_tensor is not None:
 
         def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
-            return init_tensor(name, t.shape, gpt_cfg, seed)
+            return spec.init_tensor(name, t.shape, config, seed)
 
     return build_sharded_model(
-        lambda: GPT(gpt_cfg, seed=seed), backend, policy, init_device, init_fn
+        lambda: spec.build(config, seed), backend, policy, init_device, init_fn
     )
 
 
 def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases and LayerNorm gains).
-
-    A parameter's rank is read from an unsharded meta copy of the model: FSDP1 shards
-    are flat 1-D views, so the live tensors cannot say.
-    """
-    with torch.device("meta"):
-        ndim = {
-            n: p.dim()
-            for n, p in GPT(GPTConfig.from_dict(cfg.model)).named_parameters()
-        }
+    """AdamW with weight decay except where the family's no-decay rule says (biases
+    and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
+    views, so the live tensors cannot tell)."""
+    no_decay_name = model_spec(cfg).no_decay
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if ndim[canonical_name(name, model)] >= 2 else no_decay).append(p)
+            is_nd = no_decay_name(canonical_name(name, model))
+            (no_decay if is_nd else decay).append(p)
     t = cfg.trainer
     groups = [
         {"params": decay, "weight_decay": t.weight_decay},
@@ -252,9 +253,12 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
     # wandb run failed, so the next job of a sweep does not inherit it.
     with build_logger(cfg, run_dir, rank) as logger:
         # Data: every rank sees the same global batches and takes its own rows.
-        block_size = cfg.model.block_size
+        spec, model_cfg = model_spec(cfg), model_config(cfg)
+        block_size = spec.seq_len(model_cfg)
         micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
-        train_split, val_split = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
+        train_split, val_split = load_splits(
+            cfg.data, spec.vocab_size(model_cfg), t.seed
+        )
         batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
         val_set = []
         if t.val_every and t.val_batches:
@@ -279,10 +283,9 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
         ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep_last=t.keep_last)
         start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank, scaler)
 
-        gpt_cfg = GPTConfig.from_dict(cfg.model)
         meter = ThroughputMeter(
             tokens_per_step=t.batch_size * block_size,
-            flops_per_token=flops_per_token(gpt_cfg, block_size),
+            flops_per_token=spec.flops_per_token(model_cfg, block_size),
             # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe.
             peak_flops_per_rank=(
                 peak_flops_per_rank(device, backend.param_dtype, t.peak_tflops)

@@ -1,0 +1,360 @@
+"""Llama (2/3 architecture), in one file: RMSNorm, rotary position embedding (RoPE),
+grouped-query attention, SwiGLU feed-forward, an untied or tied output head.
+
+Config field names are Meta's (``dim n_layers n_heads n_kv_heads multiple_of
+ffn_dim_multiplier norm_eps rope_theta max_seq_len``), parameter names torchtitan's::
+
+    tok_embeddings.weight                       token embedding
+    layers.{i}.attention_norm.weight            RMSNorm before attention
+    layers.{i}.attention.w{q,k,v,o}.weight      attention projections (k, v: n_kv_heads)
+    layers.{i}.ffn_norm.weight                  RMSNorm before the feed-forward
+    layers.{i}.feed_forward.w{1,2,3}.weight     SwiGLU: w2(silu(w1 x) * w3 x)
+    norm.weight                                 final RMSNorm
+    output.weight                               output head (tok_embeddings.weight if tied)
+    rope.inv_freq                               buffer: RoPE inverse frequencies
+
+RoPE rotates the two halves of each head (``rotate_half``, as Hugging Face's
+``LlamaForCausalLM``), so Hugging Face Llama checkpoints map onto these parameters by
+name alone (``HF_NAMES`` below), with no permutation of q and k.
+
+As the GPT, every block is annotated with ``wrap()`` as it is built, and every
+parameter **and buffer** gets its initial value from its canonical name alone
+(:func:`init_tensor`), so a meta-device build is materialised shard by shard with the
+same values as a CPU build. The rotary frequencies are a buffer like any other: a
+build that left them to ``to_empty()`` would train from garbage (tests/test_llama.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from src.models.spec import (
+    ModelSpec,
+    default_device,
+    lm_loss,
+    materialize,
+    name_generator,
+    register,
+)
+from src.sharding import wrap
+
+
+@dataclass
+class LlamaConfig:
+    """Llama shape, with the field names of Meta's ``ModelArgs``."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    vocab_size: int = 128256
+    multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of it
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192  # the run's sequence length (and RoPE's table)
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"model.{key} must be a positive integer, got {value!r}"
+                )
+        if self.max_seq_len < 1:
+            raise ValueError(f"model.max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.dim % (2 * self.n_heads):
+            raise ValueError(
+                f"model.dim ({self.dim}) must be divisible by 2 * model.n_heads "
+                f"({self.n_heads}): RoPE rotates pairs within each head"
+            )
+        if self.n_kv_heads is not None and (
+            self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads
+        ):
+            raise ValueError(
+                f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads "
+                f"({self.n_heads})"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU width, as Meta computes it: 2/3 of 4 * dim, times the multiplier,
+        rounded up to ``multiple_of`` (Llama 3 8B: 14336)."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+# ------------------------------------------------------------------------ modules
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of the RoPE angles for positions ``0..T-1`` (fp32, computed per
+    forward from the ``inv_freq`` buffer: no table to keep in sync with the length)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.register_buffer(
+            "inv_freq", torch.empty(config.head_dim // 2), persistent=False
+        )
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim): both halves
+        return emb.cos(), emb.sin()
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """``1 / theta^(2i / head_dim)``, the true value of ``rope.inv_freq``."""
+    d = config.head_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, heads, T, head_dim) by the position angles."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: ``n_kv_heads`` key/value heads shared by groups
+    of ``n_heads / n_kv_heads`` query heads."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.kv_heads
+        self.head_dim = config.head_dim
+        kv_dim = self.n_kv_heads * self.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_dim
+        self.w1 = nn.Linear(config.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block; ``index`` gives its canonical prefix ``layers.{index}.``."""
+
+    def __init__(self, config: LlamaConfig, index: int, seed: int = 0) -> None:
+        super().__init__()
+        device = default_device()
+        with torch.device("meta"):  # no default init: init_tensor sets every value
+            self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+            self.attention = Attention(config)
+            self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+            self.feed_forward = FeedForward(config)
+        _materialize({f"layers.{index}.": self}, device, config, seed)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    block_cls = TransformerBlock
+
+    def __init__(self, config: LlamaConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        device = default_device()
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+            self.rope = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            wrap(TransformerBlock(config, i, seed)) for i in range(config.n_layers)
+        )
+        with torch.device("meta"):
+            self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        own = {
+            "tok_embeddings.": self.tok_embeddings,
+            "rope.": self.rope,
+            "norm.": self.norm,
+        }
+        if not config.tie_embeddings:
+            own["output."] = self.output
+        _materialize(own, device, config, seed)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # As in the GPT: to_empty() from meta gives each module a new Parameter; re-tie.
+        super()._apply(fn, recurse)
+        if (
+            self.config.tie_embeddings
+            and self.output.weight is not self.tok_embeddings.weight
+        ):
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``idx`` (B, T) -> ``(logits (B, T, vocab), mean cross-entropy or None)``;
+        targets equal to -1 are ignored."""
+        T = idx.size(1)
+        if T > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {T} exceeds model.max_seq_len {self.config.max_seq_len}"
+            )
+        cos, sin = self.rope(T)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.output(self.norm(x))
+        return logits, lm_loss(logits, targets)
+
+
+# --------------------------------------------------------------------------- init
+
+_INIT_STD = 0.02
+_RESIDUAL = re.compile(r"(attention\.wo|feed_forward\.w2)\.weight$")
+
+
+def _init_(
+    name: str, out: torch.Tensor, config: LlamaConfig, seed: int
+) -> torch.Tensor:
+    """Fill ``out`` with the initial value of ``name``: norms 1, the RoPE buffer its
+    frequencies, matrices normal(0, 0.02), the residual projections (``wo``, ``w2``)
+    scaled by 1 / sqrt(2 n_layers) (GPT-2's rule); the tied head is the embedding."""
+    if name == "output.weight" and config.tie_embeddings:
+        name = "tok_embeddings.weight"
+    if name == "rope.inv_freq":
+        return out.copy_(rope_inv_freq(config))
+    if name.endswith("norm.weight"):
+        return out.fill_(1.0)
+    if not name.endswith(".weight"):
+        raise ValueError(f"init_tensor: not a Llama parameter name: {name!r}")
+    std = _INIT_STD
+    if _RESIDUAL.search(name):
+        std /= math.sqrt(2 * config.n_layers)
+    return out.normal_(0.0, std, generator=name_generator(seed, name))
+
+
+def init_tensor(
+    name: str, shape: Sequence[int], config: LlamaConfig, seed: int
+) -> torch.Tensor:
+    """The full fp32 initial value (on CPU) of the parameter or buffer ``name``."""
+    return _init_(name, torch.empty(tuple(int(s) for s in shape)), config, seed)
+
+
+def _materialize(modules, device, config: LlamaConfig, seed: int) -> None:
+    materialize(modules, device, lambda name, out: _init_(name, out, config, seed))
+
+
+# -------------------------------------------------------------------------- FLOPs
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> int:
+    """Training FLOPs per token: ``6 N + 12 n_layers dim seq_len`` as for the GPT
+    (PaLM / torchtitan), N = the parameters in matmuls: all but the input embedding
+    (a lookup; with a tied head it is counted once, for the head)."""
+    d, kv = config.dim, config.kv_heads * config.head_dim
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * config.hidden_dim + 2 * d
+    n_matmul = config.n_layers * per_layer + d + config.vocab_size * d
+    return 6 * n_matmul + 12 * config.n_layers * d * seq_len
+
+
+# ------------------------------------------------------------- Hugging Face names
+
+HF_NAMES = {  # ours -> transformers' LlamaForCausalLM (per layer: "layers.{i}." prefix)
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+
+
+def to_hf_name(name: str) -> str:
+    """Our canonical parameter name -> the Hugging Face Llama name."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m:
+        return f"model.layers.{m.group(1)}.{HF_NAMES[m.group(2)]}"
+    return HF_NAMES[name]
+
+
+def to_hf_config(config: LlamaConfig):
+    """The ``transformers.LlamaConfig`` of the same model."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    return HFLlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.dim,
+        intermediate_size=config.hidden_dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.kv_heads,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=config.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+
+
+SPEC = register(
+    ModelSpec(
+        name="llama",
+        config_cls=LlamaConfig,
+        build=lambda config, seed: Llama(config, seed=seed),
+        block_classes=lambda config: (Llama.block_cls,),
+        flops_per_token=flops_per_token,
+        init_tensor=init_tensor,
+        seq_len=lambda config: config.max_seq_len,
+    )
+)

@@ -1,0 +1,170 @@
+"""The model spec: everything the trainer, plan-only, checkpoint export and the
+benchmarks know about a model family, and the registry of families.
+
+A family is one :class:`ModelSpec`: its config dataclass (which is also the Hydra schema
+of the ``model`` group, with the keys every family shares from :class:`ModelKeys`), a
+build function that constructs the model with its units annotated by ``wrap()``, the
+block classes (``sharding.policy=block``), the per-parameter init by canonical name (for
+``model.init_device=meta``), FLOPs per token (MFU) and the no-decay rule. Nothing outside
+``src/models/`` names a model class: it asks :func:`get_spec` (see docs/models.md).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# The keys of the ``model`` group every family shares (the family's own config
+# dataclass brings the rest, with its own field names).
+
+
+@dataclass
+class ModelKeys:
+    name: str = ""  # the preset's name (conf/model/<name>.yaml)
+    init_device: str = "cpu"  # cpu, cuda or meta: where parameters are first created
+    pretrained: str | None = None  # a local Hugging Face directory (families with `hf`)
+
+
+def default_no_decay(name: str) -> bool:
+    """No weight decay for biases and normalisation gains, by canonical name: the leaf
+    is ``bias``, or its module's name contains ``norm`` or starts with ``ln`` (GPT's
+    ``ln_1``/``ln_f``, Llama's ``attention_norm``, Hugging Face's ``input_layernorm``,
+    ``final_layer_norm``...). Embeddings and every other matrix decay."""
+    parts = name.split(".")
+    if parts[-1] == "bias":
+        return True
+    module = parts[-2].lower() if len(parts) >= 2 else ""
+    return "norm" in module or module.startswith("ln")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family. ``config`` below is an instance of ``config_cls``."""
+
+    name: str  # the family: the value of ``model.family``
+    config_cls: type  # a dataclass; its fields are the family's ``model.*`` keys
+    build: Callable[[Any, int], nn.Module]  # (config, seed) -> model, units wrap()ped
+    block_classes: Callable[[Any], tuple[type[nn.Module], ...]]  # (config) -> classes
+    flops_per_token: Callable[[Any, int], float]  # (config, seq_len) -> train FLOPs
+    # (canonical name, shape, config, seed) -> the full initial fp32 tensor of one
+    # parameter or buffer, for meta materialisation; None: meta init is unsupported.
+    init_tensor: Callable[[str, Sequence[int], Any, int], torch.Tensor] | None = None
+    no_decay: Callable[[str], bool] = default_no_decay  # (canonical name) -> bool
+    seq_len: Callable[[Any], int] = lambda c: c.block_size  # the run's sequence length
+    vocab_size: Callable[[Any], int] = lambda c: c.vocab_size  # the model's vocabulary
+    # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
+    hf: Any = None
+    # Optional, for a memory planner: (config, micro_batch, seq_len) -> activation bytes.
+    activation_bytes: Callable[[Any, int, int], int] | None = None
+
+    def make_config(self, model_cfg: Mapping) -> Any:
+        """The family's config from the ``model`` node (shared keys are ignored).
+        Raises ``ValueError`` starting with ``model.<key>`` for a bad value."""
+        names = {f.name for f in fields(self.config_cls)}
+        return self.config_cls(**{k: model_cfg[k] for k in model_cfg if k in names})
+
+    def num_params(self, config: Any) -> int:
+        """Unique parameters of the model (counted on a meta-device build)."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.build(config, 0).parameters())
+
+    def schema(self) -> type:
+        """The Hydra schema of ``model`` for this family: its config's fields, the shared
+        :class:`ModelKeys` and ``family`` (registered in the ConfigStore as
+        ``model/schema/<family>``; each conf/model/*.yaml picks one in its defaults).
+        A module-level class of this module, so configs typed by it pickle (ranks)."""
+        name = f"{self.name.capitalize()}ModelSchema"
+        schema = globals().get(name)
+        if schema is None or schema.__bases__[0] is not self.config_cls:
+            schema = make_dataclass(
+                name,
+                [("family", str, field(default=self.name))],
+                bases=(self.config_cls, ModelKeys),
+            )
+            schema.__module__ = __name__
+            globals()[name] = schema
+        return schema
+
+
+# ------------------------------------------------- init by name (shared by families)
+
+
+def name_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from ``crc32(seed, name)``: one parameter's random init
+    depends on nothing else (not the build order, the wrap policy, the ranks or the
+    device). zlib.crc32, as Python's ``hash`` of a str changes between processes."""
+    return torch.Generator(device="cpu").manual_seed(
+        zlib.crc32(f"{seed}/{name}".encode())
+    )
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
+    """Mean next-token cross-entropy over all positions, in fp32; targets equal to -1
+    are ignored; None without targets."""
+    if targets is None:
+        return None
+    return F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
+    )
+
+
+def default_device() -> torch.device:
+    """Where a new tensor goes now (honours ``with torch.device(...)``)."""
+    return torch.empty(()).device
+
+
+@torch.no_grad()
+def materialize(
+    modules: Mapping[str, nn.Module],
+    device: torch.device,
+    fill_: Callable[[str, torch.Tensor], torch.Tensor],
+) -> None:
+    """Give the parameters and buffers of each ``modules[prefix]`` (built on meta)
+    storage on ``device`` and their initial value: ``fill_(prefix + local, out)`` fills
+    the CPU fp32 tensor ``out`` in place. On the meta device nothing happens: the
+    sharding layer materialises them later from the spec's ``init_tensor``."""
+    if device.type == "meta":
+        return
+    for prefix, module in modules.items():
+        module.to_empty(device=device)
+        for local, t in [*module.named_parameters(), *module.named_buffers()]:
+            name = prefix + local
+            if (
+                t.device.type == "cpu"
+                and t.dtype == torch.float32
+                and t.is_contiguous()
+            ):
+                fill_(name, t)  # in place: no temporary, no copy
+            else:
+                t.copy_(fill_(name, torch.empty(t.shape)))
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Add a family to the registry (a later spec of the same name replaces it)."""
+    _REGISTRY[spec.name] = spec
+    spec.schema()
+    return spec
+
+
+def families() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_spec(family: str) -> ModelSpec:
+    """The spec of ``family``; ``ValueError`` naming ``model.family`` if unknown."""
+    try:
+        return _REGISTRY[family]
+    except KeyError:
+        raise ValueError(
+            f"model.family: unknown model family {family!r}, expected one of: "
+            f"{', '.join(families())}"
+        ) from None
