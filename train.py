@@ -1,4 +1,4 @@
-"""Train a GPT with sharded data parallelism: ``python train.py [key=value ...]``.
+"""Train a model with sharded data parallelism: ``python train.py [key=value ...]``.
 
 Hydra composes and validates the config (conf/ + the schema in src/config.py) in this
 process, then the ranks start (see src/trainer/launch.py). A config error is one line
