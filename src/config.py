@@ -310,9 +310,9 @@ def validate(cfg: DictConfig) -> None:
         f"sharding=none trains one process, got {world_size} devices; "
         "use trainer.devices=1 or sharding=fsdp2/fsdp1/ddp",
     )
-    for key in ("max_steps", "batch_size", "grad_accum", "log_every", "keep_last"):
+    for key in ("max_steps", "batch_size", "grad_accum", "log_every"):
         _positive_int(cfg, f"trainer.{key}")
-    for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps"):
+    for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps", "keep_last"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
     _positive_int(cfg, "trainer.max_restarts", minimum=0)
     micro = t.batch_size // t.grad_accum

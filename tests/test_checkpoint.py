@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from src.trainer.checkpoint import (
     Checkpointer,
+    CheckpointError,
     export_consolidated,
     load_consolidated,
     resolve_resume,
@@ -464,13 +465,19 @@ def test_single_process_round_trip(tmp_path):
     assert_same(full_moments(model, optimizer), full_moments(model2, optimizer2))
 
 
-def test_keep_last_prunes_and_latest_ignores_incomplete(tmp_path):
-    ckpt = Checkpointer(tmp_path, keep_last=2)
+def save_steps(ckpt: Checkpointer, steps):
+    """Train a fresh model one step at a time, saving after each."""
     model = make_model(0)
     optimizer, scheduler = make_optim(model)
-    for step in (1, 2, 3):
+    for step in steps:
         train(model, optimizer, scheduler, [step])
         ckpt.save(step, model, optimizer, scheduler)
+    return model, optimizer, scheduler
+
+
+def test_keep_last_prunes_and_latest_ignores_incomplete(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=2)
+    model, optimizer, scheduler = save_steps(ckpt, (1, 2, 3))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_00000002",
         "step_00000003",
@@ -512,6 +519,61 @@ def test_resolve_resume(tmp_path):
         resolve_resume(str(directory / "step_00000002"), directory)
 
 
+def test_damaged_checkpoints_are_named_and_auto_takes_the_newest_good(tmp_path):
+    """Issue cases 3 and 8: a flipped or truncated shard never loads; auto falls back."""
+    ckpt = Checkpointer(tmp_path, keep_last=0)
+    model, optimizer, scheduler = save_steps(ckpt, (1, 2, 3))
+    shard = tmp_path / "step_00000003" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100:164] = bytes(b ^ 0xFF for b in data[100:164])
+    shard.write_bytes(bytes(data))
+    shard2 = tmp_path / "step_00000002" / "__0_0.distcp"
+    shard2.write_bytes(shard2.read_bytes()[:-10])
+    assert ckpt.verify(tmp_path / "step_00000001") is None
+    assert ckpt.verify(shard.parent) == "__0_0.distcp fails its checksum (corrupted)"
+    assert "__0_0.distcp has" in ckpt.verify(shard2.parent)
+    skipped = []
+    found = resolve_resume(
+        "auto", tmp_path, ckpt.verify, lambda p, why: skipped.append(p.name)
+    )
+    assert found.name == "step_00000001"
+    assert skipped == ["step_00000003", "step_00000002"]
+    with pytest.raises(CheckpointError, match="step_00000003 is damaged: .*checksum"):
+        ckpt.load(shard.parent, model, optimizer, scheduler)
+    (tmp_path / "step_00000001" / "rng" / "rank_00000.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*No such file"):
+        resolve_resume("auto", tmp_path, ckpt.verify)
+
+
+def test_load_into_another_model_names_the_first_mismatch(tmp_path):
+    """Issue case 2: extra, missing and reshaped tensors are one-line errors."""
+    ckpt = Checkpointer(tmp_path)
+    model = make_model(0)
+    optimizer, scheduler = make_optim(model)
+    path = ckpt.save(1, model, optimizer, scheduler)
+
+    def load_into(other: nn.Module) -> str:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.load(path, other, *make_optim(other))
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    smaller = nn.Sequential(*list(make_model(0))[:3])  # last Linear dropped
+    assert "3.weight [4, 16] is in the checkpoint, not in the model" in (
+        load_into(smaller)
+    )
+    bigger = nn.Sequential(*make_model(0), nn.Linear(D_OUT, 2))
+    assert "4.weight [2, 4] is in the model, not the checkpoint" in load_into(bigger)
+    other = make_model(0)
+    other[2] = nn.Linear(16, 16, bias=False)
+    assert "2.bias [16] is in the checkpoint, not in the model" in load_into(other)
+    wider = make_model(0)
+    wider[3] = nn.Linear(16, 5)
+    assert "3.weight is [4, 16] in the checkpoint and [5, 16] in the model" in (
+        load_into(wider)
+    )
+
+
 def test_saving_a_step_again_replaces_it(tmp_path):
     ckpt = Checkpointer(tmp_path)
     model = make_model(0)
@@ -543,8 +605,13 @@ def test_load_refuses_pickled_code(tmp_path, capsys):
     optimizer, scheduler = make_optim(model)
     path = ckpt.save(1, model, optimizer, scheduler)
     (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(RuntimeError, match="refusing to load builtins.print"):
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata has \d+ bytes, \d+ were written"
+    ):
         ckpt.load(path, model, optimizer, scheduler)
+    # Checksums are no defence against a crafted file: the unpickler is.
+    with pytest.raises(RuntimeError, match="refusing to load builtins.print"):
+        ckpt.load(path, model, optimizer, scheduler, verify=False)
     assert "must never run" not in capsys.readouterr().out
 
 

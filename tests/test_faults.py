@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,13 @@ def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
         env=env,
         cwd=ROOT,
         start_new_session=True,  # its own process group, so the test can kill it all
+    )
+
+
+def run_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """Run train.py to the end; its output in ``.stdout`` and ``.stderr``."""
+    return subprocess.run(
+        command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True
     )
 
 
@@ -196,13 +204,54 @@ def test_fp16_resume_restores_the_grad_scaler_and_matches(tmp_path):
     os.rename(
         straight / "checkpoints/step_00000003", resumed / "checkpoints/step_00000003"
     )
-    run = subprocess.run(
-        command(resumed, *steps, "trainer.resume=auto"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    run = run_train(resumed, *steps, "trainer.resume=auto")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     got, expected = losses(resumed), losses(straight)
     assert sorted(got) == [4, 5, 6]
+    assert got == {s: expected[s] for s in got}
+
+
+# ----------------------------------------------- one reference run, several faults
+
+# Dropout on: exact resume must also restore the random streams.
+REFERENCE = ["trainer.max_steps=6", "model.dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 6-step run with a checkpoint every 2 steps, all kept."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    run = run_train(run_dir, *REFERENCE, "trainer.ckpt_every=2", "trainer.keep_last=0")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run_dir
+
+
+def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
+    """Issue cases 2, 3 and 8: a corrupted newest checkpoint is skipped, saying why; a
+    model that does not match the checkpoint is refused naming the first tensor; the
+    newest good checkpoint then resumes exactly."""
+    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    shard = tmp_path / "checkpoints/step_00000006/__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[4096:4160] = bytes(b ^ 0xFF for b in data[4096:4160])
+    shard.write_bytes(bytes(data))
+
+    smaller = run_train(tmp_path, *REFERENCE, "trainer.resume=auto", "model.n_layer=1")
+    out = smaller.stdout + smaller.stderr
+    assert smaller.returncode != 0
+    assert "skipping checkpoint" in out and "step_00000006" in out
+    assert "__0_0.distcp fails its checksum" in out
+    assert "does not match this run: h.1.ln_1.weight [64]" in out, out[-3000:]
+    assert "is in the checkpoint, not in the model" in out
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000006",
+    ]
+
+    resumed = run_train(tmp_path, *REFERENCE, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "step_00000004 (step 4)" in resumed.stdout
+    got, expected = losses(tmp_path), losses(reference)
+    assert sorted(got) == [5, 6]
     assert got == {s: expected[s] for s in got}

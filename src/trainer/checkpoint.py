@@ -6,7 +6,8 @@ Layout of a checkpoint directory (``trainer.ckpt_every`` writes one per save)::
       step_00000200/          published: renamed into place only once complete
         .metadata, __0_0.distcp, __1_0.distcp, ...   torch.distributed.checkpoint (DCP)
         rng/rank_00000.safetensors                    per-rank RNG states (tensors + JSON)
-        meta.json                                     step, world size, scheduler, extra
+        meta.json                                     step, world size, scheduler, extra,
+                                                      size and CRC-32 of every file above
         COMPLETE                                      completion marker, written last
       .tmp.step_00000300/     a save in progress (or one that crashed): never loaded
 
@@ -15,6 +16,14 @@ under any of FSDP2, FSDP1 (``use_orig_params=True``), DDP or a plain module. Onl
 are given to DCP; every non-tensor value (optimizer hyperparameters, scheduler state,
 extra) is stored as JSON and the DCP index is read with an allow-list unpickler, so
 loading a checkpoint never runs arbitrary pickled code.
+
+Loading is strict and verified: a parameter, buffer or optimizer tensor that the
+checkpoint and the model do not both have, or have with different shapes, is a
+:class:`CheckpointError` naming the first one; every file is checked against the size
+and checksum recorded at save (the work split over the ranks), and ``resume=auto``
+skips a checkpoint that fails, saying why, for the newest one that passes. CRC-32
+(zlib) rather than a cryptographic hash: it detects torn writes and flipped bytes at
+memory speed, and a checkpoint is not a security boundary (the unpickler above is).
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +62,13 @@ from src.sharding import canonical_name
 MARKER = "COMPLETE"
 META = "meta.json"
 RNG_DIR = "rng"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json holds per-file checksums
+CHECKSUMS = "checksums"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp."
 _OLD_PREFIX = ".old."
 # Flat optimizer keys ("state.<fqn>.exp_avg") reshard by name, like the model's.
 _DSD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# Module names that wrappers insert; the canonical name leaves them out.
 
 
 # --------------------------------------------------------------------------- ranks
@@ -97,6 +107,10 @@ def _agree(error: BaseException | None, what: str) -> None:
             raise RuntimeError(f"checkpoint {what} failed on another rank")
     if error is not None:
         raise error
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this run: damaged, or another model."""
 
 
 # ------------------------------------------------------------------- JSON values
@@ -291,7 +305,12 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
-def resolve_resume(resume: str | Path | None, directory: str | Path) -> Path | None:
+def resolve_resume(
+    resume: str | Path | None,
+    directory: str | Path,
+    verify: Callable[[Path], str | None] | None = None,
+    on_skip: Callable[[Path, str], None] | None = None,
+) -> Path | None:
     """The checkpoint a run continues from, given ``trainer.resume``.
 
     ``None`` (or ``"none"``) starts fresh; ``"auto"`` takes the newest complete checkpoint
@@ -299,22 +318,47 @@ def resolve_resume(resume: str | Path | None, directory: str | Path) -> Path | N
     checkpoint, or to a directory of checkpoints (or a run dir with ``checkpoints/``)
     whose newest is taken. A path that holds no complete checkpoint is an error: a typo
     must not silently restart training from step 0.
+
+    With ``verify`` (``Checkpointer.verify``: the reason a checkpoint is damaged, or
+    None), a damaged checkpoint among several is skipped (``on_skip(path, reason)``) for
+    the next newest; a named checkpoint, or all of them, damaged is a CheckpointError.
     """
     if resume is None or str(resume).strip().lower() in ("", "none", "null"):
         return None
     if str(resume).strip().lower() == "auto":
-        found = complete_checkpoints(directory)
-        return found[-1] if found else None
+        return _newest_good(complete_checkpoints(directory), verify, on_skip)
     path = Path(resume).expanduser()
     if is_complete(path):
-        return path
+        return _newest_good([path], verify, on_skip)
     for candidates in (path, path / "checkpoints"):
         found = complete_checkpoints(candidates)
         if found:
-            return found[-1]
+            return _newest_good(found, verify, on_skip)
     raise FileNotFoundError(
         f"trainer.resume={resume!r}: not a complete checkpoint (a step_N directory "
         f"with a {MARKER} marker) nor a directory holding one"
+    )
+
+
+def _newest_good(
+    found: list[Path],
+    verify: Callable[[Path], str | None] | None,
+    on_skip: Callable[[Path, str], None] | None,
+) -> Path | None:
+    """The newest of ``found`` (oldest first) that passes ``verify``."""
+    if not found or verify is None:
+        return found[-1] if found else None
+    reasons = []
+    for path in reversed(found):
+        reason = verify(path)
+        if reason is None:
+            return path
+        reasons.append(f"{path.name}: {reason}")
+        if on_skip is not None and len(found) > 1:
+            on_skip(path, reason)
+    raise CheckpointError(
+        f"no usable checkpoint in {found[0].parent} ({'; '.join(reasons)}); "
+        "set trainer.resume=null to start over"
     )
 
 
@@ -409,9 +453,13 @@ class Checkpointer:
             error = exc
         _agree(error, "RNG write")
 
+        sums, error = _digests(tmp, _files_of(tmp))
+        _agree(error, "checksum")
+
         error = None
         if rank == 0:
             try:
+                meta_text = json.dumps({**meta, CHECKSUMS: sums}, indent=1)
                 self._publish(tmp, final, meta_text)
                 self._prune()
             except Exception as exc:
@@ -445,28 +493,61 @@ class Checkpointer:
                 (path / MARKER).unlink()
                 shutil.rmtree(path)
 
+    def verify(self, path: str | Path) -> str | None:
+        """Why the checkpoint at ``path`` is damaged (a file missing, truncated or
+        failing its checksum), or None if it is intact. A collective: each rank checks
+        a share of the files and every rank gets the same answer. A checkpoint written
+        before checksums existed (format 1) passes."""
+        path = Path(path)
+        expected, reason = {}, None
+        try:
+            expected = json.loads((path / META).read_text()).get(CHECKSUMS) or {}
+        except (OSError, ValueError) as exc:
+            reason = f"{META} unreadable ({exc})"
+        got, error = _digests(path, sorted(expected), reason)
+        if error is not None:
+            return str(error)
+        for name, want in sorted(expected.items()):
+            have = got[name]
+            if have["bytes"] != want["bytes"]:
+                return f"{name} has {have['bytes']} bytes, {want['bytes']} were written"
+            if have["crc32"] != want["crc32"]:
+                return f"{name} fails its checksum (corrupted)"
+        return None
+
     def load(
         self,
         path: str | Path,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
+        verify: bool = True,
     ) -> dict:
         """Restore a checkpoint into ``model``/``optimizer``/``scheduler`` in place.
 
         The model and optimizer may be sharded differently than when saved (any world
-        size, any backend). Per-rank RNG states are restored only when the world size
-        is unchanged (they have no meaning otherwise). Returns
-        ``{"step": step, **extra}``.
+        size, any backend), but must have the same tensors with the same shapes.
+        Per-rank RNG states are restored only when the world size is unchanged (they
+        have no meaning otherwise). ``verify=False`` skips the checksums (the caller
+        already ran :meth:`verify`). Returns ``{"step": step, **extra}``.
         """
         path = Path(path)
         if not is_complete(path):
             raise FileNotFoundError(f"not a complete checkpoint: {path}")
+        reason = self.verify(path) if verify else None
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {reason}")
         meta = json.loads((path / META).read_text())
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
         model_tensors, _ = _split(model_sd)
         optim_tensors, _ = _split(optim_sd)
+        wanted = {"model": model_tensors, "optim": optim_tensors}
+        try:
+            metadata = _SafeReader(path).read_metadata()
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from exc
+        _check_same_tensors(path, metadata, wanted)
         with _quiet_single_process(), _plain_errors(f"load from {path}"):
             # Fills the (possibly sharded) tensors in place with this rank's part.
             dcp.load(
@@ -500,6 +581,88 @@ class Checkpointer:
                 stacklevel=2,
             )
         return {"step": meta["step"], **_from_json(meta["extra"])}
+
+
+def _check_same_tensors(
+    path: Path, metadata: Metadata, wanted: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """CheckpointError naming the first tensor that the checkpoint and the model do
+    not both have with the same (global) shape; model tensors first, in model order.
+    DCP alone would ignore extra checkpoint entries and fail deep inside on the rest."""
+    saved = {
+        k: tuple(getattr(v, "size", ()) or ())
+        for k, v in metadata.state_dict_metadata.items()
+    }
+    what = {"model": "the model", "optim": "the optimizer state"}
+    for space, tensors in wanted.items():
+        here = {f"{space}.{k}": tuple(t.size()) for k, t in tensors.items()}
+        extra = [k for k in saved if k.startswith(f"{space}.") and k not in here]
+        problem = None
+        for key, shape in here.items():
+            name = key[len(space) + 1 :]
+            if key not in saved:
+                problem = (
+                    f"{name} {list(shape)} is in {what[space]}, not the checkpoint"
+                )
+            elif saved[key] != shape:
+                problem = (
+                    f"{name} is {list(saved[key])} in the checkpoint "
+                    f"and {list(shape)} in {what[space]}"
+                )
+            if problem:
+                break
+        if problem is None and extra:
+            name = extra[0][len(space) + 1 :]
+            problem = (
+                f"{name} {list(saved[extra[0]])} is in the checkpoint, "
+                f"not in {what[space]}"
+            )
+        if problem:
+            raise CheckpointError(
+                f"checkpoint {path} does not match this run: {problem} "
+                "(resume with the model config it was saved with)"
+            )
+
+
+def _files_of(root: Path) -> list[str]:
+    """Every file of a checkpoint dir but the two written last (meta, marker)."""
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and p.name not in (META, MARKER)
+    )
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def _digests(
+    root: Path, names: list[str], error: str | None = None
+) -> tuple[dict[str, dict], BaseException | None]:
+    """Size and CRC-32 of each named file under ``root``, every rank reading a share;
+    every rank gets all of them, or the first failure (``error`` is this rank's own
+    failure so far, passed on to all). A collective."""
+    rank, world = _rank(), _world_size()
+    mine: dict[str, dict] = {}
+    for name in names[rank::world] if error is None else ():
+        try:
+            mine[name] = _digest(root / name)
+        except OSError as exc:
+            error = f"{name}: {exc.strerror or exc}"
+            break
+    parts = [(mine, error)]
+    if _distributed():
+        parts = [None] * world
+        dist.all_gather_object(parts, (mine, error))
+    errors = [e for _, e in parts if e is not None]
+    if errors:
+        return {}, CheckpointError(errors[0])
+    return {k: v for m, _ in parts for k, v in m.items()}, None
 
 
 def _write_synced(path: Path, text: str) -> None:

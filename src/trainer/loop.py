@@ -187,16 +187,24 @@ def resume(
     wanted = cfg.trainer.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         wanted = "auto"
-    path = resolve_resume(wanted, ckpt.directory)
+    path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
     if path is None:
         return 0
-    state = ckpt.load(path, model, optimizer, scheduler)
+    state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])  # fp16 resume stays exact
     if rank == 0:
         print(f"resumed from {path} (step {step})", flush=True)
     return step
+
+
+def _report_skip(rank: int):
+    def report(path: Path, reason: str) -> None:
+        if rank == 0:
+            print(f"skipping checkpoint {path}: {reason}", flush=True)
+
+    return report
 
 
 class NonFiniteLossError(RuntimeError):
