@@ -238,8 +238,8 @@ def plan_auto_wrap(
     excluded becomes a unit when its remainder -- parameters not inside units below
     it -- reaches ``min_num_params``. So a force-leaf module is never split and never a
     unit by itself (it stays in its parent's remainder); an excluded one is never a
-    unit but its children may be; a module with no parameters, own or below, is never
-    a unit. The one difference from torch is ties: a shared parameter is counted once,
+    unit but its children may be; a module with no not-yet-wrapped parameters, own or
+    below, is never a unit. The one difference from torch is ties: a shared parameter is counted once,
     at the lowest common ancestor of its users, and no module strictly between a user
     and that ancestor is a unit, so a tie is never split across units.
 
