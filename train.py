@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from src.config import exit_on_config_error, run_cli, validate
 from src.trainer.launch import launch
+from src.trainer.planner import budget_check
 from src.trainer.sweep import run_job
 
 
@@ -21,7 +22,16 @@ def main(cfg: DictConfig) -> float:
     """Returns the job's objective for sweepers (tokens/s; see src/trainer/sweep.py).
     In a multirun a failed job is recorded as failed and the sweep goes on."""
     run_dir = HydraConfig.get().runtime.output_dir
-    return run_job(cfg, run_dir, lambda: _run(cfg, run_dir))
+    return run_job(
+        cfg, run_dir, lambda: _run(cfg, run_dir), precheck=lambda: _fits(cfg)
+    )
+
+
+def _fits(cfg: DictConfig) -> tuple[float, float] | None:
+    """In a multirun: (needed, budget) GiB when the planner says the point cannot fit."""
+    with exit_on_config_error():
+        validate(cfg)
+    return budget_check(cfg)
 
 
 def _run(cfg: DictConfig, run_dir: str) -> None:

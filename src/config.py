@@ -44,6 +44,20 @@ INIT_DEVICES = ("cpu", "cuda", "meta")
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 DATA_SOURCES = ("text", "tokens", "synthetic")
+GRAD_SYNC = ("auto", "last", "every")
+# Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
+#: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
+ACCELERATORS_GIB: dict[str, float] = {
+    "a100_40gb": 39.4,
+    "a100_80gb": 79.2,
+    "h100_80gb": 79.1,
+    "h100_94gb": 93.1,
+    "h200": 139.8,
+    "b200": 178.4,
+    "l40s": 44.4,
+    "a10g": 22.0,
+    "mi300x": 191.5,
+}
 
 
 @dataclass
@@ -52,7 +66,9 @@ class ShardingConfig:
     # A name or a list of names; OmegaConf 2.3 has no Union of str and list, so Any
     # here and the check in validate().
     policy: Any = "size"
-    min_params: float = 1e8
+    min_params: Any = (
+        1e8  # a number, or "auto" (the planner chooses; src/trainer/planner.py)
+    )
     exclude_wrap_modules: list[str] = field(default_factory=list)
     force_leaf_modules: list[str] = field(default_factory=list)
     reshard_after_forward: bool = True
@@ -68,7 +84,12 @@ class TrainerConfig:
     devices: Any = 1  # an int >= 1 or "auto"
     max_steps: int = 100
     batch_size: int = 16
-    grad_accum: int = 1
+    grad_accum: Any = 1  # an int >= 1, or "auto"
+    # FSDP gradient reduction with grad_accum > 1: "last" (only the last micro-batch;
+    # unsharded gradients are held meanwhile), "every" (reduce-scatter each one), or
+    # "auto" (last if it fits the memory budget, else every).
+    grad_sync: str = "auto"
+    mem_budget_gib: Any = None  # GiB per rank or an accelerator name (planner)
     seed: int = 0
     log_every: int = 10
     val_every: int = 50
@@ -167,6 +188,10 @@ def _choice(cfg: DictConfig, key: str, allowed: Sequence[str]) -> None:
 def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
     value = OmegaConf.select(cfg, key)
     _require(value >= minimum, key, f"got {value}, expected an integer >= {minimum}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def policy_names(policy: Any) -> list[str]:
@@ -295,9 +320,9 @@ def validate(cfg: DictConfig) -> None:
     )
     policy_names(s.policy)
     _require(
-        s.min_params >= 0,
+        s.min_params == "auto" or (_is_number(s.min_params) and s.min_params >= 0),
         "sharding.min_params",
-        f"got {s.min_params:g}, expected a number >= 0 (such as 1e8)",
+        f"got {s.min_params!r}, expected a number >= 0 (such as 1e8) or auto",
     )
     import_classes(s.exclude_wrap_modules, "sharding.exclude_wrap_modules")
     import_classes(s.force_leaf_modules, "sharding.force_leaf_modules")
@@ -310,14 +335,23 @@ def validate(cfg: DictConfig) -> None:
         f"sharding=none trains one process, got {world_size} devices; "
         "use trainer.devices=1 or sharding=fsdp2/fsdp1/ddp",
     )
-    for key in ("max_steps", "batch_size", "grad_accum", "log_every"):
+    for key in ("max_steps", "batch_size", "log_every"):
         _positive_int(cfg, f"trainer.{key}")
     for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps", "keep_last"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
     _positive_int(cfg, "trainer.max_restarts", minimum=0)
-    micro = t.batch_size // t.grad_accum
+    accum = t.grad_accum
     _require(
-        t.plan_only or (t.batch_size % t.grad_accum == 0 and micro % world_size == 0),
+        accum == "auto" or (_is_number(accum) and int(accum) == accum and accum >= 1),
+        "trainer.grad_accum",
+        f"got {accum!r}, expected an integer >= 1 or auto",
+    )
+    _choice(cfg, "trainer.grad_sync", GRAD_SYNC)
+    budget_bytes(t.mem_budget_gib)
+    accum = 1 if accum == "auto" else int(accum)
+    micro = t.batch_size // accum
+    _require(
+        t.plan_only or (t.batch_size % accum == 0 and micro % world_size == 0),
         "trainer.batch_size",
         f"{t.batch_size} must split into trainer.grad_accum={t.grad_accum} micro-batches"
         f" that divide evenly over {world_size} rank(s)",
@@ -353,6 +387,28 @@ def validate(cfg: DictConfig) -> None:
 
     _choice(cfg, "logger.backend", LOGGERS)
     _choice(cfg, "logger.mode", WANDB_MODES)
+
+
+def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
+    """``trainer.mem_budget_gib`` in bytes: GiB per rank, or a named accelerator from
+    :data:`ACCELERATORS_GIB`; None when unset."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in ACCELERATORS_GIB:
+            return int(ACCELERATORS_GIB[name] * 2**30)
+        try:
+            value = float(name)
+        except ValueError:
+            raise ConfigError(
+                key,
+                f"got {value!r}, expected GiB per rank (> 0) or one of: "
+                + ", ".join(ACCELERATORS_GIB),
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(key, f"got {value!r}, expected GiB per rank > 0")
+    return int(value * 2**30)
 
 
 # ------------------------------------------------------------ one-line errors

@@ -16,16 +16,11 @@ from hydra import compose, initialize_config_dir
 import src.config  # noqa: F401  (registers the base_config schema for compose)
 from src.models.gpt import GPTConfig, count_params
 from src.trainer import metrics
+from src.trainer.planner import PARTS
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
-ESTIMATE_KEYS = (
-    "params_gib",
-    "grads_gib",
-    "optimizer_gib",
-    "unsharded_units_gib",
-    "total_gib",
-)
+ESTIMATE_KEYS = tuple(f"{part}_gib" for part in PARTS) + ("total_gib",)
 
 # Runs a command and prints its exit code, output, wall time and peak RSS as JSON.
 # A fresh process, so RUSAGE_CHILDREN holds that command's tree alone (pytest's own
@@ -68,14 +63,12 @@ def _num_params(model: str) -> int:
 
 def _check_estimate(estimate: dict, unit_params: list[int], model: str, world: int):
     """The estimate against the preset's parameter count and the plan's units (fp32:
-    4 bytes per parameter, AdamW: 2 states, the 2 largest units all-gathered)."""
+    4 bytes per parameter, AdamW: 2 states; the parts add up to the total; the parts
+    themselves are checked byte for byte in tests/test_planner.py)."""
     n = _num_params(model)
     assert sum(unit_params) == n  # every parameter is in exactly one unit
     assert estimate["params_gib"] == pytest.approx(4 * n / world / GIB, rel=0.01)
-    assert estimate["grads_gib"] == pytest.approx(estimate["params_gib"])
     assert estimate["optimizer_gib"] == pytest.approx(2 * estimate["params_gib"])
-    top2 = sorted(unit_params, reverse=True)[:2]
-    assert estimate["unsharded_units_gib"] == pytest.approx(4 * sum(top2) / GIB)
     assert estimate["total_gib"] == pytest.approx(
         sum(estimate[k] for k in ESTIMATE_KEYS[:-1])
     )
@@ -107,8 +100,8 @@ def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
     # The plan and the estimate are printed.
     assert "wrap plan:" in result["stdout"]
     assert "(world size 8)" in result["stdout"]
-    assert "per-rank memory estimate" in result["stdout"]
-    assert "total_gib" in result["stdout"]
+    assert "per-rank training peak estimate" in result["stdout"]
+    assert "activations (saved)" in result["stdout"]
 
     # 6.6B fp32 parameters are 24.5 GiB; planning on meta stays at the runtime's size.
     model_bytes = 4 * _num_params("llama_7b_shape")
@@ -124,9 +117,10 @@ def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
     assert summary["world_size"] == 8
     assert summary["wrap_units"] == len(plan)
     _check_estimate(summary, [row["params"] for row in plan], "llama_7b_shape", 8)
-    # ~24.5 GiB over 8 ranks, then x4 for grads + AdamW, plus 2 unsharded units.
+    # ~24.5 GiB over 8 ranks; 2 sequences of 2048 tokens per rank, 32 fp32 blocks
+    # of 16 x 4 bytes x 4096 wide activations per token: 32 GiB.
     assert 3.0 < summary["params_gib"] < 3.2
-    assert 12 < summary["total_gib"] < 14
+    assert summary["activations_gib"] == pytest.approx(32, rel=0.01)
 
     # No rank started, no step ran.
     assert not (run_dir / "ranks").exists()
@@ -139,7 +133,7 @@ def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
     ("model", "world"), [("llama_7b_shape", 8), ("gpt_70b", 64), ("small", 2)]
 )
 def test_plan_only_in_process(tmp_path, capsys, model, world):
-    from src.trainer.loop import plan_only
+    from src.trainer.planner import plan_only
 
     cfg = _compose(
         "trainer.plan_only=true",
@@ -155,7 +149,7 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
 
     assert not dist.is_initialized()
     assert f"(world size {world})" in printed
-    assert "per-rank memory estimate" in printed
+    assert "per-rank training peak estimate" in printed
     assert plan.world_size == world
     assert plan.total_numel == _num_params(model)
     summary = json.loads((tmp_path / "summary.json").read_text())

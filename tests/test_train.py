@@ -14,7 +14,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from src.models import GPT, GPTConfig
-from src.trainer.loop import build_optimizer, lr_lambda, plan_only, train
+from src.trainer.loop import build_optimizer, lr_lambda, train
+from src.trainer.planner import plan_only
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

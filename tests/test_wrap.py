@@ -387,7 +387,6 @@ def test_plan_on_meta_allocates_nothing_and_reports_bytes_per_rank():
     assert plan.total_numel == sum(p.numel() for p in model.parameters())
     tree = plan.tree()
     assert "h.1 (Block)" in tree and "<root> (AnnotatedNet)" in tree
-    assert plan.memory_estimate()["total_gib"] > 0
 
 
 # ---------------------------------------------------- mixed precision and the hooks

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.memory import CHECKPOINTING, ActivationBytes
 from src.models.spec import (
     ModelSpec,
     default_device,
@@ -291,6 +292,65 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     return 6 * n_matmul + 12 * config.n_layer * config.n_embd * seq_len
 
 
+def activation_bytes(
+    config: GPTConfig,
+    micro_batch: int,
+    seq_len: int,
+    act_bytes: int,
+    checkpointing: str = "none",
+    every: int = 1,
+) -> ActivationBytes:
+    """Activation memory of ``GPT(config)`` for one micro-batch of ``micro_batch``
+    sequences of ``seq_len`` tokens, activations ``act_bytes`` wide (4 fp32, 2 bf16).
+
+    Counted from what autograd saves (checked exactly against saved-tensor hooks in
+    tests/test_planner.py), per block with n = micro_batch * seq_len tokens, width d::
+
+        16 n d  activations: block input, ln_1 out, q/k/v (3), attention out,
+                residual, ln_2 out, MLP hidden before and after GELU (4 + 4)
+      + 4 n     LayerNorm mean and rstd (2 norms)
+      + 4 n h   attention log-sum-exp, always fp32 (bytes, not x act_bytes)
+
+    Head: the final norm's input, output and statistics (2 n d + 2 n), the fp32
+    log-probabilities of the loss (4 n V bytes), token ids, targets and positions
+    (int64), the loss's total weight. Loss backward: the gradients of the log-probabilities and of the fp32
+    logits (8 n V bytes). Block backward: the gradient flowing in plus the gradient of
+    the MLP hidden layer (5 n d). Checkpointing: ``full`` keeps each checkpointed
+    block's input (n d) and recomputes the block in backward (its full activations
+    are then alive once); ``selective`` keeps the outputs of the matmuls and attention
+    (input, q/k/v, attention out, its projection, MLP hidden, MLP out: 11 n d) and
+    recomputes the norms and GELU. With ``every=k`` only blocks 0, k, 2k, ... are
+    checkpointed. Dropout > 0 adds one byte per element for each dropout mask.
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
+    s, d, L = act_bytes, config.n_embd, config.n_layer
+    n = micro_batch * seq_len
+    masks = 2 * n * d if config.dropout > 0 else 0  # two residual dropouts per block
+    block = s * (16 * n * d + 4 * n) + 4 * n * config.n_head + masks
+    kept = {
+        "none": block,
+        "full": s * n * d,
+        "selective": s * 11 * n * d + 4 * n * config.n_head + masks,
+    }[checkpointing]
+    checkpointed = 0 if checkpointing == "none" else math.ceil(L / every)
+    saved = checkpointed * kept + (L - checkpointed) * block
+    head = (
+        s * (2 * n * d + 2 * n)
+        + 4 * n * config.vocab_size
+        + 8 * (2 * n + seq_len)
+        + 4  # the loss's total weight (a 0-d fp32)
+        + (n * d if config.dropout > 0 else 0)
+    )
+    recompute = block if checkpointing != "none" else 0
+    return ActivationBytes(
+        saved=saved,
+        head=head,
+        loss_transient=8 * n * config.vocab_size,
+        block_transient=recompute + 5 * s * n * d,
+    )
+
+
 SPEC = register(
     ModelSpec(
         name="gpt",
@@ -299,5 +359,6 @@ SPEC = register(
         block_classes=lambda config: (GPT.block_cls,),
         flops_per_token=flops_per_token,
         init_tensor=init_tensor,
+        activation_bytes=activation_bytes,
     )
 )

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.memory import ActivationBytes
+
 # The keys of the ``model`` group every family shares (the family's own config
 # dataclass brings the rest, with its own field names).
 
@@ -60,8 +62,9 @@ class ModelSpec:
     vocab_size: Callable[[Any], int] = lambda c: c.vocab_size  # the model's vocabulary
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: Any = None
-    # Optional, for a memory planner: (config, micro_batch, seq_len) -> activation bytes.
-    activation_bytes: Callable[[Any, int, int], int] | None = None
+    # Optional, for the planner (src/trainer/planner.py): (config, micro_batch,
+    # seq_len, act_bytes, checkpointing, every) -> ActivationBytes (src/models/memory.py).
+    activation_bytes: Callable[..., ActivationBytes] | None = None
 
     def make_config(self, model_cfg: Mapping) -> Any:
         """The family's config from the ``model`` node (shared keys are ignored).

@@ -1,8 +1,8 @@
 """The wrap plan: which units a model has, how big they are, what a rank holds.
 
 The "small visualization" asked for in the original auto-wrap design: a list of units
-(module path, class, parameter count, bytes per rank) that prints as a tree, and an
-estimate of per-rank memory. It reads the tags that ``wrap_module`` leaves on each unit,
+(module path, class, parameter count, bytes per rank) that prints as a tree; the
+planner (src/trainer/planner.py) estimates the training peak from it. It reads the tags that ``wrap_module`` leaves on each unit,
 so it works on a sharded model and on one built on the meta device with the ``plan``
 backend (which shards nothing and allocates nothing).
 """
@@ -71,24 +71,6 @@ class WrapPlan:
 
     def bytes_per_rank(self) -> int:
         return sum(u.bytes_per_rank for u in self.units)
-
-    def memory_estimate(
-        self, param_bytes: int = 4, optimizer_states: int = 2, prefetch_units: int = 2
-    ) -> dict[str, float]:
-        """Per-rank GiB: sharded fp32 params, grads, optimizer states, and the largest
-        units all-gathered at once in the compute dtype (``param_bytes`` per element;
-        FSDP keeps the current and the prefetched unit unsharded). Activations are not
-        included."""
-        params = self.bytes_per_rank()
-        largest = sorted((u.numel for u in self.units), reverse=True)[:prefetch_units]
-        est = {
-            "params_gib": params / GIB,
-            "grads_gib": params / GIB,
-            "optimizer_gib": optimizer_states * params / GIB,
-            "unsharded_units_gib": sum(largest) * param_bytes / GIB,
-        }
-        est["total_gib"] = sum(est.values())
-        return est
 
 
 def wrap_plan(model: nn.Module, world_size: int = 1) -> WrapPlan:

@@ -30,7 +30,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from src.config import resolve_devices
-from src.trainer.loop import plan_only, train
+from src.trainer.loop import train
+from src.trainer.planner import plan_only, resolve_auto
 
 
 def under_torchrun() -> bool:
@@ -44,9 +45,14 @@ def launch(cfg: DictConfig, run_dir: str) -> None:
     the wrap plan for that many ranks is printed instead."""
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)  # ranks have no Hydra context for ${hydra:...} and ${now:}
+    world = int(os.environ.get("WORLD_SIZE", 0)) or None
+    # `auto` values are chosen once, here, and every rank gets the same config.
+    cfg, reasons = resolve_auto(cfg, world)
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in reasons:
+            print(line, flush=True)
     if cfg.trainer.plan_only:
         if int(os.environ.get("RANK", 0)) == 0:
-            world = int(os.environ.get("WORLD_SIZE", 0)) or None
             plan_only(cfg, run_dir, world_size=world)
         return
     if under_torchrun():

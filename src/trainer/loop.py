@@ -26,7 +26,6 @@ from src.config import (
     model_config,
     model_spec,
     policy_names,
-    resolve_devices,
 )
 from src.sharding import (
     Backend,
@@ -138,11 +137,12 @@ def train_step(
     for micro in range(t.grad_accum):
         x, y = batches.get(step, micro, rank, world)
         x, y = x.to(backend.device), y.to(backend.device)
-        last = micro == t.grad_accum - 1
-        # Gradients are reduced across ranks only on the last micro-step.
-        with contextlib.nullcontext() if last else backend.no_sync(model):
+        # trainer.grad_sync=last: gradients are reduced across ranks only on the
+        # last micro-step (unsharded ones are held until then); every: each time.
+        sync = micro == t.grad_accum - 1 or t.grad_sync == "every"
+        with contextlib.nullcontext() if sync else backend.no_sync(model):
             with backend.autocast():
-                _, loss = model(x, y)
+                loss = model(x, y)[1]  # the logits are not kept through backward
             loss = loss / t.grad_accum
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
@@ -380,27 +380,3 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
         )
         logger.log_summary(summary)
         return summary
-
-
-def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> WrapPlan:
-    """Print the wrap plan and per-rank memory estimate of ``cfg`` for
-    ``trainer.devices`` ranks without starting any or allocating the model (it is
-    built on the meta device with the recording-only ``plan`` backend)."""
-    world_size = world_size or resolve_devices(cfg.trainer.devices)
-    backend = build_backend("plan", cfg.precision.name, "cpu")
-    model = build_model(cfg, backend, init_device="meta")
-    plan = wrap_plan(model, world_size)
-    estimate = plan.memory_estimate(param_bytes=backend.param_dtype.itemsize)
-    print(plan.tree(), flush=True)
-    print(
-        "per-rank memory estimate (GiB, activations excluded): "
-        + ", ".join(f"{k} {v:.3f}" for k, v in estimate.items()),
-        flush=True,
-    )
-    logger = Logger.files(run_dir)
-    logger.log_table("wrap_plan", plan.rows())
-    logger.log_summary(
-        {"world_size": world_size, "wrap_units": len(plan.units), **estimate}
-    )
-    logger.finish()
-    return plan

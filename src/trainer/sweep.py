@@ -125,15 +125,34 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def run_job(cfg: DictConfig, run_dir: str, fn: Callable[[], Any]) -> float:
+def skipped_line(needs_gib: float, budget_gib: float) -> str:
+    return f"skipped: needs {needs_gib:.2f} GiB > budget {budget_gib:.2f} GiB"
+
+
+def run_job(
+    cfg: DictConfig,
+    run_dir: str,
+    fn: Callable[[], Any],
+    precheck: Callable[[], tuple[float, float] | None] | None = None,
+) -> float:
     """Run one Hydra job (``fn``: validate, launch the ranks) and return its objective.
 
     In a multirun a failure is recorded in ``<run_dir>/job_status.json`` and scored
-    ``-inf`` instead of stopping the sweep; outside one it propagates unchanged.
+    ``-inf`` instead of stopping the sweep; outside one it propagates unchanged. A
+    point that ``precheck`` (the planner's budget check) says cannot fit is not
+    launched: it is recorded as ``skipped`` and scored ``-(needed - budget)``.
     """
     multirun = is_multirun()
     status_file = Path(run_dir) / STATUS_FILE
     try:
+        over = precheck() if precheck is not None and multirun else None
+        if over is not None:
+            needs, budget = over
+            line = skipped_line(needs, budget)
+            log.warning("job %s", line)
+            record = {"status": "skipped", "error": line, "needs_gib": needs}
+            _write_json(status_file, {**record, "budget_gib": budget})
+            return -(needs - budget)
         fn()
     except (Exception, SystemExit) as err:
         if isinstance(err, SystemExit) and err.code in (None, 0):
@@ -211,8 +230,9 @@ def collect(sweep_dir: str | os.PathLike) -> tuple[list[str], list[dict]]:
     """The swept keys and one row per job: its swept values, status, figures, error.
 
     Status: ``completed``; ``over_mem_cap`` (completed, peak memory above
-    ``sweep.mem_cap_gib``); ``failed`` (with ``error``); ``unknown`` (no record and
-    no summary: still running, or killed). The best row (``best``) is the completed
+    ``sweep.mem_cap_gib``); ``failed`` (with ``error``); ``skipped`` (the planner
+    said it cannot fit the budget; ``error`` says by how much); ``unknown`` (no
+    record and no summary: still running, or killed). The best row (``best``) is the completed
     one with the highest tokens/s.
     """
     dirs = job_dirs(sweep_dir)
@@ -223,7 +243,7 @@ def collect(sweep_dir: str | os.PathLike) -> tuple[list[str], list[dict]]:
         summary = _read_json(job_dir / "summary.json")
         record = _read_json(job_dir / STATUS_FILE)
         status = record.get("status") or ("completed" if summary else "unknown")
-        if status == "failed":
+        if status in ("failed", "skipped"):
             summary = {}  # figures of a failed run are partial
         cap = OmegaConf.select(_job_config(job_dir), "sweep.mem_cap_gib", default=None)
         peak = summary.get("peak_mem_gib")
@@ -325,7 +345,7 @@ def plot(path: Path, keys: list[str], rows: list[dict], mem_cap: float | None) -
         *series("init_peak_mem_gib"), **{**style, "marker": "s"}, label="init peak"
     )
     for i, r in enumerate(rows):
-        if r["status"] in ("failed", "unknown"):
+        if r["status"] in ("failed", "skipped", "unknown"):
             for ax in (ax_tps, ax_mem):
                 ax.plot(xs[i], 0, "x", color="tab:red", ms=10, mew=2, clip_on=False)
             ax_tps.annotate(
@@ -402,6 +422,7 @@ def _log_to_wandb(
         {
             "jobs": len(rows),
             "failed": sum(r["status"] == "failed" for r in rows),
+            "skipped": sum(r["status"] == "skipped" for r in rows),
             **({f"best/{m}": best[m] for m in METRICS} if best else {}),
             **({"best/job": best["job"]} if best else {}),
         }

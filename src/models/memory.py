@@ -1,0 +1,37 @@
+"""What a model family tells the planner about its activations (see src/trainer/planner.py).
+
+Each family has a function ``(config, micro_batch, seq_len, act_bytes, checkpointing,
+every) -> ActivationBytes`` next to its FLOPs formula: the bytes autograd keeps for one
+micro-batch on one rank, and the short-lived buffers of the backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation memory of one micro-batch on one rank, in bytes.
+
+    - ``saved``: kept by autograd for all blocks from forward until each block's
+      backward (with checkpointing: what the checkpoints keep);
+    - ``head``: kept by the embedding, final norm, output head and loss (the loss's
+      fp32 log-probabilities included), freed first in backward;
+    - ``loss_transient``: the loss's backward buffers, alive while ``head`` still is;
+    - ``block_transient``: the largest backward working set inside one block (with
+      checkpointing, the recomputed block's activations as well), alive once ``head``
+      is freed.
+    """
+
+    saved: int
+    head: int
+    loss_transient: int
+    block_transient: int
+
+    @property
+    def peak(self) -> int:
+        """The most held at once in one forward + backward."""
+        return self.saved + max(self.head + self.loss_transient, self.block_transient)

@@ -1,0 +1,661 @@
+"""The planner: a run's training peak per rank, predicted before anything runs, and
+the cheapest change of settings that makes it fit a memory budget.
+
+The estimate is arithmetic on the wrap plan (units and their sizes, from a model built
+on the meta device with the recording-only ``plan`` backend) and on the model family's
+activation formula (``activation_bytes`` next to its FLOPs formula in src/models/), so
+it allocates nothing and takes seconds even for a 70B model on hundreds of ranks. It
+follows one training step through three moments and reports the largest:
+
+- ``loss backward``: every block's activations are saved, the loss's backward buffers
+  are alive (the usual peak when activations dominate);
+- ``block backward``: the head is freed, the last block's backward working set (and,
+  with checkpointing, its recomputed activations) plus the unit's unsharded gradients
+  on their way to the reduce-scatter;
+- ``optimizer step``: parameters, gradients, AdamW's two states and the update's
+  temporaries (the peak when parameters dominate).
+
+With gradient accumulation the first two hold the gradients of earlier micro-batches:
+sharded when they are reduce-scattered every micro-batch (``trainer.grad_sync=every``),
+unsharded (the whole model's, per rank) when only the last one syncs (``last``).
+The parts are documented in docs/planner.md, with how the runtime constant was
+calibrated (bench/plan_vs_measured.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.config import (
+    ACCELERATORS_GIB,
+    budget_bytes,
+    model_config,
+    model_spec,
+    resolve_devices,
+)
+from src.models.memory import ActivationBytes
+from src.sharding import WrapPlan, build_backend, get_precision, wrap_plan
+from src.trainer.loggers import Logger
+
+GIB = 2**30
+MIB = 2**20
+
+#: What training adds above the parts the estimate counts (code and kernels first
+#: touched by backward and the optimizer, gloo buffers, autograd bookkeeping), per
+#: device type. CPU: calibrated by bench/plan_vs_measured.py (peak RSS above the
+#: process baseline, glibc retention removed). CUDA: not calibrated yet (no GPU in
+#: the calibration runs): a margin for the allocator's cached blocks and workspaces.
+RUNTIME_BYTES: dict[str, int] = {"cpu": 40 * MIB, "cuda": 512 * MIB}
+#: The process itself before the model exists: Python + torch + the process group
+#: (CPU: resident set measured in docs/benchmarks.md; CUDA: the context, outside the
+#: allocator's counters).
+PROCESS_BYTES: dict[str, int] = {"cpu": 290 * MIB, "cuda": 600 * MIB}
+
+GRAD_SYNC = ("last", "every")
+AC_KEY = "sharding.activation_checkpointing"
+AC_EVERY_KEY = "sharding.activation_checkpointing_every"
+PREFETCH_KEY = "sharding.backward_prefetch"
+#: The keys ``auto`` may stand for, and what the planner searches.
+AUTO_KEYS = ("sharding.min_params", "trainer.grad_accum", "trainer.grad_sync", AC_KEY)
+MIN_PARAMS_CANDIDATES = (1e5, 1e6, 1e7, 1e8, 1e9)
+#: Relative cost of a change (per token, or in machines), for "the cheapest change":
+#: recomputing a checkpointed block's forward is ~1/3 more compute; selective
+#: recomputes only elementwise ops; a smaller micro-batch runs smaller matmuls; every
+#: micro-batch's reduce-scatter adds communication; smaller units more collectives;
+#: more ranks are more machines, the last resort.
+COST = {
+    "ac": {"none": 1.0, "selective": 1.1, "full": 4 / 3},
+    "grad_accum_doubling": 1.03,
+    "sync_every": 1.03,
+    "min_params_decade_down": 1.01,
+    "other_change": 1.001,
+    "ranks_doubling": 1.5,
+}
+
+
+# ------------------------------------------------------------------ the estimate
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimate needs beyond the wrap plan: one rank's share of a step."""
+
+    backend: str  # fsdp2, fsdp1, ddp, none
+    world: int
+    micro_batch: int  # sequences per rank per micro-step
+    seq_len: int
+    grad_accum: int = 1
+    grad_sync: str = "last"  # last: no_sync until the last micro-batch; every
+    param_bytes: int = 4  # compute (all-gather) dtype
+    reduce_bytes: int = 4  # gradient reduction dtype
+    reshard_after_forward: bool = True
+    checkpointing: str = "none"
+    ac_every: int = 1
+    prefetch: int = 1  # units all-gathered ahead in backward (FSDP's default: 1)
+    device: str = "cpu"
+    optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
+
+    @property
+    def shards(self) -> bool:
+        return self.backend in ("fsdp2", "fsdp1")
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_bytes < 4
+
+
+#: The parts of an estimate, in the order they are printed.
+PARTS = (
+    "params",
+    "gathered_units",
+    "grads",
+    "optimizer",
+    "mixed_precision",
+    "activations",
+    "loss",
+    "transient",
+    "runtime",
+    "process",
+)
+_LABELS = {
+    "params": "parameters (sharded, fp32)",
+    "gathered_units": "all-gathered units",
+    "grads": "gradients",
+    "optimizer": "optimizer state (AdamW)",
+    "mixed_precision": "mixed-precision copies",
+    "activations": "activations (saved)",
+    "loss": "head + loss (fp32 log-probs, grads)",
+    "transient": "backward / step working set",
+    "runtime": "runtime constant (calibrated)",
+    "process": "process baseline",
+}
+
+
+@dataclass
+class Estimate:
+    """Per-rank bytes of each part at the peak moment (``phase``) of a step."""
+
+    parts: dict[str, int]
+    phase: str
+    shape: RunShape
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def training(self) -> int:
+        """The peak above the process baseline (what the benchmark measures)."""
+        return self.total - self.parts["process"]
+
+    def gib(self) -> dict[str, float]:
+        """``{part_gib: GiB, ..., total_gib}`` for summaries and sweep tables."""
+        out = {f"{k}_gib": v / GIB for k, v in self.parts.items()}
+        out["total_gib"] = self.total / GIB
+        return out
+
+    def table(self) -> str:
+        s = self.shape
+        lines = [
+            f"per-rank training peak estimate ({s.backend}, {s.world} rank(s), "
+            f"micro-batch {s.micro_batch} x {s.seq_len} tokens, grad_accum "
+            f"{s.grad_accum} (sync {s.grad_sync}), checkpointing {s.checkpointing}); "
+            f"peak at: {self.phase}"
+        ]
+        for k in PARTS:
+            note = f"  ({self.notes[k]})" if k in self.notes else ""
+            lines.append(f"  {_LABELS[k]:<38} {_gib(self.parts[k]):>12}{note}")
+        lines.append(f"  {'total':<38} {_gib(self.total):>12}")
+        return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate:
+    """The per-rank training peak of ``shape`` for the units of ``plan`` (built for
+    ``shape.world`` ranks) with the activations ``acts`` of one micro-batch."""
+    s = shape
+    total = plan.total_numel
+    root = next((u for u in plan.units if not u.path), None)
+    blocks = sorted((u.numel for u in plan.units if u.path), reverse=True)
+    notes: dict[str, str] = {}
+    if s.shards:
+        params = plan.bytes_per_rank()
+        root_numel = root.numel if root else 0
+        kept = blocks if not s.reshard_after_forward else blocks[: 1 + s.prefetch]
+        gathered = (root_numel + sum(kept)) * s.param_bytes
+        notes["gathered_units"] = (
+            f"root + {'all' if not s.reshard_after_forward else len(kept)} "
+            f"unit(s), {8 * s.param_bytes}-bit"
+        )
+        sharded_grads = params
+        unsharded_grads = total * s.reduce_bytes
+        largest_unit = blocks[0] if blocks else root_numel
+        # A unit's unsharded gradients and the reduce-scatter's flat input, alive
+        # together; the root's head gradient is held until the end of backward.
+        unit_grads = largest_unit * (s.param_bytes + s.reduce_bytes)
+        root_grad = root_numel * s.param_bytes
+        shard_of_largest = max((u.bytes_per_rank for u in plan.units), default=0)
+        mp = shard_of_largest // 4 * s.param_bytes if s.mixed else 0
+        final_grads = sharded_grads
+    else:
+        params = total * 4
+        gathered = 0
+        unsharded_grads = total * 4
+        sharded_grads = unsharded_grads
+        # DDP copies gradients into its buckets (gradient_as_bucket_view=False).
+        final_grads = unsharded_grads * (2 if s.backend == "ddp" else 1)
+        unit_grads, root_grad = 0, 0
+        shard_of_largest = max((u.numel * 4 for u in plan.units), default=params)
+        # Autocast keeps a low-precision copy of each weight for backward.
+        mp = total * s.param_bytes if s.mixed else 0
+    optimizer = s.optimizer_states * params
+    held = 0
+    if s.grad_accum > 1:
+        every = s.grad_sync == "every" or not s.shards
+        held = sharded_grads if every else unsharded_grads
+        held = final_grads if not s.shards else held
+        notes["grads"] = (
+            f"held from earlier micro-batches, "
+            f"{'sharded' if every and s.shards else 'unsharded'}"
+        )
+    # The update's temporaries: torch's foreach AdamW (CUDA) one fp32 copy of all
+    # local states, the per-tensor one (CPU) about one parameter's.
+    opt_temp = params if s.device == "cuda" else shard_of_largest
+    base = {
+        "params": params,
+        "gathered_units": gathered,
+        "optimizer": optimizer,
+        "mixed_precision": mp,
+        "runtime": RUNTIME_BYTES.get(s.device, RUNTIME_BYTES["cuda"]),
+        "process": PROCESS_BYTES.get(s.device, PROCESS_BYTES["cuda"]),
+    }
+    phases = {
+        "loss backward": {
+            **base,
+            "grads": held,
+            "activations": acts.saved,
+            "loss": acts.head + acts.loss_transient,
+            "transient": 0,
+        },
+        "block backward": {
+            **base,
+            "grads": held + root_grad,
+            "activations": acts.saved,
+            "loss": 0,
+            "transient": acts.block_transient + unit_grads,
+        },
+        "optimizer step": {
+            **base,
+            "gathered_units": 0,
+            "mixed_precision": 0,
+            "grads": final_grads,
+            "activations": 0,
+            "loss": 0,
+            "transient": opt_temp,
+        },
+    }
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    parts = {k: int(phases[phase][k]) for k in PARTS}
+    return Estimate(parts=parts, phase=phase, shape=shape, notes=notes)
+
+
+# ------------------------------------------------------------- from a config
+
+
+def _select(cfg: DictConfig, key: str, default: Any) -> Any:
+    value = OmegaConf.select(cfg, key, default=default)
+    return default if value is None else value
+
+
+def build_meta_model(cfg: DictConfig) -> torch.nn.Module:
+    """The model of ``cfg`` on the meta device, units recorded by the ``plan`` backend
+    (nothing is allocated)."""
+    from src.trainer.loop import build_model
+
+    backend = build_backend("plan", cfg.precision.name, "cpu")
+    return build_model(cfg, backend, init_device="meta")
+
+
+def activation_fn(cfg: DictConfig) -> Callable[..., ActivationBytes]:
+    """The model family's activation formula (its spec's ``activation_bytes``), bound
+    to ``cfg.model``; a family without one counts no activations (said in the
+    estimate's notes)."""
+    spec, config = model_spec(cfg), model_config(cfg)
+    if spec.activation_bytes is None:
+        return lambda *_: ActivationBytes(0, 0, 0, 0)
+    return functools.partial(spec.activation_bytes, config)
+
+
+def device_type(cfg: DictConfig) -> str:
+    """The device the estimate is for: a named accelerator budget means CUDA;
+    otherwise this machine's."""
+    budget = OmegaConf.select(cfg, "trainer.mem_budget_gib", default=None)
+    if isinstance(budget, str) and budget in ACCELERATORS_GIB:
+        return "cuda"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_shape(cfg: DictConfig, world: int) -> RunShape:
+    """The :class:`RunShape` of ``cfg`` on ``world`` ranks (``auto`` values must be
+    resolved first)."""
+    t, s = cfg.trainer, cfg.sharding
+    prec = get_precision(cfg.precision.name)
+    accum = int(t.grad_accum)
+    per_rank = math.ceil(t.batch_size / accum / world)  # the busiest rank's share
+    return RunShape(
+        backend=s.backend,
+        world=world,
+        micro_batch=max(1, per_rank),
+        seq_len=int(model_spec(cfg).seq_len(model_config(cfg))),
+        grad_accum=accum,
+        grad_sync=str(_select(cfg, "trainer.grad_sync", "last")),
+        param_bytes=prec.param_dtype.itemsize,
+        reduce_bytes=prec.reduce_dtype.itemsize,
+        reshard_after_forward=bool(s.reshard_after_forward),
+        checkpointing=str(_select(cfg, AC_KEY, "none")),
+        ac_every=int(_select(cfg, AC_EVERY_KEY, 1)),
+        prefetch=int(_select(cfg, PREFETCH_KEY, 1)),
+        device=device_type(cfg),
+    )
+
+
+def estimate_cfg(
+    cfg: DictConfig, world: int, model: torch.nn.Module | None = None
+) -> tuple[WrapPlan, Estimate]:
+    """The wrap plan and the estimate of ``cfg`` on ``world`` ranks (``model``: a meta
+    model of ``cfg`` already built, reused across rank counts)."""
+    model = model if model is not None else build_meta_model(cfg)
+    plan = wrap_plan(model, world)
+    shape = run_shape(cfg, world)
+    acts = activation_fn(cfg)(
+        shape.micro_batch,
+        shape.seq_len,
+        shape.param_bytes,
+        shape.checkpointing,
+        shape.ac_every,
+    )
+    est = estimate(plan, shape, acts)
+    if model_spec(cfg).activation_bytes is None:
+        est.notes["activations"] = "not counted: the model family has no formula"
+    return plan, est
+
+
+# ---------------------------------------------------------------- the budget
+
+
+def machine_budget_bytes(world: int) -> int:
+    """Memory one rank may use on this machine: the GPU's, else available RAM / ranks."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 * GIB
+    return avail // max(1, world)
+
+
+# ---------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: overrides of ``cfg``, its estimate and its cost."""
+
+    overrides: dict[str, Any]
+    estimate: Estimate
+    cost: float
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={_fmt(v)}" for k, v in self.overrides.items()) or "as is"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}".replace("e+0", "e").replace("e+", "e")
+    return str(v)
+
+
+def _with(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for key, value in overrides.items():
+            OmegaConf.update(out, key, value, force_add=True)
+    return out
+
+
+def _cost(cfg: DictConfig, ovr: dict[str, Any]) -> float:
+    """Relative cost of ``ovr`` against ``cfg`` (see :data:`COST`)."""
+    cost = 1.0
+    for key, value in ovr.items():
+        old = _current(cfg, key)
+        if value == old:
+            continue
+        if key == AC_KEY:
+            cost *= COST["ac"][value] / COST["ac"].get(str(old), 1.0)
+        elif key == "trainer.grad_accum":
+            ratio = value / max(1, int(old)) if str(old).isdigit() else value
+            cost *= COST["grad_accum_doubling"] ** max(0.0, math.log2(ratio))
+            cost *= COST["other_change"]
+        elif key == "trainer.grad_sync":
+            cost *= COST["sync_every"] if value == "every" else COST["other_change"]
+        elif key == "sharding.min_params":
+            lower = math.log10(float(old)) - math.log10(value) if _num(old) else 0
+            cost *= COST["min_params_decade_down"] ** max(0.0, lower)
+            cost *= COST["other_change"]
+        elif key == "trainer.devices":
+            cost *= COST["ranks_doubling"] ** math.log2(value / int(old))
+    return cost
+
+
+def _current(cfg: DictConfig, key: str) -> Any:
+    """The value of a searched key in ``cfg`` (a key not in the schema yet reads as
+    its neutral value: no checkpointing)."""
+    return _select(cfg, key, "none" if key == AC_KEY else None)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+
+
+def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
+    """The values the search tries for each key (the current one first)."""
+    t = cfg.trainer
+    out: dict[str, list] = {}
+    for key in keys:
+        cur = _current(cfg, key)
+        if key == "sharding.min_params":
+            vals = list(MIN_PARAMS_CANDIDATES)
+        elif key == "trainer.grad_accum":
+            vals = [a for a in range(1, t.batch_size + 1) if t.batch_size % a == 0]
+        elif key == "trainer.grad_sync":
+            vals = list(GRAD_SYNC)
+        elif key == AC_KEY:
+            vals = list(COST["ac"])
+        elif key == "trainer.devices":
+            vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
+        else:
+            continue
+        out[key] = ([cur] if cur in vals else []) + [v for v in vals if v != cur]
+    return out
+
+
+def search(
+    cfg: DictConfig,
+    keys: Iterable[str],
+    budget: int,
+    world: int,
+    max_world: int | None = None,
+) -> tuple[Candidate | None, Candidate]:
+    """The cheapest point that fits ``budget`` over ``keys`` (None if none does) and
+    the point with the smallest estimate. Deterministic: equal costs keep the order
+    in which :func:`_options` lists the values (the current value first). One meta
+    model per ``sharding.min_params`` value; everything else is arithmetic."""
+    options = _options(cfg, keys, world, max_world or world)
+    base = run_shape(cfg, world)
+    acts = activation_fn(cfg)
+    batch = int(cfg.trainer.batch_size)
+    models: dict[float, torch.nn.Module] = {}
+    plans: dict[tuple[float, int], WrapPlan] = {}
+    best: Candidate | None = None
+    smallest: Candidate | None = None
+    for point in _product(options):
+        mp = float(point.get("sharding.min_params", cfg.sharding.min_params))
+        w = int(point.get("trainer.devices", world))
+        accum = int(point.get("trainer.grad_accum", base.grad_accum))
+        if batch % accum:
+            continue
+        if mp not in models:
+            models[mp] = build_meta_model(_with(cfg, {"sharding.min_params": mp}))
+        if (mp, w) not in plans:
+            plans[mp, w] = wrap_plan(models[mp], w)
+        shape = replace(
+            base,
+            world=w,
+            grad_accum=accum,
+            micro_batch=max(1, math.ceil(batch / accum / w)),
+            grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
+            checkpointing=str(point.get(AC_KEY, base.checkpointing)),
+        )
+        a = acts(
+            shape.micro_batch,
+            shape.seq_len,
+            shape.param_bytes,
+            shape.checkpointing,
+            shape.ac_every,
+        )
+        est = estimate(plans[mp, w], shape, a)
+        changed = {k: v for k, v in point.items() if v != _current(cfg, k)}
+        cand = Candidate(changed, est, _cost(cfg, changed))
+        if smallest is None or est.total < smallest.estimate.total:
+            smallest = cand
+        if est.total <= budget and (best is None or cand.cost < best.cost):
+            best = cand
+    assert smallest is not None
+    return best, smallest
+
+
+def _product(options: dict[str, list]) -> Iterable[dict[str, Any]]:
+    points: list[dict[str, Any]] = [{}]
+    for key, values in options.items():
+        points = [{**p, key: v} for p in points for v in values]
+    return points
+
+
+# ------------------------------------------------------------- auto values
+
+
+def auto_keys(cfg: DictConfig) -> list[str]:
+    return [k for k in AUTO_KEYS if OmegaConf.select(cfg, k, default=None) == "auto"]
+
+
+def _fixed_defaults(cfg: DictConfig) -> dict[str, Any]:
+    """Stand-ins for ``auto`` values while the others are searched."""
+    return {
+        "sharding.min_params": 1e8,
+        "trainer.grad_accum": 1,
+        "trainer.grad_sync": "last",
+        AC_KEY: "none",
+    }
+
+
+def resolve_auto(
+    cfg: DictConfig, world: int | None = None
+) -> tuple[DictConfig, list[str]]:
+    """``cfg`` with every ``auto`` value of :data:`AUTO_KEYS` chosen by the planner:
+    the cheapest setting that fits the budget (``trainer.mem_budget_gib``, else this
+    machine's memory per rank), or the smallest estimate if none fits. Returns the
+    new config and one line per choice saying why."""
+    keys = auto_keys(cfg)
+    quiet = {}
+    accum = OmegaConf.select(cfg, "trainer.grad_accum")
+    if "trainer.grad_sync" in keys and accum == 1:
+        quiet["trainer.grad_sync"] = "last"  # one micro-batch: nothing to choose
+        keys.remove("trainer.grad_sync")
+    cfg = _with(cfg, quiet) if quiet else cfg
+    if not keys:
+        return cfg, []
+    world = world or resolve_devices(cfg.trainer.devices)
+    budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
+    source = "trainer.mem_budget_gib"
+    if budget is None:
+        budget, source = machine_budget_bytes(world), "this machine's memory per rank"
+    start = _with(cfg, {k: _fixed_defaults(cfg)[k] for k in keys})
+    best, smallest = search(start, keys, budget, world)
+    chosen = best or smallest
+    values = {k: chosen.overrides.get(k, OmegaConf.select(start, k)) for k in keys}
+    out = _with(cfg, values)
+    est = chosen.estimate
+    verdict = (
+        f"the cheapest setting whose estimate, {_gib(est.total)}, fits {_gib(budget)} "
+        f"({source})"
+        if best
+        else f"nothing fits {_gib(budget)} ({source}); this is the smallest estimate, "
+        f"{_gib(est.total)}"
+    )
+    reasons = [f"auto: {k}={_fmt(v)}: {verdict}" for k, v in values.items()]
+    return out, reasons
+
+
+# ---------------------------------------------------------------- plan-only
+
+
+def grad_sync_costs(cfg: DictConfig, world: int, model: torch.nn.Module) -> str:
+    """Both gradient-accumulation modes side by side (memory and collectives)."""
+    accum = int(cfg.trainer.grad_accum)
+    lines = ["gradient accumulation modes (trainer.grad_sync):"]
+    for mode in GRAD_SYNC:
+        _, est = estimate_cfg(_with(cfg, {"trainer.grad_sync": mode}), world, model)
+        scatters = 1 if mode == "last" else accum
+        lines.append(
+            f"  {mode:<5} {_gib(est.total):>12} peak, {scatters} gradient reduction(s)"
+            f" per step{' (unsharded gradients held)' if mode == 'last' and accum > 1 else ''}"
+        )
+    return "\n".join(lines)
+
+
+def fit_report(cfg: DictConfig, est: Estimate, world: int) -> tuple[str, dict]:
+    """The verdict against ``trainer.mem_budget_gib`` (and, if it does not fit, the
+    cheapest change that does); empty when no budget is set."""
+    budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
+    if budget is None:
+        return "", {}
+    margin = budget - est.total
+    info = {"budget_gib": budget / GIB, "fits": margin >= 0, "margin_gib": margin / GIB}
+    if margin >= 0:
+        return (
+            f"fits: {_gib(est.total)} of {_gib(budget)} per rank "
+            f"(margin {_gib(margin)}, {margin / budget:.0%})"
+        ), info
+    lines = [f"does not fit: needs {_gib(est.total)} > budget {_gib(budget)} per rank"]
+    keys = [*AUTO_KEYS, "trainer.devices"]
+    best, smallest = search(cfg, keys, budget, world, max_world=world * 64)
+    if best is None:
+        lines.append(
+            f"no searched change fits; the smallest estimate is {_gib(smallest.estimate.total)}"
+            f" with {smallest.describe()}"
+        )
+    else:
+        m = budget - best.estimate.total
+        lines.append(
+            f"cheapest change that fits: {best.describe()} -> {_gib(best.estimate.total)}"
+            f" (margin {_gib(m)}, relative cost x{best.cost:.2f})"
+        )
+        info["fix"] = best.describe()
+    return "\n".join(lines), info
+
+
+def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> WrapPlan:
+    """Print the wrap plan, the per-rank training peak estimate part by part, the
+    gradient-accumulation modes and, with ``trainer.mem_budget_gib``, the verdict,
+    for ``trainer.devices`` ranks; no rank starts and nothing is allocated (the model
+    is built on the meta device with the recording-only ``plan`` backend)."""
+    world = world_size or resolve_devices(cfg.trainer.devices)
+    model = build_meta_model(cfg)
+    plan, est = estimate_cfg(cfg, world, model)
+    print(plan.tree(), flush=True)
+    print(est.table(), flush=True)
+    print(grad_sync_costs(cfg, world, model), flush=True)
+    verdict, info = fit_report(cfg, est, world)
+    if verdict:
+        print(verdict, flush=True)
+    logger = Logger.files(run_dir)
+    logger.log_table("wrap_plan", plan.rows())
+    logger.log_summary(
+        {
+            "world_size": world,
+            "wrap_units": len(plan.units),
+            "peak_phase": est.phase,
+            **est.gib(),
+            **info,
+        }
+    )
+    logger.finish()
+    return plan
+
+
+def budget_check(cfg: DictConfig) -> tuple[float, float] | None:
+    """``(needed GiB, budget GiB)`` when the planner says ``cfg`` cannot fit its budget
+    (``trainer.mem_budget_gib``, else ``sweep.mem_cap_gib``); None when it fits or no
+    budget is set. For sweeps: such points are skipped, not launched."""
+    budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
+    if budget is None:
+        cap = OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None)
+        budget = budget_bytes(cap, "sweep.mem_cap_gib")
+    if budget is None:
+        return None
+    cfg, _ = resolve_auto(cfg)
+    _, est = estimate_cfg(cfg, resolve_devices(cfg.trainer.devices))
+    return (est.total / GIB, budget / GIB) if est.total > budget else None

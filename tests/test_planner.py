@@ -1,0 +1,232 @@
+"""The planner: each part of the estimate on hand-computed small cases (exact bytes),
+the activation formula against what autograd really saves, ``auto`` choices, the
+budget verdict and the sweep's skipped points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import src.config  # noqa: F401  (registers the base_config schema for compose)
+from src.models import GPT, GPTConfig
+from src.models.gpt import activation_bytes
+from src.models.memory import ActivationBytes
+from src.sharding import Unit, WrapPlan
+from src.trainer import planner
+from src.trainer.planner import (
+    PROCESS_BYTES,
+    RUNTIME_BYTES,
+    RunShape,
+    estimate,
+    resolve_auto,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+# -------------------------------------------------------------- activations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_formula_equals_what_autograd_saves(dtype):
+    """Every tensor autograd saves in a forward (deduplicated by storage, parameters
+    left out) adds up to ``saved + head``, to the byte."""
+    cfg = GPTConfig(n_layer=3, n_head=3, n_embd=48, vocab_size=100, block_size=16)
+    model = GPT(cfg).to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    idx, targets = torch.randint(0, 100, (2, 2, 16))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, targets)
+    acts = activation_bytes(cfg, 2, 16, dtype.itemsize)
+    assert sum(saved.values()) == acts.saved + acts.head
+
+
+def test_activation_formula_by_hand():
+    # n = 2 x 8 = 16 tokens, d = 16, h = 2, V = 32, 2 blocks, fp32.
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8)
+    block = 4 * (16 * 16 * 16 + 4 * 16) + 4 * 16 * 2  # 16 n d + 4 n, + 4 n h: 16768
+    head = 4 * (2 * 16 * 16 + 2 * 16) + 4 * 16 * 32 + 8 * (2 * 16 + 8) + 4  # 4548
+    none = activation_bytes(cfg, 2, 8, 4)
+    assert none == ActivationBytes(
+        saved=2 * block, head=head, loss_transient=8 * 16 * 32, block_transient=5120
+    )
+    full = activation_bytes(cfg, 2, 8, 4, "full")
+    assert full.saved == 2 * 4 * 16 * 16  # each block's input
+    assert full.block_transient == block + 5120  # one block recomputed
+    every2 = activation_bytes(cfg, 2, 8, 4, "full", every=2)  # block 0 only
+    assert every2.saved == 4 * 16 * 16 + block
+    selective = activation_bytes(cfg, 2, 8, 4, "selective")
+    assert selective.saved == 2 * (4 * 11 * 16 * 16 + 4 * 16 * 2)
+
+
+# -------------------------------------------------------------- the estimate
+
+# A root of 1000 parameters (embedding + head) and two blocks of 300, on 2 ranks:
+# 500 + 150 + 150 parameters per rank = 3200 bytes of fp32 shards.
+PLAN = WrapPlan(
+    units=[
+        Unit("", "Net", 1000, 2000, 4000),
+        Unit("h.0", "Block", 300, 600, 1200),
+        Unit("h.1", "Block", 300, 600, 1200),
+    ],
+    world_size=2,
+    total_numel=1600,
+)
+ACTS = ActivationBytes(
+    saved=10_000, head=3_000, loss_transient=6_000, block_transient=1_000
+)
+SHAPE = RunShape(backend="fsdp2", world=2, micro_batch=2, seq_len=8)
+CONST = RUNTIME_BYTES["cpu"] + PROCESS_BYTES["cpu"]
+
+
+def test_parts_at_the_loss_backward_peak():
+    est = estimate(PLAN, SHAPE, ACTS)
+    assert est.phase == "loss backward"
+    assert est.parts == {
+        "params": 3200,
+        "gathered_units": (1000 + 300 + 300) * 4,  # root + current + prefetched
+        "grads": 0,  # one micro-batch: no gradient yet when backward starts
+        "optimizer": 2 * 3200,
+        "mixed_precision": 0,
+        "activations": 10_000,
+        "loss": 3_000 + 6_000,
+        "transient": 0,
+        "runtime": RUNTIME_BYTES["cpu"],
+        "process": PROCESS_BYTES["cpu"],
+    }
+    assert est.total == 3200 + 6400 + 6400 + 10_000 + 9_000 + CONST
+    # block backward: 4000 (root's head gradient) + 1000 + 300 x 8 (unit gradients
+    # and their reduce buffer) = 7400 < 9000 of head + loss buffers
+    assert est.training == est.total - PROCESS_BYTES["cpu"]
+
+
+def test_accumulation_holds_sharded_or_unsharded_grads():
+    acc = replace(SHAPE, grad_accum=4)
+    last = estimate(PLAN, replace(acc, grad_sync="last"), ACTS)
+    every = estimate(PLAN, replace(acc, grad_sync="every"), ACTS)
+    assert last.parts["grads"] == 1600 * 4  # the whole model's, unsharded
+    assert every.parts["grads"] == 3200  # this rank's shards
+    assert last.total - every.total == 1600 * 4 - 3200
+
+
+def test_bf16_block_backward_and_no_reshard():
+    acts = replace(ACTS, head=0, loss_transient=0, block_transient=5_000)
+    shape = replace(SHAPE, param_bytes=2, reshard_after_forward=False)
+    est = estimate(PLAN, shape, acts)
+    assert est.phase == "block backward"
+    assert est.parts["gathered_units"] == 1600 * 2  # every unit stays gathered, bf16
+    assert est.parts["grads"] == 1000 * 2  # the root's head gradient, held
+    # the block's working set + one unit's bf16 grads and their fp32 reduce buffer
+    assert est.parts["transient"] == 5_000 + 300 * (2 + 4)
+    assert est.parts["mixed_precision"] == 500 * 2  # the largest shard cast to bf16
+
+
+def test_optimizer_step_peak_and_unsharded_backends():
+    tiny = ActivationBytes(saved=0, head=0, loss_transient=0, block_transient=0)
+    none = estimate(PLAN, replace(SHAPE, backend="none", world=1), tiny)
+    assert none.phase == "optimizer step"
+    assert none.parts["params"] == 1600 * 4
+    assert none.parts["grads"] == 1600 * 4
+    assert none.parts["transient"] == 1000 * 4  # largest unit (per-tensor AdamW)
+    ddp = estimate(PLAN, replace(SHAPE, backend="ddp", device="cuda"), tiny)
+    assert ddp.phase == "optimizer step"
+    assert ddp.parts["grads"] == 2 * 1600 * 4  # gradients + DDP's bucket copies
+    assert ddp.parts["transient"] == 1600 * 4  # foreach AdamW on CUDA
+    assert ddp.parts["runtime"] == RUNTIME_BYTES["cuda"]
+
+
+# -------------------------------------------------------- budget and auto
+
+
+def test_auto_choices_are_deterministic_and_fit(capsys):
+    cfg = _compose(
+        "model=small",
+        "model.n_layer=2",
+        "trainer.devices=2",
+        "sharding.min_params=auto",
+        "trainer.grad_accum=auto",
+        "trainer.grad_sync=auto",
+        "trainer.mem_budget_gib=0.34",
+    )
+    first, why = resolve_auto(cfg)
+    again, why_again = resolve_auto(cfg)
+    assert why == why_again and len(why) == 3
+    keys = ("sharding.min_params", "trainer.grad_accum", "trainer.grad_sync")
+    chosen = [
+        first.sharding.min_params,
+        first.trainer.grad_accum,
+        first.trainer.grad_sync,
+    ]
+    assert chosen == [
+        again.sharding.min_params,
+        again.trainer.grad_accum,
+        again.trainer.grad_sync,
+    ]
+    assert all(any(line.startswith(f"auto: {k}=") for line in why) for k in keys)
+    _, est = planner.estimate_cfg(first, 2)
+    assert est.total <= 0.34 * GIB
+    # The search's cost order: a larger grad_accum only when the batch does not fit.
+    _, whole = planner.estimate_cfg(planner._with(first, {"trainer.grad_accum": 1}), 2)
+    assert (first.trainer.grad_accum == 1) == (whole.total <= 0.34 * GIB)
+
+
+def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
+    cfg = _compose(
+        "model=small",
+        "model.block_size=1024",
+        "trainer.devices=2",
+        "trainer.batch_size=16",
+        "trainer.mem_budget_gib=0.45",
+        "logger=none",
+    )
+    planner.plan_only(cfg, str(tmp_path))
+    out = capsys.readouterr().out
+    assert "does not fit: needs" in out
+    assert "cheapest change that fits:" in out
+    assert "gradient accumulation modes (trainer.grad_sync):" in out
+
+
+@pytest.mark.slow
+def test_sweep_records_the_point_that_cannot_fit_as_skipped(tmp_path):
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = subprocess.run(
+        [sys.executable, "train.py", "-m", "model=tiny", "model.n_embd=64,2048"]
+        + ["trainer.devices=1", "trainer.plan_only=true", "logger=none"]
+        + ["trainer.mem_budget_gib=0.5", f"hydra.sweep.dir={sweep}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = (sweep / "sweep_summary.md").read_text().splitlines()[2:]
+    small = next(r for r in rows if "| 64 |" in r)
+    big = next(r for r in rows if "| 2048 |" in r)
+    assert "| completed |" in small
+    assert "| skipped |" in big
+    assert "skipped: needs " in big and "GiB > budget 0.50 GiB" in big
+    assert not (sweep / "1" / "summary.json").exists()  # never launched
