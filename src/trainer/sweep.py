@@ -151,7 +151,7 @@ def run_job(
             line = skipped_line(needs, budget)
             log.warning("job %s", line)
             record = {"status": "skipped", "error": line, "needs_gib": needs}
-            _write_json(status_file, {**record, "budget_gib": budget})
+            write_json_atomic(status_file, {**record, "budget_gib": budget})
             return -(needs - budget)
         fn()
     except (Exception, SystemExit) as err:
