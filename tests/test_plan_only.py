@@ -164,7 +164,7 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
 def test_trainer_threshold_is_not_truncated(tmp_path):
     """``sharding.min_params`` reaches auto_wrap as a number: half a parameter above a
     block's size, no block is a unit (``int()`` truncation used to make them units)."""
-    from src.trainer.loop import plan_only
+    from src.trainer.planner import plan_only
 
     def units(min_params: float) -> dict[str, int]:
         cfg = _compose("trainer.plan_only=true", "model=small", "logger=none")
