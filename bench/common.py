@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: tables and docs/benchmarks.md."""
+"""Shared helpers for the benchmarks: the machine line and docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -19,15 +19,6 @@ def machine() -> str:
     else:
         device = f"CPU, {os.cpu_count()} cores"
     return f"{device}, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
-
-
-def markdown_table(rows: list[dict]) -> str:
-    if not rows:
-        return "(no rows)"
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def append_to_benchmarks(title: str, command: str, table: str, note: str = "") -> None:

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import append_to_benchmarks, markdown_table
+from bench.common import append_to_benchmarks
+from src.sharding import GIB
+from src.trainer.loggers import markdown_table
 
-GIB = 2**30
 MODES = ("none", "after", "cpu", "meta")
 # Target for peak / (P/N + baseline), from the issue.
 TARGETS = {"cpu": 1.3, "meta": 1.15}

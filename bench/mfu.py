@@ -3,7 +3,7 @@
 One process: GPT forward + backward + AdamW step on random tokens, timed per step.
 Achieved FLOP/s = tokens/s x ``flops_per_token`` (model FLOPs: 6N + attention, no
 recomputation, the GPT spec's ``flops_per_token``). The peak is
-``measure_cpu_matmul_flops`` in the same dtype, measured in the same run before and
+``measure_matmul_flops`` in the same dtype, measured in the same run before and
 after the loop with the same thread count; MFU = achieved / max(peak before, after).
 ``fp32`` runs plain fp32; ``bf16`` runs the forward under ``torch.autocast`` (bf16
 matmuls, fp32 master weights and optimizer) against the bf16 matmul peak.
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from bench.common import append_to_benchmarks, markdown_table
+from bench.common import append_to_benchmarks
+from src.trainer.loggers import markdown_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -29,7 +30,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def run_dtype(args: argparse.Namespace, dtype_name: str) -> dict:
     """Time the training loop in one dtype and return one table row."""
     from src.models import get_spec
-    from src.trainer.metrics import measure_cpu_matmul_flops
+    from src.trainer.metrics import measure_matmul_flops
 
     dtype = DTYPES[dtype_name]
     spec = get_spec("gpt")
@@ -54,7 +55,7 @@ def run_dtype(args: argparse.Namespace, dtype_name: str) -> dict:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=dtype)
 
-    peak_before = measure_cpu_matmul_flops(dtype, args.peak_seconds)
+    peak_before = measure_matmul_flops(torch.device("cpu"), dtype, args.peak_seconds)
     times = []
     for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -65,7 +66,7 @@ def run_dtype(args: argparse.Namespace, dtype_name: str) -> dict:
         optimizer.step()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-    peak_after = measure_cpu_matmul_flops(dtype, args.peak_seconds)
+    peak_after = measure_matmul_flops(torch.device("cpu"), dtype, args.peak_seconds)
 
     tokens = args.batch_size * args.seq_len
     fpt = spec.flops_per_token(cfg, args.seq_len)
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"{args.seq_len}, batch {args.batch_size}; forward + backward + "
                 f"AdamW, {args.warmup} warm-up then {args.steps} timed steps. Model "
                 "FLOPs (`flops_per_token`: 6N + 12 L d T, no recomputation). Peak = "
-                "best square-matmul FLOP/s (`measure_cpu_matmul_flops`) in the same "
+                "best square-matmul FLOP/s (`measure_matmul_flops`) in the same "
                 "dtype and thread count, before and after the loop; MFU uses the "
                 "higher. bf16 = autocast forward (bf16 matmuls) with fp32 weights "
                 "and AdamW. Shared machine: timings are noisy."

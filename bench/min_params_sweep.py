@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import append_to_benchmarks, markdown_table
+from bench.common import append_to_benchmarks
+from src.trainer.loggers import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VALUES = ["1e3", "1e4", "3e4", "1.5e5", "1e9"]

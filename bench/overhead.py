@@ -50,7 +50,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from bench.common import append_to_benchmarks, markdown_table
+from bench.common import append_to_benchmarks
+from src.trainer.loggers import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2

@@ -26,8 +26,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
 
-from bench.common import append_to_benchmarks, markdown_table
+from bench.common import append_to_benchmarks
 from src.sharding import plan_auto_wrap
+from src.trainer.loggers import markdown_table
 
 MIN_PARAMS = 10_000
 

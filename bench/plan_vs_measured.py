@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import append_to_benchmarks, markdown_table
+from bench.common import append_to_benchmarks
+from src.sharding import GIB
+from src.trainer.loggers import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
-GIB = 2**30
 WORLD = 2
 CONFIGS = {
     # The default run's model.

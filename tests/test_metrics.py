@@ -17,7 +17,7 @@ from src.trainer.loggers import build_logger, run_identity
 from src.trainer.metrics import (
     ThroughputMeter,
     lookup_gpu_peak_tflops,
-    measure_cpu_matmul_flops,
+    measure_matmul_flops,
     memory_metrics,
     peak_flops_per_rank,
     reduce_max_min,
@@ -78,7 +78,7 @@ def one_thread():
 def test_mfu_of_a_real_cpu_matmul_loop_is_a_fraction_of_the_probe(one_thread):
     # Best of a probe before and after the loop: other processes on a shared machine
     # can only slow a probe down, and an underestimated peak would inflate MFU.
-    probe = measure_cpu_matmul_flops(torch.float32)
+    probe = measure_matmul_flops(torch.device("cpu"), torch.float32)
     assert 1e8 < probe < 1e13  # 0.1 GFLOP/s .. 10 TFLOP/s: a real CPU core
     tokens, d = 128, 256
     x0 = torch.randn(tokens, d)
@@ -98,7 +98,7 @@ def test_mfu_of_a_real_cpu_matmul_loop_is_a_fraction_of_the_probe(one_thread):
         if m is not None:
             results.append(m)
     assert x.shape == x0.shape
-    probe = max(probe, measure_cpu_matmul_flops(torch.float32))
+    probe = max(probe, measure_matmul_flops(torch.device("cpu"), torch.float32))
     assert len(results) == 2  # 3 log points, the first one is warm-up
     for m in results:
         mfu = m["mfu"] * meter.peak_flops_per_rank / probe

@@ -27,7 +27,7 @@ the meta device and materialised later by calling :func:`init_tensor` per parame
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -37,11 +37,14 @@ import torch.nn.functional as F
 from src.models.memory import CHECKPOINTING, ActivationBytes
 from src.models.spec import (
     ModelSpec,
+    check_positive_ints,
     default_device,
+    init_tensor_from,
     lm_loss,
     materialize,
     name_generator,
     register,
+    tie_,
 )
 from src.sharding import wrap
 
@@ -59,12 +62,9 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
 
     def __post_init__(self) -> None:
-        for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"model.{key} must be a positive integer, got {value!r}"
-                )
+        check_positive_ints(
+            self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+        )
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"model.n_embd ({self.n_embd}) must be divisible by "
@@ -89,10 +89,9 @@ _INIT_STD = 0.02
 _NORMAL_INIT = {"wte", "wpe", "c_attn", "c_fc"}
 
 
-def init_tensor(
-    name: str, shape: Sequence[int], config: GPTConfig, seed: int
-) -> torch.Tensor:
-    """The full fp32 initial value (on CPU) of the parameter with canonical ``name``.
+def _init_(name: str, out: torch.Tensor, config: GPTConfig, seed: int) -> torch.Tensor:
+    """Fill the CPU fp32 contiguous tensor ``out`` with the initial value of the
+    parameter with canonical ``name``.
 
     GPT-2 init: normal(0, 0.02) for Linear and Embedding weights, the residual
     projections (``c_proj.weight``) normal(0, 0.02 / sqrt(2 * n_layer)), biases 0,
@@ -101,11 +100,6 @@ def init_tensor(
     order of construction, the wrap policy, the rank count or the device).
     ``lm_head.weight`` is the tied ``wte.weight`` and gets the same value.
     """
-    return _init_(name, torch.empty(tuple(int(s) for s in shape)), config, seed)
-
-
-def _init_(name: str, out: torch.Tensor, config: GPTConfig, seed: int) -> torch.Tensor:
-    """Fill the CPU fp32 contiguous tensor ``out`` with the value of :func:`init_tensor`."""
     if name == "lm_head.weight":
         name = "wte.weight"  # tied: one value under both names
     parts = name.split(".")
@@ -123,12 +117,7 @@ def _init_(name: str, out: torch.Tensor, config: GPTConfig, seed: int) -> torch.
     return out.normal_(0.0, std, generator=name_generator(seed, name))
 
 
-def _materialize(
-    modules: dict[str, nn.Module], device: torch.device, config: GPTConfig, seed: int
-) -> None:
-    """Storage on ``device`` and :func:`init_tensor` values for modules built on meta,
-    canonical name ``prefix + local`` (nothing happens on meta)."""
-    materialize(modules, device, lambda name, out: _init_(name, out, config, seed))
+init_tensor = init_tensor_from(_init_)
 
 
 # ------------------------------------------------------------------------ modules
@@ -181,7 +170,7 @@ class Block(nn.Module):
             self.attn = CausalSelfAttention(config)
             self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.mlp = MLP(config)
-        _materialize({f"h.{index}.": self}, device, config, seed)
+        materialize({f"h.{index}.": self}, device, _init_, config, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -209,16 +198,12 @@ class GPT(nn.Module):
             self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         own = {"wte.": self.wte, "wpe.": self.wpe, "ln_f.": self.ln_f}
-        _materialize(own, device, config, seed)
-        self.lm_head.weight = self.wte.weight  # tied: one Parameter object
+        materialize(own, device, _init_, config, seed)
+        tie_(self.lm_head, self.wte)  # one Parameter object
 
     def _apply(self, fn, recurse=True):
-        # Module._apply (behind .to(), .to_empty(), .cuda(), ...) gives each module a
-        # new Parameter when the tensor types differ, e.g. to_empty() from meta: the
-        # tied head would then get its own, uninitialised copy. Re-tie.
         super()._apply(fn, recurse)
-        if self.lm_head.weight is not self.wte.weight:
-            self.lm_head.weight = self.wte.weight
+        tie_(self.lm_head, self.wte)  # again: _apply may have untied them (see tie_)
         return self
 
     def forward(

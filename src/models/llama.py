@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +36,14 @@ import torch.nn.functional as F
 
 from src.models.spec import (
     ModelSpec,
+    check_positive_ints,
     default_device,
+    init_tensor_from,
     lm_loss,
     materialize,
     name_generator,
     register,
+    tie_,
 )
 from src.sharding import wrap
 
@@ -63,12 +65,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"model.{key} must be a positive integer, got {value!r}"
-                )
+        check_positive_ints(
+            self, ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of")
+        )
         if self.max_seq_len < 1:
             raise ValueError(f"model.max_seq_len must be >= 1, got {self.max_seq_len}")
         if self.dim % (2 * self.n_heads):
@@ -189,7 +188,7 @@ class TransformerBlock(nn.Module):
             self.attention = Attention(config)
             self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
             self.feed_forward = FeedForward(config)
-        _materialize({f"layers.{index}.": self}, device, config, seed)
+        materialize({f"layers.{index}.": self}, device, _init_, config, seed)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -219,18 +218,14 @@ class Llama(nn.Module):
         }
         if not config.tie_embeddings:
             own["output."] = self.output
-        _materialize(own, device, config, seed)
+        materialize(own, device, _init_, config, seed)
         if config.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+            tie_(self.output, self.tok_embeddings)
 
     def _apply(self, fn, recurse=True):
-        # As in the GPT: to_empty() from meta gives each module a new Parameter; re-tie.
         super()._apply(fn, recurse)
-        if (
-            self.config.tie_embeddings
-            and self.output.weight is not self.tok_embeddings.weight
-        ):
-            self.output.weight = self.tok_embeddings.weight
+        if self.config.tie_embeddings:
+            tie_(self.output, self.tok_embeddings)  # again (see tie_)
         return self
 
     def forward(
@@ -277,15 +272,7 @@ def _init_(
     return out.normal_(0.0, std, generator=name_generator(seed, name))
 
 
-def init_tensor(
-    name: str, shape: Sequence[int], config: LlamaConfig, seed: int
-) -> torch.Tensor:
-    """The full fp32 initial value (on CPU) of the parameter or buffer ``name``."""
-    return _init_(name, torch.empty(tuple(int(s) for s in shape)), config, seed)
-
-
-def _materialize(modules, device, config: LlamaConfig, seed: int) -> None:
-    materialize(modules, device, lambda name, out: _init_(name, out, config, seed))
+init_tensor = init_tensor_from(_init_)
 
 
 # -------------------------------------------------------------------------- FLOPs

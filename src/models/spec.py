@@ -122,16 +122,46 @@ def default_device() -> torch.device:
     return torch.empty(()).device
 
 
+def check_positive_ints(config: Any, keys: Sequence[str]) -> None:
+    """``ValueError`` naming ``model.<key>`` for the first of ``keys`` that is not an
+    integer >= 1 (for a family config's ``__post_init__``)."""
+    for key in keys:
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model.{key} must be a positive integer, got {value!r}")
+
+
+#: A family's init by name: ``fill_(canonical name, out, config, seed)`` fills the CPU
+#: fp32 contiguous tensor ``out`` in place with that parameter's initial value.
+Fill = Callable[[str, torch.Tensor, Any, int], torch.Tensor]
+
+
+def init_tensor_from(
+    fill_: Fill,
+) -> Callable[[str, Sequence[int], Any, int], torch.Tensor]:
+    """The spec's ``init_tensor`` of a family: ``(name, shape, config, seed)`` -> the
+    full fp32 initial value (on CPU) of that parameter or buffer, from ``fill_``."""
+
+    def init_tensor(
+        name: str, shape: Sequence[int], config: Any, seed: int
+    ) -> torch.Tensor:
+        return fill_(name, torch.empty(tuple(int(s) for s in shape)), config, seed)
+
+    return init_tensor
+
+
 @torch.no_grad()
 def materialize(
     modules: Mapping[str, nn.Module],
     device: torch.device,
-    fill_: Callable[[str, torch.Tensor], torch.Tensor],
+    fill_: Fill,
+    config: Any,
+    seed: int,
 ) -> None:
     """Give the parameters and buffers of each ``modules[prefix]`` (built on meta)
-    storage on ``device`` and their initial value: ``fill_(prefix + local, out)`` fills
-    the CPU fp32 tensor ``out`` in place. On the meta device nothing happens: the
-    sharding layer materialises them later from the spec's ``init_tensor``."""
+    storage on ``device`` and their initial value, ``fill_(prefix + local, ...)``. On
+    the meta device nothing happens: the sharding layer materialises them later from
+    the spec's ``init_tensor``."""
     if device.type == "meta":
         return
     for prefix, module in modules.items():
@@ -143,9 +173,18 @@ def materialize(
                 and t.dtype == torch.float32
                 and t.is_contiguous()
             ):
-                fill_(name, t)  # in place: no temporary, no copy
+                fill_(name, t, config, seed)  # in place: no temporary, no copy
             else:
-                t.copy_(fill_(name, torch.empty(t.shape)))
+                t.copy_(fill_(name, torch.empty(t.shape), config, seed))
+
+
+def tie_(head: nn.Module, embedding: nn.Module) -> None:
+    """Make ``head.weight`` the very Parameter of ``embedding.weight``. Call it again
+    after ``Module._apply`` (behind ``.to()``, ``.to_empty()``...), which gives each
+    module a new Parameter when the tensor type changes (e.g. from meta), so the head
+    would otherwise get its own, uninitialised copy."""
+    if head.weight is not embedding.weight:
+        head.weight = embedding.weight
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

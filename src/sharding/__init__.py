@@ -10,11 +10,10 @@ from .backends import (
     fsdp1_wrapper,
     materialize_meta_,
 )
-from .plan import Unit, WrapPlan, wrap_plan
+from .plan import GIB, Unit, WrapPlan, wrap_plan
 from .policies import (
     BlockPolicy,
     ComposedPolicy,
-    ManualPolicy,
     SizePolicy,
     WrapPolicy,
     build_policy,
@@ -23,6 +22,7 @@ from .precision import PRECISIONS, Precision, get_precision
 from .wrap import (
     DEFAULT_EXCLUDE_WRAP_MODULES,
     DEFAULT_FORCE_LEAF_MODULES,
+    TiedParametersWarning,
     auto_wrap,
     enable_wrap,
     is_wrapped,
@@ -36,13 +36,14 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_EXCLUDE_WRAP_MODULES",
     "DEFAULT_FORCE_LEAF_MODULES",
+    "GIB",
     "PRECISIONS",
     "Backend",
     "BlockPolicy",
     "ComposedPolicy",
-    "ManualPolicy",
     "Precision",
     "SizePolicy",
+    "TiedParametersWarning",
     "Unit",
     "WrapPlan",
     "WrapPolicy",

@@ -16,7 +16,7 @@ import torch.nn as nn
 from .backends import canonical_name
 from .wrap import UnitInfo, is_wrapped
 
-GIB = 1024**3
+GIB = 2**30
 
 
 @dataclass
@@ -25,11 +25,6 @@ class Unit:
     cls: str
     numel: int
     bytes_per_rank: int
-    unsharded_bytes: int
-
-    @property
-    def depth(self) -> int:
-        return 0 if not self.path else self.path.count(".") + 1
 
 
 @dataclass
@@ -86,7 +81,6 @@ def wrap_plan(model: nn.Module, world_size: int = 1) -> WrapPlan:
                 cls=_class_name(module),
                 numel=info.numel,
                 bytes_per_rank=info.bytes_per_rank(world_size),
-                unsharded_bytes=info.unsharded_bytes(),
             )
         )
     total = sum(u.numel for u in units)

@@ -36,10 +36,6 @@ class WrapPolicy:
         return model
 
 
-class ManualPolicy(WrapPolicy):
-    pass
-
-
 @dataclass
 class SizePolicy(WrapPolicy):
     min_num_params: int | float = 1e8
@@ -132,7 +128,7 @@ def build_policy(
             classes = (block_cls,) if isinstance(block_cls, type) else tuple(block_cls)
             policies.append(BlockPolicy(classes))
         elif name == "manual":
-            policies.append(ManualPolicy())
+            policies.append(WrapPolicy())
         else:
             raise ValueError(
                 f"sharding.policy: unknown policy {name!r}; choose from {list(POLICY_NAMES)}"

@@ -46,6 +46,23 @@ DEFAULT_FORCE_LEAF_MODULES: frozenset[type[nn.Module]] = frozenset(
 _UNIT_ATTR = "_sharding_unit"
 
 
+class TiedParametersWarning(UserWarning):
+    """``auto_wrap`` kept modules out of their own units because they share parameters
+    with modules outside them (a tie is never split across units). Intended for a tied
+    embedding and head; ``blocked_by_ties`` maps each module path to those parameters."""
+
+    def __init__(self, blocked_by_ties: dict[str, list[str]]) -> None:
+        self.blocked_by_ties = blocked_by_ties
+        detail = "; ".join(
+            f"{p or '<root>'} (shares {', '.join(n)})"
+            for p, n in blocked_by_ties.items()
+        )
+        super().__init__(
+            "auto_wrap kept these modules out of their own units because they share "
+            f"parameters with modules outside them: {detail}"
+        )
+
+
 @dataclass
 class UnitInfo:
     """What a unit held when it was wrapped: used by the wrap plan."""
@@ -60,9 +77,6 @@ class UnitInfo:
             math.ceil(rows / world_size) * row_numel * elem
             for rows, row_numel, elem in self.shapes
         )
-
-    def unsharded_bytes(self) -> int:
-        return sum(rows * row_numel * elem for rows, row_numel, elem in self.shapes)
 
 
 @dataclass
@@ -368,15 +382,7 @@ def auto_wrap(
         module, min_num_params, exclude_wrap_modules, force_leaf_modules
     )
     if plan.blocked_by_ties:
-        detail = "; ".join(
-            f"{p or '<root>'} (shares {', '.join(n)})"
-            for p, n in plan.blocked_by_ties.items()
-        )
-        warnings.warn(
-            "auto_wrap kept these modules out of their own units because they share "
-            f"parameters with modules outside them: {detail}",
-            stacklevel=2,
-        )
+        warnings.warn(TiedParametersWarning(plan.blocked_by_ties), stacklevel=2)
     root = module
     for parent, name, unit in plan.units:
         wrapped = wrap_module(unit, **overrides)

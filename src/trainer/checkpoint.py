@@ -58,6 +58,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src.sharding import canonical_name
+from src.trainer.loggers import atomic_path
+from src.trainer.metrics import collective_device
 
 MARKER = "COMPLETE"
 META = "meta.json"
@@ -98,10 +100,7 @@ def _agree(error: BaseException | None, what: str) -> None:
     collective; this turns one rank's failure into the same failure everywhere.
     """
     if _distributed():
-        device = "cpu"
-        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-            device = f"cuda:{torch.cuda.current_device()}"
-        failed = torch.tensor([int(error is not None)], device=device)
+        failed = torch.tensor([int(error is not None)], device=collective_device())
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if error is None and failed.item():
             raise RuntimeError(f"checkpoint {what} failed on another rank")
@@ -723,11 +722,9 @@ def export_consolidated(model: nn.Module, path: str | Path) -> None:
                 if name not in aliases
             }
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp")
-            save_file(
-                tensors, tmp, metadata={"format": "pt", "aliases": json.dumps(aliases)}
-            )
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                metadata = {"format": "pt", "aliases": json.dumps(aliases)}
+                save_file(tensors, tmp, metadata=metadata)
         except Exception as exc:
             error = exc
     _agree(error, "export")

@@ -16,12 +16,13 @@ unconditionally.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,38 @@ def _json_default(value: Any) -> Any:
     return str(value)  # dtypes, devices, paths: readable rather than an error
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write JSON through a temporary file and a rename: readers never see half of it."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path to write ``path``'s new content to; renamed onto ``path`` when
+    the block succeeds (readers never see half a file), removed when it fails."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default))
-    tmp.replace(path)
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write ``data`` as indented JSON, atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=_json_default))
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows of ``{column: cell}`` (the first row's keys are the columns) as a Markdown
+    table; a ``|`` inside a cell is escaped."""
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+
+    def line(cells: Iterable[Any]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    lines = [line(keys), "|" + "---|" * len(keys)]
+    lines += [line(r.get(k, "") for k in keys) for r in rows]
+    return "\n".join(lines)
 
 
 class Sink:
@@ -92,9 +119,7 @@ class FileSink(Sink):
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         safe = re.sub(r"[^\w.-]+", "_", name)
-        (self.run_dir / f"{safe}.json").write_text(
-            json.dumps(rows, indent=2, default=_json_default)
-        )
+        write_json_atomic(self.run_dir / f"{safe}.json", rows)
 
     def finish(self, exit_code: int) -> None:
         self._jsonl.close()

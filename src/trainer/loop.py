@@ -12,6 +12,8 @@ import contextlib
 import math
 import os
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from src.config import (
 )
 from src.sharding import (
     Backend,
+    TiedParametersWarning,
     WrapPlan,
     build_backend,
     build_policy,
@@ -75,9 +78,31 @@ def build_model(
         def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
             return spec.init_tensor(name, t.shape, config, seed)
 
-    return build_sharded_model(
-        lambda: spec.build(config, seed), backend, policy, init_device, init_fn
-    )
+    with _ties_as_one_line(backend.rank):
+        return build_sharded_model(
+            lambda: spec.build(config, seed), backend, policy, init_device, init_fn
+        )
+
+
+@contextlib.contextmanager
+def _ties_as_one_line(rank: int) -> Iterator[None]:
+    """The sharding layer warns (TiedParametersWarning) when auto_wrap keeps modules
+    that share parameters in one unit; for a run that is a known, intended fact (a
+    tied embedding and head), reported as one plain line on rank 0. Other warnings
+    raised inside pass through as usual."""
+    with warnings.catch_warnings(record=True) as caught:
+        yield
+    users: dict[str, list[str]] = {}
+    for w in caught:
+        if issubclass(w.category, TiedParametersWarning):
+            for path, names in w.message.blocked_by_ties.items():
+                for name in names:
+                    users.setdefault(name, []).append(path or "<root>")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if users and rank == 0:
+        ties = "; ".join(f"{n} ({', '.join(sorted(u))})" for n, u in users.items())
+        print(f"tied parameters stay whole in one unit: {ties}", flush=True)
 
 
 def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.AdamW:

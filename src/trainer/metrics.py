@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-GIB = 2**30
+from src.sharding import GIB
 
 # Dense (no structured sparsity) peak tensor-core TFLOP/s per device from the vendors'
 # datasheets. Ordered: the first row whose every substring occurs in the device name
@@ -110,11 +110,6 @@ def measure_matmul_flops(
             break
         best = min(best, _time_matmul(a, b))
     return 2.0 * n**3 / best
-
-
-def measure_cpu_matmul_flops(dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """Peak FLOP/s this CPU rank reaches on ``dtype`` matmuls (see measure_matmul_flops)."""
-    return measure_matmul_flops(torch.device("cpu"), dtype, seconds)
 
 
 def peak_flops_per_rank(
@@ -260,7 +255,9 @@ def memory_metrics(device: torch.device, prefix: str = "") -> dict:
     return {prefix + k: v for k, v in out.items()}
 
 
-def _pg_device(group) -> torch.device:
+def collective_device(group=None) -> torch.device:
+    """Where a tensor must be for a collective on ``group`` (default: the world):
+    this rank's GPU under NCCL, else the CPU (gloo)."""
     if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -277,7 +274,7 @@ def reduce_max_min(metrics: dict, group=None) -> dict:
     if dist.is_available() and dist.is_initialized() and keys:
         # max(-x) = -min(x): both reductions in one MAX all_reduce.
         t = torch.tensor(values + [-v for v in values], dtype=torch.float64)
-        t = t.to(_pg_device(group))
+        t = t.to(collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         t = t.cpu().tolist()
         maxs, mins = t[: len(keys)], [-v for v in t[len(keys) :]]

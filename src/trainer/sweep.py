@@ -38,7 +38,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src.trainer.loggers import write_json_atomic
+from src.trainer.loggers import markdown_table, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -283,25 +283,19 @@ def _cell(metric: str, value: Any) -> str:
         return str(value)
 
 
-def markdown_table(keys: list[str], rows: list[dict]) -> str:
+def summary_table(keys: list[str], rows: list[dict]) -> str:
     """The summary as a Markdown table; the best row's tokens/s is in bold."""
-    metrics = list(_MD_FORMAT)
-    header = ["job", *keys, "status", *(_MD_FORMAT[m][0] for m in metrics)]
-    if any(r["error"] for r in rows):
-        header.append("error")
-    lines = [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-    ]
+    with_error = any(r["error"] for r in rows)
+    table = []
     for r in rows:
-        cells = [str(r["job"]), *(str(r[k]) for k in keys), r["status"]]
-        for m in metrics:
+        cells = {"job": r["job"], **{k: r[k] for k in keys}, "status": r["status"]}
+        for m, (header, _) in _MD_FORMAT.items():
             text = _cell(m, r[m])
-            cells.append(f"**{text}**" if m == "tokens_per_s" and r["best"] else text)
-        if "error" in header:
-            cells.append(r["error"].replace("|", "\\|"))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+            cells[header] = f"**{text}**" if m == "tokens_per_s" and r["best"] else text
+        if with_error:
+            cells["error"] = r["error"]
+        table.append(cells)
+    return markdown_table(table) + "\n"
 
 
 def _short(value: str) -> str:
@@ -445,7 +439,7 @@ def summarise(
         return rows
     stem = sweep_dir / SUMMARY_STEM
     write_csv(stem.with_suffix(".csv"), rows)
-    table = markdown_table(keys, rows)
+    table = summary_table(keys, rows)
     stem.with_suffix(".md").write_text(table)
     png = None
     if make_plot:
