@@ -200,7 +200,7 @@ def _measure(
 
     # The backend (FSDP2: its device mesh) is part of the baseline.
     backend = build_backend("none" if mode == "none" else "fsdp2", "fp32", "cpu")
-    if allocator == "trim-per-unit" and backend.shards:
+    if allocator == "trim-per-unit" and backend.wraps_units:
         _trim_after_each_unit(backend)
     if warmup:
         tiny = dataclasses.replace(cfg, n_layer=1, n_embd=64, n_head=1, vocab_size=64)

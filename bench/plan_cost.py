@@ -2,7 +2,7 @@
 
 Both plan the same models on the meta device (nothing is allocated, nothing sharded):
 
-- ours: ``src.sharding.plan_auto_wrap`` (one post-order pass, subtree sizes cached);
+- ours: ``src.sharding.choose_auto_wrap_units`` (one post-order pass, subtree sizes cached);
 - torch: ``torch.distributed.fsdp.wrap._recursive_wrap`` with
   ``size_based_auto_wrap_policy`` and a wrapper that returns the module unchanged: the
   recursion FSDP1's ``auto_wrap_policy`` runs, which re-sums ``parameters()`` at every
@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
 
 from bench.common import append_to_benchmarks
-from src.sharding import plan_auto_wrap
+from src.sharding import choose_auto_wrap_units
 from src.trainer.loggers import markdown_table
 
 MIN_PARAMS = 10_000
@@ -62,7 +62,7 @@ def deep_model(n_modules: int, depth: int = 100) -> nn.Module:
 
 def time_ours(model: nn.Module) -> float:
     t0 = time.perf_counter()
-    plan_auto_wrap(model, min_num_params=MIN_PARAMS)
+    choose_auto_wrap_units(model, min_num_params=MIN_PARAMS)
     return time.perf_counter() - t0
 
 

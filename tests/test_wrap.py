@@ -23,9 +23,9 @@ from src.sharding import (
     build_backend,
     build_policy,
     build_sharded_model,
+    choose_auto_wrap_units,
     enable_wrap,
     is_wrapped,
-    plan_auto_wrap,
     wrap,
     wrap_enabled,
     wrap_plan,
@@ -149,7 +149,7 @@ def test_fsdp1_wrapper_returning_new_module_is_installed_in_parent(one_rank_grou
 
 
 def units_of(model, **kwargs):
-    return [m for _, _, m in plan_auto_wrap(model, **kwargs).units]
+    return [m for _, _, m in choose_auto_wrap_units(model, **kwargs).units]
 
 
 def test_remainder_rule_deepest_first():
@@ -188,9 +188,9 @@ def test_min_num_params_accepts_float_and_rejects_bad_values():
     model = nn.Sequential(lin(10, 10))
     assert units_of(model, min_num_params=1e2) == [model[0]]
     with pytest.raises(ValueError, match="min_num_params"):
-        plan_auto_wrap(model, min_num_params=-1)
+        choose_auto_wrap_units(model, min_num_params=-1)
     with pytest.raises(TypeError, match="min_num_params"):
-        plan_auto_wrap(model, min_num_params="1e8")
+        choose_auto_wrap_units(model, min_num_params="1e8")
 
 
 def test_default_excludes_modulelist_and_moduledict_but_not_their_children():
@@ -264,7 +264,7 @@ def test_tied_parameters_are_never_split_across_units(threshold):
     assert model.wte not in units and model.head not in units
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = plan_auto_wrap(model, min_num_params=threshold)
+        plan = choose_auto_wrap_units(model, min_num_params=threshold)
     if threshold <= 400:  # wte/head would have been units: the warning says why not
         assert plan.blocked_by_ties["wte"] == ["wte.weight"]
         assert plan.blocked_by_ties["head"] == ["wte.weight"]
@@ -293,7 +293,7 @@ def test_planning_is_linear_in_module_count():
     def timed(n):
         model = nn.Sequential(*[nn.Sequential(lin(2, 2), nn.ReLU()) for _ in range(n)])
         t0 = time.perf_counter()
-        plan_auto_wrap(model, min_num_params=8)
+        choose_auto_wrap_units(model, min_num_params=8)
         return time.perf_counter() - t0
 
     timed(100)

@@ -1,4 +1,4 @@
-"""``plan_auto_wrap`` against torch's own recursion, ``_recursive_wrap`` driven by
+"""``choose_auto_wrap_units`` against torch's own recursion, ``_recursive_wrap`` driven by
 ``size_based_auto_wrap_policy`` and a wrapper that only records module paths.
 
 Where no parameter (or module) is shared, the two plans must be the same units in the
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
 
-from src.sharding import plan_auto_wrap
+from src.sharding import choose_auto_wrap_units
 from src.sharding.wrap import DEFAULT_EXCLUDE_WRAP_MODULES, DEFAULT_FORCE_LEAF_MODULES
 
 
@@ -51,7 +51,7 @@ def our_plan(model, threshold, exclude=(), force_leaf=()) -> list[str]:
     paths = module_paths(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tie warning
-        plan = plan_auto_wrap(model, threshold, exclude, force_leaf)
+        plan = choose_auto_wrap_units(model, threshold, exclude, force_leaf)
     return [paths[id(m)] for _, _, m in plan.units]
 
 

@@ -24,12 +24,12 @@ from .wrap import (
     DEFAULT_FORCE_LEAF_MODULES,
     TiedParametersWarning,
     auto_wrap,
+    choose_auto_wrap_units,
     enable_wrap,
     is_wrapped,
-    plan_auto_wrap,
+    make_unit,
     wrap,
     wrap_enabled,
-    wrap_module,
 )
 
 __all__ = [
@@ -52,14 +52,14 @@ __all__ = [
     "build_policy",
     "build_sharded_model",
     "canonical_name",
+    "choose_auto_wrap_units",
     "enable_wrap",
     "fsdp1_wrapper",
     "get_precision",
     "is_wrapped",
+    "make_unit",
     "materialize_meta_",
-    "plan_auto_wrap",
     "wrap",
     "wrap_enabled",
-    "wrap_module",
     "wrap_plan",
 ]

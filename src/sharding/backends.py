@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
-from .wrap import enable_wrap, wrap_module
+from .wrap import enable_wrap, make_unit
 
 BACKENDS = ("fsdp2", "fsdp1", "ddp", "none", "plan")
 
@@ -89,7 +89,7 @@ def _trim_after(wrapper_cls: Callable[..., nn.Module | None]) -> Callable:
 
 
 def record_unit(module: nn.Module, **_: Any) -> nn.Module:
-    """A wrapper that shards nothing: ``wrap_module`` tags the unit, which is all a
+    """A wrapper that shards nothing: ``make_unit`` tags the unit, which is all a
     plan needs."""
     return module
 
@@ -111,7 +111,8 @@ class Backend:
         return self.precision.param_dtype
 
     @property
-    def shards(self) -> bool:
+    def wraps_units(self) -> bool:
+        """Units are wrapped as the model is built (fsdp2, fsdp1, plan), not ddp/none."""
         return self.name in ("fsdp2", "fsdp1", "plan")
 
     # -- building -------------------------------------------------------------------
@@ -138,7 +139,7 @@ class Backend:
         self, policy: WrapPolicy | None
     ) -> contextlib.AbstractContextManager:
         """``enable_wrap`` with this backend's wrapper, or a null context for ddp/none."""
-        if not self.shards:
+        if not self.wraps_units:
             return contextlib.nullcontext()
         wrapper_cls, defaults = self.wrapper()
         if self.device.type == "cpu" and _LIBC is not None:
@@ -152,18 +153,18 @@ class Backend:
         first, so freeing and re-gathering them would only cost a collective.
         """
         if self.name == "fsdp2":
-            model = wrap_module(model, reshard_after_forward=False)
+            model = make_unit(model, reshard_after_forward=False)
             # A policy may have made the root a unit already, with the defaults.
             model.set_reshard_after_forward(False, recurse=False)
             return model
-        if self.shards:
-            return wrap_module(model)
+        if self.wraps_units:
+            return make_unit(model)
         return model
 
     # -- step-time helpers ------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast for backends without their own mixed precision (ddp, none)."""
-        if self.shards or not self.precision.is_mixed:
+        if self.wraps_units or not self.precision.is_mixed:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.precision.param_dtype)
 
@@ -252,7 +253,7 @@ def build_sharded_model(
         )
     with backend.wrap_context(policy), init_device:
         model = model_fn()
-        if backend.shards and policy is not None:
+        if backend.wraps_units and policy is not None:
             model = policy.finalize(model)
         model = backend.wrap_root(model)
     if backend.name == "plan":

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from .wrap import auto_wrap, is_wrapped, wrap_module
+from .wrap import auto_wrap, is_wrapped, make_unit
 
 
 class WrapPolicy:
     """Base policy: annotations wrap, nothing else is wrapped (``manual``)."""
 
     def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-        return wrap_module(module, **overrides)
+        return make_unit(module, **overrides)
 
     def finalize(self, model: nn.Module) -> nn.Module:
         return model
@@ -70,14 +70,14 @@ class BlockPolicy(WrapPolicy):
 
     def _wrap_blocks(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
         if is_wrapped(module):
-            return wrap_module(module)  # the unit's wrapper (FSDP1 returns a new one)
+            return make_unit(module)  # the unit's wrapper (FSDP1 returns a new one)
         # Children first, so nested blocks become units before their parents.
         for name, child in list(module.named_children()):
             new = self._wrap_blocks(child, overrides)
             if new is not child:
                 setattr(module, name, new)
         if isinstance(module, self.block_cls):
-            return wrap_module(module, **overrides)
+            return make_unit(module, **overrides)
         return module
 
 

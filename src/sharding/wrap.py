@@ -160,11 +160,15 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
         return module
     if ctx.policy is not None:
         return ctx.policy.annotate(module, overrides)
-    return wrap_module(module, **overrides)
+    return make_unit(module, **overrides)
 
 
-def wrap_module(module: nn.Module, **overrides: Any) -> nn.Module:
-    """Wrap ``module`` with the active context's wrapper, ignoring any policy."""
+def make_unit(module: nn.Module, **overrides: Any) -> nn.Module:
+    """Make ``module`` a unit now, with the active context's wrapper and settings.
+
+    Unlike :func:`wrap`, no policy is asked: this is what a policy (or a backend, for
+    the root) calls once it has decided. Outside the context, ``module`` is returned
+    unchanged; a module that is already a unit is returned as it is."""
     ctx = _active
     if ctx is None:
         return module
@@ -228,7 +232,7 @@ class _Node:
 
 
 @dataclass
-class AutoWrapPlan:
+class AutoWrapUnits:
     """The units ``auto_wrap`` chooses, deepest first, with why ties blocked others."""
 
     #: (parent module or None for the root, attribute name, module), in post-order.
@@ -237,12 +241,12 @@ class AutoWrapPlan:
     blocked_by_ties: dict[str, list[str]]
 
 
-def plan_auto_wrap(
+def choose_auto_wrap_units(
     module: nn.Module,
     min_num_params: int | float = 1e8,
     exclude_wrap_modules: Iterable[type[nn.Module]] | None = None,
     force_leaf_modules: Iterable[type[nn.Module]] | None = None,
-) -> AutoWrapPlan:
+) -> AutoWrapUnits:
     """Choose units by parameter count, without wrapping anything (works on meta).
 
     The rule is that of fairscale and of torch's ``size_based_auto_wrap_policy``
@@ -277,7 +281,7 @@ def _plan(
     min_params: int | float,
     exclude_wrap_modules: Iterable[type[nn.Module]] | None,
     force_leaf_modules: Iterable[type[nn.Module]] | None,
-) -> AutoWrapPlan:
+) -> AutoWrapUnits:
     exclude = tuple(DEFAULT_EXCLUDE_WRAP_MODULES | set(exclude_wrap_modules or ()))
     force_leaf = tuple(DEFAULT_FORCE_LEAF_MODULES | set(force_leaf_modules or ()))
     never_unit = exclude + force_leaf
@@ -350,7 +354,7 @@ def _plan(
         for i in order
         if is_unit[i]
     ]
-    return AutoWrapPlan(
+    return AutoWrapUnits(
         units=units,
         blocked_by_ties={
             _path(nodes, i): sorted(set(names)) for i, names in blocked.items()
@@ -368,7 +372,7 @@ def auto_wrap(
     """Wrap ``module``'s submodules by parameter count, deepest first (inside the context).
 
     Outside ``enable_wrap`` this returns ``module`` unchanged. Inside, it applies the
-    rule of :func:`plan_auto_wrap` (which explains it) and wraps each chosen unit with
+    rule of :func:`choose_auto_wrap_units` (which explains it) and wraps each chosen unit with
     the context's wrapper, children before parents, and ``module`` itself last if its
     remainder reaches ``min_num_params``. Already wrapped submodules count as wrapped:
     their parameters are not counted again. ``overrides`` beat per-module settings and
@@ -378,14 +382,14 @@ def auto_wrap(
     """
     if _active is None or is_wrapped(module):
         return module
-    plan = plan_auto_wrap(
+    chosen = choose_auto_wrap_units(
         module, min_num_params, exclude_wrap_modules, force_leaf_modules
     )
-    if plan.blocked_by_ties:
-        warnings.warn(TiedParametersWarning(plan.blocked_by_ties), stacklevel=2)
+    if chosen.blocked_by_ties:
+        warnings.warn(TiedParametersWarning(chosen.blocked_by_ties), stacklevel=2)
     root = module
-    for parent, name, unit in plan.units:
-        wrapped = wrap_module(unit, **overrides)
+    for parent, name, unit in chosen.units:
+        wrapped = make_unit(unit, **overrides)
         if parent is None:
             root = wrapped
         elif wrapped is not unit:
