@@ -43,7 +43,8 @@ POLICIES = ("size", "block", "manual")
 INIT_DEVICES = ("cpu", "cuda", "meta")
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
-DATA_SOURCES = ("text", "tokens", "synthetic")
+DATA_SOURCES = ("text", "files", "tokens", "synthetic")
+DATA_FORMATS = ("text", "jsonl", "parquet")
 GRAD_SYNC = ("auto", "last", "every")
 # Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
 #: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
@@ -113,15 +114,48 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    """The union of the keys of the three sources; each source reads its own."""
+    """The key every source has. Each option of the ``data`` group selects its own
+    schema below (``defaults: [base_<source>]`` in conf/data/), so a key of another
+    source is an unknown key."""
 
-    name: str = "text"
-    paths: Any = "<stdlib>/*.py"  # a glob or a list of globs
+    name: str = MISSING
+
+
+@dataclass
+class FilesDataConfig(DataConfig):
+    """``data=files`` (and its preset ``data=text``): local files, tokenized once into
+    the token cache (src/trainer/token_cache.py)."""
+
+    name: str = "files"
+    paths: Any = MISSING  # a glob or a list of globs
+    format: str = "text"  # one of DATA_FORMATS
+    text_key: str = "text"  # the JSONL field / Parquet column holding the text
+    tokenizer: str = "byte"  # byte, bpe, or a tokenizer.json / tokenizer directory
+    bpe_vocab_size: int = 4096
+    eos_token: str | None = None  # null: the tokenizer's own end-of-text token
     val_fraction: float = 0.05
     max_bytes: int | None = None
+    cache_dir: str = "${oc.env:SHARDWRAP_CACHE,'~/.cache/shardwrap'}"
+
+
+@dataclass
+class TokensDataConfig(DataConfig):
+    name: str = "tokens"
     train_path: str = "data/train.bin"
     val_path: str = "data/val.bin"
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    name: str = "synthetic"
     num_tokens: int = 1_000_000
+
+
+DATA_SCHEMAS = {
+    "files": FilesDataConfig,
+    "tokens": TokensDataConfig,
+    "synthetic": SyntheticDataConfig,
+}
 
 
 @dataclass
@@ -151,7 +185,7 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = MISSING  # a schema of DATA_SCHEMAS, chosen by the data group
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
@@ -160,6 +194,8 @@ _store = ConfigStore.instance()
 _store.store(name="base_config", node=Config)
 for _family in families():
     _store.store(group="model/schema", name=_family, node=get_spec(_family).schema())
+for _name, _schema in DATA_SCHEMAS.items():
+    _store.store(group="data", name=f"base_{_name}", node=_schema)
 
 
 class ConfigError(ValueError):
@@ -380,6 +416,11 @@ def validate(cfg: DictConfig) -> None:
     )
 
     _choice(cfg, "data.name", DATA_SOURCES)
+    _require(
+        not OmegaConf.is_missing(cfg.data, "paths"),
+        "data.paths",
+        "required with data=files: a glob or a list of globs of your corpus",
+    )
     if cfg.data.name == "tokens":
         for key in ("train_path", "val_path"):
             path = os.path.expanduser(cfg.data[key])

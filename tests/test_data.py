@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.trainer.data import GlobalBatches, TokenStream, load_splits
 from tests.distributed import run_distributed
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "data"
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def data_cfg(*overrides: str):
+    """The ``data`` node composed through its schema, as train.py gets it."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides)).data
 
 
 def _token_file(path: Path, tokens: np.ndarray) -> str:
@@ -30,43 +37,40 @@ def _tokens_cfg(tmp_path: Path, n: int = 10_000, vocab: int = 1000):
 
 @pytest.fixture(scope="module")
 def stdlib_splits():
-    return load_splits(OmegaConf.load(CONF / "text.yaml"), vocab_size=256, seed=0)
+    return load_splits(data_cfg(), vocab_size=256, seed=0)
 
 
 def test_default_text_yaml_reads_stdlib(stdlib_splits):
     train, val = stdlib_splits
     assert len(train) > 1_000_000
     assert 0.04 < len(val) / (len(train) + len(val)) < 0.06
-    assert train.tokens.dtype == np.uint8
+    assert train.tokens.dtype == np.uint8 and isinstance(train.tokens, np.memmap)
     assert b"def " in train.tokens[:100_000].tobytes()
 
 
 def test_text_is_deterministic_sorted_and_capped(tmp_path):
     (tmp_path / "b.txt").write_bytes(b"bbbb")
     (tmp_path / "a.txt").write_bytes(b"aaaa")
-    cfg = OmegaConf.create(
-        {"name": "text", "paths": [str(tmp_path / "*.txt")], "val_fraction": 0.2}
-    )
-    train, val = load_splits(cfg, 256, seed=0)
+    over = [f"data.paths={tmp_path}/*.txt", f"data.cache_dir={tmp_path}/cache"]
+    train, val = load_splits(data_cfg(*over, "data.val_fraction=0.2"), 256, seed=0)
     stream = bytes(train.tokens) + bytes(val.tokens)
     assert stream == b"aaaa\x00bbbb\x00"
     assert len(val) == 2
-    cfg.max_bytes = 6
-    train, val = load_splits(cfg, 256, seed=0)
+    train, val = load_splits(data_cfg(*over, "data.max_bytes=6"), 256, seed=0)
     assert bytes(train.tokens) + bytes(val.tokens) == b"aaaa\x00b"
 
 
 def test_missing_glob_names_key(tmp_path):
-    cfg = OmegaConf.create({"name": "text", "paths": str(tmp_path / "nope/*.txt")})
+    cfg = data_cfg(f"data.paths={tmp_path}/nope/*.txt")
     with pytest.raises(ValueError, match=r"^data\.paths: no files match .*nope") as e:
         load_splits(cfg, 256, seed=0)
     assert "\n" not in str(e.value)
 
 
 def test_out_of_vocab_tokens_name_the_key():
-    cfg = OmegaConf.create({"name": "text", "paths": "<stdlib>/os.py"})
-    with pytest.raises(ValueError, match=r"^model\.vocab_size=128 .*data=text"):
-        load_splits(cfg, 128, seed=0)
+    cfg = data_cfg("data.paths='<stdlib>/os.py'")
+    with pytest.raises(ValueError, match=r"^data\.paths: token id \d+ .*vocab_size=64"):
+        load_splits(cfg, 64, seed=0)
     with pytest.raises(
         ValueError, match=r"^data\.paths: token id 255 .*vocab_size=255"
     ):
@@ -83,7 +87,7 @@ def test_tokens_are_memmapped(tmp_path):
 
 
 def test_tokens_yaml_and_errors(tmp_path):
-    cfg = OmegaConf.load(CONF / "tokens.yaml")
+    cfg = data_cfg("data=tokens")
     assert set(cfg) == {"name", "train_path", "val_path"}
     cfg.train_path = str(tmp_path / "missing.bin")
     with pytest.raises(ValueError, match=r"^data\.train_path: no such file .*missing"):
@@ -103,7 +107,7 @@ def test_tokens_yaml_and_errors(tmp_path):
 
 
 def test_synthetic_deterministic_by_seed():
-    cfg = OmegaConf.load(CONF / "synthetic.yaml")
+    cfg = data_cfg("data=synthetic")
     assert cfg.num_tokens == 1_000_000
     cfg.num_tokens = 20_000
     a, av = load_splits(cfg, 50_000, seed=1)

@@ -1,9 +1,11 @@
 """Token streams and per-rank shards of every global batch.
 
-Three sources, chosen by ``data.name``:
+Sources, chosen by ``data.name``:
 
-- ``text``: byte-level (tokens 0..255) over local files matched by ``data.paths``; the
-  default corpus is the Python standard library's own sources (``<stdlib>``), so it
+- ``text`` / ``files``: local files (``data.paths``, ``data.format`` text, jsonl or
+  parquet) tokenized by ``data.tokenizer`` (byte, bpe or a path) once into the token
+  cache (src/trainer/token_cache.py) and memory-mapped from it. ``text`` is the preset
+  whose corpus is the Python standard library's own sources (``<stdlib>``), so it
   exists on every machine without a download.
 - ``tokens``: nanoGPT's format, a flat ``np.uint16`` binary per split, read through
   ``np.memmap`` so a large corpus is never loaded into RAM.
@@ -17,18 +19,17 @@ results whatever the number of ranks, and resuming needs only the step.
 
 from __future__ import annotations
 
-import glob
 import os
-import sysconfig
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-STDLIB_PLACEHOLDER = "<stdlib>"
-DOC_SEPARATOR = 0  # byte between files: a document boundary, absent from source text
-TEXT_VOCAB = 256
+from src.config import ConfigError
+from src.trainer.token_cache import SPLITS, token_cache
+
+VOCAB_MULTIPLE = 64
+TEXT_SOURCES = ("text", "files")  # tokenized local files, through the token cache
 SYNTHETIC_VAL_FRACTION = 0.05
 _MAX_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its max
 
@@ -36,17 +37,24 @@ _MAX_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its max
 class TokenStream:
     """A 1-D integer token array (``np.memmap`` or ndarray) checked against the vocab.
 
-    ``source`` is the config key the tokens came from, so errors point at it.
+    ``source`` is the config key the tokens came from, so errors point at it;
+    ``max_token``, when known (the token cache records it), spares a scan.
     """
 
-    def __init__(self, tokens: np.ndarray, vocab_size: int, source: str):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        vocab_size: int,
+        source: str,
+        max_token: int | None = None,
+    ):
         if tokens.ndim != 1:
             raise ValueError(
                 f"{source}: expected a 1-D token array, got {tokens.shape}"
             )
         self.tokens = tokens
         self.source = source
-        top = _max_token(tokens)
+        top = _max_token(tokens) if max_token is None else max_token
         if top >= vocab_size:
             raise ValueError(
                 f"{source}: token id {top} is out of range for "
@@ -79,63 +87,58 @@ def load_splits(
 ) -> tuple[TokenStream, TokenStream]:
     """Build the (train, val) token streams described by the ``data`` config group."""
     name = _get(data_cfg, "name")
-    if name == "text":
+    if name in TEXT_SOURCES:
         return _text_splits(data_cfg, vocab_size)
     if name == "tokens":
         return _token_file_splits(data_cfg, vocab_size)
     if name == "synthetic":
         return _synthetic_splits(data_cfg, vocab_size, seed)
-    raise ValueError(f"data.name={name!r} is not one of: text, tokens, synthetic")
+    raise ValueError(
+        f"data.name={name!r} is not one of: {', '.join(TEXT_SOURCES)}, tokens, synthetic"
+    )
 
 
-def _split_at(n: int, val_fraction: float) -> int:
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
-    return n - max(1, int(n * val_fraction))
+def prepare_data(
+    data_cfg: Any, verbose: bool = True, progress: bool = True
+) -> dict | None:
+    """Build (or find) the token cache of a text/files source, in the launcher before
+    any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``...), or None for
+    the sources without a tokenizer. Bad input raises a one-line ``ConfigError``."""
+    if data_cfg.name not in TEXT_SOURCES:
+        return None
+    return token_cache(data_cfg, verbose, progress).meta
 
 
-def resolve_text_files(paths: str | Sequence[str]) -> list[str]:
-    """Expand ``data.paths`` (a glob or list of globs; ``<stdlib>`` is replaced by the
-    standard library's directory) into a sorted, de-duplicated list of files."""
-    patterns = [paths] if isinstance(paths, str) else list(paths)
-    if not patterns:
-        raise ValueError("data.paths: empty list, give at least one glob")
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files: set[str] = set()
-    for pattern in patterns:
-        pattern = os.path.expanduser(str(pattern).replace(STDLIB_PLACEHOLDER, stdlib))
-        matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
-        if not matched:
-            raise ValueError(f"data.paths: no files match {pattern!r}")
-        files.update(matched)
-    return sorted(files)
+def follow_tokenizer_vocab(cfg: Any, meta: dict, user_set: bool) -> None:
+    """The model's vocabulary follows the tokenizer: ``model.vocab_size`` becomes the
+    tokenizer's size rounded up to a multiple of :data:`VOCAB_MULTIPLE` (faster
+    matmuls), unless the user set it (``user_set``), in which case it must hold every
+    id of the tokenizer."""
+    key, vocab = "model.vocab_size", meta["vocab_size"]
+    if user_set:
+        if cfg.model.vocab_size < vocab:
+            raise ConfigError(
+                key,
+                f"{cfg.model.vocab_size} is smaller than the vocabulary of "
+                f"data.tokenizer={cfg.data.tokenizer} ({vocab} ids, up to "
+                f"{vocab - 1}); drop the override or set it >= {vocab}",
+            )
+        return
+    padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if padded != cfg.model.vocab_size:
+        print(
+            f"{key}={padded}: follows data.tokenizer={cfg.data.tokenizer} ({vocab} "
+            f"tokens, padded to a multiple of {VOCAB_MULTIPLE})",
+            flush=True,
+        )
+    cfg.model.vocab_size = padded
 
 
 def _text_splits(cfg: Any, vocab_size: int) -> tuple[TokenStream, TokenStream]:
-    if vocab_size < TEXT_VOCAB:
-        raise ValueError(
-            f"model.vocab_size={vocab_size} is too small for data=text (byte-level): "
-            f"needs >= {TEXT_VOCAB}"
-        )
-    files = resolve_text_files(_get(cfg, "paths", f"{STDLIB_PLACEHOLDER}/*.py"))
-    max_bytes = _get(cfg, "max_bytes")
-    if max_bytes is not None and max_bytes <= 0:
-        raise ValueError(f"data.max_bytes={max_bytes} must be positive or null")
-    chunks, total = [], 0
-    for path in files:
-        with open(path, "rb") as f:
-            chunk = f.read() + bytes([DOC_SEPARATOR])
-        chunks.append(chunk)
-        total += len(chunk)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    data = np.frombuffer(b"".join(chunks), dtype=np.uint8)[:max_bytes]
-    if len(data) < 2:
-        raise ValueError(f"data.paths: {len(data)} bytes of text, too few to split")
-    cut = _split_at(len(data), _get(cfg, "val_fraction", 0.05))
-    return (
-        TokenStream(data[:cut], vocab_size, "data.paths"),
-        TokenStream(data[cut:], vocab_size, "data.paths"),
+    entry = token_cache(cfg, verbose=False)  # the launcher built it, usually
+    return tuple(
+        TokenStream(entry.tokens(split), vocab_size, "data.paths", entry.meta["max_id"])
+        for split in SPLITS
     )
 
 
@@ -170,7 +173,7 @@ def _synthetic_splits(
         raise ValueError(f"data.num_tokens={num_tokens} must be at least 2")
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
     data = np.random.default_rng(seed).integers(0, vocab_size, num_tokens, dtype=dtype)
-    cut = _split_at(num_tokens, SYNTHETIC_VAL_FRACTION)
+    cut = num_tokens - max(1, int(num_tokens * SYNTHETIC_VAL_FRACTION))
     return (
         TokenStream(data[:cut], vocab_size, "data.num_tokens"),
         TokenStream(data[cut:], vocab_size, "data.num_tokens"),

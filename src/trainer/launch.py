@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from src.config import resolve_devices
+from src.config import exit_on_config_error, resolve_devices
+from src.trainer.data import follow_tokenizer_vocab, prepare_data
 from src.trainer.loop import train
 from src.trainer.planner import plan_only, resolve_auto
 
@@ -46,13 +48,18 @@ def launch(cfg: DictConfig, run_dir: str) -> None:
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)  # ranks have no Hydra context for ${hydra:...} and ${now:}
     world = int(os.environ.get("WORLD_SIZE", 0)) or None
+    if not cfg.trainer.plan_only:  # plan-only reads no data
+        with exit_on_config_error():  # bad data: one line, before any rank starts
+            meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
+            if meta is not None:
+                follow_tokenizer_vocab(cfg, meta, "model.vocab_size" in _user_keys())
     # `auto` values are chosen once, here, and every rank gets the same config.
     cfg, reasons = resolve_auto(cfg, world)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if _is_rank0():
         for line in reasons:
             print(line, flush=True)
     if cfg.trainer.plan_only:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if _is_rank0():
             plan_only(cfg, run_dir, world_size=world)
         return
     if under_torchrun():
@@ -82,6 +89,19 @@ def launch(cfg: DictConfig, run_dir: str) -> None:
         elastic_launch(config, _rank_entry)(cfg, run_dir)
     except ChildFailedError as err:
         sys.exit(_failure_report(err))
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def _user_keys() -> set[str]:
+    """The keys set on the command line of this Hydra job (empty outside Hydra)."""
+    try:
+        overrides = HydraConfig.get().overrides.task
+    except ValueError:
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
 def _rank_entry(cfg: DictConfig, run_dir: str) -> None:

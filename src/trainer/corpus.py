@@ -1,0 +1,242 @@
+"""Local corpora: the documents of ``data.paths`` in ``text``, ``jsonl`` or ``parquet``
+files, read as a stream so a corpus never has to fit in memory.
+
+A corpus is a byte stream: every document's UTF-8 bytes followed by one end-of-document
+mark. The validation split is the last ``val_fraction`` of that stream and
+``max_bytes`` caps it, both counted in bytes, so the split is fixed before any
+tokenizer exists (a BPE is trained on the training part only) and is the same for
+every tokenizer. :meth:`Corpus.segments` yields the pieces of one byte range.
+
+JSONL is read with the standard library's ``json``, line by line, so a bad line can be
+reported by file and line number; Parquet with pyarrow, one record batch at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from src.config import DATA_FORMATS, ConfigError
+
+STDLIB_PLACEHOLDER = "<stdlib>"
+TEXT_CHUNK = 1 << 22  # bytes read at a time from a text file (cut after a newline)
+PARQUET_BATCH = 1024  # rows per record batch
+EOD = None  # the end-of-document mark in a stream of pieces
+
+
+class CorpusError(ConfigError):
+    """Bad data input, raised before any rank trains: ``str()`` is one line that starts
+    with the key or the file (and line) at fault."""
+
+    def __init__(self, message: str) -> None:
+        key, _, rest = message.partition(": ")
+        super().__init__(key, rest)
+
+
+def resolve_files(paths: str | Sequence[str]) -> list[str]:
+    """Expand ``data.paths`` (a glob or list of globs; ``<stdlib>`` is replaced by the
+    standard library's directory) into a sorted, de-duplicated list of files."""
+    patterns = [paths] if isinstance(paths, str) else list(paths)
+    if not patterns:
+        raise CorpusError("data.paths: empty list, give at least one glob")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files: set[str] = set()
+    for pattern in patterns:
+        pattern = os.path.expanduser(str(pattern).replace(STDLIB_PLACEHOLDER, stdlib))
+        matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        if not matched:
+            raise CorpusError(f"data.paths: no files match {pattern!r}")
+        files.update(os.path.abspath(p) for p in matched)
+    return sorted(files)
+
+
+@dataclass
+class Corpus:
+    """The documents of ``files`` in ``format`` (``text_key`` names the JSONL field or
+    Parquet column), split into train/val by bytes and capped at ``max_bytes``."""
+
+    files: list[str]
+    format: str = "text"
+    text_key: str = "text"
+    val_fraction: float = 0.05
+    max_bytes: int | None = None
+    _total: int | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg) -> Corpus:
+        fmt = getattr(cfg, "format", "text")
+        if fmt not in DATA_FORMATS:
+            raise CorpusError(
+                f"data.format: got {fmt!r}, expected one of: {', '.join(DATA_FORMATS)}"
+            )
+        max_bytes = getattr(cfg, "max_bytes", None)
+        if max_bytes is not None and max_bytes <= 0:
+            raise CorpusError(f"data.max_bytes={max_bytes} must be positive or null")
+        val_fraction = getattr(cfg, "val_fraction", 0.05)
+        if not 0.0 < val_fraction < 1.0:
+            raise CorpusError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+        return cls(
+            files=resolve_files(getattr(cfg, "paths", f"{STDLIB_PLACEHOLDER}/*.py")),
+            format=fmt,
+            text_key=getattr(cfg, "text_key", "text"),
+            val_fraction=val_fraction,
+            max_bytes=max_bytes,
+        )
+
+    def fingerprint(self) -> dict:
+        """What identifies the corpus in a cache key: its settings and each file's
+        path, size and modification time (not its contents: reading a large corpus
+        to hash it would cost as much as tokenizing it)."""
+        stats = []
+        for path in self.files:
+            st = os.stat(path)
+            stats.append([path, st.st_size, st.st_mtime_ns])
+        return {
+            "format": self.format,
+            "text_key": self.text_key if self.format != "text" else None,
+            "val_fraction": self.val_fraction,
+            "max_bytes": self.max_bytes,
+            "files": stats,
+        }
+
+    def documents(self) -> Iterator[bytes | None]:
+        """The corpus as pieces of UTF-8 bytes, each document followed by ``EOD``."""
+        reader = {"text": self._text, "jsonl": self._jsonl, "parquet": self._parquet}
+        for path in self.files:
+            yield from reader[self.format](path)
+
+    def _text(self, path: str) -> Iterator[bytes | None]:
+        with open(path, "rb") as f:
+            rest = b""
+            while block := f.read(TEXT_CHUNK):
+                block = rest + block
+                cut = block.rfind(b"\n") + 1 or len(block)
+                rest = block[cut:]
+                yield block[:cut]
+            if rest:
+                yield rest
+        yield EOD
+
+    def _jsonl(self, path: str) -> Iterator[bytes | None]:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    row = json.loads(line)
+                except ValueError as err:
+                    raise CorpusError(f"{where}: not valid JSON ({err})") from None
+                if not isinstance(row, dict) or self.text_key not in row:
+                    raise CorpusError(
+                        f"{where}: no {self.text_key!r} key (data.text_key)"
+                    )
+                text = row[self.text_key]
+                if not isinstance(text, str):
+                    raise CorpusError(
+                        f"{where}: {self.text_key!r} is {type(text).__name__}, "
+                        "expected a string"
+                    )
+                yield text.encode()
+                yield EOD
+
+    def _parquet(self, path: str) -> Iterator[bytes | None]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as err:
+            raise CorpusError(f"{path}: not a Parquet file ({err})") from None
+        if self.text_key not in parquet.schema_arrow.names:
+            raise CorpusError(
+                f"{path}: no column {self.text_key!r} (data.text_key); columns: "
+                f"{', '.join(parquet.schema_arrow.names)}"
+            )
+        row = 0
+        for batch in parquet.iter_batches(
+            batch_size=PARQUET_BATCH, columns=[self.text_key]
+        ):
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise CorpusError(
+                        f"{path}: row {row}: {self.text_key!r} is "
+                        f"{type(text).__name__}, expected a string"
+                    )
+                row += 1
+                yield text.encode()
+                yield EOD
+
+    def num_bytes(self) -> int:
+        """Length of the byte stream (documents + one mark each), after the cap.
+        Counted once (text files by their size, other formats by reading them)."""
+        if self._total is None:
+            if self.format == "text":
+                sizes = [os.path.getsize(p) for p in self.files]
+                text, marks = sum(sizes), len(sizes)
+            else:
+                text = marks = 0
+                for piece in self.documents():
+                    marks += piece is EOD
+                    text += 0 if piece is EOD else len(piece)
+            if text == 0:
+                raise CorpusError(
+                    f"data.paths: the corpus is empty ({len(self.files)} file(s), "
+                    f"{marks} document(s), no text)"
+                )
+            total = text + marks
+            self._total = (
+                total if self.max_bytes is None else min(total, self.max_bytes)
+            )
+        return self._total
+
+    def split_at(self) -> int:
+        """The byte where validation starts: the last ``val_fraction`` of the stream."""
+        total = self.num_bytes()
+        if total < 2:
+            raise CorpusError(
+                f"data.max_bytes: {total} byte(s), too few to split into train and "
+                "validation"
+            )
+        return total - max(1, int(total * self.val_fraction))
+
+    def segments(self, start: int, end: int) -> Iterator[bytes | None]:
+        """The pieces (and ``EOD`` marks) of bytes ``[start, end)`` of the stream."""
+        pos = 0
+        for piece in self.documents():
+            size = 1 if piece is EOD else len(piece)
+            if pos + size > start:
+                if piece is EOD:
+                    yield EOD
+                else:
+                    yield piece[max(0, start - pos) : end - pos]
+            pos += size
+            if pos >= end:
+                return
+
+
+def digest(obj: object) -> str:
+    """A short stable hash of a JSON-serialisable object (cache keys)."""
+    blob = json.dumps(obj, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def build_lock(path: str) -> Iterator[None]:
+    """An exclusive lock on ``<path>.lock``: of the processes that find an entry
+    missing (the local ranks under torchrun, jobs of a sweep), one builds it and the
+    others wait here, then find it built."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,193 @@
+"""Tokenizers, chosen by ``data.tokenizer``:
+
+- ``byte``: each UTF-8 byte is a token (vocab 256); byte 0 ends a document.
+- ``bpe``: a byte-level BPE (GPT-2 style) trained with the ``tokenizers`` library on the
+  training split of the corpus, ``data.bpe_vocab_size`` tokens, ``<|endoftext|>`` ends
+  a document. It is cached in ``data.cache_dir`` under a hash of the corpus and the
+  settings, so a run with the same corpus trains it once.
+- a path: a ``tokenizer.json`` or a Hugging Face tokenizer directory (a model directory
+  brings its own). Its end-of-document token is ``data.eos_token``, else the
+  directory's ``eos_token``, else the first of :data:`EOS_CANDIDATES` it has.
+
+Encoding runs in the ``tokenizers`` Rust thread pool (``encode_batch``): all cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from src.trainer.corpus import EOD, Corpus, CorpusError, build_lock, digest
+
+BYTE_VOCAB = 256
+BYTE_EOS = 0  # NUL: absent from text, so it marks document boundaries
+BPE_EOS = "<|endoftext|>"
+EOS_CANDIDATES = (BPE_EOS, "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+BPE_VERSION = 1  # bump when the BPE recipe changes: invalidates cached BPEs
+
+
+@dataclass
+class Tokenizer:
+    """What the token cache needs from a tokenizer; ``hf`` is a
+    ``tokenizers.Tokenizer`` (None for bytes)."""
+
+    name: str  # for logs and messages
+    vocab_size: int
+    eos_id: int
+    hf: Any = None
+    identity: dict = field(default_factory=dict)  # what a cache key hashes
+
+    def encode(self, pieces: list[bytes]) -> list[np.ndarray]:
+        """Token ids of each piece (UTF-8 bytes; a character cut at a split edge is
+        dropped), without special tokens."""
+        if self.hf is None:
+            return [np.frombuffer(p, dtype=np.uint8) for p in pieces]
+        texts = [p.decode("utf-8", "ignore") for p in pieces]
+        encodings = self.hf.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+
+
+def byte_tokenizer() -> Tokenizer:
+    return Tokenizer("byte", BYTE_VOCAB, BYTE_EOS, identity={"kind": "byte"})
+
+
+def _from_hf(hf: Any, name: str, eos_token: str | None, eos_hint: str | None):
+    vocab = hf.get_vocab_size(with_added_tokens=True)
+    wanted = [eos_token] if eos_token else [t for t in (eos_hint,) if t]
+    for token in wanted or EOS_CANDIDATES:
+        eos = hf.token_to_id(token)
+        if eos is not None:
+            break
+    else:
+        key = "data.eos_token" if eos_token else "data.tokenizer"
+        raise CorpusError(
+            f"{key}: {name} has no end-of-document token "
+            f"{' or '.join(map(repr, wanted or EOS_CANDIDATES))}; "
+            "set data.eos_token to one of its tokens"
+        )
+    return Tokenizer(
+        name, vocab, eos, hf, identity={"json": digest(hf.to_str()), "eos": eos}
+    )
+
+
+def _eos_from_config(directory: str) -> str | None:
+    """``eos_token`` of a Hugging Face ``tokenizer_config.json``, if any."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        eos = json.load(f).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
+    """A ``tokenizer.json`` file or a Hugging Face tokenizer/model directory."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(full):
+        raise CorpusError(
+            f"data.tokenizer: got {path!r}, expected byte, bpe, or a path to a "
+            "tokenizer.json or tokenizer directory (no such path)"
+        )
+    directory = full if os.path.isdir(full) else os.path.dirname(full)
+    eos_hint = _eos_from_config(directory)
+    json_file = os.path.join(full, "tokenizer.json") if os.path.isdir(full) else full
+    try:
+        if os.path.isfile(json_file):
+            hf = HFTokenizer.from_file(json_file)
+        else:  # slow-tokenizer files only (vocab.json + merges.txt, sentencepiece)
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(full, local_files_only=True)
+            hf = hf.backend_tokenizer
+    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorpusError(
+            f"data.tokenizer: {path!r} is not a tokenizer ({reason})"
+        ) from None
+    return _from_hf(hf, path, eos_token, eos_hint)
+
+
+def bpe_tokenizer(
+    corpus: Corpus,
+    vocab_size: int,
+    cache_dir: str,
+    verbose: bool = True,
+    progress: bool = True,
+) -> Tokenizer:
+    """A byte-level BPE trained on the corpus's training split (cached)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if vocab_size <= BYTE_VOCAB + 1:
+        raise CorpusError(
+            f"data.bpe_vocab_size: got {vocab_size}, expected more than "
+            f"{BYTE_VOCAB + 1} (the byte alphabet and {BPE_EOS})"
+        )
+    key = digest(
+        {"bpe": BPE_VERSION, "vocab": vocab_size, "corpus": corpus.fingerprint()}
+    )
+    path = os.path.join(cache_dir, f"bpe-{key}.json")
+    with build_lock(path):  # one process trains, the others wait and load it
+        if os.path.isfile(path):
+            hf = HFTokenizer.from_file(path)
+            verb = f"from cache {path}"
+        else:
+            start = time.perf_counter()
+            hf = train_bpe(corpus, vocab_size, progress)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            hf.save(tmp)
+            os.replace(tmp, path)  # atomic: a reader never sees half a file
+            verb = f"trained in {time.perf_counter() - start:.1f}s, saved to {path}"
+    if verbose:
+        print(f"bpe tokenizer ({hf.get_vocab_size()} tokens): {verb}", flush=True)
+    return _from_hf(hf, f"bpe-{vocab_size}", BPE_EOS, None)
+
+
+def train_bpe(corpus: Corpus, vocab_size: int, progress: bool = True) -> Any:
+    """Train a byte-level BPE on bytes ``[0, split)`` of ``corpus`` (the training
+    split), with ``<|endoftext|>`` as token 0."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    train_end = corpus.split_at()
+    texts = (
+        p.decode("utf-8", "ignore")
+        for p in corpus.segments(0, train_end)
+        if p is not EOD
+    )
+    hf.train_from_iterator(texts, trainer)
+    return hf
+
+
+def load_tokenizer(
+    cfg: Any, corpus: Corpus, verbose: bool = True, progress: bool = True
+) -> Tokenizer:
+    """The tokenizer ``data.tokenizer`` names (``cfg`` is the ``data`` node)."""
+    name = getattr(cfg, "tokenizer", "byte")
+    if name == "byte":
+        return byte_tokenizer()
+    if name == "bpe":
+        return bpe_tokenizer(
+            corpus, int(cfg.bpe_vocab_size), cache_path(cfg), verbose, progress
+        )
+    return load_path_tokenizer(str(name), getattr(cfg, "eos_token", None))
+
+
+def cache_path(cfg: Any) -> str:
+    """``data.cache_dir``, expanded."""
+    return os.path.abspath(os.path.expanduser(str(cfg.cache_dir)))

@@ -1,0 +1,15 @@
+"""Session-wide test settings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_cache_in_tmp(tmp_path_factory):
+    """The token cache (data.cache_dir's default, $SHARDWRAP_CACHE) of every test and
+    of the train.py subprocesses they start lives in a session tmp dir, not ~/.cache."""
+    os.environ["SHARDWRAP_CACHE"] = str(tmp_path_factory.mktemp("token_cache"))
+    yield

@@ -1,0 +1,224 @@
+"""Sources (text, jsonl, parquet), tokenizers (byte, bpe, a tokenizer.json or directory),
+the token cache (reuse, invalidation, one builder) and bad input, on files made here."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.config import CONFIG_ERRORS, one_line, validate
+from src.trainer.data import follow_tokenizer_vocab, load_splits, prepare_data
+from src.trainer.tokenizer import BPE_EOS, load_path_tokenizer
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+# Twelve documents of different lengths; the last one (in val) has a word of its own.
+DOCS = [" ".join(WORDS[(i + j) % 12] for j in range(40 + 7 * i)) for i in range(11)]
+DOCS.append("omicronomicron " * 30)
+
+
+def cfg_for(tmp_path: Path, *overrides: str):
+    """``data=files`` on ``tmp_path``'s corpus, cached in ``tmp_path/cache``."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=[
+                "data=files",
+                f"data.cache_dir={tmp_path}/cache",
+                "data.val_fraction=0.1",
+                *overrides,
+            ],
+        )
+    validate(cfg)
+    return cfg
+
+
+def write_corpus(tmp_path: Path, fmt: str, docs=DOCS) -> str:
+    """``docs`` as text files (one each), one JSONL file or one Parquet file."""
+    root = tmp_path / fmt
+    root.mkdir()
+    if fmt == "text":
+        for i, doc in enumerate(docs):
+            (root / f"{i:03d}.txt").write_text(doc)
+        return f"data.paths={root}/*.txt"
+    if fmt == "jsonl":
+        lines = [json.dumps({"id": i, "text": d}) for i, d in enumerate(docs)]
+        (root / "a.jsonl").write_text("\n".join(lines) + "\n")
+        return f"data.paths={root}/*.jsonl"
+    pq.write_table(pa.table({"text": docs}), root / "a.parquet", row_group_size=5)
+    return f"data.paths={root}/*.parquet"
+
+
+def stream(cfg) -> np.ndarray:
+    train, val = load_splits(cfg.data, 1 << 20, seed=0)
+    return np.concatenate([train.tokens, val.tokens]).astype(np.int64)
+
+
+@pytest.mark.parametrize("fmt", ["text", "jsonl", "parquet"])
+def test_each_format_gives_the_same_byte_stream(tmp_path, fmt):
+    cfg = cfg_for(tmp_path, write_corpus(tmp_path, fmt), f"data.format={fmt}")
+    expected = b"".join(d.encode() + b"\0" for d in DOCS)
+    assert stream(cfg).astype(np.uint8).tobytes() == expected
+
+
+def test_bpe_is_trained_on_train_split_and_cached(tmp_path, capsys):
+    cfg = cfg_for(
+        tmp_path,
+        write_corpus(tmp_path, "jsonl"),
+        "data.format=jsonl",
+        "data.tokenizer=bpe",
+        "data.bpe_vocab_size=300",
+    )
+    meta = prepare_data(cfg.data)
+    assert "token cache: built" in capsys.readouterr().out
+    (bpe,) = (tmp_path / "cache").glob("bpe-*.json")
+    tok = load_path_tokenizer(str(bpe))
+    assert tok.eos_id == tok.hf.token_to_id(BPE_EOS) == 0
+    assert meta["vocab_size"] == tok.vocab_size == 300
+    assert meta["dtype"] == "uint16"
+    ids = stream(cfg)
+    docs = np.split(ids, np.flatnonzero(ids == tok.eos_id) + 1)[:-1]
+    assert [tok.hf.decode(d[:-1].tolist()) for d in docs] == DOCS
+    # Merges come from the training split: its words are single tokens, the val
+    # document's word (last 10% of the bytes) is not in the vocabulary.
+    assert tok.hf.token_to_id("Ġgamma") is not None
+    assert tok.hf.token_to_id("omicron") is None
+
+    prepare_data(cfg.data)
+    out = capsys.readouterr().out
+    assert "bpe tokenizer (300 tokens): from cache" in out
+    assert "token cache: reusing" in out
+
+
+def test_tokenizer_json_and_hf_directory(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "</s>", *WORDS, "omicronomicron"])}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    directory = tmp_path / "hf_dir"
+    PreTrainedTokenizerFast(tokenizer_object=hf, eos_token="</s>").save_pretrained(
+        directory
+    )
+    corpus = write_corpus(tmp_path, "text")
+    # The val split starts mid-document (the last 10% of the bytes): each side of the
+    # cut is tokenized on its own, so the cut word is two unknown halves.
+    data = b"".join(d.encode() + b"\0" for d in DOCS)
+    cut = len(data) - int(len(data) * 0.1)
+    expected = [
+        [vocab.get(w, 0) for w in piece.split()] + [1] * end
+        for part in (data[:cut], data[cut:])
+        for *pieces, last in [part.decode().split("\0")]
+        for piece, end in [*((p, 1) for p in pieces), (last, 0)]
+    ]
+    expected = np.concatenate(expected)
+    for path in (tmp_path / "tokenizer.json", directory):
+        cfg = cfg_for(tmp_path, corpus, f"data.tokenizer={path}")
+        assert np.array_equal(stream(cfg), expected)
+    # An explicit eos_token wins over the directory's.
+    cfg = cfg_for(tmp_path, corpus, f"data.tokenizer={directory}", "data.eos_token=mu")
+    assert stream(cfg)[len(DOCS[0].split())] == vocab["mu"]
+
+
+def test_cache_reused_and_rebuilt_on_any_change(tmp_path, capsys):
+    paths = write_corpus(tmp_path, "text")
+    cfg = cfg_for(tmp_path, paths)
+    first = prepare_data(cfg.data)
+    assert prepare_data(cfg.data) == first
+    assert capsys.readouterr().out.count("token cache: reusing") == 1
+    entries = lambda: sorted((tmp_path / "cache").glob("tokens-*[!k]"))  # noqa: E731
+    assert len(entries()) == 1
+    # Any change of settings, tokenizer or corpus is a new entry.
+    prepare_data(cfg_for(tmp_path, paths, "data.val_fraction=0.2").data)
+    prepare_data(cfg_for(tmp_path, paths, "data.max_bytes=500").data)
+    bpe = cfg_for(tmp_path, paths, "data.tokenizer=bpe", "data.bpe_vocab_size=280")
+    prepare_data(bpe.data)
+    (tmp_path / "text" / "000.txt").write_text("changed " * 20)
+    changed = prepare_data(cfg.data)
+    assert capsys.readouterr().out.count("token cache: built") == 4
+    assert len(entries()) == 5
+    assert changed["bytes"] != first["bytes"]
+    assert stream(cfg)[:8].astype(np.uint8).tobytes() == b"changed "
+
+
+def test_concurrent_builders_build_once(tmp_path, capsys):
+    cfg = cfg_for(tmp_path, write_corpus(tmp_path, "text"))
+    metas = []
+    threads = [
+        threading.Thread(target=lambda: metas.append(prepare_data(cfg.data)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = capsys.readouterr().out
+    assert out.count("token cache: built") == 1
+    assert out.count("token cache: reusing") == 2
+    assert metas[0] == metas[1] == metas[2]
+
+
+def _error(tmp_path: Path, *overrides: str) -> str:
+    with pytest.raises(CONFIG_ERRORS) as info:
+        prepare_data(cfg_for(tmp_path, *overrides).data)
+    message = one_line(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_inputs_fail_in_one_line(tmp_path):
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text('{"text": "fine"}\n\n{"body": "no text key"}\n')
+    assert _error(tmp_path, f"data.paths={jsonl}", "data.format=jsonl") == (
+        f"{jsonl}:3: no 'text' key (data.text_key)"
+    )
+    parquet = write_corpus(tmp_path, "parquet")
+    assert "no column 'body' (data.text_key); columns: text" in _error(
+        tmp_path, parquet, "data.format=parquet", "data.text_key=body"
+    )
+    assert _error(tmp_path, f"data.paths={tmp_path}/none/*.txt").startswith(
+        "data.paths: no files match"
+    )
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    assert _error(tmp_path, f"data.paths={tmp_path}/empty/*.txt") == (
+        "data.paths: the corpus is empty (1 file(s), 1 document(s), no text)"
+    )
+    corpus = write_corpus(tmp_path, "text")
+    not_a_tokenizer = tmp_path / "notes.json"
+    not_a_tokenizer.write_text('{"hello": 1}')
+    assert _error(tmp_path, corpus, f"data.tokenizer={not_a_tokenizer}").startswith(
+        f"data.tokenizer: '{not_a_tokenizer}' is not a tokenizer"
+    )
+    assert "(no such path)" in _error(tmp_path, corpus, "data.tokenizer=nope.json")
+    assert _error(tmp_path, corpus, "data.tokenizer=bpe", "data.bpe_vocab_size=100")
+    with pytest.raises(CONFIG_ERRORS) as info:
+        cfg_for(tmp_path)  # data=files without data.paths
+    assert one_line(info.value).startswith("data.paths: required with data=files")
+
+
+def test_vocab_follows_tokenizer_unless_user_set(capsys):
+    cfg = OmegaConf.create({"model": {"vocab_size": 256}, "data": {"tokenizer": "bpe"}})
+    follow_tokenizer_vocab(cfg, {"vocab_size": 1000}, user_set=False)
+    assert cfg.model.vocab_size == 1024  # padded to a multiple of 64
+    assert (
+        "model.vocab_size=1024: follows data.tokenizer=bpe" in capsys.readouterr().out
+    )
+    cfg.model.vocab_size = 999
+    with pytest.raises(CONFIG_ERRORS) as info:
+        follow_tokenizer_vocab(cfg, {"vocab_size": 1000}, user_set=True)
+    assert one_line(info.value).startswith(
+        "model.vocab_size: 999 is smaller than the vocabulary of data.tokenizer=bpe"
+    )
+    follow_tokenizer_vocab(cfg, {"vocab_size": 900}, user_set=True)
+    assert cfg.model.vocab_size == 999  # the user's value stands
