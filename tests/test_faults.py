@@ -103,15 +103,41 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def tokenized_corpus(tmp_path: Path) -> list[str]:
+    """``data=files`` on JSONL written here, with a BPE trained on it."""
+    corpus = tmp_path / "corpus.jsonl"
+    sources = sorted(Path(json.__file__).parent.glob("*.py"))
+    corpus.write_text(
+        "".join(json.dumps({"text": p.read_text()}) + "\n" for p in sources)
+    )
+    return [
+        "data=files",
+        f"data.paths={corpus}",
+        "data.format=jsonl",
+        "data.tokenizer=bpe",
+        "data.bpe_vocab_size=512",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+
+
 def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
-    # Dropout draws from the training RNG, which the checkpoint restores.
+    # Dropout draws from the training RNG, which the checkpoint restores; the batches
+    # come from a BPE-tokenized corpus in the token cache (built by the first run).
     steps = ["trainer.max_steps=12", "trainer.ckpt_every=4", "model.dropout=0.1"]
+    steps += tokenized_corpus(tmp_path)
     straight = tmp_path / "straight"
-    subprocess.run(command(straight, *steps), check=True, cwd=ROOT, capture_output=True)
+    first = subprocess.run(
+        command(straight, *steps), check=True, cwd=ROOT, capture_output=True, text=True
+    )
+    assert "token cache: built" in first.stdout
+    assert "model.vocab_size=512: follows data.tokenizer=bpe" in first.stdout
 
     broken = tmp_path / "broken"
     proc = start(broken, *steps)
-    read_until(proc, "checkpoint saved to")
+    assert any(
+        "token cache: reusing" in line
+        for line in read_until(proc, "checkpoint saved to")
+    )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
@@ -123,6 +149,7 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
+    assert "token cache: reusing" in resumed.stdout
     expected, got = losses(straight), losses(broken)
     assert max(got) == 12
     # Every step logged by either attempt equals the uninterrupted run, bit for bit.

@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.trainer.data import follow_tokenizer_vocab, load_splits, prepare_data
@@ -207,18 +206,20 @@ def test_bad_inputs_fail_in_one_line(tmp_path):
     assert one_line(info.value).startswith("data.paths: required with data=files")
 
 
-def test_vocab_follows_tokenizer_unless_user_set(capsys):
-    cfg = OmegaConf.create({"model": {"vocab_size": 256}, "data": {"tokenizer": "bpe"}})
-    follow_tokenizer_vocab(cfg, {"vocab_size": 1000}, user_set=False)
+@pytest.mark.parametrize("model", ["small", "llama_tiny"])
+def test_vocab_follows_tokenizer_unless_user_set(tmp_path, capsys, model):
+    cfg = cfg_for(tmp_path, "data=text", "data.tokenizer=bpe", f"model={model}")
+    follow_tokenizer_vocab(cfg, {"vocab_size": 1000}, user_keys=set())
     assert cfg.model.vocab_size == 1024  # padded to a multiple of 64
     assert (
         "model.vocab_size=1024: follows data.tokenizer=bpe" in capsys.readouterr().out
     )
     cfg.model.vocab_size = 999
     with pytest.raises(CONFIG_ERRORS) as info:
-        follow_tokenizer_vocab(cfg, {"vocab_size": 1000}, user_set=True)
-    assert one_line(info.value).startswith(
-        "model.vocab_size: 999 is smaller than the vocabulary of data.tokenizer=bpe"
+        follow_tokenizer_vocab(cfg, {"vocab_size": 1000}, {"model.vocab_size"})
+    assert one_line(info.value) == (
+        "model.vocab_size: vocabulary of 999 is smaller than data.tokenizer=bpe's "
+        "(1000 ids, up to 999); drop the override or set it >= 1000"
     )
-    follow_tokenizer_vocab(cfg, {"vocab_size": 900}, user_set=True)
+    follow_tokenizer_vocab(cfg, {"vocab_size": 900}, {"model.vocab_size"})
     assert cfg.model.vocab_size == 999  # the user's value stands

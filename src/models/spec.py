@@ -60,6 +60,9 @@ class ModelSpec:
     no_decay: Callable[[str], bool] = default_no_decay  # (canonical name) -> bool
     seq_len: Callable[[Any], int] = lambda c: c.block_size  # the run's sequence length
     vocab_size: Callable[[Any], int] = lambda c: c.vocab_size  # the model's vocabulary
+    # The ``model.*`` key of the vocabulary size, which the trainer sets from the
+    # tokenizer (data.tokenizer) unless the user sets it; None: the family fixes it.
+    vocab_key: str | None = "vocab_size"
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: Any = None
     # Optional, for the planner (src/trainer/planner.py): (config, micro_batch,

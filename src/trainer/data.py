@@ -20,12 +20,13 @@ results whatever the number of ranks, and resuming needs only the step.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from src.config import ConfigError
+from src.config import ConfigError, model_config, model_spec
 from src.trainer.token_cache import SPLITS, token_cache
 
 VOCAB_MULTIPLE = 64
@@ -106,32 +107,43 @@ def prepare_data(
     the sources without a tokenizer. Bad input raises a one-line ``ConfigError``."""
     if data_cfg.name not in TEXT_SOURCES:
         return None
-    return token_cache(data_cfg, verbose, progress).meta
+    start = time.perf_counter()
+    meta = token_cache(data_cfg, verbose, progress).meta
+    if verbose:
+        print(f"data ready in {time.perf_counter() - start:.2f}s", flush=True)
+    return meta
 
 
-def follow_tokenizer_vocab(cfg: Any, meta: dict, user_set: bool) -> None:
-    """The model's vocabulary follows the tokenizer: ``model.vocab_size`` becomes the
+def follow_tokenizer_vocab(cfg: Any, meta: dict, user_keys: set[str]) -> None:
+    """The model's vocabulary follows the tokenizer (``meta`` of the token cache): the
+    family's vocabulary key (``model.vocab_size`` for GPT and Llama) becomes the
     tokenizer's size rounded up to a multiple of :data:`VOCAB_MULTIPLE` (faster
-    matmuls), unless the user set it (``user_set``), in which case it must hold every
-    id of the tokenizer."""
-    key, vocab = "model.vocab_size", meta["vocab_size"]
-    if user_set:
-        if cfg.model.vocab_size < vocab:
+    matmuls), unless the user set it (it is in ``user_keys``, the command line's keys)
+    or the family fixes it; then it must hold every id of the tokenizer."""
+    spec, vocab = model_spec(cfg), meta["vocab_size"]
+    key = f"model.{spec.vocab_key}" if spec.vocab_key else "model"
+    if spec.vocab_key is None or key in user_keys:
+        have = spec.vocab_size(model_config(cfg))
+        if have < vocab:
             raise ConfigError(
                 key,
-                f"{cfg.model.vocab_size} is smaller than the vocabulary of "
-                f"data.tokenizer={cfg.data.tokenizer} ({vocab} ids, up to "
-                f"{vocab - 1}); drop the override or set it >= {vocab}",
+                f"vocabulary of {have} is smaller than data.tokenizer="
+                f"{cfg.data.tokenizer}'s ({vocab} ids, up to {vocab - 1}); "
+                + (
+                    f"drop the override or set it >= {vocab}"
+                    if spec.vocab_key
+                    else "use the model's own tokenizer"
+                ),
             )
         return
     padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if padded != cfg.model.vocab_size:
+    if padded != cfg.model[spec.vocab_key]:
         print(
             f"{key}={padded}: follows data.tokenizer={cfg.data.tokenizer} ({vocab} "
             f"tokens, padded to a multiple of {VOCAB_MULTIPLE})",
             flush=True,
         )
-    cfg.model.vocab_size = padded
+    cfg.model[spec.vocab_key] = padded
 
 
 def _text_splits(cfg: Any, vocab_size: int) -> tuple[TokenStream, TokenStream]:

@@ -52,7 +52,7 @@ def launch(cfg: DictConfig, run_dir: str) -> None:
         with exit_on_config_error():  # bad data: one line, before any rank starts
             meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
             if meta is not None:
-                follow_tokenizer_vocab(cfg, meta, "model.vocab_size" in _user_keys())
+                follow_tokenizer_vocab(cfg, meta, _user_keys())
     # `auto` values are chosen once, here, and every rank gets the same config.
     cfg, reasons = resolve_auto(cfg, world)
     if _is_rank0():
