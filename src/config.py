@@ -36,6 +36,7 @@ from omegaconf.errors import (
 )
 
 from src.models import ModelSpec, families, get_spec
+from src.sharding import CHECKPOINTING
 
 BACKENDS = ("fsdp2", "fsdp1", "ddp", "none")
 PRECISIONS = ("fp32", "bf16_mixed", "fp16_mixed")
@@ -73,6 +74,10 @@ class ShardingConfig:
     exclude_wrap_modules: list[str] = field(default_factory=list)
     force_leaf_modules: list[str] = field(default_factory=list)
     reshard_after_forward: bool = True
+    # none | full | selective (or auto: the planner chooses), per block
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int = 1  # full: checkpoint blocks 0, k, 2k, ...
+    compile: bool = False  # torch.compile per block (regional)
 
 
 @dataclass
@@ -362,6 +367,8 @@ def validate(cfg: DictConfig) -> None:
     )
     import_classes(s.exclude_wrap_modules, "sharding.exclude_wrap_modules")
     import_classes(s.force_leaf_modules, "sharding.force_leaf_modules")
+    _choice(cfg, "sharding.activation_checkpointing", (*CHECKPOINTING, "auto"))
+    _positive_int(cfg, "sharding.activation_checkpointing_every")
     _choice(cfg, "precision.name", PRECISIONS)
 
     world_size = resolve_devices(t.devices)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CHECKPOINTING = ("none", "full", "selective")
+# The modes the sharding layer's per-unit transform implements (one list for both).
+from src.sharding import CHECKPOINTING  # noqa: F401  (re-exported for the families)
 
 
 @dataclass(frozen=True)

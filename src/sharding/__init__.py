@@ -1,5 +1,6 @@
 """Sharding API: shard-as-you-build (``enable_wrap``/``wrap``/``auto_wrap``) on FSDP2 and
-FSDP1, wrap policies, backends, mixed precision and the wrap plan."""
+FSDP1, wrap policies, backends, mixed precision, per-unit transforms (activation
+checkpointing, torch.compile) and the wrap plan."""
 
 from .backends import (
     BACKENDS,
@@ -19,6 +20,7 @@ from .policies import (
     build_policy,
 )
 from .precision import PRECISIONS, Precision, get_precision
+from .transforms import CHECKPOINTING, UnitTransform
 from .wrap import (
     DEFAULT_EXCLUDE_WRAP_MODULES,
     DEFAULT_FORCE_LEAF_MODULES,
@@ -34,6 +36,7 @@ from .wrap import (
 
 __all__ = [
     "BACKENDS",
+    "CHECKPOINTING",
     "DEFAULT_EXCLUDE_WRAP_MODULES",
     "DEFAULT_FORCE_LEAF_MODULES",
     "GIB",
@@ -45,6 +48,7 @@ __all__ = [
     "SizePolicy",
     "TiedParametersWarning",
     "Unit",
+    "UnitTransform",
     "WrapPlan",
     "WrapPolicy",
     "auto_wrap",

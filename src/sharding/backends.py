@@ -136,7 +136,9 @@ class Backend:
         raise ValueError(f"backend {self.name!r} has no per-unit wrapper")
 
     def wrap_context(
-        self, policy: WrapPolicy | None
+        self,
+        policy: WrapPolicy | None,
+        transform: Callable[[nn.Module], None] | None = None,
     ) -> contextlib.AbstractContextManager:
         """``enable_wrap`` with this backend's wrapper, or a null context for ddp/none."""
         if not self.wraps_units:
@@ -144,7 +146,7 @@ class Backend:
         wrapper_cls, defaults = self.wrapper()
         if self.device.type == "cpu" and _LIBC is not None:
             wrapper_cls = _trim_after(wrapper_cls)
-        return enable_wrap(wrapper_cls, policy=policy, **defaults)
+        return enable_wrap(wrapper_cls, policy=policy, transform=transform, **defaults)
 
     def wrap_root(self, model: nn.Module) -> nn.Module:
         """Wrap the root last (inside the wrap context for sharding backends).
@@ -232,6 +234,7 @@ def build_sharded_model(
     policy: WrapPolicy | None,
     init_device: str | torch.device = "cpu",
     init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    transform: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Build the model inside the wrap context, so units are sharded as they are built.
 
@@ -240,6 +243,8 @@ def build_sharded_model(
     ``finalize`` wraps what spans annotations; the root is wrapped last. On the meta
     device nothing is allocated until the end, where each rank allocates and fills only
     its own shards with ``init_fn(canonical_name, param) -> full tensor``.
+    ``transform`` (``transforms.UnitTransform``) runs on each unit right before it is
+    sharded; without units (ddp, none) it runs once on the built model.
     """
     init_device = torch.device(init_device)
     if init_device.type == "meta" and backend.name in ("fsdp1", "ddp"):
@@ -251,11 +256,13 @@ def build_sharded_model(
         raise ValueError(
             "model.init_device=meta needs an init_fn to materialise shards"
         )
-    with backend.wrap_context(policy), init_device:
+    with backend.wrap_context(policy, transform), init_device:
         model = model_fn()
         if backend.wraps_units and policy is not None:
             model = policy.finalize(model)
         model = backend.wrap_root(model)
+    if transform is not None and not backend.wraps_units:
+        transform(model)
     if backend.name == "plan":
         return model
     if init_device.type == "meta":

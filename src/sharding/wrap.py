@@ -85,6 +85,7 @@ class _WrapContext:
     defaults: dict[str, Any]
     module_overrides: dict[type, dict[str, Any]]
     policy: Any | None
+    transform: Callable[[nn.Module], None] | None = None
 
 
 _active: _WrapContext | None = None
@@ -96,6 +97,7 @@ def enable_wrap(
     *,
     module_overrides: dict[type, dict[str, Any]] | None = None,
     policy: Any | None = None,
+    transform: Callable[[nn.Module], None] | None = None,
     **defaults: Any,
 ) -> Iterator[None]:
     """Shard annotated modules as they are constructed, inside this context.
@@ -112,6 +114,9 @@ def enable_wrap(
             they beat the context defaults and lose to ``wrap(..., **overrides)``.
         policy: optional wrap policy (``src.sharding.policies``) that decides what a
             ``wrap()`` annotation does, e.g. auto-wrap it by size. ``None``: wrap it.
+        transform: optional callable applied to each unit's module right before it is
+            sharded, e.g. ``transforms.UnitTransform`` (activation checkpointing and
+            ``torch.compile`` per unit).
         **defaults: keyword arguments given to every ``wrapper_cls`` call.
 
     Contexts do not nest: a second ``enable_wrap`` inside the first raises
@@ -128,6 +133,7 @@ def enable_wrap(
         defaults=dict(defaults),
         module_overrides=dict(module_overrides or {}),
         policy=policy,
+        transform=transform,
     )
     try:
         yield
@@ -175,6 +181,8 @@ def make_unit(module: nn.Module, **overrides: Any) -> nn.Module:
     if is_wrapped(module):  # FSDP1 returned a new module: hand back that wrapper
         return module.__dict__.get("_sharding_wrapper", module)
     kwargs = {**ctx.defaults, **_class_overrides(ctx, module), **overrides}
+    if ctx.transform is not None:
+        ctx.transform(module)
     info = _unit_info(module)
     out = ctx.wrapper_cls(module, **kwargs)
     out = module if out is None else out

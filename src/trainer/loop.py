@@ -32,6 +32,7 @@ from src.config import (
 from src.sharding import (
     Backend,
     TiedParametersWarning,
+    UnitTransform,
     WrapPlan,
     build_backend,
     build_policy,
@@ -78,9 +79,22 @@ def build_model(
         def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
             return spec.init_tensor(name, t.shape, config, seed)
 
+    # Checkpointing and compile apply to the model's blocks, whatever units the policy
+    # chooses (a block unit, or a block inside a larger unit).
+    transform = UnitTransform(
+        s.activation_checkpointing,
+        s.activation_checkpointing_every,
+        s.compile,
+        targets=spec.block_classes(config),
+    )
     with _ties_as_one_line(backend.rank):
         return build_sharded_model(
-            lambda: spec.build(config, seed), backend, policy, init_device, init_fn
+            lambda: spec.build(config, seed),
+            backend,
+            policy,
+            init_device,
+            init_fn,
+            transform=transform,
         )
 
 

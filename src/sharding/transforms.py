@@ -1,0 +1,164 @@
+"""Per-unit transforms: activation checkpointing and ``torch.compile``, applied to a
+module right before the unit holding it is sharded (torchtitan's order: checkpoint,
+then compile, then shard).
+
+Both replace the module's ``forward`` on the instance and nothing else, so the module
+tree and every parameter name stay as they are (no ``_checkpoint_wrapped_module.`` or
+``_orig_mod.`` segment reaches checkpoints, export or the optimizer's no-decay rule),
+and the sharding wrapper's hooks (all-gather before forward, reshard after) stay
+outside the checkpointed and the compiled region. The checkpoint is torch's
+non-reentrant ``torch.utils.checkpoint.checkpoint``; compiling the checkpointed
+forward lets dynamo trace the checkpoint as one region, as torchtitan does.
+
+- ``full``: a target keeps only its inputs; everything inside is recomputed in
+  backward. ``every=k`` checkpoints targets 0, k, 2k, ... (in build order).
+- ``selective``: torch's ``create_selective_checkpoint_contexts`` saves the outputs of
+  matmuls and attention (:data:`SAVED_OPS`) and recomputes the cheap elementwise ops
+  (norms, activations, adds) in between.
+- ``compile``: each target's forward is compiled on its own (regional compilation:
+  every block of a model shares the same code, so the compile cost is one block's,
+  not the depth's).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from .wrap import is_wrapped
+
+CHECKPOINTING = ("none", "full", "selective")
+
+_TRANSFORMED = "_sharding_transformed"
+
+
+def _ops(*names: str) -> frozenset:
+    """The aten overloads of this torch build among ``names`` (some are CUDA-only)."""
+    return frozenset(
+        getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)
+    )
+
+
+#: Ops whose outputs selective checkpointing keeps: matmuls and attention (the
+#: expensive ones to recompute); everything else in a target is recomputed.
+SAVED_OPS = _ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+@dataclass
+class UnitTransform:
+    """Checkpoint and/or compile each target module once, before it is sharded.
+
+    Called by the wrap context with each module about to become a unit: every
+    not-yet-transformed target in the unit (the unit itself or a module inside it,
+    not inside an already wrapped child) is transformed. ``targets`` are the classes
+    to transform (a model's block classes); empty means every unit.
+    """
+
+    checkpointing: str = "none"
+    every: int = 1
+    compile: bool = False
+    targets: tuple[type[nn.Module], ...] = ()
+    #: targets transformed so far (for ``every``), in build order
+    seen: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"activation checkpointing: unknown mode {self.checkpointing!r}; "
+                f"choose from {list(CHECKPOINTING)}"
+            )
+        if isinstance(self.every, bool) or not isinstance(self.every, int):
+            raise TypeError(f"checkpoint every k-th target: got {self.every!r}")
+        if self.every < 1:
+            raise ValueError(
+                f"checkpoint every k-th target: k must be >= 1, got {self.every}"
+            )
+        self.targets = tuple(self.targets)
+
+    @property
+    def active(self) -> bool:
+        return self.checkpointing != "none" or self.compile
+
+    def __call__(self, unit: nn.Module) -> None:
+        if not self.active:
+            return
+        for module in _unit_modules(unit):
+            if module.__dict__.get(_TRANSFORMED):
+                continue
+            if self.targets and not isinstance(module, self.targets):
+                continue
+            if not self.targets and module is not unit:
+                continue
+            self.apply(module)
+
+    def apply(self, module: nn.Module) -> None:
+        """Checkpoint then compile ``module`` in place (its ``forward`` only)."""
+        index, self.seen = self.seen, self.seen + 1
+        forward = module.forward
+        selective = self.checkpointing == "selective"
+        if selective and any(is_wrapped(m) for m in module.modules()):
+            # Their sharding hooks would run inside the region, differently in the
+            # recomputation (measured: FSDP2 on one rank), which selective
+            # checkpointing rejects.
+            raise ValueError(
+                f"selective activation checkpointing: a {type(module).__name__} holds "
+                "smaller sharding units; make each one unit (a larger size threshold "
+                "or the block policy) or use full checkpointing"
+            )
+        if selective or (self.checkpointing == "full" and index % self.every == 0):
+            forward = _checkpointed(forward, selective)
+        if self.compile:
+            forward = torch.compile(forward)
+        module.forward = forward
+        module.__dict__[_TRANSFORMED] = True
+
+
+def _checkpointed(forward: Callable, selective: bool) -> Callable:
+    context_fn = _selective_contexts if selective else None
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        extra = {"context_fn": context_fn} if context_fn else {}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    return run
+
+
+def _unit_modules(unit: nn.Module) -> Iterator[nn.Module]:
+    """``unit`` and its descendants not inside an already wrapped child, in module
+    order (pre-order)."""
+    stack = [unit]
+    while stack:
+        m = stack.pop()
+        yield m
+        kids = [c for c in m._modules.values() if c is not None and not is_wrapped(c)]
+        stack.extend(reversed(kids))
