@@ -86,9 +86,9 @@ def test_activation_formula_by_hand():
 # 500 + 150 + 150 parameters per rank = 3200 bytes of fp32 shards.
 PLAN = WrapPlan(
     units=[
-        Unit("", "Net", 1000, 2000, 4000),
-        Unit("h.0", "Block", 300, 600, 1200),
-        Unit("h.1", "Block", 300, 600, 1200),
+        Unit("", "Net", 1000, 2000),
+        Unit("h.0", "Block", 300, 600),
+        Unit("h.1", "Block", 300, 600),
     ],
     world_size=2,
     total_numel=1600,
