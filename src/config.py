@@ -78,6 +78,7 @@ class ShardingConfig:
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 1  # full: checkpoint blocks 0, k, 2k, ...
     compile: bool = False  # torch.compile per block (regional)
+    replicate: int = 1  # HSDP: replica groups, each sharding over devices / replicate
 
 
 @dataclass
@@ -267,6 +268,11 @@ def import_classes(paths: Sequence[str], key: str) -> list[type]:
     return [import_class(p, f"{key}[{i}]") for i, p in enumerate(paths)]
 
 
+def under_torchrun() -> bool:
+    """True when torchelastic (torchrun) started this process as one of its ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def resolve_devices(devices: Any) -> int:
     """``trainer.devices`` as a rank count: ``auto`` is the number of visible GPUs, or
     1 on a machine without one (CPU training gains nothing from ``auto`` guessing)."""
@@ -371,7 +377,25 @@ def validate(cfg: DictConfig) -> None:
     _positive_int(cfg, "sharding.activation_checkpointing_every")
     _choice(cfg, "precision.name", PRECISIONS)
 
+    # Under torchrun the world is torchrun's, whatever trainer.devices says.
     world_size = resolve_devices(t.devices)
+    if under_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+    _require(
+        s.replicate >= 1, "sharding.replicate", f"got {s.replicate}, expected >= 1"
+    )
+    _require(
+        s.replicate == 1 or s.backend in ("fsdp2", "fsdp1"),
+        "sharding.replicate",
+        f"hybrid sharding (replicate={s.replicate}) needs sharding=fsdp2 or fsdp1, "
+        f"not sharding={s.backend}",
+    )
+    _require(
+        world_size % s.replicate == 0,
+        "sharding.replicate",
+        f"{s.replicate} does not divide the {world_size} devices "
+        "(each replica group shards over devices / replicate ranks)",
+    )
     _require(
         s.backend != "none" or world_size == 1,
         "trainer.devices",

@@ -137,12 +137,25 @@ def test_devices_auto_is_gpu_count_or_one():
             ],
             "model.init_device",
         ),
+        (["trainer.devices=4", "sharding.replicate=3"], "sharding.replicate"),
+        (["sharding.replicate=0"], "sharding.replicate"),
+        (["sharding=ddp", "sharding.replicate=2"], "sharding.replicate"),
     ],
 )
 def test_bad_config_fails_with_one_line_naming_the_key(overrides, key):
     message = config_error(*overrides)
     assert "\n" not in message
     assert message.startswith(key), message
+
+
+def test_replicate_is_checked_against_torchruns_world(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    validate(make_cfg("trainer.batch_size=12", "sharding.replicate=3"))
+    assert config_error("trainer.batch_size=12", "sharding.replicate=4") == (
+        "sharding.replicate: 4 does not divide the 6 devices "
+        "(each replica group shards over devices / replicate ranks)"
+    )
 
 
 def test_unknown_key_message_lists_the_allowed_keys():

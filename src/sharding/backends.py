@@ -2,8 +2,10 @@
 
 The same model code runs under all of them:
 
-- ``fsdp2`` (default): FSDP2 ``fully_shard`` per unit, in place, on a 1-D device mesh.
-- ``fsdp1``: ``FullyShardedDataParallel`` per unit (``use_orig_params=True``).
+- ``fsdp2`` (default): FSDP2 ``fully_shard`` per unit, in place, on a 1-D device mesh,
+  or on a 2-D ``(replicate, shard)`` mesh for hybrid sharding (HSDP, ``replicate > 1``).
+- ``fsdp1``: ``FullyShardedDataParallel`` per unit (``use_orig_params=True``); with
+  ``replicate > 1`` its ``HYBRID_SHARD`` strategy on the same 2-D mesh.
 - ``ddp``: no units; the root is wrapped in ``DistributedDataParallel`` (a baseline).
 - ``none``: one process, nothing wrapped.
 - ``plan``: records units without sharding anything (plan-only, on the meta device).
@@ -37,20 +39,49 @@ from .wrap import enable_wrap, make_unit
 BACKENDS = ("fsdp2", "fsdp1", "ddp", "none", "plan")
 
 
+MESH_DIMS = ("replicate", "shard")
+
+
+def shard_group_size(world_size: int, replicate: int) -> int:
+    """Ranks each parameter is sharded over when ``replicate`` groups hold a replica."""
+    if replicate < 1 or world_size % replicate:
+        raise ValueError(
+            f"replicate={replicate} must be >= 1 and divide the world size {world_size}"
+        )
+    return world_size // replicate
+
+
+def device_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceMesh:
+    """The mesh units are sharded on: 1-D over all ranks, or 2-D ``(replicate, shard)``
+    for HSDP, where ranks ``[r * S, (r + 1) * S)`` form shard group ``r`` (on GPUs,
+    consecutive ranks share a node, so all-gathers stay inside it)."""
+    shard = shard_group_size(world_size, replicate)
+    if replicate == 1:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIMS)
+
+
 def fsdp1_wrapper(
     module: nn.Module,
     *,
     reshard_after_forward: bool = True,
     mp_policy: Precision | None = None,
+    device_mesh: DeviceMesh | None = None,
     **kwargs: Any,
 ) -> FSDP1:
     """``FullyShardedDataParallel`` taking FSDP2's argument names, so the same
-    ``wrap(..., reshard_after_forward=False)`` annotation works on both backends."""
-    strategy = (
-        ShardingStrategy.FULL_SHARD
-        if reshard_after_forward
-        else ShardingStrategy.SHARD_GRAD_OP
-    )
+    ``wrap(..., reshard_after_forward=False)`` annotation works on both backends.
+    A 2-D ``device_mesh`` selects the hybrid strategies (shard within a group,
+    replicate across groups), as a 2-D mesh does for FSDP2."""
+    hybrid = device_mesh is not None and device_mesh.ndim == 2
+    strategy = {
+        (False, True): ShardingStrategy.FULL_SHARD,
+        (False, False): ShardingStrategy.SHARD_GRAD_OP,
+        (True, True): ShardingStrategy.HYBRID_SHARD,
+        (True, False): ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }[hybrid, reshard_after_forward]
+    if hybrid:
+        kwargs["device_mesh"] = device_mesh
     kwargs.setdefault("use_orig_params", True)
     if mp_policy is not None:
         kwargs.setdefault("mixed_precision", mp_policy.fsdp1_policy())
@@ -104,6 +135,7 @@ class Backend:
     reshard_after_forward: bool = True
     world_size: int = 1
     rank: int = 0
+    replicate: int = 1  # HSDP: replica groups; each shards over world_size / replicate
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @property
@@ -130,6 +162,7 @@ class Backend:
                 "reshard_after_forward": self.reshard_after_forward,
                 "mp_policy": self.precision,
                 "device_id": self.device,
+                "device_mesh": self.mesh,
             }
         if self.name == "plan":
             return record_unit, {}
@@ -208,13 +241,20 @@ def build_backend(
     precision: str | Precision = "fp32",
     device: torch.device | str | None = None,
     reshard_after_forward: bool = True,
+    replicate: int = 1,
 ) -> Backend:
-    """A backend for this process; distributed ones need an initialised process group."""
+    """A backend for this process; distributed ones need an initialised process group.
+
+    ``replicate=R > 1`` (fsdp2, fsdp1, and ``plan`` for its estimate) is hybrid
+    sharding: R replica groups, each sharding over ``world_size / R`` ranks.
+    """
     if name not in BACKENDS:
         raise ValueError(f"sharding.backend: unknown {name!r}; choose from {BACKENDS}")
+    if replicate != 1 and name not in ("fsdp2", "fsdp1", "plan"):
+        raise ValueError(f"replicate={replicate}: hybrid sharding needs fsdp2 or fsdp1")
     prec = get_precision(precision) if isinstance(precision, str) else precision
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backend = Backend(name, prec, device, reshard_after_forward)
+    backend = Backend(name, prec, device, reshard_after_forward, replicate=replicate)
     if name in ("fsdp2", "fsdp1", "ddp"):
         if not dist.is_initialized():
             raise RuntimeError(
@@ -223,8 +263,8 @@ def build_backend(
             )
         backend.world_size = dist.get_world_size()
         backend.rank = dist.get_rank()
-        if name == "fsdp2":
-            backend.mesh = init_device_mesh(device.type, (backend.world_size,))
+        if name == "fsdp2" or replicate > 1:
+            backend.mesh = device_mesh(device.type, backend.world_size, replicate)
     return backend
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from .backends import canonical_name
+from .backends import canonical_name, shard_group_size
 from .wrap import UnitInfo, is_wrapped
 
 GIB = 2**30
@@ -32,6 +32,20 @@ class WrapPlan:
     units: list[Unit]
     world_size: int
     total_numel: int
+    replicate: int = 1  # HSDP replica groups; parameters shard over shard_size ranks
+
+    @property
+    def shard_size(self) -> int:
+        return self.world_size // self.replicate
+
+    def layout(self) -> str:
+        """How the ranks hold the parameters, e.g. ``2 x 2 mesh (replicate x shard)``."""
+        if self.replicate == 1:
+            return f"world size {self.world_size}"
+        return (
+            f"world size {self.world_size}: {self.replicate} x {self.shard_size} mesh "
+            f"(replicate x shard), each replica sharded {self.shard_size} ways"
+        )
 
     def rows(self) -> list[dict]:
         """One dict per unit, for tables (wandb, CSV)."""
@@ -51,7 +65,7 @@ class WrapPlan:
         lines = [
             f"wrap plan: {len(self.units)} units, {_count(self.total_numel)} params, "
             f"{_bytes(self.bytes_per_rank())} of parameters per rank "
-            f"(world size {self.world_size})"
+            f"({self.layout()})"
         ]
         shown = units if len(units) <= max_units else units[: max_units - 1]
         for u in shown:
@@ -68,8 +82,10 @@ class WrapPlan:
         return sum(u.bytes_per_rank for u in self.units)
 
 
-def wrap_plan(model: nn.Module, world_size: int = 1) -> WrapPlan:
-    """The units of a wrapped (or ``plan``-backend) model, in module order."""
+def wrap_plan(model: nn.Module, world_size: int = 1, replicate: int = 1) -> WrapPlan:
+    """The units of a wrapped (or ``plan``-backend) model, in module order; bytes per
+    rank are for ``world_size / replicate``-way sharding (HSDP with ``replicate > 1``)."""
+    shard_size = shard_group_size(world_size, replicate)
     units = []
     for name, module in model.named_modules(remove_duplicate=True):
         info: UnitInfo | None = module.__dict__.get("_sharding_unit_info")
@@ -80,11 +96,11 @@ def wrap_plan(model: nn.Module, world_size: int = 1) -> WrapPlan:
                 path=canonical_name(name, model),
                 cls=_class_name(module),
                 numel=info.numel,
-                bytes_per_rank=info.bytes_per_rank(world_size),
+                bytes_per_rank=info.bytes_per_rank(shard_size),
             )
         )
     total = sum(u.numel for u in units)
-    return WrapPlan(units=units, world_size=world_size, total_numel=total)
+    return WrapPlan(units, world_size, total, replicate=replicate)
 
 
 def _class_name(module: nn.Module) -> str:

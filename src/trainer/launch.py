@@ -30,15 +30,10 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from src.config import exit_on_config_error, resolve_devices
+from src.config import exit_on_config_error, resolve_devices, under_torchrun
 from src.trainer.data import follow_tokenizer_vocab, prepare_data
 from src.trainer.loop import train
 from src.trainer.planner import plan_only, resolve_auto
-
-
-def under_torchrun() -> bool:
-    """True when torchelastic (torchrun) started this process as one of its ranks."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def launch(cfg: DictConfig, run_dir: str) -> None:

@@ -295,6 +295,7 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
         cfg.precision.name,
         device,
         cfg.sharding.reshard_after_forward,
+        replicate=cfg.sharding.replicate,
     )
     # A failed run (exception, NaN, a dead peer) still closes its files and marks its
     # wandb run failed, so the next job of a sweep does not inherit it.
@@ -317,7 +318,7 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
         reset_peak_memory(device)
         model = build_model(cfg, backend)
         init_mem = reduce_max_min(memory_metrics(device, prefix="init_"))
-        plan = wrap_plan(model, world)
+        plan = wrap_plan(model, world, backend.replicate)
         log_wrap_plan(plan, logger, rank)
         num_params = sum(u.numel for u in plan.units) or sum(
             p.numel() for p in model.parameters()

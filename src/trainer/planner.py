@@ -338,7 +338,7 @@ def estimate_cfg(
     """The wrap plan and the estimate of ``cfg`` on ``world`` ranks (``model``: a meta
     model of ``cfg`` already built, reused across rank counts)."""
     model = model if model is not None else build_meta_model(cfg)
-    plan = wrap_plan(model, world)
+    plan = wrap_plan(model, world, int(cfg.sharding.replicate))
     shape = run_shape(cfg, world)
     acts = activation_fn(cfg)(
         shape.micro_batch,
@@ -480,7 +480,7 @@ def search(
         if mp not in models:
             models[mp] = build_meta_model(_with(cfg, {"sharding.min_params": mp}))
         if (mp, w) not in plans:
-            plans[mp, w] = wrap_plan(models[mp], w)
+            plans[mp, w] = wrap_plan(models[mp], w, int(cfg.sharding.replicate))
         shape = replace(
             base,
             world=w,
@@ -636,6 +636,8 @@ def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> W
     logger.log_summary(
         {
             "world_size": world,
+            "replicate": plan.replicate,
+            "shard_size": plan.shard_size,
             "wrap_units": len(plan.units),
             "peak_phase": est.phase,
             **est.gib(),
