@@ -4,6 +4,8 @@ the token cache (reuse, invalidation, one builder) and bad input, on files made 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -223,3 +225,28 @@ def test_vocab_follows_tokenizer_unless_user_set(tmp_path, capsys, model):
     )
     follow_tokenizer_vocab(cfg, {"vocab_size": 900}, {"model.vocab_size"})
     assert cfg.model.vocab_size == 999  # the user's value stands
+
+
+def test_train_py_stops_on_bad_data_before_any_rank(tmp_path):
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(CONF.parent / "train.py"),
+            "data=files",
+            f"data.paths={jsonl}",
+            "data.format=jsonl",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=CONF.parent,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"config error: {jsonl}:2: no 'text' key (data.text_key)"
+    )
+    assert not (run_dir / "ranks").exists() and not (run_dir / "metrics.jsonl").exists()
