@@ -5,7 +5,7 @@ A corpus is a byte stream: every document's UTF-8 bytes followed by one end-of-d
 mark. The validation split is the last ``val_fraction`` of that stream and
 ``max_bytes`` caps it, both counted in bytes, so the split is fixed before any
 tokenizer exists (a BPE is trained on the training part only) and is the same for
-every tokenizer. :meth:`Corpus.segments` yields the pieces of one byte range.
+every tokenizer. :meth:`Corpus.pieces` streams the pieces of both splits in one pass.
 
 JSONL is read with the standard library's ``json``, line by line, so a bad line can be
 reported by file and line number; Parquet with pyarrow, one record batch at a time.
@@ -207,19 +207,25 @@ class Corpus:
             )
         return total - max(1, int(total * self.val_fraction))
 
-    def segments(self, start: int, end: int) -> Iterator[bytes | None]:
-        """The pieces (and ``EOD`` marks) of bytes ``[start, end)`` of the stream."""
+    def pieces(self) -> Iterator[tuple[int, bytes | None]]:
+        """The capped stream in one pass, as ``(split, piece)`` with split 0 (train)
+        or 1 (validation); the piece that straddles the split is cut in two."""
+        cut, end = self.split_at(), self.num_bytes()
         pos = 0
         for piece in self.documents():
-            size = 1 if piece is EOD else len(piece)
-            if pos + size > start:
-                if piece is EOD:
-                    yield EOD
-                else:
-                    yield piece[max(0, start - pos) : end - pos]
-            pos += size
             if pos >= end:
                 return
+            if piece is EOD:
+                yield int(pos >= cut), EOD
+                pos += 1
+                continue
+            piece = piece[: end - pos]
+            if pos < cut < pos + len(piece):
+                yield 0, piece[: cut - pos]
+                yield 1, piece[cut - pos :]
+            else:
+                yield int(pos >= cut), piece
+            pos += len(piece)
 
 
 def digest(obj: object) -> str:

@@ -60,41 +60,42 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocabulary of {vocab_size} tokens does not fit in uint32")
 
 
-def _write_split(
-    corpus: Corpus,
-    tokenizer: Tokenizer,
-    start: int,
-    end: int,
-    path: str,
-    bar: tqdm,
-) -> tuple[int, int]:
-    """Tokenize bytes ``[start, end)`` into ``path``; returns (tokens, max id)."""
+def _write_splits(
+    corpus: Corpus, tokenizer: Tokenizer, paths: list[str], bar: tqdm
+) -> list[tuple[int, int]]:
+    """Tokenize the corpus in one pass into the files ``paths`` (train, val); returns
+    (tokens, largest id) of each."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = np.array([tokenizer.eos_id], dtype=np.int64)
-    count, top = 0, -1
-    with open(path, "wb") as f:
+    stats = [[0, -1] for _ in paths]
+    files = [open(path, "wb") for path in paths]  # noqa: SIM115 (closed below)
 
-        def flush(pieces: list[bytes | None]) -> None:
-            nonlocal count, top
-            texts = [p for p in pieces if p is not EOD]
-            encoded = iter(tokenizer.encode(texts))
-            parts = [eos if p is EOD else next(encoded) for p in pieces]
-            ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    def flush(batch: list[tuple[int, bytes | None]]) -> None:
+        encoded = iter(tokenizer.encode([p for _, p in batch if p is not EOD]))
+        parts: list[list[np.ndarray]] = [[] for _ in paths]
+        for split, piece in batch:
+            parts[split].append(eos if piece is EOD else next(encoded))
+        for split, arrays in enumerate(parts):
+            ids = np.concatenate(arrays) if arrays else eos[:0]
             if len(ids):
-                top = max(top, int(ids.max()))
-            ids.astype(dtype).tofile(f)
-            count += len(ids)
-            bar.update(sum(1 if p is EOD else len(p) for p in pieces))
+                stats[split][1] = max(stats[split][1], int(ids.max()))
+            stats[split][0] += len(ids)
+            ids.astype(dtype).tofile(files[split])
+        bar.update(sum(1 if p is EOD else len(p) for _, p in batch))
 
+    try:
         batch, size = [], 0
-        for piece in corpus.segments(start, end):
-            batch.append(piece)
-            size += 1 if piece is EOD else len(piece)
+        for item in corpus.pieces():
+            batch.append(item)
+            size += 1 if item[1] is EOD else len(item[1])
             if size >= BATCH_BYTES:
                 flush(batch)
                 batch, size = [], 0
         flush(batch)
-    return count, top
+    finally:
+        for f in files:
+            f.close()
+    return [tuple(s) for s in stats]
 
 
 def build_entry(
@@ -104,7 +105,7 @@ def build_entry(
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
-        total, cut = corpus.num_bytes(), corpus.split_at()
+        total = corpus.num_bytes()
         meta: dict[str, Any] = {
             "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size,
@@ -122,12 +123,11 @@ def build_entry(
             disable=not progress,
             dynamic_ncols=True,
         ) as bar:
-            for split, (a, b) in zip(SPLITS, ((0, cut), (cut, total)), strict=True):
-                n, top = _write_split(
-                    corpus, tokenizer, a, b, os.path.join(tmp, f"{split}.bin"), bar
-                )
-                meta[f"{split}_tokens"] = n
-                meta["max_id"] = max(meta.get("max_id", -1), top)
+            paths = [os.path.join(tmp, f"{split}.bin") for split in SPLITS]
+            stats = _write_splits(corpus, tokenizer, paths, bar)
+        for split, (n, _) in zip(SPLITS, stats, strict=True):
+            meta[f"{split}_tokens"] = n
+        meta["max_id"] = max(top for _, top in stats)
         meta["build_s"] = round(time.perf_counter() - start, 3)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)

@@ -14,6 +14,7 @@ Encoding runs in the ``tokenizers`` Rust thread pool (``encode_batch``): all cor
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -164,10 +165,9 @@ def train_bpe(corpus: Corpus, vocab_size: int, progress: bool = True) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
-    train_end = corpus.split_at()
     texts = (
         p.decode("utf-8", "ignore")
-        for p in corpus.segments(0, train_end)
+        for _, p in itertools.takewhile(lambda sp: sp[0] == 0, corpus.pieces())
         if p is not EOD
     )
     hf.train_from_iterator(texts, trainer)
