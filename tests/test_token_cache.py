@@ -225,6 +225,13 @@ def test_vocab_follows_tokenizer_unless_user_set(tmp_path, capsys, model):
     )
     follow_tokenizer_vocab(cfg, {"vocab_size": 900}, {"model.vocab_size"})
     assert cfg.model.vocab_size == 999  # the user's value stands
+    # Loaded weights fix the vocabulary, whoever set it.
+    cfg.model.pretrained = str(tmp_path)
+    follow_tokenizer_vocab(cfg, {"vocab_size": 900}, user_keys=set())
+    assert cfg.model.vocab_size == 999
+    with pytest.raises(CONFIG_ERRORS) as info:
+        follow_tokenizer_vocab(cfg, {"vocab_size": 1000}, user_keys=set())
+    assert one_line(info.value).startswith("model.pretrained: vocabulary of 999 is")
 
 
 def test_train_py_stops_on_bad_data_before_any_rank(tmp_path):

@@ -118,32 +118,34 @@ def follow_tokenizer_vocab(cfg: Any, meta: dict, user_keys: set[str]) -> None:
     """The model's vocabulary follows the tokenizer (``meta`` of the token cache): the
     family's vocabulary key (``model.vocab_size`` for GPT and Llama) becomes the
     tokenizer's size rounded up to a multiple of :data:`VOCAB_MULTIPLE` (faster
-    matmuls), unless the user set it (it is in ``user_keys``, the command line's keys)
-    or the family fixes it; then it must hold every id of the tokenizer."""
+    matmuls). It stays as it is when the user set it (it is in ``user_keys``, the
+    command line's keys), when weights are loaded (``model.pretrained``) or when the
+    family fixes it; then it must hold every id of the tokenizer."""
     spec, vocab = model_spec(cfg), meta["vocab_size"]
     key = f"model.{spec.vocab_key}" if spec.vocab_key else "model"
-    if spec.vocab_key is None or key in user_keys:
-        have = spec.vocab_size(model_config(cfg))
-        if have < vocab:
-            raise ConfigError(
-                key,
-                f"vocabulary of {have} is smaller than data.tokenizer="
-                f"{cfg.data.tokenizer}'s ({vocab} ids, up to {vocab - 1}); "
-                + (
-                    f"drop the override or set it >= {vocab}"
-                    if spec.vocab_key
-                    else "use the model's own tokenizer"
-                ),
+    if cfg.model.get("pretrained"):
+        key, advice = "model.pretrained", "use the model's own tokenizer"
+    elif spec.vocab_key is None:
+        advice = "use the model's own tokenizer"
+    elif key in user_keys:
+        advice = f"drop the override or set it >= {vocab}"
+    else:
+        padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        if padded != cfg.model[spec.vocab_key]:
+            print(
+                f"{key}={padded}: follows data.tokenizer={cfg.data.tokenizer} ({vocab} "
+                f"tokens, padded to a multiple of {VOCAB_MULTIPLE})",
+                flush=True,
             )
+        cfg.model[spec.vocab_key] = padded
         return
-    padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if padded != cfg.model[spec.vocab_key]:
-        print(
-            f"{key}={padded}: follows data.tokenizer={cfg.data.tokenizer} ({vocab} "
-            f"tokens, padded to a multiple of {VOCAB_MULTIPLE})",
-            flush=True,
+    have = spec.vocab_size(model_config(cfg))
+    if have < vocab:
+        raise ConfigError(
+            key,
+            f"vocabulary of {have} is smaller than data.tokenizer="
+            f"{cfg.data.tokenizer}'s ({vocab} ids, up to {vocab - 1}); {advice}",
         )
-    cfg.model[spec.vocab_key] = padded
 
 
 def _text_splits(cfg: Any, vocab_size: int) -> tuple[TokenStream, TokenStream]:
