@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from src.config import exit_on_config_error, run_cli, validate
-from src.trainer.launch import launch
+from src.trainer.launch import launch, prepare
 from src.trainer.planner import budget_check
 from src.trainer.sweep import run_job
 
@@ -35,9 +35,9 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
 
 
 def _run(cfg: DictConfig, run_dir: str) -> None:
-    with exit_on_config_error():
-        validate(cfg)
-    launch(cfg, run_dir)
+    with exit_on_config_error():  # one line, before any rank starts
+        cfg, resolved = prepare(cfg, validate(cfg))
+    launch(cfg, run_dir, resolved)
 
 
 if __name__ == "__main__":

@@ -248,6 +248,7 @@ def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
 
     from src.sharding import build_backend
     from src.trainer import loop
+    from src.trainer.resolved import resolve
 
     if name.startswith("minimal"):
         root_reshard = True if name.endswith("root_reshard") else None
@@ -268,7 +269,7 @@ def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
     backend = build_backend(
         "fsdp2", cfg.precision.name, "cpu", cfg.sharding.reshard_after_forward
     )
-    model = loop.build_model(cfg, backend)
+    model = loop.build_model(cfg, backend, resolve(cfg))
     if name.endswith("root_keep"):
         model.set_reshard_after_forward(False, recurse=False)
     optimizer = loop.build_optimizer(model, cfg)

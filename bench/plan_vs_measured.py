@@ -33,11 +33,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import append_to_benchmarks
-from src.sharding import GIB
+from src.sharding import GIB, MIB
 from src.trainer.loggers import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
-MIB = 2**20
 WORLD = 2
 CONFIGS = {
     # The default run's model.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -35,87 +34,68 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.models import ModelSpec, families, get_spec
-from src.sharding import CHECKPOINTING
+from src.models import families, get_spec
+from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
+from src.trainer.data import DATA_SOURCES
+from src.trainer.loggers import LOGGERS, WANDB_MODES
+from src.trainer.planner import budget_bytes
+from src.trainer.resolved import ConfigError, Resolved, resolve
 
-BACKENDS = ("fsdp2", "fsdp1", "ddp", "none")
-PRECISIONS = ("fp32", "bf16_mixed", "fp16_mixed")
-POLICIES = ("size", "block", "manual")
 INIT_DEVICES = ("cpu", "cuda", "meta")
-LOGGERS = ("wandb", "none")
-WANDB_MODES = ("offline", "online", "disabled")
-DATA_SOURCES = ("text", "files", "tokens", "synthetic")
-DATA_FORMATS = ("text", "jsonl", "parquet")
 GRAD_SYNC = ("auto", "last", "every")
-# Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
-#: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
-ACCELERATORS_GIB: dict[str, float] = {
-    "a100_40gb": 39.4,
-    "a100_80gb": 79.2,
-    "h100_80gb": 79.1,
-    "h100_94gb": 93.1,
-    "h200": 139.8,
-    "b200": 178.4,
-    "l40s": 44.4,
-    "a10g": 22.0,
-    "mi300x": 191.5,
-}
+
+# The groups' schemas below type every key; its value has one home, the group's YAML
+# in conf/ (where each key is commented), so a field without a default is MISSING.
 
 
 @dataclass
 class ShardingConfig:
-    backend: str = "fsdp2"
+    backend: str = MISSING  # one of src.sharding.BACKENDS
     # A name or a list of names; OmegaConf 2.3 has no Union of str and list, so Any
     # here and the check in validate().
-    policy: Any = "size"
-    min_params: Any = (
-        1e8  # a number, or "auto" (the planner chooses; src/trainer/planner.py)
-    )
-    exclude_wrap_modules: list[str] = field(default_factory=list)
-    force_leaf_modules: list[str] = field(default_factory=list)
-    reshard_after_forward: bool = True
-    # none | full | selective (or auto: the planner chooses), per block
-    activation_checkpointing: str = "none"
-    activation_checkpointing_every: int = 1  # full: checkpoint blocks 0, k, 2k, ...
-    compile: bool = False  # torch.compile per block (regional)
-    replicate: int = 1  # HSDP: replica groups, each sharding over devices / replicate
+    policy: Any = MISSING
+    min_params: Any = MISSING  # a number, or "auto" (src/trainer/planner.py chooses)
+    exclude_wrap_modules: list[str] = MISSING
+    force_leaf_modules: list[str] = MISSING
+    reshard_after_forward: bool = MISSING
+    activation_checkpointing: str = MISSING  # src.sharding.CHECKPOINTING, or auto
+    activation_checkpointing_every: int = MISSING
+    compile: bool = MISSING
+    replicate: int = MISSING  # HSDP: replica groups
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"
+    name: str = MISSING  # one of src.sharding.PRECISIONS
 
 
 @dataclass
 class TrainerConfig:
-    devices: Any = 1  # an int >= 1 or "auto"
-    max_steps: int = 100
-    batch_size: int = 16
-    grad_accum: Any = 1  # an int >= 1, or "auto"
-    # FSDP gradient reduction with grad_accum > 1: "last" (only the last micro-batch;
-    # unsharded gradients are held meanwhile), "every" (reduce-scatter each one), or
-    # "auto" (last if it fits the memory budget, else every).
-    grad_sync: str = "auto"
-    mem_budget_gib: Any = None  # GiB per rank or an accelerator name (planner)
-    seed: int = 0
-    log_every: int = 10
-    val_every: int = 50
-    val_batches: int = 4
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    ckpt_every: int = 0
-    keep_last: int = 2
-    resume: str | None = None
-    export: bool = False
-    max_restarts: int = 0
-    timeout_s: float = 600.0
-    plan_only: bool = False
-    peak_tflops: float | None = None
-    progress: bool = True
+    devices: Any = MISSING  # an int >= 1 or "auto"
+    max_steps: int = MISSING
+    batch_size: int = MISSING
+    grad_accum: Any = MISSING  # an int >= 1, or "auto"
+    grad_sync: str = MISSING  # one of GRAD_SYNC
+    mem_budget_gib: Any = MISSING  # GiB per rank or an accelerator name (planner)
+    seed: int = MISSING
+    log_every: int = MISSING
+    val_every: int = MISSING
+    val_batches: int = MISSING
+    lr: float = MISSING
+    min_lr: float = MISSING
+    warmup_steps: int = MISSING
+    weight_decay: float = MISSING
+    betas: list[float] = MISSING
+    grad_clip: float = MISSING
+    ckpt_every: int = MISSING
+    keep_last: int = MISSING
+    resume: str | None = MISSING
+    export: bool = MISSING
+    max_restarts: int = MISSING
+    timeout_s: float = MISSING
+    plan_only: bool = MISSING
+    peak_tflops: float | None = MISSING
+    progress: bool = MISSING
 
 
 @dataclass
@@ -132,29 +112,26 @@ class FilesDataConfig(DataConfig):
     """``data=files`` (and its preset ``data=text``): local files, tokenized once into
     the token cache (src/trainer/token_cache.py)."""
 
-    name: str = "files"
     paths: Any = MISSING  # a glob or a list of globs
-    format: str = "text"  # one of DATA_FORMATS
-    text_key: str = "text"  # the JSONL field / Parquet column holding the text
-    tokenizer: str = "byte"  # byte, bpe, or a tokenizer.json / tokenizer directory
-    bpe_vocab_size: int = 4096
-    eos_token: str | None = None  # null: the tokenizer's own end-of-text token
-    val_fraction: float = 0.05
-    max_bytes: int | None = None
-    cache_dir: str = "${oc.env:SHARDWRAP_CACHE,'~/.cache/shardwrap'}"
+    format: str = MISSING  # one of src.trainer.corpus.DATA_FORMATS
+    text_key: str = MISSING
+    tokenizer: str = MISSING
+    bpe_vocab_size: int = MISSING
+    eos_token: str | None = MISSING
+    val_fraction: float = MISSING
+    max_bytes: int | None = MISSING
+    cache_dir: str = MISSING
 
 
 @dataclass
 class TokensDataConfig(DataConfig):
-    name: str = "tokens"
-    train_path: str = "data/train.bin"
-    val_path: str = "data/val.bin"
+    train_path: str = MISSING
+    val_path: str = MISSING
 
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
-    name: str = "synthetic"
-    num_tokens: int = 1_000_000
+    num_tokens: int = MISSING
 
 
 DATA_SCHEMAS = {
@@ -166,13 +143,20 @@ DATA_SCHEMAS = {
 
 @dataclass
 class LoggerConfig:
-    backend: str = "wandb"
-    mode: str = "offline"
-    project: str = "shardwrap"
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
-    name: str | None = None  # the run's name; null = wandb's default
-    system_stats: bool = False  # wandb's CPU/GPU sampling (probes cloud metadata)
+    """The key every logger has; each option of the ``logger`` group picks its own
+    schema (``schema/<logger>@_here_``), so a key of another logger is unknown."""
+
+    backend: str = MISSING  # one of src.trainer.loggers.LOGGERS
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    mode: str = MISSING  # one of src.trainer.loggers.WANDB_MODES
+    project: str = MISSING
+    group: str | None = MISSING
+    tags: list[str] = MISSING
+    name: str | None = MISSING  # the run's name; null = wandb's default
+    system_stats: bool = MISSING  # wandb's CPU/GPU sampling (probes cloud metadata)
 
 
 @dataclass
@@ -192,7 +176,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = MISSING  # a schema of DATA_SCHEMAS, chosen by the data group
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    logger: LoggerConfig = MISSING  # a schema chosen by the logger group
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
@@ -202,14 +186,8 @@ for _family in families():
     _store.store(group="model/schema", name=_family, node=get_spec(_family).schema())
 for _name, _schema in DATA_SCHEMAS.items():
     _store.store(group="data", name=f"base_{_name}", node=_schema)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; ``str()`` is one line naming the key."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
+_store.store(group="logger/schema", name="none", node=LoggerConfig)
+_store.store(group="logger/schema", name="wandb", node=WandbLoggerConfig)
 
 
 # ------------------------------------------------------------------- validation
@@ -234,56 +212,6 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def policy_names(policy: Any) -> list[str]:
-    """``sharding.policy`` as a list of names (a single name or a list composes)."""
-    names = [policy] if isinstance(policy, str) else list(policy or [])
-    _require(
-        bool(names) and all(n in POLICIES for n in names),
-        "sharding.policy",
-        f"got {policy!r}, expected one of {', '.join(POLICIES)} or a list of them",
-    )
-    return names
-
-
-def import_class(path: str, key: str) -> type:
-    """Import ``package.module.Class`` from a dotted path, failing with the config key."""
-    module_name, _, cls_name = str(path).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError, ValueError):
-        cls = None
-    _require(
-        isinstance(cls, type) and issubclass(cls, torch.nn.Module),
-        key,
-        f"cannot import an nn.Module class from {path!r}; "
-        "give a dotted class path such as torch.nn.LayerNorm",
-    )
-    return cls
-
-
-def import_classes(paths: Sequence[str], key: str) -> list[type]:
-    """Resolve a list of dotted class paths (``sharding.exclude_wrap_modules``, ...)."""
-    return [import_class(p, f"{key}[{i}]") for i, p in enumerate(paths)]
-
-
-def under_torchrun() -> bool:
-    """True when torchelastic (torchrun) started this process as one of its ranks."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def resolve_devices(devices: Any) -> int:
-    """``trainer.devices`` as a rank count: ``auto`` is the number of visible GPUs, or
-    1 on a machine without one (CPU training gains nothing from ``auto`` guessing)."""
-    if devices == "auto":
-        return max(1, torch.cuda.device_count())
-    _require(
-        isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1,
-        "trainer.devices",
-        f"got {devices!r}, expected an integer >= 1 or 'auto'",
-    )
-    return devices
 
 
 def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
@@ -311,32 +239,10 @@ def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
             reject_unknown_keys(child, f"{full_key}.")
 
 
-def _model_error(err: ValueError) -> ConfigError:
-    """A model family's ``ValueError("model.<key> ...")`` as a ConfigError on that key."""
-    key, _, rest = str(err).partition(" ")
-    if not key.startswith("model"):
-        key, rest = "model", str(err)
-    return ConfigError(key.rstrip(":"), rest)
-
-
-def model_spec(cfg: DictConfig) -> ModelSpec:
-    """The spec of ``cfg.model``'s family (ConfigError if unknown)."""
-    try:
-        return get_spec(cfg.model.family)
-    except ValueError as err:
-        raise _model_error(err) from None
-
-
-def model_config(cfg: DictConfig) -> Any:
-    """``cfg.model`` as its family's config (ConfigError naming the key if bad)."""
-    try:
-        return model_spec(cfg).make_config(cfg.model)
-    except ValueError as err:
-        raise _model_error(err) from None
-
-
-def validate(cfg: DictConfig) -> None:
-    """Check what the schema's types cannot, so a bad run fails before any rank starts.
+def validate(cfg: DictConfig) -> Resolved:
+    """Check what the schema's types cannot, so a bad run fails before any rank starts,
+    and return what it resolved (world size, model spec and config, policy classes)
+    for the launcher and the ranks.
 
     Raises :class:`ConfigError` (one line naming the key) at the first problem.
     """
@@ -346,8 +252,8 @@ def validate(cfg: DictConfig) -> None:
     _require(
         cap is None or cap > 0, "sweep.mem_cap_gib", f"got {cap}, expected null or > 0"
     )
-    spec = model_spec(cfg)
-    model_config(cfg)
+    resolved = resolve(cfg)
+    spec = resolved.spec
     _choice(cfg, "model.init_device", INIT_DEVICES)
     _require(
         m.init_device != "meta" or spec.init_tensor is not None,
@@ -365,22 +271,16 @@ def validate(cfg: DictConfig) -> None:
         "model.init_device",
         "cuda requested but no CUDA device is visible; use cpu or meta",
     )
-    policy_names(s.policy)
     _require(
         s.min_params == "auto" or (_is_number(s.min_params) and s.min_params >= 0),
         "sharding.min_params",
         f"got {s.min_params!r}, expected a number >= 0 (such as 1e8) or auto",
     )
-    import_classes(s.exclude_wrap_modules, "sharding.exclude_wrap_modules")
-    import_classes(s.force_leaf_modules, "sharding.force_leaf_modules")
     _choice(cfg, "sharding.activation_checkpointing", (*CHECKPOINTING, "auto"))
     _positive_int(cfg, "sharding.activation_checkpointing_every")
     _choice(cfg, "precision.name", PRECISIONS)
 
-    # Under torchrun the world is torchrun's, whatever trainer.devices says.
-    world_size = resolve_devices(t.devices)
-    if under_torchrun():
-        world_size = int(os.environ["WORLD_SIZE"])
+    world_size = resolved.world_size
     _require(
         s.replicate >= 1, "sharding.replicate", f"got {s.replicate}, expected >= 1"
     )
@@ -458,29 +358,9 @@ def validate(cfg: DictConfig) -> None:
             _require(os.path.isfile(path), f"data.{key}", f"no such file {path!r}")
 
     _choice(cfg, "logger.backend", LOGGERS)
-    _choice(cfg, "logger.mode", WANDB_MODES)
-
-
-def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
-    """``trainer.mem_budget_gib`` in bytes: GiB per rank, or a named accelerator from
-    :data:`ACCELERATORS_GIB`; None when unset."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        name = value.strip().lower()
-        if name in ACCELERATORS_GIB:
-            return int(ACCELERATORS_GIB[name] * 2**30)
-        try:
-            value = float(name)
-        except ValueError:
-            raise ConfigError(
-                key,
-                f"got {value!r}, expected GiB per rank (> 0) or one of: "
-                + ", ".join(ACCELERATORS_GIB),
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(key, f"got {value!r}, expected GiB per rank > 0")
-    return int(value * 2**30)
+    if cfg.logger.backend == "wandb":
+        _choice(cfg, "logger.mode", WANDB_MODES)
+    return resolved
 
 
 # ------------------------------------------------------------ one-line errors
@@ -535,8 +415,11 @@ def exit_on_config_error() -> Iterator[None]:
     try:
         yield
     except CONFIG_ERRORS as err:
-        print(f"config error: {one_line(err)}", file=sys.stderr)
-        sys.exit(2)
+        line = f"config error: {one_line(err)}"
+        print(line, file=sys.stderr)
+        exit_ = SystemExit(2)
+        exit_.add_note(line)  # what a sweep records for the job (src/trainer/sweep.py)
+        raise exit_ from err
 
 
 def run_cli(main: Callable[[], Any]) -> None:

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from src.config import CONFIG_ERRORS, one_line, policy_names, resolve_devices, validate
+from src.config import CONFIG_ERRORS, one_line, validate
+from src.sharding.policies import policy_names
+from src.trainer.resolved import resolve_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")

@@ -12,10 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from src.config import model_config, model_spec, validate
+from src.config import validate
 from src.models import families, get_spec
 from src.sharding import wrap
 from src.trainer.loop import build_optimizer, train
+from src.trainer.resolved import model_config, model_spec
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

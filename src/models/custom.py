@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from src.models.spec import ModelSpec, register
+from src.models.spec import ModelSpec, import_module_class, register
 
 
 @dataclass
@@ -29,10 +29,10 @@ class CustomConfig:
     args: dict[str, Any] = field(default_factory=dict)  # more constructor arguments
 
     def __post_init__(self) -> None:
-        from src.config import import_class  # one-line error naming the key
-
-        cls = import_class(self._target_, "model._target_")
-        self.cls = cls
+        try:
+            self.cls = import_module_class(self._target_)
+        except ValueError as err:
+            raise ValueError(f"model._target_: {err}") from None
 
 
 def build(config: CustomConfig, seed: int) -> nn.Module:

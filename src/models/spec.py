@@ -11,6 +11,7 @@ block classes (``sharding.policy=block``), the per-parameter init by canonical n
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -75,6 +76,10 @@ class ModelSpec:
         names = {f.name for f in fields(self.config_cls)}
         return self.config_cls(**{k: model_cfg[k] for k in model_cfg if k in names})
 
+    def __reduce__(self) -> tuple:
+        # Pickled by name (the ranks get it), as a class is: its functions may be lambdas.
+        return get_spec, (self.name,)
+
     def num_params(self, config: Any) -> int:
         """Unique parameters of the model (counted on a meta-device build)."""
         with torch.device("meta"):
@@ -96,6 +101,22 @@ class ModelSpec:
             schema.__module__ = __name__
             globals()[name] = schema
         return schema
+
+
+def import_module_class(path: str) -> type[nn.Module]:
+    """The ``nn.Module`` subclass at the dotted ``path`` (``torch.nn.LayerNorm``);
+    ``ValueError`` if there is none."""
+    module_name, _, cls_name = str(path).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(
+            f"cannot import an nn.Module class from {path!r}; "
+            "give a dotted class path such as torch.nn.LayerNorm"
+        )
+    return cls
 
 
 # ------------------------------------------------- init by name (shared by families)

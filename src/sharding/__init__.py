@@ -11,7 +11,7 @@ from .backends import (
     fsdp1_wrapper,
     materialize_meta_,
 )
-from .plan import GIB, Unit, WrapPlan, wrap_plan
+from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
     BlockPolicy,
     ComposedPolicy,
@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_EXCLUDE_WRAP_MODULES",
     "DEFAULT_FORCE_LEAF_MODULES",
     "GIB",
+    "MIB",
     "PRECISIONS",
     "Backend",
     "BlockPolicy",

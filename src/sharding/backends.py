@@ -36,7 +36,8 @@ from .policies import WrapPolicy
 from .precision import Precision, get_precision
 from .wrap import enable_wrap, make_unit
 
-BACKENDS = ("fsdp2", "fsdp1", "ddp", "none", "plan")
+#: The backends that train (``plan`` only records units, for plan-only runs).
+BACKENDS = ("fsdp2", "fsdp1", "ddp", "none")
 
 
 MESH_DIMS = ("replicate", "shard")
@@ -248,8 +249,10 @@ def build_backend(
     ``replicate=R > 1`` (fsdp2, fsdp1, and ``plan`` for its estimate) is hybrid
     sharding: R replica groups, each sharding over ``world_size / R`` ranks.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"sharding.backend: unknown {name!r}; choose from {BACKENDS}")
+    if name not in (*BACKENDS, "plan"):
+        raise ValueError(
+            f"unknown backend {name!r}, expected one of: {', '.join(BACKENDS)}, plan"
+        )
     if replicate != 1 and name not in ("fsdp2", "fsdp1", "plan"):
         raise ValueError(f"replicate={replicate}: hybrid sharding needs fsdp2 or fsdp1")
     prec = get_precision(precision) if isinstance(precision, str) else precision
@@ -258,8 +261,8 @@ def build_backend(
     if name in ("fsdp2", "fsdp1", "ddp"):
         if not dist.is_initialized():
             raise RuntimeError(
-                f"sharding={name} needs torch.distributed initialised (launch with "
-                "trainer.devices=N or torchrun), or use sharding=none"
+                f"backend {name!r} needs an initialised torch.distributed process "
+                "group (backend 'none' runs without one)"
             )
         backend.world_size = dist.get_world_size()
         backend.rank = dist.get_rank()
@@ -289,13 +292,11 @@ def build_sharded_model(
     init_device = torch.device(init_device)
     if init_device.type == "meta" and backend.name in ("fsdp1", "ddp"):
         raise ValueError(
-            f"model.init_device=meta: not supported with sharding={backend.name} "
+            f"meta-device init is not supported with backend {backend.name!r} "
             "(use fsdp2 or none)"
         )
     if init_device.type == "meta" and init_fn is None and backend.name != "plan":
-        raise ValueError(
-            "model.init_device=meta needs an init_fn to materialise shards"
-        )
+        raise ValueError("meta-device init needs an init_fn to materialise shards")
     with backend.wrap_context(policy, transform), init_device:
         model = model_fn()
         if backend.wraps_units and policy is not None:

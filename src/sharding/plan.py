@@ -17,6 +17,7 @@ from .backends import canonical_name, shard_group_size
 from .wrap import UnitInfo, is_wrapped
 
 GIB = 2**30
+MIB = 2**20
 
 
 @dataclass
@@ -133,7 +134,7 @@ def _count(n: int) -> str:
 
 
 def _bytes(n: int) -> str:
-    for unit, div in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, div in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
         if n >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n} B"

@@ -96,7 +96,20 @@ class ComposedPolicy(WrapPolicy):
         return model
 
 
-POLICY_NAMES = ("size", "block", "manual")
+#: The policies by name: ``size``, ``block``, ``manual`` (see the module docstring).
+POLICIES = ("size", "block", "manual")
+
+
+def policy_names(policy: str | Iterable[str] | None) -> list[str]:
+    """A policy name or a list of them (they compose) as a list of known names;
+    ``ValueError`` otherwise."""
+    names = [policy] if isinstance(policy, str) else list(policy or [])
+    if not names or any(n not in POLICIES for n in names):
+        raise ValueError(
+            f"unknown sharding policy {policy!r}, expected one of "
+            f"{', '.join(POLICIES)} or a list of them"
+        )
+    return names
 
 
 def build_policy(
@@ -107,11 +120,8 @@ def build_policy(
     block_cls: type[nn.Module] | Sequence[type[nn.Module]] | None = None,
 ) -> WrapPolicy:
     """The policy (or composition of policies) named by ``names``."""
-    names = [names] if isinstance(names, str) else list(names)
-    if not names:
-        raise ValueError(f"sharding.policy: give at least one of {list(POLICY_NAMES)}")
     policies: list[WrapPolicy] = []
-    for name in names:
+    for name in policy_names(names):
         if name == "size":
             policies.append(
                 SizePolicy(
@@ -123,14 +133,10 @@ def build_policy(
         elif name == "block":
             if block_cls is None:
                 raise ValueError(
-                    "sharding.policy=block: the model does not name its block class"
+                    "the block policy needs the model's block class (block_cls)"
                 )
             classes = (block_cls,) if isinstance(block_cls, type) else tuple(block_cls)
             policies.append(BlockPolicy(classes))
-        elif name == "manual":
+        else:  # manual: annotations wrap, nothing else does
             policies.append(WrapPolicy())
-        else:
-            raise ValueError(
-                f"sharding.policy: unknown policy {name!r}; choose from {list(POLICY_NAMES)}"
-            )
     return policies[0] if len(policies) == 1 else ComposedPolicy(policies)

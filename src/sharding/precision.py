@@ -57,5 +57,5 @@ def get_precision(name: str) -> Precision:
         return PRECISIONS[name]
     except KeyError:
         raise ValueError(
-            f"precision: unknown policy {name!r}; choose one of {sorted(PRECISIONS)}"
+            f"unknown precision {name!r}, expected one of: {', '.join(PRECISIONS)}"
         ) from None

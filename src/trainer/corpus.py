@@ -23,8 +23,10 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from src.config import DATA_FORMATS, ConfigError
+from src.trainer.resolved import ConfigError
 
+#: ``data.format``: how a file holds its documents.
+DATA_FORMATS = ("text", "jsonl", "parquet")
 STDLIB_PLACEHOLDER = "<stdlib>"
 TEXT_CHUNK = 1 << 22  # bytes read at a time from a text file (cut after a newline)
 PARQUET_BATCH = 1024  # rows per record batch

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from src.config import ConfigError, model_config, model_spec
+from src.trainer.resolved import ConfigError, model_config, model_spec
 from src.trainer.token_cache import SPLITS, token_cache
 
 VOCAB_MULTIPLE = 64
@@ -88,15 +88,9 @@ def load_splits(
 ) -> tuple[TokenStream, TokenStream]:
     """Build the (train, val) token streams described by the ``data`` config group."""
     name = _get(data_cfg, "name")
-    if name in TEXT_SOURCES:
-        return _text_splits(data_cfg, vocab_size)
-    if name == "tokens":
-        return _token_file_splits(data_cfg, vocab_size)
-    if name == "synthetic":
-        return _synthetic_splits(data_cfg, vocab_size, seed)
-    raise ValueError(
-        f"data.name={name!r} is not one of: {', '.join(TEXT_SOURCES)}, tokens, synthetic"
-    )
+    if name not in DATA_SOURCES:
+        raise ValueError(f"data.name={name!r} is not one of: {', '.join(DATA_SOURCES)}")
+    return DATA_SOURCES[name](data_cfg, vocab_size, seed)
 
 
 def prepare_data(
@@ -148,7 +142,9 @@ def follow_tokenizer_vocab(cfg: Any, meta: dict, user_keys: set[str]) -> None:
         )
 
 
-def _text_splits(cfg: Any, vocab_size: int) -> tuple[TokenStream, TokenStream]:
+def _text_splits(
+    cfg: Any, vocab_size: int, seed: int
+) -> tuple[TokenStream, TokenStream]:
     entry = token_cache(cfg, verbose=False)  # the launcher built it, usually
     return tuple(
         TokenStream(entry.tokens(split), vocab_size, "data.paths", entry.meta["max_id"])
@@ -170,7 +166,9 @@ def _memmap_tokens(path: str, key: str) -> np.memmap:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def _token_file_splits(cfg: Any, vocab_size: int) -> tuple[TokenStream, TokenStream]:
+def _token_file_splits(
+    cfg: Any, vocab_size: int, seed: int
+) -> tuple[TokenStream, TokenStream]:
     return tuple(
         TokenStream(
             _memmap_tokens(_get(cfg, key), f"data.{key}"), vocab_size, f"data.{key}"
@@ -192,6 +190,15 @@ def _synthetic_splits(
         TokenStream(data[:cut], vocab_size, "data.num_tokens"),
         TokenStream(data[cut:], vocab_size, "data.num_tokens"),
     )
+
+
+#: ``data.name`` -> ``(data_cfg, vocab_size, seed) -> (train, val)`` streams.
+DATA_SOURCES = {
+    "text": _text_splits,
+    "files": _text_splits,
+    "tokens": _token_file_splits,
+    "synthetic": _synthetic_splits,
+}
 
 
 class GlobalBatches:

@@ -14,6 +14,7 @@ The Hydra output dir is decided once, in the Hydra job, and handed to every rank
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -30,40 +31,52 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from src.config import exit_on_config_error, resolve_devices, under_torchrun
 from src.trainer.data import follow_tokenizer_vocab, prepare_data
 from src.trainer.loop import train
 from src.trainer.planner import plan_only, resolve_auto
+from src.trainer.resolved import Resolved, model_config, under_torchrun
 
 
-def launch(cfg: DictConfig, run_dir: str) -> None:
-    """Run training for ``cfg`` on its ranks; exit non-zero, showing the first failed
-    rank's error once, if any rank fails. With ``trainer.plan_only`` no rank starts:
-    the wrap plan for that many ranks is printed instead."""
+def prepare(cfg: DictConfig, resolved: Resolved) -> tuple[DictConfig, Resolved]:
+    """What the ranks start from, decided once before any starts: ``cfg`` with its
+    interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
+    data ready in the token cache, the model's vocabulary following the tokenizer and
+    every ``auto`` value chosen. Bad input is a ``ConfigError``."""
     cfg = copy.deepcopy(cfg)
-    OmegaConf.resolve(cfg)  # ranks have no Hydra context for ${hydra:...} and ${now:}
-    world = int(os.environ.get("WORLD_SIZE", 0)) or None
+    OmegaConf.resolve(cfg)
     if not cfg.trainer.plan_only:  # plan-only reads no data
-        with exit_on_config_error():  # bad data: one line, before any rank starts
-            meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
-            if meta is not None:
-                follow_tokenizer_vocab(cfg, meta, _user_keys())
-    # `auto` values are chosen once, here, and every rank gets the same config.
-    cfg, reasons = resolve_auto(cfg, world)
+        meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
+        if meta is not None:
+            follow_tokenizer_vocab(cfg, meta, _user_keys())
+            resolved = dataclasses.replace(resolved, model_config=model_config(cfg))
+    cfg, reasons = resolve_auto(cfg, _world_from_env())
     if _is_rank0():
         for line in reasons:
             print(line, flush=True)
+    return cfg, resolved
+
+
+def _world_from_env() -> int | None:
+    return int(os.environ.get("WORLD_SIZE", 0)) or None  # set under torchrun
+
+
+def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> None:
+    """Run training for ``cfg`` (from :func:`prepare`) on its ranks; exit non-zero,
+    showing the first failed rank's error once, if any rank fails. With
+    ``trainer.plan_only`` no rank starts: the wrap plan for that many ranks is
+    printed instead."""
+    world = _world_from_env()
     if cfg.trainer.plan_only:
         if _is_rank0():
-            plan_only(cfg, run_dir, world_size=world)
+            plan_only(cfg, run_dir, world_size=world or resolved.world_size)
         return
     if under_torchrun():
         # record(): torchrun's failure summary then shows this rank's traceback.
-        record(run_rank)(cfg, run_dir)
+        record(run_rank)(cfg, run_dir, resolved)
         return
-    nprocs = resolve_devices(cfg.trainer.devices)
+    nprocs = resolved.world_size
     if nprocs == 1:
-        run_rank(cfg, run_dir)
+        run_rank(cfg, run_dir, resolved)
         return
     config = LaunchConfig(
         min_nodes=1,
@@ -81,7 +94,7 @@ def launch(cfg: DictConfig, run_dir: str) -> None:
     )
     _quiet_launcher_logs()
     try:
-        elastic_launch(config, _rank_entry)(cfg, run_dir)
+        elastic_launch(config, _rank_entry)(cfg, run_dir, resolved)
     except ChildFailedError as err:
         sys.exit(_failure_report(err))
 
@@ -99,9 +112,9 @@ def _user_keys() -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
-def _rank_entry(cfg: DictConfig, run_dir: str) -> None:
+def _rank_entry(cfg: DictConfig, run_dir: str, resolved: Resolved) -> None:
     # Module level so the spawned ranks can unpickle it.
-    run_rank(cfg, run_dir)
+    run_rank(cfg, run_dir, resolved)
 
 
 def _quiet_launcher_logs() -> None:
@@ -169,7 +182,7 @@ def _shared_run_dir(run_dir: str) -> str:
     return box[0]
 
 
-def run_rank(cfg: DictConfig, run_dir: str) -> Any:
+def run_rank(cfg: DictConfig, run_dir: str, resolved: Resolved) -> Any:
     """One rank: join the group, train, leave the group."""
     device = init_distributed(cfg.trainer.timeout_s)
     try:
@@ -180,6 +193,6 @@ def run_rank(cfg: DictConfig, run_dir: str) -> Any:
         warnings.filterwarnings(
             "ignore", message=r"FSDP2-wrapped module .* view tensor"
         )
-        return train(cfg, _shared_run_dir(run_dir), device)
+        return train(cfg, _shared_run_dir(run_dir), device, resolved)
     finally:
         dist.destroy_process_group()

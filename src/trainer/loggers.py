@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -345,21 +345,32 @@ def init_wandb(
     return run
 
 
-def build_logger(cfg: DictConfig, run_dir: str | os.PathLike, rank: int) -> Logger:
-    """The run's logger: files and console always, wandb unless ``logger.backend`` is
-    ``none``. Ranks other than 0 get one without sinks."""
-    if rank != 0:
-        return Logger()
-    run_dir = Path(run_dir)
-    sinks: list[Sink] = [FileSink(run_dir)]
-    kind = str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb")
-    if kind.lower() == "none":
-        return Logger([*sinks, ConsoleSink(run_dir)])
-    if kind != "wandb":
-        raise ValueError(f"unknown logger {kind!r}; use logger=wandb or logger=none")
+def _wandb_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
     offline = (OmegaConf.select(cfg, "logger.mode", default=None) or "offline") == (
         "offline"
     )
     sync = str(run_dir / "wandb" / "offline-run-*") if offline else None
-    run = init_wandb(cfg, run_dir)
-    return Logger([*sinks, ConsoleSink(run_dir, sync), WandbSink(run)])
+    return [ConsoleSink(run_dir, sync), WandbSink(init_wandb(cfg, run_dir))]
+
+
+#: ``logger.backend`` -> the sinks it adds to the run-dir files (console included).
+LOGGERS: dict[str, Callable[[DictConfig, Path], list[Sink]]] = {
+    "wandb": _wandb_sinks,
+    "none": lambda cfg, run_dir: [ConsoleSink(run_dir)],
+}
+#: ``logger.mode`` of the wandb logger (wandb's own modes).
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def build_logger(cfg: DictConfig, run_dir: str | os.PathLike, rank: int) -> Logger:
+    """The run's logger: the run-dir files, and the sinks of ``logger.backend``
+    (:data:`LOGGERS`). Ranks other than 0 get one without sinks."""
+    if rank != 0:
+        return Logger()
+    run_dir = Path(run_dir)
+    kind = str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb")
+    if kind not in LOGGERS:
+        raise ValueError(
+            f"unknown logger {kind!r}, expected one of: {', '.join(LOGGERS)}"
+        )
+    return Logger([FileSink(run_dir), *LOGGERS[kind](cfg, run_dir)])

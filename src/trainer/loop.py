@@ -23,12 +23,6 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from src.config import (
-    import_classes,
-    model_config,
-    model_spec,
-    policy_names,
-)
 from src.sharding import (
     Backend,
     TiedParametersWarning,
@@ -50,27 +44,26 @@ from src.trainer.metrics import (
     reduce_max_min,
     reset_peak_memory,
 )
+from src.trainer.resolved import Resolved, model_spec, resolve
 
 
 def build_model(
-    cfg: DictConfig, backend: Backend, init_device: str | None = None
+    cfg: DictConfig,
+    backend: Backend,
+    resolved: Resolved,
+    init_device: str | None = None,
 ) -> nn.Module:
     """The model of ``cfg.model``'s family built inside the wrap context: each unit is
     sharded as it is constructed, and a meta-device model is materialised shard by
     shard from the family's per-parameter init."""
     init_device = init_device or cfg.model.init_device
-    spec, config = model_spec(cfg), model_config(cfg)
-    seed = cfg.trainer.seed
-    s = cfg.sharding
+    spec, config = resolved.spec, resolved.model_config
+    seed, s = cfg.trainer.seed, cfg.sharding
     policy = build_policy(
-        policy_names(s.policy),
+        resolved.policies,
         min_num_params=s.min_params,
-        exclude_wrap_modules=import_classes(
-            s.exclude_wrap_modules, "sharding.exclude_wrap_modules"
-        ),
-        force_leaf_modules=import_classes(
-            s.force_leaf_modules, "sharding.force_leaf_modules"
-        ),
+        exclude_wrap_modules=resolved.exclude_wrap_modules,
+        force_leaf_modules=resolved.force_leaf_modules,
         block_cls=spec.block_classes(config) or None,
     )
     init_fn = None
@@ -119,11 +112,13 @@ def _ties_as_one_line(rank: int) -> Iterator[None]:
         print(f"tied parameters stay whole in one unit: {ties}", flush=True)
 
 
-def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: DictConfig, resolved: Resolved | None = None
+) -> torch.optim.AdamW:
     """AdamW with weight decay except where the family's no-decay rule says (biases
     and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
     views, so the live tensors cannot tell)."""
-    no_decay_name = model_spec(cfg).no_decay
+    no_decay_name = (resolved.spec if resolved else model_spec(cfg)).no_decay
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -282,10 +277,16 @@ def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
     logger.log_table("wrap_plan", plan.rows())
 
 
-def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]:
+def train(
+    cfg: DictConfig,
+    run_dir: str,
+    device: torch.device,
+    resolved: Resolved | None = None,
+) -> dict[str, Any]:
     """Train on this rank (the process group is already initialised); rank 0 logs to
-    the console, ``run_dir`` (metrics.jsonl, summary.json) and wandb. Returns the
-    summary."""
+    the console, ``run_dir`` (metrics.jsonl, summary.json) and wandb. ``resolved``:
+    what ``validate`` resolved (resolved here if not given). Returns the summary."""
+    resolved = resolved or resolve(cfg)
     t = cfg.trainer
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
@@ -301,7 +302,7 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
     # wandb run failed, so the next job of a sweep does not inherit it.
     with build_logger(cfg, run_dir, rank) as logger:
         # Data: every rank sees the same global batches and takes its own rows.
-        spec, model_cfg = model_spec(cfg), model_config(cfg)
+        spec, model_cfg = resolved.spec, resolved.model_config
         block_size = spec.seq_len(model_cfg)
         micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
         train_split, val_split = load_splits(
@@ -316,7 +317,7 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
 
         # Model, sharded as it is built; its construction peak is measured on its own.
         reset_peak_memory(device)
-        model = build_model(cfg, backend)
+        model = build_model(cfg, backend, resolved)
         init_mem = reduce_max_min(memory_metrics(device, prefix="init_"))
         plan = wrap_plan(model, world, backend.replicate)
         log_wrap_plan(plan, logger, rank)
@@ -324,7 +325,7 @@ def train(cfg: DictConfig, run_dir: str, device: torch.device) -> dict[str, Any]
             p.numel() for p in model.parameters()
         )
 
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(model, cfg, resolved)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         scaler = backend.grad_scaler()
 

@@ -35,19 +35,53 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.config import (
-    ACCELERATORS_GIB,
-    budget_bytes,
+from src.models.memory import ActivationBytes
+from src.sharding import GIB, MIB, WrapPlan, build_backend, get_precision, wrap_plan
+from src.trainer.loggers import Logger
+from src.trainer.resolved import (
+    ConfigError,
     model_config,
     model_spec,
+    resolve,
     resolve_devices,
 )
-from src.models.memory import ActivationBytes
-from src.sharding import WrapPlan, build_backend, get_precision, wrap_plan
-from src.trainer.loggers import Logger
 
-GIB = 2**30
-MIB = 2**20
+# Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
+#: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
+ACCELERATORS_GIB: dict[str, float] = {
+    "a100_40gb": 39.4,
+    "a100_80gb": 79.2,
+    "h100_80gb": 79.1,
+    "h100_94gb": 93.1,
+    "h200": 139.8,
+    "b200": 178.4,
+    "l40s": 44.4,
+    "a10g": 22.0,
+    "mi300x": 191.5,
+}
+
+
+def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
+    """``trainer.mem_budget_gib`` in bytes: GiB per rank, or a named accelerator from
+    :data:`ACCELERATORS_GIB`; None when unset."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in ACCELERATORS_GIB:
+            return int(ACCELERATORS_GIB[name] * GIB)
+        try:
+            value = float(name)
+        except ValueError:
+            raise ConfigError(
+                key,
+                f"got {value!r}, expected GiB per rank (> 0) or one of: "
+                + ", ".join(ACCELERATORS_GIB),
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(key, f"got {value!r}, expected GiB per rank > 0")
+    return int(value * GIB)
+
 
 #: What training adds above the parts the estimate counts (code and kernels first
 #: touched by backward and the optimizer, gloo buffers, autograd bookkeeping), per
@@ -286,7 +320,7 @@ def build_meta_model(cfg: DictConfig) -> torch.nn.Module:
     from src.trainer.loop import build_model
 
     backend = build_backend("plan", cfg.precision.name, "cpu")
-    return build_model(cfg, backend, init_device="meta")
+    return build_model(cfg, backend, resolve(cfg), init_device="meta")
 
 
 def activation_fn(cfg: DictConfig) -> Callable[..., ActivationBytes]:

@@ -81,17 +81,14 @@ def error_line(err: BaseException) -> str:
     """One line for the table: the error's first line or, for a traceback (a failed
     rank's report), its header and the exception's own line."""
     if isinstance(err, SystemExit):
+        notes = getattr(err, "__notes__", None)
         if isinstance(err.code, str):
             text = err.code
-        elif err.__context__ is not None:  # sys.exit(2) inside ``except ConfigError``
-            from src.config import CONFIG_ERRORS, one_line
-
+        elif notes:  # a config error's one line (src/config.py exit_on_config_error)
+            text = notes[0]
+        elif err.__context__ is not None:  # sys.exit(n) inside an ``except``
             ctx = err.__context__
-            text = (
-                f"config error: {one_line(ctx)}"
-                if isinstance(ctx, CONFIG_ERRORS)
-                else f"{type(ctx).__name__}: {ctx}"
-            )
+            text = f"{type(ctx).__name__}: {ctx}"
         else:
             text = f"exit status {err.code}"
     else:

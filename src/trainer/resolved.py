@@ -1,0 +1,126 @@
+"""What a run resolves from its config, once: the world size, the model family's spec
+and config, and the wrap policy's names and classes.
+
+``src/config.py``'s ``validate`` calls :func:`resolve` before any rank starts (a bad
+value is a :class:`ConfigError` naming its key, which the command line prints as one
+line) and hands the :class:`Resolved` result to the launcher, which gives it to every
+rank: the trainer reads these from it, never from ``src/config.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from src.models import ModelSpec, get_spec
+from src.models.spec import import_module_class
+from src.sharding.policies import policy_names
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; ``str()`` is one line naming the key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+def keyed(key: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, its ``ValueError`` (the lower layers name no config key) as a
+    :class:`ConfigError` on ``key``."""
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(key, str(err)) from None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The objects a run needs from its config (picklable: the ranks get it)."""
+
+    world_size: int
+    spec: ModelSpec
+    model_config: Any  # an instance of ``spec.config_cls``
+    policies: tuple[str, ...]
+    exclude_wrap_modules: tuple[type[nn.Module], ...]
+    force_leaf_modules: tuple[type[nn.Module], ...]
+
+
+def resolve(cfg: DictConfig) -> Resolved:
+    """Resolve ``cfg`` (:class:`ConfigError` naming the key at the first bad value)."""
+    s = cfg.sharding
+    return Resolved(
+        world_size=world_size(cfg.trainer.devices),
+        spec=model_spec(cfg),
+        model_config=model_config(cfg),
+        policies=tuple(keyed("sharding.policy", policy_names, s.policy)),
+        exclude_wrap_modules=import_classes(
+            s.exclude_wrap_modules, "sharding.exclude_wrap_modules"
+        ),
+        force_leaf_modules=import_classes(
+            s.force_leaf_modules, "sharding.force_leaf_modules"
+        ),
+    )
+
+
+def under_torchrun() -> bool:
+    """True when torchelastic (torchrun) started this process as one of its ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def world_size(devices: Any) -> int:
+    """The run's ranks: torchrun's world under torchrun (whatever ``trainer.devices``
+    says, once it is valid), else :func:`resolve_devices`."""
+    ranks = resolve_devices(devices)
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else ranks
+
+
+def resolve_devices(devices: Any) -> int:
+    """``trainer.devices`` as a rank count: ``auto`` is the number of visible GPUs, or
+    1 on a machine without one (CPU training gains nothing from ``auto`` guessing)."""
+    if devices == "auto":
+        return max(1, torch.cuda.device_count())
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ConfigError(
+            "trainer.devices", f"got {devices!r}, expected an integer >= 1 or 'auto'"
+        )
+    return devices
+
+
+def import_classes(paths: Sequence[str], key: str) -> tuple[type[nn.Module], ...]:
+    """Dotted ``nn.Module`` class paths (``sharding.exclude_wrap_modules``, ...)."""
+    return tuple(
+        keyed(f"{key}[{i}]", import_module_class, p) for i, p in enumerate(paths)
+    )
+
+
+def _model_error(err: ValueError) -> ConfigError:
+    """A model family's ``ValueError("model.<key> ...")`` as a ConfigError on that key."""
+    key, _, rest = str(err).partition(" ")
+    if not key.startswith("model"):
+        key, rest = "model", str(err)
+    return ConfigError(key.rstrip(":"), rest)
+
+
+def model_spec(cfg: DictConfig) -> ModelSpec:
+    """The spec of ``cfg.model``'s family (ConfigError if unknown)."""
+    try:
+        return get_spec(cfg.model.family)
+    except ValueError as err:
+        raise _model_error(err) from None
+
+
+def model_config(cfg: DictConfig) -> Any:
+    """``cfg.model`` as its family's config (ConfigError naming the key if bad)."""
+    try:
+        return model_spec(cfg).make_config(cfg.model)
+    except ValueError as err:
+        raise _model_error(err) from None
