@@ -55,7 +55,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path to write ``path``'s new content to; renamed onto ``path`` when
     the block succeeds (readers never see half a file), removed when it fails."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per writer
     try:
         yield tmp
         tmp.replace(path)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from src.trainer.corpus import EOD, Corpus, CorpusError, build_lock, digest
+from src.trainer.loggers import atomic_path
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0  # NUL: absent from text, so it marks document boundaries
@@ -141,9 +142,8 @@ def bpe_tokenizer(
         else:
             start = time.perf_counter()
             hf = train_bpe(corpus, vocab_size, progress)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            hf.save(tmp)
-            os.replace(tmp, path)  # atomic: a reader never sees half a file
+            with atomic_path(path) as tmp:  # a reader never sees half a file
+                hf.save(str(tmp))
             verb = f"trained in {time.perf_counter() - start:.1f}s, saved to {path}"
     if verbose:
         print(f"bpe tokenizer ({hf.get_vocab_size()} tokens): {verb}", flush=True)
