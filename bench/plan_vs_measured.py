@@ -80,7 +80,9 @@ def _baseline_worker(rank: int, out_dir: str) -> None:
     )
     try:
         build_backend("fsdp2", "fp32", "cpu")
-        train, _ = load_splits(SimpleNamespace(name="synthetic"), 256, 0)
+        train, _ = load_splits(
+            SimpleNamespace(name="synthetic", num_tokens=1_000_000), 256, 0
+        )
         GlobalBatches(train, 16, 128, 0).get(0, 0, rank, WORLD)
         dist.barrier()
         with open("/proc/self/status") as f:

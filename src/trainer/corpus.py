@@ -73,21 +73,21 @@ class Corpus:
 
     @classmethod
     def from_config(cls, cfg) -> Corpus:
-        fmt = getattr(cfg, "format", "text")
+        fmt = cfg.format
         if fmt not in DATA_FORMATS:
             raise CorpusError(
                 f"data.format: got {fmt!r}, expected one of: {', '.join(DATA_FORMATS)}"
             )
-        max_bytes = getattr(cfg, "max_bytes", None)
+        max_bytes = cfg.max_bytes
         if max_bytes is not None and max_bytes <= 0:
             raise CorpusError(f"data.max_bytes={max_bytes} must be positive or null")
-        val_fraction = getattr(cfg, "val_fraction", 0.05)
+        val_fraction = cfg.val_fraction
         if not 0.0 < val_fraction < 1.0:
             raise CorpusError(f"data.val_fraction={val_fraction} must be in (0, 1)")
         return cls(
-            files=resolve_files(getattr(cfg, "paths", f"{STDLIB_PLACEHOLDER}/*.py")),
+            files=resolve_files(cfg.paths),
             format=fmt,
-            text_key=getattr(cfg, "text_key", "text"),
+            text_key=cfg.text_key,
             val_fraction=val_fraction,
             max_bytes=max_bytes,
         )

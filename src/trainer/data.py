@@ -79,15 +79,11 @@ def _max_token(tokens: np.ndarray) -> int:
     )
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return getattr(cfg, key, default)
-
-
 def load_splits(
     data_cfg: Any, vocab_size: int, seed: int
 ) -> tuple[TokenStream, TokenStream]:
     """Build the (train, val) token streams described by the ``data`` config group."""
-    name = _get(data_cfg, "name")
+    name = data_cfg.name
     if name not in DATA_SOURCES:
         raise ValueError(f"data.name={name!r} is not one of: {', '.join(DATA_SOURCES)}")
     return DATA_SOURCES[name](data_cfg, vocab_size, seed)
@@ -171,7 +167,7 @@ def _token_file_splits(
 ) -> tuple[TokenStream, TokenStream]:
     return tuple(
         TokenStream(
-            _memmap_tokens(_get(cfg, key), f"data.{key}"), vocab_size, f"data.{key}"
+            _memmap_tokens(getattr(cfg, key), f"data.{key}"), vocab_size, f"data.{key}"
         )
         for key in ("train_path", "val_path")
     )
@@ -180,7 +176,7 @@ def _token_file_splits(
 def _synthetic_splits(
     cfg: Any, vocab_size: int, seed: int
 ) -> tuple[TokenStream, TokenStream]:
-    num_tokens = int(_get(cfg, "num_tokens", 1_000_000))
+    num_tokens = int(cfg.num_tokens)
     if num_tokens < 2:
         raise ValueError(f"data.num_tokens={num_tokens} must be at least 2")
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32

@@ -178,14 +178,14 @@ def load_tokenizer(
     cfg: Any, corpus: Corpus, verbose: bool = True, progress: bool = True
 ) -> Tokenizer:
     """The tokenizer ``data.tokenizer`` names (``cfg`` is the ``data`` node)."""
-    name = getattr(cfg, "tokenizer", "byte")
+    name = cfg.tokenizer
     if name == "byte":
         return byte_tokenizer()
     if name == "bpe":
         return bpe_tokenizer(
             corpus, int(cfg.bpe_vocab_size), cache_path(cfg), verbose, progress
         )
-    return load_path_tokenizer(str(name), getattr(cfg, "eos_token", None))
+    return load_path_tokenizer(str(name), cfg.eos_token)
 
 
 def cache_path(cfg: Any) -> str:
