@@ -57,7 +57,10 @@ class ShardingConfig:
     min_params: Any = MISSING  # a number, or "auto" (src/trainer/planner.py chooses)
     exclude_wrap_modules: list[str] = MISSING
     force_leaf_modules: list[str] = MISSING
-    reshard_after_forward: bool = MISSING
+    # true, false, or (fsdp2) the group size to reshard to after forward
+    reshard_after_forward: Any = MISSING
+    forward_prefetch: int | None = MISSING  # fsdp2: units gathered ahead in forward
+    backward_prefetch: int | None = MISSING  # fsdp2: ... in backward (null: default)
     activation_checkpointing: str = MISSING  # src.sharding.CHECKPOINTING, or auto
     activation_checkpointing_every: int = MISSING
     compile: bool = MISSING
@@ -239,6 +242,36 @@ def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
             reject_unknown_keys(child, f"{full_key}.")
 
 
+def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:
+    """``reshard_after_forward`` as FSDP2 takes it, and the prefetch depths."""
+    raf = s.reshard_after_forward
+    key = "sharding.reshard_after_forward"
+    if not isinstance(raf, bool):
+        _require(
+            isinstance(raf, int) and s.backend == "fsdp2",
+            key,
+            f"got {raf!r}, expected true, false or (sharding=fsdp2) a group size",
+        )
+        _require(
+            1 < raf < shard_size and shard_size % raf == 0,
+            key,
+            f"got {raf}, expected true, false or a divisor of the {shard_size} ranks "
+            "each parameter is sharded over, strictly between 1 and that number",
+        )
+    for knob in ("forward_prefetch", "backward_prefetch"):
+        depth = s[knob]
+        _require(
+            depth is None or depth >= 0,
+            f"sharding.{knob}",
+            f"got {depth}, expected null (FSDP2's default) or a depth >= 0",
+        )
+        _require(
+            depth is None or s.backend == "fsdp2",
+            f"sharding.{knob}",
+            f"explicit prefetch is FSDP2's; got sharding={s.backend}",
+        )
+
+
 def validate(cfg: DictConfig) -> Resolved:
     """Check what the schema's types cannot, so a bad run fails before any rank starts,
     and return what it resolved (world size, model spec and config, policy classes)
@@ -296,6 +329,7 @@ def validate(cfg: DictConfig) -> Resolved:
         f"{s.replicate} does not divide the {world_size} devices "
         "(each replica group shards over devices / replicate ranks)",
     )
+    _check_fsdp2_knobs(s, world_size // s.replicate)
     _require(
         s.backend != "none" or world_size == 1,
         "trainer.devices",

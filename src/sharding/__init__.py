@@ -10,6 +10,7 @@ from .backends import (
     canonical_name,
     fsdp1_wrapper,
     materialize_meta_,
+    set_prefetch,
 )
 from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
@@ -64,6 +65,7 @@ __all__ = [
     "is_wrapped",
     "make_unit",
     "materialize_meta_",
+    "set_prefetch",
     "wrap",
     "wrap_enabled",
     "wrap_plan",

@@ -65,7 +65,7 @@ def device_mesh(device_type: str, world_size: int, replicate: int = 1) -> Device
 def fsdp1_wrapper(
     module: nn.Module,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: Precision | None = None,
     device_mesh: DeviceMesh | None = None,
     **kwargs: Any,
@@ -74,6 +74,11 @@ def fsdp1_wrapper(
     ``wrap(..., reshard_after_forward=False)`` annotation works on both backends.
     A 2-D ``device_mesh`` selects the hybrid strategies (shard within a group,
     replicate across groups), as a 2-D mesh does for FSDP2."""
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward!r}: FSDP1 takes true or "
+            "false (resharding to a smaller group after forward is FSDP2's)"
+        )
     hybrid = device_mesh is not None and device_mesh.ndim == 2
     strategy = {
         (False, True): ShardingStrategy.FULL_SHARD,
@@ -133,7 +138,8 @@ class Backend:
     name: str
     precision: Precision
     device: torch.device
-    reshard_after_forward: bool = True
+    #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
+    reshard_after_forward: bool | int = True
     world_size: int = 1
     rank: int = 0
     replicate: int = 1  # HSDP: replica groups; each shards over world_size / replicate
@@ -241,7 +247,7 @@ def build_backend(
     name: str,
     precision: str | Precision = "fp32",
     device: torch.device | str | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     replicate: int = 1,
 ) -> Backend:
     """A backend for this process; distributed ones need an initialised process group.
@@ -314,6 +320,27 @@ def build_sharded_model(
         device_ids = [backend.device] if backend.device.type == "cuda" else None
         model = DDP(model, device_ids=device_ids)
     return model
+
+
+def set_prefetch(
+    model: nn.Module, forward: int | None = None, backward: int | None = None
+) -> list[FSDPModule]:
+    """Explicit FSDP2 prefetch: in forward each unit all-gathers the next ``forward``
+    units as soon as its own all-gather is done; in backward, the ``backward`` units
+    that run after it. ``None`` keeps FSDP2's default (no explicit forward prefetch,
+    the next unit in backward); ``0`` turns prefetching off.
+
+    The order is the units' module order (the root, gathered first, left out), which
+    must be the order forward calls them: true for models that call their blocks in
+    the order they register them. Returns the units in that order.
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for i, unit in enumerate(units):
+        if forward is not None:
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + forward])
+        if backward is not None:
+            unit.set_modules_to_backward_prefetch(units[max(0, i - backward) : i][::-1])
+    return units
 
 
 _WRAPPER_SEGMENTS = frozenset(

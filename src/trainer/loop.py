@@ -32,6 +32,7 @@ from src.sharding import (
     build_policy,
     build_sharded_model,
     canonical_name,
+    set_prefetch,
     wrap_plan,
 )
 from src.trainer.checkpoint import Checkpointer, export_consolidated, resolve_resume
@@ -81,7 +82,7 @@ def build_model(
         targets=spec.block_classes(config),
     )
     with _ties_as_one_line(backend.rank):
-        return build_sharded_model(
+        model = build_sharded_model(
             lambda: spec.build(config, seed),
             backend,
             policy,
@@ -89,6 +90,8 @@ def build_model(
             init_fn,
             transform=transform,
         )
+    set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
+    return model
 
 
 @contextlib.contextmanager
