@@ -92,6 +92,7 @@ class TrainerConfig:
     grad_clip: float = MISSING
     ckpt_every: int = MISSING
     keep_last: int = MISSING
+    ckpt_async: bool = MISSING
     resume: str | None = MISSING
     export: bool = MISSING
     max_restarts: int = MISSING

@@ -10,6 +10,9 @@ import json
 import pickle
 import random
 import struct
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from src.trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
+    complete_checkpoints,
     export_consolidated,
     load_consolidated,
     resolve_resume,
@@ -300,6 +304,52 @@ def _ddp_to_fsdp2(rank: int, directory: Path) -> dict:
     )
 
 
+def _async_save(rank: int, directory: Path) -> dict:
+    """An asynchronous save whose writes are held back until released: training goes
+    on meanwhile, and nothing is published before the writes finished."""
+    ckpt = Checkpointer(directory, keep_last=2, async_save=True)
+    model = shard_fsdp2(make_model(0))
+    optimizer, scheduler = make_optim(model)
+    train(model, optimizer, scheduler, range(2), rank)
+    ckpt.save(2, model, optimizer, scheduler)
+    train(model, optimizer, scheduler, range(2, 4), rank)  # waits for step 2 first
+    at_4 = full_params(model), full_moments(model, optimizer)
+
+    release, write_item = threading.Event(), dcp_fs._write_item
+
+    def held_write_item(*args, **kwargs):
+        release.wait()
+        return write_item(*args, **kwargs)
+
+    dcp_fs._write_item = held_write_item
+    try:
+        path = ckpt.save(4, model, optimizer, scheduler)
+        losses = train(model, optimizer, scheduler, range(4, 6), rank)
+        in_flight = {
+            "published": path.exists(),
+            "latest": ckpt.latest().name,
+            "tmp": sorted(p.name for p in directory.iterdir()),
+        }
+        release.set()
+        ckpt.wait()
+    finally:
+        release.set()
+        dcp_fs._write_item = write_item
+    model2 = shard_fsdp2(make_model(1))
+    optimizer2, scheduler2 = make_optim(model2)
+    info = ckpt.load(ckpt.latest(), model2, optimizer2, scheduler2)
+    return {
+        "in_flight": in_flight,
+        "losses_while_writing": losses,
+        "info": info,
+        "saved": at_4,
+        "restored": (full_params(model2), full_moments(model2, optimizer2)),
+        "moved_on": any(
+            not torch.equal(at_4[0][k], v) for k, v in full_params(model).items()
+        ),
+    }
+
+
 def _two_rank_scenarios(rank: int, world_size: int, root: str) -> dict:
     root = Path(root)
     return {
@@ -309,6 +359,7 @@ def _two_rank_scenarios(rank: int, world_size: int, root: str) -> dict:
         "one_to_two": _load_on_two(rank, root / "one_rank"),
         "fsdp1": _fsdp1_round_trip(rank, root / "fsdp1"),
         "ddp": _ddp_to_fsdp2(rank, root / "ddp"),
+        "async": _async_save(rank, root / "async"),
     }
 
 
@@ -362,6 +413,67 @@ def test_crash_during_save_keeps_previous_checkpoint(two_ranks):
         assert_same(*r["params"])
         # keep_last=2 and the crashed tmp dir swept.
         assert r["after_next_save"] == ["step_00000002", "step_00000004"]
+
+
+@pytest.mark.slow
+def test_async_save_lets_training_go_on_and_publishes_after_the_write(two_ranks):
+    for r in (ranks["async"] for ranks in two_ranks["ranks"]):
+        # While the writes were held, two more steps trained and nothing was published.
+        assert len(r["losses_while_writing"]) == 2 and r["moved_on"]
+        assert r["in_flight"] == {
+            "published": False,
+            "latest": "step_00000002",
+            "tmp": [".tmp.step_00000004", "step_00000002"],
+        }
+        # Published after the write, holding step 4's state (staged at save time).
+        assert r["info"] == {"step": 4}
+        assert_same(r["saved"][0], r["restored"][0])
+        assert_same(r["saved"][1], r["restored"][1])
+
+
+# A process that dies while its background write is held: the previous checkpoint
+# stays the one that resume=auto takes.
+_CRASH_IN_FLIGHT = """
+import os, sys, threading
+import torch, torch.distributed.checkpoint.filesystem as dcp_fs
+from src.trainer.checkpoint import Checkpointer
+from tests.test_checkpoint import make_model, make_optim, train
+ckpt = Checkpointer(sys.argv[1], async_save=True)
+model = make_model(0)
+optimizer, scheduler = make_optim(model)
+train(model, optimizer, scheduler, range(2))
+ckpt.save(2, model, optimizer, scheduler)
+ckpt.wait()
+held = threading.Event()
+def held_write_item(*args, **kwargs):
+    held.set()
+    threading.Event().wait()  # never released
+dcp_fs._write_item = held_write_item
+ckpt.save(3, model, optimizer, scheduler)
+held.wait()
+os._exit(3)  # dies with the step-3 write in flight
+"""
+
+
+def test_crash_with_a_background_write_in_flight_keeps_the_previous(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _CRASH_IN_FLIGHT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 3, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp.step_00000003",
+        "step_00000002",
+    ]
+    assert resolve_resume("auto", tmp_path) == tmp_path / "step_00000002"
+    model = make_model(1)
+    optimizer, scheduler = make_optim(model)
+    assert Checkpointer(tmp_path).load(
+        tmp_path / "step_00000002", model, optimizer
+    ) == {"step": 2}
 
 
 @pytest.mark.slow
@@ -622,3 +734,41 @@ def test_export_single_process_ties_once(tmp_path):
         assert "head.weight" not in f.keys()
     state = load_consolidated(tmp_path / "m.safetensors")
     assert_same(state, dict(model.state_dict()))
+
+
+def test_trainer_async_checkpoints_publish_and_resume_exactly(tmp_path):
+    """The loop with ``trainer.ckpt_async=true`` (one FSDP2 rank, run in this process
+    as train.py runs it): every checkpoint is published by the end of the run, and a
+    run resumed from one continues bit for bit."""
+    from src.trainer.launch import run_rank
+    from tests.test_train import make_cfg, read_rows
+
+    run = [
+        "model=tiny",
+        "logger=none",
+        "data=synthetic",
+        "data.num_tokens=20000",
+        "trainer.devices=1",
+        "trainer.max_steps=4",
+        "trainer.batch_size=4",
+        "trainer.log_every=1",
+        "trainer.val_every=0",
+        "trainer.progress=false",
+        "trainer.peak_tflops=1",
+        "trainer.ckpt_every=2",
+        "trainer.ckpt_async=true",
+    ]
+    run_rank(make_cfg(*run), str(tmp_path / "straight"))
+    ckpts = tmp_path / "straight" / "checkpoints"
+    assert [p.name for p in complete_checkpoints(ckpts)] == [
+        "step_00000002",
+        "step_00000004",
+    ]
+    step_2 = ckpts / "step_00000002"
+    run_rank(make_cfg(*run, f"trainer.resume={step_2}"), str(tmp_path / "resumed"))
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r}
+
+    straight = losses(tmp_path / "straight")
+    assert losses(tmp_path / "resumed") == {3: straight[3], 4: straight[4]}

@@ -332,7 +332,11 @@ def train(
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         scaler = backend.grad_scaler()
 
-        ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep_last=t.keep_last)
+        ckpt = Checkpointer(
+            Path(run_dir) / "checkpoints",
+            keep_last=t.keep_last,
+            async_save=t.ckpt_async,
+        )
         start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank, scaler)
 
         meter = ThroughputMeter(
@@ -406,7 +410,9 @@ def train(
                 extra = {"scaler": scaler.state_dict()} if scaler else None
                 path = ckpt.save(step, model, optimizer, scheduler, extra=extra)
                 if rank == 0:
-                    bar.write(f"step {step}: checkpoint saved to {path}")
+                    how = "writing in the background" if t.ckpt_async else "saved"
+                    bar.write(f"step {step}: checkpoint {how} to {path}")
+        ckpt.wait()  # the last background save is published before the run ends
         bar.close()
         if t.export:
             export_path = Path(run_dir) / "model.safetensors"
