@@ -740,6 +740,7 @@ def test_trainer_async_checkpoints_publish_and_resume_exactly(tmp_path):
     """The loop with ``trainer.ckpt_async=true`` (one FSDP2 rank, run in this process
     as train.py runs it): every checkpoint is published by the end of the run, and a
     run resumed from one continues bit for bit."""
+    from src.config import validate
     from src.trainer.launch import run_rank
     from tests.test_train import make_cfg, read_rows
 
@@ -758,14 +759,19 @@ def test_trainer_async_checkpoints_publish_and_resume_exactly(tmp_path):
         "trainer.ckpt_every=2",
         "trainer.ckpt_async=true",
     ]
-    run_rank(make_cfg(*run), str(tmp_path / "straight"))
+
+    def one_rank(*overrides: str, run_dir: Path) -> None:
+        cfg = make_cfg(*run, *overrides)
+        run_rank(cfg, str(run_dir), validate(cfg))
+
+    one_rank(run_dir=tmp_path / "straight")
     ckpts = tmp_path / "straight" / "checkpoints"
     assert [p.name for p in complete_checkpoints(ckpts)] == [
         "step_00000002",
         "step_00000004",
     ]
     step_2 = ckpts / "step_00000002"
-    run_rank(make_cfg(*run, f"trainer.resume={step_2}"), str(tmp_path / "resumed"))
+    one_rank(f"trainer.resume={step_2}", run_dir=tmp_path / "resumed")
 
     def losses(run_dir: Path) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r}

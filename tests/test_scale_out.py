@@ -20,6 +20,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from src.config import validate
 from src.models import GPT, GPTConfig
 from src.sharding import build_backend, build_sharded_model, wrap, wrap_plan
 from src.trainer.launch import run_rank
@@ -113,7 +114,8 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
 
 def one_rank(root: Path, name: str, *overrides: str) -> None:
     """``trainer.devices=1``: the rank runs in this process, as train.py runs it."""
-    run_rank(make_cfg(*RUN, "sharding=none", *overrides), str(root / name))
+    cfg = make_cfg(*RUN, "sharding=none", "trainer.devices=1", *overrides)
+    run_rank(cfg, str(root / name), validate(cfg))
 
 
 def free_port() -> int:
