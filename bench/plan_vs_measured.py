@@ -1,19 +1,22 @@
-"""The plan-only per-rank memory estimate against a real run's measured peak (CPU).
+"""The planner's training-peak estimate against the measured peak, config by config.
 
-For each config: ``python train.py trainer.plan_only=true ...`` gives the estimate
-(sharded fp32 params + grads + 2 AdamW states + the 2 largest units all-gathered),
-then a real 2-rank run of the same config (synthetic tokens, a few steps) gives
-``peak_mem_gib`` (max over ranks of VmHWM, model construction included). The process
-baseline is the resident set of a rank that has done what a trainer rank does before
-building the model (imports of src.trainer.loop, gloo process group, FSDP2 mesh,
-synthetic data), measured on 2 spawned ranks. ``measured - baseline - estimate`` is
-what the estimate leaves out: activations (and the autograd graph), the loss's fp32
-logits, gloo and allocator buffers, and runtime state first touched while training.
-Each real run is done twice: with glibc's default malloc, and with its mmap threshold
-fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_=65536``), which separates the memory glibc
-keeps after tensors are freed (counted by VmHWM) from memory really in use.
+For each configuration the planner (src/trainer/planner.py) predicts the per-rank peak
+above the process baseline (``Estimate.training``: every part but ``process``), and
+``world`` real ranks run the trainer's own code (``build_model``, ``build_optimizer``,
+``train_step`` from src/trainer/loop.py) for a few steps on synthetic tokens:
 
-    python -m bench.plan_vs_measured [--steps 5] [--append-docs]
+- CPU: each rank's baseline is its resident set after the imports, the gloo process
+  group, the FSDP mesh and the data, just before the model is built; the peak is VmHWM
+  (reset at that point) after the steps. Ranks start with glibc's mmap threshold fixed
+  at 64 KiB (``MALLOC_MMAP_THRESHOLD_=65536``), so a freed tensor leaves the resident
+  set at once: the figure is memory in use, not what glibc keeps after frees (the
+  retention docs/benchmarks.md measured).
+- CUDA (run unchanged on a GPU machine): ``torch.cuda.max_memory_allocated`` above
+  ``memory_allocated`` at the same point, NCCL.
+
+measured = the max over ranks of (peak - baseline); error = estimate / measured - 1.
+
+    python -m bench.plan_vs_measured [--steps 3] [--configs NAME ...] [--append-docs]
 """
 
 from __future__ import annotations
@@ -21,158 +24,204 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
 
 from bench.common import append_to_benchmarks
-from src.sharding import GIB, MIB
+from src.sharding import MIB
 from src.trainer.loggers import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
-WORLD = 2
-CONFIGS = {
-    # The default run's model.
-    "small": ["model=small"],
-    # ~57M parameters, so parameters and optimizer states dominate the estimate.
-    "small, 8 x 768": [
-        "model=small",
-        "model.n_layer=8",
-        "model.n_embd=768",
-        "model.n_head=12",
-        "trainer.batch_size=4",
-    ],
-}
-# Peak RSS with glibc's defaults, and with its mmap threshold fixed at 64 KiB: by
-# default the threshold rises to the largest freed mmapped block (up to 32 MiB), after
-# which freed tensors stay in the heap and count in VmHWM.
-ALLOCATORS = {"": {}, " (mmap 64K)": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
-COMMON = ["data=synthetic", "logger=none", f"trainer.devices={WORLD}"]
+TARGET = 0.15  # |error| on every configuration
+
+# name -> overrides. Global batch B over grad_accum A and W ranks: B / A / W sequences
+# per rank per micro-step.
+_BASE = ["data=synthetic", "logger=none", "model.vocab_size=256", "model.n_head=4"]
+CONFIGS: dict[str, list[str]] = {
+    "base": ["model.n_layer=4", "model.n_embd=256", "model.block_size=256",
+             "trainer.batch_size=8", "trainer.devices=2"],
+    "wide": ["model.n_layer=2", "model.n_embd=768", "model.block_size=128",
+             "trainer.batch_size=8", "trainer.devices=2"],
+    "deep": ["model.n_layer=12", "model.n_embd=128", "model.block_size=256",
+             "trainer.batch_size=8", "trainer.devices=2"],
+    "long seq": ["model.n_layer=4", "model.n_embd=256", "model.block_size=1024",
+                 "trainer.batch_size=4", "trainer.devices=2"],
+    "big vocab": ["model.n_layer=2", "model.n_embd=256", "model.block_size=256",
+                  "model.vocab_size=8192", "trainer.batch_size=8", "trainer.devices=2"],
+    "accum 4, sync last": ["model.n_layer=4", "model.n_embd=512",
+                           "model.block_size=128", "trainer.batch_size=16",
+                           "trainer.grad_accum=4", "trainer.grad_sync=last",
+                           "trainer.devices=2"],
+    "accum 4, sync every": ["model.n_layer=4", "model.n_embd=512",
+                            "model.block_size=128", "trainer.batch_size=16",
+                            "trainer.grad_accum=4", "trainer.grad_sync=every",
+                            "trainer.devices=2"],
+    "1 rank": ["model.n_layer=4", "model.n_embd=256", "model.block_size=256",
+               "trainer.batch_size=4", "trainer.devices=1"],
+    "fsdp1": ["sharding=fsdp1", "model.n_layer=4", "model.n_embd=256",
+              "model.block_size=256", "trainer.batch_size=8", "trainer.devices=2"],
+    "bf16": ["precision=bf16_mixed", "model.n_layer=4", "model.n_embd=256",
+             "model.block_size=256", "trainer.batch_size=8", "trainer.devices=2"],
+    "fsdp1 bf16": ["sharding=fsdp1", "precision=bf16_mixed", "model.n_layer=4",
+                   "model.n_embd=256", "model.block_size=256",
+                   "trainer.batch_size=8", "trainer.devices=2"],
+}  # fmt: skip
 
 
-def train_py(overrides: list[str], run_dir: str, env: dict | None = None) -> dict:
-    cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}
-    )
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        return json.load(f)
+def make_cfg(overrides: list[str]):
+    import src.config  # noqa: F401  (registers the schema)
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=_BASE + overrides)
 
 
-def _baseline_worker(rank: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    import src.trainer.loop  # noqa: F401  (what a trainer rank imports)
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith(field + ":"))
+
+
+def _worker(rank: int, world: int, cfg, steps: int, out_dir: str) -> None:
     from src.sharding import build_backend
     from src.trainer.data import GlobalBatches, load_splits
+    from src.trainer.loop import build_model, build_optimizer, train_step
+    from src.trainer.metrics import _reset_cpu_peak_rss
 
-    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(out_dir, "store"), world)
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
+        "nccl" if cuda else "gloo",
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
     )
     try:
-        build_backend("fsdp2", "fp32", "cpu")
-        train, _ = load_splits(
-            SimpleNamespace(name="synthetic", num_tokens=1_000_000), 256, 0
+        t = cfg.trainer
+        backend = build_backend(
+            cfg.sharding.backend,
+            cfg.precision.name,
+            device,
+            cfg.sharding.reshard_after_forward,
         )
-        GlobalBatches(train, 16, 128, 0).get(0, 0, rank, WORLD)
+        train_split, _ = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
+        batches = GlobalBatches(
+            train_split, t.batch_size // t.grad_accum, cfg.model.block_size, t.seed
+        )
+        batches.get(0, 0, rank, world)
         dist.barrier()
-        with open("/proc/self/status") as f:
-            rss = next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
-        with open(os.path.join(out_dir, f"rss_{rank}"), "w") as f:
-            f.write(str(rss * 1024))
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            base = _status_kib("VmRSS") * 1024
+            _reset_cpu_peak_rss()
+        model = build_model(cfg, backend)
+        optimizer = build_optimizer(model, cfg)
+        scaler = backend.grad_scaler()
+        for step in range(steps):
+            train_step(model, batches, step, backend, optimizer, scaler, cfg)
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = _status_kib("VmHWM") * 1024
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps({"base": base, "peak": peak})
+        )
     finally:
         dist.destroy_process_group()
 
 
-def process_baseline() -> int:
-    """Max over 2 ranks of the RSS just before a trainer rank would build the model."""
+def measure(cfg, world: int, steps: int) -> int:
+    """Max over ranks of the training peak above the rank's baseline (bytes)."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _baseline_worker, args=(out_dir,), nprocs=WORLD, start_method="spawn"
+            _worker,
+            args=(world, cfg, steps, out_dir),
+            nprocs=world,
+            start_method="spawn",
         )
-        return max(int(Path(out_dir, f"rss_{r}").read_text()) for r in range(WORLD))
+        rows = [
+            json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)
+        ]
+    return max(r["peak"] - r["base"] for r in rows)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from src.trainer.planner import estimate_cfg, resolve_auto
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--append-docs", action="store_true")
     args = p.parse_args(argv)
 
-    baseline = process_baseline()
-    print(f"process baseline (max over ranks): {baseline / MIB:.0f} MiB", flush=True)
     rows = []
     for name in args.configs:
-        overrides = CONFIGS[name] + COMMON
-        with tempfile.TemporaryDirectory() as plan_dir:
-            est = train_py(overrides + ["trainer.plan_only=true"], plan_dir)
-        peaks = {}
-        for label, env in ALLOCATORS.items():
-            with tempfile.TemporaryDirectory() as run_dir:
-                run = train_py(
-                    overrides
-                    + [
-                        f"trainer.max_steps={args.steps}",
-                        "trainer.log_every=1",
-                        "trainer.val_every=0",
-                        "trainer.progress=false",
-                    ],
-                    run_dir,
-                    env,
-                )
-            peaks[label] = run["peak_mem_gib"] * GIB
-        row = {
-            "config": name,
-            "params (M)": f"{run['num_params'] / 1e6:.2f}",
-            "units": est["wrap_units"],
-            "est. params": f"{est['params_gib'] * GIB / MIB:.1f}",
-            "est. grads": f"{est['grads_gib'] * GIB / MIB:.1f}",
-            "est. optimizer": f"{est['optimizer_gib'] * GIB / MIB:.1f}",
-            "est. unsharded units": f"{est['unsharded_units_gib'] * GIB / MIB:.1f}",
-            "est. total": f"{est['total_gib'] * GIB / MIB:.1f}",
-            "baseline": f"{baseline / MIB:.0f}",
-        }
-        for label, peak in peaks.items():
-            rest = peak - baseline - est["total_gib"] * GIB
-            row[f"peak{label}"] = f"{peak / MIB:.0f}"
-            row[f"peak - baseline{label}"] = f"{(peak - baseline) / MIB:.0f}"
-            row[f"left out{label}"] = f"{rest / MIB:.0f}"
-        rows.append(row)
+        cfg, _ = resolve_auto(make_cfg(CONFIGS[name]))
+        world = int(cfg.trainer.devices)
+        _, est = estimate_cfg(cfg, world)
+        measured = measure(cfg, world, args.steps)
+        parts = est.parts
+        m, s = cfg.model, est.shape
+        error = est.training / measured - 1
+        rows.append(
+            {
+                "config": name,
+                "backend": f"{s.backend}, {cfg.precision.name}, {world} rank(s)",
+                "L x d, V": f"{m.n_layer} x {m.n_embd}, {m.vocab_size}",
+                "tokens/rank (micro x T)": f"{s.micro_batch} x {s.seq_len}",
+                "accum (sync)": f"{s.grad_accum} ({s.grad_sync})",
+                "params + optim": f"{(parts['params'] + parts['optimizer']) / MIB:.1f}",
+                "gathered": f"{parts['gathered_units'] / MIB:.1f}",
+                "grads": f"{parts['grads'] / MIB:.1f}",
+                "activations + loss": f"{(parts['activations'] + parts['loss']) / MIB:.1f}",
+                "working set": f"{parts['transient'] / MIB:.1f}",
+                "runtime": f"{parts['runtime'] / MIB:.0f}",
+                "peak at": est.phase,
+                "estimate": f"{est.training / MIB:.1f}",
+                "measured": f"{measured / MIB:.1f}",
+                "error": f"{error:+.1%}",
+                "within 15%": "yes" if abs(error) <= TARGET else "NO",
+            }
+        )
         print(rows[-1], flush=True)
     table = markdown_table(rows)
     print(table)
     if args.append_docs:
         shown = " ".join(argv if argv is not None else sys.argv[1:])
         append_to_benchmarks(
-            "Plan-only memory estimate against a measured 2-rank peak",
-            f"python -m bench.plan_vs_measured {shown}",
+            "Planner: estimated against measured training peak per rank",
+            f"python -m bench.plan_vs_measured {shown}".strip(),
             table,
             note=(
-                "All figures MiB per rank. Estimate: `python train.py "
-                "trainer.plan_only=true <config> "
-                + " ".join(COMMON)
-                + "` (summary.json). Measured: the same config trained for "
-                f"{args.steps} steps (fsdp2, size policy, min_params=1.5e5, fp32, "
-                "synthetic data), `peak_mem_gib` = max over ranks of VmHWM since just "
-                "before model construction. Baseline: RSS of a rank after the "
-                "trainer's imports, gloo process group, FSDP2 mesh and synthetic data, "
-                "before the model. `(mmap 64K)`: the same run with "
-                "MALLOC_MMAP_THRESHOLD_=65536 (glibc then returns every freed block "
-                "above 64 KiB to the OS; by default the threshold grows to 32 MiB and "
-                "freed tensors stay in the heap, so VmHWM also counts freed memory). "
-                "left out = peak - baseline - est. total. The estimate leaves out activations and the "
-                "autograd graph (with the fp32 logits of the loss), gloo and allocator "
-                "buffers, and runtime state first touched during training."
+                "All figures MiB per rank, above the process baseline. Estimate: "
+                "`Estimate.training` of src/trainer/planner.py (every part but the "
+                "process baseline; parts shown: sharded fp32 parameters + AdamW "
+                "states, all-gathered units, gradients held at the peak, saved "
+                "activations + head/loss, the backward or step working set, the "
+                "calibrated runtime constant). Measured: the same config run by the "
+                f"trainer's build_model / build_optimizer / train_step for {args.steps} "
+                "steps on synthetic tokens, 1 thread per rank; max over ranks of VmHWM "
+                "minus the rank's RSS just before the model is built, with "
+                "MALLOC_MMAP_THRESHOLD_=65536 (glibc's retention of freed tensors "
+                "removed). Common: fsdp2 (unless said), size policy with "
+                "min_params=1.5e5 (each block a unit + the root), n_head=4. "
+                "Shared 2-core machine: the figures are memory, not time, and "
+                "repeat to within ~1 MiB."
             ),
         )
     return rows

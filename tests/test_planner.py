@@ -40,13 +40,12 @@ def _compose(*overrides: str):
 # -------------------------------------------------------------- activations
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_formula_equals_what_autograd_saves(dtype):
-    """Every tensor autograd saves in a forward (deduplicated by storage, parameters
-    left out) adds up to ``saved + head``, to the byte."""
-    cfg = GPTConfig(n_layer=3, n_head=3, n_embd=48, vocab_size=100, block_size=16)
-    model = GPT(cfg).to(dtype).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+def _saved_bytes(model: torch.nn.Module, vocab: int, seq_len: int) -> int:
+    """Bytes of every tensor autograd saves in one forward of 2 sequences, counted
+    once per storage; parameters and buffers left out."""
+    params = {
+        p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]
+    }
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -55,11 +54,37 @@ def test_activation_formula_equals_what_autograd_saves(dtype):
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    idx, targets = torch.randint(0, 100, (2, 2, 16))
+    idx = torch.randint(0, vocab, (2, seq_len))
+    targets = torch.randint(0, vocab, (2, seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(idx, targets)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_formula_equals_what_autograd_saves(dtype):
+    """``saved + head`` is, to the byte, what autograd keeps in a forward."""
+    cfg = GPTConfig(n_layer=3, n_head=3, n_embd=48, vocab_size=100, block_size=16)
+    model = GPT(cfg).to(dtype).train()
     acts = activation_bytes(cfg, 2, 16, dtype.itemsize)
-    assert sum(saved.values()) == acts.saved + acts.head
+    assert _saved_bytes(model, 100, 16) == acts.saved + acts.head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_activation_formula_equals_what_autograd_saves(dtype):
+    """The same for the Llama family (grouped-query attention, SwiGLU, RMSNorm); in
+    bf16 the RoPE buffer stays fp32, as under FSDP's mixed precision."""
+    from src.models.llama import Llama, LlamaConfig
+    from src.models.llama import activation_bytes as llama_bytes
+
+    cfg = LlamaConfig(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+        multiple_of=16, max_seq_len=16,
+    )  # fmt: skip
+    model = Llama(cfg).to(dtype).train()
+    model.rope.float()
+    acts = llama_bytes(cfg, 2, 16, dtype.itemsize)
+    assert _saved_bytes(model, 64, 16) == acts.saved + acts.head
 
 
 def test_activation_formula_by_hand():

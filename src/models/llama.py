@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.memory import CHECKPOINTING, ActivationBytes
 from src.models.spec import (
     ModelSpec,
     check_positive_ints,
@@ -334,6 +335,64 @@ def to_hf_config(config: LlamaConfig):
     )
 
 
+def activation_bytes(
+    config: LlamaConfig,
+    micro_batch: int,
+    seq_len: int,
+    act_bytes: int,
+    checkpointing: str = "none",
+    every: int = 1,
+) -> ActivationBytes:
+    """Activation memory of ``Llama(config)`` for one micro-batch (see
+    src/models/memory.py; exact against saved-tensor hooks in tests/test_planner.py).
+
+    Per layer, n tokens, width d, key/value width kv, SwiGLU width F, h heads::
+
+        2 x (8 n d + 4 n)  each RMSNorm (nn.RMSNorm computes in fp32: its fp32 input,
+                           normalised input and rstd), whatever the compute dtype
+      + s (4 n d + 2 n kv + 4 n F)  the norms' outputs (2), q, k, v, attention out,
+                           w1 out, silu out, w3 out, their product
+      + 4 n h              attention log-sum-exp (fp32)
+
+    Head: the final norm (8 n d + 4 n + s n d), the loss's fp32 log-probabilities
+    (4 n V), token ids and targets (int64), RoPE's fp32 cos and sin (T x head_dim
+    each), the loss's total weight. Loss backward: 8 n V. Block backward: the gradient
+    flowing in and the SwiGLU's three hidden gradients, s (n d + 3 n F).
+    Checkpointing: ``full`` keeps each checkpointed layer's input (s n d) and
+    recomputes it; ``selective`` keeps the input and the matmul and attention outputs
+    (q, k, v, attention out, wo, w1, w3, w2 outs: s (5 n d + 2 n kv + 2 n F) + 4 n h).
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
+    s, d, L = act_bytes, config.dim, config.n_layers
+    kv, F, h = config.kv_heads * config.head_dim, config.hidden_dim, config.n_heads
+    n = micro_batch * seq_len
+    norm = 8 * n * d + 4 * n
+    block = 2 * norm + s * (4 * n * d + 2 * n * kv + 4 * n * F) + 4 * n * h
+    kept = {
+        "none": block,
+        "full": s * n * d,
+        "selective": s * (5 * n * d + 2 * n * kv + 2 * n * F) + 4 * n * h,
+    }[checkpointing]
+    checkpointed = 0 if checkpointing == "none" else math.ceil(L / every)
+    saved = checkpointed * kept + (L - checkpointed) * block
+    head = (
+        norm
+        + s * n * d
+        + 4 * n * config.vocab_size
+        + 16 * n
+        + 2 * 4 * seq_len * config.head_dim
+        + 4
+    )
+    recompute = block if checkpointing != "none" else 0
+    return ActivationBytes(
+        saved=saved,
+        head=head,
+        loss_transient=8 * n * config.vocab_size,
+        block_transient=recompute + s * (n * d + 3 * n * F),
+    )
+
+
 SPEC = register(
     ModelSpec(
         name="llama",
@@ -343,5 +402,6 @@ SPEC = register(
         flops_per_token=flops_per_token,
         init_tensor=init_tensor,
         seq_len=lambda config: config.max_seq_len,
+        activation_bytes=activation_bytes,
     )
 )
