@@ -122,7 +122,7 @@ ACTS = ActivationBytes(
     saved=10_000, head=3_000, loss_transient=6_000, block_transient=1_000
 )
 SHAPE = RunShape(backend="fsdp2", world=2, micro_batch=2, seq_len=8)
-CONST = RUNTIME_BYTES["cpu"] + PROCESS_BYTES["cpu"]
+CONST = RUNTIME_BYTES["cpu"][4] + PROCESS_BYTES["cpu"]
 
 
 def test_parts_at_the_loss_backward_peak():
@@ -137,7 +137,7 @@ def test_parts_at_the_loss_backward_peak():
         "activations": 10_000,
         "loss": 3_000 + 6_000,
         "transient": 0,
-        "runtime": RUNTIME_BYTES["cpu"],
+        "runtime": RUNTIME_BYTES["cpu"][4],
         "process": PROCESS_BYTES["cpu"],
     }
     assert est.total == 3200 + 6400 + 6400 + 10_000 + 9_000 + CONST
@@ -178,7 +178,7 @@ def test_optimizer_step_peak_and_unsharded_backends():
     assert ddp.phase == "optimizer step"
     assert ddp.parts["grads"] == 2 * 1600 * 4  # gradients + DDP's bucket copies
     assert ddp.parts["transient"] == 1600 * 4  # foreach AdamW on CUDA
-    assert ddp.parts["runtime"] == RUNTIME_BYTES["cuda"]
+    assert ddp.parts["runtime"] == RUNTIME_BYTES["cuda"][4]
 
 
 # -------------------------------------------------------- budget and auto

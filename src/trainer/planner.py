@@ -85,10 +85,15 @@ def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
 
 #: What training adds above the parts the estimate counts (code and kernels first
 #: touched by backward and the optimizer, gloo buffers, autograd bookkeeping), per
-#: device type. CPU: calibrated by bench/plan_vs_measured.py (peak RSS above the
-#: process baseline, glibc retention removed). CUDA: not calibrated yet (no GPU in
-#: the calibration runs): a margin for the allocator's cached blocks and workspaces.
-RUNTIME_BYTES: dict[str, int] = {"cpu": 40 * MIB, "cuda": 512 * MIB}
+#: device type and compute-dtype width. CPU: fitted to bench/plan_vs_measured.py (the
+#: mean residual of its configurations; peak RSS above the process baseline, glibc
+#: retention removed); bf16 on CPU adds ~16 MiB whatever the model size (oneDNN's
+#: bf16 kernels and their scratch buffers). CUDA: not calibrated yet (no GPU in the
+#: calibration runs): a margin for the allocator's cached blocks and workspaces.
+RUNTIME_BYTES: dict[str, dict[int, int]] = {
+    "cpu": {4: 44 * MIB, 2: 60 * MIB},
+    "cuda": {4: 512 * MIB, 2: 512 * MIB},
+}
 #: The process itself before the model exists: Python + torch + the process group
 #: (CPU: resident set measured in docs/benchmarks.md; CUDA: the context, outside the
 #: allocator's counters).
@@ -217,6 +222,12 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
 
+def runtime_bytes(device: str, param_bytes: int) -> int:
+    """The calibrated runtime constant (:data:`RUNTIME_BYTES`)."""
+    table = RUNTIME_BYTES.get(device, RUNTIME_BYTES["cuda"])
+    return table.get(param_bytes, table[4])
+
+
 def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate:
     """The per-rank training peak of ``shape`` for the units of ``plan`` (built for
     ``shape.world`` ranks) with the activations ``acts`` of one micro-batch."""
@@ -273,7 +284,7 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
         "gathered_units": gathered,
         "optimizer": optimizer,
         "mixed_precision": mp,
-        "runtime": RUNTIME_BYTES.get(s.device, RUNTIME_BYTES["cuda"]),
+        "runtime": runtime_bytes(s.device, s.param_bytes),
         "process": PROCESS_BYTES.get(s.device, PROCESS_BYTES["cuda"]),
     }
     phases = {
