@@ -298,14 +298,15 @@ def activation_bytes(
 
     Head: the final norm's input, output and statistics (2 n d + 2 n), the fp32
     log-probabilities of the loss (4 n V bytes), token ids, targets and positions
-    (int64), the loss's total weight. Loss backward: the gradients of the log-probabilities and of the fp32
-    logits (8 n V bytes). Block backward: the gradient flowing in plus the gradient of
-    the MLP hidden layer (5 n d). Checkpointing: ``full`` keeps each checkpointed
+    (int64), the loss's total weight. Loss backward: the gradients of the
+    log-probabilities and of the fp32 logits (8 n V bytes). Block backward: the
+    gradient flowing in plus the gradient of the MLP hidden layer (5 n d).
+    Checkpointing (src/sharding/transforms.py): ``full`` keeps each checkpointed
     block's input (n d) and recomputes the block in backward (its full activations
-    are then alive once); ``selective`` keeps the outputs of the matmuls and attention
-    (input, q/k/v, attention out, its projection, MLP hidden, MLP out: 11 n d) and
-    recomputes the norms and GELU. With ``every=k`` only blocks 0, k, 2k, ... are
-    checkpointed. Dropout > 0 adds one byte per element for each dropout mask.
+    are then alive once); with ``every=k`` only blocks 0, k, 2k, ... are checkpointed.
+    ``selective`` (every block) keeps the outputs of the matmuls and attention (input,
+    q/k/v, attention out, its projection, MLP hidden, MLP out: 11 n d) and recomputes
+    the norms and GELU. Dropout > 0 adds one byte per element for each dropout mask.
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
@@ -318,6 +319,7 @@ def activation_bytes(
         "full": s * n * d,
         "selective": s * 11 * n * d + 4 * n * config.n_head + masks,
     }[checkpointing]
+    every = every if checkpointing == "full" else 1  # selective: every block
     checkpointed = 0 if checkpointing == "none" else math.ceil(L / every)
     saved = checkpointed * kept + (L - checkpointed) * block
     head = (
@@ -327,7 +329,8 @@ def activation_bytes(
         + 4  # the loss's total weight (a 0-d fp32)
         + (n * d if config.dropout > 0 else 0)
     )
-    recompute = block if checkpointing != "none" else 0
+    # In backward a checkpointed block's dropped activations come back, one at a time.
+    recompute = {"none": 0, "full": block, "selective": block - kept}[checkpointing]
     return ActivationBytes(
         saved=saved,
         head=head,

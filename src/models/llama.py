@@ -374,6 +374,7 @@ def activation_bytes(
         "full": s * n * d,
         "selective": s * (5 * n * d + 2 * n * kv + 2 * n * F) + 4 * n * h,
     }[checkpointing]
+    every = every if checkpointing == "full" else 1  # selective: every block
     checkpointed = 0 if checkpointing == "none" else math.ceil(L / every)
     saved = checkpointed * kept + (L - checkpointed) * block
     head = (
@@ -384,7 +385,8 @@ def activation_bytes(
         + 2 * 4 * seq_len * config.head_dim
         + 4
     )
-    recompute = block if checkpointing != "none" else 0
+    # In backward a checkpointed block's dropped activations come back, one at a time.
+    recompute = {"none": 0, "full": block, "selective": block - kept}[checkpointing]
     return ActivationBytes(
         saved=saved,
         head=head,

@@ -87,11 +87,11 @@ def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
 #: touched by backward and the optimizer, gloo buffers, autograd bookkeeping), per
 #: device type and compute-dtype width. CPU: fitted to bench/plan_vs_measured.py (the
 #: mean residual of its configurations; peak RSS above the process baseline, glibc
-#: retention removed); bf16 on CPU adds ~16 MiB whatever the model size (oneDNN's
+#: retention removed); bf16 on CPU adds ~12 MiB whatever the model size (oneDNN's
 #: bf16 kernels and their scratch buffers). CUDA: not calibrated yet (no GPU in the
 #: calibration runs): a margin for the allocator's cached blocks and workspaces.
 RUNTIME_BYTES: dict[str, dict[int, int]] = {
-    "cpu": {4: 44 * MIB, 2: 60 * MIB},
+    "cpu": {4: 44 * MIB, 2: 56 * MIB},
     "cuda": {4: 512 * MIB, 2: 512 * MIB},
 }
 #: The process itself before the model exists: Python + torch + the process group
