@@ -63,6 +63,18 @@ CONFIGS: dict[str, list[str]] = {
                             "model.block_size=128", "trainer.batch_size=16",
                             "trainer.grad_accum=4", "trainer.grad_sync=every",
                             "trainer.devices=2"],
+    "AC full": ["sharding.activation_checkpointing=full", "model.n_layer=4",
+                "model.n_embd=256", "model.block_size=512", "trainer.batch_size=8",
+                "trainer.devices=2"],
+    "AC full, every 2nd": ["sharding.activation_checkpointing=full",
+                           "sharding.activation_checkpointing_every=2",
+                           "model.n_layer=4", "model.n_embd=256",
+                           "model.block_size=512", "trainer.batch_size=8",
+                           "trainer.devices=2"],
+    "AC selective": ["sharding.activation_checkpointing=selective",
+                     "sharding.policy=block",
+                     "model.n_layer=4", "model.n_embd=256", "model.block_size=512",
+                     "trainer.batch_size=8", "trainer.devices=2"],
     "1 rank": ["model.n_layer=4", "model.n_embd=256", "model.block_size=256",
                "trainer.batch_size=4", "trainer.devices=1"],
     "fsdp1": ["sharding=fsdp1", "model.n_layer=4", "model.n_embd=256",
@@ -97,6 +109,7 @@ def _worker(rank: int, world: int, cfg, steps: int, out_dir: str) -> None:
     from src.trainer.data import GlobalBatches, load_splits
     from src.trainer.loop import build_model, build_optimizer, train_step
     from src.trainer.metrics import _reset_cpu_peak_rss
+    from src.trainer.resolved import resolve
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -118,6 +131,7 @@ def _worker(rank: int, world: int, cfg, steps: int, out_dir: str) -> None:
             cfg.precision.name,
             device,
             cfg.sharding.reshard_after_forward,
+            cfg.sharding.replicate,
         )
         train_split, _ = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
         batches = GlobalBatches(
@@ -132,8 +146,9 @@ def _worker(rank: int, world: int, cfg, steps: int, out_dir: str) -> None:
         else:
             base = _status_kib("VmRSS") * 1024
             _reset_cpu_peak_rss()
-        model = build_model(cfg, backend)
-        optimizer = build_optimizer(model, cfg)
+        resolved = resolve(cfg)
+        model = build_model(cfg, backend, resolved)
+        optimizer = build_optimizer(model, cfg, resolved)
         scaler = backend.grad_scaler()
         for step in range(steps):
             train_step(model, batches, step, backend, optimizer, scaler, cfg)
@@ -190,6 +205,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "L x d, V": f"{m.n_layer} x {m.n_embd}, {m.vocab_size}",
                 "tokens/rank (micro x T)": f"{s.micro_batch} x {s.seq_len}",
                 "accum (sync)": f"{s.grad_accum} ({s.grad_sync})",
+                "AC": s.checkpointing
+                + (
+                    f" /{s.ac_every}"
+                    if s.checkpointing == "full" and s.ac_every > 1
+                    else ""
+                ),
                 "params + optim": f"{(parts['params'] + parts['optimizer']) / MIB:.1f}",
                 "gathered": f"{parts['gathered_units'] / MIB:.1f}",
                 "grads": f"{parts['grads'] / MIB:.1f}",

@@ -97,12 +97,19 @@ def test_activation_formula_by_hand():
         saved=2 * block, head=head, loss_transient=8 * 16 * 32, block_transient=5120
     )
     full = activation_bytes(cfg, 2, 8, 4, "full")
-    assert full.saved == 2 * 4 * 16 * 16  # each block's input
-    assert full.block_transient == block + 5120  # one block recomputed
+    kept = 4 * 16 * 16  # each block's input
+    assert full.saved == 2 * kept
+    # backward of block 1: its dropped activations come back beside both inputs
+    assert full.block_transient == block - kept + 5120
     every2 = activation_bytes(cfg, 2, 8, 4, "full", every=2)  # block 0 only
-    assert every2.saved == 4 * 16 * 16 + block
-    selective = activation_bytes(cfg, 2, 8, 4, "selective")
-    assert selective.saved == 2 * (4 * 11 * 16 * 16 + 4 * 16 * 2)
+    assert every2.saved == kept + block
+    # block 1 (not checkpointed) runs first with everything saved; when block 0 is
+    # recomputed, block 1's activations are gone
+    assert every2.block_transient == 5120
+    selective = activation_bytes(cfg, 2, 8, 4, "selective", every=2)  # every block
+    sel_kept = 4 * 11 * 16 * 16 + 4 * 16 * 2
+    assert selective.saved == 2 * sel_kept
+    assert selective.block_transient == block - sel_kept + 5120
 
 
 # -------------------------------------------------------------- the estimate

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.memory import CHECKPOINTING, ActivationBytes
+from src.models.memory import CHECKPOINTING, ActivationBytes, backward_blocks
 from src.models.spec import (
     ModelSpec,
     check_positive_ints,
@@ -320,8 +320,9 @@ def activation_bytes(
         "selective": s * 11 * n * d + 4 * n * config.n_head + masks,
     }[checkpointing]
     every = every if checkpointing == "full" else 1  # selective: every block
-    checkpointed = 0 if checkpointing == "none" else math.ceil(L / every)
-    saved = checkpointed * kept + (L - checkpointed) * block
+    ckpt = [checkpointing != "none" and i % every == 0 for i in range(L)]
+    kept_per_block = [kept if c else block for c in ckpt]
+    saved = sum(kept_per_block)
     head = (
         s * (2 * n * d + 2 * n)
         + 4 * n * config.vocab_size
@@ -329,13 +330,11 @@ def activation_bytes(
         + 4  # the loss's total weight (a 0-d fp32)
         + (n * d if config.dropout > 0 else 0)
     )
-    # In backward a checkpointed block's dropped activations come back, one at a time.
-    recompute = {"none": 0, "full": block, "selective": block - kept}[checkpointing]
     return ActivationBytes(
         saved=saved,
         head=head,
         loss_transient=8 * n * config.vocab_size,
-        block_transient=recompute + 5 * s * n * d,
+        block_transient=backward_blocks(kept_per_block, block, ckpt, 5 * s * n * d),
     )
 
 

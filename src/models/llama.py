@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.memory import CHECKPOINTING, ActivationBytes
+from src.models.memory import CHECKPOINTING, ActivationBytes, backward_blocks
 from src.models.spec import (
     ModelSpec,
     check_positive_ints,
@@ -375,8 +375,9 @@ def activation_bytes(
         "selective": s * (5 * n * d + 2 * n * kv + 2 * n * F) + 4 * n * h,
     }[checkpointing]
     every = every if checkpointing == "full" else 1  # selective: every block
-    checkpointed = 0 if checkpointing == "none" else math.ceil(L / every)
-    saved = checkpointed * kept + (L - checkpointed) * block
+    ckpt = [checkpointing != "none" and i % every == 0 for i in range(L)]
+    kept_per_block = [kept if c else block for c in ckpt]
+    saved = sum(kept_per_block)
     head = (
         norm
         + s * n * d
@@ -385,13 +386,13 @@ def activation_bytes(
         + 2 * 4 * seq_len * config.head_dim
         + 4
     )
-    # In backward a checkpointed block's dropped activations come back, one at a time.
-    recompute = {"none": 0, "full": block, "selective": block - kept}[checkpointing]
     return ActivationBytes(
         saved=saved,
         head=head,
         loss_transient=8 * n * config.vocab_size,
-        block_transient=recompute + s * (n * d + 3 * n * F),
+        block_transient=backward_blocks(
+            kept_per_block, block, ckpt, s * (n * d + 3 * n * F)
+        ),
     )
 
 

@@ -36,3 +36,19 @@ class ActivationBytes:
     def peak(self) -> int:
         """The most held at once in one forward + backward."""
         return self.saved + max(self.head + self.loss_transient, self.block_transient)
+
+
+def backward_blocks(
+    kept: list[int], full: int, checkpointed: list[bool], work: int
+) -> int:
+    """``block_transient`` for blocks that keep ``kept[i]`` bytes each (``full`` without
+    checkpointing): backward runs from the last block to the first; while block ``b``
+    runs, blocks ``0..b`` still hold what they kept, a checkpointed ``b`` has its
+    dropped activations back (``full - kept[b]``) and ``work`` bytes of gradients are
+    in flight. The largest of these, minus everything kept (counted in ``saved``)."""
+    peak, alive = 0, sum(kept)
+    for b in reversed(range(len(kept))):
+        back = full - kept[b] if checkpointed[b] else 0
+        peak = max(peak, alive + back + work)
+        alive -= kept[b]
+    return peak - sum(kept)
