@@ -39,13 +39,21 @@ from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
 from src.trainer.data import DATA_SOURCES
 from src.trainer.loggers import LOGGERS, WANDB_MODES
 from src.trainer.planner import budget_bytes
-from src.trainer.resolved import ConfigError, Resolved, resolve
+from src.trainer.resolved import (
+    ConfigError,
+    Resolved,
+    keyed,
+    model_config,
+    model_spec,
+    resolve,
+)
 
 INIT_DEVICES = ("cpu", "cuda", "meta")
 GRAD_SYNC = ("auto", "last", "every")
 
 # The groups' schemas below type every key; its value has one home, the group's YAML
 # in conf/ (where each key is commented), so a field without a default is MISSING.
+EXPORTS = (False, True, "hf")
 
 
 @dataclass
@@ -94,7 +102,7 @@ class TrainerConfig:
     keep_last: int = MISSING
     ckpt_async: bool = MISSING
     resume: str | None = MISSING
-    export: bool = MISSING
+    export: Any = MISSING  # false, true (model.safetensors) or hf (a transformers dir)
     max_restarts: int = MISSING
     timeout_s: float = MISSING
     plan_only: bool = MISSING
@@ -243,6 +251,34 @@ def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
             reject_unknown_keys(child, f"{full_key}.")
 
 
+def check_pretrained(cfg: DictConfig) -> None:
+    """``model.pretrained``: an existing directory of safetensors whose tensors have
+    the shapes of the configured model (read from the file headers and a meta-device
+    build), for a family with a Hugging Face adapter."""
+    path = cfg.model.pretrained
+    if path is None:
+        return
+    spec = model_spec(cfg)
+    _require(
+        spec.hf is not None,
+        "model.pretrained",
+        f"model family {spec.name!r} has no Hugging Face adapter to load weights with",
+    )
+    path = os.path.expanduser(path)
+    _require(os.path.isdir(path), "model.pretrained", f"no such directory {path!r}")
+    _require(
+        any(f.endswith(".safetensors") for f in os.listdir(path)),
+        "model.pretrained",
+        f"no .safetensors files in {path!r} (save with save_pretrained)",
+    )
+    from src.trainer.checkpoint import check_hf_shapes
+
+    with torch.device("meta"):
+        model = spec.build(model_config(cfg), 0)
+    expected = {spec.hf.to_hf_name(n): p.shape for n, p in model.named_parameters()}
+    keyed("model.pretrained", check_hf_shapes, expected, path)
+
+
 def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:
     """``reshard_after_forward`` as FSDP2 takes it, and the prefetch depths."""
     raf = s.reshard_after_forward
@@ -286,6 +322,7 @@ def validate(cfg: DictConfig) -> Resolved:
     _require(
         cap is None or cap > 0, "sweep.mem_cap_gib", f"got {cap}, expected null or > 0"
     )
+    check_pretrained(cfg)  # first: model=hf reads its config from there
     resolved = resolve(cfg)
     spec = resolved.spec
     _choice(cfg, "model.init_device", INIT_DEVICES)
@@ -357,6 +394,16 @@ def validate(cfg: DictConfig) -> Resolved:
         "trainer.batch_size",
         f"{t.batch_size} must split into trainer.grad_accum={t.grad_accum} micro-batches"
         f" that divide evenly over {world_size} rank(s)",
+    )
+    _require(
+        t.export in EXPORTS,
+        "trainer.export",
+        f"got {t.export!r}, expected false, true (model.safetensors) or hf",
+    )
+    _require(
+        t.export != "hf" or spec.hf is not None,
+        "trainer.export",
+        f"hf needs a Hugging Face adapter, which model family {spec.name!r} has not",
     )
     _require(t.lr > 0, "trainer.lr", f"got {t.lr}, expected > 0")
     _require(

@@ -137,6 +137,7 @@ def _sharded_logits(rank: int, world: int, config: LlamaConfig) -> list:
     with torch.no_grad():
         ours = model(idx)[0]
         theirs = hf(idx).logits
+    torch.distributed.barrier()  # both ranks done before either tears down
     return [(ours - theirs).abs().max().item()]
 
 

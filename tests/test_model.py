@@ -242,7 +242,6 @@ def test_all_presets_exist():
         "gpt2_large",
         "gpt2_xl",
         "design_card",
-        "llama_7b_shape",
         "gpt_13b",
         "gpt_70b",
     }

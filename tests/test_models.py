@@ -68,10 +68,8 @@ CUSTOM = ["model=custom", "model._target_=tests.test_models.TinyLM"]
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_composes_into_its_family(preset):
-    if preset == "custom":  # needs a class
-        cfg = make_cfg(*CUSTOM)
-    else:
-        cfg = make_cfg(f"model={preset}")
+    needs = {"custom": CUSTOM[1:], "hf": ["model.config=tiny_llama"]}  # no default
+    cfg = make_cfg(f"model={preset}", *needs.get(preset, []))
     validate(cfg)
     spec = model_spec(cfg)
     assert spec.name in families() and cfg.model.name == preset

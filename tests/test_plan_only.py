@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 import src.config  # noqa: F401  (registers the base_config schema for compose)
-from src.models.gpt import GPTConfig, count_params
+from src.config import model_config, model_spec
 from src.trainer import metrics
 from src.trainer.planner import PARTS
 
@@ -58,7 +58,8 @@ def _compose(*overrides: str):
 
 
 def _num_params(model: str) -> int:
-    return count_params(GPTConfig.from_dict(_compose(f"model={model}").model))
+    cfg = _compose(f"model={model}")
+    return model_spec(cfg).num_params(model_config(cfg))
 
 
 def _check_estimate(estimate: dict, unit_params: list[int], model: str, world: int):
@@ -75,13 +76,13 @@ def _check_estimate(estimate: dict, unit_params: list[int], model: str, world: i
 
 
 @pytest.mark.slow
-def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
+def test_plan_only_8b_subprocess_allocates_nothing(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,
         "train.py",
         "trainer.plan_only=true",
-        "model=llama_7b_shape",
+        "model=llama3_8b",
         "trainer.devices=8",
         f"hydra.run.dir={run_dir}",
         "logger=none",
@@ -103,9 +104,9 @@ def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
     assert "per-rank training peak estimate" in result["stdout"]
     assert "activations (saved)" in result["stdout"]
 
-    # 6.6B fp32 parameters are 24.5 GiB; planning on meta stays at the runtime's size.
-    model_bytes = 4 * _num_params("llama_7b_shape")
-    assert model_bytes > 24 * GIB
+    # 8.0B fp32 parameters are 29.9 GiB; planning on meta stays at the runtime's size.
+    model_bytes = 4 * _num_params("llama3_8b")
+    assert model_bytes > 29 * GIB
     assert result["peak_rss"] < 1.5 * GIB, (
         f"peak RSS {result['peak_rss'] / GIB:.2f} GiB"
     )
@@ -116,7 +117,7 @@ def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
     plan = json.loads((run_dir / "wrap_plan.json").read_text())
     assert summary["world_size"] == 8
     assert summary["wrap_units"] == len(plan)
-    _check_estimate(summary, [row["params"] for row in plan], "llama_7b_shape", 8)
+    _check_estimate(summary, [row["params"] for row in plan], "llama3_8b", 8)
     # ~24.5 GiB over 8 ranks; 2 sequences of 2048 tokens per rank, 32 fp32 blocks
     # of 16 x 4 bytes x 4096 wide activations per token: 32 GiB.
     assert 3.0 < summary["params_gib"] < 3.2
@@ -130,7 +131,7 @@ def test_plan_only_7b_subprocess_allocates_nothing(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("model", "world"), [("llama_7b_shape", 8), ("gpt_70b", 64), ("small", 2)]
+    ("model", "world"), [("llama3_8b", 8), ("gpt_70b", 64), ("small", 2)]
 )
 def test_plan_only_in_process(tmp_path, capsys, model, world):
     from src.trainer.planner import plan_only
@@ -157,7 +158,7 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
     _check_estimate(summary, [u.numel for u in plan.units], model, world)
     if peak_resets and rss_before:
         # Planning on meta: the peak grows by far less than one rank's share of the
-        # parameters (llama_7b_shape: 3 GiB per rank; gpt_70b: 4 GiB).
+        # parameters (llama3_8b: 3.7 GiB per rank; gpt_70b: 4 GiB).
         assert peak - rss_before < 0.25 * GIB, f"{(peak - rss_before) / GIB:.2f} GiB"
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from src.models.memory import CHECKPOINTING, ActivationBytes, backward_blocks
 from src.models.spec import (
+    HFAdapter,
     ModelSpec,
     check_positive_ints,
     default_device,
@@ -406,5 +407,6 @@ SPEC = register(
         init_tensor=init_tensor,
         seq_len=lambda config: config.max_seq_len,
         activation_bytes=activation_bytes,
+        hf=HFAdapter(to_hf_name=to_hf_name, hf_config=to_hf_config),
     )
 )

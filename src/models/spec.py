@@ -47,6 +47,16 @@ def default_no_decay(name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class HFAdapter:
+    """A family's Hugging Face side: parameter names and config, for
+    ``model.pretrained`` (load a transformers checkpoint into the sharded model) and
+    ``trainer.export=hf`` (a directory ``from_pretrained`` opens)."""
+
+    to_hf_name: Callable[[str], str]  # our canonical name -> the transformers name
+    hf_config: Callable[[Any], Any]  # (config) -> transformers.PretrainedConfig
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family. ``config`` below is an instance of ``config_cls``."""
 
@@ -65,7 +75,7 @@ class ModelSpec:
     # tokenizer (data.tokenizer) unless the user sets it; None: the family fixes it.
     vocab_key: str | None = "vocab_size"
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
-    hf: Any = None
+    hf: HFAdapter | None = None
     # Optional, for the planner (src/trainer/planner.py): (config, micro_batch,
     # seq_len, act_bytes, checkpointing, every) -> ActivationBytes (src/models/memory.py).
     activation_bytes: Callable[..., ActivationBytes] | None = None

@@ -35,7 +35,13 @@ from src.sharding import (
     set_prefetch,
     wrap_plan,
 )
-from src.trainer.checkpoint import Checkpointer, export_consolidated, resolve_resume
+from src.trainer.checkpoint import (
+    Checkpointer,
+    export_consolidated,
+    export_hf,
+    load_hf_weights,
+    resolve_resume,
+)
 from src.trainer.data import GlobalBatches, load_splits
 from src.trainer.loggers import Logger, build_logger
 from src.trainer.metrics import (
@@ -60,6 +66,9 @@ def build_model(
     init_device = init_device or cfg.model.init_device
     spec, config = resolved.spec, resolved.model_config
     seed, s = cfg.trainer.seed, cfg.sharding
+    pretrained = cfg.model.pretrained if backend.name != "plan" else None
+    if pretrained and backend.name in ("fsdp2", "none"):
+        init_device = "meta"  # never whole: each rank fills only its own shards
     policy = build_policy(
         resolved.policies,
         min_num_params=s.min_params,
@@ -71,6 +80,8 @@ def build_model(
     if init_device == "meta" and spec.init_tensor is not None:
 
         def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
+            if pretrained and isinstance(t, nn.Parameter):
+                return torch.empty(t.shape)  # loaded below; buffers are computed
             return spec.init_tensor(name, t.shape, config, seed)
 
     # Checkpointing and compile apply to the model's blocks, whatever units the policy
@@ -91,6 +102,8 @@ def build_model(
             transform=transform,
         )
     set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
+    if pretrained:
+        load_hf_weights(model, os.path.expanduser(pretrained), spec.hf.to_hf_name)
     return model
 
 
@@ -415,8 +428,13 @@ def train(
         ckpt.wait()  # the last background save is published before the run ends
         bar.close()
         if t.export:
-            export_path = Path(run_dir) / "model.safetensors"
-            export_consolidated(model, export_path)
+            if t.export == "hf":
+                export_path = Path(run_dir) / "hf"
+                hf = spec.hf
+                export_hf(model, export_path, hf.to_hf_name, hf.hf_config(model_cfg))
+            else:
+                export_path = Path(run_dir) / "model.safetensors"
+                export_consolidated(model, export_path)
             if rank == 0:
                 print(f"exported consolidated weights to {export_path}", flush=True)
 

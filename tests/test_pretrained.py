@@ -1,0 +1,185 @@
+"""Pretrained weights in, trained weights out (``model.pretrained``,
+``trainer.export=hf``), never whole on a rank; bad input is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from src.config import CONFIG_ERRORS, one_line, validate
+from src.sharding import build_backend
+from src.trainer.checkpoint import export_hf
+from src.trainer.loop import build_model, build_optimizer, train
+from src.trainer.resolved import model_config, model_spec, resolve
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def save_tiny(directory: Path, name: str = "tiny_qwen2", seed: int = 1) -> Path:
+    """A tiny transformers model saved by save_pretrained (safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ROOT / "conf" / "hf_configs" / name)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def logits_of_transformers(directory: Path, x: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(x).logits
+
+
+def _round_trip(rank: int, world: int, src: str, out: str, run_dir: str) -> dict:
+    # model.config defaults to the pretrained directory; the run's block_size (16)
+    # is shorter than the config's 128 positions.
+    overrides = ["model=hf", f"model.pretrained={src}", "model.block_size=16"]
+    cfg = make_cfg(*overrides, "sharding.policy=block", "trainer.lr=1e-2")
+    x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = x[:, :-1], x[:, 1:]
+    model = build_model(cfg, build_backend("fsdp2", "fp32", "cpu"), resolve(cfg)).eval()
+    local = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        loaded = model(inputs)[0]
+    result = {"load": (loaded - logits_of_transformers(Path(src), inputs)).abs().max()}
+    optimizer = build_optimizer(model, cfg)
+    model.train()
+    losses = []
+    for _ in range(3):
+        _, loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        trained = model(inputs)[0]
+    spec, config = model_spec(cfg), model_config(cfg)
+    export_hf(model, out, spec.hf.to_hf_name, spec.hf.hf_config(config))
+    result["export"] = (trained - logits_of_transformers(Path(out), inputs)).abs().max()
+    result.update(losses=losses, local=local, total=total)
+    # The trainer's own path: load, train 2 steps, trainer.export=hf.
+    run = make_cfg(
+        *overrides,
+        "trainer.export=hf",
+        "trainer.max_steps=2",
+        "trainer.batch_size=4",
+        "trainer.val_every=0",
+        "trainer.progress=false",
+        "trainer.peak_tflops=1",
+        "logger=none",
+        "data=synthetic",
+        "data.num_tokens=5000",
+    )
+    validate(run)
+    result["summary"] = train(run, run_dir, torch.device("cpu"))
+    return result
+
+
+@pytest.mark.slow
+def test_round_trip_load_sharded_train_export_reload(tmp_path):
+    src = save_tiny(tmp_path / "src")
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    results = run_distributed(_round_trip, 2, str(src), str(out), str(run_dir))
+    for r in results:
+        assert r["load"] < 1e-5 and r["export"] < 1e-5, r
+        assert r["losses"][-1] < r["losses"][0]
+        assert r["local"] < 0.6 * r["total"]  # each rank holds about half
+    assert {p.name for p in out.iterdir()} >= {"config.json"}
+    assert not (out / "sharded").exists()
+    exported = run_dir / "hf"
+    assert (exported / "config.json").is_file()
+    x = torch.randint(0, 256, (1, 16))
+    assert torch.isfinite(logits_of_transformers(exported, x)).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("hf") / "llama", "tiny_llama")
+
+
+def pretrained_error(*overrides: str) -> str:
+    with pytest.raises(CONFIG_ERRORS) as info:
+        validate(make_cfg(*overrides))
+    message = one_line(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_pretrained_dir_is_one_line(tmp_path):
+    message = pretrained_error("model=hf", f"model.pretrained={tmp_path}/nothing")
+    assert message.startswith("model.pretrained: no such directory")
+    message = pretrained_error(
+        "model=hf", "model.config=tiny_llama", f"model.pretrained={tmp_path}"
+    )
+    assert message.startswith("model.pretrained: no .safetensors files")
+
+
+def test_shape_mismatch_names_the_first_parameter_and_both_shapes(tiny_llama_dir):
+    """llama_tiny (dim 128) from a Hugging Face Llama of width 64: the embedding is
+    the first parameter whose shape differs."""
+    message = pretrained_error(
+        "model=llama_tiny", "model.n_layers=2", f"model.pretrained={tiny_llama_dir}"
+    )
+    assert message == (
+        "model.pretrained: shape mismatch at model.embed_tokens.weight: "
+        "checkpoint (256, 64) vs model (256, 128)"
+    )
+
+
+def test_checkpoint_with_more_layers_than_the_model_is_refused(tiny_llama_dir):
+    message = pretrained_error(
+        "model=llama_tiny",
+        "model.dim=64",
+        "model.n_layers=1",
+        "model.multiple_of=16",
+        f"model.pretrained={tiny_llama_dir}",
+    )
+    assert message.startswith("model.pretrained:")
+    assert (
+        "'model.layers.1.input_layernorm.weight', which the configured model has not"
+        in message
+    )
+
+
+def test_pretrained_and_export_need_a_hugging_face_adapter(tiny_llama_dir):
+    message = pretrained_error("model=tiny", f"model.pretrained={tiny_llama_dir}")
+    assert message.startswith("model.pretrained:") and "'gpt'" in message
+    assert pretrained_error("model=tiny", "trainer.export=hf").startswith(
+        "trainer.export: hf needs a Hugging Face adapter"
+    )
+    assert pretrained_error("trainer.export=onnx").startswith("trainer.export: got")
+
+
+def test_llama_family_loads_hugging_face_llama_weights(tiny_llama_dir):
+    """The Llama family's adapter: a transformers Llama checkpoint of the same shape
+    loads into our Llama (one process), logits equal."""
+    cfg = make_cfg(
+        "model=llama_tiny",
+        "model.dim=64",
+        "model.n_layers=2",
+        "model.multiple_of=16",
+        "model.norm_eps=1e-6",
+        f"model.pretrained={tiny_llama_dir}",
+        "sharding=none",
+        "trainer.devices=1",
+    )
+    validate(cfg)
+    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolve(cfg)).eval()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ours = model(x)[0]
+    assert (ours - logits_of_transformers(tiny_llama_dir, x)).abs().max() < 1e-5
