@@ -76,13 +76,13 @@ def _check_estimate(estimate: dict, unit_params: list[int], model: str, world: i
 
 
 @pytest.mark.slow
-def test_plan_only_8b_subprocess_allocates_nothing(tmp_path):
+def test_plan_only_13b_subprocess_allocates_nothing(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,
         "train.py",
         "trainer.plan_only=true",
-        "model=llama3_8b",
+        "model=gpt_13b",
         "trainer.devices=8",
         f"hydra.run.dir={run_dir}",
         "logger=none",
@@ -104,9 +104,9 @@ def test_plan_only_8b_subprocess_allocates_nothing(tmp_path):
     assert "per-rank training peak estimate" in result["stdout"]
     assert "activations (saved)" in result["stdout"]
 
-    # 8.0B fp32 parameters are 29.9 GiB; planning on meta stays at the runtime's size.
-    model_bytes = 4 * _num_params("llama3_8b")
-    assert model_bytes > 29 * GIB
+    # 12.9B fp32 parameters are 47.9 GiB; planning on meta stays at the runtime's size.
+    model_bytes = 4 * _num_params("gpt_13b")
+    assert model_bytes > 47 * GIB
     assert result["peak_rss"] < 1.5 * GIB, (
         f"peak RSS {result['peak_rss'] / GIB:.2f} GiB"
     )
@@ -117,11 +117,11 @@ def test_plan_only_8b_subprocess_allocates_nothing(tmp_path):
     plan = json.loads((run_dir / "wrap_plan.json").read_text())
     assert summary["world_size"] == 8
     assert summary["wrap_units"] == len(plan)
-    _check_estimate(summary, [row["params"] for row in plan], "llama3_8b", 8)
-    # ~24.5 GiB over 8 ranks; 2 sequences of 2048 tokens per rank, 32 fp32 blocks
-    # of 16 x 4 bytes x 4096 wide activations per token: 32 GiB.
-    assert 3.0 < summary["params_gib"] < 3.2
-    assert summary["activations_gib"] == pytest.approx(32, rel=0.01)
+    _check_estimate(summary, [row["params"] for row in plan], "gpt_13b", 8)
+    # ~47.9 GiB over 8 ranks; 2 sequences of 2048 tokens per rank, 40 fp32 blocks
+    # of 16 x 4 bytes x 5120 wide activations per token: 50 GiB.
+    assert 5.9 < summary["params_gib"] < 6.1
+    assert summary["activations_gib"] == pytest.approx(50, rel=0.01)
 
     # No rank started, no step ran.
     assert not (run_dir / "ranks").exists()

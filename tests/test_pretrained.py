@@ -183,3 +183,15 @@ def test_llama_family_loads_hugging_face_llama_weights(tiny_llama_dir):
     with torch.no_grad():
         ours = model(x)[0]
     assert (ours - logits_of_transformers(tiny_llama_dir, x)).abs().max() < 1e-5
+
+
+def test_pretrained_vocabulary_does_not_follow_the_tokenizer(tiny_llama_dir):
+    """A checkpoint fixes the vocabulary: the tokenizer must fit in it, not resize it."""
+    from src.trainer.data import follow_tokenizer_vocab
+
+    cfg = make_cfg("model=hf", f"model.pretrained={tiny_llama_dir}")
+    follow_tokenizer_vocab(cfg, {"vocab_size": 100}, set())
+    assert cfg.model.vocab_size is None  # the checkpoint's 256 stays
+    with pytest.raises(CONFIG_ERRORS) as info:
+        follow_tokenizer_vocab(cfg, {"vocab_size": 300}, set())
+    assert "use the model's own tokenizer" in one_line(info.value)
