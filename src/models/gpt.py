@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.memory import CHECKPOINTING, ActivationBytes, backward_blocks
+from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
     ModelSpec,
     check_positive_ints,
@@ -308,21 +308,14 @@ def activation_bytes(
     q/k/v, attention out, its projection, MLP hidden, MLP out: 11 n d) and recomputes
     the norms and GELU. Dropout > 0 adds one byte per element for each dropout mask.
     """
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
     s, d, L = act_bytes, config.n_embd, config.n_layer
     n = micro_batch * seq_len
     masks = 2 * n * d if config.dropout > 0 else 0  # two residual dropouts per block
     block = s * (16 * n * d + 4 * n) + 4 * n * config.n_head + masks
     kept = {
-        "none": block,
         "full": s * n * d,
         "selective": s * 11 * n * d + 4 * n * config.n_head + masks,
-    }[checkpointing]
-    every = every if checkpointing == "full" else 1  # selective: every block
-    ckpt = [checkpointing != "none" and i % every == 0 for i in range(L)]
-    kept_per_block = [kept if c else block for c in ckpt]
-    saved = sum(kept_per_block)
+    }
     head = (
         s * (2 * n * d + 2 * n)
         + 4 * n * config.vocab_size
@@ -330,11 +323,9 @@ def activation_bytes(
         + 4  # the loss's total weight (a 0-d fp32)
         + (n * d if config.dropout > 0 else 0)
     )
-    return ActivationBytes(
-        saved=saved,
-        head=head,
-        loss_transient=8 * n * config.vocab_size,
-        block_transient=backward_blocks(kept_per_block, block, ckpt, 5 * s * n * d),
+    loss = 8 * n * config.vocab_size
+    return block_activations(
+        L, block, kept, checkpointing, every, head, loss, 5 * s * n * d
     )
 
 

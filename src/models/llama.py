@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.memory import CHECKPOINTING, ActivationBytes, backward_blocks
+from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
     HFAdapter,
     ModelSpec,
@@ -363,22 +363,15 @@ def activation_bytes(
     recomputes it; ``selective`` keeps the input and the matmul and attention outputs
     (q, k, v, attention out, wo, w1, w3, w2 outs: s (5 n d + 2 n kv + 2 n F) + 4 n h).
     """
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
     s, d, L = act_bytes, config.dim, config.n_layers
     kv, F, h = config.kv_heads * config.head_dim, config.hidden_dim, config.n_heads
     n = micro_batch * seq_len
     norm = 8 * n * d + 4 * n
     block = 2 * norm + s * (4 * n * d + 2 * n * kv + 4 * n * F) + 4 * n * h
     kept = {
-        "none": block,
         "full": s * n * d,
         "selective": s * (5 * n * d + 2 * n * kv + 2 * n * F) + 4 * n * h,
-    }[checkpointing]
-    every = every if checkpointing == "full" else 1  # selective: every block
-    ckpt = [checkpointing != "none" and i % every == 0 for i in range(L)]
-    kept_per_block = [kept if c else block for c in ckpt]
-    saved = sum(kept_per_block)
+    }
     head = (
         norm
         + s * n * d
@@ -387,13 +380,9 @@ def activation_bytes(
         + 2 * 4 * seq_len * config.head_dim
         + 4
     )
-    return ActivationBytes(
-        saved=saved,
-        head=head,
-        loss_transient=8 * n * config.vocab_size,
-        block_transient=backward_blocks(
-            kept_per_block, block, ckpt, s * (n * d + 3 * n * F)
-        ),
+    loss = 8 * n * config.vocab_size
+    return block_activations(
+        L, block, kept, checkpointing, every, head, loss, s * (n * d + 3 * n * F)
     )
 
 

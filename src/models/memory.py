@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The modes the sharding layer's per-unit transform implements (one list for both).
-from src.sharding import CHECKPOINTING  # noqa: F401  (re-exported for the families)
+from src.sharding import CHECKPOINTING
 
 
 @dataclass(frozen=True)
@@ -52,3 +52,30 @@ def backward_blocks(
         peak = max(peak, alive + back + work)
         alive -= kept[b]
     return peak - sum(kept)
+
+
+def block_activations(
+    layers: int,
+    block: int,
+    kept: dict[str, int],
+    checkpointing: str,
+    every: int,
+    head: int,
+    loss_transient: int,
+    work: int,
+) -> ActivationBytes:
+    """The :class:`ActivationBytes` of ``layers`` blocks that each save ``block``
+    bytes, or ``kept[checkpointing]`` when checkpointed: ``full`` checkpoints blocks
+    0, ``every``, 2 ``every``, ...; ``selective`` every block. ``work``: the gradients
+    in flight in one block's backward."""
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
+    every = every if checkpointing == "full" else 1  # selective: every block
+    ckpt = [checkpointing != "none" and i % every == 0 for i in range(layers)]
+    kept_per_block = [kept[checkpointing] if c else block for c in ckpt]
+    return ActivationBytes(
+        saved=sum(kept_per_block),
+        head=head,
+        loss_transient=loss_transient,
+        block_transient=backward_blocks(kept_per_block, block, ckpt, work),
+    )
