@@ -441,27 +441,24 @@ def _with(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
     return out
 
 
-def _cost(cfg: DictConfig, ovr: dict[str, Any]) -> float:
-    """Relative cost of ``ovr`` against ``cfg`` (see :data:`COST`)."""
+def _cost(currents: dict[str, Any], ovr: dict[str, Any]) -> float:
+    """Relative cost of changing the ``currents`` values to ``ovr`` (see :data:`COST`)."""
     cost = 1.0
     for key, value in ovr.items():
-        old = _current(cfg, key)
-        if value == old:
-            continue
+        old = currents[key]
         if key == AC_KEY:
             cost *= COST["ac"][value] / COST["ac"].get(str(old), 1.0)
         elif key == "trainer.grad_accum":
-            ratio = value / max(1, int(old)) if str(old).isdigit() else value
-            cost *= COST["grad_accum_doubling"] ** max(0.0, math.log2(ratio))
+            cost *= COST["grad_accum_doubling"] ** max(0.0, math.log2(value / old))
             cost *= COST["other_change"]
         elif key == "trainer.grad_sync":
             cost *= COST["sync_every"] if value == "every" else COST["other_change"]
         elif key == "sharding.min_params":
-            lower = math.log10(float(old)) - math.log10(value) if _num(old) else 0
+            lower = math.log10(float(old)) - math.log10(value) if old > 0 else 0
             cost *= COST["min_params_decade_down"] ** max(0.0, lower)
             cost *= COST["other_change"]
         elif key == "trainer.devices":
-            cost *= COST["ranks_doubling"] ** math.log2(value / int(old))
+            cost *= COST["ranks_doubling"] ** math.log2(value / old)
     return cost
 
 
@@ -471,16 +468,12 @@ def _current(cfg: DictConfig, key: str) -> Any:
     return _select(cfg, key, "none" if key == AC_KEY else None)
 
 
-def _num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
-
-
 def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
     """The values the search tries for each key (the current one first)."""
     t = cfg.trainer
     out: dict[str, list] = {}
     for key in keys:
-        cur = _current(cfg, key)
+        cur = world if key == "trainer.devices" else _current(cfg, key)
         if key == "sharding.min_params":
             vals = list(MIN_PARAMS_CANDIDATES)
         elif key == "trainer.grad_accum":
@@ -493,7 +486,7 @@ def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
             vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
         else:
             continue
-        out[key] = ([cur] if cur in vals else []) + [v for v in vals if v != cur]
+        out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
     return out
 
 
@@ -509,6 +502,7 @@ def search(
     in which :func:`_options` lists the values (the current value first). One meta
     model per ``sharding.min_params`` value; everything else is arithmetic."""
     options = _options(cfg, keys, world, max_world or world)
+    currents = {k: values[0] for k, values in options.items()}
     base = run_shape(cfg, world)
     acts = activation_fn(cfg)
     batch = int(cfg.trainer.batch_size)
@@ -526,6 +520,8 @@ def search(
             models[mp] = build_meta_model(_with(cfg, {"sharding.min_params": mp}))
         if (mp, w) not in plans:
             plans[mp, w] = wrap_plan(models[mp], w, int(cfg.sharding.replicate))
+        if point.get(AC_KEY) == "selective" and _nested(plans[mp, w]):
+            continue  # selective needs each block a unit of its own (transforms.py)
         shape = replace(
             base,
             world=w,
@@ -542,14 +538,22 @@ def search(
             shape.ac_every,
         )
         est = estimate(plans[mp, w], shape, a)
-        changed = {k: v for k, v in point.items() if v != _current(cfg, k)}
-        cand = Candidate(changed, est, _cost(cfg, changed))
+        changed = {k: v for k, v in point.items() if v != options[k][0]}
+        cand = Candidate(changed, est, _cost(currents, changed))
         if smallest is None or est.total < smallest.estimate.total:
             smallest = cand
         if est.total <= budget and (best is None or cand.cost < best.cost):
             best = cand
     assert smallest is not None
     return best, smallest
+
+
+def _nested(plan: WrapPlan) -> bool:
+    """Whether a unit sits inside a block (a path going on past a list index, such as
+    ``h.0.attn.c_attn``): selective checkpointing needs whole blocks."""
+    return any(
+        any(part.isdigit() for part in u.path.split(".")[:-1]) for u in plan.units
+    )
 
 
 def _product(options: dict[str, list]) -> Iterable[dict[str, Any]]:
