@@ -172,6 +172,10 @@ def test_bf16_block_backward_and_no_reshard():
     # the block's working set + one unit's bf16 grads and their fp32 reduce buffer
     assert est.parts["transient"] == 5_000 + 300 * (2 + 4)
     assert est.parts["mixed_precision"] == 500 * 2  # the largest shard cast to bf16
+    # FSDP2's reshard_after_forward=2 (a group size), no prefetch: one unit gathered,
+    # the other keeps half of itself until backward
+    group = estimate(PLAN, replace(shape, reshard_after_forward=2, prefetch=0), acts)
+    assert group.parts["gathered_units"] == (1000 + 300 + 300 // 2) * 2
 
 
 def test_optimizer_step_peak_and_unsharded_backends():

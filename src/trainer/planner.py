@@ -136,7 +136,8 @@ class RunShape:
     grad_sync: str = "last"  # last: no_sync until the last micro-batch; every
     param_bytes: int = 4  # compute (all-gather) dtype
     reduce_bytes: int = 4  # gradient reduction dtype
-    reshard_after_forward: bool = True
+    # True, False, or (FSDP2) a group size the units reshard to after forward
+    reshard_after_forward: bool | int = True
     checkpointing: str = "none"
     ac_every: int = 1
     prefetch: int = 1  # units all-gathered ahead in backward (FSDP's default: 1)
@@ -239,11 +240,14 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
     if s.shards:
         params = plan.bytes_per_rank()
         root_numel = root.numel if root else 0
-        kept = blocks if not s.reshard_after_forward else blocks[: 1 + s.prefetch]
-        gathered = (root_numel + sum(kept)) * s.param_bytes
+        raf = s.reshard_after_forward
+        kept = blocks if raf is False else blocks[: 1 + s.prefetch]
+        # With a group size g, the other units keep 1/g of themselves until backward.
+        partly = sum(blocks[len(kept) :]) // raf if type(raf) is int else 0
+        gathered = (root_numel + sum(kept) + partly) * s.param_bytes
         notes["gathered_units"] = (
-            f"root + {'all' if not s.reshard_after_forward else len(kept)} "
-            f"unit(s), {8 * s.param_bytes}-bit"
+            f"root + {'all' if raf is False else len(kept)} unit(s)"
+            f"{f' + 1/{raf} of the rest' if partly else ''}, {8 * s.param_bytes}-bit"
         )
         sharded_grads = params
         unsharded_grads = total * s.reduce_bytes
@@ -369,7 +373,7 @@ def run_shape(cfg: DictConfig, world: int) -> RunShape:
         grad_sync=str(_select(cfg, "trainer.grad_sync", "last")),
         param_bytes=prec.param_dtype.itemsize,
         reduce_bytes=prec.reduce_dtype.itemsize,
-        reshard_after_forward=bool(s.reshard_after_forward),
+        reshard_after_forward=s.reshard_after_forward,
         checkpointing=str(_select(cfg, AC_KEY, "none")),
         ac_every=int(_select(cfg, AC_EVERY_KEY, 1)),
         prefetch=int(_select(cfg, PREFETCH_KEY, 1)),
