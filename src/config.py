@@ -38,7 +38,7 @@ from src.models import families, get_spec
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
 from src.trainer.data import DATA_SOURCES
 from src.trainer.loggers import LOGGERS, WANDB_MODES
-from src.trainer.planner import budget_bytes
+from src.trainer.planner import GRAD_SYNC, budget_bytes
 from src.trainer.resolved import (
     ConfigError,
     Resolved,
@@ -49,7 +49,6 @@ from src.trainer.resolved import (
 )
 
 INIT_DEVICES = ("cpu", "cuda", "meta")
-GRAD_SYNC = ("auto", "last", "every")
 
 # The groups' schemas below type every key; its value has one home, the group's YAML
 # in conf/ (where each key is commented), so a field without a default is MISSING.
@@ -86,7 +85,7 @@ class TrainerConfig:
     max_steps: int = MISSING
     batch_size: int = MISSING
     grad_accum: Any = MISSING  # an int >= 1, or "auto"
-    grad_sync: str = MISSING  # one of GRAD_SYNC
+    grad_sync: str = MISSING  # auto or one of src.trainer.planner.GRAD_SYNC
     mem_budget_gib: Any = MISSING  # GiB per rank or an accelerator name (planner)
     seed: int = MISSING
     log_every: int = MISSING
@@ -385,7 +384,7 @@ def validate(cfg: DictConfig) -> Resolved:
         "trainer.grad_accum",
         f"got {accum!r}, expected an integer >= 1 or auto",
     )
-    _choice(cfg, "trainer.grad_sync", GRAD_SYNC)
+    _choice(cfg, "trainer.grad_sync", ("auto", *GRAD_SYNC))
     budget_bytes(t.mem_budget_gib)
     accum = 1 if accum == "auto" else int(accum)
     micro = t.batch_size // accum

@@ -46,7 +46,7 @@ from src.trainer.resolved import (
     resolve_devices,
 )
 
-# Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
+#: Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
 #: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
 ACCELERATORS_GIB: dict[str, float] = {
     "a100_40gb": 39.4,
@@ -574,14 +574,13 @@ def auto_keys(cfg: DictConfig) -> list[str]:
     return [k for k in AUTO_KEYS if OmegaConf.select(cfg, k, default=None) == "auto"]
 
 
-def _fixed_defaults(cfg: DictConfig) -> dict[str, Any]:
-    """Stand-ins for ``auto`` values while the others are searched."""
-    return {
-        "sharding.min_params": 1e8,
-        "trainer.grad_accum": 1,
-        "trainer.grad_sync": "last",
-        AC_KEY: "none",
-    }
+#: Stand-ins for ``auto`` values, the search's starting point (costs are relative to it).
+_AUTO_START: dict[str, Any] = {
+    "sharding.min_params": 1e8,
+    "trainer.grad_accum": 1,
+    "trainer.grad_sync": "last",
+    AC_KEY: "none",
+}
 
 
 def resolve_auto(
@@ -605,7 +604,7 @@ def resolve_auto(
     source = "trainer.mem_budget_gib"
     if budget is None:
         budget, source = machine_budget_bytes(world), "this machine's memory per rank"
-    start = _with(cfg, {k: _fixed_defaults(cfg)[k] for k in keys})
+    start = _with(cfg, {k: _AUTO_START[k] for k in keys})
     best, smallest = search(start, keys, budget, world)
     chosen = best or smallest
     values = {k: chosen.overrides.get(k, OmegaConf.select(start, k)) for k in keys}
