@@ -249,6 +249,33 @@ def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
     assert est.total > 0.45 * GIB
 
 
+def test_70b_on_64_ranks_fits_a_budget_in_seconds_allocating_nothing(tmp_path, capsys):
+    """The issue's check: gpt_70b, 64 ranks, 80 GiB: breakdown, verdict and the change
+    that fits (a search over min_params, checkpointing, micro-batch and ranks)."""
+    import time
+
+    from src.trainer import metrics
+
+    cfg = _compose(
+        "model=gpt_70b",
+        "trainer.devices=64",
+        "trainer.mem_budget_gib=80",
+        "logger=none",
+    )
+    peak_resets = metrics._reset_cpu_peak_rss()
+    before = metrics.cpu_peak_rss_bytes()
+    start = time.perf_counter()
+    planner.plan_only(cfg, str(tmp_path))
+    seconds = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert "activations (saved)" in out and "optimizer state (AdamW)" in out
+    assert "does not fit: needs " in out
+    assert "cheapest change that fits: sharding.activation_checkpointing=full ->" in out
+    assert seconds < 60  # ~4 s on an idle 2-core machine
+    if peak_resets:  # 65B fp32 parameters are 242 GiB: nothing of them is allocated
+        assert metrics.cpu_peak_rss_bytes() - before < 0.25 * GIB
+
+
 @pytest.mark.slow
 def test_sweep_records_the_point_that_cannot_fit_as_skipped(tmp_path):
     sweep = tmp_path / "sweep"
