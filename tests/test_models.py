@@ -4,6 +4,7 @@ plugged in from config alone (``model=custom model._target_=...``)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,37 @@ def test_custom_model_trains_sharded_on_two_ranks(tmp_path):
     ]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["model=llama_tiny"],
+        ["model=hf", "model.config=tiny_llama", "trainer.export=hf"],
+    ],
+    ids=["llama_tiny", "hf"],
+)
+def test_train_py_runs_the_family_on_two_ranks(tmp_path, model):
+    """``python train.py model=...`` end to end on 2 ranks: loss goes down, throughput,
+    MFU (FLOPs from the spec) and memory are logged; ``trainer.export=hf`` writes a
+    directory transformers opens."""
+    from tests.test_train import read_rows, run_cmd
+
+    run_dir = tmp_path / "run"
+    out = run_cmd(
+        [sys.executable, "train.py", *model, "trainer.devices=2", "logger=none"]
+        + ["trainer.max_steps=6"]
+        + ["trainer.batch_size=8", "trainer.log_every=1", "trainer.val_every=0"]
+        + ["trainer.warmup_steps=1", "trainer.lr=1e-2", "trainer.progress=false"]
+        + ["trainer.peak_tflops=1", f"hydra.run.dir={run_dir}"]
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in read_rows(run_dir) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert all(rows[-1][k] > 0 for k in ("tokens_per_s", "mfu", "peak_mem_gib"))
+    if "trainer.export=hf" in model:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+        assert hf.config.model_type == "llama"
