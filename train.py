@@ -34,10 +34,11 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
     return budget_check(cfg)
 
 
-def _run(cfg: DictConfig, run_dir: str) -> None:
+def _run(cfg: DictConfig, run_dir: str) -> dict | None:
+    """The run's summary (None for plan-only)."""
     with exit_on_config_error():  # one line, before any rank starts
         cfg, resolved = prepare(cfg, validate(cfg))
-    launch(cfg, run_dir, resolved)
+    return launch(cfg, run_dir, resolved)
 
 
 if __name__ == "__main__":

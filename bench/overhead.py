@@ -20,7 +20,7 @@ repeat and as the median, with the CPU time of each side's process tree (read fr
 disturbs less than wall time.
 
 ``--ab`` instead runs the arms of ``AB_ARMS`` (the minimal step, the trainer's own
-build_model + train_step, root resharding on/off, the log-point work) inside the same
+``Trainer.build`` + ``Trainer.step``, root resharding on/off, log points) inside the same
 2 ranks, one step of each in turn, so machine load hits them alike: the step-level
 comparison without process start-up, launcher or Hydra.
 
@@ -31,6 +31,7 @@ comparison without process start-up, launcher or Hydra.
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -40,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -200,18 +200,11 @@ def minimal_process(launcher: str, out_dir: str) -> None:
             _spawn_worker, args=(s, out_dir), nprocs=WORLD, start_method="spawn"
         )
         return
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=WORLD,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-    )
-    elastic_launch(config, _elastic_worker)(s, out_dir)
+    from src.trainer.launch import local_launch_config  # as train.py launches
+
+    elastic_launch(local_launch_config(WORLD), _elastic_worker)(s, out_dir)
 
 
 # ------------------------------------------- interleaved A/B inside the same ranks
@@ -219,13 +212,13 @@ def minimal_process(launcher: str, out_dir: str) -> None:
 # Arms of --ab: each a model + optimizer + schedule in the same 2 ranks, stepped in
 # turn (one step of each arm, rotating the order), so load on the machine hits all
 # arms alike. ``minimal*``: hand-written FSDP2 and step; ``trainer*``: the trainer's
-# own build_model / build_optimizer / train_step (src.trainer.loop).
+# own parts, ``Trainer.build`` and ``Trainer.step`` (src.trainer.loop).
 AB_ARMS = (
     "minimal",  # fully_shard(block), fully_shard(root) with torch's defaults
     "minimal+root_reshard",  # the same, root with reshard_after_forward=True
-    "trainer_step",  # the trainer's build_model + train_step, config as given
+    "trainer_step",  # Trainer.build + Trainer.step, config as given
     "trainer_step+root_keep",  # the same, root with reshard_after_forward=False
-    "trainer_step+log",  # trainer_step plus a log point's work at every step
+    "trainer_step+log",  # the same with a log point at every step
 )
 
 
@@ -246,9 +239,8 @@ def compose_trainer_cfg(args: argparse.Namespace, s: dict):
 def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
     """(step function, model) of one arm."""
 
-    from src.sharding import build_backend
-    from src.trainer import loop
-    from src.trainer.resolved import resolve
+    from src.trainer.loggers import Logger
+    from src.trainer.loop import Trainer
 
     if name.startswith("minimal"):
         root_reshard = True if name.endswith("root_reshard") else None
@@ -266,40 +258,20 @@ def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
 
         return step_fn
 
-    backend = build_backend(
-        "fsdp2", cfg.precision.name, "cpu", cfg.sharding.reshard_after_forward
-    )
-    model = loop.build_model(cfg, backend, resolve(cfg))
-    if name.endswith("root_keep"):
-        model.set_reshard_after_forward(False, recurse=False)
-    optimizer = loop.build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, loop.lr_lambda(cfg))
+    # The trainer's own parts (src.trainer.loop.Trainer): build, then step. Its log
+    # points are the first and last steps, or every step for ``+log``.
     log_every_step = name.endswith("+log")
-    if log_every_step:
-        from src.trainer import metrics as tm
-        from src.trainer.loggers import Logger
-
-        logger = Logger.files(out_dir if dist.get_rank() == 0 else None)
-        meter = tm.ThroughputMeter(s["batch_size"] * cfg.model.block_size, 1.0, 1.0, 2)
+    arm_cfg = copy.deepcopy(cfg)
+    arm_cfg.trainer.log_every = 1 if log_every_step else s["steps"] + 1
+    run_dir = os.path.join(out_dir, name)
+    logger = Logger.files(run_dir if log_every_step and dist.get_rank() == 0 else None)
+    trainer = Trainer(arm_cfg, run_dir, torch.device("cpu"), logger=logger).build()
+    if name.endswith("root_keep"):
+        trainer.model.set_reshard_after_forward(False, recurse=False)
 
     def step_fn(batches, step: int) -> float:
-        lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = loop.train_step(
-            model, batches, step, backend, optimizer, None, cfg
-        )
-        scheduler.step()
-        if log_every_step:  # what the loop does at a log point (src/trainer/loop.py)
-            speed = meter.step(step + 1, log=True)
-            row = {
-                "loss": loop.global_mean(loss),
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                **(speed or {}),
-                **tm.reduce_max_min(tm.memory_metrics(torch.device("cpu"))),
-            }
-            logger.log(row, step=step + 1)
-            return row["loss"]  # the global mean, on every rank
-        return loss.item()
+        trainer.step(step + 1)  # its own batches: the same synthetic tokens
+        return trainer.loss  # the global mean, on every rank
 
     return step_fn
 
@@ -544,7 +516,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ab",
         action="store_true",
         help="interleaved in-process A/B of the minimal step and the trainer's own "
-        "build_model/train_step (and variants) instead of the end-to-end runs",
+        "Trainer.build/Trainer.step (and variants) instead of the end-to-end runs",
     )
     p.add_argument("--ab-arms", nargs="+", default=list(AB_ARMS), choices=AB_ARMS)
     p.add_argument("--append-docs", action="store_true")
@@ -587,8 +559,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "per-step wall time (rank 0) and CPU time (sum of both ranks). "
                     "`minimal`: fully_shard per block and root with torch's defaults "
                     "(the root keeps its parameters unsharded after forward); "
-                    "`trainer_step`: src.trainer.loop's build_model, build_optimizer, "
-                    "lr_lambda and train_step with the composed train.py config."
+                    "`trainer_step`: src.trainer.loop's Trainer.build and Trainer.step "
+                    "with the composed train.py config (log points: first and last "
+                    "step; `+log`: every step)."
                 ),
             )
         return rows

@@ -221,6 +221,11 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
     _require(value >= minimum, key, f"got {value}, expected an integer >= {minimum}")
 
 
+def _with(backends: dict[str, type], flag: str) -> list[str]:
+    """The names of the backends whose class sets ``flag``."""
+    return [name for name, cls in backends.items() if getattr(cls, flag)]
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -331,10 +336,12 @@ def validate(cfg: DictConfig) -> Resolved:
         f"meta needs a per-parameter init, which model family {spec.name!r} has not",
     )
     _choice(cfg, "sharding.backend", BACKENDS)
+    backend = BACKENDS[s.backend]
     _require(
-        m.init_device != "meta" or s.backend in ("fsdp2", "none"),
+        m.init_device != "meta" or backend.meta_init,
         "model.init_device",
-        f"meta needs sharding=fsdp2 or sharding=none, not sharding={s.backend}",
+        f"meta needs sharding={' or sharding='.join(_with(BACKENDS, 'meta_init'))}, "
+        f"not sharding={s.backend}",
     )
     _require(
         m.init_device != "cuda" or torch.cuda.is_available(),
@@ -355,10 +362,10 @@ def validate(cfg: DictConfig) -> Resolved:
         s.replicate >= 1, "sharding.replicate", f"got {s.replicate}, expected >= 1"
     )
     _require(
-        s.replicate == 1 or s.backend in ("fsdp2", "fsdp1"),
+        s.replicate == 1 or backend.hybrid,
         "sharding.replicate",
-        f"hybrid sharding (replicate={s.replicate}) needs sharding=fsdp2 or fsdp1, "
-        f"not sharding={s.backend}",
+        f"hybrid sharding (replicate={s.replicate}) needs sharding="
+        f"{' or '.join(_with(BACKENDS, 'hybrid'))}, not sharding={s.backend}",
     )
     _require(
         world_size % s.replicate == 0,
@@ -368,7 +375,7 @@ def validate(cfg: DictConfig) -> Resolved:
     )
     _check_fsdp2_knobs(s, world_size // s.replicate)
     _require(
-        s.backend != "none" or world_size == 1,
+        backend.distributed or world_size == 1,
         "trainer.devices",
         f"sharding=none trains one process, got {world_size} devices; "
         "use trainer.devices=1 or sharding=fsdp2/fsdp1/ddp",

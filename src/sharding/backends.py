@@ -1,6 +1,8 @@
 """Backends: how units are wrapped, how the root is wrapped, and the step-time helpers.
 
-The same model code runs under all of them:
+One class per backend, all with the interface of :class:`Backend` (building, root
+wrap, placement, autocast, grad scaler, clipping, ``no_sync``); :data:`BACKENDS`
+lists them by name. The same model code runs under all of them:
 
 - ``fsdp2`` (default): FSDP2 ``fully_shard`` per unit, in place, on a 1-D device mesh,
   or on a 2-D ``(replicate, shard)`` mesh for hybrid sharding (HSDP, ``replicate > 1``).
@@ -10,6 +12,8 @@ The same model code runs under all of them:
 - ``none``: one process, nothing wrapped.
 - ``plan``: records units without sharding anything (plan-only, on the meta device).
 
+State dicts need no backend method: torch.distributed.checkpoint's ``get_state_dict``
+and ``set_state_dict`` read and write every one of them by canonical name.
 The root is always wrapped last, so no parameter is left out of a unit.
 """
 
@@ -19,8 +23,7 @@ import contextlib
 import ctypes
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -35,10 +38,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
 from .wrap import enable_wrap, make_unit
-
-#: The backends that train (``plan`` only records units, for plan-only runs).
-BACKENDS = ("fsdp2", "fsdp1", "ddp", "none")
-
 
 MESH_DIMS = ("replicate", "shard")
 
@@ -131,48 +130,58 @@ def record_unit(module: nn.Module, **_: Any) -> nn.Module:
     return module
 
 
-@dataclass
 class Backend:
-    """One backend, bound to this process's device and ranks."""
+    """One backend, bound to this process's device and ranks.
 
-    name: str
-    precision: Precision
-    device: torch.device
-    #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
-    reshard_after_forward: bool | int = True
-    world_size: int = 1
-    rank: int = 0
-    replicate: int = 1  # HSDP: replica groups; each shards over world_size / replicate
-    mesh: DeviceMesh | None = field(default=None, repr=False)
+    The shared interface: building (:meth:`wrapper`, :meth:`wrap_context`,
+    :meth:`wrap_root`, :meth:`finish_build`) and the step-time helpers
+    (:meth:`autocast`, :meth:`grad_scaler`, :meth:`clip_grad_norm_`, :meth:`no_sync`).
+    The base class is one process with nothing wrapped; each subclass changes only
+    what its backend does differently. :data:`BACKENDS` lists them by name.
+    """
+
+    name: ClassVar[str]
+    wraps_units: ClassVar[bool] = False  # units are wrapped as the model is built
+    distributed: ClassVar[bool] = True  # needs an initialised process group
+    meta_init: ClassVar[bool] = True  # can materialise a model built on meta
+    hybrid: ClassVar[bool] = False  # takes replicate > 1 (HSDP)
+    allocates: ClassVar[bool] = True  # the built model holds real tensors
+
+    def __init__(
+        self,
+        precision: Precision,
+        device: torch.device,
+        reshard_after_forward: bool | int = True,
+        replicate: int = 1,
+    ) -> None:
+        if replicate != 1 and not self.hybrid:
+            raise ValueError(
+                f"replicate={replicate}: hybrid sharding needs fsdp2 or fsdp1"
+            )
+        self.precision, self.device = precision, device
+        #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
+        self.reshard_after_forward = reshard_after_forward
+        self.replicate = replicate  # HSDP: replica groups, each sharding over N / R
+        self.world_size, self.rank = 1, 0
+        self.mesh: DeviceMesh | None = None
+        if self.distributed:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    f"backend {self.name!r} needs an initialised torch.distributed "
+                    "process group (backend 'none' runs without one)"
+                )
+            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.precision.name}, {self.device})"
 
     @property
     def param_dtype(self) -> torch.dtype:
         return self.precision.param_dtype
 
-    @property
-    def wraps_units(self) -> bool:
-        """Units are wrapped as the model is built (fsdp2, fsdp1, plan), not ddp/none."""
-        return self.name in ("fsdp2", "fsdp1", "plan")
-
     # -- building -------------------------------------------------------------------
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
-        """The wrapper and its context defaults for ``enable_wrap``."""
-        if self.name == "fsdp2":
-            return fully_shard, {
-                "mesh": self.mesh,
-                "reshard_after_forward": self.reshard_after_forward,
-                "mp_policy": self.precision.fsdp2_policy(),
-            }
-        if self.name == "fsdp1":
-            # FSDP1 needs device_id even on CPU, where it cannot infer one.
-            return fsdp1_wrapper, {
-                "reshard_after_forward": self.reshard_after_forward,
-                "mp_policy": self.precision,
-                "device_id": self.device,
-                "device_mesh": self.mesh,
-            }
-        if self.name == "plan":
-            return record_unit, {}
+        """The per-unit wrapper and its context defaults for ``enable_wrap``."""
         raise ValueError(f"backend {self.name!r} has no per-unit wrapper")
 
     def wrap_context(
@@ -180,7 +189,7 @@ class Backend:
         policy: WrapPolicy | None,
         transform: Callable[[nn.Module], None] | None = None,
     ) -> contextlib.AbstractContextManager:
-        """``enable_wrap`` with this backend's wrapper, or a null context for ddp/none."""
+        """``enable_wrap`` with this backend's wrapper; a null context without units."""
         if not self.wraps_units:
             return contextlib.nullcontext()
         wrapper_cls, defaults = self.wrapper()
@@ -189,58 +198,172 @@ class Backend:
         return enable_wrap(wrapper_cls, policy=policy, transform=transform, **defaults)
 
     def wrap_root(self, model: nn.Module) -> nn.Module:
-        """Wrap the root last (inside the wrap context for sharding backends).
+        """Wrap the root last (inside the wrap context), so no parameter is left out."""
+        return make_unit(model) if self.wraps_units else model
 
-        FSDP2's root keeps its parameters gathered after forward: backward needs them
-        first, so freeing and re-gathering them would only cost a collective.
-        """
-        if self.name == "fsdp2":
-            model = make_unit(model, reshard_after_forward=False)
-            # A policy may have made the root a unit already, with the defaults.
-            model.set_reshard_after_forward(False, recurse=False)
+    def finish_build(
+        self,
+        model: nn.Module,
+        init_device: torch.device,
+        init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None,
+    ) -> nn.Module:
+        """After the wrap context: a meta-built model materialised shard by shard from
+        ``init_fn``, or the built model placed on this backend's device."""
+        if not self.allocates:
+            return model  # as built (on meta for a plan): nothing is allocated
+        if init_device.type == "meta":
+            materialize_meta_(model, init_fn, self.device)
             return model
-        if self.wraps_units:
-            return make_unit(model)
-        return model
+        return self.place(model)
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """The built (not meta) model on this backend's device."""
+        return model.to(self.device)
 
     # -- step-time helpers ------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Autocast for backends without their own mixed precision (ddp, none)."""
-        if self.wraps_units or not self.precision.is_mixed:
+        """Autocast, for backends without mixed precision of their own."""
+        if not self.precision.is_mixed:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.precision.param_dtype)
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
-        """A gradient scaler for fp16 (sharded for FSDP), else None."""
+        """A gradient scaler for fp16, else None."""
         if not self.precision.needs_grad_scaler:
             return None
-        if self.name in ("fsdp1", "fsdp2"):
-            return ShardedGradScaler(device=self.device.type)
         return torch.amp.GradScaler(self.device.type)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip by the global norm over all shards; returns that norm (a plain tensor)."""
-        if self.name == "fsdp1":
-            return model.clip_grad_norm_(max_norm)
+        """Clip by the global gradient norm; returns that norm (a plain tensor)."""
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return norm
 
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Skip the gradient reduction (inner gradient-accumulation steps)."""
+        return contextlib.nullcontext()
+
+
+class SingleProcessBackend(Backend):
+    """``none``: one process, nothing wrapped."""
+
+    name = "none"
+    distributed = False
+
+
+class DDPBackend(Backend):
+    """``ddp``: no units; the root is wrapped in ``DistributedDataParallel``."""
+
+    name = "ddp"
+    meta_init = False
+
+    def place(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=device_ids)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync()
+
+
+class _FSDPBackend(Backend):
+    """What FSDP2 and FSDP1 share: units, their own mixed precision, a sharded
+    gradient scaler, parameters already placed by the wrapper."""
+
+    wraps_units = True
+    hybrid = True
+
+    def place(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the wrapper casts (mp_policy)
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        if not self.precision.needs_grad_scaler:
+            return None
+        return ShardedGradScaler(device=self.device.type)
+
+
+class FSDP2Backend(_FSDPBackend):
+    """``fsdp2``: ``fully_shard`` per unit, in place, on a 1-D mesh (2-D for HSDP)."""
+
+    name = "fsdp2"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesh = device_mesh(self.device.type, self.world_size, self.replicate)
+
+    def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
+        return fully_shard, {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": self.precision.fsdp2_policy(),
+        }
+
+    def wrap_root(self, model: nn.Module) -> nn.Module:
+        """FSDP2's root keeps its parameters gathered after forward: backward needs
+        them first, so freeing and re-gathering them would only cost a collective."""
+        model = make_unit(model, reshard_after_forward=False)
+        # A policy may have made the root a unit already, with the defaults.
+        model.set_reshard_after_forward(False, recurse=False)
+        return model
+
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """Skip the gradient reduction (inner gradient-accumulation steps)."""
-        if self.name == "fsdp2" and isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
-        elif self.name in ("fsdp1", "ddp"):
-            with model.no_sync():
-                yield
-        else:
+        if not isinstance(model, FSDPModule):
             yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+class FSDP1Backend(_FSDPBackend):
+    """``fsdp1``: ``FullyShardedDataParallel`` per unit (``HYBRID_SHARD`` for HSDP)."""
+
+    name = "fsdp1"
+    meta_init = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.replicate > 1:
+            self.mesh = device_mesh(self.device.type, self.world_size, self.replicate)
+
+    def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
+        # FSDP1 needs device_id even on CPU, where it cannot infer one.
+        return fsdp1_wrapper, {
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": self.precision,
+            "device_id": self.device,
+            "device_mesh": self.mesh,
+        }
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync()
+
+
+class PlanBackend(_FSDPBackend):
+    """``plan``: records units without sharding or allocating anything (plan-only)."""
+
+    name = "plan"
+    distributed = False
+    allocates = False
+
+    def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
+        return record_unit, {}
+
+
+#: The backends that train, by ``sharding.backend`` name.
+BACKENDS: dict[str, type[Backend]] = {
+    b.name: b for b in (FSDP2Backend, FSDP1Backend, DDPBackend, SingleProcessBackend)
+}
 
 
 def build_backend(
@@ -250,31 +373,18 @@ def build_backend(
     reshard_after_forward: bool | int = True,
     replicate: int = 1,
 ) -> Backend:
-    """A backend for this process; distributed ones need an initialised process group.
-
-    ``replicate=R > 1`` (fsdp2, fsdp1, and ``plan`` for its estimate) is hybrid
-    sharding: R replica groups, each sharding over ``world_size / R`` ranks.
-    """
-    if name not in (*BACKENDS, "plan"):
+    """The backend ``name`` (one of :data:`BACKENDS`, or ``plan``) for this process;
+    distributed ones need an initialised process group. ``replicate=R > 1`` (fsdp2,
+    fsdp1, and ``plan`` for its estimate) is hybrid sharding: R replica groups, each
+    sharding over ``world_size / R`` ranks."""
+    cls = PlanBackend if name == "plan" else BACKENDS.get(name)
+    if cls is None:
         raise ValueError(
             f"unknown backend {name!r}, expected one of: {', '.join(BACKENDS)}, plan"
         )
-    if replicate != 1 and name not in ("fsdp2", "fsdp1", "plan"):
-        raise ValueError(f"replicate={replicate}: hybrid sharding needs fsdp2 or fsdp1")
     prec = get_precision(precision) if isinstance(precision, str) else precision
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backend = Backend(name, prec, device, reshard_after_forward, replicate=replicate)
-    if name in ("fsdp2", "fsdp1", "ddp"):
-        if not dist.is_initialized():
-            raise RuntimeError(
-                f"backend {name!r} needs an initialised torch.distributed process "
-                "group (backend 'none' runs without one)"
-            )
-        backend.world_size = dist.get_world_size()
-        backend.rank = dist.get_rank()
-        if name == "fsdp2" or replicate > 1:
-            backend.mesh = device_mesh(device.type, backend.world_size, replicate)
-    return backend
+    return cls(prec, device, reshard_after_forward, replicate)
 
 
 def build_sharded_model(
@@ -296,12 +406,12 @@ def build_sharded_model(
     sharded; without units (ddp, none) it runs once on the built model.
     """
     init_device = torch.device(init_device)
-    if init_device.type == "meta" and backend.name in ("fsdp1", "ddp"):
+    if init_device.type == "meta" and not backend.meta_init:
         raise ValueError(
             f"meta-device init is not supported with backend {backend.name!r} "
             "(use fsdp2 or none)"
         )
-    if init_device.type == "meta" and init_fn is None and backend.name != "plan":
+    if init_device.type == "meta" and init_fn is None and backend.allocates:
         raise ValueError("meta-device init needs an init_fn to materialise shards")
     with backend.wrap_context(policy, transform), init_device:
         model = model_fn()
@@ -310,16 +420,7 @@ def build_sharded_model(
         model = backend.wrap_root(model)
     if transform is not None and not backend.wraps_units:
         transform(model)
-    if backend.name == "plan":
-        return model
-    if init_device.type == "meta":
-        materialize_meta_(model, init_fn, backend.device)
-    elif backend.name in ("ddp", "none"):
-        model = model.to(backend.device)
-    if backend.name == "ddp":
-        device_ids = [backend.device] if backend.device.type == "cuda" else None
-        model = DDP(model, device_ids=device_ids)
-    return model
+    return backend.finish_build(model, init_device, init_fn)
 
 
 def set_prefetch(

@@ -60,43 +60,31 @@ def _world_from_env() -> int | None:
     return int(os.environ.get("WORLD_SIZE", 0)) or None  # set under torchrun
 
 
-def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> None:
-    """Run training for ``cfg`` (from :func:`prepare`) on its ranks; exit non-zero,
-    showing the first failed rank's error once, if any rank fails. With
-    ``trainer.plan_only`` no rank starts: the wrap plan for that many ranks is
-    printed instead."""
+def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] | None:
+    """Run training for ``cfg`` (from :func:`prepare`) on its ranks and return the
+    run's summary (rank 0's); exit non-zero, showing the first failed rank's error
+    once, if any rank fails. With ``trainer.plan_only`` no rank starts: the wrap plan
+    for that many ranks is printed instead (and None returned)."""
     world = _world_from_env()
     if cfg.trainer.plan_only:
         if _is_rank0():
             plan_only(cfg, run_dir, world_size=world or resolved.world_size)
-        return
+        return None
     if under_torchrun():
         # record(): torchrun's failure summary then shows this rank's traceback.
-        record(run_rank)(cfg, run_dir, resolved)
-        return
+        return record(run_rank)(cfg, run_dir, resolved)
     nprocs = resolved.world_size
     if nprocs == 1:
-        run_rank(cfg, run_dir, resolved)
-        return
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nprocs,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
-        max_restarts=cfg.trainer.max_restarts,
-        # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console.
-        logs_specs=DefaultLogsSpecs(
-            log_dir=os.path.join(run_dir, "ranks"),
-            redirects={r: Std.ALL for r in range(1, nprocs)},
-        ),
-    )
+        return run_rank(cfg, run_dir, resolved)
+    # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console.
+    log_dir = os.path.join(run_dir, "ranks")
+    config = local_launch_config(nprocs, cfg.trainer.max_restarts, log_dir)
     _quiet_launcher_logs()
     try:
-        elastic_launch(config, _rank_entry)(cfg, run_dir, resolved)
+        summaries = elastic_launch(config, _rank_entry)(cfg, run_dir, resolved)
     except ChildFailedError as err:
         sys.exit(_failure_report(err))
+    return summaries.get(0)
 
 
 def _is_rank0() -> bool:
@@ -112,9 +100,31 @@ def _user_keys() -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
-def _rank_entry(cfg: DictConfig, run_dir: str, resolved: Resolved) -> None:
+def local_launch_config(
+    nprocs: int, max_restarts: int = 0, log_dir: str | None = None
+) -> LaunchConfig:
+    """torch's elastic launcher set up as ``torchrun --standalone``: ``nprocs`` ranks
+    on this machine, a private c10d rendezvous on a free port; with ``log_dir`` the
+    output of ranks > 0 goes there instead of the console."""
+    logs = {}
+    if log_dir is not None:
+        redirects = {r: Std.ALL for r in range(1, nprocs)}
+        logs["logs_specs"] = DefaultLogsSpecs(log_dir=log_dir, redirects=redirects)
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port
+        max_restarts=max_restarts,
+        **logs,
+    )
+
+
+def _rank_entry(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any]:
     # Module level so the spawned ranks can unpickle it.
-    run_rank(cfg, run_dir, resolved)
+    return run_rank(cfg, run_dir, resolved)
 
 
 def _quiet_launcher_logs() -> None:
@@ -182,8 +192,8 @@ def _shared_run_dir(run_dir: str) -> str:
     return box[0]
 
 
-def run_rank(cfg: DictConfig, run_dir: str, resolved: Resolved) -> Any:
-    """One rank: join the group, train, leave the group."""
+def run_rank(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any]:
+    """One rank: join the group, train, leave the group; returns the summary."""
     device = init_distributed(cfg.trainer.timeout_s)
     try:
         if dist.get_rank() != 0:

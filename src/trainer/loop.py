@@ -1,9 +1,11 @@
-"""The training loop, run by every rank: build, then step, validate and log.
+"""The training loop, run by every rank: a :class:`Trainer` and its parts.
 
-``train(cfg, run_dir, device)`` reads top to bottom: backend and data, the model built
-shard by shard under the wrap context, optimizer and schedule, then the loop. The global
-batch and the logged loss (its mean over the global batch) are the same whatever the
-number of ranks, so runs on 1 and N ranks give the same losses.
+``Trainer.build`` makes the backend and data, the model built shard by shard under
+the wrap context, optimizer and schedule; ``step``, ``validate`` and ``checkpoint``
+make one step's work; ``finish`` exports and returns the summary; ``fit`` (what
+``train`` runs) calls them in order. The global batch and the logged loss (its mean
+over the global batch) are the same whatever the number of ranks, so runs on 1 and N
+ranks give the same losses.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def build_model(
     init_device = init_device or cfg.model.init_device
     spec, config = resolved.spec, resolved.model_config
     seed, s = cfg.trainer.seed, cfg.sharding
-    pretrained = cfg.model.pretrained if backend.name != "plan" else None
-    if pretrained and backend.name in ("fsdp2", "none"):
+    pretrained = cfg.model.pretrained if backend.allocates else None
+    if pretrained and backend.meta_init:
         init_device = "meta"  # never whole: each rank fills only its own shards
     policy = build_policy(
         resolved.policies,
@@ -293,6 +295,226 @@ def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
     logger.log_table("wrap_plan", plan.rows())
 
 
+class Trainer:
+    """One rank's training run, in parts that can be called one by one.
+
+    :meth:`build` (backend, data, the model sharded as it is built, optimizer and
+    schedule, resume), then per step :meth:`step` (one optimizer step; at a log point
+    it logs and returns the row), :meth:`validate` and :meth:`checkpoint`, and
+    :meth:`finish` (export, summary). :meth:`fit` runs them as ``train.py`` does; a
+    benchmark calls them itself. The process group must be initialised.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: str,
+        device: torch.device,
+        resolved: Resolved | None = None,
+        logger: Logger | None = None,
+    ) -> None:
+        self.cfg, self.run_dir, self.device = cfg, run_dir, device
+        self.resolved = resolved or resolve(cfg)
+        self.logger = logger or Logger()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.summary: dict[str, Any] = {}
+        self.skipped_steps = 0
+        self.start_step = 0
+        self.loss = math.nan  # the last step's loss, mean over the global batch
+
+    # -- build ------------------------------------------------------------------------
+    def build(self) -> Trainer:
+        """Everything the steps need; each rank builds only its own shards."""
+        cfg, t, rank, world = self.cfg, self.cfg.trainer, self.rank, self.world
+        torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
+        self._start_time = time.perf_counter()
+        self.backend = backend = build_backend(
+            cfg.sharding.backend,
+            cfg.precision.name,
+            self.device,
+            cfg.sharding.reshard_after_forward,
+            replicate=cfg.sharding.replicate,
+        )
+        # Data: every rank sees the same global batches and takes its own rows.
+        spec, model_cfg = self.resolved.spec, self.resolved.model_config
+        block_size = spec.seq_len(model_cfg)
+        micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
+        train_split, val_split = load_splits(
+            cfg.data, spec.vocab_size(model_cfg), t.seed
+        )
+        self.batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
+        self.val_set = []
+        if t.val_every and t.val_batches:
+            self.val_set = GlobalBatches(
+                val_split, micro_batch, block_size, t.seed
+            ).val_batches(t.val_batches, world, rank)
+
+        # Model, sharded as it is built; its construction peak is measured on its own.
+        reset_peak_memory(self.device)
+        self.model = build_model(cfg, backend, self.resolved)
+        self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
+        self.plan = wrap_plan(self.model, world, backend.replicate)
+        log_wrap_plan(self.plan, self.logger, rank)
+        self.num_params = sum(u.numel for u in self.plan.units) or sum(
+            p.numel() for p in self.model.parameters()
+        )
+
+        self.optimizer = build_optimizer(self.model, cfg, self.resolved)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg)
+        )
+        self.scaler = backend.grad_scaler()
+        self.ckpt = Checkpointer(
+            Path(self.run_dir) / "checkpoints",
+            keep_last=t.keep_last,
+            async_save=t.ckpt_async,
+        )
+        self.start_step = resume(
+            cfg,
+            self.ckpt,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            rank,
+            self.scaler,
+        )
+        self.meter = ThroughputMeter(
+            tokens_per_step=t.batch_size * block_size,
+            flops_per_token=spec.flops_per_token(model_cfg, block_size),
+            # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe.
+            peak_flops_per_rank=(
+                peak_flops_per_rank(self.device, backend.param_dtype, t.peak_tflops)
+                if rank == 0
+                else 1.0
+            ),
+            world_size=world,
+        )
+        self.logger.log(
+            {
+                "init_peak_mem_gib": self.init_mem["init_peak_mem_gib"],
+                "num_params": self.num_params,
+                "wrap_units": len(self.plan.units),
+            },
+            step=self.start_step,
+        )
+        self.bar = tqdm(
+            total=t.max_steps,
+            initial=self.start_step,
+            disable=rank != 0 or not t.progress,
+            desc="train",
+            dynamic_ncols=True,
+        )
+        return self
+
+    # -- the parts of a step ------------------------------------------------------------
+    def step(self, step: int) -> dict[str, Any] | None:
+        """Optimizer step ``step`` (1-based). At a log point (the first and the last
+        step, every ``trainer.log_every``) its row is logged and returned, else None."""
+        t = self.cfg.trainer
+        lr = self.scheduler.get_last_lr()[0]
+        loss, grad_norm = train_step(
+            self.model,
+            self.batches,
+            step - 1,
+            self.backend,
+            self.optimizer,
+            self.scaler,
+            self.cfg,
+        )
+        self.scheduler.step()
+        self.loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
+        self.skipped_steps += check_finite(
+            self.loss, grad_norm, step, self.scaler, self.ckpt
+        )
+        self.bar.update(1)
+        log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
+        speed = self.meter.step(step, log=log_now)  # None before the first full window
+        if not log_now:
+            return None
+        metrics = {
+            "loss": self.loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            **(speed or {}),
+            **reduce_max_min(memory_metrics(self.device)),
+        }
+        if self.scaler is not None:
+            metrics["loss_scale"] = self.scaler.get_scale()
+            metrics["skipped_steps"] = self.skipped_steps
+        self.logger.log(metrics, step=step)
+        self.summary.update(metrics)
+        if self.bar.disable and self.rank == 0:
+            print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        return metrics
+
+    def validate(self, step: int) -> float:
+        """The loss on the fixed validation batches, logged at ``step``."""
+        val_loss = evaluate(self.model, self.val_set, self.backend)
+        self.logger.log({"val_loss": val_loss}, step=step)
+        self.summary["val_loss"] = val_loss
+        if self.rank == 0:
+            self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
+        self.meter.restart(step)  # validation time is not training throughput
+        return val_loss
+
+    def checkpoint(self, step: int) -> Path:
+        """A sharded checkpoint of ``step`` (a collective; in the background with
+        ``trainer.ckpt_async``)."""
+        extra = {"scaler": self.scaler.state_dict()} if self.scaler else None
+        path = self.ckpt.save(
+            step, self.model, self.optimizer, self.scheduler, extra=extra
+        )
+        if self.rank == 0:
+            how = (
+                "writing in the background" if self.cfg.trainer.ckpt_async else "saved"
+            )
+            self.bar.write(f"step {step}: checkpoint {how} to {path}")
+        return path
+
+    # -- the end ------------------------------------------------------------------------
+    def finish(self) -> dict[str, Any]:
+        """Wait for the last checkpoint, export (``trainer.export``), then log and
+        return the run's summary."""
+        t = self.cfg.trainer
+        self.ckpt.wait()  # the last background save is published before the run ends
+        self.bar.close()
+        if t.export:
+            if t.export == "hf":
+                export_path = Path(self.run_dir) / "hf"
+                hf = self.resolved.spec.hf
+                hf_config = hf.hf_config(self.resolved.model_config)
+                export_hf(self.model, export_path, hf.to_hf_name, hf_config)
+            else:
+                export_path = Path(self.run_dir) / "model.safetensors"
+                export_consolidated(self.model, export_path)
+            if self.rank == 0:
+                print(f"exported consolidated weights to {export_path}", flush=True)
+        self.summary.update(
+            steps=t.max_steps,
+            world_size=self.world,
+            num_params=self.num_params,
+            wrap_units=len(self.plan.units),
+            init_peak_mem_gib=self.init_mem["init_peak_mem_gib"],
+            wall_time_s=time.perf_counter() - self._start_time,
+        )
+        self.logger.log_summary(self.summary)
+        return self.summary
+
+    def fit(self) -> dict[str, Any]:
+        """Build, then every step with validation and checkpoints when due, finish."""
+        t = self.cfg.trainer
+        self.build()
+        for step in range(self.start_step + 1, t.max_steps + 1):
+            self.step(step)
+            last = step == t.max_steps
+            if self.val_set and (step % t.val_every == 0 or last):
+                self.validate(step)
+            if t.ckpt_every and (step % t.ckpt_every == 0 or last):
+                self.checkpoint(step)
+        return self.finish()
+
+
 def train(
     cfg: DictConfig,
     run_dir: str,
@@ -302,149 +524,7 @@ def train(
     """Train on this rank (the process group is already initialised); rank 0 logs to
     the console, ``run_dir`` (metrics.jsonl, summary.json) and wandb. ``resolved``:
     what ``validate`` resolved (resolved here if not given). Returns the summary."""
-    resolved = resolved or resolve(cfg)
-    t = cfg.trainer
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
-    start_time = time.perf_counter()
-    backend = build_backend(
-        cfg.sharding.backend,
-        cfg.precision.name,
-        device,
-        cfg.sharding.reshard_after_forward,
-        replicate=cfg.sharding.replicate,
-    )
     # A failed run (exception, NaN, a dead peer) still closes its files and marks its
     # wandb run failed, so the next job of a sweep does not inherit it.
-    with build_logger(cfg, run_dir, rank) as logger:
-        # Data: every rank sees the same global batches and takes its own rows.
-        spec, model_cfg = resolved.spec, resolved.model_config
-        block_size = spec.seq_len(model_cfg)
-        micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
-        train_split, val_split = load_splits(
-            cfg.data, spec.vocab_size(model_cfg), t.seed
-        )
-        batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
-        val_set = []
-        if t.val_every and t.val_batches:
-            val_set = GlobalBatches(
-                val_split, micro_batch, block_size, t.seed
-            ).val_batches(t.val_batches, world, rank)
-
-        # Model, sharded as it is built; its construction peak is measured on its own.
-        reset_peak_memory(device)
-        model = build_model(cfg, backend, resolved)
-        init_mem = reduce_max_min(memory_metrics(device, prefix="init_"))
-        plan = wrap_plan(model, world, backend.replicate)
-        log_wrap_plan(plan, logger, rank)
-        num_params = sum(u.numel for u in plan.units) or sum(
-            p.numel() for p in model.parameters()
-        )
-
-        optimizer = build_optimizer(model, cfg, resolved)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-        scaler = backend.grad_scaler()
-
-        ckpt = Checkpointer(
-            Path(run_dir) / "checkpoints",
-            keep_last=t.keep_last,
-            async_save=t.ckpt_async,
-        )
-        start_step = resume(cfg, ckpt, model, optimizer, scheduler, rank, scaler)
-
-        meter = ThroughputMeter(
-            tokens_per_step=t.batch_size * block_size,
-            flops_per_token=spec.flops_per_token(model_cfg, block_size),
-            # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe.
-            peak_flops_per_rank=(
-                peak_flops_per_rank(device, backend.param_dtype, t.peak_tflops)
-                if rank == 0
-                else 1.0
-            ),
-            world_size=world,
-        )
-        logger.log(
-            {
-                "init_peak_mem_gib": init_mem["init_peak_mem_gib"],
-                "num_params": num_params,
-                "wrap_units": len(plan.units),
-            },
-            step=start_step,
-        )
-
-        bar = tqdm(
-            total=t.max_steps,
-            initial=start_step,
-            disable=rank != 0 or not t.progress,
-            desc="train",
-            dynamic_ncols=True,
-        )
-        summary: dict[str, Any] = {}
-        skipped_steps = 0
-        for step in range(start_step + 1, t.max_steps + 1):
-            lr = scheduler.get_last_lr()[0]
-            loss, grad_norm = train_step(
-                model, batches, step - 1, backend, optimizer, scaler, cfg
-            )
-            scheduler.step()
-            step_loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
-            skipped = check_finite(step_loss, grad_norm, step, scaler, ckpt)
-            skipped_steps += skipped
-            bar.update(1)
-
-            log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
-            speed = meter.step(step, log=log_now)  # None before the first full window
-            if log_now:
-                metrics = {
-                    "loss": step_loss,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    **(speed or {}),
-                    **reduce_max_min(memory_metrics(device)),
-                }
-                if scaler is not None:
-                    metrics["loss_scale"] = scaler.get_scale()
-                    metrics["skipped_steps"] = skipped_steps
-                logger.log(metrics, step=step)
-                summary.update(metrics)
-                if bar.disable and rank == 0:
-                    print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
-
-            if val_set and (step % t.val_every == 0 or step == t.max_steps):
-                val_loss = evaluate(model, val_set, backend)
-                logger.log({"val_loss": val_loss}, step=step)
-                summary["val_loss"] = val_loss
-                if rank == 0:
-                    bar.write(f"step {step}: val_loss {val_loss:.4f}")
-                meter.restart(step)  # validation time is not training throughput
-
-            if t.ckpt_every and (step % t.ckpt_every == 0 or step == t.max_steps):
-                extra = {"scaler": scaler.state_dict()} if scaler else None
-                path = ckpt.save(step, model, optimizer, scheduler, extra=extra)
-                if rank == 0:
-                    how = "writing in the background" if t.ckpt_async else "saved"
-                    bar.write(f"step {step}: checkpoint {how} to {path}")
-        ckpt.wait()  # the last background save is published before the run ends
-        bar.close()
-        if t.export:
-            if t.export == "hf":
-                export_path = Path(run_dir) / "hf"
-                hf = spec.hf
-                export_hf(model, export_path, hf.to_hf_name, hf.hf_config(model_cfg))
-            else:
-                export_path = Path(run_dir) / "model.safetensors"
-                export_consolidated(model, export_path)
-            if rank == 0:
-                print(f"exported consolidated weights to {export_path}", flush=True)
-
-        summary.update(
-            steps=t.max_steps,
-            world_size=world,
-            num_params=num_params,
-            wrap_units=len(plan.units),
-            init_peak_mem_gib=init_mem["init_peak_mem_gib"],
-            wall_time_s=time.perf_counter() - start_time,
-        )
-        logger.log_summary(summary)
-        return summary
+    with build_logger(cfg, run_dir, dist.get_rank()) as logger:
+        return Trainer(cfg, run_dir, device, resolved, logger).fit()

@@ -132,7 +132,8 @@ def run_job(
     fn: Callable[[], Any],
     precheck: Callable[[], tuple[float, float] | None] | None = None,
 ) -> float:
-    """Run one Hydra job (``fn``: validate, launch the ranks) and return its objective.
+    """Run one Hydra job (``fn``: validate, launch the ranks, return the run's
+    summary) and return its objective (from ``summary.json`` if ``fn`` returned none).
 
     In a multirun a failure is recorded in ``<run_dir>/job_status.json`` and scored
     ``-inf`` instead of stopping the sweep; outside one it propagates unchanged. A
@@ -150,8 +151,9 @@ def run_job(
             record = {"status": "skipped", "error": line, "needs_gib": needs}
             write_json_atomic(status_file, {**record, "budget_gib": budget})
             return -(needs - budget)
-        fn()
+        summary = fn()
     except (Exception, SystemExit) as err:
+        summary = None
         if isinstance(err, SystemExit) and err.code in (None, 0):
             pass  # a clean exit is a finished job
         elif not multirun:
@@ -167,7 +169,9 @@ def run_job(
             write_json_atomic(status_file, {"status": "failed", "error": line})
             return FAILED
     cap = OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None)
-    value = objective(_read_json(Path(run_dir) / "summary.json"), cap)
+    if summary is None:  # plan-only, or a job function that returns nothing
+        summary = _read_json(Path(run_dir) / "summary.json")
+    value = objective(summary, cap)
     if multirun:
         write_json_atomic(
             status_file, {"status": "completed", "objective": value, "mem_cap_gib": cap}
