@@ -491,6 +491,9 @@ def one_line(err: BaseException) -> str:
 
 
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
+# Set when the user asked for full tracebacks (HYDRA_FULL_ERROR=1, which run_cli also
+# sets for its own use): failures are then shown with their traceback, not one line.
+FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 
 
 @contextlib.contextmanager
@@ -518,8 +521,13 @@ def run_cli(main: Callable[[], Any]) -> None:
     format them. A user who sets ``HYDRA_FULL_ERROR=1`` gets Hydra's full report.
     """
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        os.environ[FULL_ERROR_ENV] = "1"  # the ranks show tracebacks too
         main()
         return
     os.environ["HYDRA_FULL_ERROR"] = "1"
     with exit_on_config_error():
-        main()
+        try:
+            main()
+        except OSError as err:  # e.g. Hydra cannot create the run dir
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(1)

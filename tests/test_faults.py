@@ -1,8 +1,11 @@
-"""Runs that die: SIGKILL after a checkpoint and exact resume, a rank killed mid-step,
-elastic restarts that resume by themselves, and a NaN loss that stops the run.
+"""Runs that die or are disturbed (docs/reliability.md): SIGKILL after a checkpoint
+and exact resume, a rank killed or stopped mid-step, elastic restarts and SLURM
+requeues that resume by themselves, a NaN loss, SIGTERM, a second run in the same run
+dir, damaged or mismatched checkpoints, a full disk, resume bookkeeping.
 
 Each test drives ``train.py`` on 2 gloo ranks in a subprocess and waits on its output
-(a blocking read of the lines rank 0 prints), never on a timer.
+(a blocking read of the lines rank 0 prints) or polls a file with a deadline, never
+on a timer. The "case N" names are those of issue 17.
 """
 
 from __future__ import annotations
@@ -95,12 +98,24 @@ def worker_pids(pid: int) -> list[int]:
     return sorted(out)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def loss_rows(run_dir: Path) -> list[tuple[int, float]]:
     rows = [
         json.loads(line)
         for line in (run_dir / "metrics.jsonl").read_text().splitlines()
     ]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return dict(loss_rows(run_dir))
+
+
+def one_line_error(out: str) -> str:
+    """The error line of a failed run; fails if a traceback was printed instead."""
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out[-3000:]
+    return errors[0]
 
 
 def tokenized_corpus(tmp_path: Path) -> list[str]:
@@ -150,6 +165,8 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
     assert "token cache: reusing" in resumed.stdout
+    # The killed run's lock is stale: taken over, saying whose it was.
+    assert f"run dir lock of PID {proc.pid} on" in resumed.stdout
     expected, got = losses(straight), losses(broken)
     assert max(got) == 12
     # Every step logged by either attempt equals the uninterrupted run, bit for bit.
@@ -254,10 +271,13 @@ def reference(tmp_path_factory) -> Path:
 
 
 def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
-    """Issue cases 2, 3 and 8: a corrupted newest checkpoint is skipped, saying why; a
-    model that does not match the checkpoint is refused naming the first tensor; the
-    newest good checkpoint then resumes exactly."""
-    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    """Cases 2, 3, 8 and 9: a corrupted newest checkpoint is skipped, saying why; a
+    model that does not match the checkpoint is refused in one line naming the first
+    tensor; the newest good checkpoint then resumes exactly, replacing the rows the
+    first run logged past it; then there is nothing left to train, and a different
+    max_steps is refused."""
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "run.lock").unlink()
     shard = tmp_path / "checkpoints/step_00000006/__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[4096:4160] = bytes(b ^ 0xFF for b in data[4096:4160])
@@ -268,17 +288,119 @@ def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
     assert smaller.returncode != 0
     assert "skipping checkpoint" in out and "step_00000006" in out
     assert "__0_0.distcp fails its checksum" in out
-    assert "does not match this run: h.1.ln_1.weight [64]" in out, out[-3000:]
-    assert "is in the checkpoint, not in the model" in out
+    line = one_line_error(out)
+    assert "does not match this run: h.1.ln_1.weight [64]" in line
+    assert "is in the checkpoint, not in the model" in line
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_00000002",
         "step_00000004",
         "step_00000006",
     ]
 
-    resumed = run_train(tmp_path, *REFERENCE, "trainer.resume=auto")
+    # It replaces the corrupted checkpoint of step 6 as it goes.
+    resumed = run_train(
+        tmp_path, *REFERENCE, "trainer.resume=auto", "trainer.ckpt_every=2"
+    )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "step_00000004 (step 4)" in resumed.stdout
-    got, expected = losses(tmp_path), losses(reference)
-    assert sorted(got) == [5, 6]
-    assert got == {s: expected[s] for s in got}
+    assert "dropped 2 rows past step 4" in resumed.stdout
+    # Each step once, and the resumed ones equal the uninterrupted run, bit for bit.
+    assert loss_rows(tmp_path) == loss_rows(reference)
+
+    summary = (tmp_path / "summary.json").read_bytes()
+    done = run_train(tmp_path, *REFERENCE, "trainer.resume=auto")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "nothing to train: the checkpoint is at step 6" in done.stdout
+    assert (tmp_path / "summary.json").read_bytes() == summary
+
+    longer = run_train(tmp_path, "trainer.max_steps=8", "trainer.resume=auto")
+    line = one_line_error(longer.stdout + longer.stderr)
+    assert "trainer.max_steps: got 8, but" in line and "trainer.max_steps=6" in line
+
+
+def wait_for(predicate, what: str, deadline_s: float = 120.0) -> None:
+    """Poll ``predicate`` until it holds (fails after ``deadline_s``)."""
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
+    reference, tmp_path
+):
+    """Cases 1 and 5: a second run on a busy run dir refuses in one line naming the
+    holder; SIGTERM ends the step, writes a checkpoint (ckpt_every is 0), exits 143
+    with one line; a SLURM requeue resumes by itself and loses no step."""
+    proc = start(tmp_path, *REFERENCE)
+    lock = tmp_path / "run.lock"
+    wait_for(lambda: lock.is_file() and lock.read_text(), "the run dir lock")
+    os.killpg(proc.pid, signal.SIGSTOP)  # keeps the lock while the second run tries
+    try:
+        second = run_train(tmp_path, *REFERENCE, "trainer.seed=1")
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    assert second.returncode == 1
+    line = one_line_error(second.stdout + second.stderr)
+    assert f"is in use by another run (PID {proc.pid} on" in line
+
+    read_until(proc, "step 2:")
+    proc.send_signal(signal.SIGTERM)  # the launcher only: it stops the ranks
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "Traceback" not in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM: checkpoint ")
+    assert last.endswith(f"resume with trainer.resume=auto hydra.run.dir={tmp_path}")
+    stopped_at = max(losses(tmp_path))
+    assert 2 <= stopped_at < 6
+    assert (tmp_path / f"checkpoints/step_{stopped_at:08d}").is_dir()
+
+    env = {**os.environ, "SLURM_RESTART_COUNT": "1", "SLURM_JOB_ID": "42"}
+    requeued = subprocess.run(
+        command(tmp_path, *REFERENCE), cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-2000:]
+    assert "SLURM job 42 requeued" in requeued.stdout
+    assert f"(step {stopped_at})" in requeued.stdout
+    assert loss_rows(tmp_path) == loss_rows(reference)
+
+
+def test_stopped_rank_is_named_within_the_timeout(tmp_path):
+    """Case 6: a rank stopped with SIGSTOP is named (rank, PID, host), in one line,
+    soon after trainer.timeout_s."""
+    timeout_s = 8
+    proc = start(tmp_path, "trainer.max_steps=100000", f"trainer.timeout_s={timeout_s}")
+    read_until(proc, "step 2:")
+    victim = worker_pids(proc.pid)[-1]
+    stopped_at = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    out, _ = proc.communicate(timeout=timeout_s + 120)
+    elapsed = time.monotonic() - stopped_at
+    assert proc.returncode == 1
+    line = one_line_error(out)
+    assert f"rank 1 (PID {victim} on " in line and "stopped responding" in line
+    assert elapsed < timeout_s + 20, f"took {elapsed:.0f}s to name the stopped rank"
+
+
+def test_full_disk_says_no_space_left_and_where(tmp_path):
+    """Case 7: a write that fails with ENOSPC (metrics.jsonl is /dev/full here) ends
+    the run with one line saying so and naming the run dir."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    run = run_train(tmp_path, "trainer.max_steps=2")
+    assert run.returncode == 1
+    line = one_line_error(run.stdout + run.stderr)
+    assert f"no space left on device writing to {tmp_path}" in line
+
+
+def test_errors_before_any_rank_starts_are_one_line(tmp_path):
+    """Case 8: a run dir that cannot be created, a data glob that matches nothing."""
+    (tmp_path / "file").write_text("")
+    run = run_train(tmp_path / "file" / "run", "trainer.max_steps=1")
+    assert run.returncode == 1
+    assert one_line_error(run.stderr).startswith("error: [Errno 20] Not a directory")
+
+    run = run_train(tmp_path / "run", "data=text", f"data.paths={tmp_path}/none/*.txt")
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert run.stderr.startswith("config error: data.paths: no files match")

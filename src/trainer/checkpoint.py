@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src.sharding import canonical_name
+from src.trainer.faults import RunError
 from src.trainer.loggers import atomic_path
 from src.trainer.metrics import collective_device
 
@@ -115,7 +116,7 @@ def _agree(error: BaseException | None, what: str, group: Any = None) -> None:
         raise error
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint that cannot be loaded into this run: damaged, or another model."""
 
 
@@ -287,6 +288,11 @@ def _plain_errors(what: str) -> Iterator[None]:
 # ----------------------------------------------------------------- discovery
 
 
+def run_checkpoints(run_dir: str | Path) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
 def _step_of(path: Path) -> int | None:
     match = _STEP_DIR.fullmatch(path.name)
     return int(match.group(1)) if match else None
@@ -336,7 +342,7 @@ def resolve_resume(
     path = Path(resume).expanduser()
     if is_complete(path):
         return _newest_good([path], verify, on_skip)
-    for candidates in (path, path / "checkpoints"):
+    for candidates in (path, run_checkpoints(path)):
         found = complete_checkpoints(candidates)
         if found:
             return _newest_good(found, verify, on_skip)

@@ -13,10 +13,14 @@ The Hydra output dir is decided once, in the Hydra job, and handed to every rank
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
+import multiprocessing
 import os
+import signal
+import socket
 import sys
 import uuid
 import warnings
@@ -30,8 +34,27 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.multiprocessing.spawn import ProcessContext
 
+from src.config import ConfigError, exit_on_config_error
+from src.trainer.checkpoint import Checkpointer, run_checkpoints
 from src.trainer.data import follow_tokenizer_vocab, prepare_data
+from src.trainer.faults import (
+    STOP_SIGNALS,
+    Heartbeat,
+    RunDirBusy,
+    RunError,
+    Stopped,
+    StopRequest,
+    describe_holder,
+    disk_full,
+    full_errors,
+    named_failures,
+    requested,
+    resume_hint,
+    run_dir_lock,
+    run_error_names,
+)
 from src.trainer.loop import train
 from src.trainer.planner import plan_only, resolve_auto
 from src.trainer.resolved import Resolved, model_config, under_torchrun
@@ -70,21 +93,121 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
         if _is_rank0():
             plan_only(cfg, run_dir, world_size=world or resolved.world_size)
         return None
+    with exit_on_config_error():
+        preflight(run_dir)
     if under_torchrun():
         # record(): torchrun's failure summary then shows this rank's traceback.
-        return record(run_rank)(cfg, run_dir, resolved)
+        # Rank 0 holds the run dir (it is rank 0's; a restart finds the lock free).
+        rank0 = _is_rank0()
+        try:
+            with run_dir_lock(run_dir) if rank0 else contextlib.nullcontext():
+                return record(run_rank)(cfg, run_dir, resolved)
+        except Stopped as stop:
+            if rank0:
+                print(resume_hint(stop.signum, stop.checkpoint, run_dir), flush=True)
+            sys.exit(128 + stop.signum)
+        except RunDirBusy as err:
+            sys.exit(f"error: {err}")
+    try:
+        with run_dir_lock(run_dir) as stale:
+            if stale:
+                print(
+                    f"run dir lock of {describe_holder(stale)} taken over "
+                    "(that run is no longer running)",
+                    flush=True,
+                )
+            return _launch_local(cfg, run_dir, resolved)
+    except RunError as err:
+        if full_errors():
+            raise
+        sys.exit(f"error: {err}")
+
+
+def preflight(run_dir: str) -> None:
+    """Checks that need no rank (the data is checked by :func:`prepare`): the run dir
+    is writable. Raises ConfigError (one line naming the key)."""
+    probe = os.path.join(run_dir, ".write_test")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError(
+            "hydra.run.dir", f"{run_dir} is not writable ({err})"
+        ) from None
+
+
+def _launch_local(
+    cfg: DictConfig, run_dir: str, resolved: Resolved
+) -> dict[str, Any] | None:
+    """The ranks on this machine: in this process (1) or under the elastic agent."""
     nprocs = resolved.world_size
     if nprocs == 1:
-        return run_rank(cfg, run_dir, resolved)
+        try:
+            return run_rank(cfg, run_dir, resolved)
+        except Stopped as stop:
+            print(resume_hint(stop.signum, stop.checkpoint, run_dir), flush=True)
+            sys.exit(128 + stop.signum)
     # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console.
     log_dir = os.path.join(run_dir, "ranks")
     config = local_launch_config(nprocs, cfg.trainer.max_restarts, log_dir)
     _quiet_launcher_logs()
-    try:
-        summaries = elastic_launch(config, _rank_entry)(cfg, run_dir, resolved)
-    except ChildFailedError as err:
-        sys.exit(_failure_report(err))
+    summaries: dict = {}
+    with StopRequest(forward=_signal_ranks) as stop, _bounded_failure_grace():
+        try:
+            summaries = elastic_launch(config, _rank_entry)(cfg, run_dir, resolved)
+        except ChildFailedError as err:
+            if not requested():
+                sys.exit(_failure_report(err, run_dir))
+        except Exception:  # e.g. a rank's error file left empty by a full disk
+            full = disk_full(run_dir)
+            if full is None or full_errors():
+                raise
+            sys.exit(f"error: {full}")
+    signum = requested()
+    if signum:
+        print(resume_hint(signum, _latest(run_dir), run_dir), flush=True)
+        previous = stop.previous.get(signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, None)  # e.g. submitit's SIGUSR2 handler: requeue the job
+        sys.exit(128 + signum)
     return summaries.get(0)
+
+
+# Seconds the other ranks get to exit after one failed, then again after SIGTERM,
+# before SIGKILL. A graceful stop does not go through it (the ranks exit by
+# themselves), so it is short: a hung peer is named and the job ends within
+# trainer.timeout_s plus a few seconds.
+SHUTDOWN_S = 2
+
+
+@contextlib.contextmanager
+def _bounded_failure_grace():
+    """When a rank fails, torch's spawn context gives the others a fixed 30 s to exit
+    before it reports the failure (``ProcessContext.join`` without ``grace_period``),
+    so a stopped or hung peer held the job 30 s past ``trainer.timeout_s``. Pass
+    SHUTDOWN_S instead (torch is pinned; the patch is undone on the way out)."""
+    join = ProcessContext.join
+
+    def bounded_join(self, timeout=None, grace_period=None):
+        grace = SHUTDOWN_S if grace_period is None else grace_period
+        return join(self, timeout, grace)
+
+    ProcessContext.join = bounded_join
+    try:
+        yield
+    finally:
+        ProcessContext.join = join
+
+
+def _latest(run_dir: str):
+    return Checkpointer(run_checkpoints(run_dir)).latest()
+
+
+def _signal_ranks(signum: int) -> None:
+    """Pass a stop signal on to the ranks (the agent's children of this process)."""
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, signum)
 
 
 def _is_rank0() -> bool:
@@ -118,13 +241,25 @@ def local_launch_config(
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port
         max_restarts=max_restarts,
+        shutdown_timeout=SHUTDOWN_S,
+        # The agent would turn a stop signal into killing the ranks; StopRequest
+        # passes it on to them instead, and they stop after a checkpoint.
+        signals_to_handle=",".join(
+            n
+            for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+            if getattr(signal, n) not in STOP_SIGNALS
+        ),
         **logs,
     )
 
 
 def _rank_entry(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any]:
     # Module level so the spawned ranks can unpickle it.
-    return run_rank(cfg, run_dir, resolved)
+    try:
+        return run_rank(cfg, run_dir, resolved)
+    except Stopped:
+        # exit 0: the agent neither restarts nor reports it; the launcher says it
+        return {}
 
 
 def _quiet_launcher_logs() -> None:
@@ -137,16 +272,30 @@ def _quiet_launcher_logs() -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
-def _failure_report(err: ChildFailedError) -> str:
+def _failure_report(err: ChildFailedError, run_dir: str) -> str:
+    """The first failed rank, where it ran and its error in one line (the traceback
+    is in its error file; inline with HYDRA_FULL_ERROR=1)."""
     rank, failure = err.get_first_failure()
+    host = socket.gethostname()  # this launcher's ranks all run here
+    head = f"rank {rank} on {host} failed (exit code {failure.exitcode})"
     message = failure.message
     if isinstance(message, dict):  # the rank's error file, written by record()
-        message = message.get("extraInfo", {}).get("py_callstack") or message["message"]
-    return f"rank {rank} failed (exit code {failure.exitcode}):\n{message}".rstrip()
+        stack = message.get("extraInfo", {}).get("py_callstack")
+        if full_errors() and stack:
+            return f"{head}:\n{stack}".rstrip()
+        kind, _, text = message["message"].partition(": ")
+        if kind in run_error_names() | {ConfigError.__name__}:
+            # The message says what happened, and who or which key.
+            return f"error: {text} ({head}; traceback: {failure.error_file})"
+        return f"{head}: {kind}: {text} (traceback: {failure.error_file})"
+    if failure.exitcode < 0:
+        message = f"killed by {signal.Signals(-failure.exitcode).name}"
+    return f"{head}: {disk_full(run_dir) or message}".rstrip()
 
 
-def init_distributed(timeout_s: float) -> torch.device:
-    """Join the process group (NCCL on GPU, gloo on CPU) and pick this rank's device.
+def init_distributed(timeout_s: float) -> tuple[torch.device, Heartbeat | None]:
+    """Join the process group (NCCL on GPU, gloo on CPU) and pick this rank's device;
+    with several ranks, also start this rank's heartbeat.
 
     On CPU each rank gets ``cores // local ranks`` threads so the ranks on a machine
     do not oversubscribe it.
@@ -161,7 +310,10 @@ def init_distributed(timeout_s: float) -> torch.device:
         device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
         torch.set_num_threads(max(1, (cores or os.cpu_count() or 1) // local_world))
-    backend = "nccl" if cuda else "gloo"
+    return device, _join_group(timeout_s, "nccl" if cuda else "gloo")
+
+
+def _join_group(timeout_s: float, backend: str) -> Heartbeat | None:
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ:  # set by the launcher: env:// rendezvous
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
@@ -175,12 +327,13 @@ def init_distributed(timeout_s: float) -> torch.device:
             world_size=world,
             timeout=timeout,
         )
-    else:  # a single in-process rank
-        store = dist.HashStore()
-        dist.init_process_group(
-            backend, store=store, rank=0, world_size=1, timeout=timeout
-        )
-    return device
+        if world == 1:
+            return None
+        return Heartbeat(dist.PrefixStore(f"attempt_{attempt}", store), rank, world)
+    # a single in-process rank
+    store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return None
 
 
 def _shared_run_dir(run_dir: str) -> str:
@@ -193,16 +346,24 @@ def _shared_run_dir(run_dir: str) -> str:
 
 
 def run_rank(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any]:
-    """One rank: join the group, train, leave the group; returns the summary."""
-    device = init_distributed(cfg.trainer.timeout_s)
-    try:
-        if dist.get_rank() != 0:
-            warnings.simplefilter("ignore")  # only rank 0 talks
-        # FSDP2 warns whenever a unit returns a view (any Linear on 3-D input) because an
-        # in-place op on it would skip a hook; the GPT never modifies outputs in place.
-        warnings.filterwarnings(
-            "ignore", message=r"FSDP2-wrapped module .* view tensor"
-        )
-        return train(cfg, _shared_run_dir(run_dir), device, resolved)
-    finally:
-        dist.destroy_process_group()
+    """One rank: join the group, train, leave the group; returns the summary. A stop
+    signal ends training after the current step with a checkpoint (:class:`Stopped`);
+    a timed-out collective names the silent peer, a full disk says so (faults.py)."""
+    with StopRequest():
+        device, heartbeat = init_distributed(cfg.trainer.timeout_s)
+        try:
+            if dist.get_rank() != 0:
+                warnings.simplefilter("ignore")  # only rank 0 talks
+            # FSDP2 warns whenever a unit returns a view (any Linear on 3-D input)
+            # because an in-place op on it would skip a hook; the GPT never modifies
+            # outputs in place.
+            warnings.filterwarnings(
+                "ignore", message=r"FSDP2-wrapped module .* view tensor"
+            )
+            run_dir = _shared_run_dir(run_dir)
+            with named_failures(heartbeat, run_dir, cfg.trainer.timeout_s):
+                return train(cfg, run_dir, device, resolved)
+        finally:
+            if heartbeat is not None:
+                heartbeat.close()
+            dist.destroy_process_group()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -99,6 +100,10 @@ class Sink:
     def finish(self, exit_code: int) -> None:
         """The run ended (``exit_code`` != 0: it failed)."""
 
+    def drop_rows_after(self, step: int) -> int:
+        """Forget rows logged past ``step``, if the sink can; returns how many."""
+        return 0
+
 
 class FileSink(Sink):
     """metrics.jsonl, summary.json and tables as JSON in the run dir."""
@@ -116,6 +121,19 @@ class FileSink(Sink):
 
     def log_summary(self, summary: dict) -> None:
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+
+    def drop_rows_after(self, step: int) -> int:
+        # Rows cut short by a crash (no step) go too.
+        path = self.run_dir / METRICS_FILE
+        self._jsonl.close()
+        rows = path.read_text().splitlines(keepends=True)
+        kept = [r for r in rows if _row_step(r) <= step]
+        if len(kept) < len(rows):
+            tmp = path.with_name(METRICS_FILE + ".tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+        self._jsonl = open(path, "a")
+        return len(rows) - len(kept)
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         safe = re.sub(r"[^\w.-]+", "_", name)
@@ -210,6 +228,11 @@ class Logger:
             sink.log(row, step)
         self._last_step = max(self._last_step, step)
 
+    def drop_rows_after(self, step: int) -> int:
+        """Before a resume from ``step``: drop the rows the interrupted run logged
+        past it, where a sink can (metrics.jsonl); returns how many."""
+        return sum(sink.drop_rows_after(step) for sink in self.sinks)
+
     def log_summary(self, d: dict) -> None:
         """Final figures (val_loss, totals), merged into the run's summary."""
         self._summary.update(_plain(d))
@@ -234,6 +257,13 @@ class Logger:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(exit_code=0 if exc_type is None else 1)
+
+
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line: dropped
 
 
 def _table_cell(value: Any) -> Any:

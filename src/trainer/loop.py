@@ -25,6 +25,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from src.config import ConfigError
 from src.sharding import (
     Backend,
     TiedParametersWarning,
@@ -43,8 +44,10 @@ from src.trainer.checkpoint import (
     export_hf,
     load_hf_weights,
     resolve_resume,
+    run_checkpoints,
 )
 from src.trainer.data import GlobalBatches, load_splits
+from src.trainer.faults import RunError, Stopped, stop_signal
 from src.trainer.loggers import Logger, build_logger
 from src.trainer.metrics import (
     ThroughputMeter,
@@ -233,22 +236,53 @@ def resume(
 ) -> int:
     """Restore the checkpoint named by ``trainer.resume`` and return its step (0 if none).
 
-    After an elastic restart (``trainer.max_restarts``) the ranks resume from the newest
-    complete checkpoint by themselves, whatever ``trainer.resume`` says.
+    After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
+    resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
+    says. The schedule depends on ``trainer.max_steps``, so a checkpoint resumes only
+    with the ``max_steps`` it was written with (ConfigError otherwise).
     """
     wanted = cfg.trainer.resume
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+    restarted = _restart_line(cfg)
+    if restarted:
         wanted = "auto"
+        if rank == 0:
+            print(restarted, flush=True)
     path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
     if path is None:
         return 0
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
+    saved_max = state.get("max_steps", cfg.trainer.max_steps)
+    if saved_max != cfg.trainer.max_steps:
+        raise ConfigError(
+            "trainer.max_steps",
+            f"got {cfg.trainer.max_steps}, but {path} belongs to a run of {saved_max} "
+            f"steps and the learning-rate schedule depends on it; resume with "
+            f"trainer.max_steps={saved_max}",
+        )
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])  # fp16 resume stays exact
     if rank == 0:
         print(f"resumed from {path} (step {step})", flush=True)
     return step
+
+
+def _restart_line(cfg: DictConfig) -> str | None:
+    """The console line of an elastic restart or a SLURM requeue (None otherwise)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restart:
+        return (
+            f"elastic restart {restart} of {cfg.trainer.max_restarts} after a rank "
+            "failed: resuming from the newest good checkpoint"
+        )
+    requeue = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    if requeue:
+        job = os.environ.get("SLURM_JOB_ID", "?")
+        return (
+            f"SLURM job {job} requeued ({requeue}x): resuming from the newest good "
+            "checkpoint"
+        )
+    return None
 
 
 def _report_skip(rank: int):
@@ -259,7 +293,7 @@ def _report_skip(rank: int):
     return report
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(RunError):
     """The loss or the gradient norm became NaN or inf."""
 
 
@@ -365,7 +399,7 @@ class Trainer:
         )
         self.scaler = backend.grad_scaler()
         self.ckpt = Checkpointer(
-            Path(self.run_dir) / "checkpoints",
+            run_checkpoints(self.run_dir),
             keep_last=t.keep_last,
             async_save=t.ckpt_async,
         )
@@ -378,6 +412,14 @@ class Trainer:
             rank,
             self.scaler,
         )
+        if self.start_step:
+            dropped = self.logger.drop_rows_after(self.start_step)
+            if dropped and rank == 0:
+                print(
+                    f"metrics.jsonl: dropped {dropped} rows past step "
+                    f"{self.start_step} (logged by the interrupted run)",
+                    flush=True,
+                )
         self.meter = ThroughputMeter(
             tokens_per_step=t.batch_size * block_size,
             flops_per_token=spec.flops_per_token(model_cfg, block_size),
@@ -461,7 +503,9 @@ class Trainer:
     def checkpoint(self, step: int) -> Path:
         """A sharded checkpoint of ``step`` (a collective; in the background with
         ``trainer.ckpt_async``)."""
-        extra = {"scaler": self.scaler.state_dict()} if self.scaler else None
+        extra = {"max_steps": self.cfg.trainer.max_steps}
+        if self.scaler is not None:
+            extra["scaler"] = self.scaler.state_dict()
         path = self.ckpt.save(
             step, self.model, self.optimizer, self.scheduler, extra=extra
         )
@@ -505,14 +549,36 @@ class Trainer:
         """Build, then every step with validation and checkpoints when due, finish."""
         t = self.cfg.trainer
         self.build()
+        if self.start_step >= t.max_steps:
+            self.bar.close()
+            if self.rank == 0:
+                print(
+                    f"nothing to train: the checkpoint is at step {self.start_step} "
+                    f"and trainer.max_steps={t.max_steps}; summary.json kept",
+                    flush=True,
+                )
+            return {}
         for step in range(self.start_step + 1, t.max_steps + 1):
             self.step(step)
             last = step == t.max_steps
             if self.val_set and (step % t.val_every == 0 or last):
                 self.validate(step)
-            if t.ckpt_every and (step % t.ckpt_every == 0 or last):
-                self.checkpoint(step)
+            saved = t.ckpt_every and (step % t.ckpt_every == 0 or last)
+            if saved:
+                path = self.checkpoint(step)
+            self.stop_if_asked(step, None if not saved else path)
         return self.finish()
+
+    def stop_if_asked(self, step: int, saved: Path | None) -> None:
+        """After a stop signal on any rank (a collective: all stop at this step), write
+        a checkpoint unless ``saved`` is this step's, and raise :class:`Stopped`."""
+        signum = stop_signal(self.backend.device)
+        if not signum or step >= self.cfg.trainer.max_steps:
+            return
+        path = saved or self.checkpoint(step)
+        self.ckpt.wait()
+        self.bar.close()
+        raise Stopped(signum, step, path)
 
 
 def train(

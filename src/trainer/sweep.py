@@ -38,6 +38,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.trainer.faults import stopped_by_signal
 from src.trainer.loggers import markdown_table, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,8 @@ def run_job(
         summary = None
         if isinstance(err, SystemExit) and err.code in (None, 0):
             pass  # a clean exit is a finished job
-        elif not multirun:
-            raise
+        elif not multirun or stopped_by_signal(err):
+            raise  # a stop signal ends the whole sweep, not just this job
         else:
             line = error_line(err)
             if isinstance(err, SystemExit):  # a failed rank's report, or a config error

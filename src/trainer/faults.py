@@ -1,0 +1,310 @@
+"""Faults a run survives, or reports in one line naming the culprit (docs/reliability.md).
+
+- :func:`run_dir_lock`: one run per run dir. An exclusive ``flock`` on
+  ``<run dir>/run.lock`` (the kernel drops it when the holder dies, so a stale lock
+  is simply taken over); the file records the holder's host and PID for the message.
+- :class:`StopRequest`: SIGTERM, SIGINT (and SIGUSR2, SLURM's advance warning) ask the
+  run to stop after the current step, with a checkpoint; a second signal stops at once.
+  :func:`stop_signal` is the collective that makes every rank stop at the same step.
+- :class:`Heartbeat`: every rank bumps a counter in the rendezvous store each second;
+  after a collective times out, the ranks whose counter stopped moving are named.
+- :func:`named_failures`: a collective timeout becomes :class:`PeerUnresponsive`, a
+  full disk :class:`DiskFull` ("no space left", and where).
+
+Every :class:`RunError` is reported as its one-line message; the traceback stays in the
+rank's error file (``<run dir>/ranks/...``), or inline with ``HYDRA_FULL_ERROR=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from src.config import FULL_ERROR_ENV
+
+LOCK_FILE = "run.lock"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+HEARTBEAT_S = 1.0
+
+
+class RunError(RuntimeError):
+    """A failure the user can act on, reported as its message alone."""
+
+
+class RunDirBusy(RunError):
+    """Another live run holds the run dir."""
+
+
+class PeerUnresponsive(RunError):
+    """A collective timed out because a peer rank stopped responding."""
+
+
+class DiskFull(RunError):
+    """A write failed with ENOSPC."""
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after writing a checkpoint (not a failure)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+def full_errors() -> bool:
+    """Whether the user asked for tracebacks inline (``HYDRA_FULL_ERROR=1``; ``run_cli``
+    sets that variable for itself too, so it records the user's choice separately)."""
+    return os.environ.get(FULL_ERROR_ENV) == "1"
+
+
+# ----------------------------------------------------------------- run-dir lock
+
+
+def _holder() -> dict[str, Any]:
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job": job}
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    where = f"PID {holder.get('pid')} on {holder.get('host')}"
+    return where + (f", job {holder['job']}" if holder.get("job") else "")
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+    try:
+        text = os.pread(fd, 4096, 0).decode()
+        return json.loads(text) if text.strip() else None
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
+    """Hold ``run_dir`` for this run; yields the previous holder if it died holding it
+    (its lock is taken over), else None. Raises :class:`RunDirBusy` naming a live
+    holder. An elastic restart or SLURM requeue of the same job runs after its
+    predecessor died, so it takes the lock over like any stale one."""
+    path = Path(run_dir) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd) or {"pid": "?", "host": "?"}
+            raise RunDirBusy(
+                f"run dir {run_dir} is in use by another run ({describe_holder(holder)}); "
+                "wait for it or stop it, or pick another hydra.run.dir"
+            ) from None
+        stale = _read_holder(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+        try:
+            yield stale
+        finally:
+            os.ftruncate(fd, 0)  # empty: released by a run that ended (even failed)
+    finally:
+        os.close(fd)  # releases the flock
+
+
+# ---------------------------------------------------------------- graceful stop
+
+_requested = 0  # the first stop signal this process received
+
+
+class StopRequest:
+    """While active, the first stop signal is remembered (``requested()``) and passed
+    to ``forward``; a second one stops the process as the default action would."""
+
+    def __init__(self, forward: Callable[[int], None] | None = None) -> None:
+        self._forward = forward
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        global _requested
+        _requested = 0
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        global _requested
+        if _requested:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _requested = signum
+        if self._forward is not None:
+            self._forward(signum)
+
+
+def stopped_by_signal(err: BaseException) -> bool:
+    """Whether ``err`` is the exit of a run stopped by a stop signal (128 + signal)."""
+    code = err.code if isinstance(err, SystemExit) else None
+    return isinstance(code, int) and code - 128 in STOP_SIGNALS
+
+
+def requested() -> int:
+    """The stop signal this process received (0: none)."""
+    return _requested
+
+
+def stop_signal(device: torch.device) -> int:
+    """The stop signal any rank received (0: none); a collective, so that every rank
+    stops after the same step."""
+    flag = torch.tensor([_requested], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def resume_hint(stopped_by: int, checkpoint: Path | None, run_dir: str) -> str:
+    """The one line a stopped run ends with."""
+    name = signal.Signals(stopped_by).name
+    if checkpoint is None:
+        return f"stopped by {name} before the first step; nothing to resume"
+    return (
+        f"stopped by {name}: checkpoint {checkpoint}; resume with "
+        f"trainer.resume=auto hydra.run.dir={run_dir}"
+    )
+
+
+# ------------------------------------------------------------------- heartbeats
+
+
+class Heartbeat:
+    """A daemon thread that bumps ``heartbeat/<rank>`` in ``store`` every second
+    (clock-free: readers compare counters, never timestamps across hosts)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self._stop = threading.Event()
+        store.set(f"heartbeat_who/{rank}", json.dumps(_holder()))
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # the store is gone at shutdown
+                self.store.add(f"heartbeat/{self.rank}", 1)
+            self._stop.wait(HEARTBEAT_S)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def silent_peers(self, window_s: float = 3 * HEARTBEAT_S) -> list[str]:
+        """The other ranks whose counter did not move within ``window_s``, described
+        as ``rank R (PID P on HOST)``."""
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        before = {r: self._count(r) for r in peers}
+        time.sleep(window_s)
+        out = []
+        for r in peers:
+            if self._count(r) == before[r]:
+                who = json.loads(self.store.get(f"heartbeat_who/{r}"))
+                where = f"PID {who['pid']} on {who['host']}{_local_state(who)}"
+                out.append(f"rank {r} ({where})")
+        return out
+
+    def _count(self, rank: int) -> int:
+        return self.store.add(f"heartbeat/{rank}", 0)
+
+
+def _local_state(who: dict[str, Any]) -> str:
+    """', stopped' / ', exited' when the process is on this host and we can tell."""
+    if who.get("host") != socket.gethostname():
+        return ""
+    try:
+        stat = Path(f"/proc/{who['pid']}/stat").read_text()
+    except OSError:
+        return ", exited"
+    return ", process stopped" if stat.rsplit(")", 1)[1].split()[0] in "Tt" else ""
+
+
+@contextlib.contextmanager
+def named_failures(
+    heartbeat: Heartbeat | None, run_dir: str, timeout_s: float
+) -> Iterator[None]:
+    """Turn a collective timeout into :class:`PeerUnresponsive` naming the silent
+    rank(s), and a full disk into :class:`DiskFull` saying where."""
+    try:
+        yield
+    except RunError:
+        raise
+    except Exception as err:
+        if _no_space(err):
+            raise DiskFull(
+                f"no space left on device writing to {run_dir} "
+                f"({_free(run_dir)} free): {_first_line(err)}"
+            ) from err
+        if heartbeat is not None and isinstance(err, RuntimeError):
+            silent = heartbeat.silent_peers()
+            if silent:
+                raise PeerUnresponsive(
+                    f"{', '.join(silent)} stopped responding: a collective timed out "
+                    f"after trainer.timeout_s={timeout_s:g}"
+                ) from err
+        raise
+
+
+def _no_space(err: BaseException) -> bool:
+    while err is not None:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _free(path: str) -> str:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "unknown space"
+    return f"{free / 2**20:.1f} MiB"
+
+
+def disk_full(run_dir: str) -> str | None:
+    """A one-line 'no space left' report if the run dir's filesystem is (nearly) full."""
+    try:
+        full = shutil.disk_usage(run_dir).free < 2**20
+    except OSError:
+        return None
+    return (
+        f"no space left on device in {run_dir} ({_free(run_dir)} free)"
+        if full
+        else None
+    )
+
+
+def run_error_names() -> set[str]:
+    """Class names of every RunError (how a rank's error file names its exception)."""
+    out, todo = set(), [RunError]
+    while todo:
+        cls = todo.pop()
+        out.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -1,0 +1,71 @@
+"""The fault-handling pieces in one process (no ranks): run-dir lock, stop signals,
+pre-rank checks, metrics bookkeeping. tests/test_faults.py drives them end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from src.config import ConfigError
+from src.trainer.faults import (
+    RunDirBusy,
+    StopRequest,
+    requested,
+    run_dir_lock,
+    stop_signal,
+)
+from src.trainer.launch import preflight
+from src.trainer.loggers import METRICS_FILE, Logger
+
+
+def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
+    with run_dir_lock(tmp_path) as stale:
+        assert stale is None
+        # A second open of the lock file is another holder, even in this process.
+        with pytest.raises(
+            RunDirBusy, match=f"in use by another run \\(PID {os.getpid()} on "
+        ):
+            with run_dir_lock(tmp_path):
+                pass
+    assert (tmp_path / "run.lock").read_text() == ""  # released
+    # A holder that died without releasing: recorded, but no flock held.
+    (tmp_path / "run.lock").write_text(json.dumps({"host": "h", "pid": 1, "job": None}))
+    with run_dir_lock(tmp_path) as stale:
+        assert stale == {"host": "h", "pid": 1, "job": None}
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+
+
+def test_first_stop_signal_is_remembered_and_handlers_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    forwarded = []
+    with StopRequest(forward=forwarded.append):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert requested() == signal.SIGTERM
+        assert stop_signal(torch.device("cpu")) == signal.SIGTERM
+        assert forwarded == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is before
+    with StopRequest():
+        assert requested() == 0
+
+
+def test_preflight_checks_the_run_dir_is_writable(tmp_path):
+    preflight(str(tmp_path))
+    (tmp_path / "a.txt").write_text("")
+    with pytest.raises(ConfigError, match="hydra.run.dir: .* is not writable"):
+        preflight(str(tmp_path / "a.txt"))
+
+
+def test_rows_past_the_resumed_step_are_dropped(tmp_path):
+    rows = [{"step": s, "loss": float(s)} for s in range(1, 6)]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo'
+    (tmp_path / METRICS_FILE).write_text(text)
+    logger = Logger.files(tmp_path)
+    assert logger.drop_rows_after(3) == 3  # steps 4, 5 and the torn line
+    logger.log({"loss": 4.5}, step=4)
+    logger.finish(0)
+    steps = [json.loads(r)["step"] for r in (tmp_path / METRICS_FILE).open()]
+    assert steps == [1, 2, 3, 4]
