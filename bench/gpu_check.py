@@ -1,0 +1,239 @@
+"""One prepared GPU check: the CUDA path run for real, with MFU and memory against the plan.
+
+A GPU machine is lent only now and then, for minutes, so this is one command that does
+everything in order and never stops at the first failure:
+
+1. ``tests``: the test subset with CUDA variants (``pytest -m cuda``);
+2. for each config (eager, then per-unit compile): the planner's estimate
+   (``trainer.plan_only=true``, allocates nothing), then the trainer itself for a short
+   fixed number of steps, through ``train.py`` as a user runs it;
+3. one JSON (``gpu_check.json``) and one Markdown table (``gpu_check.md``) in the output
+   dir: tokens/s, MFU against the datasheet peak of the detected GPU, the CUDA
+   allocator peak (``torch.cuda.max_memory_allocated``) against the plan's estimate,
+   compile's speed-up over eager, and the first error line of anything that failed.
+
+    python -m bench.gpu_check OUT_DIR                # on a GPU machine (a few minutes)
+    python -m bench.gpu_check OUT_DIR --dry-run      # the same steps on CPU, tiny shapes
+
+The GPU model is a Llama of about 1.2B parameters (Llama 3.2 1B's shape) in bf16 with
+full activation checkpointing, which fits one 80 GB GPU. ``--dry-run`` (tested in CI)
+runs every step with ``model=llama_tiny`` on 2 CPU ranks, so the script cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import machine, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What each mode trains: the model, its shape and the loop (train.py overrides).
+GPU_RUN = [
+    "model=llama3_1b",
+    "model.init_device=meta",
+    "precision=bf16_mixed",
+    "sharding.activation_checkpointing=full",
+    "trainer.devices=auto",
+    "trainer.batch_size=8",
+    "trainer.max_steps=30",
+    "trainer.log_every=10",
+]
+DRY_RUN = [
+    "model=llama_tiny",
+    "precision=fp32",
+    "sharding.activation_checkpointing=full",
+    "trainer.devices=2",
+    "trainer.batch_size=8",
+    "trainer.max_steps=6",
+    "trainer.log_every=3",
+]
+COMMON = [
+    "data=synthetic",
+    "logger=none",
+    "trainer.val_every=0",
+    "trainer.progress=false",
+]
+CONFIGS = {"eager": [], "compile": ["sharding.compile=true"]}
+
+
+def first_error(text: str) -> str:
+    """The line a user reads first in a failed command's output."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for marker in ("config error:", "Error", "error", "failed"):
+        hits = [line for line in lines if marker in line]
+        if hits:
+            return hits[-1][:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_step(name: str, cmd: list[str], log_dir: Path, timeout: float) -> dict:
+    """Run one command; record its status, time and first error (never raises)."""
+    log_path = log_dir / f"{name}.log"
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "WANDB_MODE": "offline"},
+        )
+        text, code = out.stdout + out.stderr, out.returncode
+    except subprocess.TimeoutExpired as exc:
+        text, code = (
+            f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {timeout:.0f}s",
+            -1,
+        )
+    log_path.write_text(
+        text if isinstance(text, str) else text.decode(errors="replace")
+    )
+    status = {
+        "step": name,
+        "ok": code == 0,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if code != 0:
+        status["error"] = first_error(str(text))
+    print(f"[gpu_check] {name}: {'ok' if code == 0 else 'FAILED'} "
+          f"({status['seconds']} s){'' if code == 0 else ': ' + status['error']}",
+          flush=True)  # fmt: skip
+    return status
+
+
+def read_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
+    parser.add_argument("--timeout", type=float, default=600, help="s per step")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args(argv)
+    out_dir = args.out_dir.resolve()
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    shape = DRY_RUN if args.dry_run else GPU_RUN
+    steps: list[dict] = []
+
+    if not args.skip_tests:
+        steps.append(
+            run_step(
+                "tests",
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-m",
+                    "cuda",
+                    "-p",
+                    "no:cacheprovider",
+                ],
+                out_dir / "logs",
+                args.timeout,
+            )  # fmt: skip
+        )
+        if (
+            not steps[-1]["ok"]
+            and "no tests ran" in (out_dir / "logs/tests.log").read_text()
+        ):
+            steps[-1].update(ok=True, error=None)  # pytest exit 5: nothing selected
+
+    rows = []
+    for name, extra in CONFIGS.items():
+        overrides = [*shape, *COMMON, *extra]
+        plan_dir = out_dir / "runs" / f"{name}-plan"
+        run_dir = out_dir / "runs" / name
+        train = [sys.executable, "train.py", *overrides]
+        steps.append(
+            run_step(
+                f"{name}-plan",
+                [*train, "trainer.plan_only=true", f"hydra.run.dir={plan_dir}"],
+                out_dir / "logs",
+                args.timeout,
+            )
+        )
+        steps.append(
+            run_step(
+                name,
+                [*train, f"hydra.run.dir={run_dir}"],
+                out_dir / "logs",
+                args.timeout,
+            )  # fmt: skip
+        )
+        plan, run = read_summary(plan_dir), read_summary(run_dir)
+        estimate = plan.get("total_gib")
+        peak = run.get("peak_mem_gib")
+        rows.append(
+            {
+                "config": name,
+                "ok": steps[-1]["ok"],
+                "tokens_per_s": run.get("tokens_per_s"),
+                "mfu": run.get("mfu"),
+                "peak_mem_gib": peak,
+                "plan_estimate_gib": estimate,
+                "plan_error": (estimate / peak - 1) if estimate and peak else None,
+                "loss": run.get("loss"),
+                "num_params": run.get("num_params"),
+            }
+        )
+    eager, compiled = (r.get("tokens_per_s") for r in rows)
+    speedup = compiled / eager if eager and compiled else None
+
+    report = {
+        "machine": machine(),
+        "dry_run": args.dry_run,
+        "overrides": [*shape, *COMMON],
+        "steps": steps,
+        "runs": rows,
+        "compile_speedup": speedup,
+    }
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    table = markdown_table([_fmt(r) for r in rows])
+    failed = [s for s in steps if not s["ok"]]
+    lines = [
+        f"Machine: {report['machine']}{' (dry run)' if args.dry_run else ''}.",
+        f"Command: `python -m bench.gpu_check OUT{' --dry-run' if args.dry_run else ''}`",
+        f"Overrides: `{' '.join(report['overrides'])}`",
+        "",
+        table,
+        "",
+        f"compile speed-up over eager: {speedup:.2f}x" if speedup else "compile speed-up: n/a",
+        *(f"- FAILED {s['step']}: {s['error']}" for s in failed),
+    ]  # fmt: skip
+    (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return report
+
+
+def _fmt(row: dict) -> dict:
+    def num(value, fmt: str) -> str:
+        return fmt.format(value) if isinstance(value, int | float) else "-"
+
+    return {
+        "config": row["config"],
+        "status": "ok" if row["ok"] else "failed",
+        "params (M)": num(row["num_params"] and row["num_params"] / 1e6, "{:.0f}"),
+        "tokens/s": num(row["tokens_per_s"], "{:,.0f}"),
+        "MFU": num(row["mfu"], "{:.1%}"),
+        "peak allocated (GiB)": num(row["peak_mem_gib"], "{:.2f}"),
+        "plan estimate (GiB)": num(row["plan_estimate_gib"], "{:.2f}"),
+        "estimate / peak - 1": num(row["plan_error"], "{:+.1%}"),
+        "loss": num(row["loss"], "{:.3f}"),
+    }
+
+
+if __name__ == "__main__":
+    main()
