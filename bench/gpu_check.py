@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import machine, markdown_table
+from bench.common import machine
+from src.trainer.loggers import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +40,7 @@ GPU_RUN = [
     "model=llama3_1b",
     "model.init_device=meta",
     "precision=bf16_mixed",
+    "sharding.policy=block",
     "sharding.activation_checkpointing=full",
     "trainer.devices=auto",
     "trainer.batch_size=8",
@@ -49,10 +51,10 @@ DRY_RUN = [
     "model=llama_tiny",
     "precision=fp32",
     "sharding.activation_checkpointing=full",
-    "trainer.devices=2",
-    "trainer.batch_size=8",
-    "trainer.max_steps=6",
-    "trainer.log_every=3",
+    "trainer.devices=1",
+    "trainer.batch_size=4",
+    "trainer.max_steps=4",
+    "trainer.log_every=2",
 ]
 COMMON = [
     "data=synthetic",
@@ -120,11 +122,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--timeout", type=float, default=600, help="s per step")
-    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument(
+        "--skip-tests", action="store_true", help="skip step 1 (pytest -m cuda)"
+    )
+    parser.add_argument(
+        "--override",
+        nargs="*",
+        default=[],
+        help="more train.py overrides, e.g. "
+        "trainer.batch_size=4 (after the script's own)",
+    )
     args = parser.parse_args(argv)
     out_dir = args.out_dir.resolve()
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    shape = DRY_RUN if args.dry_run else GPU_RUN
+    shape = [*(DRY_RUN if args.dry_run else GPU_RUN), *args.override]
     steps: list[dict] = []
 
     if not args.skip_tests:
@@ -175,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
         )
         plan, run = read_summary(plan_dir), read_summary(run_dir)
         estimate = plan.get("total_gib")
+        if estimate is not None and not args.dry_run:
+            # The CUDA allocator's peak has no process baseline (CPU RSS has one).
+            estimate -= plan.get("process_gib", 0.0)
         peak = run.get("peak_mem_gib")
         rows.append(
             {

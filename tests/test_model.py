@@ -112,6 +112,7 @@ def test_meta_build_allocates_nothing_and_materialises_identically():
     assert big.num_params() == count_params(big.config) > 6e10
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_init_on_cuda_equals_cpu():
     cpu = GPT(TINY, seed=2)
