@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from src.config import exit_on_config_error, run_cli, validate
-from src.trainer.launch import launch, prepare
+from src.trainer.launch import launch, preflight, prepare
 from src.trainer.planner import budget_check
 from src.trainer.sweep import run_job
 
@@ -38,6 +38,8 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
     """The run's summary (None for plan-only)."""
     with exit_on_config_error():  # one line, before any rank starts
         cfg, resolved = prepare(cfg, validate(cfg))
+        if not cfg.trainer.plan_only:
+            preflight(run_dir)  # the run dir is writable
     return launch(cfg, run_dir, resolved)
 
 

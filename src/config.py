@@ -37,6 +37,7 @@ from omegaconf.errors import (
 from src.models import families, get_spec
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
 from src.trainer.data import DATA_SOURCES
+from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.loggers import LOGGERS, WANDB_MODES
 from src.trainer.planner import GRAD_SYNC, budget_bytes
 from src.trainer.resolved import (
@@ -491,9 +492,6 @@ def one_line(err: BaseException) -> str:
 
 
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
-# Set when the user asked for full tracebacks (HYDRA_FULL_ERROR=1, which run_cli also
-# sets for its own use): failures are then shown with their traceback, not one line.
-FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 
 
 @contextlib.contextmanager

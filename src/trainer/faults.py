@@ -34,8 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.config import FULL_ERROR_ENV
-
+# Set when the user asked for full tracebacks (HYDRA_FULL_ERROR=1, which the command
+# line also sets for its own use): failures are then shown with their traceback, not
+# one line.
+FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 LOCK_FILE = "run.lock"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 HEARTBEAT_S = 1.0

@@ -36,7 +36,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.multiprocessing.spawn import ProcessContext
 
-from src.config import ConfigError, exit_on_config_error
 from src.trainer.checkpoint import Checkpointer, run_checkpoints
 from src.trainer.data import follow_tokenizer_vocab, prepare_data
 from src.trainer.faults import (
@@ -57,7 +56,7 @@ from src.trainer.faults import (
 )
 from src.trainer.loop import train
 from src.trainer.planner import plan_only, resolve_auto
-from src.trainer.resolved import Resolved, model_config, under_torchrun
+from src.trainer.resolved import ConfigError, Resolved, model_config, under_torchrun
 
 
 def prepare(cfg: DictConfig, resolved: Resolved) -> tuple[DictConfig, Resolved]:
@@ -93,8 +92,6 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
         if _is_rank0():
             plan_only(cfg, run_dir, world_size=world or resolved.world_size)
         return None
-    with exit_on_config_error():
-        preflight(run_dir)
     if under_torchrun():
         # record(): torchrun's failure summary then shows this rank's traceback.
         # Rank 0 holds the run dir (it is rank 0's; a restart finds the lock free).

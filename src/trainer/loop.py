@@ -25,7 +25,6 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from src.config import ConfigError
 from src.sharding import (
     Backend,
     TiedParametersWarning,
@@ -56,7 +55,7 @@ from src.trainer.metrics import (
     reduce_max_min,
     reset_peak_memory,
 )
-from src.trainer.resolved import Resolved, model_spec, resolve
+from src.trainer.resolved import ConfigError, Resolved, model_spec, resolve
 
 
 def build_model(
