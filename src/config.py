@@ -276,7 +276,7 @@ def check_pretrained(cfg: DictConfig) -> None:
         "model.pretrained",
         f"no .safetensors files in {path!r} (save with save_pretrained)",
     )
-    from src.trainer.checkpoint import check_hf_shapes
+    from src.trainer.export import check_hf_shapes
 
     with torch.device("meta"):
         model = spec.build(model_config(cfg), 0)

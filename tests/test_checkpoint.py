@@ -29,10 +29,9 @@ from src.trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
     complete_checkpoints,
-    export_consolidated,
-    load_consolidated,
     resolve_resume,
 )
+from src.trainer.export import export_consolidated, load_consolidated
 from tests.distributed import run_distributed
 
 D_IN, D_OUT, VOCAB = 8, 4, 32

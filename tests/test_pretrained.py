@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.sharding import build_backend
-from src.trainer.checkpoint import export_hf
+from src.trainer.export import export_hf
 from src.trainer.loop import build_model, build_optimizer, train
 from src.trainer.resolved import model_config, model_spec, resolve
 from tests.distributed import run_distributed

@@ -39,13 +39,11 @@ from src.sharding import (
 )
 from src.trainer.checkpoint import (
     Checkpointer,
-    export_consolidated,
-    export_hf,
-    load_hf_weights,
     resolve_resume,
     run_checkpoints,
 )
 from src.trainer.data import GlobalBatches, load_splits
+from src.trainer.export import export_consolidated, export_hf, load_hf_weights
 from src.trainer.faults import RunError, Stopped, stop_signal
 from src.trainer.loggers import Logger, build_logger
 from src.trainer.metrics import (
