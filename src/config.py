@@ -35,7 +35,7 @@ from omegaconf.errors import (
 )
 
 from src.models import families, get_spec
-from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
+from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.trainer.data import DATA_SOURCES
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.loggers import LOGGERS, WANDB_MODES
@@ -222,11 +222,6 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
     _require(value >= minimum, key, f"got {value}, expected an integer >= {minimum}")
 
 
-def _with(backends: dict[str, type], flag: str) -> list[str]:
-    """The names of the backends whose class sets ``flag``."""
-    return [name for name, cls in backends.items() if getattr(cls, flag)]
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -288,11 +283,13 @@ def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:
     """``reshard_after_forward`` as FSDP2 takes it, and the prefetch depths."""
     raf = s.reshard_after_forward
     key = "sharding.reshard_after_forward"
+    backend = BACKENDS[s.backend]
     if not isinstance(raf, bool):
+        partial = " or sharding=".join(with_capability("partial_reshard"))
         _require(
-            isinstance(raf, int) and s.backend == "fsdp2",
+            isinstance(raf, int) and backend.partial_reshard,
             key,
-            f"got {raf!r}, expected true, false or (sharding=fsdp2) a group size",
+            f"got {raf!r}, expected true, false or (sharding={partial}) a group size",
         )
         _require(
             1 < raf < shard_size and shard_size % raf == 0,
@@ -308,9 +305,11 @@ def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:
             f"got {depth}, expected null (FSDP2's default) or a depth >= 0",
         )
         _require(
-            depth is None or s.backend == "fsdp2",
+            depth is None or backend.explicit_prefetch,
             f"sharding.{knob}",
-            f"explicit prefetch is FSDP2's; got sharding={s.backend}",
+            f"explicit prefetch needs sharding="
+            f"{' or sharding='.join(with_capability('explicit_prefetch'))}; "
+            f"got sharding={s.backend}",
         )
 
 
@@ -341,7 +340,7 @@ def validate(cfg: DictConfig) -> Resolved:
     _require(
         m.init_device != "meta" or backend.meta_init,
         "model.init_device",
-        f"meta needs sharding={' or sharding='.join(_with(BACKENDS, 'meta_init'))}, "
+        f"meta needs sharding={' or sharding='.join(with_capability('meta_init'))}, "
         f"not sharding={s.backend}",
     )
     _require(
@@ -366,7 +365,7 @@ def validate(cfg: DictConfig) -> Resolved:
         s.replicate == 1 or backend.hybrid,
         "sharding.replicate",
         f"hybrid sharding (replicate={s.replicate}) needs sharding="
-        f"{' or '.join(_with(BACKENDS, 'hybrid'))}, not sharding={s.backend}",
+        f"{' or '.join(with_capability('hybrid'))}, not sharding={s.backend}",
     )
     _require(
         world_size % s.replicate == 0,
@@ -378,8 +377,8 @@ def validate(cfg: DictConfig) -> Resolved:
     _require(
         backend.distributed or world_size == 1,
         "trainer.devices",
-        f"sharding=none trains one process, got {world_size} devices; "
-        "use trainer.devices=1 or sharding=fsdp2/fsdp1/ddp",
+        f"sharding={s.backend} trains one process, got {world_size} devices; "
+        f"use trainer.devices=1 or sharding={'/'.join(with_capability('distributed'))}",
     )
     for key in ("max_steps", "batch_size", "log_every"):
         _positive_int(cfg, f"trainer.{key}")

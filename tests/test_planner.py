@@ -18,7 +18,8 @@ import src.config  # noqa: F401  (registers the base_config schema for compose)
 from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes
 from src.models.memory import ActivationBytes
-from src.sharding import Unit, WrapPlan
+from src.sharding import BACKENDS, Backend, Unit, WrapPlan
+from src.sharding.backends import DDPBackend, FSDP1Backend
 from src.trainer import planner
 from src.trainer.planner import (
     PROCESS_BYTES,
@@ -190,6 +191,31 @@ def test_optimizer_step_peak_and_unsharded_backends():
     assert ddp.parts["grads"] == 2 * 1600 * 4  # gradients + DDP's bucket copies
     assert ddp.parts["transient"] == 1600 * 4  # foreach AdamW on CUDA
     assert ddp.parts["runtime"] == RUNTIME_BYTES["cuda"][4]
+
+
+def test_the_planner_asks_the_backend_class_not_its_name(monkeypatch):
+    """A backend that does not state its capabilities cannot be defined; one that
+    does is estimated by them, whatever its name."""
+    with pytest.raises(TypeError, match="'bare' does not state .*shards_parameters"):
+
+        class Bare(Backend):
+            name = "bare"
+
+    class Sharded(FSDP1Backend):
+        name = "sharded"
+
+    class Bucketed(DDPBackend):
+        name = "bucketed"
+
+    monkeypatch.setitem(BACKENDS, "sharded", Sharded)
+    monkeypatch.setitem(BACKENDS, "bucketed", Bucketed)
+    tiny = ActivationBytes(saved=0, head=0, loss_transient=0, block_transient=0)
+    for name, like in (("sharded", "fsdp1"), ("bucketed", "ddp")):
+        ours = estimate(PLAN, replace(SHAPE, backend=name), tiny)
+        assert ours.parts == estimate(PLAN, replace(SHAPE, backend=like), tiny).parts
+    assert estimate(PLAN, replace(SHAPE, backend="sharded"), tiny).parts["params"] == (
+        3200  # this rank's shards, not the 1600 x 4 of an unsharded backend
+    )
 
 
 # -------------------------------------------------------- budget and auto

@@ -5,12 +5,14 @@ checkpointing, torch.compile) and the wrap plan."""
 from .backends import (
     BACKENDS,
     Backend,
+    backend_class,
     build_backend,
     build_sharded_model,
     canonical_name,
     fsdp1_wrapper,
     materialize_meta_,
     set_prefetch,
+    with_capability,
 )
 from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
@@ -54,6 +56,7 @@ __all__ = [
     "WrapPlan",
     "WrapPolicy",
     "auto_wrap",
+    "backend_class",
     "build_backend",
     "build_policy",
     "build_sharded_model",
@@ -66,6 +69,7 @@ __all__ = [
     "make_unit",
     "materialize_meta_",
     "set_prefetch",
+    "with_capability",
     "wrap",
     "wrap_enabled",
     "wrap_plan",

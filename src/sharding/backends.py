@@ -141,11 +141,38 @@ class Backend:
     """
 
     name: ClassVar[str]
-    wraps_units: ClassVar[bool] = False  # units are wrapped as the model is built
-    distributed: ClassVar[bool] = True  # needs an initialised process group
-    meta_init: ClassVar[bool] = True  # can materialise a model built on meta
-    hybrid: ClassVar[bool] = False  # takes replicate > 1 (HSDP)
-    allocates: ClassVar[bool] = True  # the built model holds real tensors
+    # Capabilities: the planner and the config checks ask these, never the name. A
+    # backend (a class with a ``name``) states every one, in its class or a parent's,
+    # or defining it fails (:meth:`__init_subclass__`).
+    distributed: ClassVar[bool]  # needs an initialised process group
+    wraps_units: ClassVar[bool]  # units are wrapped as the model is built
+    shards_parameters: ClassVar[bool]  # each rank holds 1/N of the parameters
+    bucketed_gradients: ClassVar[bool]  # gradients copied into reduction buckets
+    meta_init: ClassVar[bool]  # can materialise a model built on meta
+    hybrid: ClassVar[bool]  # takes replicate > 1 (HSDP)
+    partial_reshard: ClassVar[bool]  # reshard_after_forward may be a group size
+    explicit_prefetch: ClassVar[bool]  # takes forward/backward prefetch depths
+    allocates: ClassVar[bool]  # the built model holds real tensors
+    CAPABILITIES: ClassVar[tuple[str, ...]] = (
+        "distributed",
+        "wraps_units",
+        "shards_parameters",
+        "bucketed_gradients",
+        "meta_init",
+        "hybrid",
+        "partial_reshard",
+        "explicit_prefetch",
+        "allocates",
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [c for c in cls.CAPABILITIES if not hasattr(cls, c)]
+        if "name" in cls.__dict__ and missing:
+            raise TypeError(
+                f"backend {cls.name!r} does not state its capabilities "
+                f"{', '.join(missing)} (see Backend.CAPABILITIES)"
+            )
 
     def __init__(
         self,
@@ -156,7 +183,8 @@ class Backend:
     ) -> None:
         if replicate != 1 and not self.hybrid:
             raise ValueError(
-                f"replicate={replicate}: hybrid sharding needs fsdp2 or fsdp1"
+                f"replicate={replicate}: hybrid sharding needs "
+                f"{' or '.join(with_capability('hybrid'))}"
             )
         self.precision, self.device = precision, device
         #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
@@ -250,13 +278,29 @@ class SingleProcessBackend(Backend):
 
     name = "none"
     distributed = False
+    wraps_units = False
+    shards_parameters = False
+    bucketed_gradients = False
+    meta_init = True
+    hybrid = False
+    partial_reshard = False
+    explicit_prefetch = False
+    allocates = True
 
 
 class DDPBackend(Backend):
     """``ddp``: no units; the root is wrapped in ``DistributedDataParallel``."""
 
     name = "ddp"
+    distributed = True
+    wraps_units = False
+    shards_parameters = False
+    bucketed_gradients = True  # gradient_as_bucket_view=False: a second copy
     meta_init = False
+    hybrid = False
+    partial_reshard = False
+    explicit_prefetch = False
+    allocates = True
 
     def place(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -271,8 +315,12 @@ class _FSDPBackend(Backend):
     """What FSDP2 and FSDP1 share: units, their own mixed precision, a sharded
     gradient scaler, parameters already placed by the wrapper."""
 
+    distributed = True
     wraps_units = True
+    shards_parameters = True
+    bucketed_gradients = False
     hybrid = True
+    allocates = True
 
     def place(self, model: nn.Module) -> nn.Module:
         return model
@@ -290,6 +338,9 @@ class FSDP2Backend(_FSDPBackend):
     """``fsdp2``: ``fully_shard`` per unit, in place, on a 1-D mesh (2-D for HSDP)."""
 
     name = "fsdp2"
+    meta_init = True
+    partial_reshard = True
+    explicit_prefetch = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -327,6 +378,8 @@ class FSDP1Backend(_FSDPBackend):
 
     name = "fsdp1"
     meta_init = False
+    partial_reshard = False
+    explicit_prefetch = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -354,6 +407,9 @@ class PlanBackend(_FSDPBackend):
 
     name = "plan"
     distributed = False
+    meta_init = True
+    partial_reshard = True
+    explicit_prefetch = True
     allocates = False
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
@@ -364,6 +420,21 @@ class PlanBackend(_FSDPBackend):
 BACKENDS: dict[str, type[Backend]] = {
     b.name: b for b in (FSDP2Backend, FSDP1Backend, DDPBackend, SingleProcessBackend)
 }
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend ``name`` (one of :data:`BACKENDS`, or ``plan``)."""
+    cls = PlanBackend if name == "plan" else BACKENDS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown backend {name!r}, expected one of: {', '.join(BACKENDS)}, plan"
+        )
+    return cls
+
+
+def with_capability(capability: str) -> list[str]:
+    """The names of the training backends that have ``capability``."""
+    return [name for name, cls in BACKENDS.items() if getattr(cls, capability)]
 
 
 def build_backend(
@@ -377,11 +448,7 @@ def build_backend(
     distributed ones need an initialised process group. ``replicate=R > 1`` (fsdp2,
     fsdp1, and ``plan`` for its estimate) is hybrid sharding: R replica groups, each
     sharding over ``world_size / R`` ranks."""
-    cls = PlanBackend if name == "plan" else BACKENDS.get(name)
-    if cls is None:
-        raise ValueError(
-            f"unknown backend {name!r}, expected one of: {', '.join(BACKENDS)}, plan"
-        )
+    cls = backend_class(name)
     prec = get_precision(precision) if isinstance(precision, str) else precision
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return cls(prec, device, reshard_after_forward, replicate)
@@ -409,7 +476,7 @@ def build_sharded_model(
     if init_device.type == "meta" and not backend.meta_init:
         raise ValueError(
             f"meta-device init is not supported with backend {backend.name!r} "
-            "(use fsdp2 or none)"
+            f"(use {' or '.join(with_capability('meta_init'))})"
         )
     if init_device.type == "meta" and init_fn is None and backend.allocates:
         raise ValueError("meta-device init needs an init_fn to materialise shards")

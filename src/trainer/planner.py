@@ -36,7 +36,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.models.memory import ActivationBytes
-from src.sharding import GIB, MIB, WrapPlan, build_backend, get_precision, wrap_plan
+from src.sharding import (
+    GIB,
+    MIB,
+    WrapPlan,
+    backend_class,
+    build_backend,
+    get_precision,
+    wrap_plan,
+)
 from src.trainer.loggers import Logger
 from src.trainer.resolved import (
     ConfigError,
@@ -128,7 +136,7 @@ COST = {
 class RunShape:
     """What the estimate needs beyond the wrap plan: one rank's share of a step."""
 
-    backend: str  # fsdp2, fsdp1, ddp, none
+    backend: str  # a name of src.sharding.BACKENDS (the planner asks its class)
     world: int
     micro_batch: int  # sequences per rank per micro-step
     seq_len: int
@@ -146,7 +154,11 @@ class RunShape:
 
     @property
     def shards(self) -> bool:
-        return self.backend in ("fsdp2", "fsdp1")
+        return backend_class(self.backend).shards_parameters
+
+    @property
+    def bucketed_gradients(self) -> bool:
+        return backend_class(self.backend).bucketed_gradients
 
     @property
     def mixed(self) -> bool:
@@ -265,7 +277,7 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
         unsharded_grads = total * 4
         sharded_grads = unsharded_grads
         # DDP copies gradients into its buckets (gradient_as_bucket_view=False).
-        final_grads = unsharded_grads * (2 if s.backend == "ddp" else 1)
+        final_grads = unsharded_grads * (2 if s.bucketed_gradients else 1)
         unit_grads, root_grad = 0, 0
         shard_of_largest = max((u.numel * 4 for u in plan.units), default=params)
         # Autocast keeps a low-precision copy of each weight for backward.
