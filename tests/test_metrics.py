@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from src.trainer.loggers import build_logger, run_identity
 from src.trainer.metrics import (
     ThroughputMeter,
+    cpu_flags,
     lookup_gpu_peak_tflops,
     measure_matmul_flops,
     memory_metrics,
@@ -109,9 +110,12 @@ def test_mfu_of_a_real_cpu_matmul_loop_is_a_fraction_of_the_probe(one_thread):
 
 def test_peak_flops_override_table_and_cpu_probe():
     cpu = torch.device("cpu")
-    assert peak_flops_per_rank(cpu, torch.bfloat16, 989.0) == pytest.approx(989e12)
+    peak = peak_flops_per_rank(
+        cpu, torch.bfloat16, 989.0, flags=frozenset({"amx_bf16"})
+    )
+    assert peak.flops == pytest.approx(989e12) and peak.source == "trainer.peak_tflops"
     rng = torch.get_rng_state()
-    assert peak_flops_per_rank(cpu, torch.float32, None) > 1e8
+    assert peak_flops_per_rank(cpu, torch.float32, None).flops > 1e8
     # The probe runs after a resume restored the RNG: it must not draw from it.
     assert torch.equal(torch.get_rng_state(), rng)
     assert lookup_gpu_peak_tflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4
@@ -122,6 +126,69 @@ def test_peak_flops_override_table_and_cpu_probe():
     assert lookup_gpu_peak_tflops("NVIDIA L4", torch.bfloat16) == 121.0
     assert lookup_gpu_peak_tflops("NVIDIA L40S", torch.bfloat16) == 362.1
     assert lookup_gpu_peak_tflops("Some Future GPU", torch.bfloat16) is None
+
+
+AVX2_ONLY = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma", "avx512f"})
+
+
+@pytest.mark.parametrize(
+    "dtype, flags, matmul_dtype, warned",
+    [
+        # No native bf16/fp16: the matmuls are emulated in fp32, so the fp32 peak is
+        # the denominator (a probe of the emulation put MFU at 124-192%) and one line
+        # says so.
+        (torch.bfloat16, AVX2_ONLY, torch.float32, "bf16"),
+        (torch.float16, AVX2_ONLY, torch.float32, "fp16"),
+        (torch.bfloat16, AVX2_ONLY | {"avx512_bf16"}, torch.bfloat16, None),
+        (torch.bfloat16, AVX2_ONLY | {"amx_bf16"}, torch.bfloat16, None),
+        (torch.float16, AVX2_ONLY | {"avx512_fp16"}, torch.float16, None),
+        (torch.float16, AVX2_ONLY | {"avx512_bf16"}, torch.float32, "fp16"),
+        (torch.bfloat16, frozenset({"fp", "asimd", "bf16"}), torch.bfloat16, None),
+        (torch.float32, AVX2_ONLY, torch.float32, None),
+    ],
+)
+def test_cpu_peak_is_the_peak_of_the_dtype_the_matmuls_run_in(
+    dtype, flags, matmul_dtype, warned
+):
+    peak = peak_flops_per_rank(torch.device("cpu"), dtype, None, flags=flags)
+    assert peak.matmul_dtype == matmul_dtype and peak.source == "probe"
+    assert peak.flops > 1e8
+    if warned:
+        assert warned in peak.warning and "\n" not in peak.warning
+        assert "emulated" in peak.warning and "fp32 peak" in peak.warning
+    else:
+        assert peak.warning is None
+    # The override is taken as given, but the warning stays.
+    override = peak_flops_per_rank(torch.device("cpu"), dtype, 1.0, flags=flags)
+    assert override.flops == 1e12 and override.warning == peak.warning
+
+
+def test_cpu_flags_reads_x86_and_arm_cpuinfo(tmp_path):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\n\nflags : other\n")
+    assert cpu_flags(str(x86)) == {"fpu", "avx2", "amx_bf16"}
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu_flags(str(arm)) == {"fp", "asimd", "bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) is None
+
+
+def test_mfu_above_one_is_omitted_with_one_line(caplog):
+    times = iter([0.0, 1.0, 2.0])
+    meter = ThroughputMeter(
+        tokens_per_step=1000,
+        flops_per_token=6000.0,
+        peak_flops_per_rank=1e6,  # below the achieved 6e6 FLOP/s: a wrong peak
+        world_size=1,
+        clock=lambda: next(times),
+    )
+    assert meter.step(1, log=True) is None
+    with caplog.at_level("WARNING", logger="src.trainer.metrics"):
+        first, second = meter.step(2, log=True), meter.step(3, log=True)
+    assert "mfu" not in first and "mfu" not in second
+    assert first["tokens_per_s"] == pytest.approx(1000.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("MFU omitted")
 
 
 # --- memory ---------------------------------------------------------------------------

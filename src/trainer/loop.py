@@ -11,6 +11,7 @@ ranks give the same losses.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -54,6 +55,8 @@ from src.trainer.metrics import (
     reset_peak_memory,
 )
 from src.trainer.resolved import ConfigError, Resolved, model_spec, resolve
+
+log = logging.getLogger(__name__)
 
 
 def build_model(
@@ -460,15 +463,18 @@ class Trainer:
                     f"{self.start_step} (logged by the interrupted run)",
                     flush=True,
                 )
+        # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe; it
+        # also says once when the hardware does not accelerate the run's precision.
+        peak = 1.0
+        if rank == 0:
+            found = peak_flops_per_rank(self.device, backend.param_dtype, t.peak_tflops)
+            if found.warning:
+                log.warning("precision=%s: %s", cfg.precision.name, found.warning)
+            peak = found.flops
         self.meter = ThroughputMeter(
             tokens_per_step=t.batch_size * block_size,
             flops_per_token=spec.flops_per_token(model_cfg, block_size),
-            # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe.
-            peak_flops_per_rank=(
-                peak_flops_per_rank(self.device, backend.param_dtype, t.peak_tflops)
-                if rank == 0
-                else 1.0
-            ),
+            peak_flops_per_rank=peak,
             world_size=world,
         )
         self.logger.log(

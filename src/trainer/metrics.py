@@ -13,17 +13,21 @@ Conventions (see docs/metrics.md):
 
 from __future__ import annotations
 
+import logging
 import math
 import resource
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from src.sharding import GIB
+
+log = logging.getLogger(__name__)
 
 # Dense (no structured sparsity) peak tensor-core TFLOP/s per device from the vendors'
 # datasheets. Ordered: the first row whose every substring occurs in the device name
@@ -112,28 +116,105 @@ def measure_matmul_flops(
     return 2.0 * n**3 / best
 
 
+#: CPU flags (``/proc/cpuinfo`` "flags" on x86, "Features" on Arm) that mean the
+#: cores run matmuls of that dtype natively; without one, oneDNN emulates them (it
+#: converts to fp32 and runs fp32 FMAs, slower than plain fp32).
+CPU_NATIVE_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16", "fphp"),
+}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The first CPU's feature flags, None where they cannot be read (not Linux)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The MFU denominator of a run: ``flops`` per rank, the dtype its matmuls really
+    run in (``matmul_dtype``), where the figure comes from, and ``warning``: one line
+    when the hardware does not accelerate the run's precision (None otherwise)."""
+
+    flops: float
+    matmul_dtype: torch.dtype
+    source: str  # "trainer.peak_tflops", "datasheet" or "probe"
+    warning: str | None = None
+
+
+def precision_support(
+    device: torch.device, dtype: torch.dtype, flags: frozenset[str] | None = None
+) -> tuple[torch.dtype, str | None]:
+    """``(dtype the matmuls run in, warning)`` for a run computing in ``dtype``.
+
+    On a CPU without native bf16/fp16 (``flags``: :func:`cpu_flags` unless given; no
+    flag of :data:`CPU_NATIVE_FLAGS`) the low-precision matmuls are emulated in fp32:
+    the fp32 peak bounds them, and the run gets a warning line. A CUDA GPU before
+    Ampere has no bf16 tensor cores (its datasheet row is the fp32 rate) and warns too.
+    """
+    device = torch.device(device)
+    name = _DTYPE_NAMES.get(dtype, str(dtype))
+    if device.type == "cpu" and dtype in CPU_NATIVE_FLAGS:
+        flags = cpu_flags() if flags is None else flags
+        wanted = CPU_NATIVE_FLAGS[dtype]
+        if flags is not None and not flags & set(wanted):
+            return torch.float32, (
+                f"this CPU has no native {name} matmuls (none of {', '.join(wanted)} "
+                f"in /proc/cpuinfo): they are emulated and run slower than fp32; "
+                f"MFU is against the fp32 peak (precision=fp32 is faster here)"
+            )
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return torch.float32, (
+                f"{torch.cuda.get_device_name(device)} has no bf16 tensor cores (before "
+                "Ampere): bf16 runs at the fp32 rate; precision=fp16_mixed is faster"
+            )
+    return dtype, None
+
+
 def peak_flops_per_rank(
-    device: torch.device, dtype: torch.dtype, override_tflops: float | None = None
-) -> float:
+    device: torch.device,
+    dtype: torch.dtype,
+    override_tflops: float | None = None,
+    flags: frozenset[str] | None = None,
+) -> Peak:
     """Peak FLOP/s one rank can reach in ``dtype``: the MFU denominator.
 
     ``override_tflops`` (``trainer.peak_tflops``) wins; then the datasheet table for a
-    known GPU; otherwise (CPU, or an unknown GPU) a short matmul probe on the device.
+    known GPU; otherwise (CPU, or an unknown GPU) a short matmul probe on the device,
+    in the dtype the matmuls really run in (:func:`precision_support`: fp32 for a
+    precision the CPU emulates, whose probe would otherwise measure the slow emulation
+    and put MFU above 100%).
     """
-    if override_tflops:
-        return float(override_tflops) * 1e12
     device = torch.device(device)
+    matmul_dtype, warning = precision_support(device, dtype, flags)
+    if override_tflops:
+        return Peak(
+            float(override_tflops) * 1e12, matmul_dtype, "trainer.peak_tflops", warning
+        )
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         tflops = lookup_gpu_peak_tflops(name, dtype)
         if tflops is not None:
-            return tflops * 1e12
+            return Peak(tflops * 1e12, matmul_dtype, "datasheet", warning)
         warnings.warn(
             f"no peak FLOP/s figure for {name!r}; measuring a matmul probe instead "
             "(set trainer.peak_tflops to use the datasheet figure)",
             stacklevel=2,
         )
-    return measure_matmul_flops(device, dtype)
+    return Peak(
+        measure_matmul_flops(device, matmul_dtype), matmul_dtype, "probe", warning
+    )
 
 
 def _synchronize() -> None:
@@ -163,6 +244,7 @@ class ThroughputMeter:
         self.world_size = world_size
         self.clock = clock
         self._mark: tuple[int, float] | None = None
+        self._mfu_dropped = False  # the MFU-above-100% line is said once
 
     def _now(self) -> float:
         _synchronize()  # GPU work is asynchronous: time it when it has finished
@@ -188,12 +270,29 @@ class ThroughputMeter:
         tokens_per_s = self.tokens_per_step * steps / seconds
         per_rank = tokens_per_s / self.world_size
         mfu = per_rank * self.flops_per_token / self.peak_flops_per_rank
-        return {
+        row = {
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": per_rank,
             "step_time_s": seconds / steps,
-            "mfu": mfu,
         }
+        if mfu <= 1.0:
+            row["mfu"] = mfu
+        else:
+            self._omit_mfu(per_rank * self.flops_per_token)
+        return row
+
+    def _omit_mfu(self, achieved: float) -> None:
+        # Above 100% the denominator is wrong (a probe measured on a busy machine, a
+        # wrong trainer.peak_tflops): no figure rather than a false one, said once.
+        if not self._mfu_dropped:
+            self._mfu_dropped = True
+            log.warning(
+                "MFU omitted: the achieved %.3g FLOP/s per rank exceed the peak of "
+                "%.3g (a matmul probe measured while the machine was busy, or a wrong "
+                "trainer.peak_tflops); set trainer.peak_tflops to the device's peak",
+                achieved,
+                self.peak_flops_per_rank,
+            )
 
 
 _CLEAR_REFS = "/proc/self/clear_refs"
