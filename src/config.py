@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,12 +35,12 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from src.cli_help import is_schema_option, user_options
 from src.models import families, get_spec
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
-from src.trainer.data import DATA_SOURCES, DataConfig
+from src.trainer.data import DATA_SOURCES
 from src.trainer.faults import FULL_ERROR_ENV
-from src.trainer.loggers import LOGGERS, LoggerConfig
-from src.trainer.loop import RESUME_SCHEDULES
+from src.trainer.loggers import LOGGERS, WANDB_MODES
 from src.trainer.planner import GRAD_SYNC, budget_bytes
 from src.trainer.resolved import (
     ConfigError,
@@ -103,13 +104,73 @@ class TrainerConfig:
     keep_last: int = MISSING
     ckpt_async: bool = MISSING
     resume: str | None = MISSING
-    resume_schedule: str = MISSING  # src.trainer.loop.RESUME_SCHEDULES
     export: Any = MISSING  # false, true (model.safetensors) or hf (a transformers dir)
     max_restarts: int = MISSING
     timeout_s: float = MISSING
     plan_only: bool = MISSING
     peak_tflops: float | None = MISSING
     progress: bool = MISSING
+
+
+@dataclass
+class DataConfig:
+    """The key every source has. Each option of the ``data`` group selects its own
+    schema below (``defaults: [base_<source>]`` in conf/data/), so a key of another
+    source is an unknown key."""
+
+    name: str = MISSING
+
+
+@dataclass
+class FilesDataConfig(DataConfig):
+    """``data=files`` (and its preset ``data=text``): local files, tokenized once into
+    the token cache (src/trainer/token_cache.py)."""
+
+    paths: Any = MISSING  # a glob or a list of globs
+    format: str = MISSING  # one of src.trainer.corpus.DATA_FORMATS
+    text_key: str = MISSING
+    tokenizer: str = MISSING
+    bpe_vocab_size: int = MISSING
+    eos_token: str | None = MISSING
+    val_fraction: float = MISSING
+    max_bytes: int | None = MISSING
+    cache_dir: str = MISSING
+
+
+@dataclass
+class TokensDataConfig(DataConfig):
+    train_path: str = MISSING
+    val_path: str = MISSING
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    num_tokens: int = MISSING
+
+
+DATA_SCHEMAS = {
+    "files": FilesDataConfig,
+    "tokens": TokensDataConfig,
+    "synthetic": SyntheticDataConfig,
+}
+
+
+@dataclass
+class LoggerConfig:
+    """The key every logger has; each option of the ``logger`` group picks its own
+    schema (``schema/<logger>@_here_``), so a key of another logger is unknown."""
+
+    backend: str = MISSING  # one of src.trainer.loggers.LOGGERS
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    mode: str = MISSING  # one of src.trainer.loggers.WANDB_MODES
+    project: str = MISSING
+    group: str | None = MISSING
+    tags: list[str] = MISSING
+    name: str | None = MISSING  # the run's name; null = wandb's default
+    system_stats: bool = MISSING  # wandb's CPU/GPU sampling (probes cloud metadata)
 
 
 @dataclass
@@ -128,8 +189,8 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    data: DataConfig = MISSING  # a source's schema, chosen by the data group
-    logger: LoggerConfig = MISSING  # a logger's schema, chosen by the logger group
+    data: DataConfig = MISSING  # a schema of DATA_SCHEMAS, chosen by the data group
+    logger: LoggerConfig = MISSING  # a schema chosen by the logger group
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
@@ -137,11 +198,10 @@ _store = ConfigStore.instance()
 _store.store(name="base_config", node=Config)
 for _family in families():
     _store.store(group="model/schema", name=_family, node=get_spec(_family).schema())
-# Each data source and logger owns its schema (src/trainer/data.py, loggers.py).
-for _name, _source in DATA_SOURCES.items():
-    _store.store(group="data", name=f"base_{_name}", node=_source.schema)
-for _name, _logger in LOGGERS.items():
-    _store.store(group="logger/schema", name=_name, node=_logger.schema)
+for _name, _schema in DATA_SCHEMAS.items():
+    _store.store(group="data", name=f"base_{_name}", node=_schema)
+_store.store(group="logger/schema", name="none", node=LoggerConfig)
+_store.store(group="logger/schema", name="wandb", node=WandbLoggerConfig)
 
 
 # ------------------------------------------------------------------- validation
@@ -191,6 +251,26 @@ def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing():
             reject_unknown_keys(child, f"{full_key}.")
+
+
+def refuse_schemas(cfg: DictConfig) -> None:
+    """``model=schema/<family>``, ``data=base_<source>`` and ``logger=schema/<name>``
+    are the types of a group's options (registered above), not options: picked on the
+    command line they give a node without a preset's values (an 8B-parameter default
+    Llama, ``data.name`` unset). Refused, naming the options of conf/."""
+    unset = {
+        "model": not cfg.model.get("name"),
+        "data": OmegaConf.is_missing(cfg.data, "name"),
+        "logger": OmegaConf.is_missing(cfg.logger, "backend"),
+    }
+    for group, schema in unset.items():
+        options = [o for o in user_options(group) if not is_schema_option(o)]
+        _require(
+            not schema,
+            group,
+            f"an internal schema was picked, not an option; expected {group}= one "
+            f"of: {', '.join(options)}",
+        )
 
 
 def check_pretrained(cfg: DictConfig) -> None:
@@ -263,6 +343,7 @@ def validate(cfg: DictConfig) -> Resolved:
     Raises :class:`ConfigError` (one line naming the key) at the first problem.
     """
     reject_unknown_keys(cfg)
+    refuse_schemas(cfg)
     m, s, t = cfg.model, cfg.sharding, cfg.trainer
     cap = cfg.sweep.mem_cap_gib
     _require(
@@ -370,17 +451,26 @@ def validate(cfg: DictConfig) -> Resolved:
         "trainer.peak_tflops",
         "expected null (table or probe) or a positive number",
     )
-    _choice(cfg, "trainer.resume_schedule", RESUME_SCHEDULES)
     _require(
-        t.resume is None or t.resume == "auto" or os.path.exists(t.resume),
+        t.resume in (None, "auto") or os.path.exists(os.path.expanduser(t.resume)),
         "trainer.resume",
         f"got {t.resume!r}, expected null, auto or an existing checkpoint path",
     )
 
     _choice(cfg, "data.name", DATA_SOURCES)
-    DATA_SOURCES[cfg.data.name].check(cfg.data)
+    _require(
+        not OmegaConf.is_missing(cfg.data, "paths"),
+        "data.paths",
+        "required with data=files: a glob or a list of globs of your corpus",
+    )
+    if cfg.data.name == "tokens":
+        for key in ("train_path", "val_path"):
+            path = os.path.expanduser(cfg.data[key])
+            _require(os.path.isfile(path), f"data.{key}", f"no such file {path!r}")
+
     _choice(cfg, "logger.backend", LOGGERS)
-    LOGGERS[cfg.logger.backend].check(cfg.logger)
+    if cfg.logger.backend == "wandb":
+        _choice(cfg, "logger.mode", WANDB_MODES)
     return resolved
 
 
@@ -425,6 +515,46 @@ def one_line(err: BaseException) -> str:
 
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
 
+# An element of an override's value (the whole value, or an item of a list or of a
+# sweep) that starts with ``~`` (a home path) or holds ``<``/``>`` (``<stdlib>``): the
+# characters Hydra's override lexer has no token for.
+_PATH_ELEMENT = re.compile(r"(?:(?<=^)|(?<=[\[,]))\s*([^,\[\]'\"]*[~<>][^,\[\]'\"]*)")
+
+
+def quote_paths(args: Sequence[str]) -> list[str]:
+    """The command line's overrides with home paths and ``<stdlib>`` made parseable.
+
+    ``model.pretrained=~/ckpt``, ``data.paths=~/corpus/**/*.jsonl`` and
+    ``data.paths=[~/a/*.parquet,~/b/*.parquet]`` (as the docs write them) stop in
+    Hydra's lexer: ``~`` is not a character of an unquoted value. An override that
+    Hydra cannot parse gets each such element expanded (``~`` -> the home directory,
+    as a shell does) and quoted; every other argument is passed on as it is.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+
+    def parses(arg: str) -> bool:
+        try:
+            parser.parse_override(arg)
+        except HydraException:  # the lexer's and the parser's errors
+            return False
+        return True
+
+    def quoted(match: re.Match) -> str:
+        element = os.path.expanduser(match.group(1).strip())
+        return f"'{element}'" if "'" not in element else f'"{element}"'
+
+    out = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if arg.startswith("-") or not eq or parses(arg):
+            out.append(arg)
+            continue
+        fixed = f"{key}={_PATH_ELEMENT.sub(quoted, value)}"
+        out.append(fixed if parses(fixed) else arg)  # else Hydra reports the original
+    return out
+
 
 @contextlib.contextmanager
 def exit_on_config_error() -> Iterator[None]:
@@ -450,6 +580,7 @@ def run_cli(main: Callable[[], Any]) -> None:
     own exceptions; with ``HYDRA_FULL_ERROR=1`` it re-raises instead, which lets us
     format them. A user who sets ``HYDRA_FULL_ERROR=1`` gets Hydra's full report.
     """
+    sys.argv[1:] = quote_paths(sys.argv[1:])
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         os.environ[FULL_ERROR_ENV] = "1"  # the ranks show tracebacks too
         main()

@@ -55,7 +55,7 @@ from src.trainer.faults import (
     run_error_names,
 )
 from src.trainer.loop import train
-from src.trainer.planner import plan_only, resolve_auto
+from src.trainer.planner import default_policy, plan_only, resolve_auto
 from src.trainer.resolved import ConfigError, Resolved, model_config, under_torchrun
 
 
@@ -71,7 +71,9 @@ def prepare(cfg: DictConfig, resolved: Resolved) -> tuple[DictConfig, Resolved]:
         if meta is not None:
             follow_tokenizer_vocab(cfg, meta, _user_keys())
             resolved = dataclasses.replace(resolved, model_config=model_config(cfg))
+    cfg, policy = default_policy(cfg, _user_keys())
     cfg, reasons = resolve_auto(cfg, _world_from_env())
+    reasons = [policy, *reasons] if policy else reasons
     if _is_rank0():
         for line in reasons:
             print(line, flush=True)

@@ -633,6 +633,36 @@ def resolve_auto(
     return out, reasons
 
 
+POLICY_KEYS = ("sharding.policy", "sharding.min_params")
+
+
+def default_policy(cfg: DictConfig, user_keys: set[str]) -> tuple[DictConfig, str]:
+    """``cfg`` with the block policy when the size policy's threshold was not chosen for
+    this model: the user set neither key of :data:`POLICY_KEYS` and, with the group's
+    default ``sharding.min_params`` (tuned so each block of the CPU models is one unit),
+    the size policy would cut a block into several units (``model=llama3_8b``: one per
+    Linear, 227 units). One unit per block is what the planner's estimates assume for
+    selective checkpointing, and what FSDP users pick for large models. Returns the
+    config and the line saying so (empty when nothing changed)."""
+    s = cfg.sharding
+    if (
+        set(POLICY_KEYS) & user_keys
+        or s.policy != "size"
+        or s.min_params == "auto"
+        or not backend_class(s.backend).shards_parameters
+    ):
+        return cfg, ""
+    plan = wrap_plan(build_meta_model(cfg), 1)
+    if not _nested(plan):
+        return cfg, ""
+    inside = sum(1 for u in plan.units if u.path)
+    return _with(cfg, {"sharding.policy": "block"}), (
+        f"sharding.policy=block: with sharding.min_params={_fmt(s.min_params)} the "
+        f"size policy would make {inside} units, splitting model={cfg.model.name}'s blocks; "
+        "one unit per block (set sharding.policy or sharding.min_params to choose)"
+    )
+
+
 # ---------------------------------------------------------------- plan-only
 
 

@@ -1,0 +1,168 @@
+"""What a new user types: home paths on the command line, ``--help``, the internal
+schema groups, and the sharding policy a big preset gets by default."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.cli_help import KEY_HELP, is_schema_option, user_options
+from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
+from src.trainer.corpus import resolve_files
+from src.trainer.planner import default_policy
+from tests.test_config import CONF, ROOT, make_cfg
+
+
+def test_home_paths_as_the_docs_write_them(tmp_path, monkeypatch):
+    """``~`` in a value, in a list and in a sweep is expanded and quoted for Hydra's
+    lexer; the globs then find the files under that home."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("corpus/x/a.jsonl", "corpus/b.jsonl", "a/1.parquet", "b/2.parquet"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text('{"text": "hi"}\n')
+    args = [
+        "data=files",
+        "data.paths=~/corpus/**/*.jsonl",  # data.paths="~/corpus/**/*.jsonl" in bash
+        "model.pretrained=~/ckpt/my-llama",
+        "trainer.max_steps=5",
+    ]
+    fixed = quote_paths(args)
+    assert fixed[0] == "data=files" and fixed[3] == "trainer.max_steps=5"
+    cfg = make_cfg(*fixed)
+    assert cfg.model.pretrained == f"{tmp_path}/ckpt/my-llama"
+    assert resolve_files(cfg.data.paths) == [
+        f"{tmp_path}/corpus/b.jsonl",
+        f"{tmp_path}/corpus/x/a.jsonl",
+    ]
+    # The list form of docs/data.md, and a sweep over two corpora.
+    (listed,) = quote_paths(["data.paths=[~/a/*.parquet,~/b/*.parquet]"])
+    cfg = make_cfg("data=files", listed)
+    assert list(cfg.data.paths) == [
+        f"{tmp_path}/a/*.parquet",
+        f"{tmp_path}/b/*.parquet",
+    ]
+    assert quote_paths(["data.paths=~/a/*.parquet,~/b/*.parquet"]) == [
+        f"data.paths='{tmp_path}/a/*.parquet','{tmp_path}/b/*.parquet'"
+    ]
+    # <stdlib> needs no nested quotes either; what Hydra parses is left as it is.
+    assert quote_paths(["data.paths=<stdlib>/json/*.py"]) == [
+        "data.paths='<stdlib>/json/*.py'"
+    ]
+    kept = ["data.paths=\"'~/x'\"", "-m", "a=1,2", "~trainer.seed", "x=[1,2"]
+    assert quote_paths(kept) == kept
+
+
+def test_home_path_reaches_the_check_that_names_it(tmp_path, monkeypatch):
+    """End to end through train.py: the documented form reaches validation, which
+    names the expanded directory (nothing there), instead of Hydra's lexer error."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "model=hf",
+            "model.pretrained=~/ckpt/my-llama",
+            "trainer.plan_only=true",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"config error: model.pretrained: no such directory '{tmp_path}/ckpt/my-llama'"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("override", "group"),
+    [
+        ("model=schema/llama", "model"),
+        ("data=base_files", "data"),
+        ("logger=schema/wandb", "logger"),
+    ],
+)
+def test_internal_schema_groups_are_refused_in_one_line(override, group):
+    with pytest.raises(CONFIG_ERRORS) as info:
+        validate(make_cfg(override))
+    line = one_line(info.value)
+    options = [o for o in user_options(group) if not is_schema_option(o)]
+    assert line == (
+        f"{group}: an internal schema was picked, not an option; expected {group}= "
+        f"one of: {', '.join(options)}"
+    )
+
+
+def _leaf_keys(node, prefix=""):
+    for key in node.keys():
+        child = node._get_node(key)
+        full = f"{prefix}{key}"
+        if OmegaConf.is_dict(child) and full not in KEY_HELP:
+            yield from _leaf_keys(child, f"{full}.")
+        else:
+            yield full
+
+
+def test_every_key_of_every_option_has_a_description():
+    """Every key that any option of any group composes is described in KEY_HELP (a new
+    key without a line fails here), and KEY_HELP describes no key that none has."""
+    seen = set()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        for group in ("model", "data", "logger", "sharding", "precision", "trainer"):
+            for option in user_options(group):
+                if not is_schema_option(option):
+                    cfg = compose("config", overrides=[f"{group}={option}"])
+                    seen.update(_leaf_keys(cfg))
+    assert sorted(seen - KEY_HELP.keys()) == []
+    assert sorted(KEY_HELP.keys() - seen) == []
+
+
+def test_help_lists_options_not_schemas_and_describes_every_key():
+    out = subprocess.run(
+        [sys.executable, "train.py", "model=llama_tiny", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    groups = text.split("== Groups (group=option) ==")[1].split("==")[0]
+    assert "schema" not in groups and "base_" not in groups
+    assert "  data: files, synthetic, text, tokens\n" in groups
+    assert "model=llama_tiny" in text
+    cfg = make_cfg("model=llama_tiny")
+    for key in _leaf_keys(cfg):
+        leaf = key.rpartition(".")[2]
+        assert f"  {leaf}: " in text and f"# {KEY_HELP[key]}" in text, key
+    assert "cache_dir: ${oc.env:SHARDWRAP_CACHE" in text  # no $-substitution mangled
+
+
+@pytest.mark.parametrize(
+    ("model", "policy"),
+    [
+        ("llama3_8b", "block"),
+        ("gpt2", "block"),
+        ("small", "size"),
+        ("llama_tiny", "size"),
+    ],
+)
+def test_big_presets_default_to_one_unit_per_block(model, policy):
+    """The default min_params (1.5e5, one unit per block of the CPU models) would cut
+    a big model's blocks into one unit per Linear; such a model gets the block policy
+    unless the user chose the policy or the threshold."""
+    cfg = make_cfg(f"model={model}", "trainer.plan_only=true")
+    out, line = default_policy(cfg, set())
+    assert out.sharding.policy == policy
+    assert bool(line) == (policy == "block")
+    if line:
+        assert line.startswith("sharding.policy=block: with sharding.min_params=150000")
+    for key in ("sharding.policy", "sharding.min_params"):
+        kept, line = default_policy(cfg, {key})
+        assert kept.sharding.policy == "size" and line == ""
