@@ -294,11 +294,16 @@ def check_pretrained(cfg: DictConfig) -> None:
         f"no .safetensors files in {path!r} (save with save_pretrained)",
     )
     from src.trainer.export import check_hf_shapes
+    from src.trainer.hf_layout import HFLayout
 
+    config = model_config(cfg)
     with torch.device("meta"):
-        model = spec.build(model_config(cfg), 0)
-    expected = {spec.hf.to_hf_name(n): p.shape for n, p in model.named_parameters()}
-    keyed("model.pretrained", check_hf_shapes, expected, path)
+        model = spec.build(config, 0)
+    shapes = {spec.hf.to_hf_name(n): p.shape for n, p in model.named_parameters()}
+    layout = keyed(
+        "model.pretrained", HFLayout, spec.hf.converting_model(config), shapes
+    )
+    keyed("model.pretrained", check_hf_shapes, layout.disk_shapes, path)
 
 
 def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:

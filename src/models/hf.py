@@ -199,6 +199,7 @@ SPEC = register(
         hf=HFAdapter(
             to_hf_name=lambda name: name.removeprefix(PREFIX),
             hf_config=lambda config: config.hf_config,
+            skeleton=lambda config: config.skeleton(),
         ),
     )
 )

@@ -54,6 +54,15 @@ class HFAdapter:
 
     to_hf_name: Callable[[str], str]  # our canonical name -> the transformers name
     hf_config: Callable[[Any], Any]  # (config) -> transformers.PretrainedConfig
+    # (config) -> the transformers model on the meta device, whose weight conversion
+    # (transformers' conversion_mapping: fused MoE experts in memory, one tensor per
+    # expert on disk) maps those names to the layout save_pretrained writes; None:
+    # the names are the on-disk ones.
+    skeleton: Callable[[Any], nn.Module] | None = None
+
+    def converting_model(self, config: Any) -> nn.Module | None:
+        """The model whose weight conversion applies (None: names only)."""
+        return self.skeleton(config) if self.skeleton is not None else None
 
 
 @dataclass(frozen=True)

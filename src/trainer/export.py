@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import safe_open
@@ -28,9 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from src.sharding import canonical_name
 from src.trainer.checkpoint import _agree, _plain_errors, _quiet_single_process, _rank
+from src.trainer.hf_layout import HFLayout
 from src.trainer.loggers import atomic_path
 
 # -------------------------------------------------------------------- export
@@ -141,21 +145,81 @@ def _hf_named_state(
     return state, {k: to_hf_name(k) for k in state}
 
 
+def _world_spread(like: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``spread(t)``: ``t`` (whole on every rank) as each rank's slice of it (a DTensor
+    sharded on dim 0 over all ranks, on ``like``'s device), so DCP reads or writes
+    only that slice; one process: ``t`` itself."""
+    if not dist.is_available() or not dist.is_initialized():
+        return lambda t: t
+    mesh = init_device_mesh(like.device.type, (dist.get_world_size(),))
+
+    def spread(t: torch.Tensor) -> torch.Tensor:
+        placements = [Shard(0) if t.dim() else Replicate()]
+        t = t.to(like.device)
+        return distribute_tensor(t, mesh, placements, src_data_rank=None)
+
+    return spread
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole on every rank (a plain one as it is)."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        raise ValueError(
+            f"converting Hugging Face weights needs DTensor or plain parameters, "
+            f"got {type(t).__name__} (use sharding=fsdp2, ddp or none)"
+        )
+    return t
+
+
+def _as_local(ref: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``whole`` placed as ``ref`` is (its own slice of a DTensor)."""
+    whole = whole.to(ref.dtype)
+    if isinstance(ref, DTensor):
+        return distribute_tensor(
+            whole.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None
+        )
+    _whole(ref)  # refuses what it cannot place
+    return whole.to(ref.device)
+
+
+def _layout(
+    state: dict[str, torch.Tensor], hf_names: dict[str, str], skeleton: Any
+) -> tuple[HFLayout, dict[str, str]]:
+    """The on-disk layout of the model's tensors, and transformers name -> ours."""
+    shapes = {hf_names[k]: tuple(v.shape) for k, v in state.items()}
+    return HFLayout(skeleton, shapes), {m: k for k, m in hf_names.items()}
+
+
 def load_hf_weights(
-    model: nn.Module, directory: str | Path, to_hf_name: Callable[[str], str]
+    model: nn.Module,
+    directory: str | Path,
+    to_hf_name: Callable[[str], str],
+    skeleton: nn.Module | None = None,
 ) -> None:
-    """Load a Hugging Face safetensors checkpoint into the (sharded) model in place;
-    each rank reads only its own slices. A collective: every rank calls it."""
+    """Load a Hugging Face safetensors checkpoint (as ``save_pretrained`` writes it)
+    into the (sharded) model in place; each rank reads only its own slices. Tensors
+    that transformers converts on load (``skeleton``'s conversion: fused MoE experts)
+    are read as slices over all ranks, then converted one group at a time. A
+    collective: every rank calls it."""
     state, hf_names = _hf_named_state(model, to_hf_name)
-    check_hf_shapes({hf_names[k]: tuple(v.shape) for k, v in state.items()}, directory)
-    hf_state = {hf_names[k]: v for k, v in state.items()}
+    layout, ours = _layout(state, hf_names, skeleton)
+    check_hf_shapes(layout.disk_shapes, directory)
+    on_disk = {d: state[ours[m]] for m, d in layout.renames.items()}
+    spread = _world_spread(next(iter(state.values())))
+    for group in layout.groups:
+        dtype = state[ours[group.names[0]]].dtype
+        for name, shape in group.disk.items():
+            on_disk[name] = spread(torch.empty(shape, dtype=dtype))
     with _quiet_single_process(), _plain_errors(f"load from {directory}"):
-        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
-    set_model_state_dict(
-        model,
-        {k: hf_state[hf_names[k]] for k in state},
-        options=StateDictOptions(strict=False),
-    )
+        dcp.load(on_disk, storage_reader=HuggingFaceStorageReader(str(directory)))
+    loaded = {ours[m]: on_disk[d] for m, d in layout.renames.items()}
+    for group in layout.groups:
+        disk = {d: _whole(on_disk.pop(d)) for d in group.disk}
+        for name, whole in layout.to_memory(group, disk).items():
+            loaded[ours[name]] = _as_local(state[ours[name]], whole)
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
 
 
 def export_hf(
@@ -163,18 +227,27 @@ def export_hf(
     directory: str | Path,
     to_hf_name: Callable[[str], str],
     hf_config: Any,
+    skeleton: nn.Module | None = None,
 ) -> None:
-    """Write ``directory`` with ``config.json`` and safetensors under transformers'
-    names, which ``AutoModelForCausalLM.from_pretrained`` opens. A collective: every
-    rank writes its shards, rank 0 consolidates them (tensor by tensor) and removes
-    the per-rank files."""
+    """Write ``directory`` with ``config.json`` and safetensors in the layout
+    ``save_pretrained`` writes (``skeleton``'s conversion reverted: one tensor per MoE
+    expert), which ``AutoModelForCausalLM.from_pretrained`` opens. A collective: every
+    rank writes its shards (a converted group is gathered, converted, and each rank
+    writes its slice of the result), rank 0 consolidates them (tensor by tensor) and
+    removes the per-rank files."""
     directory = Path(directory)
     state, hf_names = _hf_named_state(model, to_hf_name)
+    layout, ours = _layout(state, hf_names, skeleton)
+    out = {d: state[ours[m]] for m, d in layout.renames.items()}
+    spread = _world_spread(next(iter(state.values())))
+    for group in layout.groups:
+        whole = {m: _whole(state[ours[m]]) for m in group.names}
+        out.update({d: spread(t) for d, t in layout.to_disk(group, whole).items()})
     writer = HuggingFaceStorageWriter(
         str(directory), save_distributed=True, enable_consolidation=True
     )
     with _quiet_single_process(), _plain_errors(f"export to {directory}"):
-        dcp.save({hf_names[k]: v for k, v in state.items()}, storage_writer=writer)
+        dcp.save(out, storage_writer=writer)
     error = None
     if _rank() == 0:
         try:

@@ -108,7 +108,12 @@ def build_model(
         )
     set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
     if pretrained:
-        load_hf_weights(model, os.path.expanduser(pretrained), spec.hf.to_hf_name)
+        load_hf_weights(
+            model,
+            os.path.expanduser(pretrained),
+            spec.hf.to_hf_name,
+            spec.hf.converting_model(config),
+        )
     return model
 
 
@@ -530,8 +535,14 @@ class Trainer:
             if t.export == "hf":
                 export_path = Path(self.run_dir) / "hf"
                 hf = self.resolved.spec.hf
-                hf_config = hf.hf_config(self.resolved.model_config)
-                export_hf(self.model, export_path, hf.to_hf_name, hf_config)
+                config = self.resolved.model_config
+                export_hf(
+                    self.model,
+                    export_path,
+                    hf.to_hf_name,
+                    hf.hf_config(config),
+                    hf.converting_model(config),
+                )
             else:
                 export_path = Path(self.run_dir) / "model.safetensors"
                 export_consolidated(self.model, export_path)
