@@ -38,9 +38,9 @@ from omegaconf.errors import (
 from src.cli_help import is_schema_option, user_options
 from src.models import families, get_spec
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
-from src.trainer.data import DATA_SOURCES
+from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
-from src.trainer.loggers import LOGGERS, WANDB_MODES
+from src.trainer.loggers import LOGGERS, LoggerConfig
 from src.trainer.planner import GRAD_SYNC, budget_bytes
 from src.trainer.resolved import (
     ConfigError,
@@ -113,67 +113,6 @@ class TrainerConfig:
 
 
 @dataclass
-class DataConfig:
-    """The key every source has. Each option of the ``data`` group selects its own
-    schema below (``defaults: [base_<source>]`` in conf/data/), so a key of another
-    source is an unknown key."""
-
-    name: str = MISSING
-
-
-@dataclass
-class FilesDataConfig(DataConfig):
-    """``data=files`` (and its preset ``data=text``): local files, tokenized once into
-    the token cache (src/trainer/token_cache.py)."""
-
-    paths: Any = MISSING  # a glob or a list of globs
-    format: str = MISSING  # one of src.trainer.corpus.DATA_FORMATS
-    text_key: str = MISSING
-    tokenizer: str = MISSING
-    bpe_vocab_size: int = MISSING
-    eos_token: str | None = MISSING
-    val_fraction: float = MISSING
-    max_bytes: int | None = MISSING
-    cache_dir: str = MISSING
-
-
-@dataclass
-class TokensDataConfig(DataConfig):
-    train_path: str = MISSING
-    val_path: str = MISSING
-
-
-@dataclass
-class SyntheticDataConfig(DataConfig):
-    num_tokens: int = MISSING
-
-
-DATA_SCHEMAS = {
-    "files": FilesDataConfig,
-    "tokens": TokensDataConfig,
-    "synthetic": SyntheticDataConfig,
-}
-
-
-@dataclass
-class LoggerConfig:
-    """The key every logger has; each option of the ``logger`` group picks its own
-    schema (``schema/<logger>@_here_``), so a key of another logger is unknown."""
-
-    backend: str = MISSING  # one of src.trainer.loggers.LOGGERS
-
-
-@dataclass
-class WandbLoggerConfig(LoggerConfig):
-    mode: str = MISSING  # one of src.trainer.loggers.WANDB_MODES
-    project: str = MISSING
-    group: str | None = MISSING
-    tags: list[str] = MISSING
-    name: str | None = MISSING  # the run's name; null = wandb's default
-    system_stats: bool = MISSING  # wandb's CPU/GPU sampling (probes cloud metadata)
-
-
-@dataclass
 class SweepConfig:
     """Read by src/trainer/sweep.py: a job whose peak memory is above the cap scores
     below every job within it (for sweepers such as Optuna)."""
@@ -189,8 +128,8 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    data: DataConfig = MISSING  # a schema of DATA_SCHEMAS, chosen by the data group
-    logger: LoggerConfig = MISSING  # a schema chosen by the logger group
+    data: DataConfig = MISSING  # a source's schema, chosen by the data group
+    logger: LoggerConfig = MISSING  # a logger's schema, chosen by the logger group
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
@@ -198,10 +137,11 @@ _store = ConfigStore.instance()
 _store.store(name="base_config", node=Config)
 for _family in families():
     _store.store(group="model/schema", name=_family, node=get_spec(_family).schema())
-for _name, _schema in DATA_SCHEMAS.items():
-    _store.store(group="data", name=f"base_{_name}", node=_schema)
-_store.store(group="logger/schema", name="none", node=LoggerConfig)
-_store.store(group="logger/schema", name="wandb", node=WandbLoggerConfig)
+# Each data source and logger owns its schema (src/trainer/data.py, loggers.py).
+for _name, _source in DATA_SOURCES.items():
+    _store.store(group="data", name=f"base_{_name}", node=_source.schema)
+for _name, _logger in LOGGERS.items():
+    _store.store(group="logger/schema", name=_name, node=_logger.schema)
 
 
 # ------------------------------------------------------------------- validation
@@ -463,19 +403,9 @@ def validate(cfg: DictConfig) -> Resolved:
     )
 
     _choice(cfg, "data.name", DATA_SOURCES)
-    _require(
-        not OmegaConf.is_missing(cfg.data, "paths"),
-        "data.paths",
-        "required with data=files: a glob or a list of globs of your corpus",
-    )
-    if cfg.data.name == "tokens":
-        for key in ("train_path", "val_path"):
-            path = os.path.expanduser(cfg.data[key])
-            _require(os.path.isfile(path), f"data.{key}", f"no such file {path!r}")
-
+    DATA_SOURCES[cfg.data.name].check(cfg.data)
     _choice(cfg, "logger.backend", LOGGERS)
-    if cfg.logger.backend == "wandb":
-        _choice(cfg, "logger.mode", WANDB_MODES)
+    LOGGERS[cfg.logger.backend].check(cfg.logger)
     return resolved
 
 

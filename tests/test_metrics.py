@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -345,6 +346,43 @@ def test_logger_none_writes_files_but_no_wandb(tmp_path, wandb_env):
     _log_a_run(build_logger(_cfg("none"), run_dir, rank=0))
     _check_local_files(run_dir)
     assert not (run_dir / "wandb").exists()
+
+
+def test_csv_logger_option_composes_validates_and_resumes(tmp_path):
+    """logger=csv (one file plus its YAML): composed and checked like any option, a
+    wider header when a key first appears, and a resumed run continues the file."""
+    from src.config import validate
+    from tests.test_config import config_error, make_cfg
+
+    cfg = make_cfg("logger=csv", "data=synthetic")
+    validate(cfg)
+    assert cfg.logger.file == "metrics.csv"
+    assert config_error("logger=csv", "logger.file=sub/m.csv").startswith(
+        "logger.file: got 'sub/m.csv'"
+    )
+    assert config_error("logger=csv", "+logger.mode=offline").startswith(
+        "logger.mode: unknown key"
+    )
+    run_dir = tmp_path / "run-csv"
+    logger = build_logger(cfg, run_dir, rank=0)
+    logger.log({"loss": 4.0, "lr": 1e-3}, step=1)
+    logger.log({"loss": 3.0, "lr": 2e-3, "val_loss": 3.5}, step=2)
+    logger.log({"loss": 2.0, "lr": 3e-3}, step=3)
+    logger.finish()
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["step", "loss", "lr", "val_loss"]
+    assert [(r["step"], r["loss"], r["val_loss"]) for r in rows] == [
+        ("1", "4.0", ""),
+        ("2", "3.0", "3.5"),
+        ("3", "2.0", ""),
+    ]
+    resumed = build_logger(cfg, run_dir, rank=0)
+    assert resumed.drop_rows_after(2) == 2  # metrics.jsonl's row 3 and the CSV's
+    resumed.log({"loss": 2.5, "lr": 3e-3}, step=3)
+    resumed.finish()
+    with open(run_dir / "metrics.csv", newline="") as f:
+        assert [r["loss"] for r in csv.DictReader(f)] == ["4.0", "3.0", "2.5"]
 
 
 def test_non_zero_rank_logger_is_a_no_op(tmp_path, wandb_env):

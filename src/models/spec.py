@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from src.models.memory import ActivationBytes
+from src.registry import Registry
 
 # The keys of the ``model`` group every family shares (the family's own config
 # dataclass brings the rest, with its own field names).
@@ -230,14 +231,13 @@ def tie_(head: nn.Module, embedding: nn.Module) -> None:
         head.weight = embedding.weight
 
 
-_REGISTRY: dict[str, ModelSpec] = {}
+_REGISTRY: Registry[ModelSpec] = Registry("model family")
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    """Add a family to the registry (a later spec of the same name replaces it)."""
-    _REGISTRY[spec.name] = spec
+    """Add a family to the registry (``ValueError`` if its name is taken)."""
     spec.schema()
-    return spec
+    return _REGISTRY.add(spec.name, spec)
 
 
 def families() -> list[str]:

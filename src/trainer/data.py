@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import MISSING, OmegaConf
 
+from src.registry import Registry, no_check
 from src.trainer.resolved import ConfigError, model_config, model_spec
 from src.trainer.token_cache import SPLITS, token_cache
 
 VOCAB_MULTIPLE = 64
-TEXT_SOURCES = ("text", "files")  # tokenized local files, through the token cache
 SYNTHETIC_VAL_FRACTION = 0.05
 _MAX_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its max
 
@@ -86,7 +89,7 @@ def load_splits(
     name = data_cfg.name
     if name not in DATA_SOURCES:
         raise ValueError(f"data.name={name!r} is not one of: {', '.join(DATA_SOURCES)}")
-    return DATA_SOURCES[name](data_cfg, vocab_size, seed)
+    return DATA_SOURCES[name].splits(data_cfg, vocab_size, seed)
 
 
 def prepare_data(
@@ -95,7 +98,7 @@ def prepare_data(
     """Build (or find) the token cache of a text/files source, in the launcher before
     any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``...), or None for
     the sources without a tokenizer. Bad input raises a one-line ``ConfigError``."""
-    if data_cfg.name not in TEXT_SOURCES:
+    if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
     start = time.perf_counter()
     meta = token_cache(data_cfg, verbose, progress).meta
@@ -188,13 +191,83 @@ def _synthetic_splits(
     )
 
 
-#: ``data.name`` -> ``(data_cfg, vocab_size, seed) -> (train, val)`` streams.
-DATA_SOURCES = {
-    "text": _text_splits,
-    "files": _text_splits,
-    "tokens": _token_file_splits,
-    "synthetic": _synthetic_splits,
-}
+# ------------------------------------------------------------------- the sources
+
+
+@dataclass
+class DataConfig:
+    """The key every source has. Each option of the ``data`` group selects its
+    source's schema (``defaults: [base_<source>]`` in conf/data/), so a key of another
+    source is an unknown key."""
+
+    name: str = MISSING
+
+
+@dataclass
+class FilesDataConfig(DataConfig):
+    """``data=files`` (and its preset ``data=text``): local files, tokenized once into
+    the token cache (src/trainer/token_cache.py)."""
+
+    paths: Any = MISSING  # a glob or a list of globs
+    format: str = MISSING  # one of src.trainer.corpus.DATA_FORMATS
+    text_key: str = MISSING
+    tokenizer: str = MISSING
+    bpe_vocab_size: int = MISSING
+    eos_token: str | None = MISSING
+    val_fraction: float = MISSING
+    max_bytes: int | None = MISSING
+    cache_dir: str = MISSING
+
+
+@dataclass
+class TokensDataConfig(DataConfig):
+    train_path: str = MISSING
+    val_path: str = MISSING
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    num_tokens: int = MISSING
+
+
+def _check_files(data: Any) -> None:
+    if OmegaConf.is_missing(data, "paths"):
+        raise ConfigError(
+            "data.paths",
+            "required with data=files: a glob or a list of globs of your corpus",
+        )
+
+
+def _check_token_files(data: Any) -> None:
+    for key in ("train_path", "val_path"):
+        path = os.path.expanduser(data[key])
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.{key}", f"no such file {path!r}")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One ``data.name``: its schema (the group's keys), the checks its types cannot
+    say (``ConfigError`` naming the key, run by ``validate()``), and its splits."""
+
+    schema: type[DataConfig]
+    #: ``(data_cfg, vocab_size, seed) -> (train, val)`` token streams
+    splits: Callable[[Any, int, int], tuple[TokenStream, TokenStream]]
+    check: Callable[[Any], None] = no_check
+    tokenized: bool = False  # local files through the token cache (prepare_data)
+
+
+#: ``data.name`` -> its :class:`DataSource`; a new source is ``DATA_SOURCES.add``
+#: plus its conf/data/<name>.yaml (``defaults: [base_<name>]``).
+DATA_SOURCES: Registry[DataSource] = Registry("data source")
+for _name in ("text", "files"):
+    DATA_SOURCES.add(
+        _name, DataSource(FilesDataConfig, _text_splits, _check_files, tokenized=True)
+    )
+DATA_SOURCES.add(
+    "tokens", DataSource(TokensDataConfig, _token_file_splits, _check_token_files)
+)
+DATA_SOURCES.add("synthetic", DataSource(SyntheticDataConfig, _synthetic_splits))
 
 
 class GlobalBatches:

@@ -24,10 +24,14 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from src.registry import Registry, no_check
+from src.trainer.resolved import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -383,13 +387,58 @@ def _wandb_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
     return [ConsoleSink(run_dir, sync), WandbSink(init_wandb(cfg, run_dir))]
 
 
-#: ``logger.backend`` -> the sinks it adds to the run-dir files (console included).
-LOGGERS: dict[str, Callable[[DictConfig, Path], list[Sink]]] = {
-    "wandb": _wandb_sinks,
-    "none": lambda cfg, run_dir: [ConsoleSink(run_dir)],
-}
+# ------------------------------------------------------------- the logger options
+
+
+@dataclass
+class LoggerConfig:
+    """The key every logger has; each option of the ``logger`` group picks its own
+    schema (``schema/<logger>@_here_``), so a key of another logger is unknown."""
+
+    backend: str = MISSING  # one of LOGGERS
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    mode: str = MISSING  # one of WANDB_MODES
+    project: str = MISSING
+    group: str | None = MISSING
+    tags: list[str] = MISSING
+    name: str | None = MISSING  # the run's name; null = wandb's default
+    system_stats: bool = MISSING  # wandb's CPU/GPU sampling (probes cloud metadata)
+
+
 #: ``logger.mode`` of the wandb logger (wandb's own modes).
 WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _check_wandb(logger: DictConfig) -> None:
+    if logger.mode not in WANDB_MODES:
+        raise ConfigError(
+            "logger.mode",
+            f"got {logger.mode!r}, expected one of: {', '.join(WANDB_MODES)}",
+        )
+
+
+@dataclass(frozen=True)
+class LoggerOption:
+    """One ``logger.backend``: its schema (the group's keys), the checks its types
+    cannot say (``ConfigError`` naming the key, run by ``validate()``), and the sinks
+    it adds to the run-dir files (console included)."""
+
+    schema: type[LoggerConfig]
+    sinks: Callable[[DictConfig, Path], list[Sink]]
+    check: Callable[[DictConfig], None] = no_check
+
+
+#: ``logger.backend`` -> its :class:`LoggerOption`. A new logger is one file that
+#: calls ``LOGGERS.add`` (imported at the end of this module) plus its
+#: conf/logger/<name>.yaml; docs/architecture.md shows it step by step.
+LOGGERS: Registry[LoggerOption] = Registry("logger")
+LOGGERS.add("wandb", LoggerOption(WandbLoggerConfig, _wandb_sinks, _check_wandb))
+LOGGERS.add(
+    "none", LoggerOption(LoggerConfig, lambda cfg, run_dir: [ConsoleSink(run_dir)])
+)
 
 
 def build_logger(cfg: DictConfig, run_dir: str | os.PathLike, rank: int) -> Logger:
@@ -403,4 +452,8 @@ def build_logger(cfg: DictConfig, run_dir: str | os.PathLike, rank: int) -> Logg
         raise ValueError(
             f"unknown logger {kind!r}, expected one of: {', '.join(LOGGERS)}"
         )
-    return Logger([FileSink(run_dir), *LOGGERS[kind](cfg, run_dir)])
+    return Logger([FileSink(run_dir), *LOGGERS[kind].sinks(cfg, run_dir)])
+
+
+# The logger options that live in their own files register themselves on import.
+from src.trainer import csv_logger  # noqa: E402, F401

@@ -1,0 +1,93 @@
+"""``logger=csv``: every logged row also in a CSV file in the run dir, for
+spreadsheets and pandas, next to metrics.jsonl and summary.json.
+
+A whole logger option in one file (docs/architecture.md, "Where to add"): the schema
+of its keys, the check its types cannot say, its sink, and the entry in ``LOGGERS``;
+its values and their comments are in conf/logger/csv.yaml.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import MISSING, DictConfig
+
+from src.trainer.loggers import (
+    LOGGERS,
+    ConsoleSink,
+    LoggerConfig,
+    LoggerOption,
+    Sink,
+    atomic_path,
+)
+from src.trainer.resolved import ConfigError
+
+
+@dataclass
+class CsvLoggerConfig(LoggerConfig):
+    file: str = MISSING  # the CSV's name in the run dir
+
+
+def check(logger: DictConfig) -> None:
+    name = logger.file
+    if not name or os.path.basename(name) != name or name in (".", ".."):
+        raise ConfigError(
+            "logger.file", f"got {name!r}, expected a file name (in the run dir)"
+        )
+
+
+class CsvSink(Sink):
+    """One row per logged step under a header of every key seen so far: a row with
+    a new key (the first ``val_loss``, say) rewrites the file with the wider header;
+    other rows are appended. A resumed run continues the file."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.rows: list[dict] = []
+        if self.path.is_file():
+            with open(self.path, newline="") as f:
+                self.rows = list(csv.DictReader(f))
+        self.columns = list(dict.fromkeys(k for r in self.rows for k in r))
+
+    def log(self, row: dict, step: int) -> None:
+        row = {"step": step, **row}
+        self.rows.append(row)
+        new = [k for k in row if k not in self.columns]
+        if new:
+            self.columns += new
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, self.columns).writerow(row)
+
+    def drop_rows_after(self, step: int) -> int:
+        kept = [r for r in self.rows if _step(r) <= step]
+        dropped, self.rows = len(self.rows) - len(kept), kept
+        if dropped:
+            self._rewrite()
+        return dropped
+
+    def _rewrite(self) -> None:
+        with atomic_path(self.path) as tmp:
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, self.columns)
+                writer.writeheader()
+                writer.writerows(self.rows)
+
+
+def _step(row: dict) -> float:
+    try:
+        return float(row["step"])
+    except (KeyError, TypeError, ValueError):
+        return math.inf  # a torn row: dropped
+
+
+def sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
+    return [ConsoleSink(run_dir), CsvSink(run_dir / cfg.logger.file)]
+
+
+LOGGERS.add("csv", LoggerOption(CsvLoggerConfig, sinks, check))
