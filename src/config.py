@@ -41,6 +41,7 @@ from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.loggers import LOGGERS, LoggerConfig
+from src.trainer.loop import RESUME_SCHEDULES
 from src.trainer.planner import GRAD_SYNC, budget_bytes
 from src.trainer.resolved import (
     ConfigError,
@@ -104,6 +105,7 @@ class TrainerConfig:
     keep_last: int = MISSING
     ckpt_async: bool = MISSING
     resume: str | None = MISSING
+    resume_schedule: str = MISSING  # src.trainer.loop.RESUME_SCHEDULES
     export: Any = MISSING  # false, true (model.safetensors) or hf (a transformers dir)
     max_restarts: int = MISSING
     timeout_s: float = MISSING
@@ -396,6 +398,7 @@ def validate(cfg: DictConfig) -> Resolved:
         "trainer.peak_tflops",
         "expected null (table or probe) or a positive number",
     )
+    _choice(cfg, "trainer.resume_schedule", RESUME_SCHEDULES)
     _require(
         t.resume in (None, "auto") or os.path.exists(os.path.expanduser(t.resume)),
         "trainer.resume",

@@ -238,13 +238,16 @@ def resume(
     scheduler: Any,
     rank: int,
     scaler: torch.amp.GradScaler | None = None,
-) -> int:
-    """Restore the checkpoint named by ``trainer.resume`` and return its step (0 if none).
+) -> tuple[int, dict[str, Any] | None]:
+    """Restore the checkpoint named by ``trainer.resume``; returns its step (0 if none)
+    and, when the schedule was extended, what ``summary.json`` records about it.
 
     After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
     resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
-    says. The schedule depends on ``trainer.max_steps``, so a checkpoint resumes only
-    with the ``max_steps`` it was written with (ConfigError otherwise).
+    says. The schedule depends on ``trainer.max_steps``: with
+    ``trainer.resume_schedule=keep`` a checkpoint resumes only with the ``max_steps``
+    it was written with (ConfigError otherwise); with ``extend`` the learning rate
+    follows the schedule of the new ``max_steps`` from the resumed step on.
     """
     wanted = cfg.trainer.resume
     restarted = _restart_line(cfg)
@@ -254,22 +257,59 @@ def resume(
             print(restarted, flush=True)
     path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
     if path is None:
-        return 0
+        return 0, None
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
     saved_max = state.get("max_steps", cfg.trainer.max_steps)
+    extended = None
     if saved_max != cfg.trainer.max_steps:
-        raise ConfigError(
-            "trainer.max_steps",
-            f"got {cfg.trainer.max_steps}, but {path} belongs to a run of {saved_max} "
-            f"steps and the learning-rate schedule depends on it; resume with "
-            f"trainer.max_steps={saved_max}",
-        )
+        extended = _new_schedule(cfg, path, step, saved_max, scheduler, rank)
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])  # fp16 resume stays exact
     if rank == 0:
         print(f"resumed from {path} (step {step})", flush=True)
-    return step
+    return step, extended
+
+
+#: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does.
+RESUME_SCHEDULES = ("keep", "extend")
+
+
+def _new_schedule(
+    cfg: DictConfig, path: Path, step: int, saved_max: int, scheduler: Any, rank: int
+) -> dict[str, Any]:
+    """``trainer.max_steps`` changed on resume: refuse (``keep``), or (``extend``) set
+    the learning rate of the resumed step from the schedule of the new ``max_steps``,
+    which the scheduler (built with it) follows from there on."""
+    t = cfg.trainer
+    if t.resume_schedule != "extend":
+        raise ConfigError(
+            "trainer.max_steps",
+            f"got {t.max_steps}, but {path} belongs to a run of {saved_max} steps and "
+            f"the learning-rate schedule depends on it; resume with "
+            f"trainer.max_steps={saved_max}, or add trainer.resume_schedule=extend to "
+            f"continue on the schedule of {t.max_steps} steps",
+        )
+    before = scheduler.get_last_lr()[0]
+    scheduler.last_epoch -= 1  # step() recomputes this step's lr with the new lambda
+    scheduler.step()
+    after = scheduler.get_last_lr()[0]
+    if rank == 0:
+        print(
+            f"trainer.resume_schedule=extend: max_steps {saved_max} -> {t.max_steps}; "
+            f"from step {step} the learning rate follows the schedule of "
+            f"{t.max_steps} steps (lr {before:.3g} -> {after:.3g})",
+            flush=True,
+        )
+    return {
+        "schedule": "extend",
+        "from_step": step,
+        "checkpoint": str(path),
+        "max_steps_before": saved_max,
+        "max_steps": t.max_steps,
+        "lr_before": before,
+        "lr_after": after,
+    }
 
 
 def _restart_line(cfg: DictConfig) -> str | None:
@@ -359,6 +399,9 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         self.skipped_steps = 0
         self.start_step = 0
+        self.extended: dict[str, Any] | None = (
+            None  # resume_schedule=extend: what changed
+        )
         self.loss = math.nan  # the last step's loss, mean over the global batch
 
     # -- build ------------------------------------------------------------------------
@@ -408,7 +451,7 @@ class Trainer:
             keep_last=t.keep_last,
             async_save=t.ckpt_async,
         )
-        self.start_step = resume(
+        self.start_step, self.extended = resume(
             cfg,
             self.ckpt,
             self.model,
@@ -548,6 +591,8 @@ class Trainer:
                 export_consolidated(self.model, export_path)
             if self.rank == 0:
                 print(f"exported consolidated weights to {export_path}", flush=True)
+        if self.extended:
+            self.summary["resume"] = self.extended
         self.summary.update(
             steps=t.max_steps,
             world_size=self.world,
