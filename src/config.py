@@ -36,7 +36,7 @@ from omegaconf.errors import (
 )
 
 from src.cli_help import is_schema_option, user_options
-from src.models import families, get_spec
+from src.models import ModelSpec, families, get_spec
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
@@ -291,14 +291,27 @@ def validate(cfg: DictConfig) -> Resolved:
     """
     reject_unknown_keys(cfg)
     refuse_schemas(cfg)
-    m, s, t = cfg.model, cfg.sharding, cfg.trainer
     cap = cfg.sweep.mem_cap_gib
     _require(
         cap is None or cap > 0, "sweep.mem_cap_gib", f"got {cap}, expected null or > 0"
     )
     check_pretrained(cfg)  # first: model=hf reads its config from there
     resolved = resolve(cfg)
-    spec = resolved.spec
+    _check_init(cfg, resolved.spec)
+    _check_sharding(cfg, resolved.world_size)
+    _check_batches(cfg, resolved.world_size)
+    _check_trainer(cfg.trainer, resolved.spec)
+    # The chosen data source and logger check their own keys.
+    _choice(cfg, "data.name", DATA_SOURCES)
+    DATA_SOURCES[cfg.data.name].check(cfg.data)
+    _choice(cfg, "logger.backend", LOGGERS)
+    LOGGERS[cfg.logger.backend].check(cfg.logger)
+    return resolved
+
+
+def _check_init(cfg: DictConfig, spec: ModelSpec) -> None:
+    """``model.init_device`` against the family and the backend (checked here)."""
+    m, s = cfg.model, cfg.sharding
     _choice(cfg, "model.init_device", INIT_DEVICES)
     _require(
         m.init_device != "meta" or spec.init_tensor is not None,
@@ -306,9 +319,8 @@ def validate(cfg: DictConfig) -> Resolved:
         f"meta needs a per-parameter init, which model family {spec.name!r} has not",
     )
     _choice(cfg, "sharding.backend", BACKENDS)
-    backend = BACKENDS[s.backend]
     _require(
-        m.init_device != "meta" or backend.meta_init,
+        m.init_device != "meta" or BACKENDS[s.backend].meta_init,
         "model.init_device",
         f"meta needs sharding={' or sharding='.join(with_capability('meta_init'))}, "
         f"not sharding={s.backend}",
@@ -318,6 +330,12 @@ def validate(cfg: DictConfig) -> Resolved:
         "model.init_device",
         "cuda requested but no CUDA device is visible; use cpu or meta",
     )
+
+
+def _check_sharding(cfg: DictConfig, world_size: int) -> None:
+    """The ``sharding`` and ``precision`` keys, against what the backend can do."""
+    s = cfg.sharding
+    backend = BACKENDS[s.backend]
     _require(
         s.min_params == "auto" or (_is_number(s.min_params) and s.min_params >= 0),
         "sharding.min_params",
@@ -326,8 +344,6 @@ def validate(cfg: DictConfig) -> Resolved:
     _choice(cfg, "sharding.activation_checkpointing", (*CHECKPOINTING, "auto"))
     _positive_int(cfg, "sharding.activation_checkpointing_every")
     _choice(cfg, "precision.name", PRECISIONS)
-
-    world_size = resolved.world_size
     _require(
         s.replicate >= 1, "sharding.replicate", f"got {s.replicate}, expected >= 1"
     )
@@ -350,6 +366,12 @@ def validate(cfg: DictConfig) -> Resolved:
         f"sharding={s.backend} trains one process, got {world_size} devices; "
         f"use trainer.devices=1 or sharding={'/'.join(with_capability('distributed'))}",
     )
+
+
+def _check_batches(cfg: DictConfig, world_size: int) -> None:
+    """The step counts, gradient accumulation, the memory budget, and a batch that
+    splits into micro-batches over the ranks."""
+    t = cfg.trainer
     for key in ("max_steps", "batch_size", "log_every"):
         _positive_int(cfg, f"trainer.{key}")
     for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps", "keep_last"):
@@ -371,6 +393,10 @@ def validate(cfg: DictConfig) -> Resolved:
         f"{t.batch_size} must split into trainer.grad_accum={t.grad_accum} micro-batches"
         f" that divide evenly over {world_size} rank(s)",
     )
+
+
+def _check_trainer(t: DictConfig, spec: ModelSpec) -> None:
+    """Export, the optimizer's numbers, timeouts, peak FLOPs and the resume path."""
     _require(
         t.export in EXPORTS,
         "trainer.export",
@@ -404,12 +430,6 @@ def validate(cfg: DictConfig) -> Resolved:
         "trainer.resume",
         f"got {t.resume!r}, expected null, auto or an existing checkpoint path",
     )
-
-    _choice(cfg, "data.name", DATA_SOURCES)
-    DATA_SOURCES[cfg.data.name].check(cfg.data)
-    _choice(cfg, "logger.backend", LOGGERS)
-    LOGGERS[cfg.logger.backend].check(cfg.logger)
-    return resolved
 
 
 # ------------------------------------------------------------ one-line errors
