@@ -300,7 +300,7 @@ def validate(cfg: DictConfig) -> Resolved:
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.world_size)
     _check_batches(cfg, resolved.world_size)
-    _check_trainer(cfg.trainer, resolved.spec)
+    _check_trainer(cfg, resolved.spec)
     # The chosen data source and logger check their own keys.
     _choice(cfg, "data.name", DATA_SOURCES)
     DATA_SOURCES[cfg.data.name].check(cfg.data)
@@ -395,8 +395,9 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     )
 
 
-def _check_trainer(t: DictConfig, spec: ModelSpec) -> None:
-    """Export, the optimizer's numbers, timeouts, peak FLOPs and the resume path."""
+def _check_trainer(cfg: DictConfig, spec: ModelSpec) -> None:
+    """Export, the optimizer's numbers, timeouts, peak FLOPs and resuming."""
+    t = cfg.trainer
     _require(
         t.export in EXPORTS,
         "trainer.export",
