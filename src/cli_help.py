@@ -90,6 +90,7 @@ KEY_HELP = {
     "trainer.keep_last": "newest checkpoints kept (0 = all)",
     "trainer.ckpt_async": "write checkpoints in the background",
     "trainer.resume": "null, auto (newest in the run dir) or a checkpoint path",
+    "trainer.resume_schedule": "resuming with another max_steps: keep (refuse) or extend",
     "trainer.export": "at the end: false, true (model.safetensors) or hf",
     "trainer.max_restarts": "restarts of the whole group after a rank fails",
     "trainer.timeout_s": "collective timeout; a silent rank is named after it",
@@ -111,7 +112,8 @@ KEY_HELP = {
     "data.val_path": "tokens: the validation split (flat np.uint16 .bin)",
     "data.num_tokens": "synthetic: how many random tokens",
     # logger
-    "logger.backend": "wandb or none (pick with logger=...)",
+    "logger.backend": "wandb, csv or none (pick with logger=...)",
+    "logger.file": "csv: the CSV's file name in the run dir",
     "logger.mode": "wandb: offline, online or disabled",
     "logger.project": "wandb project",
     "logger.group": "wandb group (null = none)",
