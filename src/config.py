@@ -51,6 +51,7 @@ from src.trainer.resolved import (
     model_spec,
     resolve,
 )
+from src.trainer.sweep import DIRECTIONS, OBJECTIVES
 
 INIT_DEVICES = ("cpu", "cuda", "meta")
 
@@ -116,9 +117,13 @@ class TrainerConfig:
 
 @dataclass
 class SweepConfig:
-    """Read by src/trainer/sweep.py: a job whose peak memory is above the cap scores
-    below every job within it (for sweepers such as Optuna)."""
+    """Read by src/trainer/sweep.py: what a job returns to a sweeper and which job of
+    a sweep is the best (``objective``, ``direction``: null is the objective's own,
+    min for losses, max for tokens_per_s); a job whose peak memory is above the cap
+    scores below every job within it."""
 
+    objective: str = "val_loss"  # val_loss, loss or tokens_per_s
+    direction: str | None = None  # min, max; null: the objective's own
     mem_cap_gib: float | None = None
 
 
@@ -292,6 +297,13 @@ def validate(cfg: DictConfig) -> Resolved:
     reject_unknown_keys(cfg)
     refuse_schemas(cfg)
     cap = cfg.sweep.mem_cap_gib
+    _choice(cfg, "sweep.objective", OBJECTIVES)
+    _require(
+        cfg.sweep.direction is None or cfg.sweep.direction in DIRECTIONS,
+        "sweep.direction",
+        f"got {cfg.sweep.direction!r}, expected null (the objective's own), "
+        + " or ".join(DIRECTIONS),
+    )
     _require(
         cap is None or cap > 0, "sweep.mem_cap_gib", f"got {cap}, expected null or > 0"
     )

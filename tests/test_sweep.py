@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import struct
@@ -19,10 +20,13 @@ from omegaconf import OmegaConf
 from src.config import ConfigError, exit_on_config_error
 from src.trainer.sweep import (
     STATUS_FILE,
+    collect,
     error_line,
     main,
     objective,
+    plot,
     run_job,
+    summarise,
     swept_keys,
 )
 from tests.wandb_offline import read_wandb_offline_run
@@ -102,14 +106,16 @@ def test_multirun_summary_table_plot_and_one_wandb_run_per_job(tmp_path):
     # A lower threshold makes more units: every Linear of model=tiny vs fewer.
     units = {r["sharding.min_params"]: int(r["wrap_units"]) for r in rows}
     assert units["1000.0"] > units["10000.0"] >= 1
+    # The default objective: the lowest val_loss, whatever the throughput.
     best = [r for r in rows if r["best"] == "True"]
     assert len(best) == 1
-    assert float(best[0]["tokens_per_s"]) == max(float(r["tokens_per_s"]) for r in rows)
+    assert float(best[0]["val_loss"]) == min(float(r["val_loss"]) for r in rows)
 
     md = markdown_rows(sweep / "sweep_summary.md")
     assert len(md) == 4
     assert md[0][:4] == ["0", "1000.0", "fp32", "completed"]
-    assert sum(cell.startswith("**") for row in md for cell in row) == 1  # best
+    bold = [cell for row in md for cell in row if cell.startswith("**")]
+    assert bold == [f"**{float(best[0]['val_loss']):.4f}**"]  # the best val_loss
 
     width, height = png_size(sweep / "sweep_summary.png")
     assert width > 400 and height > 400
@@ -193,6 +199,11 @@ def test_optuna_preset_maximises_the_returned_tokens_per_s(tmp_path):
     assert 1e3 <= float(best["sharding.min_params"]) <= 1e9
 
 
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
 def _compose(*overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=list(overrides), return_hydra_config=True)
@@ -225,20 +236,120 @@ def test_optuna_sweeper_preset_composes():
     sweeper = _compose("hydra/sweeper=optuna_throughput").hydra.sweeper
     assert sweeper._target_.endswith("OptunaSweeper")
     assert sweeper.direction == "maximize"
-    assert set(sweeper.params) == {"sharding.min_params", "trainer.batch_size"}
+    assert set(sweeper.params) == {
+        "sharding.min_params",
+        "trainer.batch_size",
+        "sweep.objective",  # fixed: every trial returns tokens/s, which is maximised
+    }
+    assert sweeper.params["sweep.objective"] == "tokens_per_s"
     assert "log" in sweeper.params["sharding.min_params"]
     assert sweeper.sampler._target_ == "optuna.samplers.TPESampler"
 
 
-def test_objective_is_tokens_per_s_under_the_memory_cap():
-    summary = {"tokens_per_s": 1000.0, "peak_mem_gib": 3.0}
-    assert objective(summary) == 1000.0
-    assert objective(summary, mem_cap_gib=4.0) == 1000.0
-    over = objective(summary, mem_cap_gib=2.5)
+def test_objective_in_its_direction_under_the_memory_cap():
+    summary = {
+        "tokens_per_s": 1000.0,
+        "val_loss": 2.5,
+        "loss": 2.4,
+        "peak_mem_gib": 3.0,
+    }
+    tps = {"name": "tokens_per_s"}
+    assert objective(summary, **tps) == 1000.0
+    assert objective(summary, mem_cap_gib=4.0, **tps) == 1000.0
+    over = objective(summary, mem_cap_gib=2.5, **tps)
     assert over == pytest.approx(-0.5)
-    assert objective({**summary, "peak_mem_gib": 9.0}, mem_cap_gib=2.5) < over < 0
-    assert objective({}) == -math.inf  # failed or plan-only: no throughput
-    assert objective({"tokens_per_s": float("nan")}) == -math.inf
+    assert (
+        objective({**summary, "peak_mem_gib": 9.0}, mem_cap_gib=2.5, **tps) < over < 0
+    )
+    assert objective({}, **tps) == -math.inf  # failed or plan-only: no throughput
+    assert objective({"tokens_per_s": float("nan")}, **tps) == -math.inf
+    # The default: val_loss, minimised; the worst value is then +inf.
+    assert objective(summary) == 2.5 and objective(summary, name="loss") == 2.4
+    assert objective(summary, mem_cap_gib=2.5) == math.inf
+    assert objective({"tokens_per_s": 1000.0}) == math.inf  # no validation
+    assert objective(summary, name="val_loss", direction="max") == 2.5
+    assert objective({}, name="val_loss", direction="max") == -math.inf
+
+
+def _fake_sweep(sweep: Path, jobs: list[tuple[dict, dict]], sweep_cfg: dict) -> None:
+    """A sweep dir as Hydra and train.py leave it: per job its overrides, config and
+    summary.json."""
+    for num, (overrides, summary) in enumerate(jobs):
+        hydra = sweep / str(num) / ".hydra"
+        hydra.mkdir(parents=True)
+        (hydra / "overrides.yaml").write_text(
+            yaml.safe_dump([f"{k}={v}" for k, v in overrides.items()])
+        )
+        (hydra / "config.yaml").write_text(
+            yaml.safe_dump({"sweep": sweep_cfg, "logger": {"backend": "none"}})
+        )
+        (hydra / "hydra.yaml").write_text(
+            yaml.safe_dump({"hydra": {"job": {"num": num}}})
+        )
+        (sweep / str(num) / "summary.json").write_text(json.dumps(summary))
+
+
+LR_SWEEP = [  # an lr sweep where the fastest point has the worst loss
+    ({"trainer.lr": "1e-4", "precision": "fp32"}, {"tokens_per_s": 900.0, "loss": 3.1, "val_loss": 3.2}),
+    ({"trainer.lr": "1e-3", "precision": "fp32"}, {"tokens_per_s": 800.0, "loss": 2.1, "val_loss": 2.2}),
+    ({"trainer.lr": "1e-2", "precision": "fp32"}, {"tokens_per_s": 700.0, "loss": 2.0, "val_loss": 2.4}),
+    ({"trainer.lr": "1e-4", "precision": "bf16_mixed"}, {"tokens_per_s": 2000.0, "loss": 5.0, "val_loss": 5.1}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sweep_cfg, best_job, bold",
+    [
+        ({}, 1, "**2.2000**"),  # default: val_loss, min
+        ({"objective": "loss"}, 2, "**2.0000**"),
+        ({"objective": "tokens_per_s"}, 3, "**2,000**"),
+        ({"objective": "val_loss", "direction": "max"}, 3, "**5.1000**"),
+    ],
+)
+def test_best_point_follows_the_objective(tmp_path, sweep_cfg, best_job, bold):
+    sweep = tmp_path / "sweep"
+    _fake_sweep(sweep, LR_SWEEP, sweep_cfg)
+    rows = summarise(sweep, log_wandb=False, make_plot=False)
+    assert [r["job"] for r in rows if r["best"]] == [best_job]
+    md = markdown_rows(sweep / "sweep_summary.md")
+    header = (sweep / "sweep_summary.md").read_text().splitlines()[0]
+    assert "| loss |" in header and "| val_loss |" in header
+    assert [c for row in md for c in row if c.startswith("**")] == [bold]
+
+
+def test_plot_shows_loss_and_colours_points_by_the_swept_keys(tmp_path):
+    sweep = tmp_path / "sweep"
+    _fake_sweep(sweep, LR_SWEEP, {})
+    keys, rows, goal = collect(sweep)
+    assert keys == ["trainer.lr", "precision"] and goal == ("val_loss", "min")
+    fig = plot(sweep / "p.png", keys, rows, None, goal)
+    assert png_size(sweep / "p.png")[0] > 400
+    loss_ax, tps_ax, mem_ax = fig.axes
+    assert loss_ax.get_ylabel() == "loss" and mem_ax.get_xlabel() == "trainer.lr"
+    assert mem_ax.get_xscale() == "log"  # 1e-4 .. 1e-2: a numeric, log x axis
+    # x: the first swept key; colour: the other one (one line per precision).
+    lines = {ln.get_label(): ln for ln in tps_ax.get_lines()}
+    fp32, bf16 = lines["precision=fp32"], lines["precision=bf16_mixed"]
+    assert list(fp32.get_xdata()) == [1e-4, 1e-3, 1e-2]
+    assert list(bf16.get_xdata()) == [1e-4] and fp32.get_color() != bf16.get_color()
+    val = {ln.get_label(): ln for ln in loss_ax.get_lines()}["val_loss: precision=fp32"]
+    assert list(val.get_ydata()) == [3.2, 2.2, 2.4]
+    # The star is on the best val_loss (job 1), on the loss panel.
+    star = next(ln for ln in loss_ax.get_lines() if ln.get_marker() == "*")
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([1e-3], [2.2])
+    assert star.get_label() == "best (min val_loss)"
+
+
+def test_bad_objective_is_one_line():
+    from src.config import validate
+
+    for override, key in (
+        ("sweep.objective=mfu", "sweep.objective"),
+        ("sweep.direction=up", "sweep.direction"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            validate(make_cfg("model=tiny", override))
+        assert str(info.value).startswith(key) and "\n" not in str(info.value)
 
 
 def test_error_line_keeps_the_useful_line():
@@ -270,9 +381,11 @@ def test_swept_keys_are_the_overrides_that_vary():
 
 
 def test_run_job_outside_a_multirun_lets_failures_through(tmp_path):
-    (tmp_path / "summary.json").write_text('{"tokens_per_s": 5.0}')
+    (tmp_path / "summary.json").write_text('{"tokens_per_s": 5.0, "val_loss": 2.0}')
     cfg = OmegaConf.create({})
-    assert run_job(cfg, str(tmp_path), lambda: None) == 5.0
+    assert run_job(cfg, str(tmp_path), lambda: None) == 2.0  # val_loss by default
+    tps = OmegaConf.create({"sweep": {"objective": "tokens_per_s"}})
+    assert run_job(tps, str(tmp_path), lambda: None) == 5.0
     with pytest.raises(SystemExit, match="rank 0 failed"):
         run_job(cfg, str(tmp_path), lambda: sys.exit("rank 0 failed"))
     assert not (tmp_path / STATUS_FILE).exists()  # records are for multiruns

@@ -3,9 +3,11 @@
 ``python train.py -m sharding.min_params=1e5,1e6 precision=fp32,bf16_mixed`` runs one
 Hydra job per point. Each job goes through :func:`run_job`, which
 
-- returns the job's *objective* (what a sweeper such as Optuna maximises): the run's
-  ``tokens_per_s``; ``-(peak_mem_gib - cap)`` (negative) when the run's peak memory is
-  above ``sweep.mem_cap_gib``; ``-inf`` when it failed;
+- returns the job's *objective* (what a sweeper such as Optuna optimises):
+  ``sweep.objective`` of the run's summary (``val_loss`` by default, or ``loss``,
+  ``tokens_per_s``) in ``sweep.direction`` (min for losses, max for tokens/s); a run
+  whose peak memory is above ``sweep.mem_cap_gib`` or that failed scores worse than
+  every other (see :func:`objective`);
 - in a multirun, turns a failure (an exception, or the ``sys.exit`` with which the
   launcher reports a failed rank or a config error) into a ``failed`` record
   (``job_status.json`` in the job dir, with the error's first line) and returns
@@ -102,17 +104,45 @@ def error_line(err: BaseException) -> str:
     return lines[0]
 
 
-def objective(summary: dict, mem_cap_gib: float | None = None) -> float:
-    """The value a sweeper maximises: tokens/s; a run above the memory cap scores
-    ``-(peak - cap)`` (below every run within it, better the closer it came); a run
-    without a throughput figure (failed, plan-only) scores ``-inf``."""
-    tps = summary.get("tokens_per_s")
-    if not isinstance(tps, int | float) or not math.isfinite(tps):
-        return FAILED
+#: ``sweep.objective`` -> its own direction (``sweep.direction=null``).
+OBJECTIVES = {"val_loss": "min", "loss": "min", "tokens_per_s": "max"}
+DIRECTIONS = ("min", "max")
+
+
+def objective_of(cfg: DictConfig | None) -> tuple[str, str]:
+    """``(sweep.objective, its direction)`` of a job's config (the defaults for none)."""
+    name = OmegaConf.select(cfg, "sweep.objective", default=None) if cfg else None
+    name = name or "val_loss"
+    direction = OmegaConf.select(cfg, "sweep.direction", default=None) if cfg else None
+    return name, direction or OBJECTIVES.get(name, "min")
+
+
+def worst(direction: str) -> float:
+    """The score of a failed job: below (max) or above (min) every real one."""
+    return FAILED if direction == "max" else -FAILED
+
+
+def objective(
+    summary: dict,
+    mem_cap_gib: float | None = None,
+    name: str = "val_loss",
+    direction: str | None = None,
+) -> float:
+    """The value a sweeper optimises: ``summary[name]`` (``sweep.objective``), to be
+    minimised or maximised (``direction``, default the objective's own). A run
+    without that figure (failed, plan-only, no validation) scores the worst value,
+    ``-inf`` when maximising and ``+inf`` when minimising. A run above the memory cap
+    scores below every run within it: ``-(peak - cap)`` when maximising a figure that
+    is never negative (tokens/s; better the closer it came), ``+inf`` when minimising.
+    """
+    direction = direction or OBJECTIVES.get(name, "min")
+    value = summary.get(name)
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return worst(direction)
     peak = summary.get("peak_mem_gib")
     if mem_cap_gib is not None and isinstance(peak, int | float) and peak > mem_cap_gib:
-        return -(peak - mem_cap_gib)
-    return float(tps)
+        return -(peak - mem_cap_gib) if direction == "max" else worst(direction)
+    return float(value)
 
 
 def _read_json(path: Path) -> dict:
@@ -143,6 +173,7 @@ def run_job(
     """
     multirun = is_multirun()
     status_file = Path(run_dir) / STATUS_FILE
+    name, direction = objective_of(cfg)
     try:
         over = precheck() if precheck is not None and multirun else None
         if over is not None:
@@ -151,7 +182,7 @@ def run_job(
             log.warning("job %s", line)
             record = {"status": "skipped", "error": line, "needs_gib": needs}
             write_json_atomic(status_file, {**record, "budget_gib": budget})
-            return -(needs - budget)
+            return -(needs - budget) if direction == "max" else worst(direction)
         summary = fn()
     except (Exception, SystemExit) as err:
         summary = None
@@ -168,15 +199,15 @@ def run_job(
             else:
                 log.error("job failed: %s", line, exc_info=err)
             write_json_atomic(status_file, {"status": "failed", "error": line})
-            return FAILED
+            return worst(direction)
     cap = OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None)
     if summary is None:  # plan-only, or a job function that returns nothing
         summary = _read_json(Path(run_dir) / "summary.json")
-    value = objective(summary, cap)
+    value = objective(summary, cap, name, direction)
     if multirun:
-        write_json_atomic(
-            status_file, {"status": "completed", "objective": value, "mem_cap_gib": cap}
-        )
+        record = {"status": "completed", "objective": value, "mem_cap_gib": cap}
+        record.update(objective_name=name, direction=direction)
+        write_json_atomic(status_file, record)
     return value
 
 
@@ -228,14 +259,17 @@ def _job_config(job_dir: Path) -> DictConfig:
         return OmegaConf.create()
 
 
-def collect(sweep_dir: str | os.PathLike) -> tuple[list[str], list[dict]]:
+def collect(
+    sweep_dir: str | os.PathLike,
+) -> tuple[list[str], list[dict], tuple[str, str]]:
     """The swept keys and one row per job: its swept values, status, figures, error.
 
     Status: ``completed``; ``over_mem_cap`` (completed, peak memory above
     ``sweep.mem_cap_gib``); ``failed`` (with ``error``); ``skipped`` (the planner
     said it cannot fit the budget; ``error`` says by how much); ``unknown`` (no
-    record and no summary: still running, or killed). The best row (``best``) is the completed
-    one with the highest tokens/s.
+    record and no summary: still running, or killed). The best row (``best``) is the
+    completed one with the best ``sweep.objective`` in ``sweep.direction`` (of the
+    first job's config), returned as the third item ``(objective, direction)``.
     """
     dirs = job_dirs(sweep_dir)
     overrides = [_overrides(d) for d in dirs]
@@ -262,10 +296,27 @@ def collect(sweep_dir: str | os.PathLike) -> tuple[list[str], list[dict]]:
             "job_dir": str(job_dir),
         }
         rows.append(row)
-    ok = [r for r in rows if r["status"] == "completed" and r["tokens_per_s"]]
-    if ok:
-        max(ok, key=lambda r: r["tokens_per_s"])["best"] = True
-    return keys, rows
+    goal = objective_of(_job_config(dirs[0]) if dirs else None)
+    best = best_row(rows, *goal)
+    if best is not None:
+        best["best"] = True
+    return keys, rows, goal
+
+
+def best_row(rows: list[dict], name: str, direction: str) -> dict | None:
+    """The completed row with the best finite ``name`` in ``direction`` (None if no
+    completed row has that figure)."""
+    ok = [
+        r
+        for r in rows
+        if r["status"] == "completed"
+        and isinstance(r.get(name), int | float)
+        and math.isfinite(r[name])
+    ]
+    if not ok:
+        return None
+    pick = max if direction == "max" else min
+    return pick(ok, key=lambda r: r[name])
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -285,15 +336,16 @@ def _cell(metric: str, value: Any) -> str:
         return str(value)
 
 
-def summary_table(keys: list[str], rows: list[dict]) -> str:
-    """The summary as a Markdown table; the best row's tokens/s is in bold."""
+def summary_table(keys: list[str], rows: list[dict], goal: str = "val_loss") -> str:
+    """The summary as a Markdown table; the best row's ``goal`` (the objective) is in
+    bold."""
     with_error = any(r["error"] for r in rows)
     table = []
     for r in rows:
         cells = {"job": r["job"], **{k: r[k] for k in keys}, "status": r["status"]}
         for m, (header, _) in _MD_FORMAT.items():
             text = _cell(m, r[m])
-            cells[header] = f"**{text}**" if m == "tokens_per_s" and r["best"] else text
+            cells[header] = f"**{text}**" if m == goal and r["best"] and text else text
         if with_error:
             cells["error"] = r["error"]
         table.append(cells)
@@ -307,81 +359,119 @@ def _short(value: str) -> str:
         return value
 
 
-def plot(path: Path, keys: list[str], rows: list[dict], mem_cap: float | None) -> None:
-    """Throughput (top) and peak / init memory (bottom) of every job against its swept
-    values; the best job is a star, a failed one a red cross at zero."""
+def _positions(values: list[str]) -> tuple[list[float], bool]:
+    """x of each value: the numbers themselves when all are numeric, else the index
+    of each distinct value in order of appearance; and whether they are numeric."""
+    try:
+        return [float(v) for v in values], True
+    except ValueError:
+        order = list(dict.fromkeys(values))
+        return [float(order.index(v)) for v in values], False
+
+
+# The plot's panels: (row figures, y label); the objective's panel gets the star label.
+_PANELS = (
+    ((("val_loss", "o"), ("loss", "^")), "loss"),
+    ((("tokens_per_s", "o"),), "tokens/s (global)"),
+    ((("peak_mem_gib", "o"), ("init_peak_mem_gib", "s")), "GiB (max over ranks)"),
+)
+
+
+def plot(
+    path: Path,
+    keys: list[str],
+    rows: list[dict],
+    mem_cap: float | None,
+    goal: tuple[str, str] = ("val_loss", "min"),
+):
+    """Loss (val_loss and the last step's loss), throughput and peak / init memory of
+    every job. x is the first swept key (a numeric, log when wide, axis if its values
+    are numbers); the points are coloured by the other swept keys (by the first when
+    it is the only one), one line per colour. The best job by the objective
+    (``goal``) is a gold star on every panel; a failed one a red cross at zero.
+    Returns the figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    numeric = len(keys) == 1
-    if numeric:
-        try:
-            xs = [float(r[keys[0]]) for r in rows]
-        except ValueError:
-            numeric = False
-    if not numeric:
-        xs = list(range(len(rows)))
-    labels = [
-        "\n".join(f"{k.rpartition('.')[2]}={_short(r[k])}" for k in keys) for r in rows
+    xkey = keys[0] if keys else "job"
+    xs, numeric = _positions([str(r.get(xkey, r["job"])) for r in rows])
+    colour_keys = keys[1:] or keys[:1]
+    groups = [
+        ", ".join(f"{k.rpartition('.')[2]}={_short(str(r[k]))}" for k in colour_keys)
+        for r in rows
     ]
-    fig = Figure(figsize=(max(6.4, 1.2 * len(rows) + 2), 7), layout="constrained")
+    colours = {g: f"C{n % 10}" for n, g in enumerate(dict.fromkeys(groups))}
+    fig = Figure(figsize=(max(6.4, 0.8 * len(rows) + 3), 9), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_tps, ax_mem = fig.subplots(2, 1, sharex=True)
-    ok = [i for i, r in enumerate(rows) if r["tokens_per_s"] is not None]
-
-    def series(metric: str) -> tuple[list, list]:
-        idx = [i for i in ok if rows[i][metric] is not None]
-        order = sorted(idx, key=lambda i: xs[i])
-        return [xs[i] for i in order], [rows[i][metric] for i in order]
-
-    style = {"marker": "o", "linestyle": "-" if numeric else "none"}
-    ax_tps.plot(*series("tokens_per_s"), **style, label="tokens/s")
-    ax_mem.plot(*series("peak_mem_gib"), **style, label="peak memory")
-    ax_mem.plot(
-        *series("init_peak_mem_gib"), **{**style, "marker": "s"}, label="init peak"
-    )
+    axes = fig.subplots(len(_PANELS), 1, sharex=True)
+    for ax, (figures, ylabel) in zip(axes, _PANELS, strict=True):
+        for group, colour in colours.items():
+            for metric, marker in figures:
+                idx = sorted(
+                    (i for i, r in enumerate(rows) if groups[i] == group),
+                    key=lambda i: xs[i],
+                )
+                idx = [i for i in idx if isinstance(rows[i][metric], int | float)]
+                if not idx:
+                    continue
+                label = group if len(figures) == 1 else f"{metric}: {group}"
+                ax.plot(
+                    [xs[i] for i in idx], [rows[i][metric] for i in idx],
+                    marker=marker, color=colour, label=label,
+                    linestyle="-" if marker == "o" else ":",
+                )  # fmt: skip
+        ax.set_ylabel(ylabel)
+    name, direction = goal
     for i, r in enumerate(rows):
         if r["status"] in ("failed", "skipped", "unknown"):
-            for ax in (ax_tps, ax_mem):
+            for ax in axes:
                 ax.plot(xs[i], 0, "x", color="tab:red", ms=10, mew=2, clip_on=False)
-            ax_tps.annotate(
+            axes[0].annotate(
                 r["status"], (xs[i], 0), textcoords="offset points", xytext=(0, 8),
                 ha="center", color="tab:red",
             )  # fmt: skip
-        if r["best"]:
-            star = {"marker": "*", "ms": 18, "color": "gold", "mec": "k", "zorder": 5}
-            ax_tps.plot(
-                xs[i], r["tokens_per_s"], **star, linestyle="none", label="best"
-            )
-            if r["peak_mem_gib"] is not None:
-                ax_mem.plot(xs[i], r["peak_mem_gib"], **star)
-            ax_tps.annotate(
-                f"best: {r['tokens_per_s']:,.0f} tok/s", (xs[i], r["tokens_per_s"]),
-                textcoords="offset points", xytext=(0, -18), ha="center",
-            )  # fmt: skip
+        if not r["best"]:
+            continue
+        star = {"marker": "*", "ms": 18, "color": "gold", "mec": "k", "zorder": 5}
+        for ax, (figures, _) in zip(axes, _PANELS, strict=True):
+            metric = next((m for m, _ in figures if m == name), figures[0][0])
+            if isinstance(r[metric], int | float):
+                label = f"best ({direction} {name})" if metric == name else None
+                ax.plot(xs[i], r[metric], **star, linestyle="none", label=label)
+                if metric == name:
+                    ax.annotate(
+                        f"best: {name} {r[name]:,.4g}", (xs[i], r[name]),
+                        textcoords="offset points", xytext=(0, -18), ha="center",
+                    )  # fmt: skip
     if mem_cap is not None:
-        ax_mem.axhline(mem_cap, color="tab:red", linestyle="--", label="mem cap")
-    ax_tps.set_ylabel("tokens/s (global)")
-    ax_mem.set_ylabel("GiB (max over ranks)")
+        axes[-1].axhline(mem_cap, color="tab:red", linestyle="--", label="mem cap")
     if numeric:
         positive = [x for x in xs if x > 0]
         if len(positive) == len(xs) and max(xs) / min(xs) >= 100:
-            ax_mem.set_xscale("log")
-        ax_mem.set_xlabel(keys[0])
+            axes[-1].set_xscale("log")
     else:
-        ax_mem.set_xticks(xs, labels, fontsize=8)
-        ax_mem.set_xlabel(", ".join(keys))
-    for ax in (ax_tps, ax_mem):
+        ticks = dict(zip(xs, (str(r.get(xkey, r["job"])) for r in rows), strict=True))
+        axes[-1].set_xticks(list(ticks), [_short(v) for v in ticks.values()])
+    axes[-1].set_xlabel(xkey)
+    for ax in axes:
         ax.margins(x=0.1, y=0.15)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-    fig.suptitle(f"sweep: {path.parent.name} ({len(rows)} jobs)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    fig.suptitle(
+        f"sweep: {path.parent.name} ({len(rows)} jobs; objective {direction} {name})"
+    )
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def _log_to_wandb(
-    sweep_dir: Path, rows: list[dict], png: Path | None, first_job: Path
+    sweep_dir: Path,
+    rows: list[dict],
+    png: Path | None,
+    first_job: Path,
+    goal: tuple[str, str] = ("val_loss", "min"),
 ) -> str | None:
     """A ``sweep-summary`` run in the sweep's wandb group (the group of its jobs'
     runs); nothing if the jobs log with ``logger=none``. Returns the run's dir."""
@@ -414,6 +504,7 @@ def _log_to_wandb(
         payload["sweep_plot"] = wandb.Image(str(png))
     run.log(payload)
     best = next((r for r in rows if r["best"]), None)
+    name, direction = goal
     run.summary.update(
         {
             "jobs": len(rows),
@@ -421,6 +512,7 @@ def _log_to_wandb(
             "skipped": sum(r["status"] == "skipped" for r in rows),
             **({f"best/{m}": best[m] for m in METRICS} if best else {}),
             **({"best/job": best["job"]} if best else {}),
+            "objective": f"{direction} {name}",
         }
     )
     run_dir = run.dir
@@ -435,13 +527,13 @@ def summarise(
     them to wandb (unless ``log_wandb`` is false or the jobs used ``logger=none``) and
     return the rows."""
     sweep_dir = Path(sweep_dir)
-    keys, rows = collect(sweep_dir)
+    keys, rows, goal = collect(sweep_dir)
     if not rows:
         log.warning("sweep summary: no job dirs under %s", sweep_dir)
         return rows
     stem = sweep_dir / SUMMARY_STEM
     write_csv(stem.with_suffix(".csv"), rows)
-    table = summary_table(keys, rows)
+    table = summary_table(keys, rows, goal[0])
     stem.with_suffix(".md").write_text(table)
     png = None
     if make_plot:
@@ -450,10 +542,10 @@ def summarise(
             OmegaConf.select(_job_config(Path(r["job_dir"])), "sweep.mem_cap_gib")
             for r in rows
         } - {None}
-        plot(png, keys, rows, min(caps) if caps else None)
+        plot(png, keys, rows, min(caps) if caps else None, goal)
     log.info("sweep summary (%s.{csv,md,png}):\n%s", stem, table)
     if log_wandb:
-        _log_to_wandb(sweep_dir, rows, png, Path(rows[0]["job_dir"]))
+        _log_to_wandb(sweep_dir, rows, png, Path(rows[0]["job_dir"]), goal)
     return rows
 
 
