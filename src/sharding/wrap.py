@@ -292,13 +292,54 @@ def _plan(
 ) -> AutoWrapUnits:
     exclude = tuple(DEFAULT_EXCLUDE_WRAP_MODULES | set(exclude_wrap_modules or ()))
     force_leaf = tuple(DEFAULT_FORCE_LEAF_MODULES | set(force_leaf_modules or ()))
-    never_unit = exclude + force_leaf
-
     nodes, owners, shared_modules = _collect(module)
-    # Each parameter lives at ("is homed at") the lowest common ancestor of its users;
-    # every node strictly between a user and that ancestor may not be a unit.
+    home_numel, tied_numel, tainted = _homes(nodes, owners, shared_modules)
+    subtree = home_numel[:]
+    for i in range(len(nodes) - 1, 0, -1):  # nodes are in pre-order: children after
+        subtree[nodes[i].parent] += subtree[i]
+
+    # Explored: torch's policy(recurse=True) said yes, so children are visited and
+    # the module's own unit decision is made; an unexplored module stays whole in
+    # its parent's remainder.
+    explored = [False] * len(nodes)
+    for i, node in enumerate(nodes):
+        explored[i] = (
+            (i == 0 or explored[node.parent])
+            and subtree[i] >= min_params
+            and not isinstance(node.module, force_leaf)
+        )
+    is_unit, blocked = _choose_units(
+        nodes, home_numel, tied_numel, tainted, subtree, explored,
+        min_params, exclude + force_leaf,
+    )  # fmt: skip
+    units = [
+        (
+            nodes[nodes[i].parent].module if i else None,
+            nodes[i].name,
+            nodes[i].module,
+        )
+        for i in _post_order(nodes)
+        if is_unit[i]
+    ]
+    return AutoWrapUnits(
+        units=units,
+        blocked_by_ties={
+            _path(nodes, i): sorted(set(names)) for i, names in blocked.items()
+        },
+    )
+
+
+def _homes(
+    nodes: list[_Node],
+    owners: list[tuple[list[int], tuple[int, str], int]],
+    shared_modules: list[tuple[int, int, str]],
+) -> tuple[list[int], list[int], dict[int, list[str]]]:
+    """Each parameter lives at ("is homed at") the lowest common ancestor of its
+    users; every node strictly between a user and that ancestor may not be a unit.
+    Returns the numel each node homes, the shared numel it uses but does not home,
+    and the nodes that may not be units (with the shared names that forbid it)."""
     home_numel = [0] * len(nodes)
-    tied_numel = [0] * len(nodes)  # shared parameters a node uses but does not home
+    tied_numel = [0] * len(nodes)
     tainted: dict[int, list[str]] = {}
     for users, (first_user, local_name), numel in owners:
         home = _lca(nodes, users)
@@ -317,22 +358,21 @@ def _plan(
             while u != home:
                 tainted.setdefault(u, []).append(mname)
                 u = nodes[u].parent
+    return home_numel, tied_numel, tainted
 
-    subtree = home_numel[:]
-    for i in range(len(nodes) - 1, 0, -1):  # nodes are in pre-order: children after
-        subtree[nodes[i].parent] += subtree[i]
 
-    # Explored: torch's policy(recurse=True) said yes, so children are visited and
-    # the module's own unit decision is made; an unexplored module stays whole in
-    # its parent's remainder.
-    explored = [False] * len(nodes)
-    for i, node in enumerate(nodes):
-        explored[i] = (
-            (i == 0 or explored[node.parent])
-            and subtree[i] >= min_params
-            and not isinstance(node.module, force_leaf)
-        )
-
+def _choose_units(
+    nodes: list[_Node],
+    home_numel: list[int],
+    tied_numel: list[int],
+    tainted: dict[int, list[str]],
+    subtree: list[int],
+    explored: list[bool],
+    min_params: int | float,
+    never_unit: tuple[type[nn.Module], ...],
+) -> tuple[list[bool], dict[int, list[str]]]:
+    """Bottom-up: a node is a unit when what its non-unit children leave to it
+    reaches ``min_params``; a tainted node that would have been one is ``blocked``."""
     remainder = subtree[:]
     is_unit = [False] * len(nodes)
     blocked: dict[int, list[str]] = {}
@@ -351,23 +391,7 @@ def _plan(
                 blocked[i] = tainted[i]
         elif explored[i] and remainder[i] >= min_params and subtree[i] > 0:
             is_unit[i] = True
-
-    order = _post_order(nodes)
-    units = [
-        (
-            nodes[nodes[i].parent].module if i else None,
-            nodes[i].name,
-            nodes[i].module,
-        )
-        for i in order
-        if is_unit[i]
-    ]
-    return AutoWrapUnits(
-        units=units,
-        blocked_by_ties={
-            _path(nodes, i): sorted(set(names)) for i, names in blocked.items()
-        },
-    )
+    return is_unit, blocked
 
 
 def auto_wrap(
