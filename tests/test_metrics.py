@@ -320,7 +320,7 @@ def test_wandb_offline_logger_round_trip(tmp_path, wandb_env):
     assert [by_step[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(
         [4.0, 2.0, 4.0 / 3]
     )
-    assert by_step[2]["lr"] == pytest.approx(2e-3)
+    assert by_step[2]["train/lr"] == pytest.approx(2e-3)  # in the train/ section
     assert by_step[3]["wrap_plan._type"] == "table-file"
     assert by_step[3]["wrap_plan.nrows"] == 2
     table = json.loads(
@@ -338,7 +338,7 @@ def test_wandb_offline_logger_round_trip(tmp_path, wandb_env):
     assert run["display_name"] == "run-a"  # no Hydra job: the run dir's name
     config = run["config"]["update"]
     assert config["trainer"]["lr_peak"] == 3e-4  # resolved
-    assert run["summary"]["val_loss"] == 1.25
+    assert run["summary"]["val/val_loss"] == 1.25  # in the val/ section
 
 
 def test_logger_none_writes_files_but_no_wandb(tmp_path, wandb_env):

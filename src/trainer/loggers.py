@@ -101,6 +101,10 @@ class Sink:
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         """Rows of dicts, e.g. the wrap plan; ``step`` is the last logged step."""
 
+    def begin(self) -> None:
+        """The run really trains (a resume was accepted, steps are left): a sink that
+        starts something outside the run dir (a wandb run) starts it now."""
+
     def finish(self, exit_code: int) -> None:
         """The run ended (``exit_code`` != 0: it failed)."""
 
@@ -147,19 +151,68 @@ class FileSink(Sink):
         self._jsonl.close()
 
 
-class WandbSink(Sink):
-    """History, summary and tables of one wandb run."""
+def wandb_key(name: str) -> str:
+    """A metric's name in wandb: in the ``val/`` section if it is a validation figure
+    (``val_loss`` -> ``val/val_loss``), else in ``train/`` (``loss`` ->
+    ``train/loss``); a name that already has a section keeps it. metrics.jsonl and
+    summary.json keep the plain names."""
+    if "/" in name:
+        return name
+    return f"val/{name}" if name.startswith("val_") else f"train/{name}"
 
-    def __init__(self, run) -> None:
-        self.run = run
+
+RUN_ID_FILE = "run_id.json"  # in <run dir>/wandb/: the run's wandb id and name
+
+
+class WandbSink(Sink):
+    """History, summary and tables of one wandb run, metrics in the ``train/`` and
+    ``val/`` sections (:func:`wandb_key`).
+
+    The run starts at :meth:`begin` (``start(resume)`` makes it), so a start that is
+    refused (a resume that does not fit) or has nothing to train makes none; calls
+    before it are kept and replayed. Its id and name are kept in
+    ``<run dir>/wandb/run_id.json``: a resume of the same run dir continues the same
+    wandb run (``id`` + ``resume="allow"``) rather than starting another.
+    """
+
+    def __init__(self, start: Callable[[dict | None], Any], run_dir: Path) -> None:
+        self._start = start
+        self.id_file = Path(run_dir) / "wandb" / RUN_ID_FILE
+        self.run = None
+        self._pending: list[tuple[str, tuple]] = []
+
+    def begin(self) -> None:
+        if self.run is not None:
+            return
+        try:
+            resume = json.loads(self.id_file.read_text())
+        except (OSError, ValueError):
+            resume = None
+        self.run = self._start(resume)
+        if resume is None:
+            self.id_file.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.id_file, {"id": self.run.id, "name": self.run.name})
+        pending, self._pending = self._pending, []
+        for method, args in pending:
+            getattr(self, method)(*args)
+
+    def _later(self, method: str, *args: Any) -> bool:
+        if self.run is None:
+            self._pending.append((method, args))
+            return True
+        return False
 
     def log(self, row: dict, step: int) -> None:
-        self.run.log(row, step=step)
+        if not self._later("log", row, step):
+            self.run.log({wandb_key(k): v for k, v in row.items()}, step=step)
 
     def log_summary(self, summary: dict) -> None:
-        self.run.summary.update(summary)
+        if not self._later("log_summary", summary):
+            self.run.summary.update({wandb_key(k): v for k, v in summary.items()})
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        if self._later("log_table", name, rows, step):
+            return
         import wandb
 
         columns = list(dict.fromkeys(k for r in rows for k in r))
@@ -169,7 +222,8 @@ class WandbSink(Sink):
         self.run.log({name: wandb.Table(columns=columns, data=data)}, step=step)
 
     def finish(self, exit_code: int) -> None:
-        self.run.finish(exit_code=exit_code)
+        if self.run is not None:  # never begun: no run to end
+            self.run.finish(exit_code=exit_code)
 
 
 # The closing summary's figures: (summary key, label, format).
@@ -231,6 +285,12 @@ class Logger:
         for sink in self.sinks:
             sink.log(row, step)
         self._last_step = max(self._last_step, step)
+
+    def begin(self) -> None:
+        """The run trains: start what the sinks start late (the wandb run). A logger
+        built with ``begin=False`` keeps its calls until then (see WandbSink)."""
+        for sink in self.sinks:
+            sink.begin()
 
     def drop_rows_after(self, step: int) -> int:
         """Before a resume from ``step``: drop the rows the interrupted run logged
@@ -384,7 +444,22 @@ def _wandb_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
         "offline"
     )
     sync = str(run_dir / "wandb" / "offline-run-*") if offline else None
-    return [ConsoleSink(run_dir, sync), WandbSink(init_wandb(cfg, run_dir))]
+
+    def start(resume: dict | None):
+        if resume is None:
+            return init_wandb(cfg, run_dir)
+        # The same wandb run again: offline, a new offline-run-* dir with the same id
+        # (`wandb sync` uploads them in order into one run); online, it continues.
+        return init_wandb(
+            cfg,
+            run_dir,
+            id=resume["id"],
+            name=resume.get("name"),
+            resume="allow",
+            allow_val_change=True,  # trainer.resume, max_steps... may differ
+        )
+
+    return [ConsoleSink(run_dir, sync), WandbSink(start, run_dir)]
 
 
 # ------------------------------------------------------------- the logger options
@@ -441,9 +516,13 @@ LOGGERS.add(
 )
 
 
-def build_logger(cfg: DictConfig, run_dir: str | os.PathLike, rank: int) -> Logger:
+def build_logger(
+    cfg: DictConfig, run_dir: str | os.PathLike, rank: int, begin: bool = True
+) -> Logger:
     """The run's logger: the run-dir files, and the sinks of ``logger.backend``
-    (:data:`LOGGERS`). Ranks other than 0 get one without sinks."""
+    (:data:`LOGGERS`). Ranks other than 0 get one without sinks. ``begin=False``:
+    the wandb run starts only at ``Logger.begin()`` (the trainer calls it once a
+    resume was accepted and there are steps to train)."""
     if rank != 0:
         return Logger()
     run_dir = Path(run_dir)
@@ -452,7 +531,10 @@ def build_logger(cfg: DictConfig, run_dir: str | os.PathLike, rank: int) -> Logg
         raise ValueError(
             f"unknown logger {kind!r}, expected one of: {', '.join(LOGGERS)}"
         )
-    return Logger([FileSink(run_dir), *LOGGERS[kind].sinks(cfg, run_dir)])
+    logger = Logger([FileSink(run_dir), *LOGGERS[kind].sinks(cfg, run_dir)])
+    if begin:
+        logger.begin()
+    return logger
 
 
 # The logger options that live in their own files register themselves on import.

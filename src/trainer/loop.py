@@ -460,6 +460,11 @@ class Trainer:
             rank,
             self.scaler,
         )
+        if self.start_step < t.max_steps:
+            # Only now, with a resume accepted and steps to train, does the wandb run
+            # start (the same one again on a resume): a refused start or "nothing to
+            # train" makes none.
+            self.logger.begin()
         if self.start_step:
             dropped = self.logger.drop_rows_after(self.start_step)
             if dropped and rank == 0:
@@ -651,5 +656,5 @@ def train(
     what ``validate`` resolved (resolved here if not given). Returns the summary."""
     # A failed run (exception, NaN, a dead peer) still closes its files and marks its
     # wandb run failed, so the next job of a sweep does not inherit it.
-    with build_logger(cfg, run_dir, dist.get_rank()) as logger:
+    with build_logger(cfg, run_dir, dist.get_rank(), begin=False) as logger:
         return Trainer(cfg, run_dir, device, resolved, logger).fit()

@@ -1,0 +1,123 @@
+"""One training, one wandb run: a resume continues the same wandb run (its id kept in
+the run dir), a refused start and "nothing to train" create none; metrics are in the
+``train/`` and ``val/`` sections. wandb offline, read back from its own files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from src.config import validate
+from src.trainer.loggers import RUN_ID_FILE, wandb_key
+from src.trainer.loop import train
+from src.trainer.resolved import ConfigError
+from tests.distributed import run_distributed
+from tests.wandb_offline import (
+    offline_run_files,
+    read_wandb_offline_history,
+    read_wandb_offline_run,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _run_cfg(max_steps: int, *overrides: str):
+    cfg = make_cfg(
+        "model=tiny",
+        "data=synthetic",
+        "data.num_tokens=5000",
+        "trainer.devices=1",
+        "trainer.batch_size=4",
+        f"trainer.max_steps={max_steps}",
+        "trainer.log_every=1",
+        "trainer.val_every=2",
+        "trainer.val_batches=1",
+        "trainer.ckpt_every=2",
+        "trainer.progress=false",
+        "trainer.peak_tflops=1",
+        "logger=wandb",
+        "logger.mode=offline",
+        *overrides,
+    )
+    validate(cfg)
+    return cfg
+
+
+def _four_starts(rank: int, world: int, run_dir: str) -> dict:
+    """Train 2 steps; start again with nothing to train; a resume that is refused
+    (another max_steps); a resume that extends the run to 4 steps."""
+    cpu = torch.device("cpu")
+    out = {"first": train(_run_cfg(2), run_dir, cpu)}
+    out["runs_after_first"] = len(offline_run_files(run_dir))
+    out["nothing"] = train(_run_cfg(2, "trainer.resume=auto"), run_dir, cpu)
+    out["runs_after_nothing"] = len(offline_run_files(run_dir))
+    try:
+        train(_run_cfg(4, "trainer.resume=auto"), run_dir, cpu)
+    except ConfigError as err:
+        out["refused"] = str(err)
+    out["runs_after_refused"] = len(offline_run_files(run_dir))
+    extend = ("trainer.resume=auto", "trainer.resume_schedule=extend")
+    out["resumed"] = train(_run_cfg(4, *extend), run_dir, cpu)
+    return out
+
+
+@pytest.mark.slow
+def test_a_resumed_training_is_one_wandb_run_in_train_and_val_sections(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_distributed(_four_starts, 1, str(run_dir))[0]
+    assert out["first"]["steps"] == 2 and out["nothing"] == {}
+    assert out["refused"].startswith("trainer.max_steps")
+    # Neither "nothing to train" nor the refused resume made a wandb run.
+    assert out["runs_after_first"] == out["runs_after_nothing"] == 1
+    assert out["runs_after_refused"] == 1
+    first, second = offline_run_files(run_dir)  # the resume's, same wandb run
+    saved = json.loads((run_dir / "wandb" / RUN_ID_FILE).read_text())
+    runs = [read_wandb_offline_run(run_dir, f) for f in (first, second)]
+    assert [r["run_id"] for r in runs] == [saved["id"], saved["id"]]
+    assert first.parent.name.endswith(saved["id"])
+    assert second.parent.name.endswith(saved["id"])
+    assert runs[1]["display_name"] == runs[0]["display_name"] == saved["name"]
+
+    # Sections: train/ for the step figures, val/ for validation; files keep names.
+    histories = [read_wandb_offline_history(run_dir, f) for f in (first, second)]
+    steps = [
+        sorted({h["_step"] for h in hist if "train/loss" in h}) for hist in histories
+    ]
+    assert steps == [[1, 2], [3, 4]]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in rows if "loss" in r}
+    for hist in histories:
+        for h in hist:
+            assert not any(k in h for k in ("loss", "lr", "val_loss", "mfu"))
+            if "train/loss" in h:
+                assert h["train/loss"] == pytest.approx(by_step[h["_step"]]["loss"])
+                assert h["train/lr"] == pytest.approx(by_step[h["_step"]]["lr"])
+    val = {
+        h["_step"]: h["val/val_loss"]
+        for hist in histories
+        for h in hist
+        if "val/val_loss" in h
+    }
+    assert sorted(val) == [2, 4]
+    jsonl_val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert val == pytest.approx(jsonl_val)
+    assert runs[1]["summary"]["val/val_loss"] == pytest.approx(jsonl_val[4])
+    assert runs[1]["summary"]["train/steps"] == 4
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+
+
+def test_wandb_sections():
+    assert wandb_key("loss") == "train/loss"
+    assert wandb_key("tokens_per_s") == "train/tokens_per_s"
+    assert wandb_key("val_loss") == "val/val_loss"
+    assert wandb_key("train/loss") == "train/loss"  # already in a section
+    assert wandb_key("best/mfu") == "best/mfu"
