@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import sys
@@ -42,6 +43,7 @@ from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.loggers import LOGGERS, LoggerConfig
 from src.trainer.loop import RESUME_SCHEDULES
+from src.trainer.logs import LOG_LEVELS, error_line
 from src.trainer.planner import GRAD_SYNC, budget_bytes
 from src.trainer.resolved import (
     ConfigError,
@@ -52,6 +54,8 @@ from src.trainer.resolved import (
     resolve,
 )
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
+
+log = logging.getLogger(__name__)
 
 INIT_DEVICES = ("cpu", "cuda", "meta")
 
@@ -113,6 +117,13 @@ class TrainerConfig:
     plan_only: bool = MISSING
     peak_tflops: float | None = MISSING
     progress: bool = MISSING
+    log_level: str = MISSING  # one of src.trainer.logs.LOG_LEVELS
+    profile: bool = MISSING
+    profile_start: int = MISSING
+    profile_steps: int = MISSING
+    profile_record_shapes: bool = MISSING
+    profile_with_stack: bool = MISSING
+    profile_memory: bool | None = MISSING
 
 
 @dataclass
@@ -389,6 +400,9 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps", "keep_last"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
     _positive_int(cfg, "trainer.max_restarts", minimum=0)
+    _choice(cfg, "trainer.log_level", LOG_LEVELS)
+    _positive_int(cfg, "trainer.profile_start")
+    _positive_int(cfg, "trainer.profile_steps")
     accum = t.grad_accum
     _require(
         accum == "auto" or (_is_number(accum) and int(accum) == accum and accum >= 1),
@@ -538,7 +552,7 @@ def exit_on_config_error() -> Iterator[None]:
         yield
     except CONFIG_ERRORS as err:
         line = f"config error: {one_line(err)}"
-        print(line, file=sys.stderr)
+        error_line(log, line)  # stderr (and train.log once Hydra set it up)
         exit_ = SystemExit(2)
         exit_.add_note(line)  # what a sweep records for the job (src/trainer/sweep.py)
         raise exit_ from err
@@ -561,5 +575,5 @@ def run_cli(main: Callable[[], Any]) -> None:
         try:
             main()
         except OSError as err:  # e.g. Hydra cannot create the run dir
-            print(f"error: {err}", file=sys.stderr)
+            error_line(log, f"error: {err}")
             sys.exit(1)

@@ -13,3 +13,19 @@ def _token_cache_in_tmp(tmp_path_factory):
     of the train.py subprocesses they start lives in a session tmp dir, not ~/.cache."""
     os.environ["SHARDWRAP_CACHE"] = str(tmp_path_factory.mktemp("token_cache"))
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _project_console():
+    """The project's log records reach the console as in a run (train.py's Hydra job
+    logging), so a test reads what a user would see with capsys."""
+    import logging
+
+    from src.trainer.logs import PROJECT_LOGGER, ConsoleHandler
+
+    project = logging.getLogger(PROJECT_LOGGER)
+    handler = ConsoleHandler()
+    project.addHandler(handler)
+    project.setLevel(logging.INFO)
+    yield
+    project.removeHandler(handler)

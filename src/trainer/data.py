@@ -19,6 +19,7 @@ results whatever the number of ranks, and resuming needs only the step.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from omegaconf import MISSING, OmegaConf
 from src.registry import Registry, no_check
 from src.trainer.resolved import ConfigError, model_config, model_spec
 from src.trainer.token_cache import SPLITS, token_cache
+
+log = logging.getLogger(__name__)
 
 VOCAB_MULTIPLE = 64
 SYNTHETIC_VAL_FRACTION = 0.05
@@ -103,7 +106,7 @@ def prepare_data(
     start = time.perf_counter()
     meta = token_cache(data_cfg, verbose, progress).meta
     if verbose:
-        print(f"data ready in {time.perf_counter() - start:.2f}s", flush=True)
+        log.info("data ready in %.2fs", time.perf_counter() - start)
     return meta
 
 
@@ -125,10 +128,9 @@ def follow_tokenizer_vocab(cfg: Any, meta: dict, user_keys: set[str]) -> None:
     else:
         padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         if padded != cfg.model[spec.vocab_key]:
-            print(
+            log.info(
                 f"{key}={padded}: follows data.tokenizer={cfg.data.tokenizer} ({vocab} "
-                f"tokens, padded to a multiple of {VOCAB_MULTIPLE})",
-                flush=True,
+                f"tokens, padded to a multiple of {VOCAB_MULTIPLE})"
             )
         cfg.model[spec.vocab_key] = padded
         return

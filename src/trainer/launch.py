@@ -54,9 +54,19 @@ from src.trainer.faults import (
     run_dir_lock,
     run_error_names,
 )
+from src.trainer.logs import (
+    LogSpec,
+    debug_on,
+    exit_with_error,
+    log_spec,
+    rank_logging,
+    set_log_level,
+)
 from src.trainer.loop import train
 from src.trainer.planner import default_policy, plan_only, resolve_auto
 from src.trainer.resolved import ConfigError, Resolved, model_config, under_torchrun
+
+log = logging.getLogger(__name__)
 
 
 def prepare(cfg: DictConfig, resolved: Resolved) -> tuple[DictConfig, Resolved]:
@@ -66,6 +76,7 @@ def prepare(cfg: DictConfig, resolved: Resolved) -> tuple[DictConfig, Resolved]:
     every ``auto`` value chosen. Bad input is a ``ConfigError``."""
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
+    set_log_level(cfg.trainer.log_level)
     if not cfg.trainer.plan_only:  # plan-only reads no data
         meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
         if meta is not None:
@@ -76,7 +87,7 @@ def prepare(cfg: DictConfig, resolved: Resolved) -> tuple[DictConfig, Resolved]:
     reasons = [policy, *reasons] if policy else reasons
     if _is_rank0():
         for line in reasons:
-            print(line, flush=True)
+            log.info(line)
     return cfg, resolved
 
 
@@ -103,23 +114,22 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
                 return record(run_rank)(cfg, run_dir, resolved)
         except Stopped as stop:
             if rank0:
-                print(resume_hint(stop.signum, stop.checkpoint, run_dir), flush=True)
+                log.info(resume_hint(stop.signum, stop.checkpoint, run_dir))
             sys.exit(128 + stop.signum)
         except RunDirBusy as err:
-            sys.exit(f"error: {err}")
+            exit_with_error(log, f"error: {err}")
     try:
         with run_dir_lock(run_dir) as stale:
             if stale:
-                print(
-                    f"run dir lock of {describe_holder(stale)} taken over "
-                    "(that run is no longer running)",
-                    flush=True,
+                log.info(
+                    "run dir lock of %s taken over (that run is no longer running)",
+                    describe_holder(stale),
                 )
             return _launch_local(cfg, run_dir, resolved)
     except RunError as err:
         if full_errors():
             raise
-        sys.exit(f"error: {err}")
+        exit_with_error(log, f"error: {err}")
 
 
 def preflight(run_dir: str) -> None:
@@ -145,27 +155,33 @@ def _launch_local(
         try:
             return run_rank(cfg, run_dir, resolved)
         except Stopped as stop:
-            print(resume_hint(stop.signum, stop.checkpoint, run_dir), flush=True)
+            log.info(resume_hint(stop.signum, stop.checkpoint, run_dir))
             sys.exit(128 + stop.signum)
-    # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console.
-    log_dir = os.path.join(run_dir, "ranks")
+    # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console (at
+    # debug every rank does, each line prefixed [rank N]).
+    log_dir = None if debug_on() else os.path.join(run_dir, "ranks")
     config = local_launch_config(nprocs, cfg.trainer.max_restarts, log_dir)
     _quiet_launcher_logs()
     summaries: dict = {}
+    # The ranks are new processes: they re-create this process's console and
+    # train.log handlers (Hydra's job logging) from the spec.
+    spec = log_spec()
     with StopRequest(forward=_signal_ranks) as stop, _bounded_failure_grace():
         try:
-            summaries = elastic_launch(config, _rank_entry)(cfg, run_dir, resolved)
+            summaries = elastic_launch(config, _rank_entry)(
+                cfg, run_dir, resolved, spec
+            )
         except ChildFailedError as err:
             if not requested():
-                sys.exit(_failure_report(err, run_dir))
+                exit_with_error(log, _failure_report(err, run_dir))
         except Exception:  # e.g. a rank's error file left empty by a full disk
             full = disk_full(run_dir)
             if full is None or full_errors():
                 raise
-            sys.exit(f"error: {full}")
+            exit_with_error(log, f"error: {full}")
     signum = requested()
     if signum:
-        print(resume_hint(signum, _latest(run_dir), run_dir), flush=True)
+        log.info(resume_hint(signum, _latest(run_dir), run_dir))
         previous = stop.previous.get(signum)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, None)  # e.g. submitit's SIGUSR2 handler: requeue the job
@@ -209,8 +225,12 @@ def _signal_ranks(signum: int) -> None:
         os.kill(child.pid, signum)
 
 
+def _rank_from_env() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
 def _is_rank0() -> bool:
-    return int(os.environ.get("RANK", 0)) == 0
+    return _rank_from_env() == 0
 
 
 def _user_keys() -> set[str]:
@@ -252,10 +272,12 @@ def local_launch_config(
     )
 
 
-def _rank_entry(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any]:
+def _rank_entry(
+    cfg: DictConfig, run_dir: str, resolved: Resolved, spec: LogSpec
+) -> dict[str, Any]:
     # Module level so the spawned ranks can unpickle it.
     try:
-        return run_rank(cfg, run_dir, resolved)
+        return run_rank(cfg, run_dir, resolved, spec)
     except Stopped:
         # exit 0: the agent neither restarts nor reports it; the launcher says it
         return {}
@@ -344,11 +366,16 @@ def _shared_run_dir(run_dir: str) -> str:
     return box[0]
 
 
-def run_rank(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any]:
+def run_rank(
+    cfg: DictConfig, run_dir: str, resolved: Resolved, spec: LogSpec | None = None
+) -> dict[str, Any]:
     """One rank: join the group, train, leave the group; returns the summary. A stop
     signal ends training after the current step with a checkpoint (:class:`Stopped`);
-    a timed-out collective names the silent peer, a full disk says so (faults.py)."""
-    with StopRequest():
+    a timed-out collective names the silent peer, a full disk says so (faults.py).
+    ``spec``: the launching process's log set-up, for a rank started as a new process
+    (see src/trainer/logs.py)."""
+    rank, world = _rank_from_env(), int(os.environ.get("WORLD_SIZE", 1))
+    with StopRequest(), rank_logging(spec, rank, world):
         device, heartbeat = init_distributed(cfg.trainer.timeout_s)
         try:
             if dist.get_rank() != 0:

@@ -8,7 +8,8 @@ unconditionally.
 - :class:`FileSink`: ``metrics.jsonl`` (one row per logged step), ``summary.json``
   and ``<table>.json`` in the run dir.
 - :class:`ConsoleSink`: the closing summary of a finished run (final loss and
-  val_loss, throughput, MFU, memory, where the outputs are, how to upload).
+  val_loss, throughput, MFU, memory, where the outputs are, how to upload), logged
+  (console and ``train.log``, see src/trainer/logs.py).
 - :class:`WandbSink`: a wandb run, offline by default (nothing needs a network; sync
   later with ``wandb sync <run_dir>/wandb/offline-run-*``), one run per Hydra job.
   :func:`init_wandb` is the one wandb setup, for training runs and sweep summaries.
@@ -104,6 +105,9 @@ class Sink:
     def begin(self) -> None:
         """The run really trains (a resume was accepted, steps are left): a sink that
         starts something outside the run dir (a wandb run) starts it now."""
+
+    def log_artifact(self, name: str, kind: str, directory: Path) -> None:
+        """A folder of files (e.g. the profiler's traces) kept with the run."""
 
     def finish(self, exit_code: int) -> None:
         """The run ended (``exit_code`` != 0: it failed)."""
@@ -221,6 +225,17 @@ class WandbSink(Sink):
         # loop's next step (wandb drops rows logged with a smaller step).
         self.run.log({name: wandb.Table(columns=columns, data=data)}, step=step)
 
+    def log_artifact(self, name: str, kind: str, directory: Path) -> None:
+        import wandb
+
+        # One per run (run-<id>-profile, as wandb names a run's tables); immutable:
+        # the files are referenced where they are, not copied to a staging dir.
+        artifact = wandb.Artifact(f"run-{self.run.id}-{name}", type=kind)
+        for path in sorted(directory.iterdir()):  # add_dir would print a line
+            if path.is_file():
+                artifact.add_file(str(path), policy="immutable")
+        self.run.log_artifact(artifact)
+
     def finish(self, exit_code: int) -> None:
         if self.run is not None:  # never begun: no run to end
             self.run.finish(exit_code=exit_code)
@@ -263,7 +278,7 @@ class ConsoleSink(Sink):
         ]
         if self.wandb_sync:
             lines.append(f"upload to wandb: wandb sync {self.wandb_sync}")
-        print("\n".join(lines), flush=True)
+        log.info("\n".join(lines))
 
 
 class Logger:
@@ -308,6 +323,12 @@ class Logger:
         rows = [_plain(r) for r in rows]
         for sink in self.sinks:
             sink.log_table(name, rows, self._last_step)
+
+    def log_artifact(self, name: str, kind: str, directory: str | os.PathLike) -> None:
+        """The files of ``directory`` as one artifact (wandb; the files sink has
+        them in the run dir already)."""
+        for sink in self.sinks:
+            sink.log_artifact(name, kind, Path(directory))
 
     def finish(self, exit_code: int = 0) -> None:
         """End every sink once (safe to call again); a non-zero ``exit_code`` marks
@@ -435,7 +456,7 @@ def init_wandb(
         reinit="finish_previous",  # one run per Hydra job, also in a multirun process
         **kwargs,
     )
-    log.info("wandb.init (%s) took %.2fs", mode, time.perf_counter() - start)
+    log.debug("wandb.init (%s) took %.2fs", mode, time.perf_counter() - start)
     return run
 
 

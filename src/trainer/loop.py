@@ -47,12 +47,20 @@ from src.trainer.data import GlobalBatches, load_splits
 from src.trainer.export import export_consolidated, export_hf, load_hf_weights
 from src.trainer.faults import RunError, Stopped, stop_signal
 from src.trainer.loggers import Logger, build_logger
+from src.trainer.logs import FILE_ONLY
 from src.trainer.metrics import (
     ThroughputMeter,
+    interval_line,
     memory_metrics,
     peak_flops_per_rank,
     reduce_max_min,
     reset_peak_memory,
+)
+from src.trainer.profiling import (
+    ProfileOptions,
+    StepProfiler,
+    oom_error,
+    watch_cuda_oom,
 )
 from src.trainer.resolved import ConfigError, Resolved, model_spec, resolve
 
@@ -135,7 +143,7 @@ def _ties_as_one_line(rank: int) -> Iterator[None]:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if users and rank == 0:
         ties = "; ".join(f"{n} ({', '.join(sorted(u))})" for n, u in users.items())
-        print(f"tied parameters stay whole in one unit: {ties}", flush=True)
+        log.info("tied parameters stay whole in one unit: %s", ties)
 
 
 def build_optimizer(
@@ -253,8 +261,7 @@ def resume(
     restarted = _restart_line(cfg)
     if restarted:
         wanted = "auto"
-        if rank == 0:
-            print(restarted, flush=True)
+        log.info(restarted)
     path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
     if path is None:
         return 0, None
@@ -266,8 +273,7 @@ def resume(
         extended = _new_schedule(cfg, path, step, saved_max, scheduler, rank)
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])  # fp16 resume stays exact
-    if rank == 0:
-        print(f"resumed from {path} (step {step})", flush=True)
+    log.info("resumed from %s (step %d)", path, step)
     return step, extended
 
 
@@ -294,13 +300,11 @@ def _new_schedule(
     scheduler.last_epoch -= 1  # step() recomputes this step's lr with the new lambda
     scheduler.step()
     after = scheduler.get_last_lr()[0]
-    if rank == 0:
-        print(
-            f"trainer.resume_schedule=extend: max_steps {saved_max} -> {t.max_steps}; "
-            f"from step {step} the learning rate follows the schedule of "
-            f"{t.max_steps} steps (lr {before:.3g} -> {after:.3g})",
-            flush=True,
-        )
+    log.info(
+        f"trainer.resume_schedule=extend: max_steps {saved_max} -> {t.max_steps}; "
+        f"from step {step} the learning rate follows the schedule of "
+        f"{t.max_steps} steps (lr {before:.3g} -> {after:.3g})"
+    )
     return {
         "schedule": "extend",
         "from_step": step,
@@ -332,8 +336,7 @@ def _restart_line(cfg: DictConfig) -> str | None:
 
 def _report_skip(rank: int):
     def report(path: Path, reason: str) -> None:
-        if rank == 0:
-            print(f"skipping checkpoint {path}: {reason}", flush=True)
+        log.info("skipping checkpoint %s: %s", path, reason)
 
     return report
 
@@ -369,8 +372,8 @@ def check_finite(
 
 
 def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
-    if rank == 0 and plan.units:  # ddp and none have no units
-        print(plan.tree(), flush=True)
+    if plan.units:  # ddp and none have no units
+        log.info(plan.tree())
     logger.log_table("wrap_plan", plan.rows())
 
 
@@ -467,11 +470,12 @@ class Trainer:
             self.logger.begin()
         if self.start_step:
             dropped = self.logger.drop_rows_after(self.start_step)
-            if dropped and rank == 0:
-                print(
-                    f"metrics.jsonl: dropped {dropped} rows past step "
-                    f"{self.start_step} (logged by the interrupted run)",
-                    flush=True,
+            if dropped:
+                log.info(
+                    "metrics.jsonl: dropped %d rows past step %d (logged by the "
+                    "interrupted run)",
+                    dropped,
+                    self.start_step,
                 )
         # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe; it
         # also says once when the hardware does not accelerate the run's precision.
@@ -495,6 +499,9 @@ class Trainer:
             },
             step=self.start_step,
         )
+        log.info(self.startup_line())
+        self.profiler = self._profiler() if t.profile else None
+        self.oom_snapshot = watch_cuda_oom(self.run_dir, rank)
         self.bar = tqdm(
             total=t.max_steps,
             initial=self.start_step,
@@ -504,23 +511,79 @@ class Trainer:
         )
         return self
 
+    def startup_line(self) -> str:
+        """What runs, in one line: model size, backend and units, precision,
+        checkpointing, compile, devices, batch and tokens per step."""
+        cfg, t, s = self.cfg, self.cfg.trainer, self.cfg.sharding
+        units = f", {len(self.plan.units)} units" if self.plan.units else ""
+        hsdp = f", {s.replicate} replicas" if s.replicate > 1 else ""
+        tokens = self.meter.tokens_per_step
+        return (
+            f"run: {self.num_params / 1e6:.2f}M params | {s.backend}{units}{hsdp} | "
+            f"{cfg.precision.name} | checkpointing {s.activation_checkpointing} | "
+            f"compile {'on' if s.compile else 'off'} | {self.world} x "
+            f"{self.device.type} | batch {t.batch_size} x {tokens // t.batch_size} "
+            f"(grad_accum {t.grad_accum}) = {tokens:,} tokens/step"
+        )
+
+    def _profiler(self) -> StepProfiler:
+        """``trainer.profile``'s window over every unit of the plan and every block."""
+        t, spec = self.cfg.trainer, self.resolved.spec
+        blocks = spec.block_classes(self.resolved.model_config)
+        units = {u.path for u in self.plan.units}
+        modules: dict[str, nn.Module] = {}
+        for name, module in self.model.named_modules():
+            path = canonical_name(name, self.model)
+            if path in units or (blocks and isinstance(module, blocks)):
+                modules.setdefault(path or "<root>", module)
+        options = ProfileOptions(
+            t.profile_start,
+            t.profile_steps,
+            t.profile_record_shapes,
+            t.profile_with_stack,
+            t.profile_memory,
+        )
+        return StepProfiler(
+            options,
+            self.run_dir,
+            self.rank,
+            self.device,
+            modules,
+            t.max_steps,
+            on_done=self._profiled,
+        )
+
+    def _profiled(self, directory: Path, rows: list[dict]) -> None:
+        """Every rank wrote its files: rank 0 logs the table and the folder (wandb
+        artifact of type ``profile``)."""
+        dist.barrier()
+        self.logger.log_table("profile", rows)
+        self.logger.log_artifact("profile", "profile", directory)
+
     # -- the parts of a step ------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any] | None:
         """Optimizer step ``step`` (1-based). At a log point (the first and the last
         step, every ``trainer.log_every``) its row is logged and returned, else None."""
         t = self.cfg.trainer
         lr = self.scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(
-            self.model,
-            self.batches,
-            step - 1,
-            self.backend,
-            self.optimizer,
-            self.scaler,
-            self.cfg,
-        )
+        if self.profiler is not None:
+            self.profiler.before_step(step)
+        try:
+            loss, grad_norm = train_step(
+                self.model,
+                self.batches,
+                step - 1,
+                self.backend,
+                self.optimizer,
+                self.scaler,
+                self.cfg,
+            )
+        except torch.OutOfMemoryError as err:
+            raise oom_error(err, self.oom_snapshot, self.rank, step) from None
         self.scheduler.step()
         self.loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
+        if self.profiler is not None:
+            self.profiler.after_step(step)
         self.skipped_steps += check_finite(
             self.loss, grad_norm, step, self.scaler, self.ckpt
         )
@@ -541,8 +604,10 @@ class Trainer:
             metrics["skipped_steps"] = self.skipped_steps
         self.logger.log(metrics, step=step)
         self.summary.update(metrics)
-        if self.bar.disable and self.rank == 0:
-            print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
+        if self.rank == 0:  # only rank 0 measures MFU
+            # On the console without the bar; in train.log either way.
+            extra = None if self.bar.disable else FILE_ONLY
+            log.info(interval_line(step, metrics), extra=extra)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
         return metrics
 
@@ -551,8 +616,7 @@ class Trainer:
         val_loss = evaluate(self.model, self.val_set, self.backend)
         self.logger.log({"val_loss": val_loss}, step=step)
         self.summary["val_loss"] = val_loss
-        if self.rank == 0:
-            self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
+        log.info("step %d: val_loss %.4f", step, val_loss)
         self.meter.restart(step)  # validation time is not training throughput
         return val_loss
 
@@ -565,11 +629,8 @@ class Trainer:
         path = self.ckpt.save(
             step, self.model, self.optimizer, self.scheduler, extra=extra
         )
-        if self.rank == 0:
-            how = (
-                "writing in the background" if self.cfg.trainer.ckpt_async else "saved"
-            )
-            self.bar.write(f"step {step}: checkpoint {how} to {path}")
+        how = "writing in the background" if self.cfg.trainer.ckpt_async else "saved"
+        log.info("step %d: checkpoint %s to %s", step, how, path)
         return path
 
     # -- the end ------------------------------------------------------------------------
@@ -594,8 +655,7 @@ class Trainer:
             else:
                 export_path = Path(self.run_dir) / "model.safetensors"
                 export_consolidated(self.model, export_path)
-            if self.rank == 0:
-                print(f"exported consolidated weights to {export_path}", flush=True)
+            log.info("exported consolidated weights to %s", export_path)
         if self.extended:
             self.summary["resume"] = self.extended
         self.summary.update(
@@ -615,12 +675,12 @@ class Trainer:
         self.build()
         if self.start_step >= t.max_steps:
             self.bar.close()
-            if self.rank == 0:
-                print(
-                    f"nothing to train: the checkpoint is at step {self.start_step} "
-                    f"and trainer.max_steps={t.max_steps}; summary.json kept",
-                    flush=True,
-                )
+            log.info(
+                "nothing to train: the checkpoint is at step %d and "
+                "trainer.max_steps=%d; summary.json kept",
+                self.start_step,
+                t.max_steps,
+            )
             return {}
         for step in range(self.start_step + 1, t.max_steps + 1):
             self.step(step)

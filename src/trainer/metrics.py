@@ -385,3 +385,20 @@ def reduce_max_min(metrics: dict, group=None) -> dict:
         cast = int if is_int and math.isfinite(hi) else float
         out[k], out[k + "_min"] = cast(hi), cast(lo)
     return out
+
+
+def interval_line(step: int, row: dict) -> str:
+    """nanoGPT's per-interval line from a logged row: step, loss, then the figures
+    the row has (tokens/s, step time and MFU from the second log point on, peak
+    memory per rank, learning rate)."""
+    parts = [f"step {step}: loss {row['loss']:.4f}"]
+    if "tokens_per_s" in row:
+        parts += [
+            f"{row['tokens_per_s']:,.0f} tok/s",
+            f"{row['step_time_s'] * 1e3:.1f} ms/step",
+            f"mfu {row['mfu']:.2%}",
+        ]
+    if "peak_mem_gib" in row:
+        parts.append(f"mem {row['peak_mem_gib']:.3f} GiB")
+    parts.append(f"lr {row['lr']:.2e}")
+    return ", ".join(parts)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -53,6 +54,8 @@ from src.trainer.resolved import (
     resolve,
     resolve_devices,
 )
+
+log = logging.getLogger(__name__)
 
 #: Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
 #: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
@@ -719,12 +722,12 @@ def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> W
     world = world_size or resolve_devices(cfg.trainer.devices)
     model = build_meta_model(cfg)
     plan, est = estimate_cfg(cfg, world, model)
-    print(plan.tree(), flush=True)
-    print(est.table(), flush=True)
-    print(grad_sync_costs(cfg, world, model), flush=True)
+    log.info(plan.tree())
+    log.info(est.table())
+    log.info(grad_sync_costs(cfg, world, model))
     verdict, info = fit_report(cfg, est, world)
     if verdict:
-        print(verdict, flush=True)
+        log.info(verdict)
     logger = Logger.files(run_dir)
     logger.log_table("wrap_plan", plan.rows())
     logger.log_summary(

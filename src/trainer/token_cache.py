@@ -17,6 +17,7 @@ the ranks only memory-map it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -29,6 +30,8 @@ from tqdm import tqdm
 
 from src.trainer.corpus import EOD, Corpus, build_lock, digest
 from src.trainer.tokenizer import Tokenizer, cache_path, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 BATCH_BYTES = 1 << 23  # text handed to the tokenizer's thread pool at a time
@@ -173,9 +176,8 @@ def token_cache(
     )
     if verbose:
         m = entry.meta
-        print(
+        log.info(
             f"token cache: {verb} ({m['train_tokens']:,} train + {m['val_tokens']:,} "
-            f"val tokens, {tokenizer.name}, vocab {m['vocab_size']}, {m['dtype']})",
-            flush=True,
+            f"val tokens, {tokenizer.name}, vocab {m['vocab_size']}, {m['dtype']})"
         )
     return entry

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ import numpy as np
 
 from src.trainer.corpus import EOD, Corpus, CorpusError, build_lock, digest
 from src.trainer.loggers import atomic_path
+
+log = logging.getLogger(__name__)
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0  # NUL: absent from text, so it marks document boundaries
@@ -146,7 +149,7 @@ def bpe_tokenizer(
                 hf.save(str(tmp))
             verb = f"trained in {time.perf_counter() - start:.1f}s, saved to {path}"
     if verbose:
-        print(f"bpe tokenizer ({hf.get_vocab_size()} tokens): {verb}", flush=True)
+        log.info("bpe tokenizer (%d tokens): %s", hf.get_vocab_size(), verb)
     return _from_hf(hf, f"bpe-{vocab_size}", BPE_EOS, None)
 
 
