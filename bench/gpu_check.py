@@ -7,7 +7,11 @@ everything in order and never stops at the first failure:
 2. for each config (eager, then per-unit compile): the planner's estimate
    (``trainer.plan_only=true``, allocates nothing), then the trainer itself for a short
    fixed number of steps, through ``train.py`` as a user runs it;
-3. one JSON (``gpu_check.json``) and one Markdown table (``gpu_check.md``) in the output
+3. ``profile``: a ``trainer.profile=true`` window on the same shape (per-rank traces,
+   the CUDA allocator's history snapshot), then ``oom`` (GPU only): a run that cannot
+   fit must stop with one line naming its OOM snapshot (``profile_problems`` and
+   ``oom_problems`` say what is missing);
+4. one JSON (``gpu_check.json``) and one Markdown table (``gpu_check.md``) in the output
    dir: tokens/s, MFU against the datasheet peak of the detected GPU, the CUDA
    allocator peak (``torch.cuda.max_memory_allocated``) against the plan's estimate,
    compile's speed-up over eager, and the first error line of anything that failed.
@@ -63,6 +67,85 @@ COMMON = [
     "trainer.progress=false",
 ]
 CONFIGS = {"eager": [], "compile": ["sharding.compile=true"]}
+# The profiler leg: a short window on the same shape (traces, CUDA memory snapshot).
+PROFILE = [
+    "trainer.max_steps=4",
+    "trainer.profile=true",
+    "trainer.profile_start=2",
+    "trainer.profile_steps=2",
+]
+# The OOM leg (GPU only): logits of 128 x 2048 x 262144 fp32 values (275 GB) cannot
+# be allocated on any GPU; the run must stop with one line naming the snapshot.
+OOM = [
+    "model=llama_tiny",
+    "model.vocab_size=262144",
+    "model.max_seq_len=2048",
+    "precision=fp32",
+    "trainer.devices=1",
+    "trainer.batch_size=128",
+    "trainer.max_steps=2",
+    *COMMON,
+]
+
+
+def profile_problems(run_dir: Path, cuda: bool) -> list[str]:
+    """What is missing from a ``trainer.profile=true`` run's ``profile/`` folder: a
+    Chrome trace with the units' ranges per rank, the memory timeline (CPU) or the
+    allocator snapshot with its history (CUDA), rank 0's table."""
+    import pickle
+
+    prof = run_dir / "profile"
+    world = read_summary(run_dir).get("world_size", 1)
+    problems = [] if (prof / "summary.md").is_file() else ["no summary.md"]
+    for rank in range(world):
+        trace = prof / f"rank{rank}.pt.trace.json"
+        try:
+            events = json.loads(trace.read_text())["traceEvents"]
+        except (OSError, ValueError, KeyError) as err:
+            problems.append(f"{trace.name}: {err}")
+            continue
+        if not any(str(e.get("name", "")).startswith("unit:") for e in events):
+            problems.append(f"{trace.name}: no unit:<path> ranges")
+        if not cuda:
+            if not (prof / f"rank{rank}.memory_timeline.json").is_file():
+                problems.append(f"no rank{rank}.memory_timeline.json")
+            continue
+        snap = prof / f"rank{rank}.memory_snapshot.pickle"
+        try:
+            data = pickle.loads(snap.read_bytes())
+        except (OSError, pickle.UnpicklingError) as err:
+            problems.append(f"{snap.name}: {err}")
+            continue
+        if not data.get("segments") or not any(data.get("device_traces", [])):
+            problems.append(f"{snap.name}: no segments or no allocation history")
+    return problems
+
+
+def oom_problems(run_dir: Path, output: str, code: int) -> list[str]:
+    """What is wrong with a run that must run out of CUDA memory: it failed, with one
+    line naming ``profile/rank0.oom_snapshot.pickle``, which holds the allocator's
+    segments."""
+    import pickle
+
+    snap = run_dir / "profile" / "rank0.oom_snapshot.pickle"
+    lines = [x for x in output.splitlines() if "ran out of CUDA memory" in x]
+    problems = [] if code != 0 else ["the run did not fail"]
+    if len(lines) != 1 or str(snap) not in lines[0]:
+        problems.append(f"expected one line naming {snap}, got {lines}")
+    try:
+        if not pickle.loads(snap.read_bytes()).get("segments"):
+            problems.append(f"{snap.name}: no segments")
+    except (OSError, pickle.UnpicklingError) as err:
+        problems.append(f"{snap.name}: {err}")
+    return problems
+
+
+def checked(status: dict, problems: list[str]) -> dict:
+    """``status`` of :func:`run_step` judged by ``problems`` instead of exit code."""
+    status.update(ok=not problems, error="; ".join(problems) or None)
+    print(f"[gpu_check] {status['step']}: "
+          f"{'ok' if status['ok'] else 'FAILED: ' + status['error']}", flush=True)  # fmt: skip
+    return status
 
 
 def first_error(text: str) -> str:
@@ -203,6 +286,31 @@ def main(argv: list[str] | None = None) -> dict:
                 "num_params": run.get("num_params"),
             }
         )
+    # The profiler: traces and the memory snapshot; on a GPU also the OOM snapshot.
+    prof_dir = out_dir / "runs" / "profile"
+    status = run_step(
+        "profile",
+        [sys.executable, "train.py", *shape, *COMMON, *PROFILE, f"hydra.run.dir={prof_dir}"],
+        out_dir / "logs",
+        args.timeout,
+    )  # fmt: skip
+    steps.append(
+        checked(status, profile_problems(prof_dir, not args.dry_run))
+        if status["ok"]
+        else status
+    )
+    if not args.dry_run:
+        oom_dir = out_dir / "runs" / "oom"
+        status = run_step(
+            "oom",
+            [sys.executable, "train.py", *OOM, f"hydra.run.dir={oom_dir}"],
+            out_dir / "logs",
+            args.timeout,
+        )
+        output = (out_dir / "logs" / "oom.log").read_text()
+        code = 0 if status["ok"] else 1
+        steps.append(checked(status, oom_problems(oom_dir, output, code)))
+
     eager, compiled = (r.get("tokens_per_s") for r in rows)
     speedup = compiled / eager if eager and compiled else None
 

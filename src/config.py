@@ -403,6 +403,11 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     _choice(cfg, "trainer.log_level", LOG_LEVELS)
     _positive_int(cfg, "trainer.profile_start")
     _positive_int(cfg, "trainer.profile_steps")
+    _require(
+        not t.profile or t.profile_start <= t.max_steps,
+        "trainer.profile_start",
+        f"got {t.profile_start}, after the last step (trainer.max_steps={t.max_steps})",
+    )
     accum = t.grad_accum
     _require(
         accum == "auto" or (_is_number(accum) and int(accum) == accum and accum >= 1),

@@ -75,3 +75,28 @@ def test_two_gpus_match_one(tmp_path):
     one = train(tmp_path / "one", "trainer.devices=1")
     two = train(tmp_path / "two", "trainer.devices=2")
     assert abs(one["loss"] - two["loss"]) < 1e-4
+
+
+def test_profile_window_writes_traces_and_the_cuda_memory_snapshot(tmp_path):
+    """trainer.profile on CUDA: a Chrome trace with the units' ranges and the
+    allocator's history over the window as a memory_viz pickle."""
+    from bench.gpu_check import PROFILE, profile_problems
+
+    train(tmp_path / "run", "trainer.devices=1", *PROFILE)
+    assert profile_problems(tmp_path / "run", cuda=True) == []
+
+
+def test_cuda_oom_writes_a_snapshot_and_stops_with_one_line(tmp_path):
+    """A run that cannot fit stops with one line naming the OOM snapshot."""
+    from bench.gpu_check import OOM, oom_problems
+
+    run_dir = tmp_path / "oom"
+    out = subprocess.run(
+        [sys.executable, "train.py", *OOM, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
+    assert oom_problems(run_dir, out.stdout + out.stderr, out.returncode) == []

@@ -44,7 +44,7 @@ def test_profile_window_traces_memory_table_artifact_and_train_log(tmp_path):
 
     # One Chrome trace per rank, with FSDP2's collectives and every block's ranges.
     for rank in (0, 1):
-        names = _names(json.loads((prof / f"rank{rank}.trace.json").read_text()))
+        names = _names(json.loads((prof / f"rank{rank}.pt.trace.json").read_text()))
         assert any(n.startswith("FSDP::all_gather (h.") for n in names), rank
         assert any(n.startswith("FSDP::post_backward_reduce (h.") for n in names)
         assert "c10d::_reduce_scatter_base_" in names
@@ -77,7 +77,7 @@ def test_profile_window_traces_memory_table_artifact_and_train_log(tmp_path):
     ]
     assert len(artifacts) == 1
     files = {c["path"] for c in artifacts[0]["manifest"]["contents"]}
-    assert {"rank0.trace.json", "rank1.trace.json", "summary.md"} <= files
+    assert {"rank0.pt.trace.json", "rank1.pt.trace.json", "summary.md"} <= files
 
     # train.log holds what the console showed, minus the progress bar; the
     # per-interval line is in train.log though the bar showed it on the console.

@@ -529,6 +529,13 @@ class Trainer:
     def _profiler(self) -> StepProfiler:
         """``trainer.profile``'s window over every unit of the plan and every block."""
         t, spec = self.cfg.trainer, self.resolved.spec
+        if self.start_step >= t.profile_start:
+            log.warning(
+                "trainer.profile: the window starts at step %d, this run at step %d "
+                "(resumed): nothing is profiled",
+                t.profile_start,
+                self.start_step + 1,
+            )
         blocks = spec.block_classes(self.resolved.model_config)
         units = {u.path for u in self.plan.units}
         modules: dict[str, nn.Module] = {}

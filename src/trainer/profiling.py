@@ -3,7 +3,7 @@
 ``trainer.profile=true`` profiles steps ``profile_start .. profile_start +
 profile_steps - 1`` on every rank and writes into ``<run dir>/profile/``:
 
-- ``rank<N>.trace.json``: the Chrome trace of rank N (Perfetto, chrome://tracing,
+- ``rank<N>.pt.trace.json``: the Chrome trace of rank N (Perfetto, chrome://tracing,
   TensorBoard's profiler plugin). Each unit of the wrap plan and each model block
   shows as ``unit:<path>:forward`` and ``unit:<path>:backward`` ranges beside the
   backend's own events (FSDP2's ``FSDP::all_gather``, the collectives).
@@ -369,7 +369,7 @@ class StepProfiler:
 
     def finish(self, prof, step_s: float) -> None:
         """Write this rank's trace and memory timeline; rank 0 reports the table."""
-        trace_path = self.dir / f"rank{self.rank}.trace.json"
+        trace_path = self.dir / f"rank{self.rank}.pt.trace.json"
         prof.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
         if self.cuda:

@@ -1,0 +1,91 @@
+"""The run's log set-up in one process (src/trainer/logs.py) and the profiler's table
+arithmetic (src/trainer/profiling.py); the end-to-end run is tests/test_profile.py."""
+
+from __future__ import annotations
+
+import logging
+
+from src.trainer.logs import FILE_ONLY, ConsoleHandler, LogSpec, rank_logging
+from src.trainer.profiling import step_table
+
+
+def test_a_launched_rank_recreates_console_and_train_log_rank_0_only(
+    tmp_path, monkeypatch, capsys
+):
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # a fresh rank process has none
+    monkeypatch.setattr(logging.getLogger("src"), "handlers", [])  # conftest's
+    train_log = tmp_path / "train.log"
+    spec = LogSpec(
+        handlers=(
+            ("console", "%(message)s", None, 0, None),
+            ("file", "[%(levelname)s] - %(message)s", None, 0, str(train_log)),
+        ),
+        root_level=logging.INFO,
+        project_level=logging.INFO,
+    )
+    log = logging.getLogger("src.trainer.test")
+    for rank in (0, 1):
+        with rank_logging(spec, rank, world=2):
+            log.info("hello from %d", rank)
+            log.info("interval line %d", rank, extra=FILE_ONLY)
+            log.debug("detail %d", rank)
+        assert root.handlers == []  # taken away again
+    assert capsys.readouterr().out == "hello from 0\n"
+    assert train_log.read_text() == "[INFO] - hello from 0\n[INFO] - interval line 0\n"
+
+    # At debug every rank's records pass, each prefixed once (two handlers).
+    debug = LogSpec(spec.handlers, logging.INFO, logging.DEBUG)
+    for rank in (0, 1):
+        with rank_logging(debug, rank, world=2):
+            log.debug("detail %d", rank)
+    assert capsys.readouterr().out == "[rank 0] detail 0\n[rank 1] detail 1\n"
+    assert train_log.read_text().endswith(
+        "[DEBUG] - [rank 0] detail 0\n[DEBUG] - [rank 1] detail 1\n"
+    )
+    logging.getLogger("src").setLevel(logging.INFO)
+
+
+def test_console_handler_sends_warnings_to_stderr(capsys):
+    log = logging.getLogger("src.trainer.test_console")
+    handler = ConsoleHandler()
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("careful")
+        log.info("fine")
+    finally:
+        log.removeHandler(handler)
+        log.propagate = True
+    out = capsys.readouterr()
+    assert (out.out, out.err) == ("fine\n", "careful\n")
+
+
+def _x(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict:
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat}
+
+
+def test_step_table_unions_overlapping_collectives_and_sums_unit_ranges():
+    ms = 1000  # trace times are in microseconds
+    trace = {
+        "traceEvents": [
+            _x("unit:h.0:forward", 0, 30 * ms, "user_annotation"),
+            _x("unit:h.0:backward", 100 * ms, 50 * ms, "user_annotation"),
+            _x("FSDP::all_gather (h.0)", 0, 10 * ms),  # holds the c10d op below
+            _x("c10d::_allgather_base_", 2 * ms, 6 * ms),
+            _x("gloo:all_gather", 5 * ms, 10 * ms),  # another thread: union 0..15
+            _x("c10d::_reduce_scatter_base_", 140 * ms, 10 * ms),
+            _x("c10d::allreduce_", 180 * ms, 5 * ms),
+            _x("Optimizer.step#AdamW.step", 160 * ms, 20 * ms),
+        ]
+    }
+    # 2 steps of 100 ms each (the trace above is their sum).
+    rows = {r["part"]: r for r in step_table(trace, steps=2, step_s=0.1, cuda=False)}
+    per_step = {part: r["ms_per_step"] for part, r in rows.items()}
+    assert per_step["forward h.0"] == 15 and per_step["backward h.0"] == 25
+    assert per_step["all-gather"] == 7.5  # the union 0..15 ms, over 2 steps
+    assert per_step["reduce-scatter"] == 5 and per_step["all-reduce"] == 2.5
+    assert per_step["collectives (any)"] == 15
+    assert per_step["outside collectives"] == 85
+    assert per_step["optimizer step"] == 10
+    assert rows["optimizer step"]["share"] == "10.0%"
