@@ -42,8 +42,8 @@ from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.loggers import LOGGERS, LoggerConfig
-from src.trainer.loop import RESUME_SCHEDULES
 from src.trainer.logs import LOG_LEVELS, error_line
+from src.trainer.loop import RESUME_SCHEDULES
 from src.trainer.planner import GRAD_SYNC, budget_bytes
 from src.trainer.resolved import (
     ConfigError,

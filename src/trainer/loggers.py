@@ -226,6 +226,8 @@ class WandbSink(Sink):
         self.run.log({name: wandb.Table(columns=columns, data=data)}, step=step)
 
     def log_artifact(self, name: str, kind: str, directory: Path) -> None:
+        if self._later("log_artifact", name, kind, directory):
+            return
         import wandb
 
         # One per run (run-<id>-profile, as wandb names a run's tables); immutable:
