@@ -21,31 +21,23 @@ steps) and, for async, the time from ``save`` until the checkpoint was published
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.common import append_to_benchmarks
+from src.harness import compose_config, run_distributed
 from src.trainer.loggers import markdown_table
 
-ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 
 
 def compose_cfg(args: argparse.Namespace):
-    from hydra import compose, initialize_config_dir
-
-    import src.config  # noqa: F401  (registers base_config)
-
     overrides = [
         "model=small",
         f"model.n_layer={args.n_layer}",
@@ -56,37 +48,26 @@ def compose_cfg(args: argparse.Namespace):
         "sharding.policy=block",
         "trainer.warmup_steps=2",
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
+    return compose_config(*overrides)
 
 
-def _worker(rank: int, args: argparse.Namespace, cfg, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=600)
-    )
-    try:
-        result = measure(args, cfg, out_dir)
-        if rank == 0:
-            with open(os.path.join(out_dir, "result.json"), "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int, args: argparse.Namespace, cfg, out_dir: str) -> dict:
+    return measure(args, cfg, out_dir)
 
 
 def measure(args: argparse.Namespace, cfg, out_dir: str) -> dict:
-    from src.config import model_config, model_spec
+    from src.config import validate
     from src.sharding import build_backend
     from src.trainer.checkpoint import Checkpointer
     from src.trainer.data import GlobalBatches, load_splits
     from src.trainer.loop import build_model, build_optimizer, lr_lambda, train_step
 
+    resolved = validate(cfg)
     backend = build_backend("fsdp2", "fp32", "cpu")
-    model = build_model(cfg, backend)
-    optimizer = build_optimizer(model, cfg)
+    model = build_model(cfg, backend, resolved)
+    optimizer = build_optimizer(model, cfg, resolved)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    spec, mcfg = model_spec(cfg), model_config(cfg)
+    spec, mcfg = resolved.spec, resolved.model_config
     train_split, _ = load_splits(cfg.data, spec.vocab_size(mcfg), 0)
     batches = GlobalBatches(train_split, args.batch_size, spec.seq_len(mcfg), 0)
     ckpts = {
@@ -184,11 +165,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     cfg = compose_cfg(args)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker, args=(args, cfg, out_dir), nprocs=WORLD, start_method="spawn"
-        )
-        with open(os.path.join(out_dir, "result.json")) as f:
-            result = json.load(f)
+        result = run_distributed(_rank, WORLD, args, cfg, out_dir, timeout=600)[0]
     rows = summarize(result, args)
     table = markdown_table(rows)
     mib = result["ckpt_bytes"] / 2**20

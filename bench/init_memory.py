@@ -25,18 +25,14 @@ import argparse
 import ctypes
 import dataclasses
 import gc
-import json
 import os
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.common import append_to_benchmarks
+from src.harness import run_distributed
 from src.sharding import GIB
 from src.trainer.loggers import markdown_table
 
@@ -229,29 +225,12 @@ def _measure(
     }
 
 
-def _worker(
-    rank: int, world: int, tmpdir: str, mode: str, cfg, warmup: bool, allocator: str
-) -> None:
-    torch.set_num_threads(1)
-    if allocator == "mmap1m":
-        set_mmap_threshold(2**20)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    store = dist.FileStore(os.path.join(tmpdir, "store"), world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10)
-    )
-    try:
-        result = _measure(mode, cfg, world, warmup, allocator)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmpdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+def _mmap_1m(rank: int) -> None:
+    set_mmap_threshold(2**20)
+
+
+def _rank(rank: int, world: int, mode: str, cfg, warmup: bool, allocator: str) -> dict:
+    return _measure(mode, cfg, world, warmup, allocator)
 
 
 def run_mode(
@@ -267,19 +246,10 @@ def run_mode(
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        with tempfile.TemporaryDirectory() as tmpdir:
-            mp.start_processes(
-                _worker,
-                args=(world, tmpdir, mode, cfg, warmup, allocator),
-                nprocs=world,
-                join=True,
-                start_method="spawn",
-            )
-            results = []
-            for rank in range(world):
-                with open(os.path.join(tmpdir, f"rank{rank}.json")) as f:
-                    results.append(json.load(f))
-            return results
+        setup = _mmap_1m if allocator == "mmap1m" else None
+        return run_distributed(
+            _rank, world, mode, cfg, warmup, allocator, timeout=600, setup=setup
+        )
     finally:
         for k, v in saved.items():
             if v is None:

@@ -47,10 +47,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from bench.common import append_to_benchmarks
+from src.harness import compose_config, run_distributed
 from src.trainer.loggers import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,16 +168,8 @@ def minimal_train(s: dict, out_dir: str) -> None:
         json.dump({"losses": losses, "stamps": stamps}, f)
 
 
-def _spawn_worker(rank: int, s: dict, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
-    )
-    try:
-        minimal_train(s, out_dir)
-    finally:
-        dist.destroy_process_group()
+def _spawn_rank(rank: int, world: int, s: dict, out_dir: str) -> None:
+    minimal_train(s, out_dir)
 
 
 def _elastic_worker(s: dict, out_dir: str) -> None:
@@ -196,9 +188,7 @@ def minimal_process(launcher: str, out_dir: str) -> None:
         s = json.load(f)
     s["betas"] = tuple(s["betas"])
     if launcher == "spawn":
-        mp.start_processes(
-            _spawn_worker, args=(s, out_dir), nprocs=WORLD, start_method="spawn"
-        )
+        run_distributed(_spawn_rank, WORLD, s, out_dir)
         return
     from torch.distributed.launcher.api import elastic_launch
 
@@ -224,14 +214,7 @@ AB_ARMS = (
 
 def compose_trainer_cfg(args: argparse.Namespace, s: dict):
     """The composed (resolved) train.py config of the trainer side."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    import src.config  # noqa: F401  (registers base_config)
-
-    overrides = trainer_command(s, args, "/unused")[2:-1]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config(*trainer_command(s, args, "/unused")[2:-1])
     OmegaConf.resolve(cfg)
     return cfg
 
@@ -276,41 +259,32 @@ def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
     return step_fn
 
 
-def _ab_worker(rank: int, s: dict, cfg, arms: list[str], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
+def _ab_rank(rank: int, world: int, s: dict, cfg, arms: list[str], out_dir: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from src.trainer.data import GlobalBatches, load_splits
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    steps = {a: _ab_arm(a, s, cfg, mesh, out_dir) for a in arms}
+    train_split, _ = load_splits(
+        SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
+        s["shape"]["vocab_size"],
+        s["seed"],
     )
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from src.trainer.data import GlobalBatches, load_splits
-
-        mesh = init_device_mesh("cpu", (WORLD,))
-        steps = {a: _ab_arm(a, s, cfg, mesh, out_dir) for a in arms}
-        train_split, _ = load_splits(
-            SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
-            s["shape"]["vocab_size"],
-            s["seed"],
-        )
-        batches = GlobalBatches(
-            train_split, s["batch_size"], s["shape"]["block_size"], s["seed"]
-        )
-        out = {a: {"wall": [], "cpu": [], "loss": []} for a in arms}
-        for step in range(s["steps"]):
-            k = step % len(arms)
-            for arm in arms[k:] + arms[:k]:
-                dist.barrier()  # each arm's step starts with both ranks ready
-                t0, c0 = time.perf_counter(), time.process_time()
-                loss = steps[arm](batches, step)
-                out[arm]["wall"].append(time.perf_counter() - t0)
-                out[arm]["cpu"].append(time.process_time() - c0)
-                out[arm]["loss"].append(loss)
-        with open(os.path.join(out_dir, f"ab_{rank}.json"), "w") as f:
-            json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+    batches = GlobalBatches(
+        train_split, s["batch_size"], s["shape"]["block_size"], s["seed"]
+    )
+    out = {a: {"wall": [], "cpu": [], "loss": []} for a in arms}
+    for step in range(s["steps"]):
+        k = step % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            dist.barrier()  # each arm's step starts with both ranks ready
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = steps[arm](batches, step)
+            out[arm]["wall"].append(time.perf_counter() - t0)
+            out[arm]["cpu"].append(time.process_time() - c0)
+            out[arm]["loss"].append(loss)
+    return out
 
 
 def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
@@ -318,16 +292,7 @@ def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
     cfg = compose_trainer_cfg(args, s)
     arms = list(args.ab_arms)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _ab_worker,
-            args=(s, cfg, arms, out_dir),
-            nprocs=WORLD,
-            start_method="spawn",
-        )
-        ranks = []
-        for r in range(WORLD):
-            with open(os.path.join(out_dir, f"ab_{r}.json")) as f:
-                ranks.append(json.load(f))
+        ranks = run_distributed(_ab_rank, WORLD, s, cfg, arms, out_dir)
     w = s["warmup"]
     rows, base = [], None
     for arm in arms:

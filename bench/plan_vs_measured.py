@@ -22,23 +22,17 @@ measured = the max over ranks of (peak - baseline); error = estimate / measured 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
 
 from bench.common import append_to_benchmarks
+from src.harness import compose_config, run_distributed
 from src.sharding import MIB
 from src.trainer.loggers import markdown_table
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.15  # |error| on every configuration
 
 # name -> overrides. Global batch B over grad_accum A and W ranks: B / A / W sequences
@@ -93,10 +87,7 @@ CONFIGS: dict[str, list[str]] = {
 
 
 def make_cfg(overrides: list[str]):
-    import src.config  # noqa: F401  (registers the schema)
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=_BASE + overrides)
+    return compose_config(*_BASE, *overrides)
 
 
 def _status_kib(field: str) -> int:
@@ -104,7 +95,12 @@ def _status_kib(field: str) -> int:
         return next(int(x.split()[1]) for x in f if x.startswith(field + ":"))
 
 
-def _worker(rank: int, world: int, cfg, steps: int, out_dir: str) -> None:
+def _set_device(rank: int) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+
+
+def _rank(rank: int, world: int, cfg, steps: int) -> dict:
     from src.sharding import build_backend
     from src.trainer.data import GlobalBatches, load_splits
     from src.trainer.loop import build_model, build_optimizer, train_step
@@ -113,70 +109,46 @@ def _worker(rank: int, world: int, cfg, steps: int, out_dir: str) -> None:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out_dir, "store"), world)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
+    t = cfg.trainer
+    backend = build_backend(
+        cfg.sharding.backend,
+        cfg.precision.name,
+        device,
+        cfg.sharding.reshard_after_forward,
+        cfg.sharding.replicate,
     )
-    try:
-        t = cfg.trainer
-        backend = build_backend(
-            cfg.sharding.backend,
-            cfg.precision.name,
-            device,
-            cfg.sharding.reshard_after_forward,
-            cfg.sharding.replicate,
-        )
-        train_split, _ = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
-        batches = GlobalBatches(
-            train_split, t.batch_size // t.grad_accum, cfg.model.block_size, t.seed
-        )
-        batches.get(0, 0, rank, world)
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            base = _status_kib("VmRSS") * 1024
-            _reset_cpu_peak_rss()
-        resolved = resolve(cfg)
-        model = build_model(cfg, backend, resolved)
-        optimizer = build_optimizer(model, cfg, resolved)
-        scaler = backend.grad_scaler()
-        for step in range(steps):
-            train_step(model, batches, step, backend, optimizer, scaler, cfg)
-        if cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        else:
-            peak = _status_kib("VmHWM") * 1024
-        Path(out_dir, f"rank{rank}.json").write_text(
-            json.dumps({"base": base, "peak": peak})
-        )
-    finally:
-        dist.destroy_process_group()
+    train_split, _ = load_splits(cfg.data, cfg.model.vocab_size, t.seed)
+    batches = GlobalBatches(
+        train_split, t.batch_size // t.grad_accum, cfg.model.block_size, t.seed
+    )
+    batches.get(0, 0, rank, world)
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _status_kib("VmRSS") * 1024
+        _reset_cpu_peak_rss()
+    resolved = resolve(cfg)
+    model = build_model(cfg, backend, resolved)
+    optimizer = build_optimizer(model, cfg, resolved)
+    scaler = backend.grad_scaler()
+    for step in range(steps):
+        train_step(model, batches, step, backend, optimizer, scaler, cfg)
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = _status_kib("VmHWM") * 1024
+    return {"base": base, "peak": peak}
 
 
 def measure(cfg, world: int, steps: int) -> int:
     """Max over ranks of the training peak above the rank's baseline (bytes)."""
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker,
-            args=(world, cfg, steps, out_dir),
-            nprocs=world,
-            start_method="spawn",
-        )
-        rows = [
-            json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)
-        ]
+    pg = "nccl" if torch.cuda.is_available() else "gloo"
+    rows = run_distributed(_rank, world, cfg, steps, pg_backend=pg, setup=_set_device)
     return max(r["peak"] - r["base"] for r in rows)
 
 

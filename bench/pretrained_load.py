@@ -24,25 +24,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import tempfile
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.common import append_to_benchmarks
 from bench.init_memory import malloc_trim, rss_bytes
+from src.harness import compose_config, run_distributed
 from src.sharding import GIB
 from src.trainer.loggers import markdown_table
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = ("sharded", "transformers")
 
 
@@ -67,20 +62,12 @@ def llama_config(params_gb: float, hidden: int, vocab: int):
 
 
 def _cfg(directory: str):
-    from hydra import compose, initialize_config_dir
-
-    import src.config  # noqa: F401  (the schema)
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(
-            "config",
-            [
-                "model=hf",
-                f"model.pretrained={directory}",
-                "sharding.policy=block",
-                "logger=none",
-            ],
-        )
+    return compose_config(
+        "model=hf",
+        f"model.pretrained={directory}",
+        "sharding.policy=block",
+        "logger=none",
+    )
 
 
 def _load(mode: str, directory: str):
@@ -158,34 +145,12 @@ def _measure(mode: str, directory: str, warmup_dir: str) -> dict:
     }
 
 
-def _worker(rank: int, world: int, tmpdir: str, mode: str, directory: str, warm: str):
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    store = dist.FileStore(os.path.join(tmpdir, "store"), world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10)
-    )
-    try:
-        result = _measure(mode, directory, warm)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmpdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+def _rank(rank: int, world: int, mode: str, directory: str, warm: str) -> dict:
+    return _measure(mode, directory, warm)
 
 
 def run(mode: str, world: int, directory: str, warm: str) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmpdir:
-        mp.start_processes(
-            _worker,
-            args=(world, tmpdir, mode, directory, warm),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
-        return [
-            json.loads(Path(tmpdir, f"rank{r}.json").read_text()) for r in range(world)
-        ]
+    return run_distributed(_rank, world, mode, directory, warm, timeout=600)
 
 
 def save(config, directory: Path, max_shard_size: str | None = None) -> int:

@@ -28,14 +28,13 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.common import append_to_benchmarks
 from bench.init_memory import malloc_trim, rss_bytes, set_mmap_threshold
+from src.harness import run_distributed
 from src.trainer.loggers import markdown_table
 
 MIB = 2**20
@@ -131,37 +130,17 @@ def _speed_rank(rank: int, args: argparse.Namespace) -> dict:
     return {mode: statistics.median(t[1:]) for mode, t in times.items()}
 
 
-def _worker(rank: int, world: int, tmpdir: str, fn, args, *extra) -> None:
-    torch.set_num_threads(1)
+def _mmap_64k(rank: int) -> None:
     set_mmap_threshold(64 * 1024)
-    store = dist.FileStore(os.path.join(tmpdir, "store"), world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10)
-    )
-    try:
-        result = fn(rank, args, *extra)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmpdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+
+
+def _call(rank: int, world: int, fn, args, *extra):
+    return fn(rank, args, *extra)
 
 
 def spawn(fn, world: int, args, *extra) -> list[dict]:
     """``fn(rank, args, *extra)`` on ``world`` fresh gloo ranks; per-rank results."""
-    with tempfile.TemporaryDirectory() as tmpdir:
-        mp.start_processes(
-            _worker,
-            args=(world, tmpdir, fn, args, *extra),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
-        out = []
-        for rank in range(world):
-            with open(os.path.join(tmpdir, f"rank{rank}.json")) as f:
-                out.append(json.load(f))
-        return out
+    return run_distributed(_call, world, fn, args, *extra, timeout=600, setup=_mmap_64k)
 
 
 def memory(args: argparse.Namespace) -> list[dict]:

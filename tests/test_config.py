@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from src.config import CONFIG_ERRORS, one_line, validate
+from src.harness import compose_config
 from src.sharding.policies import policy_names
 from src.trainer.resolved import resolve_devices
 
@@ -19,8 +19,7 @@ CONF = str(ROOT / "conf")
 
 
 def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def config_error(*overrides: str) -> str:

@@ -8,19 +8,16 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from src.harness import compose_config
 from src.trainer.data import GlobalBatches, TokenStream, load_splits
 from tests.distributed import run_distributed
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def data_cfg(*overrides: str):
     """The ``data`` node composed through its schema, as train.py gets it."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides)).data
+    return compose_config(*overrides).data
 
 
 def _token_file(path: Path, tokens: np.ndarray) -> str:

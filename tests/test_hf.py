@@ -4,25 +4,22 @@ sharded training equals unsharded on four families, meta init, bad configs."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from src.config import CONFIG_ERRORS, one_line, validate
+from src.harness import compose_config
 from src.sharding import build_backend, wrap_plan
 from src.trainer.loop import build_model, build_optimizer
 from src.trainer.resolved import model_config, model_spec, resolve
 from tests.distributed import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["tiny_gpt2", "tiny_llama", "tiny_qwen2", "tiny_gpt_neox"]
 
 
 def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def hf_cfg(name: str, *overrides: str):

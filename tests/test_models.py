@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 from src.config import validate
+from src.harness import compose_config
 from src.models import families, get_spec
 from src.sharding import wrap
 from src.trainer.loop import build_optimizer, train
@@ -25,8 +25,7 @@ PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 
 
 def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 # A user's own model, as docs/models.md shows it: any nn.Module whose constructor takes

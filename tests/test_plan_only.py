@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 
 import src.config  # noqa: F401  (registers the base_config schema for compose)
 from src.config import model_config, model_spec
+from src.harness import compose_config
 from src.trainer import metrics
 from src.trainer.planner import PARTS
 
@@ -53,8 +53,7 @@ def _rss_bytes() -> int:
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def _num_params(model: str) -> int:

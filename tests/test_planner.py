@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import src.config  # noqa: F401  (registers the base_config schema for compose)
+from src.harness import compose_config
 from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes
 from src.models.memory import ActivationBytes
@@ -34,8 +34,7 @@ GIB = 2**30
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 # -------------------------------------------------------------- activations

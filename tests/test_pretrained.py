@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from src.config import CONFIG_ERRORS, one_line, validate
+from src.harness import compose_config
 from src.sharding import build_backend
 from src.trainer.export import export_hf
 from src.trainer.loop import build_model, build_optimizer, train
@@ -20,8 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def save_tiny(directory: Path, name: str = "tiny_qwen2", seed: int = 1) -> Path:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from src.config import ConfigError, exit_on_config_error
+from src.harness import compose_config
 from src.trainer.sweep import (
     STATUS_FILE,
     collect,
@@ -200,13 +200,11 @@ def test_optuna_preset_maximises_the_returned_tokens_per_s(tmp_path):
 
 
 def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=True)
+    return compose_config(*overrides, return_hydra_config=True)
 
 
 def test_slurm_launcher_preset_composes():

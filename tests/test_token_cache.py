@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hydra import compose, initialize_config_dir
 
 from src.config import CONFIG_ERRORS, one_line, validate
+from src.harness import compose_config
 from src.trainer.data import follow_tokenizer_vocab, load_splits, prepare_data
 from src.trainer.tokenizer import BPE_EOS, load_path_tokenizer
 
@@ -28,16 +28,12 @@ DOCS.append("omicronomicron " * 30)
 
 def cfg_for(tmp_path: Path, *overrides: str):
     """``data=files`` on ``tmp_path``'s corpus, cached in ``tmp_path/cache``."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(
-            "config",
-            overrides=[
-                "data=files",
-                f"data.cache_dir={tmp_path}/cache",
-                "data.val_fraction=0.1",
-                *overrides,
-            ],
-        )
+    cfg = compose_config(
+        "data=files",
+        f"data.cache_dir={tmp_path}/cache",
+        "data.val_fraction=0.1",
+        *overrides,
+    )
     validate(cfg)
     return cfg
 

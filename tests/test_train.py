@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
+from src.harness import compose_config
 from src.models import GPT, GPTConfig
 from src.trainer.loop import build_optimizer, lr_lambda, train
 from src.trainer.planner import plan_only
@@ -37,8 +37,7 @@ SMALL_RUN = [
 
 
 def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def read_rows(run_dir: Path) -> list[dict]:
