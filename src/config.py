@@ -52,8 +52,10 @@ from src.trainer.resolved import (
     model_config,
     model_spec,
     resolve,
+    resolve_devices,
 )
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
+from src.trainer.token_cache import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,38 @@ for _name, _source in DATA_SOURCES.items():
     _store.store(group="data", name=f"base_{_name}", node=_source.schema)
 for _name, _logger in LOGGERS.items():
     _store.store(group="logger/schema", name=_name, node=_logger.schema)
+
+
+@dataclass
+class SampleConfig:
+    """``sample.py`` (conf/sample.yaml): what to generate. The model, its tokenizer
+    and sharding are the run's own (src/trainer/from_run.py)."""
+
+    run: str = MISSING  # a run dir of train.py, or a checkpoint in one
+    prompt: str = MISSING
+    num_samples: int = MISSING
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING  # 0 = greedy
+    top_k: int | None = MISSING  # null = the whole vocabulary
+    seed: int = MISSING
+    devices: Any = MISSING  # ranks: an int >= 1 or auto
+    kv_cache: bool = MISSING  # native families: decode with a KV cache
+
+
+@dataclass
+class EvalConfig:
+    """``eval.py`` (conf/eval.yaml): loss and perplexity of a run's checkpoint."""
+
+    run: str = MISSING  # a run dir of train.py, or a checkpoint in one
+    data: Any = None  # null: the run's data; else a data option (data=files ...)
+    split: str = MISSING  # val or train
+    batches: Any = MISSING  # null: the run's trainer.val_batches; an int; or all
+    batch_size: int | None = MISSING  # sequences per batch; null: the run's micro-batch
+    devices: Any = MISSING  # ranks: an int >= 1 or auto
+
+
+_store.store(name="base_sample", node=SampleConfig)
+_store.store(name="base_eval", node=EvalConfig)
 
 
 # ------------------------------------------------------------------- validation
@@ -462,6 +496,42 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec) -> None:
         "trainer.resume",
         f"got {t.resume!r}, expected null, auto or an existing checkpoint path",
     )
+
+
+def validate_sample(cfg: DictConfig) -> None:
+    """sample.py's own keys (the run's config is checked by :func:`validate`)."""
+    reject_unknown_keys(cfg)
+    _positive_int(cfg, "num_samples")
+    _positive_int(cfg, "max_new_tokens")
+    _require(
+        cfg.temperature >= 0, "temperature", f"got {cfg.temperature}, expected >= 0"
+    )
+    _require(
+        cfg.top_k is None or cfg.top_k >= 1,
+        "top_k",
+        f"got {cfg.top_k}, expected null or an integer >= 1",
+    )
+    keyed("devices", resolve_devices, cfg.devices)
+
+
+def validate_eval(cfg: DictConfig) -> None:
+    """eval.py's own keys (the run's config, with ``data`` replaced, is checked by
+    :func:`validate`)."""
+    reject_unknown_keys(cfg)
+    _choice(cfg, "split", SPLITS)
+    batches = cfg.batches
+    _require(
+        batches in (None, "all") or (_is_number(batches) and int(batches) >= 1),
+        "batches",
+        f"got {batches!r}, expected null (the run's trainer.val_batches), an integer "
+        ">= 1 or all",
+    )
+    _require(
+        cfg.batch_size is None or cfg.batch_size >= 1,
+        "batch_size",
+        f"got {cfg.batch_size}, expected null (the run's micro-batch) or >= 1",
+    )
+    keyed("devices", resolve_devices, cfg.devices)
 
 
 # ------------------------------------------------------------ one-line errors

@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from src.config import validate
-from src.trainer.launch import prepare, run_rank
+from src.models.generate import KVCache
+from src.trainer.from_run import (
+    find_run,
+    load_model,
+    run_config,
+    run_tokenizer,
+    with_changes,
+)
+from src.trainer.launch import prepare, run_rank, run_ranks
 from src.trainer.loop import lr_lambda
 from src.trainer.resolved import ConfigError
-from tests.test_train import make_cfg, read_rows
+from src.trainer.sampling import SAMPLING_CHANGES, sample_texts
+from tests.test_train import make_cfg, read_rows, run_cmd
 
 # A tiny model on 2 MB of the stdlib's sources (byte-level), one rank in this process.
 RUN = [
@@ -86,3 +97,100 @@ def test_resume_schedule_extend_continues_and_keep_refuses(gpt_run, tmp_path):
     assert (resume["max_steps_before"], resume["max_steps"]) == (20, 40)
     assert resume["lr_after"] == pytest.approx(cfg.trainer.lr * new(20))
     assert resume["lr_before"] == pytest.approx(cfg.trainer.min_lr)  # the old end
+
+
+# ------------------------------------------------------------------- sampling
+
+LLAMA_RUN = [
+    "model=llama_tiny",
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.max_seq_len=64",
+    *RUN,
+]
+HF_RUN = [
+    "model=hf",
+    "model.config=tiny_llama",
+    "model.block_size=64",
+    *RUN,
+    "trainer.max_steps=2",
+    "trainer.ckpt_every=2",
+    "trainer.val_every=0",
+]
+PROMPT = "import os\n"
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("llama_run")
+    train_run(run_dir, *LLAMA_RUN)
+    return run_dir
+
+
+def open_run(run_dir: Path, **changes):
+    """sample.py's steps before the ranks start: the run's config, prepared."""
+    run_cfg, user_keys = run_config(run_dir)
+    run_cfg = with_changes(run_cfg, {**SAMPLING_CHANGES, **changes})
+    return prepare(run_cfg, validate(run_cfg), user_keys)
+
+
+def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
+    """On one rank: greedy texts with and without the KV cache, and the logits of a
+    prompt fed whole and in three pieces through the cache."""
+    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    tokenizer = run_tokenizer(cfg)
+    kw = dict(max_new_tokens=n, temperature=0.0, device=device, num_samples=2)
+    cached = sample_texts(model, resolved, tokenizer, [PROMPT], **kw)[0]
+    plain = sample_texts(model, resolved, tokenizer, [PROMPT], kv_cache=False, **kw)[0]
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(idx)[0]
+        cache = KVCache(64)
+        parts = [
+            model(idx[:, a:b], cache=cache)[0] for a, b in ((0, 25), (25, 39), (39, 40))
+        ]
+    gap = (torch.cat(parts, dim=1) - whole).abs().max().item()
+    return {"step": step, "cached": cached, "plain": plain, "gap": gap}
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_kv_cache_decoding_equals_recomputing(family, gpt_run, llama_run):
+    """The trained checkpoint on one FSDP2 rank: greedy decoding with the KV cache
+    gives the same tokens as recomputing the window each step, inside the window and
+    past it (100 new tokens, window 64); logits through the cache in pieces equal
+    the plain forward's."""
+    run_dir = {"gpt": gpt_run, "llama": llama_run}[family]
+    cfg, resolved = open_run(run_dir)
+    _, checkpoint = find_run(str(run_dir))
+    out = run_ranks(_greedy_both_ways, 1, 60, cfg, resolved, checkpoint, 100)
+    assert out["step"] == 20
+    assert out["cached"] == out["plain"]
+    assert all(
+        t.startswith(PROMPT) and len(t) == len(PROMPT) + 100 for t in out["cached"]
+    )
+    assert out["gap"] < 1e-4
+
+
+def sample_cli(run: Path, *overrides: str) -> tuple[str, list[str]]:
+    """``python sample.py run=<run> ...``: its console output and the samples."""
+    out = run_cmd([sys.executable, "sample.py", f"run={run}", *overrides], timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    samples = text.split(" samples from ", 1)[1].split("\n", 1)[1]
+    return text, samples.split("\n---------------\n")[:-1]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_sample_py_on_two_ranks(family, gpt_run, llama_run):
+    """sample.py from the run dir on 2 FSDP2 ranks (the checkpoint was written by
+    1): three sampled texts, each the prompt and 40 new bytes."""
+    run_dir = {"gpt": gpt_run, "llama": llama_run}[family]
+    prompt = "import os"
+    text, samples = sample_cli(
+        run_dir, "devices=2", "max_new_tokens=40", f"prompt='{prompt}'"
+    )
+    assert "3 samples from" in text and "(step 20, 2 ranks)" in text
+    assert len(samples) == 3 and len(set(samples)) == 3, samples
+    for sample in samples:
+        assert sample.startswith(prompt)
+        assert len(sample.encode()) >= len(prompt) + 40  # bytes; U+FFFD is 3

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.generate import KVCache, LayerKV
 from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
     ModelSpec,
@@ -132,7 +133,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
@@ -140,9 +141,16 @@ class CausalSelfAttention(nn.Module):
             t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
             for t in (q, k, v)
         )
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if cache is None:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=True,
+            )
+        else:  # decoding: the new tokens attend over the cached ones too
+            y = cache.attend(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -172,8 +180,8 @@ class Block(nn.Module):
             self.mlp = MLP(config)
         materialize({f"h.{index}.": self}, device, _init_, config, seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -207,20 +215,31 @@ class GPT(nn.Module):
         return self
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``idx`` (B, T) token ids -> ``(logits (B, T, vocab), loss)``; ``loss`` is the
         mean cross-entropy over all positions (computed in fp32) when ``targets`` is
-        given (entries equal to -1 are ignored), else None."""
-        T = idx.size(1)
+        given (entries equal to -1 are ignored), else None. With a ``cache``
+        (decoding, src/models/generate.py) ``idx`` holds the tokens after the cached
+        ones, at positions ``cache.pos`` onwards."""
+        start = 0 if cache is None else cache.pos
+        T = start + idx.size(1)
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence length {T} exceeds model.block_size {self.config.block_size}"
             )
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(start, T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
-            x = block(x)
+        if cache is None:
+            for block in self.h:
+                x = block(x)
+        else:
+            for i, block in enumerate(self.h):
+                x = block(x, cache[i])
+            cache.advance(idx.size(1))
         logits = self.lm_head(self.ln_f(x))
         return logits, lm_loss(logits, targets)
 
@@ -338,5 +357,6 @@ SPEC = register(
         flops_per_token=flops_per_token,
         init_tensor=init_tensor,
         activation_bytes=activation_bytes,
+        kv_cache=True,
     )
 )

@@ -174,6 +174,41 @@ def init_tensor(
     return value
 
 
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """``idx`` followed by ``max_new_tokens`` tokens from transformers' ``generate()``
+    on the (unsharded) :class:`HFCausalLM` ``model``, with its KV cache: greedy when
+    ``temperature`` is 0, else sampled (torch's default generator: seed it first) from
+    the ``top_k`` most likely. Ids from ``vocab_size`` on are suppressed; generation
+    does not stop early at an end-of-text id (as the native families')."""
+    hf = model.hf
+    hf.eval()
+    total = hf.get_output_embeddings().weight.size(0)
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": top_k or 0}
+        if temperature
+        else {"do_sample": False}
+    )
+    return hf.generate(
+        input_ids=idx,
+        attention_mask=torch.ones_like(idx),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        use_cache=True,
+        top_p=1.0,
+        pad_token_id=0,
+        suppress_tokens=list(range(vocab_size, total)) if vocab_size else None,
+        **sampling,
+    )
+
+
 def flops_per_token(config: HFConfig, seq_len: int) -> int:
     """``6 N + 12 n_layers hidden seq_len`` as for the GPT: N the parameters in
     matmuls (all but the input embedding, unless tied to the head)."""
@@ -195,6 +230,7 @@ SPEC = register(
         block_classes=block_classes,
         flops_per_token=flops_per_token,
         init_tensor=init_tensor,
+        generate=generate,
         vocab_size=lambda config: config.hf_config.get_text_config().vocab_size,
         hf=HFAdapter(
             to_hf_name=lambda name: name.removeprefix(PREFIX),

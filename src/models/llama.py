@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.generate import KVCache, LayerKV
 from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
     HFAdapter,
@@ -116,8 +117,13 @@ class RotaryEmbedding(nn.Module):
             "inv_freq", torch.empty(config.head_dim // 2), persistent=False
         )
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+    def forward(
+        self, seq_len: int, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For positions ``start .. start + seq_len - 1`` (``start``: tokens cached)."""
+        pos = torch.arange(
+            start, start + seq_len, device=self.inv_freq.device, dtype=torch.float32
+        )
         freqs = pos[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim): both halves
         return emb.cos(), emb.sin()
@@ -153,15 +159,23 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+    ):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # decoding: the new tokens attend over the cached ones too
+            y = cache.attend(q, k, v, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -192,8 +206,14 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(config)
         materialize({f"layers.{index}.": self}, device, _init_, config, seed)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+    ):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -231,19 +251,29 @@ class Llama(nn.Module):
         return self
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``idx`` (B, T) -> ``(logits (B, T, vocab), mean cross-entropy or None)``;
-        targets equal to -1 are ignored."""
-        T = idx.size(1)
+        targets equal to -1 are ignored. With a ``cache`` (decoding,
+        src/models/generate.py) ``idx`` holds the tokens after the cached ones."""
+        start = 0 if cache is None else cache.pos
+        T = start + idx.size(1)
         if T > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {T} exceeds model.max_seq_len {self.config.max_seq_len}"
             )
-        cos, sin = self.rope(T)
+        cos, sin = self.rope(idx.size(1), start)
         x = self.tok_embeddings(idx)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        if cache is None:
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache[i])
+            cache.advance(idx.size(1))
         logits = self.output(self.norm(x))
         return logits, lm_loss(logits, targets)
 
@@ -397,5 +427,6 @@ SPEC = register(
         seq_len=lambda config: config.max_seq_len,
         activation_bytes=activation_bytes,
         hf=HFAdapter(to_hf_name=to_hf_name, hf_config=to_hf_config),
+        kv_cache=True,
     )
 )

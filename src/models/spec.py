@@ -89,6 +89,14 @@ class ModelSpec:
     # Optional, for the planner (src/trainer/planner.py): (config, micro_batch,
     # seq_len, act_bytes, checkpointing, every) -> ActivationBytes (src/models/memory.py).
     activation_bytes: Callable[..., ActivationBytes] | None = None
+    # Decoding (sample.py, trainer.sample_every; src/models/generate.py): the model's
+    # forward takes ``cache=KVCache`` (only the new tokens each step); without it
+    # each step recomputes the window.
+    kv_cache: bool = False
+    # Or the family decodes itself: (model, idx, max_new_tokens, temperature, top_k,
+    # vocab_size) -> idx with the new tokens (Hugging Face's ``generate()``). It gets
+    # the whole (unsharded) model on every rank.
+    generate: Callable[..., torch.Tensor] | None = None
 
     def make_config(self, model_cfg: Mapping) -> Any:
         """The family's config from the ``model`` node (shared keys are ignored).

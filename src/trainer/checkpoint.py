@@ -53,7 +53,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -584,28 +586,11 @@ class Checkpointer:
         already ran :meth:`verify`). Returns ``{"step": step, **extra}``.
         """
         path = Path(path)
-        if not is_complete(path):
-            raise FileNotFoundError(f"not a complete checkpoint: {path}")
-        reason = self.verify(path) if verify else None
-        if reason is not None:
-            raise CheckpointError(f"checkpoint {path} is damaged: {reason}")
-        meta = json.loads((path / META).read_text())
-
+        meta = self._meta(path, verify)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
         model_tensors, _ = _split(model_sd)
         optim_tensors, _ = _split(optim_sd)
-        wanted = {"model": model_tensors, "optim": optim_tensors}
-        try:
-            metadata = _SafeReader(path).read_metadata()
-        except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"checkpoint {path}: {exc}") from exc
-        _check_same_tensors(path, metadata, wanted)
-        with _quiet_single_process(), _plain_errors(f"load from {path}"):
-            # Fills the (possibly sharded) tensors in place with this rank's part.
-            dcp.load(
-                {"model": model_tensors, "optim": optim_tensors},
-                storage_reader=_SafeReader(path),
-            )
+        _read_tensors(path, {"model": model_tensors, "optim": optim_tensors})
         model_tensors.update(_from_json(meta["model_objects"]))
         optim_tensors.update(_from_json(meta["optim_objects"]))
         set_state_dict(
@@ -633,6 +618,42 @@ class Checkpointer:
                 stacklevel=2,
             )
         return {"step": meta["step"], **_from_json(meta["extra"])}
+
+    def load_model(
+        self, path: str | Path, model: nn.Module, verify: bool = True
+    ) -> dict:
+        """Restore only the model of a checkpoint (sample.py, eval.py), resharded onto
+        ``model`` as :meth:`load` does; optimizer, scheduler and RNG states stay
+        unread. Returns ``{"step": step, **extra}``."""
+        path = Path(path)
+        meta = self._meta(path, verify)
+        model_tensors, _ = _split(get_model_state_dict(model, options=_DSD_OPTIONS))
+        _read_tensors(path, {"model": model_tensors})
+        model_tensors.update(_from_json(meta["model_objects"]))
+        set_model_state_dict(model, model_tensors, options=_DSD_OPTIONS)
+        return {"step": meta["step"], **_from_json(meta["extra"])}
+
+    def _meta(self, path: Path, verify: bool) -> dict:
+        """``meta.json`` of a complete checkpoint, after :meth:`verify` if asked."""
+        if not is_complete(path):
+            raise FileNotFoundError(f"not a complete checkpoint: {path}")
+        reason = self.verify(path) if verify else None
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {reason}")
+        return json.loads((path / META).read_text())
+
+
+def _read_tensors(path: Path, wanted: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Fill ``wanted`` (``{"model": ..., "optim": ...}``: this rank's possibly sharded
+    tensors) in place from the checkpoint, after checking that it holds exactly these
+    tensors with these shapes."""
+    try:
+        metadata = _SafeReader(path).read_metadata()
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from exc
+    _check_same_tensors(path, metadata, wanted)
+    with _quiet_single_process(), _plain_errors(f"load from {path}"):
+        dcp.load(wanted, storage_reader=_SafeReader(path))
 
 
 def _check_same_tensors(

@@ -24,6 +24,7 @@ import socket
 import sys
 import uuid
 import warnings
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -69,20 +70,24 @@ from src.trainer.resolved import ConfigError, Resolved, model_config, under_torc
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg: DictConfig, resolved: Resolved) -> tuple[DictConfig, Resolved]:
+def prepare(
+    cfg: DictConfig, resolved: Resolved, user_keys: set[str] | None = None
+) -> tuple[DictConfig, Resolved]:
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
     data ready in the token cache, the model's vocabulary following the tokenizer and
-    every ``auto`` value chosen. Bad input is a ``ConfigError``."""
+    every ``auto`` value chosen. ``user_keys``: the keys the user set (default: this
+    Hydra job's command line). Bad input is a ``ConfigError``."""
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     set_log_level(cfg.trainer.log_level)
+    user_keys = _user_keys() if user_keys is None else user_keys
     if not cfg.trainer.plan_only:  # plan-only reads no data
         meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
         if meta is not None:
-            follow_tokenizer_vocab(cfg, meta, _user_keys())
+            follow_tokenizer_vocab(cfg, meta, user_keys)
             resolved = dataclasses.replace(resolved, model_config=model_config(cfg))
-    cfg, policy = default_policy(cfg, _user_keys())
+    cfg, policy = default_policy(cfg, user_keys)
     cfg, reasons = resolve_auto(cfg, _world_from_env())
     reasons = [policy, *reasons] if policy else reasons
     if _is_rank0():
@@ -239,7 +244,12 @@ def _user_keys() -> set[str]:
         overrides = HydraConfig.get().overrides.task
     except ValueError:
         return set()
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return override_keys(overrides)
+
+
+def override_keys(overrides: Sequence[str]) -> set[str]:
+    """The keys of Hydra command-line overrides (``+k=v``, ``~k``, ``k=v``)."""
+    return {str(o).split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
 def local_launch_config(
@@ -364,6 +374,40 @@ def _shared_run_dir(run_dir: str) -> str:
     box = [run_dir]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def run_ranks(fn: Callable[..., Any], nprocs: int, timeout_s: float, *args: Any) -> Any:
+    """``fn(device, *args)`` on ``nprocs`` ranks that joined the process group as
+    training ranks do (gloo on CPU, NCCL on GPU); returns rank 0's result. One rank
+    runs in this process and under torchrun this process is one rank; else the
+    elastic launcher starts them (no restarts; a failed rank exits with one line).
+    For sample.py and eval.py: the ranks compute, this process reports."""
+    if nprocs == 1 or under_torchrun():
+        return _call_on_rank(fn, timeout_s, *args)
+    _quiet_launcher_logs()
+    try:
+        results = elastic_launch(local_launch_config(nprocs), _call_on_rank)(
+            fn, timeout_s, *args
+        )
+    except ChildFailedError as err:
+        sys.exit(_failure_report(err, os.getcwd()))
+    return results[0]
+
+
+def _call_on_rank(fn: Callable[..., Any], timeout_s: float, *args: Any) -> Any:
+    # Module level so the spawned ranks can unpickle it.
+    device, heartbeat = init_distributed(timeout_s)
+    try:
+        if dist.get_rank() != 0:
+            warnings.simplefilter("ignore")  # only rank 0 talks
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module .* view tensor"
+        )
+        return fn(device, *args)
+    finally:
+        if heartbeat is not None:
+            heartbeat.close()
+        dist.destroy_process_group()
 
 
 def run_rank(

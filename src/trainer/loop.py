@@ -67,6 +67,17 @@ from src.trainer.resolved import ConfigError, Resolved, model_spec, resolve
 log = logging.getLogger(__name__)
 
 
+def make_backend(cfg: DictConfig, device: torch.device) -> Backend:
+    """The backend of ``cfg.sharding`` and ``cfg.precision`` on ``device``."""
+    return build_backend(
+        cfg.sharding.backend,
+        cfg.precision.name,
+        device,
+        cfg.sharding.reshard_after_forward,
+        replicate=cfg.sharding.replicate,
+    )
+
+
 def build_model(
     cfg: DictConfig,
     backend: Backend,
@@ -413,13 +424,7 @@ class Trainer:
         cfg, t, rank, world = self.cfg, self.cfg.trainer, self.rank, self.world
         torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
         self._start_time = time.perf_counter()
-        self.backend = backend = build_backend(
-            cfg.sharding.backend,
-            cfg.precision.name,
-            self.device,
-            cfg.sharding.reshard_after_forward,
-            replicate=cfg.sharding.replicate,
-        )
+        self.backend = backend = make_backend(cfg, self.device)
         # Data: every rank sees the same global batches and takes its own rows.
         spec, model_cfg = self.resolved.spec, self.resolved.model_config
         block_size = spec.seq_len(model_cfg)

@@ -56,6 +56,16 @@ class Tokenizer:
         encodings = self.hf.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of ``text`` (no special tokens), as the corpus was tokenized."""
+        return self.encode([text.encode("utf-8")])[0].tolist()
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (an incomplete UTF-8 sequence is shown as U+FFFD)."""
+        if self.hf is None:
+            return bytes(ids).decode("utf-8", "replace")
+        return self.hf.decode(ids, skip_special_tokens=False)
+
 
 def byte_tokenizer() -> Tokenizer:
     return Tokenizer("byte", BYTE_VOCAB, BYTE_EOS, identity={"kind": "byte"})

@@ -1,0 +1,63 @@
+"""Text from a trained checkpoint: ``python sample.py run=<run dir> [key=value ...]``.
+
+Like nanoGPT's sample.py, for sharded checkpoints: the run's own composed config
+(``<run dir>/.hydra/config.yaml``) gives the model, tokenizer and sharding; the
+checkpoint (written by any number of ranks) loads on ``devices`` ranks; GPT and Llama
+decode with a KV cache, Hugging Face models through ``generate()``. The keys are in
+conf/sample.yaml; a config error is one line naming the key (exit status 2).
+"""
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from src.config import exit_on_config_error, run_cli, validate, validate_sample
+from src.trainer.from_run import find_run, run_config, with_changes
+from src.trainer.launch import prepare, run_ranks
+from src.trainer.resolved import model_spec
+from src.trainer.sampling import sample_rank, sampling_changes
+
+log = logging.getLogger("sample")
+
+
+@hydra.main(config_path="conf", config_name="sample", version_base="1.3")
+def main(cfg: DictConfig) -> list[str]:
+    with exit_on_config_error():
+        validate_sample(cfg)
+        run_dir, checkpoint = find_run(cfg.run)
+        run_cfg, user_keys = run_config(run_dir)
+        changes, note = sampling_changes(model_spec(run_cfg), cfg.devices)
+        if note:
+            log.warning(note)
+        run_cfg = with_changes(run_cfg, changes)
+        run_cfg, resolved = prepare(run_cfg, validate(run_cfg), user_keys)
+    opts = {
+        key: cfg[key]
+        for key in ("prompt", "num_samples", "max_new_tokens", "temperature")
+    }
+    opts.update(top_k=cfg.top_k, seed=cfg.seed, kv_cache=cfg.kv_cache)
+    out = run_ranks(
+        sample_rank,
+        resolved.world_size,
+        run_cfg.trainer.timeout_s,
+        run_cfg,
+        resolved,
+        checkpoint,
+        opts,
+    )
+    log.info(
+        "%d samples from %s (step %d, %d rank%s):",
+        len(out["samples"]),
+        checkpoint,
+        out["step"],
+        resolved.world_size,
+        "" if resolved.world_size == 1 else "s",
+    )
+    for text in out["samples"]:
+        log.info("%s\n---------------", text)
+    return out["samples"]
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,111 @@
+"""A trained run opened again, by ``sample.py`` and ``eval.py``.
+
+- :func:`find_run`: ``run=PATH`` is a run dir of train.py (its newest intact
+  checkpoint is taken), its ``checkpoints/`` dir, or one ``step_N`` checkpoint; the run
+  dir is the first of PATH and its parents holding ``.hydra/config.yaml``.
+- :func:`run_config`: that file is the run's own composed config (what Hydra saved
+  when train.py started), with the keys the user set on its command line
+  (``.hydra/overrides.yaml``), so the entry point can prepare it exactly as train.py
+  did (``launch.prepare``: the token cache, the vocabulary following the tokenizer,
+  ``auto`` values) after changing only what it must (ranks, data, ...).
+- :func:`load_model`: on each rank, the model built as training builds it (the
+  run's family, sharded as it is built under the wrap context by the backend of
+  ``sharding``), with the checkpoint's weights (DCP: written by any number of ranks,
+  read by any other); :func:`run_tokenizer`: the run's tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+
+from src.sharding import Backend
+from src.trainer.checkpoint import Checkpointer, resolve_resume, run_checkpoints
+from src.trainer.corpus import Corpus
+from src.trainer.data import DATA_SOURCES
+from src.trainer.launch import override_keys
+from src.trainer.loop import build_model, make_backend
+from src.trainer.resolved import ConfigError, Resolved
+from src.trainer.tokenizer import Tokenizer, load_tokenizer
+
+RUN_CONFIG = Path(".hydra") / "config.yaml"
+RUN_OVERRIDES = Path(".hydra") / "overrides.yaml"
+
+
+def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
+    """``(run dir, checkpoint)`` of ``path`` (see the module's doc); a checkpoint that
+    fails its checksums is skipped for the newest intact one, as a resume does.
+    ConfigError naming ``key`` if there is no run or no complete checkpoint."""
+    where = Path(path).expanduser().resolve()
+    run_dir = next(
+        (d for d in (where, *where.parents) if (d / RUN_CONFIG).is_file()), None
+    )
+    if run_dir is None:
+        raise ConfigError(
+            key,
+            f"{path}: no {RUN_CONFIG} in it or above it; give a run dir of "
+            "train.py (hydra.run.dir), or a checkpoint in one",
+        )
+    directory = run_checkpoints(run_dir)
+    try:
+        checkpoint = resolve_resume(
+            str(where), directory, Checkpointer(directory).verify
+        )
+    except FileNotFoundError:
+        checkpoint = None
+    if checkpoint is None:
+        raise ConfigError(
+            key,
+            f"{path}: no complete checkpoint in {directory} (train with "
+            "trainer.ckpt_every=N: the last step is saved too)",
+        )
+    return run_dir, checkpoint
+
+
+def run_config(run_dir: Path) -> tuple[DictConfig, set[str]]:
+    """The run's composed config and the keys its user set on the command line."""
+    cfg = OmegaConf.load(run_dir / RUN_CONFIG)
+    overrides = run_dir / RUN_OVERRIDES
+    user = OmegaConf.load(overrides) if overrides.is_file() else []
+    return cfg, override_keys(list(user))
+
+
+def with_changes(cfg: DictConfig, changes: Mapping[str, Any]) -> DictConfig:
+    """A copy of ``cfg`` with ``changes`` (``{"trainer.devices": 2}``) applied."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def run_tokenizer(cfg: DictConfig) -> Tokenizer:
+    """The tokenizer the run trained with (``data.tokenizer``: byte, the BPE trained
+    on its corpus and cached, or a path). A run on token ids (``data=tokens`` or
+    ``synthetic``) has none: ConfigError."""
+    if not DATA_SOURCES[cfg.data.name].tokenized:
+        text = [n for n in DATA_SOURCES if DATA_SOURCES[n].tokenized]
+        raise ConfigError(
+            "data",
+            f"the run trained on data={cfg.data.name} (token ids, no tokenizer); "
+            f"text in and out needs a run on data={' or data='.join(text)}",
+        )
+    return load_tokenizer(cfg.data, Corpus.from_config(cfg.data), verbose=False)
+
+
+def load_model(
+    cfg: DictConfig, resolved: Resolved, checkpoint: Path, device: torch.device
+) -> tuple[nn.Module, Backend, int]:
+    """This rank's part of the run's model with ``checkpoint``'s weights, its backend
+    and the checkpoint's step. ``cfg``: as ``launch.prepare`` returned it."""
+    cfg = with_changes(cfg, {"model.pretrained": None})  # the checkpoint has them
+    backend = make_backend(cfg, device)
+    model = build_model(cfg, backend, resolved)
+    state = Checkpointer(checkpoint.parent).load_model(checkpoint, model, verify=False)
+    model.eval()
+    return model, backend, state["step"]

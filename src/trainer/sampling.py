@@ -1,0 +1,122 @@
+"""Text from a model: ``sample.py`` (a trained checkpoint) and
+``trainer.sample_every`` (during training).
+
+Every rank runs the same decoding (a sharded model needs all of them in each
+forward); rank 0's tokens are broadcast at each step so the ranks never drift apart.
+The native families (GPT, Llama: ``spec.kv_cache``) decode with a KV cache, a family
+with its own ``spec.generate`` (Hugging Face: ``generate()``) through it, any other by
+recomputing the window each step (src/models/generate.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from src.models import ModelSpec
+from src.models.generate import generate
+from src.trainer.from_run import load_model, run_tokenizer
+from src.trainer.resolved import Resolved
+from src.trainer.tokenizer import Tokenizer
+
+# What sample.py changes in the run's config: decoding is not training.
+SAMPLING_CHANGES = {
+    "trainer.resume": None,
+    "trainer.plan_only": False,
+    "sharding.activation_checkpointing": "none",
+    "sharding.compile": False,  # each new length would compile again
+}
+# A family that decodes through its own generate() (Hugging Face) calls into the
+# model's inner modules, past the root unit's hooks: it gets the whole model, one rank.
+WHOLE_MODEL = {"trainer.devices": 1, "sharding.backend": "none"}
+
+
+def sampling_changes(spec: ModelSpec, devices: Any) -> tuple[dict[str, Any], str]:
+    """The changes to the run's config for sampling on ``devices`` ranks, and a note
+    (empty, or why the ranks differ from the ones asked for)."""
+    changes = {**SAMPLING_CHANGES, "trainer.devices": devices}
+    if spec.generate is None:
+        return changes, ""
+    note = ""
+    if devices != 1:
+        note = (
+            f"model family {spec.name!r} decodes with its own generate() on the whole "
+            f"model: sampling on 1 rank, not devices={devices}"
+        )
+    return {**changes, **WHOLE_MODEL}, note
+
+
+def _broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(tokens, src=0)
+    return tokens
+
+
+@torch.no_grad()
+def sample_texts(
+    model: nn.Module,
+    resolved: Resolved,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    *,
+    num_samples: int = 1,
+    max_new_tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int = 0,
+    device: torch.device,
+    kv_cache: bool = True,
+) -> list[list[str]]:
+    """``num_samples`` texts (prompt and continuation) for each prompt, decoded on
+    every rank in step. An empty prompt starts from the end-of-document token.
+    Temperature 0 is greedy decoding; the random draws come from their own
+    generator seeded by ``seed`` (the global RNG streams are left alone)."""
+    spec, config = resolved.spec, resolved.model_config
+    out = []
+    for prompt in prompts:
+        ids = tokenizer.encode_text(prompt) or [tokenizer.eos_id]
+        idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+        if spec.generate is not None:
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                tokens = spec.generate(
+                    model, idx, max_new_tokens, temperature, top_k, tokenizer.vocab_size
+                )
+        else:
+            tokens = generate(
+                model,
+                idx,
+                max_new_tokens,
+                spec.seq_len(config),
+                temperature=temperature,
+                top_k=top_k,
+                generator=torch.Generator(device=device).manual_seed(seed),
+                vocab_size=tokenizer.vocab_size,
+                kv_cache=kv_cache and spec.kv_cache,
+                agree=_broadcast_from_rank0,
+            )
+        out.append([tokenizer.decode(row.tolist()) for row in tokens])
+    return out
+
+
+def sample_rank(
+    device: torch.device,
+    cfg: DictConfig,
+    resolved: Resolved,
+    checkpoint: Path,
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """One rank of sample.py: the run's model from ``checkpoint``, then ``opts``'
+    samples (``sample_texts``' keywords and ``prompt``); returns them with the step."""
+    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    tokenizer = run_tokenizer(cfg)
+    opts = dict(opts)
+    texts = sample_texts(
+        model, resolved, tokenizer, [opts.pop("prompt")], device=device, **opts
+    )[0]
+    return {"step": step, "samples": texts}
