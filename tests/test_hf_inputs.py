@@ -16,7 +16,12 @@ from src.trainer.export import export_hf
 from src.trainer.loop import build_model, build_optimizer
 from src.trainer.resolved import resolve
 from tests.distributed import run_distributed
-from tests.test_pretrained import logits_of_transformers, make_cfg, save_tiny
+from tests.test_pretrained import (
+    logits_of_transformers,
+    make_cfg,
+    save_tiny,
+)
+from tests.test_pretrained import pretrained_error as config_error
 
 MOE = ("tiny_mixtral", "tiny_qwen3_moe")
 
@@ -72,14 +77,31 @@ def _moe_round_trips(rank: int, world: int, cases: list[tuple[str, str]]) -> dic
             p.numel() for p in experts
         )
         results[src] = r
+    # FSDP1's sharded tensors: a group assembled from every rank's shards.
+    src, out = cases[-1]
+    cfg = make_cfg("model=hf", f"model.pretrained={src}", "sharding=fsdp1")
+    resolved = resolve(cfg)
+    model = build_model(cfg, build_backend("fsdp1", "fp32", "cpu"), resolved).eval()
+    with torch.no_grad():
+        ours = model(inputs)[0]
+    hf, config = resolved.spec.hf, resolved.model_config
+    out = f"{out}_fsdp1"
+    export_hf(
+        model, out, hf.to_hf_name, hf.hf_config(config), hf.converting_model(config)
+    )
+    results["fsdp1"] = {
+        "load": (ours - logits_of_transformers(Path(src), inputs)).abs().max(),
+        "export": (ours - logits_of_transformers(Path(out), inputs)).abs().max(),
+    }
     return results
 
 
 @pytest.mark.slow
 def test_moe_weights_round_trip_in_save_pretrained_layout(tmp_path):
     """Mixtral and Qwen3-MoE (one tensor per expert on disk, fused in memory) on 2
-    ranks: load -> logits equal -> a step -> export in save_pretrained's layout ->
-    from_pretrained -> logits equal."""
+    ranks with FSDP2: load -> logits equal -> a step -> export in save_pretrained's
+    layout -> from_pretrained -> logits equal; and Qwen3-MoE's load and export with
+    FSDP1."""
     from transformers import AutoModelForCausalLM
 
     cases = []
@@ -89,6 +111,8 @@ def test_moe_weights_round_trip_in_save_pretrained_layout(tmp_path):
         validate(make_cfg("model=hf", f"model.pretrained={src}"))
         cases.append((str(src), str(tmp_path / f"{name}_out")))
     results = run_distributed(_moe_round_trips, 2, cases)
+    for r in results:
+        assert r["fsdp1"]["load"] < 1e-5 and r["fsdp1"]["export"] < 1e-5, r
     for src, out in cases:
         for r in results:
             assert r[src]["load"] < 1e-5 and r[src]["export"] < 1e-5, (src, r)
@@ -122,3 +146,108 @@ def test_moe_checkpoint_with_fewer_experts_names_an_expert_tensor(tmp_path):
         "model.pretrained: shape mismatch at model.layers.0.block_sparse_moe.gate."
         "weight: checkpoint (4, 64) vs model (8, 64)"
     )
+
+
+def test_models_that_are_not_causal_are_refused(tmp_path):
+    """BERT (BertLMHeadModel, is_decoder=false) sees later tokens: refused by the
+    probe, named encoder-only; BART is an encoder-decoder config; BERT with
+    is_decoder=true is causal and builds."""
+    from transformers import BartConfig, BertConfig
+
+    small = dict(vocab_size=256, max_position_embeddings=128, hidden_size=32)
+    BertConfig(
+        num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, **small
+    ).save_pretrained(tmp_path / "bert")
+    message = config_error("model=hf", f"model.config={tmp_path / 'bert'}")
+    assert message.startswith("model.config: 'bert' in "), message
+    assert "encoder-only config (is_decoder=false)" in message
+    assert "see the future" in message
+    BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, **small).save_pretrained(
+        tmp_path / "bart"
+    )
+    message = config_error("model=hf", f"model.config={tmp_path / 'bart'}")
+    assert message.startswith("model.config: 'bart' in ")
+    assert "encoder-decoder config" in message
+    BertConfig(
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        is_decoder=True,
+        **small,
+    ).save_pretrained(tmp_path / "bert_decoder")
+    validate(make_cfg("model=hf", f"model.config={tmp_path / 'bert_decoder'}"))
+
+
+CUSTOM_CONFIG = """
+from pathlib import Path
+from transformers import LlamaConfig
+
+Path("{directory}", "ran").write_text("the directory's code ran")
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "{model_type}"
+"""
+
+CUSTOM_MODEL = """
+from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyCustomConfig
+
+
+class TinyCustomForCausalLM(LlamaForCausalLM):
+    config_class = TinyCustomConfig
+"""
+
+
+def custom_code_dir(directory: Path, model_type: str) -> Path:
+    """tiny_llama's config with its own classes (auto_map), whose code leaves a file
+    named ``ran`` in ``directory`` when it runs."""
+    import json
+
+    from tests.test_pretrained import ROOT
+
+    directory.mkdir()
+    config = json.loads((ROOT / "conf/hf_configs/tiny_llama/config.json").read_text())
+    config.update(
+        model_type=model_type,
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyCustomConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM",
+        },
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    code = CUSTOM_CONFIG.replace("{model_type}", model_type)
+    code = code.replace("{directory}", str(directory))  # transformers copies the code
+    (directory / "configuration_tiny.py").write_text(code)
+    (directory / "modeling_tiny.py").write_text(CUSTOM_MODEL)
+    return directory
+
+
+def test_a_config_directorys_code_runs_only_when_trusted(tmp_path, caplog):
+    """model.trust_remote_code=false (default): a config with auto_map is refused,
+    whatever its model type, and its code never runs; true: its classes build the
+    model and the run says so."""
+    for model_type in ("tiny_custom_26", "llama"):  # unknown and known to transformers
+        directory = custom_code_dir(tmp_path / model_type, model_type)
+        message = config_error("model=hf", f"model.config={directory}")
+        assert message.startswith("model.trust_remote_code: "), message
+        assert "auto_map: AutoConfig, AutoModelForCausalLM" in message
+        assert "model.trust_remote_code=true" in message
+        assert not (directory / "ran").exists()
+    directory = tmp_path / "tiny_custom_26"
+    cfg = make_cfg(
+        "model=hf",
+        f"model.config={directory}",
+        "model.trust_remote_code=true",
+        "sharding=none",
+        "trainer.devices=1",
+    )
+    with caplog.at_level("WARNING", logger="src.models.hf"):
+        validate(cfg)
+    assert (directory / "ran").exists()
+    assert "model.trust_remote_code=true: running the code in" in caplog.text
+    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolve(cfg))
+    assert type(model.hf).__name__ == "TinyCustomForCausalLM"
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.isfinite(model(x, x)[1])

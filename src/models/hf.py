@@ -4,7 +4,7 @@ the wrap context.
 
 - ``model.config``: a local directory with a ``config.json``, or the name of one shipped
   in ``conf/hf_configs/`` (``tiny_gpt2``, ``tiny_llama``, ``tiny_qwen2``,
-  ``tiny_gpt_neox``).
+  ``tiny_gpt_neox``, and the MoE ``tiny_mixtral``, ``tiny_qwen3_moe``).
 - Block classes (``sharding.policy=block``): the model's own ``_no_split_modules``.
 - Parameter names are the model's own, under ``hf.`` (the wrapper below); the
   Hugging Face adapter strips that prefix, so checkpoints and exports use the names
@@ -15,11 +15,22 @@ the wrap context.
   gets the value of the model's ``_init_weights`` applied to its own module, seeded by
   its name. Rules that a model's ``_init_weights`` applies from a parent module (GPT-2's
   scaled residual projections) are not reproduced on meta.
+- Refused with one line (``model.config``): a config whose model is not causal (a tiny
+  probe of the architecture: changing the last input token must leave the earlier
+  positions' logits as they are), e.g. BERT's ``BertLMHeadModel`` with
+  ``is_decoder=false`` (named an encoder-only config), and any encoder-decoder config
+  (``is_encoder_decoder``: its CausalLM class is the decoder alone).
+- ``model.trust_remote_code`` (default false): a config directory's own Python code
+  (``auto_map`` in its config.json) never runs and such a config is refused, known
+  model type or not; with true, its classes are built and the run says so.
+  transformers is never left to prompt.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +42,7 @@ from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, regis
 
 SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hf_configs"
 PREFIX = "hf."  # our parameter names: "hf." + the transformers model's own
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,9 +52,11 @@ class HFConfig:
     config: str | None = None
     block_size: int = 128  # the run's sequence length (<= the config's max positions)
     vocab_size: int | None = None  # None: the config's
+    # Run the config directory's own code (its config.json's auto_map)?
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        self.hf_config = load_hf_config(self.config)
+        self.hf_config = load_hf_config(self.config, self.trust_remote_code)
         text = self.hf_config.get_text_config()
         if self.vocab_size is not None:
             if self.vocab_size < 1:
@@ -65,7 +79,7 @@ class HFConfig:
         """The transformers model on the meta device (cached): classes, names, shapes."""
         if not hasattr(self, "_skeleton"):
             with torch.device("meta"):
-                self._skeleton = _from_config(self.hf_config)
+                self._skeleton = _from_config(self.hf_config, self.trust_remote_code)
         return self._skeleton
 
 
@@ -86,31 +100,168 @@ def config_dir(config: str | None) -> Path:
     )
 
 
-def load_hf_config(config: str | None):
-    """The ``transformers`` config of ``model.config`` (one-line ValueError if bad)."""
+def load_hf_config(config: str | None, trust_remote_code: bool = False):
+    """The ``transformers`` config of ``model.config`` (one-line ValueError if bad:
+    unreadable, custom code not trusted, not a causal LM, not causal)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = config_dir(config)
+    auto_map = _auto_map(path)
+    if auto_map and not trust_remote_code:
+        raise ValueError(
+            f"model.trust_remote_code: {str(path)!r} names its own code (auto_map: "
+            f"{', '.join(sorted(auto_map))}), which runs only with "
+            "model.trust_remote_code=true"
+        )
     try:
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(
+            path, trust_remote_code=trust_remote_code
+        )
     except Exception as err:  # transformers raises ValueError, KeyError, OSError...
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err)
         raise ValueError(
             f"model.config: transformers cannot read {str(path)!r}: {first}"
         ) from None
-    if type(hf_config) not in AutoModelForCausalLM._model_mapping:
+    custom = "AutoModelForCausalLM" in (auto_map or {})
+    if not custom and type(hf_config) not in AutoModelForCausalLM._model_mapping:
         raise ValueError(
             f"model.config: {hf_config.model_type!r} in {str(path)!r} is not a "
             "causal LM that AutoModelForCausalLM can build"
         )
+    if auto_map and path not in _TRUSTED:  # said once per process
+        _TRUSTED.add(path)
+        log.warning(
+            "model.trust_remote_code=true: running the code in %s (%s)",
+            path,
+            ", ".join(f"{k}: {v}" for k, v in sorted(auto_map.items())),
+        )
     hf_config.use_cache = False  # training: no KV cache
+    _check_causal(hf_config, path, trust_remote_code)
     return hf_config
 
 
-def _from_config(hf_config) -> nn.Module:
+def _auto_map(path: Path) -> dict | None:
+    """The ``auto_map`` of ``path``'s config.json (classes in the directory's code)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # AutoConfig says what is wrong
+    return raw.get("auto_map") if isinstance(raw, dict) else None
+
+
+def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
+    """ValueError (one line, ``model.config``) for an encoder-decoder config, or a
+    model that lets later input tokens change earlier positions' outputs."""
+    where = f"{hf_config.model_type!r} in {str(path)!r}"
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"model.config: {where} is an encoder-decoder config: "
+            "AutoModelForCausalLM would train its decoder alone; give a decoder-only "
+            "causal LM config"
+        )
+    key = (json.dumps(hf_config.to_dict(), sort_keys=True, default=str), path)
+    if key not in _PROBED:  # validation and every rank build the config
+        _PROBED[key] = _later_inputs_reach(hf_config, trust_remote_code)
+    reach = _PROBED[key]
+    if reach is None:
+        log.warning(
+            "model.config: could not probe whether %s is causal; trusting "
+            "AutoModelForCausalLM",
+            where,
+        )
+    elif reach > 1e-5:  # float32 noise is ~1e-7; encoders move them ~1e-3 or more
+        flag = (
+            " (is_decoder=false)"
+            if getattr(hf_config, "is_decoder", 0) is False
+            else ""
+        )
+        raise ValueError(
+            f"model.config: {where} is an encoder-only config{flag}: its model lets "
+            "later tokens change earlier positions' logits, so next-token training "
+            "would see the future; give a causal (decoder) config"
+        )
+
+
+# A probe model: the config at these sizes (those it has), per-layer lists cut to its
+# layers. Widths first; the config's own widths (layers cut) if it is small enough.
+_PROBE_SIZES = {
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "rotary_dim": 16,
+}
+_PROBE_MAX_PARAMS = 50_000_000
+_PROBED: dict[tuple[str, Path], float | None] = {}
+_TRUSTED: set[Path] = set()  # directories whose code this process was told runs
+
+
+def _probe_config(hf_config, widths: bool):
+    probe = copy.deepcopy(hf_config)
+    text = probe.get_text_config()
+    layers = getattr(text, "num_hidden_layers", None)
+    sizes = _PROBE_SIZES if widths else {"num_hidden_layers": 2}
+    for key, value in sizes.items():
+        if getattr(text, key, None) is not None:
+            try:
+                setattr(text, key, min(value, getattr(text, key)))
+            except AttributeError:  # derived (a property): follows the others
+                pass
+    kept = getattr(text, "num_hidden_layers", None)
+    if layers and kept != layers:
+        for key, value in list(vars(text).items()):
+            if isinstance(value, list) and len(value) == layers:
+                setattr(text, key, value[:kept])
+    return probe
+
+
+def _later_inputs_reach(hf_config, trust_remote_code: bool) -> float | None:
+    """How much the last 4 of 8 input tokens move the first 4 positions' logits (a
+    seeded tiny probe model on CPU); None if no probe model could be built or run."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the probe's own warnings are not the run's
+    try:
+        for widths in (True, False):
+            try:
+                probe = _probe_config(hf_config, widths)
+                with torch.device("meta"):
+                    size = sum(
+                        p.numel()
+                        for p in AutoModelForCausalLM.from_config(
+                            probe, trust_remote_code=trust_remote_code
+                        ).parameters()
+                    )
+                if size > _PROBE_MAX_PARAMS:
+                    continue
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    model = _from_config(probe, trust_remote_code).eval()
+                    vocab = probe.get_text_config().vocab_size
+                    x = torch.randint(0, vocab, (2, 8))
+                x[1, :4] = x[0, :4]  # the same first 4 tokens, then others
+                with torch.no_grad():
+                    logits = model(input_ids=x, use_cache=False).logits.float()
+                return (logits[0, :4] - logits[1, :4]).abs().max().item()
+            except Exception:  # a probe transformers cannot build or run
+                continue
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _from_config(hf_config, trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(hf_config)
+    return AutoModelForCausalLM.from_config(
+        hf_config, trust_remote_code=trust_remote_code
+    )
 
 
 class HFCausalLM(nn.Module):
@@ -143,7 +294,7 @@ class HFCausalLM(nn.Module):
 
 def build(config: HFConfig, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # transformers' own init (on CPU): the same on every rank
-    return HFCausalLM(_from_config(config.hf_config))
+    return HFCausalLM(_from_config(config.hf_config, config.trust_remote_code))
 
 
 def block_classes(config: HFConfig) -> tuple[type[nn.Module], ...]:

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import (
     HuggingFaceStorageReader,
     HuggingFaceStorageWriter,
@@ -165,22 +166,47 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole on every rank (a plain one as it is)."""
     if isinstance(t, DTensor):
         return t.full_tensor()
-    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
-        raise ValueError(
-            f"converting Hugging Face weights needs DTensor or plain parameters, "
-            f"got {type(t).__name__} (use sharding=fsdp2, ddp or none)"
-        )
+    if isinstance(t, ShardedTensor):  # FSDP1: each element on exactly one rank
+        shards = t.local_shards()
+        device = shards[0].tensor.device if shards else _collective_device()
+        whole = torch.zeros(t.size(), dtype=t.dtype, device=device)
+        for shard in shards:
+            whole[_region(shard.metadata)] = shard.tensor.view(
+                shard.metadata.shard_sizes
+            )
+        dist.all_reduce(whole)
+        return whole
     return t
 
 
+def _collective_device() -> torch.device:
+    nccl = dist.get_backend() == "nccl"
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if nccl
+        else torch.device("cpu")
+    )
+
+
+def _region(metadata: Any) -> tuple[slice, ...]:
+    return tuple(
+        slice(o, o + n)
+        for o, n in zip(metadata.shard_offsets, metadata.shard_sizes, strict=True)
+    )
+
+
 def _as_local(ref: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """``whole`` placed as ``ref`` is (its own slice of a DTensor)."""
+    """``whole`` placed as ``ref`` is (its own slice of a sharded tensor)."""
     whole = whole.to(ref.dtype)
     if isinstance(ref, DTensor):
         return distribute_tensor(
             whole.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None
         )
-    _whole(ref)  # refuses what it cannot place
+    if isinstance(ref, ShardedTensor):
+        for shard in ref.local_shards():
+            part = whole[_region(shard.metadata)]
+            shard.tensor.copy_(part.reshape(shard.tensor.shape))
+        return ref
     return whole.to(ref.device)
 
 
