@@ -67,6 +67,8 @@ KEY_HELP = {
     "sharding.activation_checkpointing_every": "full: checkpoint every k-th block",
     "sharding.compile": "torch.compile each block",
     "sharding.replicate": "HSDP: replica groups, each sharding over devices / R",
+    "sharding.tensor_parallel": "fsdp2: T ranks split each block (tp mesh dim); 1 = off",
+    "sharding.sequence_parallel": "with tensor_parallel: norms sharded over the sequence (null: family default)",
     # precision
     "precision.name": "fp32, bf16_mixed or fp16_mixed (pick with precision=...)",
     # trainer

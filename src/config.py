@@ -53,6 +53,7 @@ from src.trainer.resolved import (
     model_spec,
     resolve,
     resolve_devices,
+    tensor_parallel_plan,
 )
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
 from src.trainer.token_cache import SPLITS
@@ -83,6 +84,8 @@ class ShardingConfig:
     activation_checkpointing_every: int = MISSING
     compile: bool = MISSING
     replicate: int = MISSING  # HSDP: replica groups
+    tensor_parallel: int = MISSING  # fsdp2: ranks splitting each block (tp mesh dim)
+    sequence_parallel: bool | None = MISSING  # null: the family's default
 
 
 @dataclass
@@ -356,6 +359,7 @@ def validate(cfg: DictConfig) -> Resolved:
     resolved = resolve(cfg)
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.world_size)
+    _check_tensor_parallel(cfg, resolved)
     _check_batches(cfg, resolved.world_size)
     _check_trainer(cfg, resolved.spec)
     # The chosen data source and logger check their own keys.
@@ -416,13 +420,42 @@ def _check_sharding(cfg: DictConfig, world_size: int) -> None:
         f"{s.replicate} does not divide the {world_size} devices "
         "(each replica group shards over devices / replicate ranks)",
     )
-    _check_fsdp2_knobs(s, world_size // s.replicate)
+    tp = s.tensor_parallel if s.tensor_parallel >= 1 else 1
+    _check_fsdp2_knobs(s, world_size // s.replicate // tp)
     _require(
         backend.distributed or world_size == 1,
         "trainer.devices",
         f"sharding={s.backend} trains one process, got {world_size} devices; "
         f"use trainer.devices=1 or sharding={'/'.join(with_capability('distributed'))}",
     )
+
+
+def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
+    """``sharding.tensor_parallel`` and ``sharding.sequence_parallel``: the backend,
+    the mesh (T divides each replica group) and the family's plan for the shape."""
+    s, world_size = cfg.sharding, resolved.world_size
+    backend = BACKENDS[s.backend]
+    tp = s.tensor_parallel
+    _require(tp >= 1, "sharding.tensor_parallel", f"got {tp}, expected >= 1")
+    _require(
+        tp == 1 or backend.tensor_parallel,
+        "sharding.tensor_parallel",
+        f"tensor parallelism needs sharding="
+        f"{' or sharding='.join(with_capability('tensor_parallel'))}, "
+        f"not sharding={s.backend}",
+    )
+    _require(
+        (world_size // s.replicate) % tp == 0,
+        "sharding.tensor_parallel",
+        f"{tp} does not divide the {world_size // s.replicate} ranks of each replica "
+        f"group ({world_size} devices / replicate={s.replicate})",
+    )
+    _require(
+        s.sequence_parallel is None or tp > 1 or not s.sequence_parallel,
+        "sharding.sequence_parallel",
+        "true needs sharding.tensor_parallel > 1 (it shards along the tp ranks)",
+    )
+    tensor_parallel_plan(cfg, resolved.spec, resolved.model_config)
 
 
 def _check_batches(cfg: DictConfig, world_size: int) -> None:
@@ -452,11 +485,12 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     budget_bytes(t.mem_budget_gib)
     accum = 1 if accum == "auto" else int(accum)
     micro = t.batch_size // accum
+    tp = cfg.sharding.tensor_parallel  # the ranks of a tp group read the same rows
     _require(
-        t.plan_only or (t.batch_size % accum == 0 and micro % world_size == 0),
+        t.plan_only or (t.batch_size % accum == 0 and micro % (world_size // tp) == 0),
         "trainer.batch_size",
         f"{t.batch_size} must split into trainer.grad_accum={t.grad_accum} micro-batches"
-        f" that divide evenly over {world_size} rank(s)",
+        f" that divide evenly over {world_size // tp} data-parallel rank(s)",
     )
 
 

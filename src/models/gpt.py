@@ -39,6 +39,7 @@ from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
     ModelSpec,
     check_positive_ints,
+    check_tp_divides,
     default_device,
     init_tensor_from,
     lm_loss,
@@ -48,6 +49,15 @@ from src.models.spec import (
     tie_,
 )
 from src.sharding import wrap
+from src.sharding.tensor_parallel import (
+    ColwiseParallel,
+    FusedHeadsParallel,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Shard,
+    TPPlan,
+)
 
 
 @dataclass
@@ -135,11 +145,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
+        # q, k, v of this rank's heads: all of them, or n_head / tp under tensor
+        # parallelism (the head count is read from the width, never assumed).
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
         q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-            for t in (q, k, v)
+            t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v)
         )
         if cache is None:
             y = F.scaled_dot_product_attention(
@@ -151,7 +162,7 @@ class CausalSelfAttention(nn.Module):
             )
         else:  # decoding: the new tokens attend over the cached ones too
             y = cache.attend(q, k, v)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -348,6 +359,42 @@ def activation_bytes(
     )
 
 
+def tp_plan(config: GPTConfig, tp: int, sequence_parallel: bool | None) -> TPPlan:
+    """Megatron-style tensor parallelism (docs/sharding.md): the MLP colwise (``c_fc``)
+    then rowwise (``c_proj``), attention's output rowwise; the fused q|k|v projection
+    ``c_attn`` stays whole on the tp ranks (its rows interleave q, k and v, so no
+    contiguous split gives a rank whole heads) and each rank keeps its own heads of
+    its output. The token embedding is sharded over the vocabulary and the head,
+    tied to it, keeps its logits vocabulary-sharded into the loss (``loss_parallel``).
+    With sequence parallelism (the default) the norms and the residual stream
+    between the matmuls are sharded over the sequence, so the rowwise outputs are
+    reduce-scattered and gathered again before the next colwise matmul."""
+    check_tp_divides(tp, {"n_head": config.n_head})
+    sp = True if sequence_parallel is None else sequence_parallel
+    seq = Shard(1)
+    inner = seq if sp else Replicate()
+    block = {
+        "attn.c_attn": FusedHeadsParallel(3, input_layouts=inner),
+        "attn.c_proj": RowwiseParallel(output_layouts=inner),
+        "mlp.c_fc": ColwiseParallel(input_layouts=inner),
+        "mlp.c_proj": RowwiseParallel(output_layouts=inner),
+    }
+    root = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=inner),
+        # positions (T,) -> (T, C): the sequence is dim 0 of its output
+        "wpe": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate()
+        ),
+        "lm_head": ColwiseParallel(
+            input_layouts=inner, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sp:
+        block.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
+        root["ln_f"] = SequenceParallel()
+    return TPPlan({GPT: root, Block: block}, sequence_parallel=sp, loss_parallel=True)
+
+
 SPEC = register(
     ModelSpec(
         name="gpt",
@@ -358,5 +405,6 @@ SPEC = register(
         init_tensor=init_tensor,
         activation_bytes=activation_bytes,
         kv_cache=True,
+        tp_plan=tp_plan,
     )
 )

@@ -39,6 +39,12 @@ import torch
 import torch.nn as nn
 
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
+from src.sharding.tensor_parallel import (
+    ColwiseParallel,
+    Shard,
+    TPPlan,
+    styles_from_strings,
+)
 
 SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hf_configs"
 PREFIX = "hf."  # our parameter names: "hf." + the transformers model's own
@@ -373,6 +379,49 @@ def flops_per_token(config: HFConfig, seq_len: int) -> int:
     return 6 * n + 12 * text.num_hidden_layers * text.hidden_size * seq_len
 
 
+def tp_plan(config: HFConfig, tp: int, sequence_parallel: bool | None) -> TPPlan:
+    """The plan transformers ships for the architecture (``base_model_tp_plan`` in
+    its config: colwise/rowwise projections, its style strings mapped onto torch's),
+    plus the output layer colwise with vocabulary-sharded logits into the loss when
+    it is not tied to an embedding the plan leaves whole. transformers' plans have
+    no sequence-parallel norms, so neither has this one."""
+    text = config.hf_config.get_text_config()
+    arch = type(config.skeleton()).__name__
+    base = getattr(text, "base_model_tp_plan", None)
+    if not base:
+        raise ValueError(
+            f"{arch} has no tensor-parallel plan in transformers "
+            "(its config's base_model_tp_plan is empty)"
+        )
+    if sequence_parallel:
+        raise ValueError(
+            f"transformers' tensor-parallel plan for {arch} has no sequence-parallel "
+            "norms; use sequence parallelism off (its default for model=hf)"
+        )
+    heads = {"num_attention_heads": text.num_attention_heads}
+    kv = getattr(text, "num_key_value_heads", None)
+    if kv:
+        heads["num_key_value_heads"] = kv
+    for key, size in heads.items():
+        if size % tp:
+            raise ValueError(
+                f"tensor parallelism over {tp} ranks splits {arch}'s {key} ({size}) "
+                f"{tp} ways; choose a degree that divides it"
+            )
+    skeleton = config.skeleton()
+    root = skeleton.get_submodule(skeleton.base_model_prefix)
+    modules: dict[type, dict] = {type(root): styles_from_strings(base, arch)}
+    out = skeleton.get_output_embeddings()
+    tied = out is not None and out.weight is skeleton.get_input_embeddings().weight
+    head = next((n for n, m in skeleton.named_children() if m is out), None)
+    loss_parallel = head is not None and not tied
+    if loss_parallel:
+        modules[type(skeleton)] = {
+            head: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        }
+    return TPPlan(modules, sequence_parallel=False, loss_parallel=loss_parallel)
+
+
 SPEC = register(
     ModelSpec(
         name="hf",
@@ -388,5 +437,6 @@ SPEC = register(
             hf_config=lambda config: config.hf_config,
             skeleton=lambda config: config.skeleton(),
         ),
+        tp_plan=tp_plan,
     )
 )

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,6 +41,7 @@ from src.models.spec import (
     HFAdapter,
     ModelSpec,
     check_positive_ints,
+    check_tp_divides,
     default_device,
     init_tensor_from,
     lm_loss,
@@ -49,6 +51,15 @@ from src.models.spec import (
     tie_,
 )
 from src.sharding import wrap
+from src.sharding.tensor_parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Shard,
+    TPPlan,
+)
 
 
 @dataclass
@@ -167,9 +178,11 @@ class Attention(nn.Module):
         cache: LayerKV | None = None,
     ):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts come from the widths (-1): under tensor parallelism each rank
+        # holds n_heads / tp query and n_kv_heads / tp key/value heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
         if cache is None:
@@ -416,6 +429,58 @@ def activation_bytes(
     )
 
 
+def tp_plan(config: LlamaConfig, tp: int, sequence_parallel: bool | None) -> TPPlan:
+    """torchtitan's Llama plan (docs/sharding.md): ``wq``/``wk``/``wv`` and ``w1``/``w3``
+    colwise, ``wo`` and ``w2`` rowwise, the token embedding sharded over the vocabulary,
+    the output layer colwise with its logits vocabulary-sharded into the loss
+    (``loss_parallel``). With sequence parallelism (the default) the RMSNorms and the
+    residual stream are sharded over the sequence: each rowwise output is
+    reduce-scattered, and the attention and feed-forward inputs are all-gathered."""
+    check_tp_divides(
+        tp,
+        {"n_heads": config.n_heads, "n_kv_heads": config.kv_heads},
+    )
+    sp = True if sequence_parallel is None else sequence_parallel
+    inner = Shard(1) if sp else Replicate()
+    block: dict[str, Any] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=inner),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=inner),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    root: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=inner
+        ),
+        "output": ColwiseParallel(
+            input_layouts=inner, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sp:
+        block.update(
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        )
+        root["norm"] = SequenceParallel()
+    return TPPlan(
+        {Llama: root, TransformerBlock: block},
+        sequence_parallel=sp,
+        loss_parallel=True,
+    )
+
+
 SPEC = register(
     ModelSpec(
         name="llama",
@@ -428,5 +493,6 @@ SPEC = register(
         activation_bytes=activation_bytes,
         hf=HFAdapter(to_hf_name=to_hf_name, hf_config=to_hf_config),
         kv_cache=True,
+        tp_plan=tp_plan,
     )
 )

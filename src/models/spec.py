@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from src.models.memory import ActivationBytes
 from src.registry import Registry
@@ -97,6 +98,10 @@ class ModelSpec:
     # vocab_size) -> idx with the new tokens (Hugging Face's ``generate()``). It gets
     # the whole (unsharded) model on every rank.
     generate: Callable[..., torch.Tensor] | None = None
+    # Optional: the tensor-parallel plan, (config, tp degree, sequence_parallel: bool
+    # or None for the family's default) -> src.sharding.TPPlan; ValueError (one line)
+    # if the shape does not split that many ways. None: no tensor parallelism.
+    tp_plan: Callable[[Any, int, bool | None], Any] | None = None
 
     def make_config(self, model_cfg: Mapping) -> Any:
         """The family's config from the ``model`` node (shared keys are ignored).
@@ -164,9 +169,24 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor 
     are ignored; None without targets."""
     if targets is None:
         return None
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
     )
+    # Vocabulary-sharded logits (tensor parallelism's loss_parallel) give the loss as
+    # a DTensor replicated on every tp rank: its value, differentiable, as a tensor
+    # (a copy: FSDP2 warns about a root returning a view).
+    return loss.to_local().clone() if isinstance(loss, DTensor) else loss
+
+
+def check_tp_divides(tp: int, sizes: Mapping[str, int]) -> None:
+    """``ValueError`` naming the first ``model.<key>`` of ``sizes`` that tensor
+    parallelism over ``tp`` ranks cannot split evenly (heads, hidden widths)."""
+    for key, size in sizes.items():
+        if size % tp:
+            raise ValueError(
+                f"tensor parallelism over {tp} ranks splits model.{key} ({size}) "
+                f"{tp} ways; choose a degree that divides it"
+            )
 
 
 def default_device() -> torch.device:

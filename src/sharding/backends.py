@@ -37,13 +37,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
+from .tensor_parallel import TPPlan, tensor_parallelize
 from .wrap import enable_wrap, make_unit
 
 MESH_DIMS = ("replicate", "shard")
 
 
 def shard_group_size(world_size: int, replicate: int) -> int:
-    """Ranks each parameter is sharded over when ``replicate`` groups hold a replica."""
+    """Ranks each parameter is sharded over when ``replicate`` groups hold a replica
+    (with tensor parallelism: ``replicate * tensor_parallel`` ranks hold one shard)."""
     if replicate < 1 or world_size % replicate:
         raise ValueError(
             f"replicate={replicate} must be >= 1 and divide the world size {world_size}"
@@ -51,14 +53,43 @@ def shard_group_size(world_size: int, replicate: int) -> int:
     return world_size // replicate
 
 
-def device_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceMesh:
-    """The mesh units are sharded on: 1-D over all ranks, or 2-D ``(replicate, shard)``
-    for HSDP, where ranks ``[r * S, (r + 1) * S)`` form shard group ``r`` (on GPUs,
-    consecutive ranks share a node, so all-gathers stay inside it)."""
-    shard = shard_group_size(world_size, replicate)
+def device_mesh(
+    device_type: str, world_size: int, replicate: int = 1, tensor_parallel: int = 1
+) -> DeviceMesh:
+    """The mesh of the run: 1-D over all ranks, 2-D ``(replicate, shard)`` for HSDP,
+    where ranks ``[r * S, (r + 1) * S)`` form shard group ``r`` (on GPUs, consecutive
+    ranks share a node, so all-gathers stay inside it), and with ``tensor_parallel=T
+    > 1`` a last ``tp`` dimension of T consecutive ranks: ``(shard, tp)`` or
+    ``(replicate, shard, tp)``. Units are sharded on the data-parallel dimensions
+    (:func:`data_parallel_mesh`)."""
+    shard = shard_group_size(world_size, replicate * tensor_parallel)
+    if tensor_parallel > 1:
+        dims = (
+            (replicate, shard, tensor_parallel)
+            if replicate > 1
+            else (shard, tensor_parallel)
+        )
+        names = (*MESH_DIMS, "tp") if replicate > 1 else ("shard", "tp")
+        mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
+        # A reduction over several dimensions (the gradient norm) is then one
+        # collective rather than one per dimension.
+        mesh[names]._flatten("all")
+        if replicate > 1:
+            mesh["shard", "tp"]._flatten("shard_tp")
+        return mesh
     if replicate == 1:
         return init_device_mesh(device_type, (world_size,))
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions of ``mesh`` that units are sharded (and replicated) on: all but
+    ``tp``."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return mesh
+    dp = tuple(n for n in names if n != "tp")
+    return mesh[dp[0]] if len(dp) == 1 else mesh[dp]
 
 
 def fsdp1_wrapper(
@@ -153,6 +184,7 @@ class Backend:
     partial_reshard: ClassVar[bool]  # reshard_after_forward may be a group size
     explicit_prefetch: ClassVar[bool]  # takes forward/backward prefetch depths
     allocates: ClassVar[bool]  # the built model holds real tensors
+    tensor_parallel: ClassVar[bool]  # takes tensor_parallel > 1 (a tp mesh dimension)
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "distributed",
         "wraps_units",
@@ -163,6 +195,7 @@ class Backend:
         "partial_reshard",
         "explicit_prefetch",
         "allocates",
+        "tensor_parallel",
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -180,18 +213,28 @@ class Backend:
         device: torch.device,
         reshard_after_forward: bool | int = True,
         replicate: int = 1,
+        tensor_parallel: int = 1,
     ) -> None:
         if replicate != 1 and not self.hybrid:
             raise ValueError(
                 f"replicate={replicate}: hybrid sharding needs "
                 f"{' or '.join(with_capability('hybrid'))}"
             )
+        if tensor_parallel != 1 and not type(self).tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel}: tensor parallelism needs "
+                f"{' or '.join(with_capability('tensor_parallel'))}"
+            )
         self.precision, self.device = precision, device
         #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
         self.reshard_after_forward = reshard_after_forward
         self.replicate = replicate  # HSDP: replica groups, each sharding over N / R
+        self.tp = tensor_parallel  # ranks splitting each block's matmuls (tp mesh dim)
         self.world_size, self.rank = 1, 0
-        self.mesh: DeviceMesh | None = None
+        self.mesh: DeviceMesh | None = None  # the data-parallel mesh units shard on
+        self.tp_mesh: DeviceMesh | None = None
+        #: the model's plan, set by build_sharded_model (None: no tensor parallelism)
+        self.tp_plan: TPPlan | None = None
         if self.distributed:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -206,6 +249,30 @@ class Backend:
     @property
     def param_dtype(self) -> torch.dtype:
         return self.precision.param_dtype
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ``tp`` ranks of a group (consecutive
+        ranks) read the same rows of the batch."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world size over ``tensor_parallel``."""
+        return self.world_size // self.tp
+
+    def parallelize(self, module: nn.Module) -> None:
+        """Tensor-parallelise ``module`` (and what under it the plan names) on the tp
+        mesh; nothing without tensor parallelism."""
+        if self.tp_plan is not None and self.tp_mesh is not None:
+            tensor_parallelize(module, self.tp_mesh, self.tp_plan)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around forward and backward: ``loss_parallel`` when the plan keeps the
+        logits sharded over the vocabulary."""
+        if self.tp_plan is None or self.tp_mesh is None:
+            return contextlib.nullcontext()
+        return self.tp_plan.loss_context()
 
     # -- building -------------------------------------------------------------------
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
@@ -223,7 +290,14 @@ class Backend:
         wrapper_cls, defaults = self.wrapper()
         if self.device.type == "cpu" and _LIBC is not None:
             wrapper_cls = _trim_after(wrapper_cls)
-        return enable_wrap(wrapper_cls, policy=policy, transform=transform, **defaults)
+        parallelize = self.parallelize if self.tp_plan is not None else None
+        return enable_wrap(
+            wrapper_cls,
+            policy=policy,
+            transform=transform,
+            parallelize=parallelize,
+            **defaults,
+        )
 
     def wrap_root(self, model: nn.Module) -> nn.Module:
         """Wrap the root last (inside the wrap context), so no parameter is left out."""
@@ -262,11 +336,27 @@ class Backend:
         return torch.amp.GradScaler(self.device.type)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm; returns that norm (a plain tensor)."""
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return norm
+        """Clip by the global gradient norm; returns that norm (a plain tensor).
+
+        Gradients on different meshes (with tensor parallelism: DTensors on the
+        data-parallel x tp mesh, and parameters no plan parallelised on the
+        data-parallel mesh alone) are normed per mesh, then combined."""
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+                groups.setdefault(mesh, []).append(p)
+        if len(groups) <= 1:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norms = []
+        for params in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Skip the gradient reduction (inner gradient-accumulation steps)."""
@@ -286,6 +376,7 @@ class SingleProcessBackend(Backend):
     partial_reshard = False
     explicit_prefetch = False
     allocates = True
+    tensor_parallel = False
 
 
 class DDPBackend(Backend):
@@ -301,6 +392,7 @@ class DDPBackend(Backend):
     partial_reshard = False
     explicit_prefetch = False
     allocates = True
+    tensor_parallel = False
 
     def place(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -321,6 +413,7 @@ class _FSDPBackend(Backend):
     bucketed_gradients = False
     hybrid = True
     allocates = True
+    tensor_parallel = False
 
     def place(self, model: nn.Module) -> nn.Module:
         return model
@@ -338,13 +431,19 @@ class FSDP2Backend(_FSDPBackend):
     """``fsdp2``: ``fully_shard`` per unit, in place, on a 1-D mesh (2-D for HSDP)."""
 
     name = "fsdp2"
+    tensor_parallel = True
     meta_init = True
     partial_reshard = True
     explicit_prefetch = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.mesh = device_mesh(self.device.type, self.world_size, self.replicate)
+        self.world_mesh = device_mesh(
+            self.device.type, self.world_size, self.replicate, self.tp
+        )
+        self.mesh = data_parallel_mesh(self.world_mesh)
+        if self.tp > 1:
+            self.tp_mesh = self.world_mesh["tp"]
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return fully_shard, {
@@ -411,9 +510,43 @@ class PlanBackend(_FSDPBackend):
     partial_reshard = True
     explicit_prefetch = True
     allocates = False
+    tensor_parallel = True  # parallelised on meta over a fake process group
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fake_group = False
+        if self.tp > 1:
+            # The plan needs the tp-local shapes: the model is tensor-parallelised on
+            # meta for real, over a process group that communicates nothing (torch's
+            # fake backend), alive until finish_build.
+            if dist.is_initialized() and dist.get_backend() == "fake":
+                dist.destroy_process_group()  # left by a build that failed
+            if dist.is_initialized():
+                raise RuntimeError(
+                    "the plan backend with tensor parallelism builds in a process "
+                    "without a process group (it makes a fake one)"
+                )
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group(
+                "fake", store=FakeStore(), rank=0, world_size=self.tp
+            )
+            self._fake_group = True
+            self.tp_mesh = init_device_mesh("cpu", (self.tp,), mesh_dim_names=("tp",))
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return record_unit, {}
+
+    def finish_build(
+        self,
+        model: nn.Module,
+        init_device: torch.device,
+        init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None,
+    ) -> nn.Module:
+        if self._fake_group:
+            dist.destroy_process_group()
+            self._fake_group = False
+        return super().finish_build(model, init_device, init_fn)
 
 
 #: The backends that train, by ``sharding.backend`` name.
@@ -443,15 +576,18 @@ def build_backend(
     device: torch.device | str | None = None,
     reshard_after_forward: bool | int = True,
     replicate: int = 1,
+    tensor_parallel: int = 1,
 ) -> Backend:
     """The backend ``name`` (one of :data:`BACKENDS`, or ``plan``) for this process;
     distributed ones need an initialised process group. ``replicate=R > 1`` (fsdp2,
     fsdp1, and ``plan`` for its estimate) is hybrid sharding: R replica groups, each
-    sharding over ``world_size / R`` ranks."""
+    sharding over ``world_size / R`` ranks. ``tensor_parallel=T > 1`` (fsdp2) adds a
+    ``tp`` mesh dimension of T consecutive ranks: units shard over
+    ``world_size / (R * T)`` ranks and each block's matmuls are split T ways."""
     cls = backend_class(name)
     prec = get_precision(precision) if isinstance(precision, str) else precision
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return cls(prec, device, reshard_after_forward, replicate)
+    return cls(prec, device, reshard_after_forward, replicate, tensor_parallel)
 
 
 def build_sharded_model(
@@ -461,6 +597,7 @@ def build_sharded_model(
     init_device: str | torch.device = "cpu",
     init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     transform: Callable[[nn.Module], None] | None = None,
+    tp_plan: TPPlan | None = None,
 ) -> nn.Module:
     """Build the model inside the wrap context, so units are sharded as they are built.
 
@@ -471,8 +608,17 @@ def build_sharded_model(
     its own shards with ``init_fn(canonical_name, param) -> full tensor``.
     ``transform`` (``transforms.UnitTransform``) runs on each unit right before it is
     sharded; without units (ddp, none) it runs once on the built model.
+    ``tp_plan`` (a backend with ``tensor_parallel > 1``): each annotated module is
+    tensor-parallelised the moment it is built, before the policy, the transform and
+    the sharding see it, and the rest of the model once it exists (torchtitan's
+    order: TP, activation checkpointing, compile, FSDP).
     """
     init_device = torch.device(init_device)
+    if backend.tp > 1 and tp_plan is None:
+        raise ValueError(
+            f"tensor parallelism over {backend.tp} ranks needs the model's plan"
+        )
+    backend.tp_plan = tp_plan if backend.tp > 1 else None
     if init_device.type == "meta" and not backend.meta_init:
         raise ValueError(
             f"meta-device init is not supported with backend {backend.name!r} "
@@ -482,6 +628,7 @@ def build_sharded_model(
         raise ValueError("meta-device init needs an init_fn to materialise shards")
     with backend.wrap_context(policy, transform), init_device:
         model = model_fn()
+        backend.parallelize(model)  # what no annotation parallelised (root, head)
         if backend.wraps_units and policy is not None:
             model = policy.finalize(model)
         model = backend.wrap_root(model)

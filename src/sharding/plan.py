@@ -9,11 +9,12 @@ backend (which shards nothing and allocates nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from .backends import canonical_name, shard_group_size
+from .tensor_parallel import tp_modules
 from .wrap import UnitInfo, is_wrapped
 
 GIB = 2**30
@@ -26,6 +27,13 @@ class Unit:
     cls: str
     numel: int
     bytes_per_rank: int
+    #: elements one rank holds before data-parallel sharding (its tensor-parallel
+    #: shard of each parameter; ``numel`` without tensor parallelism)
+    local_numel: int = -1
+
+    def __post_init__(self) -> None:
+        if self.local_numel < 0:
+            self.local_numel = self.numel
 
 
 @dataclass
@@ -34,19 +42,40 @@ class WrapPlan:
     world_size: int
     total_numel: int
     replicate: int = 1  # HSDP replica groups; parameters shard over shard_size ranks
+    tensor_parallel: int = 1  # ranks of the tp mesh dimension
+    #: (module path, style) of each tensor-parallelised module
+    tp_modules: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def shard_size(self) -> int:
-        return self.world_size // self.replicate
+        return self.world_size // (self.replicate * self.tensor_parallel)
 
     def layout(self) -> str:
         """How the ranks hold the parameters, e.g. ``2 x 2 mesh (replicate x shard)``."""
+        if self.tensor_parallel > 1:
+            dims = [("replicate", self.replicate)] if self.replicate > 1 else []
+            dims += [("shard", self.shard_size), ("tp", self.tensor_parallel)]
+            return (
+                f"world size {self.world_size}: "
+                f"{' x '.join(str(n) for _, n in dims)} mesh "
+                f"({' x '.join(d for d, _ in dims)}), units sharded {self.shard_size} "
+                f"ways, tensor-parallel {self.tensor_parallel} ways"
+            )
         if self.replicate == 1:
             return f"world size {self.world_size}"
         return (
             f"world size {self.world_size}: {self.replicate} x {self.shard_size} mesh "
             f"(replicate x shard), each replica sharded {self.shard_size} ways"
         )
+
+    def tp_summary(self) -> str:
+        """The tensor-parallelised modules, one entry per distinct path pattern (block
+        indices as ``*``), with their styles."""
+        seen: dict[str, str] = {}
+        for path, style in self.tp_modules:
+            pattern = ".".join("*" if p.isdigit() else p for p in path.split("."))
+            seen.setdefault(canonical_name(pattern) or "<root>", style)
+        return ", ".join(f"{p} ({s})" for p, s in seen.items())
 
     def rows(self) -> list[dict]:
         """One dict per unit, for tables (wandb, CSV)."""
@@ -77,16 +106,23 @@ class WrapPlan:
             )
         if len(shown) < len(units):
             lines.append(f"  ... {len(units) - len(shown)} more units")
+        if self.tp_modules:
+            lines.append(
+                f"  tensor-parallel ({self.tensor_parallel} ways): {self.tp_summary()}"
+            )
         return "\n".join(lines)
 
     def bytes_per_rank(self) -> int:
         return sum(u.bytes_per_rank for u in self.units)
 
 
-def wrap_plan(model: nn.Module, world_size: int = 1, replicate: int = 1) -> WrapPlan:
+def wrap_plan(
+    model: nn.Module, world_size: int = 1, replicate: int = 1, tensor_parallel: int = 1
+) -> WrapPlan:
     """The units of a wrapped (or ``plan``-backend) model, in module order; bytes per
-    rank are for ``world_size / replicate``-way sharding (HSDP with ``replicate > 1``)."""
-    shard_size = shard_group_size(world_size, replicate)
+    rank are for ``world_size / (replicate * tensor_parallel)``-way sharding (HSDP with
+    ``replicate > 1``) of what each tp rank holds."""
+    shard_size = shard_group_size(world_size, replicate * tensor_parallel)
     units = []
     for name, module in model.named_modules(remove_duplicate=True):
         info: UnitInfo | None = module.__dict__.get("_sharding_unit_info")
@@ -98,10 +134,18 @@ def wrap_plan(model: nn.Module, world_size: int = 1, replicate: int = 1) -> Wrap
                 cls=_class_name(module),
                 numel=info.numel,
                 bytes_per_rank=info.bytes_per_rank(shard_size),
+                local_numel=sum(rows * row for rows, row, _ in info.shapes),
             )
         )
     total = sum(u.numel for u in units)
-    return WrapPlan(units, world_size, total, replicate=replicate)
+    return WrapPlan(
+        units,
+        world_size,
+        total,
+        replicate=replicate,
+        tensor_parallel=tensor_parallel,
+        tp_modules=tp_modules(model),
+    )
 
 
 def _class_name(module: nn.Module) -> str:

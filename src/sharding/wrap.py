@@ -32,6 +32,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.distributed.tensor import DTensor
 
 #: Never made units themselves (their forward is not called); their children may be.
 DEFAULT_EXCLUDE_WRAP_MODULES: frozenset[type[nn.Module]] = frozenset(
@@ -86,6 +87,7 @@ class _WrapContext:
     module_overrides: dict[type, dict[str, Any]]
     policy: Any | None
     transform: Callable[[nn.Module], None] | None = None
+    parallelize: Callable[[nn.Module], None] | None = None
 
 
 _active: _WrapContext | None = None
@@ -98,6 +100,7 @@ def enable_wrap(
     module_overrides: dict[type, dict[str, Any]] | None = None,
     policy: Any | None = None,
     transform: Callable[[nn.Module], None] | None = None,
+    parallelize: Callable[[nn.Module], None] | None = None,
     **defaults: Any,
 ) -> Iterator[None]:
     """Shard annotated modules as they are constructed, inside this context.
@@ -117,6 +120,9 @@ def enable_wrap(
         transform: optional callable applied to each unit's module right before it is
             sharded, e.g. ``transforms.UnitTransform`` (activation checkpointing and
             ``torch.compile`` per unit).
+        parallelize: optional callable applied to each annotated module first (before
+            the policy) and to each unit before ``transform``: tensor parallelism
+            (``tensor_parallel.tensor_parallelize`` on the tp mesh), idempotent.
         **defaults: keyword arguments given to every ``wrapper_cls`` call.
 
     Contexts do not nest: a second ``enable_wrap`` inside the first raises
@@ -134,6 +140,7 @@ def enable_wrap(
         module_overrides=dict(module_overrides or {}),
         policy=policy,
         transform=transform,
+        parallelize=parallelize,
     )
     try:
         yield
@@ -164,6 +171,8 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
     ctx = _active
     if ctx is None:
         return module
+    if ctx.parallelize is not None and not is_wrapped(module):
+        ctx.parallelize(module)
     if ctx.policy is not None:
         return ctx.policy.annotate(module, overrides)
     return make_unit(module, **overrides)
@@ -181,6 +190,8 @@ def make_unit(module: nn.Module, **overrides: Any) -> nn.Module:
     if is_wrapped(module):  # FSDP1 returned a new module: hand back that wrapper
         return module.__dict__.get("_sharding_wrapper", module)
     kwargs = {**ctx.defaults, **_class_overrides(ctx, module), **overrides}
+    if ctx.parallelize is not None:
+        ctx.parallelize(module)
     if ctx.transform is not None:
         ctx.transform(module)
     info = _unit_info(module)
@@ -220,9 +231,12 @@ def _unit_info(module: nn.Module) -> UnitInfo:
     shapes = []
     numel = 0
     for p in _unwrapped_params(module):
-        n = p.numel()
-        numel += n
-        rows = p.shape[0] if p.dim() > 0 else 1
+        numel += p.numel()  # global (a tensor-parallel DTensor's whole size)
+        # What this rank holds before data-parallel sharding: a tensor-parallel
+        # parameter's local shard.
+        local = p.to_local() if isinstance(p, DTensor) else p
+        n = local.numel()
+        rows = local.shape[0] if local.dim() > 0 else 1
         shapes.append((rows, n // max(rows, 1), p.element_size()))
     return UnitInfo(numel=numel, shapes=shapes)
 

@@ -62,7 +62,13 @@ from src.trainer.profiling import (
     oom_error,
     watch_cuda_oom,
 )
-from src.trainer.resolved import ConfigError, Resolved, model_spec, resolve
+from src.trainer.resolved import (
+    ConfigError,
+    Resolved,
+    model_spec,
+    resolve,
+    tensor_parallel_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ def make_backend(cfg: DictConfig, device: torch.device) -> Backend:
         device,
         cfg.sharding.reshard_after_forward,
         replicate=cfg.sharding.replicate,
+        tensor_parallel=cfg.sharding.tensor_parallel,
     )
 
 
@@ -124,6 +131,7 @@ def build_model(
             init_device,
             init_fn,
             transform=transform,
+            tp_plan=tensor_parallel_plan(cfg, spec, config),
         )
     set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
     if pretrained:
@@ -210,7 +218,8 @@ def train_step(
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's share
     of the loss and the global gradient norm (before clipping)."""
     t = cfg.trainer
-    rank, world = backend.rank, backend.world_size
+    # The ranks of a tensor-parallel group read the same rows.
+    rank, world = backend.dp_rank, backend.dp_size
     model.train()
     loss_sum = torch.zeros((), device=backend.device)
     for micro in range(t.grad_accum):
@@ -219,7 +228,11 @@ def train_step(
         # trainer.grad_sync=last: gradients are reduced across ranks only on the
         # last micro-step (unsharded ones are held until then); every: each time.
         sync = micro == t.grad_accum - 1 or t.grad_sync == "every"
-        with contextlib.nullcontext() if sync else backend.no_sync(model):
+        # loss_context: tensor parallelism's loss_parallel, forward and backward.
+        with (
+            contextlib.nullcontext() if sync else backend.no_sync(model),
+            backend.loss_context(),
+        ):
             with backend.autocast():
                 loss = model(x, y)[1]  # the logits are not kept through backward
             loss = loss / t.grad_accum
@@ -243,7 +256,7 @@ def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
     model.eval()
     total = torch.zeros((), device=backend.device)
     for x, y in batches:
-        with backend.autocast():
+        with backend.autocast(), backend.loss_context():
             _, loss = model(x.to(backend.device), y.to(backend.device))
         total += loss.float()
     return global_mean(total / max(1, len(batches)))
@@ -437,13 +450,13 @@ class Trainer:
         if t.val_every and t.val_batches:
             self.val_set = GlobalBatches(
                 val_split, micro_batch, block_size, t.seed
-            ).val_batches(t.val_batches, world, rank)
+            ).val_batches(t.val_batches, backend.dp_size, backend.dp_rank)
 
         # Model, sharded as it is built; its construction peak is measured on its own.
         reset_peak_memory(self.device)
         self.model = build_model(cfg, backend, self.resolved)
         self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
-        self.plan = wrap_plan(self.model, world, backend.replicate)
+        self.plan = wrap_plan(self.model, world, backend.replicate, backend.tp)
         log_wrap_plan(self.plan, self.logger, rank)
         self.num_params = sum(u.numel for u in self.plan.units) or sum(
             p.numel() for p in self.model.parameters()

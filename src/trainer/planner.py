@@ -248,13 +248,15 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
     """The per-rank training peak of ``shape`` for the units of ``plan`` (built for
     ``shape.world`` ranks) with the activations ``acts`` of one micro-batch."""
     s = shape
-    total = plan.total_numel
+    # What one rank holds before data-parallel sharding: with tensor parallelism, its
+    # tp shard of each parameter (gathered units, unsharded gradients).
+    total = sum(u.local_numel for u in plan.units) or plan.total_numel
     root = next((u for u in plan.units if not u.path), None)
-    blocks = sorted((u.numel for u in plan.units if u.path), reverse=True)
+    blocks = sorted((u.local_numel for u in plan.units if u.path), reverse=True)
     notes: dict[str, str] = {}
     if s.shards:
         params = plan.bytes_per_rank()
-        root_numel = root.numel if root else 0
+        root_numel = root.local_numel if root else 0
         raf = s.reshard_after_forward
         kept = blocks if raf is False else blocks[: 1 + s.prefetch]
         # With a group size g, the other units keep 1/g of themselves until backward.
@@ -349,8 +351,62 @@ def build_meta_model(cfg: DictConfig) -> torch.nn.Module:
     (nothing is allocated)."""
     from src.trainer.loop import build_model
 
-    backend = build_backend("plan", cfg.precision.name, "cpu")
+    backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
     return build_model(cfg, backend, resolve(cfg), init_device="meta")
+
+
+def _tp(cfg: DictConfig) -> int:
+    return int(_select(cfg, "sharding.tensor_parallel", 1))
+
+
+def plan_of(cfg: DictConfig, model: torch.nn.Module, world: int) -> WrapPlan:
+    """The wrap plan of ``model`` (built by :func:`build_meta_model`) on ``world``
+    ranks, with ``cfg``'s HSDP replicas and tensor-parallel degree."""
+    return wrap_plan(model, world, int(cfg.sharding.replicate), _tp(cfg))
+
+
+def tp_activations(
+    cfg: DictConfig, shape: RunShape, acts: ActivationBytes, model: torch.nn.Module
+) -> ActivationBytes:
+    """One rank's activations under tensor parallelism of degree T (unchanged for
+    T = 1). With sequence parallelism every saved activation is split T ways (the
+    residual stream and norms over the sequence, attention over heads, the MLP over
+    its width), but the colwise matmuls save their all-gathered, full-sequence input
+    (two per block: attention and MLP; one block input each, what full checkpointing
+    keeps) in the blocks that are not checkpointed. Without sequence parallelism only
+    the heads and MLP width split; the estimate then keeps every activation whole (an
+    upper bound). A vocabulary-sharded output layer (``loss_parallel``) splits the
+    logits and the loss's buffers T ways. The backward working set of one block adds
+    its gathered inputs and the all-gather / reduce-scatter buffers (four block
+    inputs: the TP collectives' working set)."""
+    tp = _tp(cfg)
+    if tp == 1:
+        return acts
+    from src.trainer.resolved import tensor_parallel_plan
+
+    tpp = tensor_parallel_plan(cfg, model_spec(cfg), model_config(cfg))
+    full = activation_fn(cfg)(
+        shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
+    )
+    classes = model_spec(cfg).block_classes(model_config(cfg))
+    blocks = max(1, sum(isinstance(m, classes) for m in model.modules()))
+    block_input = full.saved // blocks  # one block's input, full sequence
+    every = shape.ac_every if shape.checkpointing == "full" else 1
+    checkpointed = (
+        0 if shape.checkpointing != "full" else math.ceil(blocks / max(1, every))
+    )
+    if tpp.sequence_parallel:
+        gathered = 2 * block_input * (blocks - checkpointed)
+        saved = acts.saved // tp + gathered
+    else:
+        saved = acts.saved
+    split = tp if tpp.loss_parallel else 1
+    return ActivationBytes(
+        saved=saved,
+        head=acts.head // split,
+        loss_transient=acts.loss_transient // split,
+        block_transient=acts.block_transient // tp + 4 * block_input,
+    )
 
 
 def activation_fn(cfg: DictConfig) -> Callable[..., ActivationBytes]:
@@ -378,7 +434,8 @@ def run_shape(cfg: DictConfig, world: int) -> RunShape:
     t, s = cfg.trainer, cfg.sharding
     prec = get_precision(cfg.precision.name)
     accum = int(t.grad_accum)
-    per_rank = math.ceil(t.batch_size / accum / world)  # the busiest rank's share
+    # the busiest rank's share; the ranks of a tensor-parallel group share rows
+    per_rank = math.ceil(t.batch_size / accum / max(1, world // _tp(cfg)))
     return RunShape(
         backend=s.backend,
         world=world,
@@ -402,7 +459,7 @@ def estimate_cfg(
     """The wrap plan and the estimate of ``cfg`` on ``world`` ranks (``model``: a meta
     model of ``cfg`` already built, reused across rank counts)."""
     model = model if model is not None else build_meta_model(cfg)
-    plan = wrap_plan(model, world, int(cfg.sharding.replicate))
+    plan = plan_of(cfg, model, world)
     shape = run_shape(cfg, world)
     acts = activation_fn(cfg)(
         shape.micro_batch,
@@ -411,7 +468,7 @@ def estimate_cfg(
         shape.checkpointing,
         shape.ac_every,
     )
-    est = estimate(plan, shape, acts)
+    est = estimate(plan, shape, tp_activations(cfg, shape, acts, model))
     if model_spec(cfg).activation_bytes is None:
         est.notes["activations"] = "not counted: the model family has no formula"
     return plan, est
@@ -538,14 +595,14 @@ def search(
         if mp not in models:
             models[mp] = build_meta_model(_with(cfg, {"sharding.min_params": mp}))
         if (mp, w) not in plans:
-            plans[mp, w] = wrap_plan(models[mp], w, int(cfg.sharding.replicate))
+            plans[mp, w] = plan_of(cfg, models[mp], w)
         if point.get(AC_KEY) == "selective" and _nested(plans[mp, w]):
             continue  # selective needs each block a unit of its own (transforms.py)
         shape = replace(
             base,
             world=w,
             grad_accum=accum,
-            micro_batch=max(1, math.ceil(batch / accum / w)),
+            micro_batch=max(1, math.ceil(batch / accum / max(1, w // _tp(cfg)))),
             grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
             checkpointing=str(point.get(AC_KEY, base.checkpointing)),
         )
@@ -556,6 +613,7 @@ def search(
             shape.checkpointing,
             shape.ac_every,
         )
+        a = tp_activations(cfg, shape, a, models[mp])
         est = estimate(plans[mp, w], shape, a)
         changed = {k: v for k, v in point.items() if v != options[k][0]}
         cand = Candidate(changed, est, _cost(currents, changed))
@@ -655,7 +713,7 @@ def default_policy(cfg: DictConfig, user_keys: set[str]) -> tuple[DictConfig, st
         or not backend_class(s.backend).shards_parameters
     ):
         return cfg, ""
-    plan = wrap_plan(build_meta_model(cfg), 1)
+    plan = plan_of(cfg, build_meta_model(cfg), _tp(cfg))
     if not _nested(plan):
         return cfg, ""
     inside = sum(1 for u in plan.units if u.path)
@@ -734,6 +792,7 @@ def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> W
         {
             "world_size": world,
             "replicate": plan.replicate,
+            "tensor_parallel": plan.tensor_parallel,
             "shard_size": plan.shard_size,
             "wrap_units": len(plan.units),
             "peak_phase": est.phase,

@@ -102,6 +102,26 @@ def import_classes(paths: Sequence[str], key: str) -> tuple[type[nn.Module], ...
     )
 
 
+def tensor_parallel_plan(cfg: DictConfig, spec: ModelSpec, config: Any) -> Any:
+    """The family's tensor-parallel plan for ``sharding.tensor_parallel`` and
+    ``sharding.sequence_parallel`` (None for tensor_parallel=1); ConfigError naming
+    the key when the family has no plan or the shape does not split."""
+    s = cfg.sharding
+    tp = s.tensor_parallel
+    if tp <= 1:
+        return None
+    if spec.tp_plan is None:
+        raise ConfigError(
+            "sharding.tensor_parallel",
+            f"model family {spec.name!r} has no tensor-parallel plan; use 1",
+        )
+    plan = keyed("sharding.tensor_parallel", spec.tp_plan, config, tp, None)
+    sp = s.sequence_parallel
+    if sp is None or sp == plan.sequence_parallel:
+        return plan
+    return keyed("sharding.sequence_parallel", spec.tp_plan, config, tp, sp)
+
+
 def _model_error(err: ValueError) -> ConfigError:
     """A model family's ``ValueError("model.<key> ...")`` as a ConfigError on that key."""
     key, _, rest = str(err).partition(" ")
