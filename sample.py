@@ -12,9 +12,15 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from src.config import exit_on_config_error, run_cli, validate, validate_sample
+from src.config import (
+    compose_run,
+    exit_on_config_error,
+    run_cli,
+    validate,
+    validate_sample,
+)
 from src.trainer.from_run import find_run, run_config, with_changes
-from src.trainer.launch import prepare, run_ranks
+from src.trainer.launch import override_keys, prepare, run_ranks
 from src.trainer.resolved import model_spec
 from src.trainer.sampling import sample_rank, sampling_changes
 
@@ -26,12 +32,15 @@ def main(cfg: DictConfig) -> list[str]:
     with exit_on_config_error():
         validate_sample(cfg)
         run_dir, checkpoint = find_run(cfg.run)
-        run_cfg, user_keys = run_config(run_dir)
+        run_cfg, overrides = run_config(run_dir)
+        run_cfg = compose_run(run_cfg, overrides)
         changes, note = sampling_changes(model_spec(run_cfg), cfg.devices)
         if note:
             log.warning(note)
         run_cfg = with_changes(run_cfg, changes)
-        run_cfg, resolved = prepare(run_cfg, validate(run_cfg), user_keys)
+        run_cfg, resolved = prepare(
+            run_cfg, validate(run_cfg), override_keys(overrides)
+        )
     opts = {
         key: cfg[key]
         for key in ("prompt", "num_samples", "max_new_tokens", "temperature")

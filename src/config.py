@@ -36,7 +36,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.cli_help import is_schema_option, user_options
+from src.cli_help import CONF_DIR, is_schema_option, user_options
 from src.models import ModelSpec, families, get_spec
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.trainer.data import DATA_SOURCES, DataConfig
@@ -530,6 +530,25 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec) -> None:
         "trainer.resume",
         f"got {t.resume!r}, expected null, auto or an existing checkpoint path",
     )
+
+
+def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """A saved run's config (``<run dir>/.hydra/config.yaml``) typed by today's
+    schema: conf/ composed with the run's command-line ``overrides``, the saved values
+    merged over it, so keys the run predates get today's defaults. If that fails (an
+    option removed since), the saved config as it is."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside sample.py's, eval.py's
+            base = compose("config", overrides=list(overrides))
+        else:
+            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+                base = compose("config", overrides=list(overrides))
+        return OmegaConf.merge(base, saved)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return saved
 
 
 def validate_sample(cfg: DictConfig) -> None:

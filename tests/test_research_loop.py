@@ -8,16 +8,23 @@ runs it: the composed config saved as ``.hydra/config.yaml``) and its run dir re
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from src.config import validate
+import eval as eval_py
+from src.config import compose_run, validate
 from src.models.generate import KVCache
+from src.trainer.data import GlobalBatches, TokenStream
+from src.trainer.evaluation import EVAL_FILE
 from src.trainer.from_run import (
     find_run,
     load_model,
@@ -25,11 +32,11 @@ from src.trainer.from_run import (
     run_tokenizer,
     with_changes,
 )
-from src.trainer.launch import prepare, run_rank, run_ranks
+from src.trainer.launch import override_keys, prepare, run_rank, run_ranks
 from src.trainer.loop import lr_lambda
 from src.trainer.resolved import ConfigError
 from src.trainer.sampling import SAMPLING_CHANGES, sample_texts
-from tests.test_train import make_cfg, read_rows, run_cmd
+from tests.test_train import ROOT, make_cfg, read_rows, run_cmd
 
 # A tiny model on 2 MB of the stdlib's sources (byte-level), one rank in this process.
 RUN = [
@@ -129,9 +136,11 @@ def llama_run(tmp_path_factory) -> Path:
 
 def open_run(run_dir: Path, **changes):
     """sample.py's steps before the ranks start: the run's config, prepared."""
-    run_cfg, user_keys = run_config(run_dir)
-    run_cfg = with_changes(run_cfg, {**SAMPLING_CHANGES, **changes})
-    return prepare(run_cfg, validate(run_cfg), user_keys)
+    run_cfg, overrides = run_config(run_dir)
+    run_cfg = with_changes(
+        compose_run(run_cfg, overrides), {**SAMPLING_CHANGES, **changes}
+    )
+    return prepare(run_cfg, validate(run_cfg), override_keys(overrides))
 
 
 def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
@@ -194,3 +203,59 @@ def test_sample_py_on_two_ranks(family, gpt_run, llama_run):
     for sample in samples:
         assert sample.startswith(prompt)
         assert len(sample.encode()) >= len(prompt) + 40  # bytes; U+FFFD is 3
+
+
+# ----------------------------------------------------------------- evaluation
+
+
+def test_eval_py_on_two_ranks_reproduces_the_runs_val_loss(gpt_run):
+    """eval.py on the run's own validation split, 2 ranks (the run trained on 1):
+    the loss is the run's last val_loss (fp32, within 1e-5), appended to eval.json."""
+    out = run_cmd(
+        [sys.executable, "eval.py", f"run={gpt_run}", "devices=2"], timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    val_loss = json.loads((gpt_run / "summary.json").read_text())["val_loss"]
+    entry = json.loads((gpt_run / "eval.json").read_text())[-1]
+    assert abs(entry["loss"] - val_loss) < 1e-5, (entry, val_loss)
+    assert entry["world_size"] == 2 and entry["step"] == 20
+    assert (entry["data"], entry["split"], entry["batches"]) == ("text", "val", 2)
+    assert f"loss {entry['loss']:.4f}" in out.stdout + out.stderr
+
+
+def test_eval_on_other_files_reads_them_with_the_runs_tokenizer(gpt_run):
+    """eval.py's steps in this process, with data=files on other text (every window
+    of it): a finite loss a trained model beats a uniform guess on, its perplexity,
+    the record appended after the others."""
+    paths = f"{sysconfig.get_paths()['stdlib']}/json/*.py"
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "eval",
+            [f"run={gpt_run}", "data=files", f"data.paths='{paths}'", "batches=all"],
+        )
+    before = (
+        len(json.loads((gpt_run / EVAL_FILE).read_text() or "[]"))
+        if (gpt_run / EVAL_FILE).is_file()
+        else 0
+    )
+    entry = eval_py.evaluate_run(cfg)
+    entries = json.loads((gpt_run / EVAL_FILE).read_text())
+    assert len(entries) == before + 1 and entries[-1] == entry
+    assert entry["data"] == "files" and entry["paths"] == paths
+    assert 0 < entry["loss"] < math.log(256)  # better than uniform over bytes
+    assert entry["perplexity"] == pytest.approx(math.exp(entry["loss"]))
+
+
+@pytest.mark.parametrize("n_tokens", [65, 100, 1000, 4097])
+def test_covering_batches_leave_no_token_out(n_tokens):
+    """``batches=all``: the fewest fixed batches whose windows hold every token."""
+    stream = TokenStream(np.arange(n_tokens), n_tokens, "test")
+    windows = GlobalBatches(stream, 3, 64, 0)
+
+    def covered(n: int) -> set[int]:
+        batches = windows.val_batches(n, 1, 0)
+        return {int(t) for x, y in batches for t in (*x.flatten(), *y.flatten())}
+
+    n = windows.covering_batches()
+    assert covered(n) == set(range(n_tokens))
+    assert n == 1 or covered(n - 1) != set(range(n_tokens))

@@ -323,6 +323,12 @@ class GlobalBatches:
         offsets = rng.integers(0, self._num_offsets, self.global_batch_size)
         return self._gather(offsets[rows])
 
+    def covering_batches(self) -> int:
+        """The fewest :meth:`val_batches` whose windows leave no token of the split
+        out (evenly spaced, at most ``block_size`` apart)."""
+        gaps = -(-(self._num_offsets - 1) // self.block_size)  # ceil
+        return max(1, -(-(gaps + 1) // self.global_batch_size))
+
     def val_batches(
         self, n: int, world_size: int, rank: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:

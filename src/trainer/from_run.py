@@ -29,7 +29,6 @@ from src.sharding import Backend
 from src.trainer.checkpoint import Checkpointer, resolve_resume, run_checkpoints
 from src.trainer.corpus import Corpus
 from src.trainer.data import DATA_SOURCES
-from src.trainer.launch import override_keys
 from src.trainer.loop import build_model, make_backend
 from src.trainer.resolved import ConfigError, Resolved
 from src.trainer.tokenizer import Tokenizer, load_tokenizer
@@ -68,12 +67,13 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
     return run_dir, checkpoint
 
 
-def run_config(run_dir: Path) -> tuple[DictConfig, set[str]]:
-    """The run's composed config and the keys its user set on the command line."""
+def run_config(run_dir: Path) -> tuple[DictConfig, list[str]]:
+    """The run's composed config and its command line's overrides (whose keys
+    ``launch.override_keys`` gives)."""
     cfg = OmegaConf.load(run_dir / RUN_CONFIG)
     overrides = run_dir / RUN_OVERRIDES
     user = OmegaConf.load(overrides) if overrides.is_file() else []
-    return cfg, override_keys(list(user))
+    return cfg, [str(o) for o in user]
 
 
 def with_changes(cfg: DictConfig, changes: Mapping[str, Any]) -> DictConfig:

@@ -46,6 +46,7 @@ class Tokenizer:
     eos_id: int
     hf: Any = None
     identity: dict = field(default_factory=dict)  # what a cache key hashes
+    path: str | None = None  # the file it was read from (a tokenizer.json, a BPE's)
 
     def encode(self, pieces: list[bytes]) -> list[np.ndarray]:
         """Token ids of each piece (UTF-8 bytes; a character cut at a split edge is
@@ -126,7 +127,9 @@ def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
         raise CorpusError(
             f"data.tokenizer: {path!r} is not a tokenizer ({reason})"
         ) from None
-    return _from_hf(hf, path, eos_token, eos_hint)
+    tokenizer = _from_hf(hf, path, eos_token, eos_hint)
+    tokenizer.path = json_file if os.path.isfile(json_file) else full
+    return tokenizer
 
 
 def bpe_tokenizer(
@@ -160,7 +163,9 @@ def bpe_tokenizer(
             verb = f"trained in {time.perf_counter() - start:.1f}s, saved to {path}"
     if verbose:
         log.info("bpe tokenizer (%d tokens): %s", hf.get_vocab_size(), verb)
-    return _from_hf(hf, f"bpe-{vocab_size}", BPE_EOS, None)
+    tokenizer = _from_hf(hf, f"bpe-{vocab_size}", BPE_EOS, None)
+    tokenizer.path = path
+    return tokenizer
 
 
 def train_bpe(corpus: Corpus, vocab_size: int, progress: bool = True) -> Any:

@@ -1,0 +1,85 @@
+"""Loss and perplexity of a trained checkpoint: ``python eval.py run=<run dir>``.
+
+The run's own composed config (``<run dir>/.hydra/config.yaml``) gives the model,
+tokenizer, sharding and data; ``data=files data.paths=...`` (any data option)
+evaluates other text, read with the run's tokenizer. Every rank evaluates its rows
+(src/trainer/evaluation.py); the result is logged, appended to ``<run dir>/eval.json``
+and to the run's wandb run. Keys in conf/eval.yaml; a config error is one line naming
+the key (exit status 2).
+"""
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from src.config import (
+    compose_run,
+    exit_on_config_error,
+    run_cli,
+    validate,
+    validate_eval,
+)
+from src.trainer.evaluation import (
+    eval_changes,
+    eval_rank,
+    log_to_wandb,
+    record,
+    write_record,
+)
+from src.trainer.from_run import find_run, run_config, with_changes
+from src.trainer.launch import override_keys, prepare, run_ranks
+
+log = logging.getLogger("eval")
+
+
+def evaluate_run(cfg: DictConfig) -> dict:
+    """Everything ``eval.py`` does for ``cfg`` (conf/eval.yaml); returns the record."""
+    with exit_on_config_error():
+        validate_eval(cfg)
+        run_dir, checkpoint = find_run(cfg.run)
+        run_cfg, overrides = run_config(run_dir)
+        run_cfg = compose_run(run_cfg, overrides)
+        run_cfg = with_changes(run_cfg, eval_changes(cfg, run_cfg))
+        run_cfg, resolved = prepare(
+            run_cfg, validate(run_cfg), override_keys(overrides)
+        )
+    opts = {key: cfg[key] for key in ("split", "batches", "batch_size")}
+    result = run_ranks(
+        eval_rank,
+        resolved.world_size,
+        run_cfg.trainer.timeout_s,
+        run_cfg,
+        resolved,
+        checkpoint,
+        opts,
+    )
+    entry = record(result, checkpoint, run_cfg, cfg.split)
+    path = write_record(run_dir, entry)
+    log.info(
+        "eval of %s (step %d) on data=%s split=%s, %d batches x %d x %d tokens, "
+        "%d rank%s: loss %.4f, perplexity %.2f (appended to %s)",
+        checkpoint,
+        entry["step"],
+        entry["data"],
+        entry["split"],
+        entry["batches"],
+        entry["batch_size"],
+        resolved.spec.seq_len(resolved.model_config),
+        entry["world_size"],
+        "" if entry["world_size"] == 1 else "s",
+        entry["loss"],
+        entry["perplexity"],
+        path,
+    )
+    log_to_wandb(run_cfg, run_dir, entry)
+    return entry
+
+
+@hydra.main(config_path="conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    return evaluate_run(cfg)["loss"]
+
+
+if __name__ == "__main__":
+    run_cli(main)

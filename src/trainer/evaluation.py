@@ -1,0 +1,133 @@
+"""Loss and perplexity of a run's checkpoint on any data source: ``eval.py``.
+
+The run's model and tokenizer (src/trainer/from_run.py), the data of the run or of
+``data=...`` read with the run's tokenizer, on every rank: each rank evaluates its
+rows of the same fixed batches the trainer validates on (``GlobalBatches.val_batches``,
+windows evenly spaced over the split) and ``loop.evaluate`` averages over ranks, so on
+the run's own validation split with its ``trainer.val_batches`` the loss is the
+run's ``val_loss`` at that step. Rank 0's result goes to ``<run dir>/eval.json`` (a
+list, one record per evaluation) and to the run's wandb run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from src.trainer.data import GlobalBatches, load_splits
+from src.trainer.from_run import load_model, run_tokenizer
+from src.trainer.loggers import write_json_atomic
+from src.trainer.loop import evaluate
+from src.trainer.resolved import Resolved
+
+log = logging.getLogger(__name__)
+
+EVAL_FILE = "eval.json"
+
+
+def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
+    """The changes to the run's config for ``eval.py``: its ranks and, with ``data``
+    given, that data read with the run's tokenizer (the model knows no other)."""
+    changes: dict[str, Any] = {
+        "trainer.devices": eval_cfg.devices,
+        "trainer.resume": None,
+        "trainer.plan_only": False,
+    }
+    if eval_cfg.data is not None:
+        data = OmegaConf.to_container(eval_cfg.data)
+        tokenizer = run_tokenizer(run_cfg)
+        if "tokenizer" in data:  # a tokenized source: the run's tokenizer reads it
+            data["tokenizer"] = tokenizer.path or "byte"  # a BPE: its cached file
+            data["eos_token"] = (
+                tokenizer.hf.id_to_token(tokenizer.eos_id) if tokenizer.hf else None
+            )
+        changes["data"] = data
+    return changes
+
+
+def eval_rank(
+    device: torch.device,
+    cfg: DictConfig,
+    resolved: Resolved,
+    checkpoint: Path,
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """One rank of eval.py: the mean loss of the run's model from ``checkpoint`` on
+    ``opts``' split, batches and batch size (None: the run's)."""
+    model, backend, step = load_model(cfg, resolved, checkpoint, device)
+    t, spec, config = cfg.trainer, resolved.spec, resolved.model_config
+    train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
+    stream = val if opts["split"] == "val" else train
+    batch = opts["batch_size"] or t.batch_size // t.grad_accum
+    windows = GlobalBatches(stream, batch, spec.seq_len(config), t.seed)
+    n = opts["batches"] or t.val_batches
+    n = windows.covering_batches() if n == "all" else int(n)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    loss = evaluate(model, windows.val_batches(n, world, rank), backend)
+    return {
+        "step": step,
+        "loss": loss,
+        "batches": n,
+        "batch_size": batch,
+        "tokens": n * batch * spec.seq_len(config),
+        "world_size": world,
+    }
+
+
+def record(
+    result: dict[str, Any], checkpoint: Path, cfg: DictConfig, split: str
+) -> dict[str, Any]:
+    """What eval.json keeps of one evaluation."""
+    data = OmegaConf.to_container(cfg.data)
+    return {
+        "checkpoint": str(checkpoint),
+        **result,
+        "perplexity": math.exp(min(result["loss"], 700.0)),
+        "data": data.get("name"),
+        "paths": data.get("paths"),
+        "split": split,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+    }
+
+
+def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
+    """Append ``entry`` to ``<run dir>/eval.json``."""
+    path = run_dir / EVAL_FILE
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = []
+    write_json_atomic(path, [*entries, entry])
+    return path
+
+
+def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> None:
+    """``eval/loss`` and ``eval/perplexity`` in the run's wandb run (its id from
+    ``<run dir>/wandb/run_id.json``: the same run continues; else a new one of
+    ``job_type="eval"``); nothing if the run logged with another logger."""
+    if OmegaConf.select(run_cfg, "logger.backend", default=None) != "wandb":
+        return
+    if OmegaConf.select(run_cfg, "logger.mode", default=None) == "disabled":
+        return
+    from src.trainer.loggers import RUN_ID_FILE, init_wandb
+
+    try:
+        resume = json.loads((run_dir / "wandb" / RUN_ID_FILE).read_text())
+        ids = {"id": resume["id"], "resume": "allow"}
+    except (OSError, ValueError, KeyError):
+        ids = {"job_type": "eval"}
+    run = init_wandb(run_cfg, run_dir, **ids)
+    figures = {"eval/loss": entry["loss"], "eval/perplexity": entry["perplexity"]}
+    run.log(figures)
+    run.summary.update({**figures, "eval/step": entry["step"]})
+    run.finish()
