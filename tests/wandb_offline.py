@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -37,6 +38,14 @@ def read_wandb_offline_records(
     wandb-core command)."""
     from wandb.util import get_core_path
 
+    if "wandb" in sys.modules:
+        # run.finish() returns once the service has handled the run's exit record;
+        # the service closes the run's files when it ends the run's stream, which
+        # nothing here waits for. teardown() waits for the service process (started
+        # by this process) to exit, so the file is read only once it is closed.
+        import wandb
+
+        wandb.teardown()
     run_file = Path(run_file) if run_file else _offline_run_file(run_dir)
     out = subprocess.run(
         [
@@ -52,7 +61,7 @@ def read_wandb_offline_records(
         capture_output=True,
         text=True,
         check=True,
-        timeout=60,
+        timeout=600,  # a guard against a hang, not a bound on a loaded machine
     )
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
