@@ -98,7 +98,14 @@ KEY_HELP = {
     "trainer.timeout_s": "collective timeout; a silent rank is named after it",
     "trainer.plan_only": "print the wrap plan and memory estimate, allocate nothing",
     "trainer.peak_tflops": "per-rank peak for MFU (null: GPU table or CPU probe)",
-    "trainer.progress": "tqdm progress bar on rank 0",
+    "trainer.progress": "tqdm progress bar on rank 0 (false: a line per log point)",
+    "trainer.log_level": "console and train.log: debug (every rank), info, warning, error",
+    "trainer.profile": "torch.profiler traces and memory timeline in <run dir>/profile",
+    "trainer.profile_start": "profile: the first profiled step",
+    "trainer.profile_steps": "profile: how many steps are profiled",
+    "trainer.profile_record_shapes": "profile: input shapes of each op in the trace",
+    "trainer.profile_with_stack": "profile: Python stacks of each op in the trace",
+    "trainer.profile_memory": "profile: allocation events (null: on on CPU, off on CUDA)",
     # data
     "data.name": "the source: text, files, tokens or synthetic (pick with data=...)",
     "data.paths": "a glob or a list of globs of your corpus (~ and ** work)",
@@ -123,6 +130,8 @@ KEY_HELP = {
     "logger.name": "wandb run name (null = wandb's default)",
     "logger.system_stats": "wandb's CPU/GPU sampling (probes cloud metadata)",
     # sweep
+    "sweep.objective": "what makes a sweep point best: val_loss, loss or tokens_per_s",
+    "sweep.direction": "min or max (null: the objective's own)",
     "sweep.mem_cap_gib": "a sweep point above this peak memory scores below all others",
 }
 
