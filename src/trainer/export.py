@@ -146,18 +146,18 @@ def _hf_named_state(
     return state, {k: to_hf_name(k) for k in state}
 
 
-def _world_spread(like: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _world_spread() -> Callable[[torch.Tensor], torch.Tensor]:
     """``spread(t)``: ``t`` (whole on every rank) as each rank's slice of it (a DTensor
-    sharded on dim 0 over all ranks, on ``like``'s device), so DCP reads or writes
-    only that slice; one process: ``t`` itself."""
+    sharded on dim 0 over all ranks, on the process group's device), so DCP reads or
+    writes only that slice; one process: ``t`` itself."""
     if not dist.is_available() or not dist.is_initialized():
         return lambda t: t
-    mesh = init_device_mesh(like.device.type, (dist.get_world_size(),))
+    device = _collective_device()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
     def spread(t: torch.Tensor) -> torch.Tensor:
         placements = [Shard(0) if t.dim() else Replicate()]
-        t = t.to(like.device)
-        return distribute_tensor(t, mesh, placements, src_data_rank=None)
+        return distribute_tensor(t.to(device), mesh, placements, src_data_rank=None)
 
     return spread
 
@@ -180,6 +180,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _collective_device() -> torch.device:
+    """Where the default process group's collectives run (NCCL: this rank's GPU)."""
     nccl = dist.get_backend() == "nccl"
     return (
         torch.device("cuda", torch.cuda.current_device())
@@ -233,7 +234,7 @@ def load_hf_weights(
     layout, ours = _layout(state, hf_names, skeleton)
     check_hf_shapes(layout.disk_shapes, directory)
     on_disk = {d: state[ours[m]] for m, d in layout.renames.items()}
-    spread = _world_spread(next(iter(state.values())))
+    spread = _world_spread()
     for group in layout.groups:
         dtype = state[ours[group.names[0]]].dtype
         for name, shape in group.disk.items():
@@ -265,7 +266,7 @@ def export_hf(
     state, hf_names = _hf_named_state(model, to_hf_name)
     layout, ours = _layout(state, hf_names, skeleton)
     out = {d: state[ours[m]] for m, d in layout.renames.items()}
-    spread = _world_spread(next(iter(state.values())))
+    spread = _world_spread()
     for group in layout.groups:
         whole = {m: _whole(state[ours[m]]) for m in group.names}
         out.update({d: spread(t) for d, t in layout.to_disk(group, whole).items()})
