@@ -463,9 +463,10 @@ def tp_plan(config: LlamaConfig, tp: int, sequence_parallel: bool | None) -> TPP
         block.update(
             {
                 "attention_norm": SequenceParallel(),
+                # (x, cos, sin, cache): only x is redistributed
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
+                    input_layouts=(Shard(1), None, None, None),
+                    desired_input_layouts=(Replicate(), None, None, None),
                 ),
                 "ffn_norm": SequenceParallel(),
                 "feed_forward": PrepareModuleInput(
