@@ -434,81 +434,19 @@ class Trainer:
     # -- build ------------------------------------------------------------------------
     def build(self) -> Trainer:
         """Everything the steps need; each rank builds only its own shards."""
-        cfg, t, rank, world = self.cfg, self.cfg.trainer, self.rank, self.world
+        cfg, t, rank = self.cfg, self.cfg.trainer, self.rank
         torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
         self._start_time = time.perf_counter()
-        self.backend = backend = make_backend(cfg, self.device)
-        # Data: every rank sees the same global batches and takes its own rows.
-        spec, model_cfg = self.resolved.spec, self.resolved.model_config
-        block_size = spec.seq_len(model_cfg)
-        micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
-        train_split, val_split = load_splits(
-            cfg.data, spec.vocab_size(model_cfg), t.seed
-        )
-        self.batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
-        self.val_set = []
-        if t.val_every and t.val_batches:
-            self.val_set = GlobalBatches(
-                val_split, micro_batch, block_size, t.seed
-            ).val_batches(t.val_batches, backend.dp_size, backend.dp_rank)
-
-        # Model, sharded as it is built; its construction peak is measured on its own.
-        reset_peak_memory(self.device)
-        self.model = build_model(cfg, backend, self.resolved)
-        self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
-        self.plan = wrap_plan(self.model, world, backend.replicate, backend.tp)
-        log_wrap_plan(self.plan, self.logger, rank)
-        self.num_params = sum(u.numel for u in self.plan.units) or sum(
-            p.numel() for p in self.model.parameters()
-        )
-
+        self.backend = make_backend(cfg, self.device)
+        self._build_data()
+        self._build_model()
         self.optimizer = build_optimizer(self.model, cfg, self.resolved)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg)
         )
-        self.scaler = backend.grad_scaler()
-        self.ckpt = Checkpointer(
-            run_checkpoints(self.run_dir),
-            keep_last=t.keep_last,
-            async_save=t.ckpt_async,
-        )
-        self.start_step, self.extended = resume(
-            cfg,
-            self.ckpt,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            rank,
-            self.scaler,
-        )
-        if self.start_step < t.max_steps:
-            # Only now, with a resume accepted and steps to train, does the wandb run
-            # start (the same one again on a resume): a refused start or "nothing to
-            # train" makes none.
-            self.logger.begin()
-        if self.start_step:
-            dropped = self.logger.drop_rows_after(self.start_step)
-            if dropped:
-                log.info(
-                    "metrics.jsonl: dropped %d rows past step %d (logged by the "
-                    "interrupted run)",
-                    dropped,
-                    self.start_step,
-                )
-        # Only rank 0 reports MFU, so only it runs the (CPU) peak-FLOP/s probe; it
-        # also says once when the hardware does not accelerate the run's precision.
-        peak = 1.0
-        if rank == 0:
-            found = peak_flops_per_rank(self.device, backend.param_dtype, t.peak_tflops)
-            if found.warning:
-                log.warning("precision=%s: %s", cfg.precision.name, found.warning)
-            peak = found.flops
-        self.meter = ThroughputMeter(
-            tokens_per_step=t.batch_size * block_size,
-            flops_per_token=spec.flops_per_token(model_cfg, block_size),
-            peak_flops_per_rank=peak,
-            world_size=world,
-        )
+        self.scaler = self.backend.grad_scaler()
+        self._resume()
+        self.meter = self._throughput_meter()
         self.logger.log(
             {
                 "init_peak_mem_gib": self.init_mem["init_peak_mem_gib"],
@@ -528,6 +466,90 @@ class Trainer:
             dynamic_ncols=True,
         )
         return self
+
+    def _build_data(self) -> None:
+        """Every rank sees the same global batches and takes its own rows."""
+        t = self.cfg.trainer
+        spec, model_cfg = self.resolved.spec, self.resolved.model_config
+        block_size = spec.seq_len(model_cfg)
+        micro_batch = t.batch_size // t.grad_accum  # global sequences per micro-step
+        train_split, val_split = load_splits(
+            self.cfg.data, spec.vocab_size(model_cfg), t.seed
+        )
+        self.batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
+        self.val_set = []
+        if t.val_every and t.val_batches:
+            self.val_set = GlobalBatches(
+                val_split, micro_batch, block_size, t.seed
+            ).val_batches(t.val_batches, self.backend.dp_size, self.backend.dp_rank)
+
+    def _build_model(self) -> None:
+        """The model, sharded as it is built (its construction peak measured on its
+        own), and its wrap plan."""
+        reset_peak_memory(self.device)
+        self.model = build_model(self.cfg, self.backend, self.resolved)
+        self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
+        self.plan = wrap_plan(
+            self.model, self.world, self.backend.replicate, self.backend.tp
+        )
+        log_wrap_plan(self.plan, self.logger, self.rank)
+        self.num_params = sum(u.numel for u in self.plan.units) or sum(
+            p.numel() for p in self.model.parameters()
+        )
+
+    def _resume(self) -> None:
+        """The checkpointer, and the state of the checkpoint resumed from (if any)."""
+        t = self.cfg.trainer
+        self.ckpt = Checkpointer(
+            run_checkpoints(self.run_dir),
+            keep_last=t.keep_last,
+            async_save=t.ckpt_async,
+        )
+        self.start_step, self.extended = resume(
+            self.cfg,
+            self.ckpt,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.rank,
+            self.scaler,
+        )
+        if self.start_step < t.max_steps:
+            # Only now, with a resume accepted and steps to train, does the wandb run
+            # start (the same one again on a resume): a refused start or "nothing to
+            # train" makes none.
+            self.logger.begin()
+        if self.start_step:
+            dropped = self.logger.drop_rows_after(self.start_step)
+            if dropped:
+                log.info(
+                    "metrics.jsonl: dropped %d rows past step %d (logged by the "
+                    "interrupted run)",
+                    dropped,
+                    self.start_step,
+                )
+
+    def _throughput_meter(self) -> ThroughputMeter:
+        """Tokens/s and MFU. Only rank 0 reports MFU, so only it runs the (CPU)
+        peak-FLOP/s probe; it also says once when the hardware does not accelerate
+        the run's precision."""
+        t = self.cfg.trainer
+        spec, model_cfg = self.resolved.spec, self.resolved.model_config
+        block_size = spec.seq_len(model_cfg)
+        peak = 1.0
+        if self.rank == 0:
+            found = peak_flops_per_rank(
+                self.device, self.backend.param_dtype, t.peak_tflops
+            )
+            if found.warning:
+                log.warning("precision=%s: %s", self.cfg.precision.name, found.warning)
+            peak = found.flops
+        return ThroughputMeter(
+            tokens_per_step=t.batch_size * block_size,
+            flops_per_token=spec.flops_per_token(model_cfg, block_size),
+            peak_flops_per_rank=peak,
+            world_size=self.world,
+        )
 
     def startup_line(self) -> str:
         """What runs, in one line: model size, backend and units, precision,
