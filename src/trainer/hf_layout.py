@@ -129,14 +129,18 @@ class HFLayout:
                 for n, p in zip(group.names, positions, strict=True)
             },
         )
+        del positions  # the reverted copies are what is kept (``where``)
         first = next(iter(disk.values()))
         flat = torch.empty(total, dtype=first.dtype, device=first.device)
-        filled = torch.zeros(total, dtype=torch.int32)
-        for name, index in where.items():
+        seen = torch.zeros(total, dtype=torch.bool)
+        count = 0
+        while where:  # each position list is dropped once used
+            name, index = where.popitem()
             index = index.reshape(-1).long()
             flat[index.to(flat.device)] = disk[name].reshape(-1).to(flat.dtype)
-            filled.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
-        if not bool((filled == 1).all()):
+            seen[index] = True
+            count += index.numel()
+        if count != total or not bool(seen.all()):  # a one-to-one move of elements
             raise ValueError(
                 f"transformers' weight conversion of {group.names[0]!r} does not "
                 "move elements one to one; it cannot be read in place"
