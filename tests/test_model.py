@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from src.models import get_spec
 from src.models.gpt import (
     GPT,
     Block,
@@ -33,7 +34,7 @@ def _batch(cfg: GPTConfig, batch: int, seq: int, seed: int = 0):
 
 
 def _preset(name: str) -> GPTConfig:
-    return GPTConfig.from_dict(OmegaConf.load(PRESETS / f"{name}.yaml"))
+    return get_spec("gpt").make_config(OmegaConf.load(PRESETS / f"{name}.yaml"))
 
 
 def test_shapes_and_untrained_loss():
@@ -252,7 +253,7 @@ def test_all_presets_exist():
 def test_preset_loads(name):
     raw = OmegaConf.load(PRESETS / f"{name}.yaml")
     assert raw.name == name and raw.init_device == "cpu"
-    cfg = GPTConfig.from_dict(raw)
+    cfg = get_spec("gpt").make_config(raw)
     assert cfg.n_embd % cfg.n_head == 0
     if cfg.vocab_size == 256:
         assert name in ("tiny", "small")  # byte-level presets

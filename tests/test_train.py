@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from src.harness import compose_config
-from src.models import GPT, GPTConfig
+from src.models import GPT, get_spec
 from src.trainer.loop import build_optimizer, lr_lambda, train
 from src.trainer.planner import plan_only
 from tests.distributed import run_distributed
@@ -59,7 +59,7 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 def test_weight_decay_only_on_matrices():
     cfg = make_cfg("model=tiny")
-    model = GPT(GPTConfig.from_dict(cfg.model))
+    model = GPT(get_spec("gpt").make_config(cfg.model))
     decay, no_decay = build_optimizer(model, cfg).param_groups
     assert decay["weight_decay"] == cfg.trainer.weight_decay
     assert no_decay["weight_decay"] == 0.0

@@ -57,7 +57,7 @@ def flops_per_token(config: CustomConfig, seq_len: int) -> float:
     return 6 * sum(p.numel() for p in model.parameters())
 
 
-SPEC = register(
+register(
     ModelSpec(
         name="custom",
         config_cls=CustomConfig,

@@ -27,8 +27,7 @@ the meta device and materialised later by calling :func:`init_tensor` per parame
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -83,14 +82,6 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping) -> GPTConfig:
-        """Build from a mapping such as the ``model`` config group (an OmegaConf
-        DictConfig works); keys that are not GPT shape fields (``name``,
-        ``init_device``) are ignored."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: cfg[k] for k in cfg if k in names})
 
 
 # --------------------------------------------------------------------------- init
@@ -395,7 +386,7 @@ def tp_plan(config: GPTConfig, tp: int, sequence_parallel: bool | None) -> TPPla
     return TPPlan({GPT: root, Block: block}, sequence_parallel=sp, loss_parallel=True)
 
 
-SPEC = register(
+register(
     ModelSpec(
         name="gpt",
         config_cls=GPTConfig,

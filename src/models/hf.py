@@ -422,7 +422,7 @@ def tp_plan(config: HFConfig, tp: int, sequence_parallel: bool | None) -> TPPlan
     return TPPlan(modules, sequence_parallel=False, loss_parallel=loss_parallel)
 
 
-SPEC = register(
+register(
     ModelSpec(
         name="hf",
         config_cls=HFConfig,

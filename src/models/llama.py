@@ -482,7 +482,7 @@ def tp_plan(config: LlamaConfig, tp: int, sequence_parallel: bool | None) -> TPP
     )
 
 
-SPEC = register(
+register(
     ModelSpec(
         name="llama",
         config_cls=LlamaConfig,

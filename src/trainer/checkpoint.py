@@ -89,11 +89,6 @@ def _world_size() -> int:
     return dist.get_world_size() if _distributed() else 1
 
 
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
 def _agree(error: BaseException | None, what: str, group: Any = None) -> None:
     """Raise on every rank if ``what`` failed on any rank.
 

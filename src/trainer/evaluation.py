@@ -94,9 +94,7 @@ def record(
         "data": data.get("name"),
         "paths": data.get("paths"),
         "split": split,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"
-        ),
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 

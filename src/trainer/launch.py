@@ -425,8 +425,8 @@ def run_rank(
             if dist.get_rank() != 0:
                 warnings.simplefilter("ignore")  # only rank 0 talks
             # FSDP2 warns whenever a unit returns a view (any Linear on 3-D input)
-            # because an in-place op on it would skip a hook; the GPT never modifies
-            # outputs in place.
+            # because an in-place op on it would skip a hook; the model families'
+            # forwards never modify outputs in place.
             warnings.filterwarnings(
                 "ignore", message=r"FSDP2-wrapped module .* view tensor"
             )
