@@ -268,10 +268,13 @@ def main(argv: list[str] | None = None) -> dict:
             )  # fmt: skip
         )
         plan, run = read_summary(plan_dir), read_summary(run_dir)
-        estimate = plan.get("total_gib")
-        if estimate is not None and not args.dry_run:
-            # The CUDA allocator's peak has no process baseline (CPU RSS has one).
-            estimate -= plan.get("process_gib", 0.0)
+        # The run's own plan (planned_peak_gib: the same quantity as peak_mem_gib),
+        # else plan-only's total (the CUDA allocator's peak has no process baseline).
+        estimate = run.get("planned_peak_gib")
+        if estimate is None and plan.get("total_gib") is not None:
+            estimate = plan["total_gib"]
+            if not args.dry_run:
+                estimate -= plan.get("process_gib", 0.0)
         peak = run.get("peak_mem_gib")
         rows.append(
             {
@@ -282,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "peak_mem_gib": peak,
                 "plan_estimate_gib": estimate,
                 "plan_error": (estimate / peak - 1) if estimate and peak else None,
+                "measured_over_planned": (peak / estimate)
+                if estimate and peak
+                else None,
                 "loss": run.get("loss"),
                 "num_params": run.get("num_params"),
             }
@@ -353,6 +359,7 @@ def _fmt(row: dict) -> dict:
         "peak allocated (GiB)": num(row["peak_mem_gib"], "{:.2f}"),
         "plan estimate (GiB)": num(row["plan_estimate_gib"], "{:.2f}"),
         "estimate / peak - 1": num(row["plan_error"], "{:+.1%}"),
+        "measured / planned": num(row["measured_over_planned"], "{:.3f}"),
         "loss": num(row["loss"], "{:.3f}"),
     }
 

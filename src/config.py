@@ -101,6 +101,7 @@ class TrainerConfig:
     grad_accum: Any = MISSING  # an int >= 1, or "auto"
     grad_sync: str = MISSING  # auto or one of src.trainer.planner.GRAD_SYNC
     mem_budget_gib: Any = MISSING  # GiB per rank or an accelerator name (planner)
+    mem_margin: float = MISSING  # the planner's safety margin: estimate x (1 + m) fits
     seed: int = MISSING
     log_every: int = MISSING
     val_every: int = MISSING
@@ -483,6 +484,11 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     )
     _choice(cfg, "trainer.grad_sync", ("auto", *GRAD_SYNC))
     budget_bytes(t.mem_budget_gib)
+    _require(
+        _is_number(t.mem_margin) and 0 <= t.mem_margin < 1,
+        "trainer.mem_margin",
+        f"got {t.mem_margin!r}, expected a fraction in [0, 1) such as 0.1",
+    )
     accum = 1 if accum == "auto" else int(accum)
     micro = t.batch_size // accum
     tp = cfg.sharding.tensor_parallel  # the ranks of a tp group read the same rows

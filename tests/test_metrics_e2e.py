@@ -77,3 +77,10 @@ def test_two_rank_run_logs_plausible_metrics_to_offline_wandb(tmp_path):
     assert run_record["summary"]["val/val_loss"] > 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["world_size"] == 2
+    # The planner's estimate, computed once by the launcher, beside the measured peak
+    # (the same quantity) in every sink, and in the closing line.
+    planned = summary["planned_peak_gib"]
+    assert 0.5 < summary["peak_mem_gib"] / planned < 1.5
+    assert run_record["summary"]["planned_peak_gib"] == planned
+    assert all(r["planned_peak_gib"] == planned for r in jsonl if "peak_mem_gib" in r)
+    assert f"planned {planned:.3f} GiB, measured " in run.stdout

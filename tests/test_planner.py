@@ -112,6 +112,60 @@ def test_activation_formula_by_hand():
     assert selective.block_transient == block - sel_kept + 5120
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traced_activations_equal_the_formulas(dtype):
+    """The fake-tensor trace (src/models/trace.py, what families without a formula
+    get) against the hand-written GPT and Llama formulas, every checkpointing mode:
+    the saved bytes and the head's to the byte; the backward's working set, followed
+    op by op, within 10% of the formula's peak (5% without selective checkpointing:
+    the trace sees the selective recomputation's buffers ~7% above the formula)."""
+    from src.models.llama import Llama, LlamaConfig
+    from src.models.llama import activation_bytes as llama_bytes
+    from src.models.trace import traced_activation_bytes
+
+    models = [
+        (GPT, GPTConfig(n_layer=3, n_head=4, n_embd=128, vocab_size=256,
+                        block_size=128), activation_bytes),
+        (Llama, LlamaConfig(dim=128, n_layers=3, n_heads=4, n_kv_heads=2,
+                            vocab_size=256, multiple_of=32, max_seq_len=128),
+         llama_bytes),
+    ]  # fmt: skip
+    for cls, cfg, formula in models:
+        with torch.device("meta"):
+            model = cls(cfg)
+        traced = traced_activation_bytes(model, (cls.block_cls,))
+        for mode, every in (("none", 1), ("full", 1), ("full", 2), ("selective", 1)):
+            for micro in (2, 3):  # 3: extrapolated from traces of 1 and 2
+                got = traced(micro, 128, dtype.itemsize, mode, every)
+                want = formula(cfg, micro, 128, dtype.itemsize, mode, every)
+                what = (cls.__name__, mode, every, micro)
+                assert (got.saved, got.head) == (want.saved, want.head), what
+                rel = 0.10 if mode == "selective" else 0.05
+                assert got.peak == pytest.approx(want.peak, rel=rel), what
+
+
+def test_traced_hf_activations_match_a_real_forward():
+    """Hugging Face models (GQA Qwen2 with tied embeddings, GPT-NeoX's parallel
+    residual and partial rotary): the traced saved bytes against what autograd keeps
+    in a real forward of the same model; and plan-only now counts them."""
+    from src.models.hf import HFConfig, block_classes, build, eager_on_fake_tensors
+    from src.models.trace import traced_activation_bytes
+
+    for name in ("tiny_qwen2", "tiny_gpt_neox"):
+        config = HFConfig(config=name, block_size=64)
+        with torch.device("meta"):
+            meta = build(config, 0)
+        traced = traced_activation_bytes(
+            meta, block_classes(config), eager_on_fake_tensors
+        )(2, 64, 4)
+        real = _saved_bytes(build(config, 0).train(), 256, 64)
+        assert traced.saved + traced.head == pytest.approx(real, rel=0.01), name
+    cfg = _compose("model=hf", "model.config=tiny_qwen2", "model.block_size=64")
+    _, est = planner.estimate_cfg(cfg, 2)
+    assert est.parts["activations"] > 0 and est.parts["loss"] > 0
+    assert "traced" in est.notes["activations"]
+
+
 # -------------------------------------------------------------- the estimate
 
 # A root of 1000 parameters (embedding + head) and two blocks of 300, on 2 ranks:
@@ -299,6 +353,38 @@ def test_70b_on_64_ranks_fits_a_budget_in_seconds_allocating_nothing(tmp_path, c
     assert seconds < 60  # ~4 s on an idle 2-core machine
     if peak_resets:  # 65B fp32 parameters are 242 GiB: nothing of them is allocated
         assert metrics.cpu_peak_rss_bytes() - before < 0.25 * GIB
+
+
+def test_llama3_70b_on_64_ranks_plans_in_seconds_with_its_safety_margin(
+    tmp_path, capsys
+):
+    """llama3_70b on 64 ranks: plan-only under 10 s of CPU time; the budget verdict
+    and the fix are judged with the stated safety margin (trainer.mem_margin)."""
+    import time
+
+    cfg = _compose(
+        "model=llama3_70b",
+        "trainer.devices=64",
+        "trainer.mem_budget_gib=h100_80gb",
+        "logger=none",
+    )
+    start = time.process_time()
+    planner.plan_only(cfg, str(tmp_path))
+    assert time.process_time() - start < 10
+    out = capsys.readouterr().out
+    assert "(+10% safety margin, trainer.mem_margin: " in out
+    fix = next(line for line in out.splitlines() if line.startswith("cheapest"))
+    assert fix.startswith(
+        "cheapest change that fits: sharding.activation_checkpointing"
+    )
+    # The margin decides: a budget between the estimate and estimate x 1.1 fails.
+    cfg = planner._with(cfg, {"trainer.mem_budget_gib": 80})  # GiB: this device
+    _, est = planner.estimate_cfg(cfg, 64)
+    budget = est.total * 1.05 / GIB
+    tight = planner._with(cfg, {"trainer.mem_budget_gib": budget})
+    assert planner.budget_check(tight) == pytest.approx((est.total * 1.1 / GIB, budget))
+    loose = planner._with(tight, {"trainer.mem_margin": 0.0})
+    assert planner.budget_check(loose) is None
 
 
 @pytest.mark.slow

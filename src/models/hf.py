@@ -28,10 +28,11 @@ the wrap context.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,6 +367,26 @@ def generate(
     )
 
 
+@contextlib.contextmanager
+def eager_on_fake_tensors() -> Iterator[None]:
+    """transformers takes a fake tensor for a graph being compiled (``is_tracing``)
+    and then materialises the causal mask and repeats GQA's keys and values, which an
+    eager run does not: the planner's fake-tensor trace (src/models/trace.py) runs
+    in this context, so it follows the eager path it measures. Packed sequences are
+    looked for by reading the positions (data a fake tensor has not); the trainer's
+    are never packed."""
+    from transformers import masking_utils
+    from transformers.utils import import_utils
+
+    saved = import_utils.is_fake_tensor, masking_utils.find_packed_sequence_indices
+    import_utils.is_fake_tensor = lambda x: False
+    masking_utils.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor, masking_utils.find_packed_sequence_indices = saved
+
+
 def flops_per_token(config: HFConfig, seq_len: int) -> int:
     """``6 N + 12 n_layers hidden seq_len`` as for the GPT: N the parameters in
     matmuls (all but the input embedding, unless tied to the head)."""
@@ -432,6 +453,8 @@ register(
         init_tensor=init_tensor,
         generate=generate,
         vocab_size=lambda config: config.hf_config.get_text_config().vocab_size,
+        imports=("transformers",),
+        trace_context=eager_on_fake_tensors,
         hf=HFAdapter(
             to_hf_name=lambda name: name.removeprefix(PREFIX),
             hf_config=lambda config: config.hf_config,

@@ -38,20 +38,41 @@ class ActivationBytes:
         return self.saved + max(self.head + self.loss_transient, self.block_transient)
 
 
+def backward_peak(kept: list[int], excess: list[int]) -> int:
+    """``block_transient`` of blocks that keep ``kept[i]`` bytes each and whose
+    backward holds at most ``excess[i]`` bytes above that: backward runs from the
+    last block to the first; while block ``b`` runs, blocks ``0..b`` still hold what
+    they kept. The largest of these, minus everything kept (counted in ``saved``)."""
+    peak, alive = 0, sum(kept)
+    for b in reversed(range(len(kept))):
+        peak = max(peak, alive + excess[b])
+        alive -= kept[b]
+    return peak - sum(kept)
+
+
 def backward_blocks(
     kept: list[int], full: int, checkpointed: list[bool], work: int
 ) -> int:
-    """``block_transient`` for blocks that keep ``kept[i]`` bytes each (``full`` without
-    checkpointing): backward runs from the last block to the first; while block ``b``
-    runs, blocks ``0..b`` still hold what they kept, a checkpointed ``b`` has its
-    dropped activations back (``full - kept[b]``) and ``work`` bytes of gradients are
-    in flight. The largest of these, minus everything kept (counted in ``saved``)."""
-    peak, alive = 0, sum(kept)
-    for b in reversed(range(len(kept))):
-        back = full - kept[b] if checkpointed[b] else 0
-        peak = max(peak, alive + back + work)
-        alive -= kept[b]
-    return peak - sum(kept)
+    """:func:`backward_peak` of blocks that keep ``kept[i]`` bytes (``full`` without
+    checkpointing): a checkpointed block has its dropped activations back
+    (``full - kept[b]``) while its backward runs, and ``work`` bytes of gradients are
+    in flight."""
+    return backward_peak(
+        kept,
+        [
+            (full - k if c else 0) + work
+            for k, c in zip(kept, checkpointed, strict=True)
+        ],
+    )
+
+
+def checkpointed_blocks(layers: int, checkpointing: str, every: int) -> list[bool]:
+    """Which of ``layers`` blocks src/sharding/transforms.py checkpoints: ``full``
+    blocks 0, ``every``, 2 ``every``, ...; ``selective`` every block."""
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
+    every = every if checkpointing == "full" else 1
+    return [checkpointing != "none" and i % every == 0 for i in range(layers)]
 
 
 def block_activations(
@@ -65,13 +86,9 @@ def block_activations(
     work: int,
 ) -> ActivationBytes:
     """The :class:`ActivationBytes` of ``layers`` blocks that each save ``block``
-    bytes, or ``kept[checkpointing]`` when checkpointed: ``full`` checkpoints blocks
-    0, ``every``, 2 ``every``, ...; ``selective`` every block. ``work``: the gradients
-    in flight in one block's backward."""
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
-    every = every if checkpointing == "full" else 1  # selective: every block
-    ckpt = [checkpointing != "none" and i % every == 0 for i in range(layers)]
+    bytes, or ``kept[checkpointing]`` when checkpointed (:func:`checkpointed_blocks`).
+    ``work``: the gradients in flight in one block's backward."""
+    ckpt = checkpointed_blocks(layers, checkpointing, every)
     kept_per_block = [kept[checkpointing] if c else block for c in ckpt]
     return ActivationBytes(
         saved=sum(kept_per_block),

@@ -11,6 +11,7 @@ block classes (``sharding.policy=block``), the per-parameter init by canonical n
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -102,6 +103,12 @@ class ModelSpec:
     # or None for the family's default) -> src.sharding.TPPlan; ValueError (one line)
     # if the shape does not split that many ways. None: no tensor parallelism.
     tp_plan: Callable[[Any, int, bool | None], Any] | None = None
+    # Modules the family imports beyond torch (the planner's process baseline grows
+    # by their resident size: planner.IMPORT_BYTES).
+    imports: tuple[str, ...] = ()
+    # Optional: a context the planner traces the model's activations in (fake
+    # tensors, src/models/trace.py), for a family whose code branches on them.
+    trace_context: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def make_config(self, model_cfg: Mapping) -> Any:
         """The family's config from the ``model`` node (shared keys are ignored).

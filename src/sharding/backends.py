@@ -185,6 +185,9 @@ class Backend:
     explicit_prefetch: ClassVar[bool]  # takes forward/backward prefetch depths
     allocates: ClassVar[bool]  # the built model holds real tensors
     tensor_parallel: ClassVar[bool]  # takes tensor_parallel > 1 (a tp mesh dimension)
+    # a unit's all-gather output is copied into its parameters' own unsharded
+    # tensors (both alive at once while it is gathered)
+    gather_copy_out: ClassVar[bool]
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "distributed",
         "wraps_units",
@@ -196,6 +199,7 @@ class Backend:
         "explicit_prefetch",
         "allocates",
         "tensor_parallel",
+        "gather_copy_out",
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -377,6 +381,7 @@ class SingleProcessBackend(Backend):
     explicit_prefetch = False
     allocates = True
     tensor_parallel = False
+    gather_copy_out = False
 
 
 class DDPBackend(Backend):
@@ -387,6 +392,7 @@ class DDPBackend(Backend):
     wraps_units = False
     shards_parameters = False
     bucketed_gradients = True  # gradient_as_bucket_view=False: a second copy
+    gather_copy_out = False
     meta_init = False
     hybrid = False
     partial_reshard = False
@@ -414,6 +420,7 @@ class _FSDPBackend(Backend):
     hybrid = True
     allocates = True
     tensor_parallel = False
+    gather_copy_out = False  # FSDP1: the flat parameter is the all-gather's output
 
     def place(self, model: nn.Module) -> nn.Module:
         return model
@@ -435,6 +442,7 @@ class FSDP2Backend(_FSDPBackend):
     meta_init = True
     partial_reshard = True
     explicit_prefetch = True
+    gather_copy_out = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

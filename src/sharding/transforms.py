@@ -135,14 +135,16 @@ class UnitTransform:
                 "or the block policy) or use full checkpointing"
             )
         if selective or (self.checkpointing == "full" and index % self.every == 0):
-            forward = _checkpointed(forward, selective)
+            forward = checkpointed(forward, selective)
         if self.compile:
             forward = torch.compile(forward)
         module.forward = forward
         module.__dict__[_TRANSFORMED] = True
 
 
-def _checkpointed(forward: Callable, selective: bool) -> Callable:
+def checkpointed(forward: Callable, selective: bool) -> Callable:
+    """``forward`` under torch's non-reentrant checkpoint (``selective``: keeping the
+    outputs of :data:`SAVED_OPS`); also what the planner traces (src/models/trace.py)."""
     context_fn = _selective_contexts if selective else None
 
     @functools.wraps(forward)

@@ -64,7 +64,13 @@ from src.trainer.logs import (
     set_log_level,
 )
 from src.trainer.loop import train
-from src.trainer.planner import default_policy, plan_only, resolve_auto
+from src.trainer.planner import (
+    default_policy,
+    plan_only,
+    plan_run,
+    planned_peak_gib,
+    resolve_auto,
+)
 from src.trainer.resolved import ConfigError, Resolved, model_config, under_torchrun
 
 log = logging.getLogger(__name__)
@@ -93,7 +99,22 @@ def prepare(
     if _is_rank0():
         for line in reasons:
             log.info(line)
+        if not cfg.trainer.plan_only:  # rank 0 logs it: planned once, by rank 0
+            planned = _planned_peak_gib(cfg, _world_from_env() or resolved.world_size)
+            resolved = dataclasses.replace(resolved, planned_peak_gib=planned)
     return cfg, resolved
+
+
+def _planned_peak_gib(cfg: DictConfig, world: int) -> float | None:
+    """The planner's ``peak_mem_gib`` for this run; None (said in one line) if the
+    planner cannot estimate it: training does not depend on it."""
+    try:
+        return planned_peak_gib(plan_run(cfg, world))
+    except Exception as err:  # e.g. a custom model the meta device cannot build
+        log.warning(
+            "planner: no estimate for this run (%s: %s)", type(err).__name__, err
+        )
+        return None
 
 
 def _world_from_env() -> int | None:

@@ -243,6 +243,9 @@ class WandbSink(Sink):
             self.run.finish(exit_code=exit_code)
 
 
+#: A measured peak this far (relative) from the planned one is warned about.
+PLAN_DRIFT = 0.15
+
 # The closing summary's figures: (summary key, label, format).
 _CLOSING_FIGURES = (
     ("loss", "loss", "{:.4f}"),
@@ -272,7 +275,16 @@ class ConsoleSink(Sink):
             f"{label} {fmt.format(s[key])}"
             for key, label, fmt in _CLOSING_FIGURES
             if isinstance(s.get(key), int | float)
+            and not (key == "peak_mem_gib" and s.get("planned_peak_gib"))
         )
+        planned, measured = s.get("planned_peak_gib"), s.get("peak_mem_gib")
+        drift = None
+        if planned and isinstance(measured, int | float):
+            drift = measured / planned - 1
+            figures += (
+                f", peak memory/rank planned {planned:.3f} GiB, measured "
+                f"{measured:.3f} GiB ({drift:+.0%})"
+            )
         took = f" in {s['wall_time_s']:.0f} s" if "wall_time_s" in s else ""
         lines = [
             f"finished {s.get('steps', '?')} steps{took}: {figures}",
@@ -281,6 +293,13 @@ class ConsoleSink(Sink):
         if self.wandb_sync:
             lines.append(f"upload to wandb: wandb sync {self.wandb_sync}")
         log.info("\n".join(lines))
+        if drift is not None and abs(drift) > PLAN_DRIFT:
+            log.warning(
+                "the measured peak memory is %+.0f%% off the planner's estimate "
+                "(more than %.0f%%): the planner misjudges this run (docs/planner.md)",
+                100 * drift,
+                100 * PLAN_DRIFT,
+            )
 
 
 class Logger:

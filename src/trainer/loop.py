@@ -452,6 +452,7 @@ class Trainer:
                 "init_peak_mem_gib": self.init_mem["init_peak_mem_gib"],
                 "num_params": self.num_params,
                 "wrap_units": len(self.plan.units),
+                **self._planned(),
             },
             step=self.start_step,
         )
@@ -607,6 +608,11 @@ class Trainer:
         self.logger.log_table("profile", rows)
         self.logger.log_artifact("profile", "profile", directory)
 
+    def _planned(self) -> dict[str, float]:
+        """The planner's ``peak_mem_gib`` (launcher's estimate), logged beside it."""
+        planned = self.resolved.planned_peak_gib
+        return {} if planned is None else {"planned_peak_gib": planned}
+
     # -- the parts of a step ------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any] | None:
         """Optimizer step ``step`` (1-based). At a log point (the first and the last
@@ -645,6 +651,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             **(speed or {}),
             **reduce_max_min(memory_metrics(self.device)),
+            **self._planned(),
         }
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.get_scale()
@@ -712,6 +719,7 @@ class Trainer:
             wrap_units=len(self.plan.units),
             init_peak_mem_gib=self.init_mem["init_peak_mem_gib"],
             wall_time_s=time.perf_counter() - self._start_time,
+            **self._planned(),
         )
         self.logger.log_summary(self.summary)
         return self.summary

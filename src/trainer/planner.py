@@ -37,6 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.models.memory import ActivationBytes
+from src.models.trace import traced_activation_bytes
 from src.sharding import (
     GIB,
     MIB,
@@ -98,17 +99,33 @@ def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
 #: touched by backward and the optimizer, gloo buffers, autograd bookkeeping), per
 #: device type and compute-dtype width. CPU: fitted to bench/plan_vs_measured.py (the
 #: mean residual of its configurations; peak RSS above the process baseline, glibc
-#: retention removed); bf16 on CPU adds ~12 MiB whatever the model size (oneDNN's
-#: bf16 kernels and their scratch buffers). CUDA: not calibrated yet (no GPU in the
+#: retention removed, the model's classes built once on meta before the baseline);
+#: bf16 on CPU adds ~12 MiB whatever the model size (oneDNN's bf16 kernels and their
+#: scratch buffers). CUDA: not calibrated yet (no GPU in the
 #: calibration runs): a margin for the allocator's cached blocks and workspaces.
 RUNTIME_BYTES: dict[str, dict[int, int]] = {
-    "cpu": {4: 44 * MIB, 2: 56 * MIB},
+    "cpu": {4: 21 * MIB, 2: 33 * MIB},
     "cuda": {4: 512 * MIB, 2: 512 * MIB},
 }
 #: The process itself before the model exists: Python + torch + the process group
-#: (CPU: resident set measured in docs/benchmarks.md; CUDA: the context, outside the
+#: + the model's code (CPU: the resident set bench/plan_vs_measured.py measures just
+#: before the model is built, its ``process`` column; CUDA: the context, outside the
 #: allocator's counters).
-PROCESS_BYTES: dict[str, int] = {"cpu": 290 * MIB, "cuda": 600 * MIB}
+PROCESS_BYTES: dict[str, int] = {"cpu": 312 * MIB, "cuda": 600 * MIB}
+#: What a model family's own imports add to the process baseline (its spec's
+#: ``imports``), CPU resident set measured by bench/plan_vs_measured.py (the
+#: ``process`` column): transformers with its model classes.
+IMPORT_BYTES: dict[str, int] = {"transformers": 78 * MIB}
+
+
+def process_bytes(device: str, imports: Iterable[str] = ()) -> int:
+    """The process baseline on ``device`` with the modules ``imports`` loaded (host
+    memory: on CUDA only the context counts, outside the allocator)."""
+    base = PROCESS_BYTES.get(device, PROCESS_BYTES["cuda"])
+    return base + (
+        sum(IMPORT_BYTES.get(m, 0) for m in imports) if device == "cpu" else 0
+    )
+
 
 GRAD_SYNC = ("last", "every")
 AC_KEY = "sharding.activation_checkpointing"
@@ -162,6 +179,10 @@ class RunShape:
     @property
     def bucketed_gradients(self) -> bool:
         return backend_class(self.backend).bucketed_gradients
+
+    @property
+    def gather_copy_out(self) -> bool:
+        return backend_class(self.backend).gather_copy_out
 
     @property
     def mixed(self) -> bool:
@@ -244,19 +265,24 @@ def runtime_bytes(device: str, param_bytes: int) -> int:
     return table.get(param_bytes, table[4])
 
 
-def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate:
+def estimate(
+    plan: WrapPlan, shape: RunShape, acts: ActivationBytes, process: int | None = None
+) -> Estimate:
     """The per-rank training peak of ``shape`` for the units of ``plan`` (built for
-    ``shape.world`` ranks) with the activations ``acts`` of one micro-batch."""
+    ``shape.world`` ranks) with the activations ``acts`` of one micro-batch;
+    ``process``: the process baseline (default: :data:`PROCESS_BYTES` of the device)."""
     s = shape
     # What one rank holds before data-parallel sharding: with tensor parallelism, its
     # tp shard of each parameter (gathered units, unsharded gradients).
     total = sum(u.local_numel for u in plan.units) or plan.total_numel
     root = next((u for u in plan.units if not u.path), None)
     blocks = sorted((u.local_numel for u in plan.units if u.path), reverse=True)
+    root_numel = root.local_numel if root else 0
     notes: dict[str, str] = {}
+    # What each moment holds beyond the parameters and optimizer state.
+    buckets = 0
     if s.shards:
         params = plan.bytes_per_rank()
-        root_numel = root.local_numel if root else 0
         raf = s.reshard_after_forward
         kept = blocks if raf is False else blocks[: 1 + s.prefetch]
         # With a group size g, the other units keep 1/g of themselves until backward.
@@ -268,22 +294,33 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
         )
         sharded_grads = params
         unsharded_grads = total * s.reduce_bytes
+        # The unit whose backward ends last before the peak: the largest block, or
+        # the root of a model that is one unit (its gradients are the whole model's).
         largest_unit = blocks[0] if blocks else root_numel
         # A unit's unsharded gradients and the reduce-scatter's flat input, alive
-        # together; the root's head gradient is held until the end of backward.
+        # together; the root's head gradient is held until the end of backward
+        # (counted once: with no other unit it is the unit's own).
         unit_grads = largest_unit * (s.param_bytes + s.reduce_bytes)
-        root_grad = root_numel * s.param_bytes
+        root_grad = root_numel * s.param_bytes if blocks else 0
         shard_of_largest = max((u.bytes_per_rank for u in plan.units), default=0)
         mp = shard_of_largest // 4 * s.param_bytes if s.mixed else 0
         final_grads = sharded_grads
+        # FSDP2 copies a unit out of the all-gather's flat output into its own
+        # unsharded parameters: both alive at once while the unit is gathered.
+        gather_copy = largest_unit * s.param_bytes if s.gather_copy_out else 0
     else:
         params = total * 4
         gathered = 0
         unsharded_grads = total * 4
         sharded_grads = unsharded_grads
-        # DDP copies gradients into its buckets (gradient_as_bucket_view=False).
-        final_grads = unsharded_grads * (2 if s.bucketed_gradients else 1)
-        unit_grads, root_grad = 0, 0
+        final_grads = unsharded_grads
+        # The head's gradient is the first one backward makes, held to its end.
+        unit_grads, root_grad, gather_copy = 0, root_numel * 4 if blocks else 0, 0
+        if s.bucketed_gradients:
+            # DDP copies gradients into its buckets (gradient_as_bucket_view=False),
+            # allocated (and zeroed) when the model is wrapped: held in every moment.
+            buckets = unsharded_grads
+            notes["grads"] = "+ DDP's gradient buckets, allocated at construction"
         shard_of_largest = max((u.numel * 4 for u in plan.units), default=params)
         # Autocast keeps a low-precision copy of each weight for backward.
         mp = total * s.param_bytes if s.mixed else 0
@@ -296,7 +333,9 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
         notes["grads"] = (
             f"held from earlier micro-batches, "
             f"{'sharded' if every and s.shards else 'unsharded'}"
+            + (", + DDP's gradient buckets" if buckets else "")
         )
+    held += buckets
     # The update's temporaries: torch's foreach AdamW (CUDA) one fp32 copy of all
     # local states, the per-tensor one (CPU) about one parameter's.
     opt_temp = params if s.device == "cuda" else shard_of_largest
@@ -306,9 +345,19 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
         "optimizer": optimizer,
         "mixed_precision": mp,
         "runtime": runtime_bytes(s.device, s.param_bytes),
-        "process": PROCESS_BYTES.get(s.device, PROCESS_BYTES["cuda"]),
+        "process": process_bytes(s.device) if process is None else process,
     }
+    # The last block's all-gather in forward: every earlier block's activations are
+    # saved (a one-unit model gathers before any).
+    before_last = acts.saved - acts.saved // len(blocks) if blocks else 0
     phases = {
+        "forward": {
+            **base,
+            "grads": held,
+            "activations": before_last,
+            "loss": 0,
+            "transient": gather_copy,
+        },
         "loss backward": {
             **base,
             "grads": held,
@@ -319,15 +368,18 @@ def estimate(plan: WrapPlan, shape: RunShape, acts: ActivationBytes) -> Estimate
         "block backward": {
             **base,
             "grads": held + root_grad,
-            "activations": acts.saved,
+            # A one-unit model reduces its gradients after the whole backward, when
+            # every activation is freed.
+            "activations": acts.saved if blocks or not s.shards else 0,
             "loss": 0,
-            "transient": acts.block_transient + unit_grads,
+            "transient": (acts.block_transient if blocks or not s.shards else 0)
+            + unit_grads,
         },
         "optimizer step": {
             **base,
             "gathered_units": 0,
             "mixed_precision": 0,
-            "grads": final_grads,
+            "grads": final_grads + buckets,
             "activations": 0,
             "loss": 0,
             "transient": opt_temp,
@@ -411,12 +463,27 @@ def tp_activations(
 
 def activation_fn(cfg: DictConfig) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
-    to ``cfg.model``; a family without one counts no activations (said in the
-    estimate's notes)."""
+    to ``cfg.model``; for a family without one (``hf``, ``custom``), the activations
+    traced on fake tensors (src/models/trace.py), cached per model config."""
     spec, config = model_spec(cfg), model_config(cfg)
-    if spec.activation_bytes is None:
-        return lambda *_: ActivationBytes(0, 0, 0, 0)
-    return functools.partial(spec.activation_bytes, config)
+    if spec.activation_bytes is not None:
+        return functools.partial(spec.activation_bytes, config)
+    key = (spec.name, repr(config))
+    if key not in _TRACED:
+        with torch.device("meta"):
+            model = spec.build(config, 0)
+        _TRACED[key] = traced_activation_bytes(
+            model, spec.block_classes(config), spec.trace_context
+        )
+    return _TRACED[key]
+
+
+_TRACED: dict[tuple[str, str], Callable[..., ActivationBytes]] = {}
+
+
+def family_process_bytes(cfg: DictConfig, device: str) -> int:
+    """The process baseline of a run of ``cfg``'s model family (its imports)."""
+    return process_bytes(device, model_spec(cfg).imports)
 
 
 def device_type(cfg: DictConfig) -> str:
@@ -468,13 +535,48 @@ def estimate_cfg(
         shape.checkpointing,
         shape.ac_every,
     )
-    est = estimate(plan, shape, tp_activations(cfg, shape, acts, model))
+    acts = tp_activations(cfg, shape, acts, model)
+    est = estimate(plan, shape, acts, family_process_bytes(cfg, shape.device))
     if model_spec(cfg).activation_bytes is None:
-        est.notes["activations"] = "not counted: the model family has no formula"
+        est.notes["activations"] = "traced: one block per block class, fake tensors"
     return plan, est
 
 
+def planned_peak_gib(est: Estimate) -> float:
+    """The estimate as the quantity a run measures (``peak_mem_gib``): the process's
+    peak resident set on CPU (baseline included), the allocator's peak on CUDA (the
+    context is outside it)."""
+    return (est.total if est.shape.device == "cpu" else est.training) / GIB
+
+
+def plan_run(cfg: DictConfig, world: int) -> Estimate:
+    """The estimate of a run about to start (every ``auto`` value resolved): computed
+    once, before the ranks start, so each run logs it beside what it measures."""
+    return estimate_cfg(cfg, world)[1]
+
+
 # ---------------------------------------------------------------- the budget
+
+MARGIN_KEY = "trainer.mem_margin"
+
+
+def mem_margin(cfg: DictConfig) -> float:
+    """The safety margin of a fit (``trainer.mem_margin``; 0 when the key is absent)."""
+    return float(_select(cfg, MARGIN_KEY, 0.0))
+
+
+def needed(est: Estimate, margin: float) -> int:
+    """What a budget must hold for ``est`` to fit: its total with the safety margin."""
+    return int(est.total * (1 + margin))
+
+
+def _with_margin(est: Estimate, margin: float) -> str:
+    if not margin:
+        return _gib(est.total)
+    return (
+        f"{_gib(est.total)} (+{margin:.0%} safety margin, {MARGIN_KEY}: "
+        f"{_gib(needed(est, margin))})"
+    )
 
 
 def machine_budget_bytes(world: int) -> int:
@@ -578,9 +680,11 @@ def search(
     in which :func:`_options` lists the values (the current value first). One meta
     model per ``sharding.min_params`` value; everything else is arithmetic."""
     options = _options(cfg, keys, world, max_world or world)
+    margin = mem_margin(cfg)
     currents = {k: values[0] for k, values in options.items()}
     base = run_shape(cfg, world)
     acts = activation_fn(cfg)
+    process = family_process_bytes(cfg, base.device)
     batch = int(cfg.trainer.batch_size)
     models: dict[float, torch.nn.Module] = {}
     plans: dict[tuple[float, int], WrapPlan] = {}
@@ -614,12 +718,13 @@ def search(
             shape.ac_every,
         )
         a = tp_activations(cfg, shape, a, models[mp])
-        est = estimate(plans[mp, w], shape, a)
+        est = estimate(plans[mp, w], shape, a, process)
         changed = {k: v for k, v in point.items() if v != options[k][0]}
         cand = Candidate(changed, est, _cost(currents, changed))
         if smallest is None or est.total < smallest.estimate.total:
             smallest = cand
-        if est.total <= budget and (best is None or cand.cost < best.cost):
+        fits = needed(est, margin) <= budget
+        if fits and (best is None or cand.cost < best.cost):
             best = cand
     assert smallest is not None
     return best, smallest
@@ -684,7 +789,8 @@ def resolve_auto(
     out = _with(cfg, values)
     est = chosen.estimate
     verdict = (
-        f"the cheapest setting whose estimate, {_gib(est.total)}, fits {_gib(budget)} "
+        f"the cheapest setting whose estimate, {_with_margin(est, mem_margin(cfg))}, "
+        f"fits {_gib(budget)} "
         f"({source})"
         if best
         else f"nothing fits {_gib(budget)} ({source}); this is the smallest estimate, "
@@ -747,14 +853,23 @@ def fit_report(cfg: DictConfig, est: Estimate, world: int) -> tuple[str, dict]:
     budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
     if budget is None:
         return "", {}
-    margin = budget - est.total
-    info = {"budget_gib": budget / GIB, "fits": margin >= 0, "margin_gib": margin / GIB}
+    pct = mem_margin(cfg)
+    need = needed(est, pct)
+    margin = budget - need
+    info = {
+        "budget_gib": budget / GIB,
+        "fits": margin >= 0,
+        "margin_gib": margin / GIB,
+        "mem_margin": pct,
+    }
     if margin >= 0:
         return (
-            f"fits: {_gib(est.total)} of {_gib(budget)} per rank "
-            f"(margin {_gib(margin)}, {margin / budget:.0%})"
+            f"fits: {_with_margin(est, pct)} of {_gib(budget)} per rank "
+            f"(headroom {_gib(margin)}, {margin / budget:.0%})"
         ), info
-    lines = [f"does not fit: needs {_gib(est.total)} > budget {_gib(budget)} per rank"]
+    lines = [
+        f"does not fit: needs {_with_margin(est, pct)} > budget {_gib(budget)} per rank"
+    ]
     keys = [*AUTO_KEYS, "trainer.devices"]
     best, smallest = search(cfg, keys, budget, world, max_world=world * 64)
     if best is None:
@@ -763,10 +878,11 @@ def fit_report(cfg: DictConfig, est: Estimate, world: int) -> tuple[str, dict]:
             f" with {smallest.describe()}"
         )
     else:
-        m = budget - best.estimate.total
+        m = budget - needed(best.estimate, pct)
         lines.append(
-            f"cheapest change that fits: {best.describe()} -> {_gib(best.estimate.total)}"
-            f" (margin {_gib(m)}, relative cost x{best.cost:.2f})"
+            f"cheapest change that fits: {best.describe()} -> "
+            f"{_with_margin(best.estimate, pct)}"
+            f" (headroom {_gib(m)}, relative cost x{best.cost:.2f})"
         )
         info["fix"] = best.describe()
     return "\n".join(lines), info
@@ -816,4 +932,5 @@ def budget_check(cfg: DictConfig) -> tuple[float, float] | None:
         return None
     cfg, _ = resolve_auto(cfg)
     _, est = estimate_cfg(cfg, resolve_devices(cfg.trainer.devices))
-    return (est.total / GIB, budget / GIB) if est.total > budget else None
+    need = needed(est, mem_margin(cfg))
+    return (need / GIB, budget / GIB) if need > budget else None

@@ -52,6 +52,9 @@ class Resolved:
     policies: tuple[str, ...]
     exclude_wrap_modules: tuple[type[nn.Module], ...]
     force_leaf_modules: tuple[type[nn.Module], ...]
+    # The planner's predicted peak_mem_gib (set by the launcher before the ranks
+    # start; None when not planned, e.g. the planner failed on a custom model).
+    planned_peak_gib: float | None = None
 
 
 def resolve(cfg: DictConfig) -> Resolved:
