@@ -78,6 +78,7 @@ KEY_HELP = {
     "trainer.grad_accum": "micro-batches per step, or auto (the planner picks)",
     "trainer.grad_sync": "gradient reduction with grad_accum > 1: auto, last or every",
     "trainer.mem_budget_gib": "GiB per rank or an accelerator name, for the planner",
+    "trainer.mem_margin": "the planner's safety margin: a fit needs estimate x (1 + m)",
     "trainer.seed": "seed of the model init and the batches",
     "trainer.log_every": "steps between logged rows (metrics.jsonl, wandb)",
     "trainer.val_every": "steps between validations (0 = none)",

@@ -81,6 +81,8 @@ def test_two_rank_run_logs_plausible_metrics_to_offline_wandb(tmp_path):
     # (the same quantity) in every sink, and in the closing line.
     planned = summary["planned_peak_gib"]
     assert 0.5 < summary["peak_mem_gib"] / planned < 1.5
-    assert run_record["summary"]["planned_peak_gib"] == planned
+    wandb_summary = run_record["summary"]
+    assert wandb_summary["train/planned_peak_gib"] == planned
+    assert "train/peak_mem_gib" in wandb_summary
     assert all(r["planned_peak_gib"] == planned for r in jsonl if "peak_mem_gib" in r)
     assert f"planned {planned:.3f} GiB, measured " in run.stdout
