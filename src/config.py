@@ -295,7 +295,10 @@ def check_pretrained(cfg: DictConfig) -> None:
     config = model_config(cfg)
     with torch.device("meta"):
         model = spec.build(config, 0)
-    shapes = {spec.hf.to_hf_name(n): p.shape for n, p in model.named_parameters()}
+    shapes = {
+        spec.hf.to_hf_name(n): p.shape[::-1] if spec.hf.transposed(n) else p.shape
+        for n, p in model.named_parameters()
+    }
     layout = keyed(
         "model.pretrained", HFLayout, spec.hf.converting_model(config), shapes
     )
@@ -513,6 +516,8 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec) -> None:
         "trainer.export",
         f"hf needs a Hugging Face adapter, which model family {spec.name!r} has not",
     )
+    if t.export == "hf":  # a shape transformers' class cannot hold (GPT without bias)
+        keyed("trainer.export", spec.hf.hf_config, model_config(cfg))
     _require(t.lr > 0, "trainer.lr", f"got {t.lr}, expected > 0")
     _require(
         0 <= t.min_lr <= t.lr, "trainer.min_lr", f"got {t.min_lr}, expected [0, lr]"

@@ -155,10 +155,18 @@ def test_checkpoint_with_more_layers_than_the_model_is_refused(tiny_llama_dir):
 
 
 def test_pretrained_and_export_need_a_hugging_face_adapter(tiny_llama_dir):
-    message = pretrained_error("model=tiny", f"model.pretrained={tiny_llama_dir}")
-    assert message.startswith("model.pretrained:") and "'gpt'" in message
-    assert pretrained_error("model=tiny", "trainer.export=hf").startswith(
+    # Every native family has one (GPT's is GPT2LMHeadModel); a user's own model not.
+    custom = ["model=custom", "model._target_=tests.test_models.TinyLM"]
+    message = pretrained_error(*custom, f"model.pretrained={tiny_llama_dir}")
+    assert message.startswith("model.pretrained:") and "'custom'" in message
+    assert pretrained_error(*custom, "trainer.export=hf").startswith(
         "trainer.export: hf needs a Hugging Face adapter"
+    )
+    # GPT has one: a Llama checkpoint is refused for its names, not for the family.
+    message = pretrained_error("model=tiny", f"model.pretrained={tiny_llama_dir}")
+    assert (
+        message.startswith("model.pretrained:")
+        and "which the configured model has not" in message
     )
     assert pretrained_error("trainer.export=onnx").startswith("trainer.export: got")
 

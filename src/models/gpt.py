@@ -27,6 +27,7 @@ the meta device and materialised later by calling :func:`init_tensor` per parame
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from src.models.generate import KVCache, LayerKV
 from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
+    HFAdapter,
     ModelSpec,
     check_positive_ints,
     check_tp_divides,
@@ -386,6 +388,60 @@ def tp_plan(config: GPTConfig, tp: int, sequence_parallel: bool | None) -> TPPla
     return TPPlan({GPT: root, Block: block}, sequence_parallel=sp, loss_parallel=True)
 
 
+# ------------------------------------------------------------- Hugging Face names
+
+HF_PREFIX = "transformer."  # GPT2LMHeadModel's body; its lm_head is tied to wte
+_CONV1D = re.compile(
+    r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight"
+)
+
+
+def to_hf_name(name: str) -> str:
+    """Our canonical name -> transformers' ``GPT2LMHeadModel`` name: the same module
+    names (this file follows GPT-2's), under ``transformer.``; the head is tied to
+    ``transformer.wte.weight`` (and never written: it is that tensor)."""
+    return name if name == "lm_head.weight" else HF_PREFIX + name
+
+
+def hf_transposed(name: str) -> bool:
+    """GPT-2's projections are ``Conv1D`` modules, whose weight is (in, out): the
+    transpose of our ``nn.Linear``'s (out, in)."""
+    return _CONV1D.fullmatch(name) is not None
+
+
+def to_hf_config(config: GPTConfig):
+    """The ``transformers.GPT2Config`` of the same model: exact GELU (``gelu``, as
+    ``nn.GELU()``; GPT-2's own is the tanh approximation ``gelu_new``), LayerNorm eps
+    1e-5, dropout everywhere, head tied to the token embedding. The special token ids
+    are left to the export, which knows the tokenizer (GPT-2's 50256 is not ours)."""
+    if not config.bias:
+        raise ValueError(
+            "model.bias=false: transformers' GPT2LMHeadModel always has biases; "
+            "export with trainer.export=true (model.safetensors) instead"
+        )
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_inner=4 * config.n_embd,
+        activation_function="gelu",
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
+        layer_norm_epsilon=1e-5,
+        scale_attn_weights=True,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        architectures=["GPT2LMHeadModel"],
+    )
+
+
 register(
     ModelSpec(
         name="gpt",
@@ -397,5 +453,8 @@ register(
         activation_bytes=activation_bytes,
         kv_cache=True,
         tp_plan=tp_plan,
+        hf=HFAdapter(
+            to_hf_name=to_hf_name, hf_config=to_hf_config, transposed=hf_transposed
+        ),
     )
 )

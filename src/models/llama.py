@@ -376,6 +376,10 @@ def to_hf_config(config: LlamaConfig):
         tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
+        # Llama's own 1 and 2 are not our tokenizers' ids: the export sets them.
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
 
 

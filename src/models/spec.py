@@ -56,7 +56,12 @@ class HFAdapter:
     ``trainer.export=hf`` (a directory ``from_pretrained`` opens)."""
 
     to_hf_name: Callable[[str], str]  # our canonical name -> the transformers name
-    hf_config: Callable[[Any], Any]  # (config) -> transformers.PretrainedConfig
+    # (config) -> transformers.PretrainedConfig; ValueError naming the model.* key
+    # for a shape transformers' class cannot hold.
+    hf_config: Callable[[Any], Any]
+    # (our canonical name) -> True where transformers stores the transpose of our
+    # 2-D weight (GPT-2's Conv1D keeps (in, out), nn.Linear (out, in)).
+    transposed: Callable[[str], bool] = lambda name: False
     # (config) -> the transformers model on the meta device, whose weight conversion
     # (transformers' conversion_mapping: fused MoE experts in memory, one tensor per
     # expert on disk) maps those names to the layout save_pretrained writes; None:

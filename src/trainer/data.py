@@ -31,8 +31,10 @@ import torch
 from omegaconf import MISSING, OmegaConf
 
 from src.registry import Registry, no_check
+from src.trainer.corpus import Corpus
 from src.trainer.resolved import ConfigError, model_config, model_spec
 from src.trainer.token_cache import SPLITS, token_cache
+from src.trainer.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,14 @@ def prepare_data(
     if verbose:
         log.info("data ready in %.2fs", time.perf_counter() - start)
     return meta
+
+
+def run_tokenizer(data_cfg: Any) -> Tokenizer | None:
+    """The tokenizer the run's text was tokenized with (``data.tokenizer``; a BPE from
+    its cache), or None for the sources without one (``synthetic``, ``tokens``)."""
+    if not DATA_SOURCES[data_cfg.name].tokenized:
+        return None
+    return load_tokenizer(data_cfg, Corpus.from_config(data_cfg), verbose=False)
 
 
 def follow_tokenizer_vocab(cfg: Any, meta: dict, user_keys: set[str]) -> None:

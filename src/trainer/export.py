@@ -37,6 +37,7 @@ from src.sharding import canonical_name
 from src.trainer.checkpoint import _agree, _plain_errors, _quiet_single_process, _rank
 from src.trainer.hf_layout import HFLayout
 from src.trainer.loggers import atomic_path
+from src.trainer.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
 
 # -------------------------------------------------------------------- export
 
@@ -137,13 +138,48 @@ def check_hf_shapes(
 
 
 def _hf_named_state(
-    model: nn.Module, to_hf_name: Callable[[str], str]
+    model: nn.Module,
+    to_hf_name: Callable[[str], str],
+    transposed: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The model's (sharded, never gathered) parameters by canonical name, each tied
-    tensor once, and canonical name -> transformers name."""
+    tensor once, as transformers holds them (``transposed`` names: the transpose, a
+    sharded tensor of its own; each rank keeps only its slice), and canonical name ->
+    transformers name."""
     params = {canonical_name(n, model) for n, _ in model.named_parameters()}
     state = {k: v for k, v in get_model_state_dict(model).items() if k in params}
+    if transposed is not None:
+        state = {k: _transposed(v) if transposed(k) else v for k, v in state.items()}
     return state, {k: to_hf_name(k) for k in state}
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """The transpose of a 2-D (sharded) tensor as a new contiguous tensor of the same
+    kind, each rank holding the transpose of its own slice: a DTensor's shard dim
+    swaps, an FSDP1 ShardedTensor's shard offsets and sizes swap; nothing is gathered.
+    """
+    from torch.distributed._shard.sharded_tensor import (
+        Shard as LocalShard,
+    )
+    from torch.distributed._shard.sharded_tensor import (
+        ShardedTensor,
+        ShardMetadata,
+    )
+
+    if isinstance(t, ShardedTensor):
+        shards = [
+            LocalShard(
+                s.tensor.t().contiguous(),
+                ShardMetadata(
+                    shard_offsets=list(s.metadata.shard_offsets)[::-1],
+                    shard_sizes=list(s.metadata.shard_sizes)[::-1],
+                    placement=s.metadata.placement,
+                ),
+            )
+            for s in t.local_shards()
+        ]
+        return ShardedTensor._init_from_local_shards(shards, *reversed(t.size()))
+    return t.detach().t().contiguous()  # a DTensor stays one (Shard(0) -> Shard(1))
 
 
 def _world_spread() -> Callable[[torch.Tensor], torch.Tensor]:
@@ -224,13 +260,15 @@ def load_hf_weights(
     directory: str | Path,
     to_hf_name: Callable[[str], str],
     skeleton: nn.Module | None = None,
+    transposed: Callable[[str], bool] | None = None,
 ) -> None:
     """Load a Hugging Face safetensors checkpoint (as ``save_pretrained`` writes it)
     into the (sharded) model in place; each rank reads only its own slices. Tensors
     that transformers converts on load (``skeleton``'s conversion: fused MoE experts)
-    are read as slices over all ranks, then converted one group at a time. A
+    are read as slices over all ranks, then converted one group at a time; the
+    ``transposed`` ones (GPT-2's Conv1D) are read into their transpose's slices. A
     collective: every rank calls it."""
-    state, hf_names = _hf_named_state(model, to_hf_name)
+    state, hf_names = _hf_named_state(model, to_hf_name, transposed)
     layout, ours = _layout(state, hf_names, skeleton)
     check_hf_shapes(layout.disk_shapes, directory)
     on_disk = {d: state[ours[m]] for m, d in layout.renames.items()}
@@ -242,6 +280,8 @@ def load_hf_weights(
     with _quiet_single_process(), _plain_errors(f"load from {directory}"):
         dcp.load(on_disk, storage_reader=HuggingFaceStorageReader(str(directory)))
     loaded = {ours[m]: on_disk[d] for m, d in layout.renames.items()}
+    if transposed is not None:  # back to our layout
+        loaded = {k: _transposed(v) if transposed(k) else v for k, v in loaded.items()}
     for group in layout.groups:
         disk = {d: _whole(on_disk.pop(d)) for d in group.disk}
         for name, whole in layout.to_memory(group, disk).items():
@@ -255,15 +295,23 @@ def export_hf(
     to_hf_name: Callable[[str], str],
     hf_config: Any,
     skeleton: nn.Module | None = None,
+    transposed: Callable[[str], bool] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> None:
     """Write ``directory`` with ``config.json`` and safetensors in the layout
     ``save_pretrained`` writes (``skeleton``'s conversion reverted: one tensor per MoE
-    expert), which ``AutoModelForCausalLM.from_pretrained`` opens. A collective: every
-    rank writes its shards (a converted group is gathered, converted, and each rank
-    writes its slice of the result), rank 0 consolidates them (tensor by tensor) and
-    removes the per-rank files."""
+    expert; ``transposed`` names as their transpose), which
+    ``AutoModelForCausalLM.from_pretrained`` opens. A collective: every rank writes
+    its shards (a converted group is gathered, converted, and each rank writes its
+    slice of the result), rank 0 consolidates them (tensor by tensor) and removes the
+    per-rank files.
+
+    With the run's ``tokenizer`` (rank 0's is enough), rank 0 also writes its
+    ``tokenizer.json`` / ``tokenizer_config.json`` (``AutoTokenizer`` opens them) and
+    sets the config's ``eos_token_id`` (what the tokenizer ends documents with),
+    ``bos_token_id`` and ``pad_token_id`` (the tokenizer's own, else None)."""
     directory = Path(directory)
-    state, hf_names = _hf_named_state(model, to_hf_name)
+    state, hf_names = _hf_named_state(model, to_hf_name, transposed)
     layout, ours = _layout(state, hf_names, skeleton)
     out = {d: state[ours[m]] for m, d in layout.renames.items()}
     spread = _world_spread()
@@ -278,6 +326,10 @@ def export_hf(
     error = None
     if _rank() == 0:
         try:
+            if tokenizer is not None:
+                for key, value in special_ids(tokenizer).items():
+                    setattr(hf_config, key, value)
+                save_hf_tokenizer(tokenizer, directory)
             hf_config.save_pretrained(directory)
             shutil.rmtree(directory / "sharded", ignore_errors=True)
         except Exception as exc:

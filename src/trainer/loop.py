@@ -43,7 +43,7 @@ from src.trainer.checkpoint import (
     resolve_resume,
     run_checkpoints,
 )
-from src.trainer.data import GlobalBatches, load_splits
+from src.trainer.data import GlobalBatches, load_splits, run_tokenizer
 from src.trainer.export import export_consolidated, export_hf, load_hf_weights
 from src.trainer.faults import RunError, Stopped, stop_signal
 from src.trainer.loggers import Logger, build_logger
@@ -140,6 +140,7 @@ def build_model(
             os.path.expanduser(pretrained),
             spec.hf.to_hf_name,
             spec.hf.converting_model(config),
+            spec.hf.transposed,
         )
     return model
 
@@ -705,6 +706,9 @@ class Trainer:
                     hf.to_hf_name,
                     hf.hf_config(config),
                     hf.converting_model(config),
+                    hf.transposed,
+                    # The run's tokenizer goes next to the weights (rank 0 writes).
+                    run_tokenizer(self.cfg.data) if self.rank == 0 else None,
                 )
             else:
                 export_path = Path(self.run_dir) / "model.safetensors"

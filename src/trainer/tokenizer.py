@@ -47,6 +47,10 @@ class Tokenizer:
     hf: Any = None
     identity: dict = field(default_factory=dict)  # what a cache key hashes
     path: str | None = None  # the file it was read from (a tokenizer.json, a BPE's)
+    # A tokenizer directory's own beginning-of-text and padding tokens (its
+    # tokenizer_config.json), for the Hugging Face export; byte and bpe have none.
+    bos_token: str | None = None
+    pad_token: str | None = None
 
     def encode(self, pieces: list[bytes]) -> list[np.ndarray]:
         """Token ids of each piece (UTF-8 bytes; a character cut at a split edge is
@@ -91,14 +95,20 @@ def _from_hf(hf: Any, name: str, eos_token: str | None, eos_hint: str | None):
     )
 
 
-def _eos_from_config(directory: str) -> str | None:
-    """``eos_token`` of a Hugging Face ``tokenizer_config.json``, if any."""
+def _special_from_config(directory: str, key: str) -> str | None:
+    """``key`` (``eos_token``, ``bos_token``...) of a Hugging Face
+    ``tokenizer_config.json``, if any."""
     path = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        eos = json.load(f).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+        token = json.load(f).get(key)
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _eos_from_config(directory: str) -> str | None:
+    """``eos_token`` of a Hugging Face ``tokenizer_config.json``, if any."""
+    return _special_from_config(directory, "eos_token")
 
 
 def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
@@ -129,6 +139,10 @@ def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
         ) from None
     tokenizer = _from_hf(hf, path, eos_token, eos_hint)
     tokenizer.path = json_file if os.path.isfile(json_file) else full
+    for key in ("bos_token", "pad_token"):
+        token = _special_from_config(directory, key)
+        if token is not None and hf.token_to_id(token) is not None:
+            setattr(tokenizer, key, token)
     return tokenizer
 
 
@@ -209,3 +223,61 @@ def load_tokenizer(
 def cache_path(cfg: Any) -> str:
     """``data.cache_dir``, expanded."""
     return os.path.abspath(os.path.expanduser(str(cfg.cache_dir)))
+
+
+# ---------------------------------------------------------- Hugging Face export
+
+
+def byte_level_hf() -> Any:
+    """The byte tokenizer as a ``tokenizers.Tokenizer`` that gives the same ids: a
+    BPE without merges whose vocabulary is the 256 bytes (``<0x01>`` .. ``<0xFF>``,
+    as sentencepiece's byte fallback names them), so every UTF-8 byte of the text
+    falls back to its own id; id 0 is the NUL character itself, which is also the
+    end-of-document token (a NUL in the text is byte 0 either way)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {chr(BYTE_EOS): BYTE_EOS}
+    vocab.update({f"<0x{b:02X}>": b for b in range(BYTE_VOCAB) if b != BYTE_EOS})
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return hf
+
+
+def special_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
+    """``eos_token_id`` (what the tokenizer ends documents with), ``bos_token_id``
+    and ``pad_token_id`` (the tokenizer's own, else None) for a model config."""
+    hf = tokenizer.hf
+
+    def id_of(token: str | None) -> int | None:
+        return None if token is None or hf is None else hf.token_to_id(token)
+
+    return {
+        "eos_token_id": tokenizer.eos_id,
+        "bos_token_id": id_of(tokenizer.bos_token),
+        "pad_token_id": id_of(tokenizer.pad_token),
+    }
+
+
+def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``, so
+    that ``transformers.AutoTokenizer.from_pretrained(directory)`` encodes text to
+    the same ids as the run (without special tokens, as the run encodes documents),
+    with the run's end-of-document token as ``eos_token`` (and the tokenizer
+    directory's own ``bos_token`` / ``pad_token``, if it has them)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    # A copy: marking the special tokens must not change the run's own tokenizer.
+    hf = (
+        HFTokenizer.from_str(tokenizer.hf.to_str()) if tokenizer.hf else byte_level_hf()
+    )
+    specials = {
+        "eos_token": hf.id_to_token(tokenizer.eos_id),
+        "bos_token": tokenizer.bos_token,
+        "pad_token": tokenizer.pad_token,
+    }
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=hf, **{k: v for k, v in specials.items() if v is not None}
+    )
+    fast.save_pretrained(str(directory))

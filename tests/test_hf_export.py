@@ -1,0 +1,153 @@
+"""``trainer.export=hf`` for the native families: GPT as transformers' GPT2LMHeadModel
+(Conv1D transposes, tied head), the run's tokenizer next to the weights (byte and
+BPE, opened by AutoTokenizer) and the tokenizer's special ids in config.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from src.config import CONFIG_ERRORS, one_line, validate
+from src.sharding import build_backend
+from src.trainer.data import run_tokenizer
+from src.trainer.export import export_hf
+from src.trainer.loop import build_model, train
+from src.trainer.resolved import resolve
+from src.trainer.tokenizer import BPE_EOS, byte_tokenizer
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = 'héllo wörld,\n\t"quoted" zß€ 😀 <0x00> <|end>\x00 and more text. ' * 3
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(x)
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
+def test_gpt_exports_as_gpt2_with_the_byte_tokenizer_and_loads_back(tmp_path):
+    """One process: the native GPT's logits equal those of GPT2LMHeadModel opened from
+    its export, AutoTokenizer encodes as the byte tokenizer, config.json has its ids;
+    and the export loads back into the native GPT (model.pretrained)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = make_cfg(
+        "model=tiny", "model.dropout=0.0", "sharding=none", "trainer.devices=1"
+    )
+    validate(cfg)
+    resolved = resolve(cfg)
+    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved).eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = _logits(model, x)
+    hf, config = resolved.spec.hf, resolved.model_config
+    out = tmp_path / "hf"
+    export_hf(
+        model,
+        out,
+        hf.to_hf_name,
+        hf.hf_config(config),
+        hf.converting_model(config),
+        hf.transposed,
+        byte_tokenizer(),
+    )
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported).__name__ == "GPT2LMHeadModel"
+    assert (ours - _logits(exported, x)).abs().max() < 1e-5
+    assert exported.lm_head.weight is exported.transformer.wte.weight  # tied
+
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["eos_token_id"] == 0  # the byte tokenizer ends documents with NUL
+    assert saved["bos_token_id"] is None and saved["pad_token_id"] is None
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok(TEXT)["input_ids"] == list(TEXT.encode())  # = the run's byte ids
+    assert tok.eos_token_id == 0 and tok.decode(list(TEXT.encode())) == TEXT
+
+    # And back: the export as model.pretrained of the native GPT (Conv1D transposed
+    # again on load).
+    back_cfg = make_cfg(
+        "model=tiny", "sharding=none", "trainer.devices=1", f"model.pretrained={out}"
+    )
+    validate(back_cfg)
+    back = build_model(
+        back_cfg, build_backend("none", "fp32", "cpu"), resolve(back_cfg)
+    )
+    assert (ours - _logits(back.eval(), x)).abs().max() < 1e-6
+
+
+def test_gpt_export_refuses_a_shape_gpt2_cannot_hold():
+    with pytest.raises(CONFIG_ERRORS) as info:
+        validate(make_cfg("model=tiny", "model.bias=false", "trainer.export=hf"))
+    message = one_line(info.value)
+    assert (
+        message.startswith("trainer.export: model.bias=false") and "\n" not in message
+    )
+
+
+def _train_and_export(rank: int, world: int, run_dir: str, overrides: list) -> dict:
+    cfg = make_cfg(*overrides)
+    validate(cfg)
+    train(cfg, run_dir, torch.device("cpu"))
+    tokenizer = run_tokenizer(cfg.data)
+    # The export loaded back into the sharded GPT (each rank reads the transpose of
+    # its own slices): its logits, to compare with GPT2LMHeadModel's.
+    back = make_cfg(*overrides, f"model.pretrained={run_dir}/hf")
+    model = build_model(back, build_backend("fsdp2", "fp32", "cpu"), resolve(back))
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {
+        "eos": tokenizer.eos_id,
+        "ids": tokenizer.encode([TEXT.encode()])[0],
+        "x": x,
+        "logits": _logits(model.eval(), x),
+    }
+
+
+@pytest.mark.slow
+def test_trainer_exports_the_bpe_tokenizer_and_its_eos(tmp_path):
+    """The trainer's path on 2 ranks (FSDP2: the Conv1D transposes are written from
+    each rank's slices): model=tiny on a text file with a BPE, trainer.export=hf."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 40)
+    run_dir = tmp_path / "run"
+    overrides = [
+        "model=tiny",
+        "model.vocab_size=320",  # the launcher would make it follow the BPE's 300
+        "data=files",
+        f"data.paths={corpus}",
+        "data.tokenizer=bpe",
+        "data.bpe_vocab_size=300",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.devices=2",
+        "trainer.batch_size=4",
+        "trainer.max_steps=2",
+        "trainer.val_every=0",
+        "trainer.progress=false",
+        "trainer.peak_tflops=1",
+        "trainer.export=hf",
+        "logger=none",
+    ]
+    # The launcher builds the token cache (and the BPE) before the ranks start.
+    from src.trainer.data import prepare_data
+
+    prepare_data(make_cfg(*overrides).data, verbose=False)
+    result = run_distributed(_train_and_export, 2, str(run_dir), overrides)[0]
+    out = run_dir / "hf"
+    saved = json.loads((out / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(out)
+    assert saved["eos_token_id"] == result["eos"] == tok.convert_tokens_to_ids(BPE_EOS)
+    assert tok.eos_token == BPE_EOS and saved["bos_token_id"] is None
+    assert tok(TEXT)["input_ids"] == result["ids"].tolist()  # as the run encodes
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert (_logits(model, result["x"]) - result["logits"]).abs().max() < 1e-5
