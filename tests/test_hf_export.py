@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.sharding import build_backend
-from src.trainer.data import run_tokenizer
+from src.trainer.data import tokenizer_of
 from src.trainer.export import export_hf
 from src.trainer.loop import build_model, train
 from src.trainer.resolved import resolve
@@ -97,7 +97,7 @@ def _train_and_export(rank: int, world: int, run_dir: str, overrides: list) -> d
     cfg = make_cfg(*overrides)
     validate(cfg)
     train(cfg, run_dir, torch.device("cpu"))
-    tokenizer = run_tokenizer(cfg.data)
+    tokenizer = tokenizer_of(cfg.data)
     # The export loaded back into the sharded GPT (each rank reads the transpose of
     # its own slices): its logits, to compare with GPT2LMHeadModel's.
     back = make_cfg(*overrides, f"model.pretrained={run_dir}/hf")

@@ -112,7 +112,7 @@ def prepare_data(
     return meta
 
 
-def run_tokenizer(data_cfg: Any) -> Tokenizer | None:
+def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     """The tokenizer the run's text was tokenized with (``data.tokenizer``; a BPE from
     its cache), or None for the sources without one (``synthetic``, ``tokens``)."""
     if not DATA_SOURCES[data_cfg.name].tokenized:

@@ -27,11 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.sharding import Backend
 from src.trainer.checkpoint import Checkpointer, resolve_resume, run_checkpoints
-from src.trainer.corpus import Corpus
-from src.trainer.data import DATA_SOURCES
+from src.trainer.data import DATA_SOURCES, tokenizer_of
 from src.trainer.loop import build_model, make_backend
 from src.trainer.resolved import ConfigError, Resolved
-from src.trainer.tokenizer import Tokenizer, load_tokenizer
+from src.trainer.tokenizer import Tokenizer
 
 RUN_CONFIG = Path(".hydra") / "config.yaml"
 RUN_OVERRIDES = Path(".hydra") / "overrides.yaml"
@@ -88,14 +87,15 @@ def run_tokenizer(cfg: DictConfig) -> Tokenizer:
     """The tokenizer the run trained with (``data.tokenizer``: byte, the BPE trained
     on its corpus and cached, or a path). A run on token ids (``data=tokens`` or
     ``synthetic``) has none: ConfigError."""
-    if not DATA_SOURCES[cfg.data.name].tokenized:
+    tokenizer = tokenizer_of(cfg.data)
+    if tokenizer is None:
         text = [n for n in DATA_SOURCES if DATA_SOURCES[n].tokenized]
         raise ConfigError(
             "data",
             f"the run trained on data={cfg.data.name} (token ids, no tokenizer); "
             f"text in and out needs a run on data={' or data='.join(text)}",
         )
-    return load_tokenizer(cfg.data, Corpus.from_config(cfg.data), verbose=False)
+    return tokenizer
 
 
 def load_model(

@@ -43,7 +43,7 @@ from src.trainer.checkpoint import (
     resolve_resume,
     run_checkpoints,
 )
-from src.trainer.data import GlobalBatches, load_splits, run_tokenizer
+from src.trainer.data import GlobalBatches, load_splits, tokenizer_of
 from src.trainer.export import export_consolidated, export_hf, load_hf_weights
 from src.trainer.faults import RunError, Stopped, stop_signal
 from src.trainer.loggers import Logger, build_logger
@@ -708,7 +708,7 @@ class Trainer:
                     hf.converting_model(config),
                     hf.transposed,
                     # The run's tokenizer goes next to the weights (rank 0 writes).
-                    run_tokenizer(self.cfg.data) if self.rank == 0 else None,
+                    tokenizer_of(self.cfg.data) if self.rank == 0 else None,
                 )
             else:
                 export_path = Path(self.run_dir) / "model.safetensors"
