@@ -4,9 +4,11 @@ A GPU machine is lent only now and then, for minutes, so this is one command tha
 everything in order and never stops at the first failure:
 
 1. ``tests``: the test subset with CUDA variants (``pytest -m cuda``);
-2. for each config (eager, then per-unit compile): the planner's estimate
-   (``trainer.plan_only=true``, allocates nothing), then the trainer itself for a short
-   fixed number of steps, through ``train.py`` as a user runs it;
+2. for each config (eager, per-unit compile, then ``tp2``: tensor + sequence
+   parallelism over 2 devices with FSDP2 over the rest, skipped with a line on a
+   machine with fewer devices): the planner's estimate (``trainer.plan_only=true``,
+   allocates nothing), then the trainer itself for a short fixed number of steps,
+   through ``train.py`` as a user runs it;
 3. ``profile``: a ``trainer.profile=true`` window on the same shape (per-rank traces,
    the CUDA allocator's history snapshot), then ``oom`` (GPU only): a run that cannot
    fit must stop with one line naming its OOM snapshot (``profile_problems`` and
@@ -14,7 +16,8 @@ everything in order and never stops at the first failure:
 4. one JSON (``gpu_check.json``) and one Markdown table (``gpu_check.md``) in the output
    dir: tokens/s, MFU against the datasheet peak of the detected GPU, the CUDA
    allocator peak (``torch.cuda.max_memory_allocated``) against the plan's estimate,
-   compile's speed-up over eager, and the first error line of anything that failed.
+   compile's and tp2's tokens/s over eager, and the first error line of anything that
+   failed.
 
     python -m bench.gpu_check OUT_DIR                # on a GPU machine (a few minutes)
     python -m bench.gpu_check OUT_DIR --dry-run      # the same steps on CPU, tiny shapes
@@ -66,7 +69,27 @@ COMMON = [
     "trainer.val_every=0",
     "trainer.progress=false",
 ]
-CONFIGS = {"eager": [], "compile": ["sharding.compile=true"]}
+CONFIGS = {
+    "eager": [],
+    "compile": ["sharding.compile=true"],
+    # Tensor (+ sequence) parallelism over 2 devices, FSDP2 over the rest: needs 2
+    # devices (skipped, and said so, on a 1-GPU machine; the dry run starts 2 CPU
+    # ranks). Its loss must equal eager's (same model, same global batch).
+    "tp2": ["sharding.tensor_parallel=2"],
+}
+#: Devices a leg needs (1 when not listed).
+LEG_DEVICES = {"tp2": 2}
+
+
+def device_count(dry_run: bool) -> int:
+    """Devices a leg may use: the GPUs (2 CPU ranks in a dry run)."""
+    if dry_run:
+        return 2
+    import torch
+
+    return torch.cuda.device_count()
+
+
 # The profiler leg: a short window on the same shape (traces, CUDA memory snapshot).
 PROFILE = [
     "trainer.max_steps=4",
@@ -248,6 +271,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name, extra in CONFIGS.items():
         overrides = [*shape, *COMMON, *extra]
+        needs = LEG_DEVICES.get(name, 1)
+        if needs > device_count(args.dry_run):
+            skipped = f"needs {needs} devices"
+            steps.append({"step": name, "ok": True, "seconds": 0.0, "skipped": skipped})
+            print(f"[gpu_check] {name}: skipped ({skipped})", flush=True)
+            continue
+        if needs > 1 and args.dry_run:
+            overrides.append(f"trainer.devices={needs}")
         plan_dir = out_dir / "runs" / f"{name}-plan"
         run_dir = out_dir / "runs" / name
         train = [sys.executable, "train.py", *overrides]
@@ -317,8 +348,10 @@ def main(argv: list[str] | None = None) -> dict:
         code = 0 if status["ok"] else 1
         steps.append(checked(status, oom_problems(oom_dir, output, code)))
 
-    eager, compiled = (r.get("tokens_per_s") for r in rows)
+    speed = {r["config"]: r.get("tokens_per_s") for r in rows}
+    eager, compiled, tp = speed.get("eager"), speed.get("compile"), speed.get("tp2")
     speedup = compiled / eager if eager and compiled else None
+    tp_ratio = tp / eager if eager and tp else None
 
     report = {
         "machine": machine(),
@@ -327,6 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": steps,
         "runs": rows,
         "compile_speedup": speedup,
+        "tp2_vs_eager": tp_ratio,
     }
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
     table = markdown_table([_fmt(r) for r in rows])
@@ -339,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
         table,
         "",
         f"compile speed-up over eager: {speedup:.2f}x" if speedup else "compile speed-up: n/a",
+        f"tp2 tokens/s over eager: {tp_ratio:.2f}x" if tp_ratio else "tp2: n/a (needs 2 devices)",
         *(f"- FAILED {s['step']}: {s['error']}" for s in failed),
     ]  # fmt: skip
     (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
