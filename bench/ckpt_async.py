@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from bench.common import append_to_benchmarks
 from src.harness import compose_config, run_distributed
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 WORLD = 2
 

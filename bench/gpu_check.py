@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from bench.common import machine
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,7 +34,7 @@ import torch
 from bench.common import append_to_benchmarks
 from src.harness import run_distributed
 from src.sharding import GIB
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 MODES = ("none", "after", "cpu", "meta")
 # Target for peak / (P/N + baseline), from the issue.

@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.common import append_to_benchmarks
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.common import append_to_benchmarks
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VALUES = ["1e3", "1e4", "3e4", "1.5e5", "1e9"]

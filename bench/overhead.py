@@ -51,7 +51,7 @@ from omegaconf import OmegaConf
 
 from bench.common import append_to_benchmarks
 from src.harness import compose_config, run_distributed
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2

@@ -28,7 +28,7 @@ from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_po
 
 from bench.common import append_to_benchmarks
 from src.sharding import choose_auto_wrap_units
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 MIN_PARAMS = 10_000
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from bench.common import append_to_benchmarks
 from src.harness import compose_config, run_distributed
 from src.sharding import MIB
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 TARGET = 0.10  # |error| on every configuration
 

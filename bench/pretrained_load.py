@@ -36,7 +36,7 @@ from bench.common import append_to_benchmarks
 from bench.init_memory import malloc_trim, rss_bytes
 from src.harness import compose_config, run_distributed
 from src.sharding import GIB
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 MODES = ("sharded", "transformers")
 

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import append_to_benchmarks
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

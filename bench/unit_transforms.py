@@ -35,7 +35,7 @@ import torch.distributed as dist
 from bench.common import append_to_benchmarks
 from bench.init_memory import malloc_trim, rss_bytes, set_mmap_threshold
 from src.harness import run_distributed
-from src.trainer.loggers import markdown_table
+from src.util import markdown_table
 
 MIB = 2**20
 MODES = ("none", "full", "selective")

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src.trainer.faults import RunError
-from src.trainer.metrics import collective_device
+from src.util import collective_device
 
 MARKER = "COMPLETE"
 META = "meta.json"

@@ -22,9 +22,9 @@ from src.trainer.loggers import (
     LoggerConfig,
     LoggerOption,
     Sink,
-    atomic_path,
 )
 from src.trainer.resolved import ConfigError
+from src.util import atomic_path
 
 
 @dataclass

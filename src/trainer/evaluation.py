@@ -24,9 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.trainer.data import GlobalBatches, load_splits
 from src.trainer.from_run import load_model, run_tokenizer
-from src.trainer.loggers import write_json_atomic
 from src.trainer.loop import evaluate
 from src.trainer.resolved import Resolved
+from src.util import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from src.sharding import canonical_name
 from src.trainer.checkpoint import _agree, _plain_errors, _quiet_single_process, _rank
 from src.trainer.hf_layout import HFLayout
-from src.trainer.loggers import atomic_path
 from src.trainer.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
+from src.util import atomic_path, collective_device
 
 # -------------------------------------------------------------------- export
 
@@ -188,7 +188,7 @@ def _world_spread() -> Callable[[torch.Tensor], torch.Tensor]:
     writes only that slice; one process: ``t`` itself."""
     if not dist.is_available() or not dist.is_initialized():
         return lambda t: t
-    device = _collective_device()
+    device = collective_device()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
     def spread(t: torch.Tensor) -> torch.Tensor:
@@ -204,7 +204,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor()
     if isinstance(t, ShardedTensor):  # FSDP1: each element on exactly one rank
         shards = t.local_shards()
-        device = shards[0].tensor.device if shards else _collective_device()
+        device = shards[0].tensor.device if shards else collective_device()
         whole = torch.zeros(t.size(), dtype=t.dtype, device=device)
         for shard in shards:
             whole[_region(shard.metadata)] = shard.tensor.view(
@@ -213,16 +213,6 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(whole)
         return whole
     return t
-
-
-def _collective_device() -> torch.device:
-    """Where the default process group's collectives run (NCCL: this rank's GPU)."""
-    nccl = dist.get_backend() == "nccl"
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if nccl
-        else torch.device("cpu")
-    )
 
 
 def _region(metadata: Any) -> tuple[slice, ...]:

@@ -17,14 +17,13 @@ unconditionally.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from src.registry import Registry, no_check
 from src.trainer.resolved import ConfigError
+from src.util import json_default, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -50,44 +50,6 @@ def _scalar(value: Any) -> Any:
 
 def _plain(d: dict) -> dict:
     return {k: _scalar(v) for k, v in d.items()}
-
-
-def _json_default(value: Any) -> Any:
-    return str(value)  # dtypes, devices, paths: readable rather than an error
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """A temporary path to write ``path``'s new content to; renamed onto ``path`` when
-    the block succeeds (readers never see half a file), removed when it fails."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per writer
-    try:
-        yield tmp
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write ``data`` as indented JSON, atomically (see :func:`atomic_path`)."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, default=_json_default))
-
-
-def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Rows of ``{column: cell}`` (the first row's keys are the columns) as a Markdown
-    table; a ``|`` inside a cell is escaped."""
-    if not rows:
-        return "(no rows)"
-    keys = list(rows[0])
-
-    def line(cells: Iterable[Any]) -> str:
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-
-    lines = [line(keys), "|" + "---|" * len(keys)]
-    lines += [line(r.get(k, "") for k in keys) for r in rows]
-    return "\n".join(lines)
 
 
 class Sink:
@@ -127,7 +89,7 @@ class FileSink(Sink):
         self._jsonl = open(self.run_dir / METRICS_FILE, "a")
 
     def log(self, row: dict, step: int) -> None:
-        self._jsonl.write(json.dumps({"step": step, **row}, default=_json_default))
+        self._jsonl.write(json.dumps({"step": step, **row}, default=json_default))
         self._jsonl.write("\n")
         self._jsonl.flush()
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from src.sharding import GIB
+from src.util import collective_device
 
 log = logging.getLogger(__name__)
 
@@ -352,14 +353,6 @@ def memory_metrics(device: torch.device, prefix: str = "") -> dict:
     else:
         out = {"peak_mem_gib": cpu_peak_rss_bytes() / GIB}
     return {prefix + k: v for k, v in out.items()}
-
-
-def collective_device(group=None) -> torch.device:
-    """Where a tensor must be for a collective on ``group`` (default: the world):
-    this rank's GPU under NCCL, else the CPU (gloo)."""
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def reduce_max_min(metrics: dict, group=None) -> dict:

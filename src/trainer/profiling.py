@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from src.trainer.faults import RunError
-from src.trainer.loggers import markdown_table, write_json_atomic
+from src.util import markdown_table, write_json_atomic
 
 log = logging.getLogger(__name__)
 # libkineto's own start/stop lines on stderr (read when the profiler first starts; the

@@ -41,7 +41,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.trainer.faults import stopped_by_signal
-from src.trainer.loggers import markdown_table, write_json_atomic
+from src.util import markdown_table, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,61 @@
+"""Small helpers every layer uses, with no home in any one feature: atomic file
+writes, Markdown tables, the device a collective needs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path to write ``path``'s new content to; renamed onto ``path`` when
+    the block succeeds (readers never see half a file), removed when it fails."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per writer
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def json_default(value: Any) -> Any:
+    """For ``json.dumps(default=...)``: dtypes, devices, paths as readable strings."""
+    return str(value)
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write ``data`` as indented JSON, atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=json_default))
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows of ``{column: cell}`` (the first row's keys are the columns) as a Markdown
+    table; a ``|`` inside a cell is escaped."""
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+
+    def line(cells: Iterable[Any]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    lines = [line(keys), "|" + "---|" * len(keys)]
+    lines += [line(r.get(k, "") for k in keys) for r in rows]
+    return "\n".join(lines)
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor must be for a collective on ``group`` (default: the world):
+    this rank's GPU under NCCL, else the CPU (gloo)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
