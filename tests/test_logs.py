@@ -89,3 +89,20 @@ def test_step_table_unions_overlapping_collectives_and_sums_unit_ranges():
     assert per_step["outside collectives"] == 85
     assert per_step["optimizer step"] == 10
     assert rows["optimizer step"]["share"] == "10.0%"
+
+
+def test_no_print_in_src():
+    """src/ talks through logging (console and train.log); print() would bypass both."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "src"
+    calls = [
+        f"{path.relative_to(src.parent)}:{node.lineno}"
+        for path in sorted(src.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "print"
+    ]
+    assert calls == []
