@@ -106,3 +106,26 @@ def test_no_print_in_src():
         and node.func.id == "print"
     ]
     assert calls == []
+
+
+def test_step_table_on_cuda_counts_kernels_and_gpu_side_unit_ranges():
+    ms = 1000
+    trace = {
+        "traceEvents": [
+            _x("unit:h.0:forward", 0, 50 * ms, "user_annotation"),  # host: launch
+            _x("unit:h.0:forward", 5 * ms, 20 * ms, "gpu_user_annotation"),
+            _x("FSDP::all_gather (h.0)", 0, 30 * ms, "gpu_user_annotation"),
+            _x("ncclDevKernel_AllGather_RING_LL(ncclDevComm*)", 0, 10 * ms, "kernel"),
+            _x("ampere_sgemm_128x64_tn", 5 * ms, 20 * ms, "kernel"),
+            _x("ncclDevKernel_ReduceScatter_Sum_f32", 40 * ms, 5 * ms, "kernel"),
+            _x("Optimizer.step#AdamW.step", 60 * ms, 10 * ms, "cpu_op"),
+        ]
+    }
+    rows = {r["part"]: r for r in step_table(trace, steps=1, step_s=0.1, cuda=True)}
+    per_step = {part: r["ms_per_step"] for part, r in rows.items()}
+    assert per_step["forward h.0"] == 20  # the GPU side of the range
+    assert per_step["all-gather"] == 10 and per_step["reduce-scatter"] == 5
+    assert per_step["collectives (any)"] == 15
+    # sgemm 5..25 overlaps the all-gather 0..10: 15 ms outside collectives.
+    assert per_step["compute kernels (outside collectives)"] == 15
+    assert per_step["optimizer step"] == 10

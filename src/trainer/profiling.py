@@ -189,6 +189,7 @@ class _Span:
     start: float  # microseconds
     end: float
     device: bool  # a kernel / GPU-side range
+    kernel: bool  # a kernel (not a GPU-side copy of a CPU range)
 
 
 def _spans(trace: dict) -> list[_Span]:
@@ -200,7 +201,13 @@ def _spans(trace: dict) -> list[_Span]:
         device = cat in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
         start = float(e["ts"])
         out.append(
-            _Span(str(e.get("name", "")), start, start + float(e["dur"]), device)
+            _Span(
+                str(e.get("name", "")),
+                start,
+                start + float(e["dur"]),
+                device,
+                cat == "kernel",
+            )
         )
     return out
 
@@ -249,7 +256,11 @@ def step_table(trace: dict, steps: int, step_s: float, cuda: bool) -> list[dict]
             if (path, phase) in units:
                 rows.append(row(f"{phase} {path}", units[(path, phase)]))
     # Collectives: on CUDA the kernels, on CPU the host-side events.
-    pool = [s for s in spans if s.device == cuda and not UNIT_RANGE.match(s.name)]
+    pool = [
+        s
+        for s in spans
+        if (s.kernel if cuda else not s.device) and not UNIT_RANGE.match(s.name)
+    ]
     comm_all = []
     for kind, pattern in COLLECTIVES.items():
         ivs = [(s.start, s.end) for s in pool if pattern.search(s.name)]
@@ -258,8 +269,7 @@ def step_table(trace: dict, steps: int, step_s: float, cuda: bool) -> list[dict]
     comm = _union(comm_all)
     rows.append(row("collectives (any)", comm))
     if cuda:
-        kernels = [(s.start, s.end) for s in pool if s.name and s.device]
-        compute = _union(kernels + comm_all) - comm
+        compute = _union([(s.start, s.end) for s in pool] + comm_all) - comm
         rows.append(row("compute kernels (outside collectives)", compute))
     else:
         rows.append(row("outside collectives", max(0.0, steps * step_us - comm)))
