@@ -1,12 +1,13 @@
-"""What ``trainer.profile=true`` costs: step time inside and after the window.
+"""What ``trainer.profile=true`` costs: step time before, inside and after the window.
 
-Two ``train.py`` runs of the same config (model=small, synthetic tokens, 2 gloo ranks),
-``--repeats`` times in alternating order: ``off`` (``trainer.profile=false``) and
-``on`` (the window covers steps (W, 2W], ``trainer.profile_start=W+1
-trainer.profile_steps=W``). Step times per log window come from each run's
-metrics.jsonl (``step_time_s``, log points every W steps): window (W, 2W] holds the
-profiled steps plus writing the files, window (2W, 3W] shows what is left after it
-(nothing should be). Also: the trace and memory-timeline sizes per rank.
+One ``train.py`` run per repeat (model=small, synthetic tokens, 2 gloo ranks), log
+points every W/2 steps, the profiler window over steps (W, 2W]
+(``trainer.profile_start=W+1 trainer.profile_steps=W``). Compared within the same run,
+so load on a shared machine drifts little between the windows: the baseline is the
+step time of (W/2, W] (the first log window is warm-up and never reported); the
+window's step time leaves out writing the files, which rank 0 reports on its own
+(``files written in X s``); (2W, 3W] shows what is left after the window (nothing
+should be). Also: the size of each file.
 
     python -m bench.profile_cost [--window 10] [--repeats 2] [--append-docs]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -27,8 +29,10 @@ from src.util import markdown_table
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(out: Path, window: int, profile: bool) -> dict[int, float]:
-    """step -> step_time_s of the window ending there."""
+def run(out: Path, window: int) -> dict:
+    """Seconds per step before, inside (without writing files) and after the
+    window, the seconds writing them took, and the files' sizes."""
+    half = window // 2
     cmd = [
         sys.executable,
         "train.py",
@@ -38,15 +42,28 @@ def run(out: Path, window: int, profile: bool) -> dict[int, float]:
         "trainer.progress=false",
         "trainer.val_every=0",
         f"trainer.max_steps={3 * window}",
-        f"trainer.log_every={window}",
-        f"trainer.profile={str(profile).lower()}",
+        f"trainer.log_every={half}",
+        "trainer.profile=true",
         f"trainer.profile_start={window + 1}",
         f"trainer.profile_steps={window}",
         f"hydra.run.dir={out}",
     ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=1200)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
+    step_s = {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
+    written = re.search(r"files written in ([\d.]+) s", (out / "train.log").read_text())
+    write_s = float(written.group(1))
+
+    def total(first: int, last: int) -> float:  # seconds of steps (first, last]
+        return sum(half * t for s, t in step_s.items() if first < s <= last)
+
+    return {
+        "before": total(half, window) / (window - half),
+        "inside": (total(window, 2 * window) - write_s) / window,
+        "after": total(2 * window, 3 * window) / window,
+        "write_s": write_s,
+        "sizes": {f.name: f.stat().st_size for f in (out / "profile").iterdir()},
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -56,47 +73,44 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--append-docs", action="store_true")
     args = parser.parse_args(argv)
     w = args.window
-    ratios: dict[str, list[float]] = {"in": [], "after": []}
-    sizes: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            order = (False, True) if repeat % 2 == 0 else (True, False)
-            times = {}
-            for profile in order:
-                out = Path(tmp) / f"{repeat}-{profile}"
-                times[profile] = run(out, w, profile)
-                if profile:
-                    for f in sorted((out / "profile").iterdir()):
-                        sizes[f.name] = f.stat().st_size
-            ratios["in"].append(times[True][2 * w] / times[False][2 * w])
-            ratios["after"].append(times[True][3 * w] / times[False][3 * w])
-    rows = [
+        runs = [run(Path(tmp) / str(i), w) for i in range(args.repeats)]
+    rows = []
+    for i, r in enumerate(runs):
+        rows.append(
+            {
+                "repeat": i,
+                f"ms/step before (steps {w // 2}-{w})": f"{r['before'] * 1e3:.0f}",
+                "profiled / before": f"{r['inside'] / r['before']:.2f}",
+                "after / before": f"{r['after'] / r['before']:.2f}",
+                "files written (s)": f"{r['write_s']:.1f}",
+            }
+        )
+    rows.append(
         {
-            "window": f"steps ({w}, {2 * w}]: profiled + files written",
-            "step time on / off (median)": f"{statistics.median(ratios['in']):.2f}",
-            "per repeat": ", ".join(f"{r:.2f}" for r in ratios["in"]),
-        },
-        {
-            "window": f"steps ({2 * w}, {3 * w}]: after the window",
-            "step time on / off (median)": f"{statistics.median(ratios['after']):.2f}",
-            "per repeat": ", ".join(f"{r:.2f}" for r in ratios["after"]),
-        },
-    ]
-    size_note = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items())
+            "repeat": "median",
+            "profiled / before": f"{statistics.median(r['inside'] / r['before'] for r in runs):.2f}",
+            "after / before": f"{statistics.median(r['after'] / r['before'] for r in runs):.2f}",
+        }
+    )  # fmt: skip
+    sizes = ", ".join(
+        f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(runs[0]["sizes"].items())
+    )
     table = markdown_table(rows)
     print(table)
-    print(size_note)
+    print(sizes)
     if args.append_docs:
         append_to_benchmarks(
             f"trainer.profile=true cost, model=small, 2 gloo ranks, {w}-step window",
             f"python -m bench.profile_cost --window {w} --repeats {args.repeats} "
             "--append-docs",
             table,
-            "Step time of the log window holding the profiled steps (the profiler on "
-            "CPU records ops and allocations; the files are written at its last step) "
-            "and of the window after it, against the same run with "
-            f"trainer.profile=false. Files of one run: {size_note}. Measured on the "
-            "shared 2-core machine under load from other jobs: ratios, not times.",
+            f"Within one run per repeat: step time of the {w} profiled steps (CPU "
+            "activities and allocation events, unit ranges; writing the files left "
+            f"out, shown on its own) and of the {w} steps after the window, against "
+            f"steps {w // 2}-{w} before it. Files of one run: {sizes}. Measured on "
+            "the shared 2-core machine under load from other jobs: ratios within a "
+            "run, not absolute times.",
         )
     return rows
 

@@ -129,3 +129,18 @@ def test_step_table_on_cuda_counts_kernels_and_gpu_side_unit_ranges():
     # sgemm 5..25 overlaps the all-gather 0..10: 15 ms outside collectives.
     assert per_step["compute kernels (outside collectives)"] == 15
     assert per_step["optimizer step"] == 10
+
+
+def test_log_level_is_set_per_job():
+    """trainer.log_level sets the project loggers' level each time (a multirun job
+    does not inherit the previous job's debug)."""
+    from src.trainer.logs import set_log_level
+
+    project = logging.getLogger("src")
+    try:
+        for level in ("debug", "info", "warning"):
+            set_log_level(level)
+            assert project.level == getattr(logging, level.upper())
+    finally:
+        project.setLevel(logging.INFO)
+        logging.captureWarnings(False)

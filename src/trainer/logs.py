@@ -73,15 +73,29 @@ class RankFilter(logging.Filter):
 
 
 def set_log_level(level: str) -> None:
-    """``trainer.log_level``: the project loggers' level (``hydra.verbose`` may have
-    set it lower already; the lower wins). Python warnings become log records too, so
-    ``train.log`` holds them as the console shows them."""
+    """``trainer.log_level``: the project loggers' level, or debug where
+    ``hydra.verbose`` asks for it (``true``, or ``src``). Set for each job, so a
+    multirun job does not inherit the previous one's. Python warnings become log
+    records too, so ``train.log`` holds them as the console shows them."""
     logging.captureWarnings(True)
     wanted = getattr(logging, level.upper())
-    project = logging.getLogger(PROJECT_LOGGER)
-    if wanted <= logging.INFO:
-        wanted = min(wanted, project.getEffectiveLevel())
-    project.setLevel(wanted)
+    if _hydra_verbose():
+        wanted = logging.DEBUG
+    logging.getLogger(PROJECT_LOGGER).setLevel(wanted)
+
+
+def _hydra_verbose() -> bool:
+    """Whether this Hydra job's ``hydra.verbose`` covers the project's loggers."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        verbose = HydraConfig.get().verbose if HydraConfig.initialized() else False
+    except (ImportError, ValueError):
+        return False
+    if isinstance(verbose, bool):
+        return verbose
+    names = [verbose] if isinstance(verbose, str) else list(verbose)
+    return any(n in ("root", PROJECT_LOGGER) for n in names)
 
 
 def debug_on() -> bool:

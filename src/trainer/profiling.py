@@ -378,7 +378,9 @@ class StepProfiler:
         self.finish(prof, step_s)
 
     def finish(self, prof, step_s: float) -> None:
-        """Write this rank's trace and memory timeline; rank 0 reports the table."""
+        """Write this rank's trace and memory timeline; rank 0 reports the table and
+        how long writing the files took (the window's steps do not include it)."""
+        start = time.perf_counter()
         trace_path = self.dir / f"rank{self.rank}.pt.trace.json"
         prof.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
@@ -406,9 +408,11 @@ class StepProfiler:
             )
             table = markdown_table(rows)
             (self.dir / TABLE_FILE).write_text(f"{head}\n\n{table}\n")
-            log.info("%s\n%s", head, table)
         if self.on_done is not None:
             self.on_done(self.dir, rows)
+        if self.rank == 0:
+            took = time.perf_counter() - start
+            log.info("%s (files written in %.1f s)\n%s", head, took, table)
 
 
 # ------------------------------------------------------------------ CUDA OOM
