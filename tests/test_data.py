@@ -161,7 +161,7 @@ def test_val_batches_fixed_and_sharded(stdlib_splits):
     assert len(a) == 3
     for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    shards = [GlobalBatches(val, 4, 16, 0).val_batches(3, 2, r) for r in range(2)]
+    shards = [GlobalBatches(val, 4, 16, 0).val_batches(3, r, 2) for r in range(2)]
     for i, (x, _) in enumerate(a):
         assert torch.equal(torch.cat([shards[0][i][0], shards[1][i][0]]), x)
 

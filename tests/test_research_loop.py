@@ -253,7 +253,7 @@ def test_covering_batches_leave_no_token_out(n_tokens):
     windows = GlobalBatches(stream, 3, 64, 0)
 
     def covered(n: int) -> set[int]:
-        batches = windows.val_batches(n, 1, 0)
+        batches = windows.val_batches(n, 0, 1)
         return {int(t) for x, y in batches for t in (*x.flatten(), *y.flatten())}
 
     n = windows.covering_batches()

@@ -340,7 +340,7 @@ class GlobalBatches:
         return max(1, -(-(gaps + 1) // self.global_batch_size))
 
     def val_batches(
-        self, n: int, world_size: int, rank: int
+        self, n: int, rank: int, world_size: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``n`` fixed batches (this rank's rows), the same in every run whatever the
         seed: windows evenly spaced over the split, so val losses are comparable."""

@@ -71,7 +71,7 @@ def eval_rank(
     n = opts["batches"] or t.val_batches
     n = windows.covering_batches() if n == "all" else int(n)
     world, rank = dist.get_world_size(), dist.get_rank()
-    loss = evaluate(model, windows.val_batches(n, world, rank), backend)
+    loss = evaluate(model, windows.val_batches(n, rank, world), backend)
     return {
         "step": step,
         "loss": loss,

@@ -483,7 +483,7 @@ class Trainer:
         if t.val_every and t.val_batches:
             self.val_set = GlobalBatches(
                 val_split, micro_batch, block_size, t.seed
-            ).val_batches(t.val_batches, self.backend.dp_size, self.backend.dp_rank)
+            ).val_batches(t.val_batches, self.backend.dp_rank, self.backend.dp_size)
 
     def _build_model(self) -> None:
         """The model, sharded as it is built (its construction peak measured on its
