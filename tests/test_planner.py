@@ -306,6 +306,32 @@ def test_auto_choices_are_deterministic_and_fit(capsys):
     assert (first.trainer.grad_accum == 1) == (whole.total <= 0.34 * GIB)
 
 
+def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
+    """activation_checkpointing=auto: full on every k-th block, the largest k (fewest
+    blocks recomputed, the least compute) whose estimate fits with the margin."""
+    cfg = _compose(
+        "model=small",
+        "model.block_size=1024",
+        "sharding.policy=block",
+        "sharding.activation_checkpointing=auto",
+        "trainer.mem_budget_gib=0.55",
+    )
+    out, why = resolve_auto(cfg, 2)
+    s = out.sharding
+    assert (s.activation_checkpointing, s.activation_checkpointing_every) == ("full", 2)
+    assert why[-1].startswith(
+        "auto: sharding.activation_checkpointing=full "
+        "sharding.activation_checkpointing_every=2: 2 of 4 blocks recomputed in "
+        "backward (compute x1.17); without checkpointing the estimate is "
+    )
+
+    def need(every: int) -> float:
+        fewer = planner._with(out, {"sharding.activation_checkpointing_every": every})
+        return planner.needed(planner.estimate_cfg(fewer, 2)[1], 0.1) / GIB
+
+    assert need(2) <= 0.55 < need(4)  # one block fewer would not fit
+
+
 def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
     cfg = _compose(
         "model=small",
@@ -349,7 +375,13 @@ def test_70b_on_64_ranks_fits_a_budget_in_seconds_allocating_nothing(tmp_path, c
     out = capsys.readouterr().out
     assert "activations (saved)" in out and "optimizer state (AdamW)" in out
     assert "does not fit: needs " in out
-    assert "cheapest change that fits: sharding.activation_checkpointing=full ->" in out
+    # Checkpointing only every 2nd of the 80 blocks (x1.17 compute) is enough: the
+    # search weighs the recompute cost by the blocks it covers.
+    assert (
+        "cheapest change that fits: sharding.activation_checkpointing=full "
+        "sharding.activation_checkpointing_every=2 -> " in out
+    )
+    assert "relative cost x1.17" in out
     assert seconds < 60  # ~4 s on an idle 2-core machine
     if peak_resets:  # 65B fp32 parameters are 242 GiB: nothing of them is allocated
         assert metrics.cpu_peak_rss_bytes() - before < 0.25 * GIB

@@ -401,6 +401,8 @@ def _select(cfg: DictConfig, key: str, default: Any) -> Any:
 def build_meta_model(cfg: DictConfig) -> torch.nn.Module:
     """The model of ``cfg`` on the meta device, units recorded by the ``plan`` backend
     (nothing is allocated)."""
+    if _select(cfg, AC_KEY, "none") == "auto":  # not chosen yet: the units are alike
+        cfg = _with(cfg, {AC_KEY: "none"})
     from src.trainer.loop import build_model
 
     backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
@@ -602,7 +604,19 @@ class Candidate:
     cost: float
 
     def describe(self) -> str:
-        return " ".join(f"{k}={_fmt(v)}" for k, v in self.overrides.items()) or "as is"
+        shown = {
+            k: v
+            for k, v in self.settings().items()
+            if not (k == AC_EVERY_KEY and v == 1)  # the default: every block
+        }
+        return " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()) or "as is"
+
+    def settings(self) -> dict[str, Any]:
+        """The overrides as config keys (checkpointing: its mode and every k)."""
+        out: dict[str, Any] = {}
+        for k, v in self.overrides.items():
+            out.update(v.overrides() if isinstance(v, Checkpointing) else {k: v})
+        return out
 
 
 def _fmt(v: Any) -> str:
@@ -625,7 +639,7 @@ def _cost(currents: dict[str, Any], ovr: dict[str, Any]) -> float:
     for key, value in ovr.items():
         old = currents[key]
         if key == AC_KEY:
-            cost *= COST["ac"][value] / COST["ac"].get(str(old), 1.0)
+            cost *= ac_cost(value) / ac_cost(old)
         elif key == "trainer.grad_accum":
             cost *= COST["grad_accum_doubling"] ** max(0.0, math.log2(value / old))
             cost *= COST["other_change"]
@@ -640,10 +654,64 @@ def _cost(currents: dict[str, Any], ovr: dict[str, Any]) -> float:
     return cost
 
 
+@dataclass(frozen=True)
+class Checkpointing:
+    """A value of the checkpointing search: the mode, every k-th block (``full``) and
+    how many of the model's blocks that recomputes."""
+
+    mode: str
+    every: int
+    recomputed: int  # blocks checkpointed
+    blocks: int  # blocks in the model
+
+    def overrides(self) -> dict[str, Any]:
+        every = {AC_EVERY_KEY: self.every} if self.mode == "full" else {}
+        return {AC_KEY: self.mode, **every}
+
+    def __str__(self) -> str:
+        if self.mode == "none":
+            return "none"
+        every = f" every {self.every}" if self.every > 1 else ""
+        return f"{self.mode}{every} ({self.recomputed} of {self.blocks} blocks)"
+
+
+def ac_cost(ac: Checkpointing) -> float:
+    """Relative compute of a step: each checkpointed block runs its forward again,
+    ``COST["ac"][mode]`` for the whole model, in proportion to the blocks it covers."""
+    share = ac.recomputed / ac.blocks if ac.blocks else 0.0
+    return 1.0 + (COST["ac"][ac.mode] - 1.0) * share
+
+
+def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
+    """The checkpointing the search tries, ``(mode, every)`` first: none, selective
+    and ``full`` every k-th block for each distinct number of blocks it recomputes."""
+    from src.models.memory import checkpointed_blocks
+
+    def point(m: str, k: int) -> Checkpointing:
+        return Checkpointing(m, k, sum(checkpointed_blocks(blocks, m, k)), blocks)
+
+    everies = sorted(
+        {math.ceil(blocks / n) for n in range(1, blocks + 1)}, reverse=True
+    )
+    out = [point(mode, every if mode == "full" else 1), point("none", 1)]
+    out += [point("full", k) for k in everies] + [point("selective", 1)]
+    return list(dict.fromkeys(out))  # the first of equal points
+
+
 def _current(cfg: DictConfig, key: str) -> Any:
     """The value of a searched key in ``cfg`` (a key not in the schema yet reads as
     its neutral value: no checkpointing)."""
     return _select(cfg, key, "none" if key == AC_KEY else None)
+
+
+def _n_blocks(cfg: DictConfig) -> int:
+    """How many blocks the checkpointing transform targets in ``cfg``'s model."""
+    from src.models.trace import block_order
+
+    spec, config = model_spec(cfg), model_config(cfg)
+    with torch.device("meta"):
+        model = spec.build(config, 0)
+    return len(block_order(model, spec.block_classes(config)))
 
 
 def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
@@ -659,7 +727,9 @@ def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
         elif key == "trainer.grad_sync":
             vals = list(GRAD_SYNC)
         elif key == AC_KEY:
-            vals = list(COST["ac"])
+            every = int(_select(cfg, AC_EVERY_KEY, 1))
+            out[key] = ac_options(str(cur), every, _n_blocks(cfg))
+            continue
         elif key == "trainer.devices":
             vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
         else:
@@ -700,7 +770,8 @@ def search(
             models[mp] = build_meta_model(_with(cfg, {"sharding.min_params": mp}))
         if (mp, w) not in plans:
             plans[mp, w] = plan_of(cfg, models[mp], w)
-        if point.get(AC_KEY) == "selective" and _nested(plans[mp, w]):
+        ac = point.get(AC_KEY)
+        if ac is not None and ac.mode == "selective" and _nested(plans[mp, w]):
             continue  # selective needs each block a unit of its own (transforms.py)
         shape = replace(
             base,
@@ -708,7 +779,8 @@ def search(
             grad_accum=accum,
             micro_batch=max(1, math.ceil(batch / accum / max(1, w // _tp(cfg)))),
             grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
-            checkpointing=str(point.get(AC_KEY, base.checkpointing)),
+            checkpointing=ac.mode if ac else base.checkpointing,
+            ac_every=ac.every if ac else base.ac_every,
         )
         a = acts(
             shape.micro_batch,
@@ -785,8 +857,13 @@ def resolve_auto(
     start = _with(cfg, {k: _AUTO_START[k] for k in keys})
     best, smallest = search(start, keys, budget, world)
     chosen = best or smallest
-    values = {k: chosen.overrides.get(k, OmegaConf.select(start, k)) for k in keys}
-    out = _with(cfg, values)
+    values: dict[str, Any] = {}
+    for k in keys:
+        v = chosen.overrides.get(k)
+        values[k] = v.mode if isinstance(v, Checkpointing) else v
+        if v is None:
+            values[k] = OmegaConf.select(start, k)
+    out = _with(cfg, {**values, **chosen.settings()})
     est = chosen.estimate
     verdict = (
         f"the cheapest setting whose estimate, {_with_margin(est, mem_margin(cfg))}, "
@@ -796,8 +873,30 @@ def resolve_auto(
         else f"nothing fits {_gib(budget)} ({source}); this is the smallest estimate, "
         f"{_gib(est.total)}"
     )
-    reasons = [f"auto: {k}={_fmt(v)}: {verdict}" for k, v in values.items()]
+    reasons = [
+        f"auto: {k}={_fmt(v)}: {verdict}" for k, v in values.items() if k != AC_KEY
+    ]
+    if AC_KEY in keys:
+        reasons.append(_ac_reason(out, chosen, world, verdict))
     return out, reasons
+
+
+def _ac_reason(cfg: DictConfig, chosen: Candidate, world: int, verdict: str) -> str:
+    """Why ``auto`` checkpointing is what it is: which blocks, the recompute cost, and
+    the estimate without any."""
+    ac = chosen.overrides.get(AC_KEY)
+    every = int(_select(cfg, AC_EVERY_KEY, 1))
+    line = f"auto: {AC_KEY}={cfg.sharding.activation_checkpointing}"
+    if not isinstance(ac, Checkpointing) or ac.mode == "none":
+        return f"{line}: {verdict}"
+    if ac.mode == "full":
+        line += f" {AC_EVERY_KEY}={every}"
+    _, bare = estimate_cfg(_with(cfg, {AC_KEY: "none"}), world)
+    return (
+        f"{line}: {ac.recomputed} of {ac.blocks} blocks recomputed in backward "
+        f"(compute x{ac_cost(ac):.2f}); without checkpointing the estimate is "
+        f"{_gib(bare.total)}; {verdict}"
+    )
 
 
 POLICY_KEYS = ("sharding.policy", "sharding.min_params")
