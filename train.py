@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from src.config import exit_on_config_error, run_cli, validate
+from src.trainer.faults import stop_before_start
 from src.trainer.launch import launch, preflight, prepare
 from src.trainer.planner import budget_check
 from src.trainer.sweep import run_job
@@ -44,4 +45,5 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
 
 
 if __name__ == "__main__":
+    stop_before_start()  # Ctrl-C before the ranks start: one line, exit 130
     run_cli(main)

@@ -404,3 +404,48 @@ def test_errors_before_any_rank_starts_are_one_line(tmp_path):
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert run.stderr.startswith("config error: data.paths: no files match")
+
+
+@pytest.mark.parametrize(
+    ("point", "stopped_at"),
+    [("prepare", None), ("rank_start", 1), ("step", 1), ("validation", 2)],
+)
+def test_ctrl_c_to_the_group_at_any_moment_loses_nothing_and_says_one_line(
+    tmp_path, point, stopped_at
+):
+    """A real Ctrl-C: SIGINT to the whole process group (launcher and ranks), sent by
+    rank 1 itself at a named point (SHARDWRAP_TEST_SIGNAL_AT; the launcher for
+    ``prepare``), not after a timer. Before the ranks start: one line, nothing to
+    resume. While a rank starts (before its handler exists), mid-step or during
+    validation: the step ends, a complete checkpoint of it is written, and the run ends
+    with exit 130 and the one resume line; no traceback, no leaked-semaphore warning.
+    (The launcher used to pass the signal on to ranks that had it already, a second
+    signal that killed them before the checkpoint whenever it was handled apart from
+    the first; and a rank signalled while importing died with a KeyboardInterrupt.)"""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHARDWRAP_TEST_SIGNAL_AT": point}
+    proc = subprocess.run(
+        command(tmp_path, "trainer.max_steps=4", "trainer.val_every=2"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        start_new_session=True,  # the group the rank signals is this run alone
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    for noise in ("Traceback", "KeyboardInterrupt", "leaked", "Warning"):
+        assert noise not in out, out[-3000:]
+    stops = [line for line in out.splitlines() if "stopped by SIGINT" in line]
+    assert stops == [out.strip().splitlines()[-1]]
+    if stopped_at is None:
+        assert stops == ["stopped by SIGINT before the first step; nothing to resume"]
+        assert not (tmp_path / "checkpoints").exists()
+        return
+    checkpoint = tmp_path / f"checkpoints/step_{stopped_at:08d}"
+    assert stops == [
+        f"stopped by SIGINT: checkpoint {checkpoint}; resume with "
+        f"trainer.resume=auto hydra.run.dir={tmp_path}"
+    ]
+    assert (checkpoint / "COMPLETE").is_file()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [checkpoint.name]

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -33,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 # Set when the user asked for full tracebacks (HYDRA_FULL_ERROR=1, which the command
 # line also sets for its own use): failures are then shown with their traceback, not
@@ -125,11 +128,24 @@ def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
 # ---------------------------------------------------------------- graceful stop
 
 _requested = 0  # the first stop signal this process received
+#: Set by the launcher for its ranks: the file it writes a stop signal to. Ranks learn
+#: of a signal sent to the launcher alone from it, never from a second signal (a real
+#: Ctrl-C reaches every process of the group already, and a second signal means "stop
+#: at once").
+STOP_FILE_ENV = "SHARDWRAP_STOP_FILE"
+#: Test hook: ``<point>`` makes rank 1 (the launcher for ``prepare``) send SIGINT to
+#: its process group once, at that named point (tests/test_faults.py).
+SIGNAL_AT_ENV = "SHARDWRAP_TEST_SIGNAL_AT"
+_signalled: set[str] = set()
 
 
 class StopRequest:
     """While active, the first stop signal is remembered (``requested()``) and passed
-    to ``forward``; a second one stops the process as the default action would."""
+    to ``forward``; a second one stops the process as the default action would.
+
+    Entering it also unblocks the stop signals: a rank starts with them blocked (see
+    :func:`ranks_start_blocked`), so a signal sent while it was starting waits for
+    this handler instead of killing it half-imported."""
 
     def __init__(self, forward: Callable[[int], None] | None = None) -> None:
         self._forward = forward
@@ -141,6 +157,7 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -151,11 +168,95 @@ class StopRequest:
         global _requested
         if _requested:
             signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+            signal.pthread_kill(threading.main_thread().ident, signum)
             return
         _requested = signum
         if self._forward is not None:
             self._forward(signum)
+
+
+def stop_at_once(signum: int, frame: Any) -> None:
+    """The stop signals' handler until the ranks start (:func:`stop_before_start`):
+    one line, then ``SystemExit(128 + signal)`` (files and locks are closed)."""
+    log.warning(resume_hint(signum, None, ""))
+    raise SystemExit(128 + signum)
+
+
+def stop_before_start() -> None:
+    """Until the ranks start (or a :class:`StopRequest` takes over), a stop signal
+    ends the command at once with one line: nothing has trained, nothing is lost."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_at_once)
+
+
+@contextlib.contextmanager
+def ranks_start_blocked(run_dir: str) -> Iterator[None]:
+    """Around starting the ranks (inside a :class:`StopRequest`): they start with the
+    stop signals blocked, so a Ctrl-C while they import stays pending until their own
+    :class:`StopRequest` is in place (a spawned process inherits the signal mask).
+
+    This thread blocks them while the ranks are spawned; a waiter thread takes each
+    one and hands it to this thread's handler (``interrupt_main``), so the launcher
+    still acts on it at once. multiprocessing's resource tracker unblocks SIGINT and
+    SIGTERM when it starts, so it is started first. The stop file
+    (:data:`STOP_FILE_ENV`) is where the handler tells the ranks."""
+    import _thread
+    from multiprocessing import resource_tracker
+
+    stop_file = Path(run_dir) / ".stop_request"
+    stop_file.unlink(missing_ok=True)
+    os.environ[STOP_FILE_ENV] = str(stop_file)
+    resource_tracker.ensure_running()
+    done = threading.Event()
+
+    def wait() -> None:
+        while not done.is_set():
+            info = signal.sigtimedwait(STOP_SIGNALS, 0.2)
+            if info is not None:
+                _thread.interrupt_main(info.si_signo)
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    waiter = threading.Thread(target=wait, name="stop-signals", daemon=True)
+    waiter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        waiter.join()
+        del os.environ[STOP_FILE_ENV]
+        stop_file.unlink(missing_ok=True)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # pending: handled
+
+
+def tell_ranks(signum: int) -> None:
+    """The launcher's forward of a stop signal: written to the stop file, which every
+    rank reads at the end of each step (:func:`stop_signal`)."""
+    path = os.environ.get(STOP_FILE_ENV)
+    if path:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(str(signum))
+        os.replace(tmp, path)
+
+
+def _told() -> int:
+    path = os.environ.get(STOP_FILE_ENV)
+    try:
+        return int(Path(path).read_text()) if path else 0
+    except (OSError, ValueError):
+        return 0
+
+
+def signal_point(name: str) -> None:
+    """Test hook (:data:`SIGNAL_AT_ENV`): at the named point, rank 1 (the launcher
+    for ``prepare``) sends SIGINT to its whole process group, once, as a Ctrl-C in
+    the terminal does. Nothing happens unless the variable names this point."""
+    if os.environ.get(SIGNAL_AT_ENV) != name or name in _signalled:
+        return
+    if int(os.environ.get("RANK", -1)) != (-1 if name == "prepare" else 1):
+        return
+    _signalled.add(name)
+    os.killpg(os.getpgrp(), signal.SIGINT)
 
 
 def stopped_by_signal(err: BaseException) -> bool:
@@ -172,7 +273,7 @@ def requested() -> int:
 def stop_signal(device: torch.device) -> int:
     """The stop signal any rank received (0: none); a collective, so that every rank
     stops after the same step."""
-    flag = torch.tensor([_requested], device=device)
+    flag = torch.tensor([_requested or _told()], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())

@@ -17,7 +17,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -50,10 +49,14 @@ from src.trainer.faults import (
     disk_full,
     full_errors,
     named_failures,
+    ranks_start_blocked,
     requested,
     resume_hint,
     run_dir_lock,
     run_error_names,
+    signal_point,
+    stop_at_once,
+    tell_ranks,
 )
 from src.trainer.logs import (
     LogSpec,
@@ -84,6 +87,7 @@ def prepare(
     data ready in the token cache, the model's vocabulary following the tokenizer and
     every ``auto`` value chosen. ``user_keys``: the keys the user set (default: this
     Hydra job's command line). Bad input is a ``ConfigError``."""
+    signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     set_log_level(cfg.trainer.log_level)
@@ -192,7 +196,11 @@ def _launch_local(
     # The ranks are new processes: they re-create this process's console and
     # train.log handlers (Hydra's job logging) from the spec.
     spec = log_spec()
-    with StopRequest(forward=_signal_ranks) as stop, _bounded_failure_grace():
+    with (
+        StopRequest(forward=tell_ranks) as stop,
+        _bounded_failure_grace(),
+        ranks_start_blocked(run_dir),
+    ):
         try:
             summaries = elastic_launch(config, _rank_entry)(
                 cfg, run_dir, resolved, spec
@@ -209,7 +217,10 @@ def _launch_local(
     if signum:
         log.info(resume_hint(signum, _latest(run_dir), run_dir))
         previous = stop.previous.get(signum)
-        if callable(previous) and previous is not signal.default_int_handler:
+        if callable(previous) and previous not in (
+            signal.default_int_handler,
+            stop_at_once,
+        ):
             previous(signum, None)  # e.g. submitit's SIGUSR2 handler: requeue the job
         sys.exit(128 + signum)
     return summaries.get(0)
@@ -243,12 +254,6 @@ def _bounded_failure_grace():
 
 def _latest(run_dir: str):
     return Checkpointer(run_checkpoints(run_dir)).latest()
-
-
-def _signal_ranks(signum: int) -> None:
-    """Pass a stop signal on to the ranks (the agent's children of this process)."""
-    for child in multiprocessing.active_children():
-        os.kill(child.pid, signum)
 
 
 def _rank_from_env() -> int:
@@ -307,6 +312,7 @@ def _rank_entry(
     cfg: DictConfig, run_dir: str, resolved: Resolved, spec: LogSpec
 ) -> dict[str, Any]:
     # Module level so the spawned ranks can unpickle it.
+    signal_point("rank_start")
     try:
         return run_rank(cfg, run_dir, resolved, spec)
     except Stopped:

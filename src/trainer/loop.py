@@ -45,7 +45,7 @@ from src.trainer.checkpoint import (
 )
 from src.trainer.data import GlobalBatches, load_splits, tokenizer_of
 from src.trainer.export import export_consolidated, export_hf, load_hf_weights
-from src.trainer.faults import RunError, Stopped, stop_signal
+from src.trainer.faults import RunError, Stopped, signal_point, stop_signal
 from src.trainer.loggers import Logger, build_logger
 from src.trainer.logs import FILE_ONLY
 from src.trainer.metrics import (
@@ -622,6 +622,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if self.profiler is not None:
             self.profiler.before_step(step)
+        signal_point("step")  # a test's Ctrl-C, mid-step (src/trainer/faults.py)
         try:
             loss, grad_norm = train_step(
                 self.model,
@@ -668,6 +669,7 @@ class Trainer:
 
     def validate(self, step: int) -> float:
         """The loss on the fixed validation batches, logged at ``step``."""
+        signal_point("validation")  # a test's Ctrl-C (src/trainer/faults.py)
         val_loss = evaluate(self.model, self.val_set, self.backend)
         self.logger.log({"val_loss": val_loss}, step=step)
         self.summary["val_loss"] = val_loss
