@@ -121,3 +121,58 @@ def test_wandb_sections():
     assert wandb_key("val_loss") == "val/val_loss"
     assert wandb_key("train/loss") == "train/loss"  # already in a section
     assert wandb_key("best/mfu") == "best/mfu"
+
+
+class _Run:
+    """What WandbSink uses of a wandb run, recorded (no wandb process)."""
+
+    def __init__(self, resume: dict | None) -> None:
+        self.resume = resume
+        self.id, self.name = (resume or {}).get("id", "new-id"), "train:x"
+        self.rows: list = []
+        self.summary: dict = {}
+        self.exit_code = None
+
+    def log(self, row: dict, step: int) -> None:
+        self.rows.append((step, row))
+
+    def finish(self, exit_code: int) -> None:
+        self.exit_code = exit_code
+
+
+def test_wandb_sink_starts_at_begin_and_resumes_only_a_resumed_run(tmp_path):
+    from src.trainer.loggers import WandbSink
+
+    started: list[_Run] = []
+
+    def start(resume):
+        started.append(_Run(resume))
+        return started[-1]
+
+    never = WandbSink(start, tmp_path)
+    never.log({"num_params": 10}, step=0)
+    never.finish(exit_code=0)  # nothing to train: never begun, no run
+    assert started == [] and not (tmp_path / "wandb").exists()
+
+    first = WandbSink(start, tmp_path)
+    first.log({"num_params": 10}, step=0)  # kept until begin, then replayed
+    first.begin(resumed=False)
+    first.log({"loss": 2.0, "val_loss": 2.5}, step=1)
+    first.log_summary({"loss": 2.0, "steps": 1})
+    first.finish(exit_code=0)
+    run = started[-1]
+    assert run.resume is None and run.exit_code == 0
+    assert run.rows == [
+        (0, {"train/num_params": 10}),
+        (1, {"train/loss": 2.0, "val/val_loss": 2.5}),
+    ]
+    assert run.summary == {"train/loss": 2.0, "train/steps": 1}
+    saved = json.loads((tmp_path / "wandb" / RUN_ID_FILE).read_text())
+    assert saved == {"id": "new-id", "name": "train:x"}
+
+    again = WandbSink(start, tmp_path)
+    again.begin(resumed=True)  # from a checkpoint of this run dir: the same run
+    assert started[-1].resume == saved
+    fresh = WandbSink(start, tmp_path)
+    fresh.begin(resumed=False)  # a new training in a used run dir: a new run
+    assert started[-1].resume is None and len(started) == 3

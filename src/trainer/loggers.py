@@ -64,9 +64,10 @@ class Sink:
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         """Rows of dicts, e.g. the wrap plan; ``step`` is the last logged step."""
 
-    def begin(self) -> None:
+    def begin(self, resumed: bool = False) -> None:
         """The run really trains (a resume was accepted, steps are left): a sink that
-        starts something outside the run dir (a wandb run) starts it now."""
+        starts something outside the run dir (a wandb run) starts it now;
+        ``resumed``: it continues from a checkpoint of this run dir."""
 
     def log_artifact(self, name: str, kind: str, directory: Path) -> None:
         """A folder of files (e.g. the profiler's traces) kept with the run."""
@@ -137,8 +138,9 @@ class WandbSink(Sink):
     The run starts at :meth:`begin` (``start(resume)`` makes it), so a start that is
     refused (a resume that does not fit) or has nothing to train makes none; calls
     before it are kept and replayed. Its id and name are kept in
-    ``<run dir>/wandb/run_id.json``: a resume of the same run dir continues the same
-    wandb run (``id`` + ``resume="allow"``) rather than starting another.
+    ``<run dir>/wandb/run_id.json``: a resume from a checkpoint of the same run dir
+    continues the same wandb run (``id`` + ``resume="allow"``) rather than starting
+    another; a fresh start there is a new run (and its id replaces the file's).
     """
 
     def __init__(self, start: Callable[[dict | None], Any], run_dir: Path) -> None:
@@ -147,13 +149,15 @@ class WandbSink(Sink):
         self.run = None
         self._pending: list[tuple[str, tuple]] = []
 
-    def begin(self) -> None:
+    def begin(self, resumed: bool = False) -> None:
         if self.run is not None:
             return
-        try:
-            resume = json.loads(self.id_file.read_text())
-        except (OSError, ValueError):
-            resume = None
+        resume = None
+        if resumed:  # a fresh start in a used run dir is a new wandb run
+            try:
+                resume = json.loads(self.id_file.read_text())
+            except (OSError, ValueError):
+                resume = None
         self.run = self._start(resume)
         if resume is None:
             self.id_file.parent.mkdir(parents=True, exist_ok=True)
@@ -284,11 +288,12 @@ class Logger:
             sink.log(row, step)
         self._last_step = max(self._last_step, step)
 
-    def begin(self) -> None:
-        """The run trains: start what the sinks start late (the wandb run). A logger
-        built with ``begin=False`` keeps its calls until then (see WandbSink)."""
+    def begin(self, resumed: bool = False) -> None:
+        """The run trains: start what the sinks start late (the wandb run; the same
+        one again when ``resumed`` from a checkpoint of this run dir). A logger built
+        with ``begin=False`` keeps its calls until then (see WandbSink)."""
         for sink in self.sinks:
-            sink.begin()
+            sink.begin(resumed)
 
     def drop_rows_after(self, step: int) -> int:
         """Before a resume from ``step``: drop the rows the interrupted run logged

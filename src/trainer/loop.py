@@ -520,7 +520,7 @@ class Trainer:
             # Only now, with a resume accepted and steps to train, does the wandb run
             # start (the same one again on a resume): a refused start or "nothing to
             # train" makes none.
-            self.logger.begin()
+            self.logger.begin(resumed=self.start_step > 0)
         if self.start_step:
             dropped = self.logger.drop_rows_after(self.start_step)
             if dropped:
