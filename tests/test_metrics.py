@@ -429,3 +429,30 @@ def test_run_identity_from_a_hydra_multirun(tmp_path, wandb_env):
     cfg = OmegaConf.create({"logger": {"group": "mine", "name": "x", "tags": ["t"]}})
     ident = run_identity(cfg, sweep / "0")
     assert (ident["group"], ident["name"], ident["tags"]) == ("mine", "x", ["t"])
+
+
+def test_closing_line_compares_planned_and_measured_peak(tmp_path, caplog):
+    """The closing line puts the planner's peak beside the measured one; a drift
+    beyond 15% adds one warning line, within it none."""
+    import logging
+
+    from src.trainer.loggers import ConsoleSink
+
+    def close(measured: float) -> list[logging.LogRecord]:
+        caplog.clear()
+        sink = ConsoleSink(tmp_path)
+        sink.log_summary({"loss": 1.0, "steps": 2, "peak_mem_gib": measured,
+                          "planned_peak_gib": 1.0})  # fmt: skip
+        with caplog.at_level(logging.INFO, logger="src.trainer.loggers"):
+            sink.finish(0)
+        return caplog.records
+
+    near = close(1.1)
+    assert "peak memory/rank planned 1.000 GiB, measured 1.100 GiB (+10%)" in (
+        near[0].getMessage()
+    )
+    assert [r.levelname for r in near] == ["INFO"]
+    far = close(0.8)
+    assert "measured 0.800 GiB (-20%)" in far[0].getMessage()
+    assert [r.levelname for r in far] == ["INFO", "WARNING"]
+    assert "-20% off the planner's estimate" in far[1].getMessage()
