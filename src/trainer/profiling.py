@@ -356,9 +356,9 @@ class StepProfiler:
             with_stack=o.with_stack,
         )
         self._ranges = UnitRanges(self.modules)
+        self._prof.__enter__()  # the first start (CUPTI) can take a while: not timed
         self._sync()
         self._t0 = time.perf_counter()
-        self._prof.__enter__()
 
     def _sync(self) -> None:
         if self.cuda:
