@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
 import os
 import signal
@@ -74,7 +73,7 @@ from src.trainer.planner import (
     planned_peak_gib,
     resolve_auto,
 )
-from src.trainer.resolved import ConfigError, Resolved, model_config, under_torchrun
+from src.trainer.resolved import ConfigError, Resolved, resolve, under_torchrun
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +84,10 @@ def prepare(
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
     data ready in the token cache, the model's vocabulary following the tokenizer and
-    every ``auto`` value chosen. ``user_keys``: the keys the user set (default: this
-    Hydra job's command line). Bad input is a ``ConfigError``."""
+    every ``auto`` value chosen, and its :class:`Resolved` run object, built once
+    from it (``resolved``: what ``validate()`` resolved from ``cfg`` as composed).
+    ``user_keys``: the keys the user set (default: this Hydra job's command line).
+    Bad input is a ``ConfigError``."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
@@ -96,17 +97,18 @@ def prepare(
         meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
         if meta is not None:
             follow_tokenizer_vocab(cfg, meta, user_keys)
-            resolved = dataclasses.replace(resolved, model_config=model_config(cfg))
     cfg, policy = default_policy(cfg, user_keys)
     cfg, reasons = resolve_auto(cfg, _world_from_env())
     reasons = [policy, *reasons] if policy else reasons
+    planned = None
     if _is_rank0():
         for line in reasons:
             log.info(line)
         if not cfg.trainer.plan_only:  # rank 0 logs it: planned once, by rank 0
             planned = _planned_peak_gib(cfg, _world_from_env() or resolved.world_size)
-            resolved = dataclasses.replace(resolved, planned_peak_gib=planned)
-    return cfg, resolved
+    # The run object of the config the ranks run, built once from it (the model's
+    # vocabulary may have followed the tokenizer); nothing patches it afterwards.
+    return cfg, resolve(cfg, planned_peak_gib=planned)
 
 
 def _planned_peak_gib(cfg: DictConfig, world: int) -> float | None:

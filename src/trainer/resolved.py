@@ -57,10 +57,11 @@ class Resolved:
     planned_peak_gib: float | None = None
 
 
-def resolve(cfg: DictConfig) -> Resolved:
+def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> Resolved:
     """Resolve ``cfg`` (:class:`ConfigError` naming the key at the first bad value)."""
     s = cfg.sharding
     return Resolved(
+        planned_peak_gib=planned_peak_gib,
         world_size=world_size(cfg.trainer.devices),
         spec=model_spec(cfg),
         model_config=model_config(cfg),
