@@ -35,15 +35,24 @@ def _logits(model, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.logits
 
 
-def test_gpt_exports_as_gpt2_with_the_byte_tokenizer_and_loads_back(tmp_path):
-    """One process: the native GPT's logits equal those of GPT2LMHeadModel opened from
-    its export, AutoTokenizer encodes as the byte tokenizer, config.json has its ids;
-    and the export loads back into the native GPT (model.pretrained)."""
+@pytest.mark.parametrize(
+    "preset, shape, architecture",
+    [
+        ("tiny", "model.dropout=0.0", "GPT2LMHeadModel"),
+        ("llama_tiny", "model.n_layers=2", "LlamaForCausalLM"),
+    ],
+)
+def test_native_family_exports_with_the_byte_tokenizer_and_loads_back(
+    tmp_path, preset, shape, architecture
+):
+    """One process: the native model's logits equal those of the transformers model
+    opened from its export (GPT: GPT2LMHeadModel, Conv1D transposes, tied head),
+    AutoTokenizer encodes as the byte tokenizer, config.json has its ids; and the
+    export loads back into the native model (model.pretrained)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = make_cfg(
-        "model=tiny", "model.dropout=0.0", "sharding=none", "trainer.devices=1"
-    )
+    common = [f"model={preset}", shape, "sharding=none", "trainer.devices=1"]
+    cfg = make_cfg(*common)
     validate(cfg)
     resolved = resolve(cfg)
     model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved).eval()
@@ -61,9 +70,10 @@ def test_gpt_exports_as_gpt2_with_the_byte_tokenizer_and_loads_back(tmp_path):
         byte_tokenizer(),
     )
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(exported).__name__ == "GPT2LMHeadModel"
+    assert type(exported).__name__ == architecture
     assert (ours - _logits(exported, x)).abs().max() < 1e-5
-    assert exported.lm_head.weight is exported.transformer.wte.weight  # tied
+    if preset == "tiny":
+        assert exported.lm_head.weight is exported.transformer.wte.weight  # tied
 
     saved = json.loads((out / "config.json").read_text())
     assert saved["eos_token_id"] == 0  # the byte tokenizer ends documents with NUL
@@ -72,11 +82,9 @@ def test_gpt_exports_as_gpt2_with_the_byte_tokenizer_and_loads_back(tmp_path):
     assert tok(TEXT)["input_ids"] == list(TEXT.encode())  # = the run's byte ids
     assert tok.eos_token_id == 0 and tok.decode(list(TEXT.encode())) == TEXT
 
-    # And back: the export as model.pretrained of the native GPT (Conv1D transposed
-    # again on load).
-    back_cfg = make_cfg(
-        "model=tiny", "sharding=none", "trainer.devices=1", f"model.pretrained={out}"
-    )
+    # And back: the export as model.pretrained of the native model (GPT's Conv1D
+    # weights transposed again on load).
+    back_cfg = make_cfg(*common, f"model.pretrained={out}")
     validate(back_cfg)
     back = build_model(
         back_cfg, build_backend("none", "fp32", "cpu"), resolve(back_cfg)
