@@ -12,13 +12,19 @@ in this process.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+import eval as eval_py
 from src.config import validate
+from src.harness import CONF_DIR
+from src.trainer.from_run import RUN_CONFIG, RUN_OVERRIDES
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
 from src.trainer.planner import plan_only
@@ -63,12 +69,16 @@ def resume_from(root: Path, name: str, step: int) -> list[str]:
     return [f"trainer.resume={root / name / 'checkpoints' / f'step_{step:08d}'}"]
 
 
-def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict:
-    """Train each named run in turn on the same process group; returns rank 0's
-    wrap-plan printout facts of the first run."""
+def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> None:
+    """Train each named run in turn on the same process group, its config saved as
+    train.py saves it (for eval.py)."""
     for name, overrides in runs.items():
-        train(make_cfg(*RUN, *overrides), f"{root}/{name}", torch.device("cpu"))
-    return {}
+        cfg = make_cfg(*RUN, *overrides)
+        if rank == 0:
+            (Path(root) / name / ".hydra").mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(cfg, Path(root) / name / RUN_CONFIG)
+            OmegaConf.save(list(RUN + overrides), Path(root) / name / RUN_OVERRIDES)
+        train(cfg, f"{root}/{name}", torch.device("cpu"))
 
 
 def one_rank(root: Path, name: str, *overrides: str) -> None:
@@ -97,7 +107,7 @@ def runs(root) -> Path:
             **{f"tp2_fsdp2_{f}": [*m, *TP2, *AC] for f, m in FAMILIES.items()},
             "hsdp_tp": [*gpt, *TP2, "sharding.replicate=2"],
             # resume across layouts: TP2 x FSDP2 -> FSDP4 -> TP2 x FSDP2
-            "chain_tp": [*gpt, *TP2, *CKPT],
+            "chain_tp": [*gpt, *TP2, *CKPT, "trainer.val_every=4"],
             "chain_fsdp4": [*gpt, *CKPT, *resume_from(root, "chain_tp", 2)],
             "chain_tp_again": [*gpt, *TP2, *resume_from(root, "chain_fsdp4", 3)],
             "export_tp": [*llama, *TP2, "trainer.export=hf"],
@@ -140,6 +150,20 @@ def test_checkpoints_resume_across_tp_layouts(runs):
     assert_close(losses(runs / "chain_tp"), gpt, range(1, 5))
     assert_close(losses(runs / "chain_fsdp4"), gpt, range(3, 5))
     assert_close(losses(runs / "chain_tp_again"), gpt, range(4, 5))
+
+
+@pytest.mark.slow
+def test_eval_of_a_tensor_parallel_checkpoint_on_one_rank(runs):
+    """eval.py's steps in this process on the TP2 x FSDP2 run's last checkpoint, on
+    one rank (sample.py drops tensor parallelism the same way): its validation split
+    gives the val_loss the run itself measured under TP (loss_parallel)."""
+    run = runs / "chain_tp"
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", [f"run={run}", "devices=1"])
+    entry = eval_py.evaluate_run(cfg)
+    val_loss = json.loads((run / "summary.json").read_text())["val_loss"]
+    assert entry["world_size"] == 1 and entry["step"] == 4
+    assert abs(entry["loss"] - val_loss) < 1e-5, (entry, val_loss)
 
 
 @pytest.mark.slow

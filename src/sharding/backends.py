@@ -265,6 +265,10 @@ class Backend:
         """Data-parallel ranks: the world size over ``tensor_parallel``."""
         return self.world_size // self.tp
 
+    def close(self) -> None:
+        """Release what the backend made for itself (the plan backend's fake process
+        group); nothing for the others."""
+
     def parallelize(self, module: nn.Module) -> None:
         """Tensor-parallelise ``module`` (and what under it the plan names) on the tp
         mesh; nothing without tensor parallelism."""
@@ -551,10 +555,14 @@ class PlanBackend(_FSDPBackend):
         init_device: torch.device,
         init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None,
     ) -> nn.Module:
+        self.close()
+        return super().finish_build(model, init_device, init_fn)
+
+    def close(self) -> None:
+        """Destroy the fake process group (also after a build that failed)."""
         if self._fake_group:
             dist.destroy_process_group()
             self._fake_group = False
-        return super().finish_build(model, init_device, init_fn)
 
 
 #: The backends that train, by ``sharding.backend`` name.

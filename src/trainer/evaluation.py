@@ -40,6 +40,10 @@ def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
         "trainer.devices": eval_cfg.devices,
         "trainer.resume": None,
         "trainer.plan_only": False,
+        # Data-parallel ranks only (any number): the checkpoint (DCP) loads on any
+        # layout, a tensor-parallel run's too.
+        "sharding.tensor_parallel": 1,
+        "sharding.sequence_parallel": None,
     }
     if eval_cfg.data is not None:
         data = OmegaConf.to_container(eval_cfg.data)

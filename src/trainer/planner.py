@@ -406,7 +406,10 @@ def build_meta_model(cfg: DictConfig) -> torch.nn.Module:
     from src.trainer.loop import build_model
 
     backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
-    return build_model(cfg, backend, resolve(cfg), init_device="meta")
+    try:
+        return build_model(cfg, backend, resolve(cfg), init_device="meta")
+    finally:
+        backend.close()  # tensor parallelism's fake process group, if any
 
 
 def _tp(cfg: DictConfig) -> int:

@@ -30,6 +30,10 @@ SAMPLING_CHANGES = {
     "trainer.plan_only": False,
     "sharding.activation_checkpointing": "none",
     "sharding.compile": False,  # each new length would compile again
+    # Data-parallel ranks only: the checkpoint (DCP) loads on any layout, and decoding
+    # one token at a time has no sequence to split over tensor-parallel ranks.
+    "sharding.tensor_parallel": 1,
+    "sharding.sequence_parallel": None,
 }
 # A family that decodes through its own generate() (Hugging Face) calls into the
 # model's inner modules, past the root unit's hooks: it gets the whole model, one rank.
