@@ -177,13 +177,10 @@ def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
             where,
         )
     elif reach > 1e-5:  # float32 noise is ~1e-7; encoders move them ~1e-3 or more
-        flag = (
-            " (is_decoder=false)"
-            if getattr(hf_config, "is_decoder", 0) is False
-            else ""
-        )
+        encoder = getattr(hf_config, "is_decoder", None) is False  # BERT-like
+        kind = "an encoder-only config (is_decoder=false)" if encoder else "not causal"
         raise ValueError(
-            f"model.config: {where} is an encoder-only config{flag}: its model lets "
+            f"model.config: {where} is {kind}: its model lets "
             "later tokens change earlier positions' logits, so next-token training "
             "would see the future; give a causal (decoder) config"
         )
@@ -193,14 +190,29 @@ def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
 # layers. Widths first; the config's own widths (layers cut) if it is small enough.
 _PROBE_SIZES = {
     "num_hidden_layers": 2,
+    "vocab_size": 4096,
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_attention_heads": 2,
-    "num_key_value_heads": 1,
+    "num_key_value_heads": 2,
     "head_dim": 16,
+    "rotary_dim": 16,
+    # MoE
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
-    "rotary_dim": 16,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    # multi-head latent attention
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 16,  # = head_dim where a config ties them (DeepSeek)
+    "qk_nope_head_dim": 16,
+    "qk_head_dim": 32,
+    "v_head_dim": 16,
 }
 _PROBE_MAX_PARAMS = 50_000_000
 _PROBED: dict[tuple[str, Path], float | None] = {}
@@ -208,22 +220,30 @@ _TRUSTED: set[Path] = set()  # directories whose code this process was told runs
 
 
 def _probe_config(hf_config, widths: bool):
+    """A copy of ``hf_config`` at the probe's sizes: its text config and (widths)
+    its other sub-configs (a vision tower)."""
     probe = copy.deepcopy(hf_config)
     text = probe.get_text_config()
-    layers = getattr(text, "num_hidden_layers", None)
     sizes = _PROBE_SIZES if widths else {"num_hidden_layers": 2}
-    for key, value in sizes.items():
-        if getattr(text, key, None) is not None:
-            try:
-                setattr(text, key, min(value, getattr(text, key)))
-            except AttributeError:  # derived (a property): follows the others
-                pass
-    kept = getattr(text, "num_hidden_layers", None)
-    if layers and kept != layers:
-        for key, value in list(vars(text).items()):
-            if isinstance(value, list) and len(value) == layers:
-                setattr(text, key, value[:kept])
+    subs = [getattr(probe, k, None) for k in getattr(probe, "sub_configs", {})]
+    for config in [text, *(c for c in subs if widths and c not in (None, text))]:
+        _shrink(config, sizes)
     return probe
+
+
+def _shrink(config, sizes: dict[str, int]) -> None:
+    layers = getattr(config, "num_hidden_layers", None)
+    for key, value in sizes.items():
+        if getattr(config, key, None) is not None:
+            try:
+                setattr(config, key, min(value, getattr(config, key)))
+            except (AttributeError, TypeError):  # derived (a property), or a list
+                pass
+    kept = getattr(config, "num_hidden_layers", None)
+    if layers and kept != layers:
+        for key, value in list(vars(config).items()):
+            if isinstance(value, list) and len(value) == layers:
+                setattr(config, key, value[:kept])
 
 
 def _later_inputs_reach(hf_config, trust_remote_code: bool) -> float | None:
@@ -251,7 +271,8 @@ def _later_inputs_reach(hf_config, trust_remote_code: bool) -> float | None:
                     torch.manual_seed(0)
                     model = _from_config(probe, trust_remote_code).eval()
                     vocab = probe.get_text_config().vocab_size
-                    x = torch.randint(0, vocab, (2, 8))
+                    # from the middle of the vocabulary: no special (image...) ids
+                    x = torch.randint(vocab // 4, vocab // 2, (2, 8))
                 x[1, :4] = x[0, :4]  # the same first 4 tokens, then others
                 with torch.no_grad():
                     logits = model(input_ids=x, use_cache=False).logits.float()
