@@ -404,45 +404,9 @@ def plot(
     fig = Figure(figsize=(max(6.4, 0.8 * len(rows) + 3), 9), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(_PANELS), 1, sharex=True)
-    for ax, (figures, ylabel) in zip(axes, _PANELS, strict=True):
-        for group, colour in colours.items():
-            for metric, marker in figures:
-                idx = sorted(
-                    (i for i, r in enumerate(rows) if groups[i] == group),
-                    key=lambda i: xs[i],
-                )
-                idx = [i for i in idx if isinstance(rows[i][metric], int | float)]
-                if not idx:
-                    continue
-                label = group if len(figures) == 1 else f"{metric}: {group}"
-                ax.plot(
-                    [xs[i] for i in idx], [rows[i][metric] for i in idx],
-                    marker=marker, color=colour, label=label,
-                    linestyle="-" if marker == "o" else ":",
-                )  # fmt: skip
-        ax.set_ylabel(ylabel)
+    _plot_series(axes, rows, xs, groups, colours)
     name, direction = goal
-    for i, r in enumerate(rows):
-        if r["status"] in ("failed", "skipped", "unknown"):
-            for ax in axes:
-                ax.plot(xs[i], 0, "x", color="tab:red", ms=10, mew=2, clip_on=False)
-            axes[0].annotate(
-                r["status"], (xs[i], 0), textcoords="offset points", xytext=(0, 8),
-                ha="center", color="tab:red",
-            )  # fmt: skip
-        if not r["best"]:
-            continue
-        star = {"marker": "*", "ms": 18, "color": "gold", "mec": "k", "zorder": 5}
-        for ax, (figures, _) in zip(axes, _PANELS, strict=True):
-            metric = next((m for m, _ in figures if m == name), figures[0][0])
-            if isinstance(r[metric], int | float):
-                label = f"best ({direction} {name})" if metric == name else None
-                ax.plot(xs[i], r[metric], **star, linestyle="none", label=label)
-                if metric == name:
-                    ax.annotate(
-                        f"best: {name} {r[name]:,.4g}", (xs[i], r[name]),
-                        textcoords="offset points", xytext=(0, -18), ha="center",
-                    )  # fmt: skip
+    _mark_failed_and_best(axes, rows, xs, name, direction)
     if mem_cap is not None:
         axes[-1].axhline(mem_cap, color="tab:red", linestyle="--", label="mem cap")
     if numeric:
@@ -464,6 +428,56 @@ def plot(
     )
     fig.savefig(path, dpi=110)
     return fig
+
+
+def _plot_series(
+    axes, rows: list[dict], xs: list[float], groups: list[str], colours: dict
+) -> None:
+    """Each panel's figures, one line per colour group, in x order."""
+    for ax, (figures, ylabel) in zip(axes, _PANELS, strict=True):
+        for group, colour in colours.items():
+            for metric, marker in figures:
+                idx = sorted(
+                    (i for i, r in enumerate(rows) if groups[i] == group),
+                    key=lambda i: xs[i],
+                )
+                idx = [i for i in idx if isinstance(rows[i][metric], int | float)]
+                if not idx:
+                    continue
+                label = group if len(figures) == 1 else f"{metric}: {group}"
+                ax.plot(
+                    [xs[i] for i in idx], [rows[i][metric] for i in idx],
+                    marker=marker, color=colour, label=label,
+                    linestyle="-" if marker == "o" else ":",
+                )  # fmt: skip
+        ax.set_ylabel(ylabel)
+
+
+def _mark_failed_and_best(
+    axes, rows: list[dict], xs: list[float], name: str, direction: str
+) -> None:
+    """A red cross at zero for each failed job, a gold star for the best one."""
+    for i, r in enumerate(rows):
+        if r["status"] in ("failed", "skipped", "unknown"):
+            for ax in axes:
+                ax.plot(xs[i], 0, "x", color="tab:red", ms=10, mew=2, clip_on=False)
+            axes[0].annotate(
+                r["status"], (xs[i], 0), textcoords="offset points", xytext=(0, 8),
+                ha="center", color="tab:red",
+            )  # fmt: skip
+        if not r["best"]:
+            continue
+        star = {"marker": "*", "ms": 18, "color": "gold", "mec": "k", "zorder": 5}
+        for ax, (figures, _) in zip(axes, _PANELS, strict=True):
+            metric = next((m for m, _ in figures if m == name), figures[0][0])
+            if isinstance(r[metric], int | float):
+                label = f"best ({direction} {name})" if metric == name else None
+                ax.plot(xs[i], r[metric], **star, linestyle="none", label=label)
+                if metric == name:
+                    ax.annotate(
+                        f"best: {name} {r[name]:,.4g}", (xs[i], r[name]),
+                        textcoords="offset points", xytext=(0, -18), ha="center",
+                    )  # fmt: skip
 
 
 def _log_to_wandb(
