@@ -702,6 +702,8 @@ class Trainer:
                 export_path = Path(self.run_dir) / "hf"
                 hf = self.resolved.spec.hf
                 config = self.resolved.model_config
+                # The run's tokenizer goes next to the weights (rank 0 writes).
+                tokenizer = tokenizer_of(self.cfg.data) if self.rank == 0 else None
                 export_hf(
                     self.model,
                     export_path,
@@ -709,13 +711,16 @@ class Trainer:
                     hf.hf_config(config),
                     hf.converting_model(config),
                     hf.transposed,
-                    # The run's tokenizer goes next to the weights (rank 0 writes).
-                    tokenizer_of(self.cfg.data) if self.rank == 0 else None,
+                    tokenizer,
+                )
+                what = "weights, config.json" + (
+                    f" and the {tokenizer.name} tokenizer" if tokenizer else ""
                 )
             else:
                 export_path = Path(self.run_dir) / "model.safetensors"
                 export_consolidated(self.model, export_path)
-            log.info("exported consolidated weights to %s", export_path)
+                what = "consolidated weights"
+            log.info("exported %s to %s", what, export_path)
         if self.extended:
             self.summary["resume"] = self.extended
         self.summary.update(
