@@ -38,7 +38,7 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
 def _run(cfg: DictConfig, run_dir: str) -> dict | None:
     """The run's summary (None for plan-only)."""
     with exit_on_config_error():  # one line, before any rank starts
-        cfg, resolved = prepare(cfg, validate(cfg))
+        cfg, resolved = prepare(cfg, validate(cfg), run_dir=run_dir)
         if not cfg.trainer.plan_only:
             preflight(run_dir)  # the run dir is writable
     return launch(cfg, run_dir, resolved)

@@ -110,7 +110,7 @@ KEY_HELP = {
     # data
     "data.name": "the source: text, files, tokens or synthetic (pick with data=...)",
     "data.paths": "a glob or a list of globs of your corpus (~ and ** work)",
-    "data.format": "text, jsonl or parquet: how a file holds its documents",
+    "data.format": "auto (by file extension), text, jsonl or parquet",
     "data.text_key": "the JSONL field / Parquet column holding the text",
     "data.tokenizer": "byte, bpe, or a tokenizer.json / Hugging Face tokenizer dir",
     "data.bpe_vocab_size": "tokenizer=bpe: its vocabulary size",

@@ -253,3 +253,46 @@ def test_train_py_stops_on_bad_data_before_any_rank(tmp_path):
         f"config error: {jsonl}:2: no 'text' key (data.text_key)"
     )
     assert not (run_dir / "ranks").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_mixed_formats_are_read_by_extension_and_the_run_records_them(tmp_path, capsys):
+    """A glob over .txt, .jsonl and .parquet files: with data.format=auto (the default)
+    each file is read in its format, the "data ready" line counts the files of each,
+    and the run dir's data.json records them and the tokenizer file; a format name
+    still reads every file in it (the JSONL then as raw text)."""
+    root = tmp_path / "mixed"
+    root.mkdir()
+    (root / "a.txt").write_text(DOCS[0])
+    lines = [json.dumps({"text": d}) for d in DOCS[1:3]]
+    (root / "b.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({"text": DOCS[3:5]}), root / "c.parquet")
+    cfg = cfg_for(tmp_path, f"data.paths={root}/*")
+    assert cfg.data.format == "auto"
+    expected = b"".join(d.encode() + b"\0" for d in DOCS[:5])
+    assert stream(cfg).astype(np.uint8).tobytes() == expected
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    capsys.readouterr()
+    prepare_data(cfg.data, run_dir=str(run_dir))
+    out = capsys.readouterr().out
+    assert "data ready in " in out
+    assert "s: 3 file(s): 1 text, 1 jsonl, 1 parquet" in out
+    record = json.loads((run_dir / "data.json").read_text())
+    assert record["files"] == {"text": 1, "jsonl": 1, "parquet": 1}
+    assert record["tokenizer"] == "byte" and record["tokenizer_file"] is None
+
+    bpe = cfg_for(
+        tmp_path,
+        f"data.paths={root}/*",
+        "data.tokenizer=bpe",
+        "data.bpe_vocab_size=300",
+    )
+    prepare_data(bpe.data, run_dir=str(run_dir))
+    record = json.loads((run_dir / "data.json").read_text())
+    (trained,) = (tmp_path / "cache").glob("bpe-*.json")
+    assert record["tokenizer_file"] == str(trained)
+
+    forced = cfg_for(tmp_path, f"data.paths={root}/*.jsonl", "data.format=text")
+    raw = stream(forced).astype(np.uint8).tobytes()
+    assert raw == (root / "b.jsonl").read_bytes() + b"\0"

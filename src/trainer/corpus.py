@@ -25,8 +25,12 @@ from dataclasses import dataclass, field
 
 from src.trainer.resolved import ConfigError
 
-#: ``data.format``: how a file holds its documents.
+#: How a file holds its documents.
 DATA_FORMATS = ("text", "jsonl", "parquet")
+#: ``data.format``: ``auto`` (the default) picks each file's format by its extension
+#: (:data:`FORMAT_BY_EXTENSION`, else text); a format name reads every file in it.
+FORMAT_CHOICES = ("auto", *DATA_FORMATS)
+FORMAT_BY_EXTENSION = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 STDLIB_PLACEHOLDER = "<stdlib>"
 TEXT_CHUNK = 1 << 22  # bytes read at a time from a text file (cut after a newline)
 PARQUET_BATCH = 1024  # rows per record batch
@@ -59,24 +63,42 @@ def resolve_files(paths: str | Sequence[str]) -> list[str]:
     return sorted(files)
 
 
+def file_format(path: str, fmt: str = "auto") -> str:
+    """How ``path`` holds its documents: ``fmt``, or with ``auto`` by its extension."""
+    if fmt != "auto":
+        return fmt
+    return FORMAT_BY_EXTENSION.get(os.path.splitext(path)[1].lower(), "text")
+
+
 @dataclass
 class Corpus:
-    """The documents of ``files`` in ``format`` (``text_key`` names the JSONL field or
-    Parquet column), split into train/val by bytes and capped at ``max_bytes``."""
+    """The documents of ``files``, each read in its format (``format``: one of
+    :data:`FORMAT_CHOICES`; ``text_key`` names the JSONL field or Parquet column),
+    split into train/val by bytes and capped at ``max_bytes``."""
 
     files: list[str]
-    format: str = "text"
+    format: str = "auto"
     text_key: str = "text"
     val_fraction: float = 0.05
     max_bytes: int | None = None
     _total: int | None = field(default=None, init=False, repr=False)
 
+    @property
+    def formats(self) -> list[str]:
+        """Each file's format, in the order of ``files``."""
+        return [file_format(path, self.format) for path in self.files]
+
+    def format_counts(self) -> dict[str, int]:
+        """How many files of each format, e.g. ``{"text": 2, "jsonl": 1}``."""
+        formats = self.formats
+        return {f: formats.count(f) for f in DATA_FORMATS if f in formats}
+
     @classmethod
     def from_config(cls, cfg) -> Corpus:
         fmt = cfg.format
-        if fmt not in DATA_FORMATS:
+        if fmt not in FORMAT_CHOICES:
             raise CorpusError(
-                f"data.format: got {fmt!r}, expected one of: {', '.join(DATA_FORMATS)}"
+                f"data.format: got {fmt!r}, expected one of: {', '.join(FORMAT_CHOICES)}"
             )
         max_bytes = cfg.max_bytes
         if max_bytes is not None and max_bytes <= 0:
@@ -100,9 +122,10 @@ class Corpus:
         for path in self.files:
             st = os.stat(path)
             stats.append([path, st.st_size, st.st_mtime_ns])
+        formats = self.formats
         return {
-            "format": self.format,
-            "text_key": self.text_key if self.format != "text" else None,
+            "formats": formats,
+            "text_key": self.text_key if set(formats) != {"text"} else None,
             "val_fraction": self.val_fraction,
             "max_bytes": self.max_bytes,
             "files": stats,
@@ -110,9 +133,14 @@ class Corpus:
 
     def documents(self) -> Iterator[bytes | None]:
         """The corpus as pieces of UTF-8 bytes, each document followed by ``EOD``."""
+        yield from self._documents(self.files, self.formats)
+
+    def _documents(
+        self, files: list[str], formats: list[str]
+    ) -> Iterator[bytes | None]:
         reader = {"text": self._text, "jsonl": self._jsonl, "parquet": self._parquet}
-        for path in self.files:
-            yield from reader[self.format](path)
+        for path, fmt in zip(files, formats, strict=True):
+            yield from reader[fmt](path)
 
     def _text(self, path: str) -> Iterator[bytes | None]:
         with open(path, "rb") as f:
@@ -180,14 +208,16 @@ class Corpus:
         """Length of the byte stream (documents + one mark each), after the cap.
         Counted once (text files by their size, other formats by reading them)."""
         if self._total is None:
-            if self.format == "text":
-                sizes = [os.path.getsize(p) for p in self.files]
-                text, marks = sum(sizes), len(sizes)
-            else:
-                text = marks = 0
-                for piece in self.documents():
-                    marks += piece is EOD
-                    text += 0 if piece is EOD else len(piece)
+            pairs = list(zip(self.files, self.formats, strict=True))
+            text_files = [p for p, f in pairs if f == "text"]
+            text = sum(os.path.getsize(p) for p in text_files)
+            marks = len(text_files)
+            others = [(p, f) for p, f in pairs if f != "text"]
+            for piece in self._documents(
+                [p for p, _ in others], [f for _, f in others]
+            ):
+                marks += piece is EOD
+                text += 0 if piece is EOD else len(piece)
             if text == 0:
                 raise CorpusError(
                     f"data.paths: the corpus is empty ({len(self.files)} file(s), "

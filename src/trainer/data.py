@@ -35,6 +35,7 @@ from src.trainer.corpus import Corpus
 from src.trainer.resolved import ConfigError, model_config, model_spec
 from src.trainer.token_cache import SPLITS, token_cache
 from src.trainer.tokenizer import Tokenizer, load_tokenizer
+from src.util import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -97,18 +98,44 @@ def load_splits(
     return DATA_SOURCES[name].splits(data_cfg, vocab_size, seed)
 
 
+#: In the run dir: what the run's tokens were made from (files per format, the
+#: tokenizer file, the token cache entry).
+DATA_RECORD = "data.json"
+
+
 def prepare_data(
-    data_cfg: Any, verbose: bool = True, progress: bool = True
+    data_cfg: Any,
+    verbose: bool = True,
+    progress: bool = True,
+    run_dir: str | None = None,
 ) -> dict | None:
     """Build (or find) the token cache of a text/files source, in the launcher before
-    any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``...), or None for
-    the sources without a tokenizer. Bad input raises a one-line ``ConfigError``."""
+    any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``, ``formats``,
+    ``tokenizer_file``...), or None for the sources without a tokenizer. With
+    ``run_dir``, records it there (:data:`DATA_RECORD`). Bad input raises a one-line
+    ``ConfigError``."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
     start = time.perf_counter()
     meta = token_cache(data_cfg, verbose, progress).meta
+    counts = meta["formats"]
     if verbose:
-        log.info("data ready in %.2fs", time.perf_counter() - start)
+        log.info(
+            "data ready in %.2fs: %d file(s): %s",
+            time.perf_counter() - start,
+            sum(counts.values()),
+            ", ".join(f"{n} {fmt}" for fmt, n in counts.items()),
+        )
+    if run_dir is not None:
+        record = {
+            "paths": OmegaConf.to_container(data_cfg, resolve=True)["paths"],
+            "files": counts,
+            "tokenizer": str(data_cfg.tokenizer),
+            "tokenizer_file": meta["tokenizer_file"],
+            "token_cache": meta["token_cache"],
+            **{k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens")},
+        }
+        write_json_atomic(os.path.join(run_dir, DATA_RECORD), record)
     return meta
 
 

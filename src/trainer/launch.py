@@ -79,22 +79,31 @@ log = logging.getLogger(__name__)
 
 
 def prepare(
-    cfg: DictConfig, resolved: Resolved, user_keys: set[str] | None = None
+    cfg: DictConfig,
+    resolved: Resolved,
+    user_keys: set[str] | None = None,
+    run_dir: str | None = None,
 ) -> tuple[DictConfig, Resolved]:
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
     data ready in the token cache, the model's vocabulary following the tokenizer and
     every ``auto`` value chosen, and its :class:`Resolved` run object, built once
     from it (``resolved``: what ``validate()`` resolved from ``cfg`` as composed).
-    ``user_keys``: the keys the user set (default: this Hydra job's command line).
-    Bad input is a ``ConfigError``."""
+    ``user_keys``: the keys the user set (default: this Hydra job's command line);
+    ``run_dir``: where to record what the data was made from (``data.json``). Bad
+    input is a ``ConfigError``."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     set_log_level(cfg.trainer.log_level)
     user_keys = _user_keys() if user_keys is None else user_keys
     if not cfg.trainer.plan_only:  # plan-only reads no data
-        meta = prepare_data(cfg.data, _is_rank0(), cfg.trainer.progress)
+        meta = prepare_data(
+            cfg.data,
+            _is_rank0(),
+            cfg.trainer.progress,
+            run_dir if _is_rank0() else None,
+        )
         if meta is not None:
             follow_tokenizer_vocab(cfg, meta, user_keys)
     cfg, policy = default_policy(cfg, user_keys)

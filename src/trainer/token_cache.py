@@ -174,6 +174,13 @@ def token_cache(
     verb = (
         f"built {path} in {entry.meta['build_s']:.1f}s" if built else f"reusing {path}"
     )
+    # What this run read (not saved in the entry: the same tokens may come from a
+    # tokenizer file elsewhere with the same contents).
+    entry.meta.update(
+        formats=corpus.format_counts(),
+        tokenizer_file=tokenizer.path,
+        token_cache=path,
+    )
     if verbose:
         m = entry.meta
         log.info(
