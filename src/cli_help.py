@@ -51,6 +51,7 @@ KEY_HELP = {
     "model.tie_embeddings": "Llama: share the input embedding and the output head",
     # hf and custom
     "model.config": "hf: a transformers config dir, or a name in conf/hf_configs",
+    "model.trust_remote_code": "hf: run the config dir's own model code (auto_map)",
     "model._target_": "custom: dotted path of your nn.Module class",
     "model.args": "custom: more constructor arguments (+model.args.dim=64)",
     # sharding
