@@ -19,10 +19,10 @@ from src.config import (
     validate,
     validate_sample,
 )
-from src.trainer.from_run import find_run, run_config, with_changes
+from src.trainer.from_run import find_run, run_config, sample_rank, with_changes
 from src.trainer.launch import override_keys, prepare, run_ranks
 from src.trainer.resolved import model_spec
-from src.trainer.sampling import sample_rank, sampling_changes
+from src.trainer.sampling import sampling_changes
 
 log = logging.getLogger("sample")
 

@@ -106,6 +106,9 @@ class TrainerConfig:
     log_every: int = MISSING
     val_every: int = MISSING
     val_batches: int = MISSING
+    sample_every: int = MISSING
+    sample_prompts: list[str] = MISSING
+    sample_tokens: int = MISSING
     lr: float = MISSING
     min_lr: float = MISSING
     warmup_steps: int = MISSING
@@ -471,6 +474,13 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps", "keep_last"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
     _positive_int(cfg, "trainer.max_restarts", minimum=0)
+    _positive_int(cfg, "trainer.sample_every", minimum=0)
+    _positive_int(cfg, "trainer.sample_tokens")
+    _require(
+        not t.sample_every or DATA_SOURCES[cfg.data.name].tokenized,
+        "trainer.sample_every",
+        f"samples need text: data={cfg.data.name} has no tokenizer",
+    )
     _choice(cfg, "trainer.log_level", LOG_LEVELS)
     _positive_int(cfg, "trainer.profile_start")
     _positive_int(cfg, "trainer.profile_steps")

@@ -108,12 +108,16 @@ def test_resume_schedule_extend_continues_and_keep_refuses(gpt_run, tmp_path):
 
 # ------------------------------------------------------------------- sampling
 
+PROMPT = "import os"  # (Hydra's command line takes no newline escape)
 LLAMA_RUN = [
     "model=llama_tiny",
     "model.n_layers=2",
     "model.dim=64",
     "model.max_seq_len=64",
     *RUN,
+    "trainer.sample_every=10",  # greedy samples while it trains
+    f"trainer.sample_prompts=[{PROMPT!r},'def ']",
+    "trainer.sample_tokens=100",
 ]
 HF_RUN = [
     "model=hf",
@@ -124,7 +128,6 @@ HF_RUN = [
     "trainer.ckpt_every=2",
     "trainer.val_every=0",
 ]
-PROMPT = "import os\n"
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +154,12 @@ def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
     kw = dict(max_new_tokens=n, temperature=0.0, device=device, num_samples=2)
     cached = sample_texts(model, resolved, tokenizer, [PROMPT], **kw)[0]
     plain = sample_texts(model, resolved, tokenizer, [PROMPT], kv_cache=False, **kw)[0]
+    # Drawn (a 20-step model's greedy text is mostly spaces): the same draws too.
+    kw.update(temperature=1.0, seed=3)
+    drawn = [
+        sample_texts(model, resolved, tokenizer, [PROMPT], kv_cache=c, **kw)[0]
+        for c in (True, False)
+    ]
     idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         whole = model(idx)[0]
@@ -159,7 +168,7 @@ def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
             model(idx[:, a:b], cache=cache)[0] for a, b in ((0, 25), (25, 39), (39, 40))
         ]
     gap = (torch.cat(parts, dim=1) - whole).abs().max().item()
-    return {"step": step, "cached": cached, "plain": plain, "gap": gap}
+    return {"step": step, "cached": cached, "plain": plain, "drawn": drawn, "gap": gap}
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -174,10 +183,32 @@ def test_kv_cache_decoding_equals_recomputing(family, gpt_run, llama_run):
     out = run_ranks(_greedy_both_ways, 1, 60, cfg, resolved, checkpoint, 100)
     assert out["step"] == 20
     assert out["cached"] == out["plain"]
+    assert out["drawn"][0] == out["drawn"][1] and len(set(out["drawn"][0])) == 2
     assert all(
         t.startswith(PROMPT) and len(t) == len(PROMPT) + 100 for t in out["cached"]
     )
     assert out["gap"] < 1e-4
+    if family == "llama":  # trained with trainer.sample_every=10: the same text
+        rows = [r for r in read_rows(run_dir) if "sample_0" in r]
+        assert [r["step"] for r in rows] == [10, 20]
+        assert rows[-1]["sample_0"] == out["cached"][0]
+
+
+def test_sample_every_logs_samples_while_training(llama_run):
+    """trainer.sample_every=10: greedy samples of both prompts at steps 10 and 20 in
+    metrics.jsonl and in the samples table (samples.json; a wandb Table with wandb)."""
+    table = json.loads((llama_run / "samples.json").read_text())
+    assert [(r["step"], r["prompt"]) for r in table] == [
+        (10, PROMPT),
+        (10, "def "),
+        (20, PROMPT),
+        (20, "def "),
+    ]
+    rows = {r["step"]: r for r in read_rows(llama_run) if "sample_1" in r}
+    for r in table:
+        key = "sample_0" if r["prompt"] == PROMPT else "sample_1"
+        assert rows[r["step"]][key] == r["text"]
+        assert r["text"].startswith(r["prompt"]) and len(r["text"]) > len(r["prompt"])
 
 
 def sample_cli(run: Path, *overrides: str) -> tuple[str, list[str]]:

@@ -11,7 +11,7 @@
 - :func:`load_model`: on each rank, the model built as training builds it (the
   run's family, sharded as it is built under the wrap context by the backend of
   ``sharding``), with the checkpoint's weights (DCP: written by any number of ranks,
-  read by any other); :func:`run_tokenizer`: the run's tokenizer.
+  read by any other); :func:`sample_rank`: a rank of sample.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from src.trainer.checkpoint import Checkpointer, resolve_resume, run_checkpoints
 from src.trainer.data import DATA_SOURCES, tokenizer_of
 from src.trainer.loop import build_model, make_backend
 from src.trainer.resolved import ConfigError, Resolved
+from src.trainer.sampling import sample_texts
 from src.trainer.tokenizer import Tokenizer
 
 RUN_CONFIG = Path(".hydra") / "config.yaml"
@@ -109,3 +110,20 @@ def load_model(
     state = Checkpointer(checkpoint.parent).load_model(checkpoint, model, verify=False)
     model.eval()
     return model, backend, state["step"]
+
+
+def sample_rank(
+    device: torch.device,
+    cfg: DictConfig,
+    resolved: Resolved,
+    checkpoint: Path,
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """One rank of sample.py: the run's model from ``checkpoint``, then ``opts``'
+    samples (``sample_texts``' keywords and ``prompt``); returns them with the step."""
+    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    opts = dict(opts)
+    texts = sample_texts(
+        model, resolved, run_tokenizer(cfg), [opts.pop("prompt")], device=device, **opts
+    )
+    return {"step": step, "samples": texts[0]}

@@ -69,6 +69,7 @@ from src.trainer.resolved import (
     resolve,
     tensor_parallel_plan,
 )
+from src.trainer.sampling import sample_texts
 
 log = logging.getLogger(__name__)
 
@@ -427,9 +428,8 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         self.skipped_steps = 0
         self.start_step = 0
-        self.extended: dict[str, Any] | None = (
-            None  # resume_schedule=extend: what changed
-        )
+        self.extended: dict[str, Any] | None = None  # resume_schedule=extend
+        self.samples: list[dict[str, Any]] = []  # trainer.sample_every's rows
         self.loss = math.nan  # the last step's loss, mean over the global batch
 
     # -- build ------------------------------------------------------------------------
@@ -479,6 +479,7 @@ class Trainer:
             self.cfg.data, spec.vocab_size(model_cfg), t.seed
         )
         self.batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
+        self.tokenizer = tokenizer_of(self.cfg.data) if t.sample_every else None
         self.val_set = []
         if t.val_every and t.val_batches:
             self.val_set = GlobalBatches(
@@ -677,6 +678,34 @@ class Trainer:
         self.meter.restart(step)  # validation time is not training throughput
         return val_loss
 
+    def sample(self, step: int) -> list[dict[str, Any]]:
+        """Greedy continuations of ``trainer.sample_prompts`` (every rank decodes, in
+        step; the random streams are untouched), logged at ``step``: the console,
+        ``sample_<i>`` in metrics.jsonl, and the ``samples`` table (wandb Table and
+        samples.json) of every step so far."""
+        t = self.cfg.trainer
+        prompts = list(t.sample_prompts)
+        texts = sample_texts(
+            self.model,
+            self.resolved,
+            self.tokenizer,
+            prompts,
+            max_new_tokens=t.sample_tokens,
+            temperature=0.0,
+            device=self.device,
+        )
+        rows = [
+            {"step": step, "prompt": p, "text": out[0]}
+            for p, out in zip(prompts, texts, strict=True)
+        ]
+        self.samples.extend(rows)
+        self.logger.log({f"sample_{i}": r["text"] for i, r in enumerate(rows)}, step)
+        self.logger.log_table("samples", self.samples)
+        for r in rows:
+            log.info("step %d: sample %r", step, r["text"])
+        self.meter.restart(step)  # sampling time is not training throughput
+        return rows
+
     def checkpoint(self, step: int) -> Path:
         """A sharded checkpoint of ``step`` (a collective; in the background with
         ``trainer.ckpt_async``)."""
@@ -753,6 +782,8 @@ class Trainer:
             last = step == t.max_steps
             if self.val_set and (step % t.val_every == 0 or last):
                 self.validate(step)
+            if t.sample_every and (step % t.sample_every == 0 or last):
+                self.sample(step)
             saved = t.ckpt_every and (step % t.ckpt_every == 0 or last)
             if saved:
                 path = self.checkpoint(step)

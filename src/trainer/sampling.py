@@ -10,17 +10,14 @@ recomputing the window each step (src/models/generate.py).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import DictConfig
 
 from src.models import ModelSpec
 from src.models.generate import generate
-from src.trainer.from_run import load_model, run_tokenizer
 from src.trainer.resolved import Resolved
 from src.trainer.tokenizer import Tokenizer
 
@@ -106,21 +103,3 @@ def sample_texts(
             )
         out.append([tokenizer.decode(row.tolist()) for row in tokens])
     return out
-
-
-def sample_rank(
-    device: torch.device,
-    cfg: DictConfig,
-    resolved: Resolved,
-    checkpoint: Path,
-    opts: dict[str, Any],
-) -> dict[str, Any]:
-    """One rank of sample.py: the run's model from ``checkpoint``, then ``opts``'
-    samples (``sample_texts``' keywords and ``prompt``); returns them with the step."""
-    model, _, step = load_model(cfg, resolved, checkpoint, device)
-    tokenizer = run_tokenizer(cfg)
-    opts = dict(opts)
-    texts = sample_texts(
-        model, resolved, tokenizer, [opts.pop("prompt")], device=device, **opts
-    )[0]
-    return {"step": step, "samples": texts}
