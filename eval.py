@@ -14,10 +14,9 @@ import hydra
 from omegaconf import DictConfig
 
 from src.config import (
-    compose_run,
     exit_on_config_error,
+    open_run,
     run_cli,
-    validate,
     validate_eval,
 )
 from src.trainer.evaluation import (
@@ -27,8 +26,7 @@ from src.trainer.evaluation import (
     record,
     write_record,
 )
-from src.trainer.from_run import find_run, run_config, with_changes
-from src.trainer.launch import override_keys, prepare, run_ranks
+from src.trainer.launch import run_ranks
 
 log = logging.getLogger("eval")
 
@@ -37,12 +35,8 @@ def evaluate_run(cfg: DictConfig) -> dict:
     """Everything ``eval.py`` does for ``cfg`` (conf/eval.yaml); returns the record."""
     with exit_on_config_error():
         validate_eval(cfg)
-        run_dir, checkpoint = find_run(cfg.run)
-        run_cfg, overrides = run_config(run_dir)
-        run_cfg = compose_run(run_cfg, overrides)
-        run_cfg = with_changes(run_cfg, eval_changes(cfg, run_cfg))
-        run_cfg, resolved = prepare(
-            run_cfg, validate(run_cfg), override_keys(overrides)
+        run_dir, checkpoint, run_cfg, resolved = open_run(
+            cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg)
         )
     opts = {key: cfg[key] for key in ("split", "batches", "batch_size")}
     result = run_ranks(

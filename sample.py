@@ -13,14 +13,13 @@ import hydra
 from omegaconf import DictConfig
 
 from src.config import (
-    compose_run,
     exit_on_config_error,
+    open_run,
     run_cli,
-    validate,
     validate_sample,
 )
-from src.trainer.from_run import find_run, run_config, sample_rank, with_changes
-from src.trainer.launch import override_keys, prepare, run_ranks
+from src.trainer.from_run import sample_rank
+from src.trainer.launch import run_ranks
 from src.trainer.resolved import model_spec
 from src.trainer.sampling import sampling_changes
 
@@ -29,18 +28,15 @@ log = logging.getLogger("sample")
 
 @hydra.main(config_path="conf", config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> list[str]:
-    with exit_on_config_error():
-        validate_sample(cfg)
-        run_dir, checkpoint = find_run(cfg.run)
-        run_cfg, overrides = run_config(run_dir)
-        run_cfg = compose_run(run_cfg, overrides)
+    def changes(run_cfg: DictConfig) -> dict:
         changes, note = sampling_changes(model_spec(run_cfg), cfg.devices)
         if note:
             log.warning(note)
-        run_cfg = with_changes(run_cfg, changes)
-        run_cfg, resolved = prepare(
-            run_cfg, validate(run_cfg), override_keys(overrides)
-        )
+        return changes
+
+    with exit_on_config_error():
+        validate_sample(cfg)
+        _, checkpoint, run_cfg, resolved = open_run(cfg.run, changes)
     opts = {
         key: cfg[key]
         for key in ("prompt", "num_samples", "max_new_tokens", "temperature")

@@ -18,8 +18,9 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ from src.models import ModelSpec, families, get_spec
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
+from src.trainer.from_run import find_run, run_config, with_changes
+from src.trainer.launch import override_keys, prepare
 from src.trainer.loggers import LOGGERS, LoggerConfig
 from src.trainer.logs import LOG_LEVELS, error_line
 from src.trainer.loop import RESUME_SCHEDULES
@@ -570,6 +573,21 @@ def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
         return OmegaConf.merge(base, saved)
     except (HydraException, OmegaConfBaseException, ValueError):
         return saved
+
+
+def open_run(
+    run: str, changes: Callable[[DictConfig], Mapping[str, Any]]
+) -> tuple[Path, Path, DictConfig, Resolved]:
+    """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
+    the run's config typed by today's schema (:func:`compose_run`), changed by
+    ``changes(config)``, validated and prepared as train.py prepares it (the keys its
+    user set stay theirs). A problem is a ConfigError naming the key."""
+    run_dir, checkpoint = find_run(run)
+    cfg, overrides = run_config(run_dir)
+    cfg = compose_run(cfg, overrides)
+    cfg = with_changes(cfg, changes(cfg))
+    cfg, resolved = prepare(cfg, validate(cfg), override_keys(overrides))
+    return run_dir, checkpoint, cfg, resolved
 
 
 def validate_sample(cfg: DictConfig) -> None:

@@ -50,6 +50,8 @@ SKIPPED = {
     ("pip", "install"): "installs packages from the network",
     ("python", "-m", "pytest"): "the test suite itself",
     ("wandb", "sync"): "uploads runs to wandb over the network",
+    ("python", "-m", "src.trainer.compare"): "reads earlier runs' dirs (run by "
+    "tests/test_research_loop.py on two trained runs)",
 }
 #: Commands that read a run dir the user names (a placeholder such as <date>).
 USER_RUN_DIR = re.compile(r"<date>|<time>|<run dir>")

@@ -7,6 +7,7 @@ runs it: the composed config saved as ``.hydra/config.yaml``) and its run dir re
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import shutil
@@ -18,24 +19,23 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import eval as eval_py
-from src.config import compose_run, validate
-from src.models.generate import KVCache
+from src.config import open_run, validate
+from src.models import get_spec
+from src.models.generate import KVCache, generate
+from src.trainer.compare import main as compare_main
 from src.trainer.data import GlobalBatches, TokenStream
 from src.trainer.evaluation import EVAL_FILE
 from src.trainer.from_run import (
-    find_run,
     load_model,
-    run_config,
     run_tokenizer,
-    with_changes,
 )
-from src.trainer.launch import override_keys, prepare, run_rank, run_ranks
+from src.trainer.launch import prepare, run_rank, run_ranks
 from src.trainer.loop import lr_lambda
-from src.trainer.resolved import ConfigError
-from src.trainer.sampling import SAMPLING_CHANGES, sample_texts
+from src.trainer.resolved import ConfigError, Resolved
+from src.trainer.sampling import SAMPLING_CHANGES, sample_texts, sampling_changes
 from tests.test_train import ROOT, make_cfg, read_rows, run_cmd
 
 # A tiny model on 2 MB of the stdlib's sources (byte-level), one rank in this process.
@@ -117,7 +117,7 @@ LLAMA_RUN = [
     *RUN,
     "trainer.sample_every=10",  # greedy samples while it trains
     f"trainer.sample_prompts=[{PROMPT!r},'def ']",
-    "trainer.sample_tokens=100",
+    "trainer.sample_tokens=70",
 ]
 HF_RUN = [
     "model=hf",
@@ -137,13 +137,11 @@ def llama_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def open_run(run_dir: Path, **changes):
-    """sample.py's steps before the ranks start: the run's config, prepared."""
-    run_cfg, overrides = run_config(run_dir)
-    run_cfg = with_changes(
-        compose_run(run_cfg, overrides), {**SAMPLING_CHANGES, **changes}
-    )
-    return prepare(run_cfg, validate(run_cfg), override_keys(overrides))
+def opened(run_dir: Path, changes: dict) -> tuple[Path, DictConfig, Resolved]:
+    """sample.py's and eval.py's steps before the ranks start: the checkpoint and
+    the run's config, changed and prepared."""
+    _, checkpoint, cfg, resolved = open_run(str(run_dir), lambda _: changes)
+    return checkpoint, cfg, resolved
 
 
 def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
@@ -155,7 +153,7 @@ def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
     cached = sample_texts(model, resolved, tokenizer, [PROMPT], **kw)[0]
     plain = sample_texts(model, resolved, tokenizer, [PROMPT], kv_cache=False, **kw)[0]
     # Drawn (a 20-step model's greedy text is mostly spaces): the same draws too.
-    kw.update(temperature=1.0, seed=3)
+    kw.update(temperature=1.0, seed=3, max_new_tokens=30)
     drawn = [
         sample_texts(model, resolved, tokenizer, [PROMPT], kv_cache=c, **kw)[0]
         for c in (True, False)
@@ -175,17 +173,16 @@ def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
 def test_kv_cache_decoding_equals_recomputing(family, gpt_run, llama_run):
     """The trained checkpoint on one FSDP2 rank: greedy decoding with the KV cache
     gives the same tokens as recomputing the window each step, inside the window and
-    past it (100 new tokens, window 64); logits through the cache in pieces equal
+    past it (70 new tokens after 9, window 64); logits through the cache in pieces equal
     the plain forward's."""
     run_dir = {"gpt": gpt_run, "llama": llama_run}[family]
-    cfg, resolved = open_run(run_dir)
-    _, checkpoint = find_run(str(run_dir))
-    out = run_ranks(_greedy_both_ways, 1, 60, cfg, resolved, checkpoint, 100)
+    checkpoint, cfg, resolved = opened(run_dir, SAMPLING_CHANGES)
+    out = run_ranks(_greedy_both_ways, 1, 60, cfg, resolved, checkpoint, 70)
     assert out["step"] == 20
     assert out["cached"] == out["plain"]
     assert out["drawn"][0] == out["drawn"][1] and len(set(out["drawn"][0])) == 2
     assert all(
-        t.startswith(PROMPT) and len(t) == len(PROMPT) + 100 for t in out["cached"]
+        t.startswith(PROMPT) and len(t) == len(PROMPT) + 70 for t in out["cached"]
     )
     assert out["gap"] < 1e-4
     if family == "llama":  # trained with trainer.sample_every=10: the same text
@@ -211,6 +208,37 @@ def test_sample_every_logs_samples_while_training(llama_run):
         assert r["text"].startswith(r["prompt"]) and len(r["text"]) > len(r["prompt"])
 
 
+def _hf_both_ways(device, cfg, resolved, checkpoint) -> dict:
+    model, _, _ = load_model(cfg, resolved, checkpoint, device)
+    tokenizer = run_tokenizer(cfg)
+    kw = dict(max_new_tokens=30, device=device, num_samples=2)
+    greedy = sample_texts(model, resolved, tokenizer, [PROMPT], temperature=0, **kw)
+    drawn = sample_texts(model, resolved, tokenizer, [PROMPT], seed=1, **kw)
+    idx = torch.tensor([tokenizer.encode_text(PROMPT)])
+    plain = generate(model, idx, 30, 64, temperature=0.0, kv_cache=False)
+    return {
+        "greedy": greedy[0],
+        "drawn": drawn[0],
+        "plain": tokenizer.decode(plain[0].tolist()),
+    }
+
+
+def test_hf_model_samples_through_generate(tmp_path):
+    """A tiny Hugging Face Llama (2 steps, checkpointed): sampling goes through
+    transformers' generate() on one rank with the whole model (asked for 2, it says
+    so); its greedy text is the one the plain window-recomputing loop gives."""
+    run_dir = tmp_path / "hf"
+    train_run(run_dir, *HF_RUN)
+    changes, note = sampling_changes(get_spec("hf"), 2)
+    assert "generate()" in note and "1 rank" in note
+    checkpoint, cfg, resolved = opened(run_dir, changes)
+    assert resolved.world_size == 1 and cfg.sharding.backend == "none"
+    out = run_ranks(_hf_both_ways, 1, 60, cfg, resolved, checkpoint)
+    assert out["greedy"] == [out["plain"]] * 2
+    assert all(t.startswith(PROMPT) for t in out["drawn"])
+    assert len(set(out["drawn"])) == 2  # two different draws
+
+
 def sample_cli(run: Path, *overrides: str) -> tuple[str, list[str]]:
     """``python sample.py run=<run> ...``: its console output and the samples."""
     out = run_cmd([sys.executable, "sample.py", f"run={run}", *overrides], timeout=300)
@@ -220,6 +248,7 @@ def sample_cli(run: Path, *overrides: str) -> tuple[str, list[str]]:
     return text, samples.split("\n---------------\n")[:-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_sample_py_on_two_ranks(family, gpt_run, llama_run):
     """sample.py from the run dir on 2 FSDP2 ranks (the checkpoint was written by
@@ -239,6 +268,7 @@ def test_sample_py_on_two_ranks(family, gpt_run, llama_run):
 # ----------------------------------------------------------------- evaluation
 
 
+@pytest.mark.slow
 def test_eval_py_on_two_ranks_reproduces_the_runs_val_loss(gpt_run):
     """eval.py on the run's own validation split, 2 ranks (the run trained on 1):
     the loss is the run's last val_loss (fp32, within 1e-5), appended to eval.json."""
@@ -290,3 +320,22 @@ def test_covering_batches_leave_no_token_out(n_tokens):
     n = windows.covering_batches()
     assert covered(n) == set(range(n_tokens))
     assert n == 1 or covered(n - 1) != set(range(n_tokens))
+
+
+# ------------------------------------------------------------------ comparing
+
+
+def test_compare_two_runs_table_and_plot(gpt_run, llama_run, tmp_path):
+    """``python -m src.trainer.compare`` on two runs: the sweep summary's table (the
+    overrides that differ, each run's final figures) and one plot over steps."""
+    compare_main([str(gpt_run), str(llama_run), "--out", str(tmp_path)])
+    table = (tmp_path / "compare.md").read_text()
+    rows = list(csv.DictReader((tmp_path / "compare.csv").open()))
+    assert [r["job"] for r in rows] == [gpt_run.name, llama_run.name]
+    assert [r["model"] for r in rows] == ["tiny", "llama_tiny"]  # a differing key
+    for row, run_dir in zip(rows, (gpt_run, llama_run), strict=True):
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert float(row["val_loss"]) == pytest.approx(summary["val_loss"])
+        assert f"{summary['val_loss']:.4f}" in table
+    assert sum(r["best"] == "True" for r in rows) == 1  # by val_loss, the default
+    assert (tmp_path / "compare.png").stat().st_size > 10_000

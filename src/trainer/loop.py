@@ -693,6 +693,8 @@ class Trainer:
             max_new_tokens=t.sample_tokens,
             temperature=0.0,
             device=self.device,
+            # A compiled block would compile again for each cache position.
+            kv_cache=not self.cfg.sharding.compile,
         )
         rows = [
             {"step": step, "prompt": p, "text": out[0]}

@@ -271,11 +271,18 @@ def collect(
     completed one with the best ``sweep.objective`` in ``sweep.direction`` (of the
     first job's config), returned as the third item ``(objective, direction)``.
     """
-    dirs = job_dirs(sweep_dir)
+    return collect_dirs(job_dirs(sweep_dir))
+
+
+def collect_dirs(
+    dirs: Sequence[Path], names: Sequence[str] | None = None
+) -> tuple[list[str], list[dict], tuple[str, str]]:
+    """:func:`collect` of the run dirs ``dirs`` (one sweep's jobs, or runs compared by
+    src/trainer/compare.py); ``names``: each row's ``job`` (default: the job number)."""
     overrides = [_overrides(d) for d in dirs]
     keys = swept_keys(overrides)
     rows = []
-    for job_dir, ovr in zip(dirs, overrides, strict=True):
+    for i, (job_dir, ovr) in enumerate(zip(dirs, overrides, strict=True)):
         summary = _read_json(job_dir / "summary.json")
         record = _read_json(job_dir / STATUS_FILE)
         status = record.get("status") or ("completed" if summary else "unknown")
@@ -286,6 +293,8 @@ def collect(
         if status == "completed" and cap is not None and peak is not None:
             status = "over_mem_cap" if peak > cap else status
         num = _job_num(job_dir)
+        if names is not None:
+            num = names[i]
         row = {
             "job": num if num != math.inf else job_dir.name,
             **{k: ovr.get(k, "") for k in keys},
