@@ -190,7 +190,6 @@ def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
 # layers. Widths first; the config's own widths (layers cut) if it is small enough.
 _PROBE_SIZES = {
     "num_hidden_layers": 2,
-    "vocab_size": 4096,
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_attention_heads": 2,
@@ -219,12 +218,21 @@ _PROBED: dict[tuple[str, Path], float | None] = {}
 _TRUSTED: set[Path] = set()  # directories whose code this process was told runs
 
 
-def _probe_config(hf_config, widths: bool):
-    """A copy of ``hf_config`` at the probe's sizes: its text config and (widths)
-    its other sub-configs (a vision tower)."""
+# Tried in turn: widths and a short vocabulary (special ids past it break some), widths,
+# layers alone.
+_PROBE_TRIES = (
+    {**_PROBE_SIZES, "vocab_size": 4096},
+    _PROBE_SIZES,
+    {"num_hidden_layers": 2},
+)
+
+
+def _probe_config(hf_config, sizes: dict[str, int]):
+    """A copy of ``hf_config`` at ``sizes``: its text config and (widths) its other
+    sub-configs (a vision tower)."""
     probe = copy.deepcopy(hf_config)
     text = probe.get_text_config()
-    sizes = _PROBE_SIZES if widths else {"num_hidden_layers": 2}
+    widths = "hidden_size" in sizes
     subs = [getattr(probe, k, None) for k in getattr(probe, "sub_configs", {})]
     for config in [text, *(c for c in subs if widths and c not in (None, text))]:
         _shrink(config, sizes)
@@ -255,9 +263,9 @@ def _later_inputs_reach(hf_config, trust_remote_code: bool) -> float | None:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the probe's own warnings are not the run's
     try:
-        for widths in (True, False):
+        for sizes in _PROBE_TRIES:
             try:
-                probe = _probe_config(hf_config, widths)
+                probe = _probe_config(hf_config, sizes)
                 with torch.device("meta"):
                     size = sum(
                         p.numel()
