@@ -59,7 +59,7 @@ WORLD = 2
 
 def load_settings(args: argparse.Namespace) -> dict:
     """The model shape and trainer hyper-parameters both sides use."""
-    model = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    model = compose_config(f"model={args.model}").model
     trainer = OmegaConf.load(ROOT / "conf" / "trainer" / "default.yaml")
     data = OmegaConf.load(ROOT / "conf" / "data" / "synthetic.yaml")
     return {

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from src.harness import compose_config
 from src.models import get_spec
 from src.models.gpt import (
     GPT,
@@ -34,7 +34,7 @@ def _batch(cfg: GPTConfig, batch: int, seq: int, seed: int = 0):
 
 
 def _preset(name: str) -> GPTConfig:
-    return get_spec("gpt").make_config(OmegaConf.load(PRESETS / f"{name}.yaml"))
+    return get_spec("gpt").make_config(compose_config(f"model={name}").model)
 
 
 def test_shapes_and_untrained_loss():
@@ -229,9 +229,10 @@ def test_flops_formula_matches_flop_counter(shape):
     assert abs(counted - expected) / expected < 0.03, (counted, expected, ops)
 
 
-# The GPT family's presets (other families' presets are tested in tests/test_models.py).
+# The GPT family's presets, diffs over conf/model/base_gpt.yaml (other families'
+# presets are tested in tests/test_models.py).
 PRESET_NAMES = sorted(
-    p.stem for p in PRESETS.glob("*.yaml") if "schema/gpt@" in p.read_text()
+    p.stem for p in PRESETS.glob("*.yaml") if "  - base_gpt\n" in p.read_text()
 )
 
 
@@ -251,7 +252,7 @@ def test_all_presets_exist():
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_preset_loads(name):
-    raw = OmegaConf.load(PRESETS / f"{name}.yaml")
+    raw = compose_config(f"model={name}").model
     assert raw.name == name and raw.init_device == "cpu"
     cfg = get_spec("gpt").make_config(raw)
     assert cfg.n_embd % cfg.n_head == 0

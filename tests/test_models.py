@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.cli_help import is_schema_option, user_options
 from src.config import validate
 from src.harness import compose_config
 from src.models import families, get_spec
@@ -21,7 +22,7 @@ from src.trainer.resolved import model_config, model_spec
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+PRESETS = [p for p in user_options("model") if not is_schema_option(p)]
 
 
 def make_cfg(*overrides: str):
