@@ -1,7 +1,7 @@
 """Decoding with the KV cache vs recomputing the window each step (src/models/generate.py).
 
-``python -m bench.decode [--write]``: GPT and Llama at a 512-token window, 4 sequences,
-a 16-token prompt and 496 new tokens (the whole window), greedy; wall time of each
+``python -m bench.decode [--write]``: GPT and Llama at a 256-token window, 2 sequences,
+a 16-token prompt and 240 new tokens (the whole window), greedy; wall time of each
 way in the same process, best of ``--repeats``, and the ratio. Both give the same
 tokens (checked here too). ``--write`` appends the table to docs/benchmarks.md.
 """
@@ -18,10 +18,10 @@ from src.models import get_spec
 from src.models.generate import generate
 
 SHAPES = {
-    "gpt": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=256, block_size=512),
+    "gpt": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=256, block_size=256),
     "llama": dict(
         dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256,
-        multiple_of=64, max_seq_len=512, rope_theta=1e4,
+        multiple_of=64, max_seq_len=256, rope_theta=1e4,
     ),
 }  # fmt: skip
 
@@ -38,9 +38,9 @@ def timed(repeats: int, *args, **kwargs) -> tuple[float, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     rows = [
@@ -77,6 +77,7 @@ def main() -> None:
             "Decoding: KV cache vs recomputing the window",
             "python -m bench.decode --write",
             table,
+            "4 layers of width 256, a 256-token window (bench/decode.py SHAPES); "
             f"{args.batch} sequences, a {args.prompt}-token prompt, greedy, fp32, one "
             f"process, {torch.get_num_threads()} threads; best of {args.repeats}. Both "
             "ways give the same tokens (asserted). The machine was shared with other "
