@@ -48,6 +48,8 @@ def evaluate_run(cfg: DictConfig) -> dict:
         checkpoint,
         opts,
     )
+    if result is None:  # a rank > 0 under torchrun: rank 0 reports
+        return {}
     entry = record(result, checkpoint, run_cfg, cfg.split)
     path = write_record(run_dir, entry)
     log.info(
@@ -71,8 +73,8 @@ def evaluate_run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
-def main(cfg: DictConfig) -> float:
-    return evaluate_run(cfg)["loss"]
+def main(cfg: DictConfig) -> float | None:
+    return evaluate_run(cfg).get("loss")
 
 
 if __name__ == "__main__":

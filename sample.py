@@ -18,7 +18,7 @@ from src.config import (
     run_cli,
     validate_sample,
 )
-from src.trainer.from_run import sample_rank
+from src.trainer.from_run import run_tokenizer, sample_rank
 from src.trainer.launch import run_ranks
 from src.trainer.resolved import model_spec
 from src.trainer.sampling import sampling_changes
@@ -37,6 +37,7 @@ def main(cfg: DictConfig) -> list[str]:
     with exit_on_config_error():
         validate_sample(cfg)
         _, checkpoint, run_cfg, resolved = open_run(cfg.run, changes)
+        run_tokenizer(run_cfg)  # a run without one is refused before any rank starts
     opts = {
         key: cfg[key]
         for key in ("prompt", "num_samples", "max_new_tokens", "temperature")
@@ -51,6 +52,8 @@ def main(cfg: DictConfig) -> list[str]:
         checkpoint,
         opts,
     )
+    if out is None:  # a rank > 0 under torchrun: rank 0 reports
+        return []
     log.info(
         "%d samples from %s (step %d, %d rank%s):",
         len(out["samples"]),

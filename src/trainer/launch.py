@@ -419,9 +419,11 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, timeout_s: float, *args: Any)
     training ranks do (gloo on CPU, NCCL on GPU); returns rank 0's result. One rank
     runs in this process and under torchrun this process is one rank; else the
     elastic launcher starts them (no restarts; a failed rank exits with one line).
-    For sample.py and eval.py: the ranks compute, this process reports."""
+    For sample.py and eval.py: the ranks compute, this process reports (under
+    torchrun only rank 0's process gets the result, the others None)."""
     if nprocs == 1 or under_torchrun():
-        return _call_on_rank(fn, timeout_s, *args)
+        result = _call_on_rank(fn, timeout_s, *args)
+        return result if _is_rank0() else None
     _quiet_launcher_logs()
     try:
         results = elastic_launch(local_launch_config(nprocs), _call_on_rank)(
