@@ -119,17 +119,17 @@ def _set_device(rank: int) -> None:
         torch.cuda.set_device(rank)
 
 
-def _rank(rank: int, world: int, cfg, steps: int) -> dict:
+def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
     from src.sharding import build_backend
     from src.trainer.data import GlobalBatches, load_splits
     from src.trainer.loop import build_model, build_optimizer, train_step
     from src.trainer.metrics import _reset_cpu_peak_rss
-    from src.trainer.resolved import resolve
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     t = cfg.trainer
-    resolved = resolve(cfg)  # the family's imports (transformers) come before
+    # Resolved by the launcher, as train.py's ranks get it (unpickling imports the
+    # family's modules, transformers for hf; the config checks ran in the launcher).
     spec, config = resolved.spec, resolved.model_config
     backend = build_backend(
         cfg.sharding.backend,
@@ -171,7 +171,12 @@ def measure(cfg, world: int, steps: int) -> tuple[int, int]:
     baseline (bytes)."""
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
     pg = "nccl" if torch.cuda.is_available() else "gloo"
-    rows = run_distributed(_rank, world, cfg, steps, pg_backend=pg, setup=_set_device)
+    from src.trainer.resolved import resolve
+
+    resolved = resolve(cfg)
+    rows = run_distributed(
+        _rank, world, cfg, resolved, steps, pg_backend=pg, setup=_set_device
+    )
     return max(r["peak"] - r["base"] for r in rows), max(r["base"] for r in rows)
 
 
