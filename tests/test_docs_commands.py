@@ -229,6 +229,8 @@ def run_shown(command: Command, args: TrainArgs, run_dir: Path) -> list[str]:
             launch(cfg, str(run_dir), resolved)
         except CONFIG_ERRORS as err:
             print(f"config error: {one_line(err)}")
+        finally:
+            HydraConfig.instance().cfg = None  # later tests see no Hydra job
     return out.getvalue().splitlines()
 
 
