@@ -265,6 +265,108 @@ def runtime_bytes(device: str, param_bytes: int) -> int:
     return table.get(param_bytes, table[4])
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What one rank's parameters and gradients take, by backend (bytes)."""
+
+    params: int  # this rank's fp32 parameters
+    gathered: int  # all-gathered units alive in forward and backward
+    sharded_grads: int  # gradients after their reduction (this rank's)
+    unsharded_grads: int  # gradients before it (the whole model's)
+    final_grads: int  # gradients at the optimizer step
+    unit_grads: int  # a unit's gradients on their way to the reduce-scatter
+    root_grad: int  # the head's gradient, held to the end of backward
+    largest_shard: int  # the largest tensor the per-tensor AdamW works on
+    mixed_precision: int  # low-precision copies of the weights
+    gather_copy: int  # FSDP2's copy-out of an all-gather
+    buckets: int = 0  # DDP's gradient buckets, held in every moment
+
+
+def _held_sharded(
+    plan: WrapPlan, s: RunShape, total: int, notes: dict[str, str]
+) -> _Held:
+    """FSDP: this rank's shards, plus the units gathered around the current one."""
+    root = next((u for u in plan.units if not u.path), None)
+    blocks = sorted((u.local_numel for u in plan.units if u.path), reverse=True)
+    root_numel = root.local_numel if root else 0
+    params = plan.bytes_per_rank()
+    raf = s.reshard_after_forward
+    kept = blocks if raf is False else blocks[: 1 + s.prefetch]
+    # With a group size g, the other units keep 1/g of themselves until backward.
+    partly = sum(blocks[len(kept) :]) // raf if type(raf) is int else 0
+    notes["gathered_units"] = (
+        f"root + {'all' if raf is False else len(kept)} unit(s)"
+        f"{f' + 1/{raf} of the rest' if partly else ''}, {8 * s.param_bytes}-bit"
+    )
+    # The unit whose backward ends last before the peak: the largest block, or
+    # the root of a model that is one unit (its gradients are the whole model's).
+    largest_unit = blocks[0] if blocks else root_numel
+    shard_of_largest = max((u.bytes_per_rank for u in plan.units), default=0)
+    return _Held(
+        params=params,
+        gathered=(root_numel + sum(kept) + partly) * s.param_bytes,
+        sharded_grads=params,
+        unsharded_grads=total * s.reduce_bytes,
+        final_grads=params,
+        # A unit's unsharded gradients and the reduce-scatter's flat input, alive
+        # together; the root's head gradient is held until the end of backward
+        # (counted once: with no other unit it is the unit's own).
+        unit_grads=largest_unit * (s.param_bytes + s.reduce_bytes),
+        root_grad=root_numel * s.param_bytes if blocks else 0,
+        largest_shard=shard_of_largest,
+        mixed_precision=shard_of_largest // 4 * s.param_bytes if s.mixed else 0,
+        # FSDP2 copies a unit out of the all-gather's flat output into its own
+        # unsharded parameters: both alive at once while the unit is gathered.
+        gather_copy=largest_unit * s.param_bytes if s.gather_copy_out else 0,
+    )
+
+
+def _held_unsharded(
+    plan: WrapPlan, s: RunShape, total: int, notes: dict[str, str]
+) -> _Held:
+    """DDP and one process: every rank holds the whole model."""
+    root = next((u for u in plan.units if not u.path), None)
+    has_blocks = any(u.path for u in plan.units)
+    root_numel = root.local_numel if root else 0
+    params = total * 4
+    buckets = 0
+    if s.bucketed_gradients:
+        # DDP copies gradients into its buckets (gradient_as_bucket_view=False),
+        # allocated (and zeroed) when the model is wrapped: held in every moment.
+        buckets = total * 4
+        notes["grads"] = "+ DDP's gradient buckets, allocated at construction"
+    return _Held(
+        params=params,
+        gathered=0,
+        sharded_grads=total * 4,
+        unsharded_grads=total * 4,
+        final_grads=total * 4,
+        unit_grads=0,
+        # The head's gradient is the first one backward makes, held to its end.
+        root_grad=root_numel * 4 if has_blocks else 0,
+        largest_shard=max((u.numel * 4 for u in plan.units), default=params),
+        # Autocast keeps a low-precision copy of each weight for backward.
+        mixed_precision=total * s.param_bytes if s.mixed else 0,
+        gather_copy=0,
+        buckets=buckets,
+    )
+
+
+def _accumulated(h: _Held, s: RunShape, notes: dict[str, str]) -> int:
+    """Gradients held through backward: earlier micro-batches' and DDP's buckets."""
+    held = 0
+    if s.grad_accum > 1:
+        every = s.grad_sync == "every" or not s.shards
+        held = h.sharded_grads if every else h.unsharded_grads
+        held = h.final_grads if not s.shards else held
+        notes["grads"] = (
+            f"held from earlier micro-batches, "
+            f"{'sharded' if every and s.shards else 'unsharded'}"
+            + (", + DDP's gradient buckets" if h.buckets else "")
+        )
+    return held + h.buckets
+
+
 def estimate(
     plan: WrapPlan, shape: RunShape, acts: ActivationBytes, process: int | None = None
 ) -> Estimate:
@@ -275,88 +377,35 @@ def estimate(
     # What one rank holds before data-parallel sharding: with tensor parallelism, its
     # tp shard of each parameter (gathered units, unsharded gradients).
     total = sum(u.local_numel for u in plan.units) or plan.total_numel
-    root = next((u for u in plan.units if not u.path), None)
-    blocks = sorted((u.local_numel for u in plan.units if u.path), reverse=True)
-    root_numel = root.local_numel if root else 0
+    n_blocks = sum(1 for u in plan.units if u.path)
     notes: dict[str, str] = {}
-    # What each moment holds beyond the parameters and optimizer state.
-    buckets = 0
-    if s.shards:
-        params = plan.bytes_per_rank()
-        raf = s.reshard_after_forward
-        kept = blocks if raf is False else blocks[: 1 + s.prefetch]
-        # With a group size g, the other units keep 1/g of themselves until backward.
-        partly = sum(blocks[len(kept) :]) // raf if type(raf) is int else 0
-        gathered = (root_numel + sum(kept) + partly) * s.param_bytes
-        notes["gathered_units"] = (
-            f"root + {'all' if raf is False else len(kept)} unit(s)"
-            f"{f' + 1/{raf} of the rest' if partly else ''}, {8 * s.param_bytes}-bit"
-        )
-        sharded_grads = params
-        unsharded_grads = total * s.reduce_bytes
-        # The unit whose backward ends last before the peak: the largest block, or
-        # the root of a model that is one unit (its gradients are the whole model's).
-        largest_unit = blocks[0] if blocks else root_numel
-        # A unit's unsharded gradients and the reduce-scatter's flat input, alive
-        # together; the root's head gradient is held until the end of backward
-        # (counted once: with no other unit it is the unit's own).
-        unit_grads = largest_unit * (s.param_bytes + s.reduce_bytes)
-        root_grad = root_numel * s.param_bytes if blocks else 0
-        shard_of_largest = max((u.bytes_per_rank for u in plan.units), default=0)
-        mp = shard_of_largest // 4 * s.param_bytes if s.mixed else 0
-        final_grads = sharded_grads
-        # FSDP2 copies a unit out of the all-gather's flat output into its own
-        # unsharded parameters: both alive at once while the unit is gathered.
-        gather_copy = largest_unit * s.param_bytes if s.gather_copy_out else 0
-    else:
-        params = total * 4
-        gathered = 0
-        unsharded_grads = total * 4
-        sharded_grads = unsharded_grads
-        final_grads = unsharded_grads
-        # The head's gradient is the first one backward makes, held to its end.
-        unit_grads, root_grad, gather_copy = 0, root_numel * 4 if blocks else 0, 0
-        if s.bucketed_gradients:
-            # DDP copies gradients into its buckets (gradient_as_bucket_view=False),
-            # allocated (and zeroed) when the model is wrapped: held in every moment.
-            buckets = unsharded_grads
-            notes["grads"] = "+ DDP's gradient buckets, allocated at construction"
-        shard_of_largest = max((u.numel * 4 for u in plan.units), default=params)
-        # Autocast keeps a low-precision copy of each weight for backward.
-        mp = total * s.param_bytes if s.mixed else 0
-    optimizer = s.optimizer_states * params
-    held = 0
-    if s.grad_accum > 1:
-        every = s.grad_sync == "every" or not s.shards
-        held = sharded_grads if every else unsharded_grads
-        held = final_grads if not s.shards else held
-        notes["grads"] = (
-            f"held from earlier micro-batches, "
-            f"{'sharded' if every and s.shards else 'unsharded'}"
-            + (", + DDP's gradient buckets" if buckets else "")
-        )
-    held += buckets
+    held_by = _held_sharded if s.shards else _held_unsharded
+    h = held_by(plan, s, total, notes)
+    held = _accumulated(h, s, notes)
     # The update's temporaries: torch's foreach AdamW (CUDA) one fp32 copy of all
     # local states, the per-tensor one (CPU) about one parameter's.
-    opt_temp = params if s.device == "cuda" else shard_of_largest
+    opt_temp = h.params if s.device == "cuda" else h.largest_shard
     base = {
-        "params": params,
-        "gathered_units": gathered,
-        "optimizer": optimizer,
-        "mixed_precision": mp,
+        "params": h.params,
+        "gathered_units": h.gathered,
+        "optimizer": s.optimizer_states * h.params,
+        "mixed_precision": h.mixed_precision,
         "runtime": runtime_bytes(s.device, s.param_bytes),
         "process": process_bytes(s.device) if process is None else process,
     }
     # The last block's all-gather in forward: every earlier block's activations are
     # saved (a one-unit model gathers before any).
-    before_last = acts.saved - acts.saved // len(blocks) if blocks else 0
+    before_last = acts.saved - acts.saved // n_blocks if n_blocks else 0
+    # A one-unit model reduces its gradients after the whole backward, when every
+    # activation is freed.
+    live = bool(n_blocks) or not s.shards
     phases = {
         "forward": {
             **base,
             "grads": held,
             "activations": before_last,
             "loss": 0,
-            "transient": gather_copy,
+            "transient": h.gather_copy,
         },
         "loss backward": {
             **base,
@@ -367,19 +416,16 @@ def estimate(
         },
         "block backward": {
             **base,
-            "grads": held + root_grad,
-            # A one-unit model reduces its gradients after the whole backward, when
-            # every activation is freed.
-            "activations": acts.saved if blocks or not s.shards else 0,
+            "grads": held + h.root_grad,
+            "activations": acts.saved if live else 0,
             "loss": 0,
-            "transient": (acts.block_transient if blocks or not s.shards else 0)
-            + unit_grads,
+            "transient": (acts.block_transient if live else 0) + h.unit_grads,
         },
         "optimizer step": {
             **base,
             "gathered_units": 0,
             "mixed_precision": 0,
-            "grads": final_grads + buckets,
+            "grads": h.final_grads + h.buckets,
             "activations": 0,
             "loss": 0,
             "transient": opt_temp,
