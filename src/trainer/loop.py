@@ -439,6 +439,9 @@ class Trainer:
         torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
         self._start_time = time.perf_counter()
         self.backend = make_backend(cfg, self.device)
+        # Before the model's memory phase starts: rank 0's CPU peak-FLOP/s probe
+        # allocates matrices that are no part of training's peak.
+        self.meter = self._throughput_meter()
         self._build_data()
         self._build_model()
         self.optimizer = build_optimizer(self.model, cfg, self.resolved)
@@ -447,7 +450,6 @@ class Trainer:
         )
         self.scaler = self.backend.grad_scaler()
         self._resume()
-        self.meter = self._throughput_meter()
         self.logger.log(
             {
                 "init_peak_mem_gib": self.init_mem["init_peak_mem_gib"],
@@ -539,7 +541,7 @@ class Trainer:
         t = self.cfg.trainer
         spec, model_cfg = self.resolved.spec, self.resolved.model_config
         block_size = spec.seq_len(model_cfg)
-        peak = 1.0
+        peak = None
         if self.rank == 0:
             found = peak_flops_per_rank(
                 self.device, self.backend.param_dtype, t.peak_tflops

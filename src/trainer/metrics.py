@@ -229,13 +229,14 @@ class ThroughputMeter:
     ``tokens_per_step`` is global: tokens consumed by all ranks in one optimizer step
     (batch x seq_len x grad-accum x data-parallel ranks). The first window, from the
     start to the first log point, holds warm-up and is never reported.
+    ``peak_flops_per_rank=None`` (ranks that do not report) leaves MFU out.
     """
 
     def __init__(
         self,
         tokens_per_step: int,
         flops_per_token: float,
-        peak_flops_per_rank: float,
+        peak_flops_per_rank: float | None,
         world_size: int,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -270,12 +271,14 @@ class ThroughputMeter:
         steps, seconds = step - mark[0], now - mark[1]
         tokens_per_s = self.tokens_per_step * steps / seconds
         per_rank = tokens_per_s / self.world_size
-        mfu = per_rank * self.flops_per_token / self.peak_flops_per_rank
         row = {
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": per_rank,
             "step_time_s": seconds / steps,
         }
+        if self.peak_flops_per_rank is None:
+            return row
+        mfu = per_rank * self.flops_per_token / self.peak_flops_per_rank
         if mfu <= 1.0:
             row["mfu"] = mfu
         else:
