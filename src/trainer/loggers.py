@@ -513,13 +513,19 @@ class LoggerOption:
     schema: type[LoggerConfig]
     sinks: Callable[[DictConfig, Path], list[Sink]]
     check: Callable[[DictConfig], None] = no_check
+    #: Modules its sinks keep resident in rank 0's process (the planner's process
+    #: baseline grows by their size: planner.IMPORT_BYTES).
+    imports: tuple[str, ...] = ()
 
 
 #: ``logger.backend`` -> its :class:`LoggerOption`. A new logger is one file that
 #: calls ``LOGGERS.add`` (imported at the end of this module) plus its
 #: conf/logger/<name>.yaml; docs/architecture.md shows it step by step.
 LOGGERS: Registry[LoggerOption] = Registry("logger")
-LOGGERS.add("wandb", LoggerOption(WandbLoggerConfig, _wandb_sinks, _check_wandb))
+LOGGERS.add(
+    "wandb",
+    LoggerOption(WandbLoggerConfig, _wandb_sinks, _check_wandb, imports=("wandb",)),
+)
 LOGGERS.add(
     "none", LoggerOption(LoggerConfig, lambda cfg, run_dir: [ConsoleSink(run_dir)])
 )
