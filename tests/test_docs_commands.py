@@ -92,7 +92,25 @@ def _split(line: str) -> list[list[str]]:
             current = []
         else:
             current.append(token)
-    return [c for c in [*commands, current] if c]
+    return _expand_loops([c for c in [*commands, current] if c])
+
+
+def _expand_loops(commands: list[list[str]]) -> list[list[str]]:
+    """``for v in a b; do cmd $v; done`` as ``cmd a`` and ``cmd b``."""
+    out, loop = [], None
+    for argv in commands:
+        if argv[0] == "for" and len(argv) > 3 and argv[2] == "in":
+            loop = (argv[1], argv[3:])
+        elif argv[0] == "done":
+            loop = None
+        elif loop is not None:
+            body = argv[1:] if argv[0] == "do" else argv
+            var, values = loop
+            for value in values:
+                out.append([a.replace(f"${var}", value) for a in body])
+        else:
+            out.append(argv)
+    return out
 
 
 def _logical_lines(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
