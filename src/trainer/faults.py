@@ -213,7 +213,14 @@ def ranks_start_blocked(run_dir: str) -> Iterator[None]:
     def wait() -> None:
         while not done.is_set():
             info = signal.sigtimedwait(STOP_SIGNALS, 0.2)
-            if info is not None:
+            # After a SIGSTOP/SIGCONT of the launcher sigtimedwait can return a
+            # record with a garbage si_signo; taking it killed this thread, and every
+            # later stop signal stayed blocked until the ranks had finished.
+            if info is not None and info.si_signo in STOP_SIGNALS:
+                # Tell the ranks from here, at once: the main thread may be inside
+                # the elastic agent's monitor sleep, where interrupt_main waits for
+                # its next bytecode while the ranks run on past the step.
+                tell_ranks(info.si_signo)
                 _thread.interrupt_main(info.si_signo)
 
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
