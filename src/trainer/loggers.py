@@ -531,6 +531,11 @@ LOGGERS.add(
 )
 
 
+def logger_kind(cfg: DictConfig) -> str:
+    """``logger.backend`` (wandb where the config has no logger group)."""
+    return str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb")
+
+
 def build_logger(
     cfg: DictConfig, run_dir: str | os.PathLike, rank: int, begin: bool = True
 ) -> Logger:
@@ -541,7 +546,7 @@ def build_logger(
     if rank != 0:
         return Logger()
     run_dir = Path(run_dir)
-    kind = str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb")
+    kind = logger_kind(cfg)
     if kind not in LOGGERS:
         raise ValueError(
             f"unknown logger {kind!r}, expected one of: {', '.join(LOGGERS)}"

@@ -47,7 +47,7 @@ from src.sharding import (
     get_precision,
     wrap_plan,
 )
-from src.trainer.loggers import LOGGERS, Logger
+from src.trainer.loggers import LOGGERS, Logger, logger_kind
 from src.trainer.resolved import (
     ConfigError,
     model_config,
@@ -540,7 +540,7 @@ _TRACED: dict[tuple[str, str], Callable[..., ActivationBytes]] = {}
 def family_process_bytes(cfg: DictConfig, device: str) -> int:
     """The process baseline of a run of ``cfg``: its model family's imports and its
     logger's (rank 0 holds the sinks; the peak is the max over ranks)."""
-    option = LOGGERS.get(str(OmegaConf.select(cfg, "logger.backend") or "none"))
+    option = LOGGERS.get(logger_kind(cfg))
     imports = model_spec(cfg).imports + (option.imports if option else ())
     return process_bytes(device, imports)
 
