@@ -134,7 +134,9 @@ _requested = 0  # the first stop signal this process received
 #: at once").
 STOP_FILE_ENV = "SHARDWRAP_STOP_FILE"
 #: Test hook: ``<point>`` makes rank 1 (the launcher for ``prepare``) send SIGINT to
-#: its process group once, at that named point (tests/test_faults.py).
+#: its process group once, at that named point, as a Ctrl-C does; ``<point>:launcher``
+#: makes rank 1 send SIGTERM to the launcher alone, as a scheduler does. A point is a
+#: name (its first occurrence) or ``step<N>`` (step N). See tests/test_faults.py.
 SIGNAL_AT_ENV = "SHARDWRAP_TEST_SIGNAL_AT"
 _signalled: set[str] = set()
 
@@ -254,16 +256,27 @@ def _told() -> int:
         return 0
 
 
-def signal_point(name: str) -> None:
-    """Test hook (:data:`SIGNAL_AT_ENV`): at the named point, rank 1 (the launcher
-    for ``prepare``) sends SIGINT to its whole process group, once, as a Ctrl-C in
-    the terminal does. Nothing happens unless the variable names this point."""
-    if os.environ.get(SIGNAL_AT_ENV) != name or name in _signalled:
+def signal_point(name: str, step: int | None = None) -> None:
+    """Test hook (:data:`SIGNAL_AT_ENV`): at the named point (of ``step``, if given),
+    rank 1 (the launcher for ``prepare``) sends SIGINT to its whole process group,
+    once, as a Ctrl-C in the terminal does; or SIGTERM to the launcher, then waits
+    until the launcher has told the ranks, so the stop lands in this step. Nothing
+    happens unless the variable names this point."""
+    point, _, target = os.environ.get(SIGNAL_AT_ENV, "").partition(":")
+    if point not in (name, f"{name}{step}") or point in _signalled:
         return
     if int(os.environ.get("RANK", -1)) != (-1 if name == "prepare" else 1):
         return
-    _signalled.add(name)
-    os.killpg(os.getpgrp(), signal.SIGINT)
+    _signalled.add(point)
+    if target != "launcher":
+        os.killpg(os.getpgrp(), signal.SIGINT)
+        return
+    os.kill(os.getppid(), signal.SIGTERM)  # a rank's parent is the launcher
+    deadline = time.monotonic() + 60
+    while not _told():
+        if time.monotonic() > deadline:
+            raise RuntimeError("test hook: the launcher never told the ranks to stop")
+        time.sleep(0.01)
 
 
 def stopped_by_signal(err: BaseException) -> bool:

@@ -224,7 +224,13 @@ def _launch_local(
             if full is None or full_errors():
                 raise
             exit_with_error(log, f"error: {full}")
-    signum = requested()
+    signum, summary = requested(), summaries.get(0)
+    if signum and summary:  # the last step had passed: a complete run, kept as one
+        log.info(
+            "%s arrived as the run finished; nothing was stopped",
+            signal.Signals(signum).name,
+        )
+        return summary
     if signum:
         log.info(resume_hint(signum, _latest(run_dir), run_dir))
         previous = stop.previous.get(signum)
@@ -234,7 +240,7 @@ def _launch_local(
         ):
             previous(signum, None)  # e.g. submitit's SIGUSR2 handler: requeue the job
         sys.exit(128 + signum)
-    return summaries.get(0)
+    return summary
 
 
 # Seconds the other ranks get to exit after one failed, then again after SIGTERM,

@@ -625,7 +625,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if self.profiler is not None:
             self.profiler.before_step(step)
-        signal_point("step")  # a test's Ctrl-C, mid-step (src/trainer/faults.py)
+        signal_point("step", step)  # a test's Ctrl-C, mid-step (src/trainer/faults.py)
         try:
             loss, grad_norm = train_step(
                 self.model,
