@@ -26,7 +26,7 @@ from src.trainer.evaluation import (
     record,
     write_record,
 )
-from src.trainer.launch import run_ranks
+from src.trainer.from_run import on_ranks
 
 log = logging.getLogger("eval")
 
@@ -39,15 +39,7 @@ def evaluate_run(cfg: DictConfig) -> dict:
             cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg)
         )
     opts = {key: cfg[key] for key in ("split", "batches", "batch_size")}
-    result = run_ranks(
-        eval_rank,
-        resolved.world_size,
-        run_cfg.trainer.timeout_s,
-        run_cfg,
-        resolved,
-        checkpoint,
-        opts,
-    )
+    result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)
     if result is None:  # a rank > 0 under torchrun: rank 0 reports
         return {}
     entry = record(result, checkpoint, run_cfg, cfg.split)

@@ -18,8 +18,7 @@ from src.config import (
     run_cli,
     validate_sample,
 )
-from src.trainer.from_run import run_tokenizer, sample_rank
-from src.trainer.launch import run_ranks
+from src.trainer.from_run import on_ranks, run_tokenizer, sample_rank
 from src.trainer.resolved import model_spec
 from src.trainer.sampling import sampling_changes
 
@@ -43,15 +42,7 @@ def main(cfg: DictConfig) -> list[str]:
         for key in ("prompt", "num_samples", "max_new_tokens", "temperature")
     }
     opts.update(top_k=cfg.top_k, seed=cfg.seed, kv_cache=cfg.kv_cache)
-    out = run_ranks(
-        sample_rank,
-        resolved.world_size,
-        run_cfg.trainer.timeout_s,
-        run_cfg,
-        resolved,
-        checkpoint,
-        opts,
-    )
+    out = on_ranks(sample_rank, run_cfg, resolved, checkpoint, opts)
     if out is None:  # a rank > 0 under torchrun: rank 0 reports
         return []
     log.info(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,9 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import append_to_benchmarks
+from bench.common import publish
 from src.harness import compose_config, run_distributed
-from src.util import markdown_table
 
 WORLD = 2
 
@@ -167,23 +165,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
         result = run_distributed(_rank, WORLD, args, cfg, out_dir, timeout=600)[0]
     rows = summarize(result, args)
-    table = markdown_table(rows)
     mib = result["ckpt_bytes"] / 2**20
-    print(table)
     print(f"checkpoint size: {mib:.0f} MiB (model + AdamW states, all ranks)")
-    if args.append_docs:
-        command = "python -m bench.ckpt_async " + " ".join(sys.argv[1:])
-        append_to_benchmarks(
-            "Step time around a checkpoint: sync vs async writes",
-            command.strip(),
-            table,
-            note=(
-                f"GPT n_layer={args.n_layer} n_embd={args.n_embd}, FSDP2 on 2 gloo CPU "
-                f"ranks of 1 thread, checkpoint {mib:.0f} MiB. Both modes alternate "
-                "in the same run; medians over each mode's checkpoints. The machine "
-                "is shared with other jobs: read the ratios, not the seconds."
-            ),
-        )
+    publish(
+        rows,
+        "Step time around a checkpoint: sync vs async writes",
+        f"GPT n_layer={args.n_layer} n_embd={args.n_embd}, FSDP2 on 2 gloo CPU "
+        f"ranks of 1 thread, checkpoint {mib:.0f} MiB. Both modes alternate "
+        "in the same run; medians over each mode's checkpoints. The machine "
+        "is shared with other jobs: read the ratios, not the seconds.",
+        bench="ckpt_async",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

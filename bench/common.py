@@ -5,9 +5,14 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from src.util import markdown_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -35,3 +40,25 @@ def append_to_benchmarks(title: str, command: str, table: str, note: str = "") -
     block.append("\n" + table + "\n")
     with DOCS.open("a") as f:
         f.write("".join(block))
+
+
+def publish(
+    rows: Sequence[Mapping[str, Any]],
+    title: str,
+    note: str = "",
+    *,
+    bench: str,
+    argv: Sequence[str] | None = None,
+    append: bool = False,
+) -> str:
+    """Print ``rows`` as a markdown table; with ``append``, add it to
+    docs/benchmarks.md under ``title`` with ``note`` and the command that reproduces it
+    (``python -m bench.<bench>`` and ``argv``, default the command line's, less
+    ``--append-docs``). Returns the table."""
+    table = markdown_table(rows)
+    print(table)
+    if append:
+        args = sys.argv[1:] if argv is None else argv
+        shown = [f"python -m bench.{bench}", *(a for a in args if a != "--append-docs")]
+        append_to_benchmarks(title, " ".join(shown), table, note)
+    return table

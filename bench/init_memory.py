@@ -26,15 +26,13 @@ import ctypes
 import dataclasses
 import gc
 import os
-import sys
 import time
 
 import torch
 
-from bench.common import append_to_benchmarks
+from bench.common import publish
 from src.harness import run_distributed
 from src.sharding import GIB
-from src.util import markdown_table
 
 MODES = ("none", "after", "cpu", "meta")
 # Target for peak / (P/N + baseline), from the issue.
@@ -364,35 +362,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 ranks += results
             rows.append(summarize(mode, allocator, ranks, args.ranks, param_bytes))
             print(rows[-1], flush=True)
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        command = "python -m bench.init_memory " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        allocators = "; ".join(f"`{a}`: {ALLOCATORS[a]}" for a in args.allocators)
-        append_to_benchmarks(
-            f"Init memory per rank, {args.ranks} gloo ranks, "
-            f"{param_bytes / GIB:.2f} GiB of fp32 parameters",
-            command,
-            table,
-            note=(
-                f"GPT n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
-                f"vocab={cfg.vocab_size} ({n_params / 1e6:.0f}M params; one block "
-                f"{block_bytes / 2**20:.0f} MiB). FSDP2, one unit per block + root; "
-                f"1 thread per rank. Figures are the worst rank's over {args.repeats} "
-                "fresh run(s) (lowest peak: the best rank's); peak is VmHWM reset "
-                "right before the build, baseline the RSS after imports, process group "
-                "and mesh init. P/N = parameter bytes / ranks; plan estimate = "
-                "`wrap_plan(model, N).bytes_per_rank()`. Before the baseline each rank "
-                "builds a tiny model the same way (one-time lazy-import and code-page "
-                "costs, ~35 MiB, go to the baseline). Expected excess over P/N: "
-                "`none`/`after` hold the whole model (about N x P/N); `cpu` one "
-                "unsharded block (plus the full embedding until the root is sharded); "
-                "`meta` one full `init_fn` temporary of the largest parameter. "
-                f"Allocators: {allocators}."
-            ),
-        )
+    allocators = "; ".join(f"`{a}`: {ALLOCATORS[a]}" for a in args.allocators)
+    publish(
+        rows,
+        f"Init memory per rank, {args.ranks} gloo ranks, "
+        f"{param_bytes / GIB:.2f} GiB of fp32 parameters",
+        f"GPT n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+        f"vocab={cfg.vocab_size} ({n_params / 1e6:.0f}M params; one block "
+        f"{block_bytes / 2**20:.0f} MiB). FSDP2, one unit per block + root; "
+        f"1 thread per rank. Figures are the worst rank's over {args.repeats} "
+        "fresh run(s) (lowest peak: the best rank's); peak is VmHWM reset "
+        "right before the build, baseline the RSS after imports, process group "
+        "and mesh init. P/N = parameter bytes / ranks; plan estimate = "
+        "`wrap_plan(model, N).bytes_per_rank()`. Before the baseline each rank "
+        "builds a tiny model the same way (one-time lazy-import and code-page "
+        "costs, ~35 MiB, go to the baseline). Expected excess over P/N: "
+        "`none`/`after` hold the whole model (about N x P/N); `cpu` one "
+        "unsharded block (plus the full embedding until the root is sharded); "
+        "`meta` one full `init_fn` temporary of the largest parameter. "
+        f"Allocators: {allocators}.",
+        bench="init_memory",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 
 import torch
 
-from bench.common import append_to_benchmarks
-from src.util import markdown_table
+from bench.common import publish
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -117,28 +115,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for dtype_name in args.dtypes:
         rows.append(run_dtype(args, dtype_name))
         print(rows[-1], flush=True)
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        command = "python -m bench.mfu " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        append_to_benchmarks(
-            "CPU MFU, small GPT training loop (one process)",
-            command,
-            table,
-            note=(
-                f"GPT n_layer={args.n_layer}, n_embd={args.n_embd}, "
-                f"n_head={args.n_head}, vocab={args.vocab_size}, seq_len="
-                f"{args.seq_len}, batch {args.batch_size}; forward + backward + "
-                f"AdamW, {args.warmup} warm-up then {args.steps} timed steps. Model "
-                "FLOPs (`flops_per_token`: 6N + 12 L d T, no recomputation). Peak = "
-                "best square-matmul FLOP/s (`measure_matmul_flops`) in the same "
-                "dtype and thread count, before and after the loop; MFU uses the "
-                "higher. bf16 = autocast forward (bf16 matmuls) with fp32 weights "
-                "and AdamW. Shared machine: timings are noisy."
-            ),
-        )
+    publish(
+        rows,
+        "CPU MFU, small GPT training loop (one process)",
+        f"GPT n_layer={args.n_layer}, n_embd={args.n_embd}, "
+        f"n_head={args.n_head}, vocab={args.vocab_size}, seq_len="
+        f"{args.seq_len}, batch {args.batch_size}; forward + backward + "
+        f"AdamW, {args.warmup} warm-up then {args.steps} timed steps. Model "
+        "FLOPs (`flops_per_token`: 6N + 12 L d T, no recomputation). Peak = "
+        "best square-matmul FLOP/s (`measure_matmul_flops`) in the same "
+        "dtype and thread count, before and after the loop; MFU uses the "
+        "higher. bf16 = autocast forward (bf16 matmuls) with fp32 weights "
+        "and AdamW. Shared machine: timings are noisy.",
+        bench="mfu",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

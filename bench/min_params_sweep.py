@@ -30,8 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import append_to_benchmarks
-from src.util import markdown_table
+from bench.common import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VALUES = ["1e3", "1e4", "3e4", "1.5e5", "1e9"]
@@ -131,26 +130,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
             }
         )
         print(rows[-1], f"({r['run (s)']:.0f} s)", flush=True)
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        shown = " ".join(argv if argv is not None else sys.argv[1:])
-        append_to_benchmarks(
-            f"Throughput and memory against sharding.min_params, model={args.model} "
-            f"{' '.join(args.set)}, {args.ranks} gloo ranks",
-            f"python -m bench.min_params_sweep {shown}",
-            table,
-            note=(
-                "One `python train.py` run per value: "
-                + " ".join(command(args, "<value>", "<tmp>")[2:-1])
-                + f". tokens/s: mean over the log windows after step {args.warmup}. "
-                "peak_mem_gib / init_peak_mem_gib: max over ranks of the peak resident "
-                "set (VmHWM) while training (at the last step) / while building the "
-                "model; it includes the Python + torch runtime (~0.3 GiB per rank). "
-                "One run per value on a shared 2-core machine: differences of a few "
-                "percent in tokens/s are noise."
-            ),
-        )
+    publish(
+        rows,
+        f"Throughput and memory against sharding.min_params, model={args.model} "
+        f"{' '.join(args.set)}, {args.ranks} gloo ranks",
+        "One `python train.py` run per value: "
+        + " ".join(command(args, "<value>", "<tmp>")[2:-1])
+        + f". tokens/s: mean over the log windows after step {args.warmup}. "
+        "peak_mem_gib / init_peak_mem_gib: max over ranks of the peak resident "
+        "set (VmHWM) while training (at the last step) / while building the "
+        "model; it includes the Python + torch runtime (~0.3 GiB per rank). "
+        "One run per value on a shared 2-core machine: differences of a few "
+        "percent in tokens/s are noise.",
+        bench="min_params_sweep",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

@@ -49,9 +49,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from bench.common import append_to_benchmarks
+from bench.common import publish
 from src.harness import compose_config, run_distributed
-from src.util import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -508,27 +507,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     s = load_settings(args)
     if args.ab:
         rows = run_ab(args, s)
-        table = markdown_table(rows)
-        print(table)
-        if args.append_docs:
-            append_to_benchmarks(
-                f"Trainer step against a minimal FSDP2 step, interleaved, "
-                f"model={args.model}, {WORLD} gloo ranks",
-                "python -m bench.overhead "
-                + " ".join(argv if argv is not None else sys.argv[1:]),
-                table,
-                note=(
-                    "All arms live in the same 2 ranks (1 thread each) and take one "
-                    "step each in turn (rotating order, a barrier before each step), "
-                    f"{s['steps']} steps, the first {s['warmup']} left out; medians of "
-                    "per-step wall time (rank 0) and CPU time (sum of both ranks). "
-                    "`minimal`: fully_shard per block and root with torch's defaults "
-                    "(the root keeps its parameters unsharded after forward); "
-                    "`trainer_step`: src.trainer.loop's Trainer.build and Trainer.step "
-                    "with the composed train.py config (log points: first and last "
-                    "step; `+log`: every step)."
-                ),
-            )
+        publish(
+            rows,
+            f"Trainer step against a minimal FSDP2 step, interleaved, "
+            f"model={args.model}, {WORLD} gloo ranks",
+            "All arms live in the same 2 ranks (1 thread each) and take one "
+            "step each in turn (rotating order, a barrier before each step), "
+            f"{s['steps']} steps, the first {s['warmup']} left out; medians of "
+            "per-step wall time (rank 0) and CPU time (sum of both ranks). "
+            "`minimal`: fully_shard per block and root with torch's defaults "
+            "(the root keeps its parameters unsharded after forward); "
+            "`trainer_step`: src.trainer.loop's Trainer.build and Trainer.step "
+            "with the composed train.py config (log points: first and last "
+            "step; `+log`: every step).",
+            bench="overhead",
+            argv=argv,
+            append=args.append_docs,
+        )
         return rows
     tokens_per_step = s["batch_size"] * s["shape"]["block_size"]
     sides = ["trainer"] + [f"minimal-{m}" for m in args.minimal]
@@ -589,35 +584,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 },
             }
         )
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        command = "python -m bench.overhead " + " ".join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        append_to_benchmarks(
-            f"Trainer overhead against a minimal FSDP2 loop, model={args.model}, "
-            f"{WORLD} gloo ranks",
-            command,
-            table,
-            note=(
-                f"Same GPT, synthetic tokens, global batch {s['batch_size']} x "
-                f"{s['shape']['block_size']}, FSDP2 per block + root, fp32, AdamW, clip "
-                f"{s['grad_clip']}, 1 thread per rank, {s['steps']} steps. Throughput "
-                f"over steps ({s['warmup']}, {s['steps']}] in windows of "
-                f"{s['log_every']} steps: trainer from metrics.jsonl, minimal timed on "
-                "rank 0; the sides alternate order per repeat. `trainer / this`: "
-                "trainer tokens/s over this side's (> 1: the trainer is faster), from "
-                "the mean and the median window. `CPU s/step`: CPU time (user + sys) of "
-                "the side's whole process tree (launcher + ranks) over the same steps, "
-                "read from /proc when the log lines of steps W and N appear; it is far "
-                "less sensitive to other load on the machine than wall time. "
-                "`launcher CPU`: the launching process's share of a core (train.py: "
-                "Hydra + torch's elastic agent). `rank CPU/wall` < 1: ranks waiting or "
-                "preempted. `max dloss`: largest difference of the logged losses "
-                "against the trainer's (same work)."
-            ),
-        )
+    publish(
+        rows,
+        f"Trainer overhead against a minimal FSDP2 loop, model={args.model}, "
+        f"{WORLD} gloo ranks",
+        f"Same GPT, synthetic tokens, global batch {s['batch_size']} x "
+        f"{s['shape']['block_size']}, FSDP2 per block + root, fp32, AdamW, clip "
+        f"{s['grad_clip']}, 1 thread per rank, {s['steps']} steps. Throughput "
+        f"over steps ({s['warmup']}, {s['steps']}] in windows of "
+        f"{s['log_every']} steps: trainer from metrics.jsonl, minimal timed on "
+        "rank 0; the sides alternate order per repeat. `trainer / this`: "
+        "trainer tokens/s over this side's (> 1: the trainer is faster), from "
+        "the mean and the median window. `CPU s/step`: CPU time (user + sys) of "
+        "the side's whole process tree (launcher + ranks) over the same steps, "
+        "read from /proc when the log lines of steps W and N appear; it is far "
+        "less sensitive to other load on the machine than wall time. "
+        "`launcher CPU`: the launching process's share of a core (train.py: "
+        "Hydra + torch's elastic agent). `rank CPU/wall` < 1: ranks waiting or "
+        "preempted. `max dloss`: largest difference of the logged losses "
+        "against the trainer's (same work).",
+        bench="overhead",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

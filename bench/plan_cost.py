@@ -26,9 +26,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
 
-from bench.common import append_to_benchmarks
+from bench.common import publish
 from src.sharding import choose_auto_wrap_units
-from src.util import markdown_table
 
 MIN_PARAMS = 10_000
 
@@ -109,18 +108,15 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        append_to_benchmarks(
-            "auto_wrap planning cost",
-            "python -m bench.plan_cost --modules "
-            + " ".join(map(str, args.modules))
-            + " --append-docs",
-            table,
-            note=f"min_num_params={MIN_PARAMS}, best of {args.repeats}, "
-            f"on {platform.processor() or platform.machine()}, torch {torch.__version__}",
-        )
+    publish(
+        rows,
+        "auto_wrap planning cost",
+        f"min_num_params={MIN_PARAMS}, best of {args.repeats}, "
+        f"on {platform.processor() or platform.machine()}, torch {torch.__version__}",
+        bench="plan_cost",
+        argv=None,
+        append=args.append_docs,
+    )
 
 
 if __name__ == "__main__":

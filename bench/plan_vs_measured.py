@@ -24,16 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench.common import append_to_benchmarks
+from bench.common import publish
 from src.harness import compose_config, run_distributed
 from src.sharding import MIB
-from src.util import markdown_table
 
 TARGET = 0.10  # |error| on every configuration
 
@@ -249,36 +247,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
         measured, base = known[key]
         rows.append(_row(name, cfg, est, measured, base))
         print(rows[-1], flush=True)
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        shown = " ".join(argv if argv is not None else sys.argv[1:])
-        append_to_benchmarks(
-            "Planner: estimated against measured training peak per rank",
-            f"python -m bench.plan_vs_measured {shown}".strip(),
-            table,
-            note=(
-                "All figures MiB per rank, above the process baseline. Estimate: "
-                "`Estimate.training` of src/trainer/planner.py (every part but the "
-                "process baseline; parts shown: sharded fp32 parameters + AdamW "
-                "states, all-gathered units, gradients held at the peak, saved "
-                "activations + head/loss (GPT and Llama: their formulas; hf: traced on "
-                "fake tensors, src/models/trace.py), the backward or step working set, "
-                "the calibrated runtime constant). Measured: the same config run by the "
-                f"trainer's build_model / build_optimizer / train_step for {args.steps} "
-                "steps on synthetic tokens, 1 thread per rank, the ranks given the "
-                "launcher's Resolved as train.py's are; max over ranks of VmHWM "
-                "minus the rank's RSS just before the model is built (its classes "
-                "already built once on meta), with MALLOC_MMAP_THRESHOLD_=65536 "
-                "(glibc's retention of freed tensors removed). process: the planned "
-                "process baseline (PROCESS_BYTES + the family's imports) against the "
-                "largest measured rank baseline. GPT: size policy with min_params=1.5e5 "
-                "(each block a unit + the root) unless said, n_head=4, V=256; "
-                "Hugging Face: bench/hf_configs/ (tiny local configs, no download), "
-                "block policy. Shared 2-core machine (load ~15): the figures are "
-                "memory, not time, and repeat to within ~1-2 MiB."
-            ),
-        )
+    publish(
+        rows,
+        "Planner: estimated against measured training peak per rank",
+        "All figures MiB per rank, above the process baseline. Estimate: "
+        "`Estimate.training` of src/trainer/planner.py (every part but the "
+        "process baseline; parts shown: sharded fp32 parameters + AdamW "
+        "states, all-gathered units, gradients held at the peak, saved "
+        "activations + head/loss (GPT and Llama: their formulas; hf: traced on "
+        "fake tensors, src/models/trace.py), the backward or step working set, "
+        "the calibrated runtime constant). Measured: the same config run by the "
+        f"trainer's build_model / build_optimizer / train_step for {args.steps} "
+        "steps on synthetic tokens, 1 thread per rank, the ranks given the "
+        "launcher's Resolved as train.py's are; max over ranks of VmHWM "
+        "minus the rank's RSS just before the model is built (its classes "
+        "already built once on meta), with MALLOC_MMAP_THRESHOLD_=65536 "
+        "(glibc's retention of freed tensors removed). process: the planned "
+        "process baseline (PROCESS_BYTES + the family's imports) against the "
+        "largest measured rank baseline. GPT: size policy with min_params=1.5e5 "
+        "(each block a unit + the root) unless said, n_head=4, V=256; "
+        "Hugging Face: bench/hf_configs/ (tiny local configs, no download), "
+        "block policy. Shared 2-core machine (load ~15): the figures are "
+        "memory, not time, and repeat to within ~1-2 MiB.",
+        bench="plan_vs_measured",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import tempfile
 import threading
 import time
@@ -32,11 +31,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import append_to_benchmarks
+from bench.common import publish
 from bench.init_memory import malloc_trim, rss_bytes
 from src.harness import compose_config, run_distributed
 from src.sharding import GIB
-from src.util import markdown_table
 
 MODES = ("sharded", "transformers")
 
@@ -220,35 +218,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 }
             )
             print(rows[-1], flush=True)
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        command = "python -m bench.pretrained_load " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        append_to_benchmarks(
-            f"Pretrained load: peak host memory per rank, {args.ranks} gloo ranks, "
-            f"{param_bytes / GIB:.2f} GiB of fp32 parameters",
-            command,
-            table,
-            note=(
-                f"A transformers Llama ({config.num_hidden_layers} layers x "
-                f"{args.hidden}, vocab {args.vocab}, {n / 1e6:.0f}M params) written by "
-                f"`save_pretrained` in {len(shards)} file(s); `sharded` = `model=hf model.pretrained=DIR` "
-                "(FSDP2, one unit per decoder layer, built on meta, "
-                "HuggingFaceStorageReader slices); `transformers` = "
-                "`AutoModelForCausalLM.from_pretrained` on every rank, in the same run. "
-                "VmHWM = resident high-water mark reset before the load: it also counts "
-                "the safetensors pages mapped while they are read (page cache, shared "
-                "and reclaimable); private = the highest RssAnon (process-private "
-                "memory) sampled every 1 ms during the load, minus before "
-                "(transformers keeps its parameters mapped from the file: they are "
-                "resident as file pages, its VmHWM is the whole model, and the first "
-                "optimizer step makes them private). Baseline = "
-                "RSS after imports, process group and a tiny warm-up load. Worst rank shown; 1 thread per rank; shared "
-                "2-core machine, noisy: compare the ratios, not the seconds."
-            ),
-        )
+    publish(
+        rows,
+        f"Pretrained load: peak host memory per rank, {args.ranks} gloo ranks, "
+        f"{param_bytes / GIB:.2f} GiB of fp32 parameters",
+        f"A transformers Llama ({config.num_hidden_layers} layers x "
+        f"{args.hidden}, vocab {args.vocab}, {n / 1e6:.0f}M params) written by "
+        f"`save_pretrained` in {len(shards)} file(s); `sharded` = `model=hf model.pretrained=DIR` "
+        "(FSDP2, one unit per decoder layer, built on meta, "
+        "HuggingFaceStorageReader slices); `transformers` = "
+        "`AutoModelForCausalLM.from_pretrained` on every rank, in the same run. "
+        "VmHWM = resident high-water mark reset before the load: it also counts "
+        "the safetensors pages mapped while they are read (page cache, shared "
+        "and reclaimable); private = the highest RssAnon (process-private "
+        "memory) sampled every 1 ms during the load, minus before "
+        "(transformers keeps its parameters mapped from the file: they are "
+        "resident as file pages, its VmHWM is the whole model, and the first "
+        "optimizer step makes them private). Baseline = "
+        "RSS after imports, process group and a tiny warm-up load. Worst rank shown; 1 thread per rank; shared "
+        "2-core machine, noisy: compare the ratios, not the seconds.",
+        bench="pretrained_load",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

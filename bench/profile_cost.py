@@ -23,8 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import append_to_benchmarks
-from src.util import markdown_table
+from bench.common import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,22 +95,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sizes = ", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(runs[0]["sizes"].items())
     )
-    table = markdown_table(rows)
-    print(table)
     print(sizes)
-    if args.append_docs:
-        append_to_benchmarks(
-            f"trainer.profile=true cost, model=small, 2 gloo ranks, {w}-step window",
-            f"python -m bench.profile_cost --window {w} --repeats {args.repeats} "
-            "--append-docs",
-            table,
-            f"Within one run per repeat: step time of the {w} profiled steps (CPU "
-            "activities and allocation events, unit ranges; writing the files left "
-            f"out, shown on its own) and of the {w} steps after the window, against "
-            f"steps {w // 2}-{w} before it. Files of one run: {sizes}. Measured on "
-            "the shared 2-core machine under load from other jobs: ratios within a "
-            "run, not absolute times.",
-        )
+    publish(
+        rows,
+        f"trainer.profile=true cost, model=small, 2 gloo ranks, {w}-step window",
+        f"Within one run per repeat: step time of the {w} profiled steps (CPU "
+        "activities and allocation events, unit ranges; writing the files left "
+        f"out, shown on its own) and of the {w} steps after the window, against "
+        f"steps {w // 2}-{w} before it. Files of one run: {sizes}. Measured on "
+        "the shared 2-core machine under load from other jobs: ratios within a "
+        "run, not absolute times.",
+        bench="profile_cost",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from bench.common import append_to_benchmarks
+from bench.common import publish
 from src.harness import compose_config, run_distributed
-from src.util import markdown_table
 
 WORLD = 2
 LAYOUTS = {
@@ -127,21 +125,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = float(rows[0]["tokens/s"].replace(",", ""))
     for row in rows:
         row["vs FSDP2"] = f"{float(row['tokens/s'].replace(',', '')) / base:.2f}x"
-    table = markdown_table(rows)
-    print(table)
-    if args.append_docs:
-        command = "python -m bench.tensor_parallel " + " ".join(sys.argv[1:])
-        append_to_benchmarks(
-            "Tensor parallelism vs FSDP2, 2 CPU ranks",
-            command.strip().replace(" --append-docs", ""),
-            table,
-            note=(
-                "Same model, global batch and steps; 1 thread per rank, gloo. The "
-                "machine was shared with other jobs while this ran (timings are noisy; "
-                "compare the ratio, measured in the same run). The final losses agree: "
-                "both layouts train the same model."
-            ),
-        )
+    publish(
+        rows,
+        "Tensor parallelism vs FSDP2, 2 CPU ranks",
+        "Same model, global batch and steps; 1 thread per rank, gloo. The "
+        "machine was shared with other jobs while this ran (timings are noisy; "
+        "compare the ratio, measured in the same run). The final losses agree: "
+        "both layouts train the same model.",
+        bench="tensor_parallel",
+        argv=argv,
+        append=args.append_docs,
+    )
     return rows
 
 

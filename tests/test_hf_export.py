@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.sharding import build_backend
 from src.trainer.data import tokenizer_of
-from src.trainer.export import export_hf
+from src.trainer.export import export_model_hf
 from src.trainer.loop import build_model, train
 from src.trainer.resolved import resolve
 from src.trainer.tokenizer import BPE_EOS, byte_tokenizer
@@ -58,16 +58,9 @@ def test_native_family_exports_with_the_byte_tokenizer_and_loads_back(
     model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved).eval()
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     ours = _logits(model, x)
-    hf, config = resolved.spec.hf, resolved.model_config
     out = tmp_path / "hf"
-    export_hf(
-        model,
-        out,
-        hf.to_hf_name,
-        hf.hf_config(config),
-        hf.converting_model(config),
-        hf.transposed,
-        byte_tokenizer(),
+    export_model_hf(
+        model, out, resolved.spec.hf, resolved.model_config, byte_tokenizer()
     )
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(exported).__name__ == architecture

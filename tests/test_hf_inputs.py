@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.sharding import build_backend
-from src.trainer.export import export_hf
+from src.trainer.export import export_model_hf
 from src.trainer.loop import build_model, build_optimizer
 from src.trainer.resolved import resolve
 from tests.distributed import run_distributed
@@ -63,14 +63,7 @@ def _moe_round_trips(rank: int, world: int, cases: list[tuple[str, str]]) -> dic
         model.eval()
         with torch.no_grad():
             trained = model(inputs)[0]
-        hf, config = resolved.spec.hf, resolved.model_config
-        export_hf(
-            model,
-            out,
-            hf.to_hf_name,
-            hf.hf_config(config),
-            hf.converting_model(config),
-        )
+        export_model_hf(model, out, resolved.spec.hf, resolved.model_config)
         r["export"] = (trained - logits_of_transformers(Path(out), inputs)).abs().max()
         r["moved"] = (trained - loaded).abs().max()
         r["expert_share"] = sum(p.to_local().numel() for p in experts) / sum(
@@ -84,11 +77,8 @@ def _moe_round_trips(rank: int, world: int, cases: list[tuple[str, str]]) -> dic
     model = build_model(cfg, build_backend("fsdp1", "fp32", "cpu"), resolved).eval()
     with torch.no_grad():
         ours = model(inputs)[0]
-    hf, config = resolved.spec.hf, resolved.model_config
     out = f"{out}_fsdp1"
-    export_hf(
-        model, out, hf.to_hf_name, hf.hf_config(config), hf.converting_model(config)
-    )
+    export_model_hf(model, out, resolved.spec.hf, resolved.model_config)
     results["fsdp1"] = {
         "load": (ours - logits_of_transformers(Path(src), inputs)).abs().max(),
         "export": (ours - logits_of_transformers(Path(out), inputs)).abs().max(),

@@ -370,7 +370,9 @@ class Checkpointer:
     """Save, find and restore sharded training checkpoints in one directory.
 
     ``save`` and ``load`` are collectives: every rank calls them. Without a process group
-    they work in a single process (``sharding=none``).
+    they work in a single process (``sharding=none``). ``keep_last``: the newest
+    complete checkpoints kept after a save (0, the default: all; the trainer passes
+    ``trainer.keep_last``), so a Checkpointer that only reads never deletes one.
 
     With ``async_save=True``, ``save`` returns once the state is copied (staged) to
     host memory; DCP's ``async_save`` writes it from a background thread while
@@ -384,7 +386,7 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | Path, keep_last: int = 2, async_save: bool = False
+        self, directory: str | Path, keep_last: int = 0, async_save: bool = False
     ):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")

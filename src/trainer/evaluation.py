@@ -117,11 +117,10 @@ def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> N
     """``eval/loss`` and ``eval/perplexity`` in the run's wandb run (its id from
     ``<run dir>/wandb/run_id.json``: the same run continues; else a new one of
     ``job_type="eval"``); nothing if the run logged with another logger."""
-    if OmegaConf.select(run_cfg, "logger.backend", default=None) != "wandb":
+    from src.trainer.loggers import RUN_ID_FILE, init_wandb, logs_to_wandb
+
+    if not logs_to_wandb(run_cfg):
         return
-    if OmegaConf.select(run_cfg, "logger.mode", default=None) == "disabled":
-        return
-    from src.trainer.loggers import RUN_ID_FILE, init_wandb
 
     try:
         resume = json.loads((run_dir / "wandb" / RUN_ID_FILE).read_text())

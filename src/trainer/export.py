@@ -325,3 +325,24 @@ def export_hf(
         except Exception as exc:
             error = exc
     _agree(error, "export")
+
+
+def export_model_hf(
+    model: nn.Module,
+    directory: str | Path,
+    adapter: Any,
+    config: Any,
+    tokenizer: Tokenizer | None = None,
+) -> None:
+    """:func:`export_hf` of a model family's ``model`` (of config ``config``) through
+    its Hugging Face ``adapter`` (``spec.hf``): its names, config, conversion and
+    transposed weights, and the run's ``tokenizer``."""
+    export_hf(
+        model,
+        directory,
+        adapter.to_hf_name,
+        adapter.hf_config(config),
+        adapter.converting_model(config),
+        adapter.transposed,
+        tokenizer,
+    )

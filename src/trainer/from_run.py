@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.sharding import Backend
 from src.trainer.checkpoint import Checkpointer, resolve_resume, run_checkpoints
 from src.trainer.data import DATA_SOURCES, tokenizer_of
+from src.trainer.launch import run_ranks
 from src.trainer.loop import build_model, make_backend
 from src.trainer.resolved import ConfigError, Resolved
 from src.trainer.sampling import sample_texts
@@ -110,6 +111,16 @@ def load_model(
     state = Checkpointer(checkpoint.parent).load_model(checkpoint, model, verify=False)
     model.eval()
     return model, backend, state["step"]
+
+
+def on_ranks(
+    fn: Any, cfg: DictConfig, resolved: Resolved, checkpoint: Path, opts: dict
+) -> Any:
+    """``fn(device, cfg, resolved, checkpoint, opts)`` on the run's ranks (sample.py's
+    and eval.py's ``devices``); rank 0's result, None on a rank > 0 under torchrun."""
+    return run_ranks(
+        fn, resolved.world_size, cfg.trainer.timeout_s, cfg, resolved, checkpoint, opts
+    )
 
 
 def sample_rank(

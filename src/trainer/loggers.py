@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-DEFAULT_PROJECT = "shardwrap"
 
 
 def _scalar(value: Any) -> Any:
@@ -394,8 +393,7 @@ def run_identity(cfg: DictConfig, run_dir: str | os.PathLike) -> dict:
             name = run_dir.name
     tags = OmegaConf.select(cfg, "logger.tags", default=None)
     return {
-        "project": OmegaConf.select(cfg, "logger.project", default=None)
-        or DEFAULT_PROJECT,
+        "project": OmegaConf.select(cfg, "logger.project", default=None),
         "group": group,
         "name": name,
         "tags": list(tags) if tags else None,
@@ -534,6 +532,12 @@ LOGGERS.add(
 def logger_kind(cfg: DictConfig) -> str:
     """``logger.backend`` (wandb where the config has no logger group)."""
     return str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb")
+
+
+def logs_to_wandb(cfg: DictConfig) -> bool:
+    """Whether a run of ``cfg`` logs to wandb (its logger is wandb, not disabled)."""
+    mode = OmegaConf.select(cfg, "logger.mode", default=None)
+    return logger_kind(cfg) == "wandb" and mode != "disabled"
 
 
 def build_logger(

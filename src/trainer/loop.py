@@ -44,7 +44,7 @@ from src.trainer.checkpoint import (
     run_checkpoints,
 )
 from src.trainer.data import GlobalBatches, load_splits, tokenizer_of
-from src.trainer.export import export_consolidated, export_hf, load_hf_weights
+from src.trainer.export import export_consolidated, export_model_hf, load_hf_weights
 from src.trainer.faults import RunError, Stopped, signal_point, stop_signal
 from src.trainer.loggers import Logger, build_logger
 from src.trainer.logs import FILE_ONLY
@@ -733,17 +733,13 @@ class Trainer:
         if t.export:
             if t.export == "hf":
                 export_path = Path(self.run_dir) / "hf"
-                hf = self.resolved.spec.hf
-                config = self.resolved.model_config
                 # The run's tokenizer goes next to the weights (rank 0 writes).
                 tokenizer = tokenizer_of(self.cfg.data) if self.rank == 0 else None
-                export_hf(
+                export_model_hf(
                     self.model,
                     export_path,
-                    hf.to_hf_name,
-                    hf.hf_config(config),
-                    hf.converting_model(config),
-                    hf.transposed,
+                    self.resolved.spec.hf,
+                    self.resolved.model_config,
                     tokenizer,
                 )
                 what = "weights, config.json" + (

@@ -498,12 +498,10 @@ def _log_to_wandb(
 ) -> str | None:
     """A ``sweep-summary`` run in the sweep's wandb group (the group of its jobs'
     runs); nothing if the jobs log with ``logger=none``. Returns the run's dir."""
-    from src.trainer.loggers import init_wandb, run_identity
+    from src.trainer.loggers import init_wandb, logs_to_wandb, run_identity
 
     cfg = _job_config(first_job)
-    if str(OmegaConf.select(cfg, "logger.backend", default="wandb")) != "wandb":
-        return None
-    if OmegaConf.select(cfg, "logger.mode", default=None) == "disabled":
+    if not logs_to_wandb(cfg):
         return None
     import wandb
 
