@@ -81,7 +81,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
+def this_rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
@@ -89,7 +89,7 @@ def _world_size() -> int:
     return dist.get_world_size() if _distributed() else 1
 
 
-def _agree(error: BaseException | None, what: str, group: Any = None) -> None:
+def all_agree(error: BaseException | None, what: str, group: Any = None) -> None:
     """Raise on every rank if ``what`` failed on any rank.
 
     A rank that raised alone would leave the others waiting forever in the next
@@ -255,7 +255,7 @@ class _SafeReader(dcp.FileSystemReader):
 
 
 @contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
+def quiet_single_process() -> Iterator[None]:
     """DCP warns on every call without a process group; one process is intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -263,7 +263,7 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _plain_errors(what: str) -> Iterator[None]:
+def dcp_errors(what: str) -> Iterator[None]:
     """DCP raises CheckpointException, a BaseException that ``except Exception`` misses.
 
     It already carries every rank's failure (DCP gathers them), so all ranks raise.
@@ -430,7 +430,7 @@ class Checkpointer:
                 "checkpoint extra must not hold 'step': save(step=...) sets it"
             )
         self.wait()
-        rank, world_size = _rank(), _world_size()
+        rank, world_size = this_rank(), _world_size()
         final = self.path_for(step)
         tmp = self.directory / f"{_TMP_PREFIX}{final.name}"
 
@@ -459,7 +459,7 @@ class Checkpointer:
                 (tmp / RNG_DIR).mkdir(parents=True)
             except OSError as exc:
                 error = exc
-        _agree(error, "setup")
+        all_agree(error, "setup")
 
         error = None
         try:
@@ -470,11 +470,11 @@ class Checkpointer:
             )
         except Exception as exc:
             error = exc
-        _agree(error, "RNG write")
+        all_agree(error, "RNG write")
 
         state = {"model": model_tensors, "optim": optim_tensors}
         writer = dcp.FileSystemWriter(tmp)
-        with _quiet_single_process(), _plain_errors(f"save to {tmp}"):
+        with quiet_single_process(), dcp_errors(f"save to {tmp}"):
             if not self.async_save:
                 dcp.save(state, storage_writer=writer)
                 self._finish(tmp, final, meta)
@@ -493,7 +493,7 @@ class Checkpointer:
         its error, on every rank, if it failed."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            with _plain_errors("background save"):
+            with dcp_errors("background save"):
                 pending.result()
 
     def _finish_after(
@@ -506,17 +506,17 @@ class Checkpointer:
         """Checksum every file (ranks share the work), then rank 0 publishes and
         prunes. A collective over ``group``; raises on every rank if any failed."""
         sums, error = _digests(tmp, _files_of(tmp), group=group)
-        _agree(error, "checksum", group)
+        all_agree(error, "checksum", group)
 
         error = None
-        if _rank() == 0:
+        if this_rank() == 0:
             try:
                 meta_text = json.dumps({**meta, CHECKSUMS: sums}, indent=1)
                 self._publish(tmp, final, meta_text)
                 self._prune()
             except Exception as exc:
                 error = exc
-        _agree(error, "publish", group)
+        all_agree(error, "publish", group)
 
     def _publish(self, tmp: Path, final: Path, meta_text: str) -> None:
         """Marker last, then one rename: readers see all of a checkpoint or none of it."""
@@ -603,7 +603,7 @@ class Checkpointer:
             scheduler.load_state_dict(_from_json(meta["scheduler"]))
 
         if meta["world_size"] == _world_size():
-            rng_path = _rng_file(path, _rank())
+            rng_path = _rng_file(path, this_rank())
             with safe_open(rng_path, framework="pt") as f:
                 scalars = json.loads(f.metadata()["scalars"])
             _set_rng_state(load_file(rng_path), scalars)
@@ -649,7 +649,7 @@ def _read_tensors(path: Path, wanted: dict[str, dict[str, torch.Tensor]]) -> Non
     except pickle.UnpicklingError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     _check_same_tensors(path, metadata, wanted)
-    with _quiet_single_process(), _plain_errors(f"load from {path}"):
+    with quiet_single_process(), dcp_errors(f"load from {path}"):
         dcp.load(wanted, storage_reader=_SafeReader(path))
 
 
@@ -717,7 +717,7 @@ def _digests(
     """Size and CRC-32 of each named file under ``root``, every rank reading a share;
     every rank gets all of them, or the first failure (``error`` is this rank's own
     failure so far, passed on to all). A collective."""
-    rank, world = _rank(), _world_size()
+    rank, world = this_rank(), _world_size()
     mine: dict[str, dict] = {}
     for name in names[rank::world] if error is None else ():
         try:

@@ -34,7 +34,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from src.sharding import canonical_name
-from src.trainer.checkpoint import _agree, _plain_errors, _quiet_single_process, _rank
+from src.trainer.checkpoint import (
+    all_agree,
+    dcp_errors,
+    quiet_single_process,
+    this_rank,
+)
 from src.trainer.hf_layout import HFLayout
 from src.trainer.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
 from src.util import atomic_path, collective_device
@@ -73,7 +78,7 @@ def export_consolidated(model: nn.Module, path: str | Path) -> None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu)
     state = get_model_state_dict(model, options=options)
     error = None
-    if _rank() == 0:
+    if this_rank() == 0:
         try:
             aliases = {a: k for a, k in _tied_aliases(model).items() if a in state}
             tensors = {
@@ -87,7 +92,7 @@ def export_consolidated(model: nn.Module, path: str | Path) -> None:
                 save_file(tensors, tmp, metadata=metadata)
         except Exception as exc:
             error = exc
-    _agree(error, "export")
+    all_agree(error, "export")
 
 
 def load_consolidated(path: str | Path) -> dict[str, torch.Tensor]:
@@ -267,7 +272,7 @@ def load_hf_weights(
         dtype = state[ours[group.names[0]]].dtype
         for name, shape in group.disk.items():
             on_disk[name] = spread(torch.empty(shape, dtype=dtype))
-    with _quiet_single_process(), _plain_errors(f"load from {directory}"):
+    with quiet_single_process(), dcp_errors(f"load from {directory}"):
         dcp.load(on_disk, storage_reader=HuggingFaceStorageReader(str(directory)))
     loaded = {ours[m]: on_disk[d] for m, d in layout.renames.items()}
     if transposed is not None:  # back to our layout
@@ -311,10 +316,10 @@ def export_hf(
     writer = HuggingFaceStorageWriter(
         str(directory), save_distributed=True, enable_consolidation=True
     )
-    with _quiet_single_process(), _plain_errors(f"export to {directory}"):
+    with quiet_single_process(), dcp_errors(f"export to {directory}"):
         dcp.save(out, storage_writer=writer)
     error = None
-    if _rank() == 0:
+    if this_rank() == 0:
         try:
             if tokenizer is not None:
                 for key, value in special_ids(tokenizer).items():
@@ -324,7 +329,7 @@ def export_hf(
             shutil.rmtree(directory / "sharded", ignore_errors=True)
         except Exception as exc:
             error = exc
-    _agree(error, "export")
+    all_agree(error, "export")
 
 
 def export_model_hf(
