@@ -39,7 +39,9 @@ from omegaconf.errors import (
 
 from src.cli_help import CONF_DIR, is_schema_option, user_options
 from src.models import ModelSpec, families, get_spec
+from src.registry import described, or_list
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
+from src.sharding.policies import POLICIES
 from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.from_run import find_run, run_config, with_changes
@@ -65,77 +67,134 @@ log = logging.getLogger(__name__)
 
 INIT_DEVICES = ("cpu", "cuda", "meta")
 
-# The groups' schemas below type every key; its value has one home, the group's YAML
-# in conf/ (where each key is commented), so a field without a default is MISSING.
+# The groups' schemas below type every key and hold its one-line --help text
+# (``described``); its value has one home, the group's YAML in conf/, so a field
+# without a default is MISSING.
 EXPORTS = (False, True, "hf")
 
 
 @dataclass
 class ShardingConfig:
-    backend: str = MISSING  # one of src.sharding.BACKENDS
+    backend: str = described(lambda: f"{or_list(BACKENDS)} (pick with sharding=...)")
     # A name or a list of names; OmegaConf 2.3 has no Union of str and list, so Any
     # here and the check in validate().
-    policy: Any = MISSING
-    min_params: Any = MISSING  # a number, or "auto" (src/trainer/planner.py chooses)
-    exclude_wrap_modules: list[str] = MISSING
-    force_leaf_modules: list[str] = MISSING
-    # true, false, or (fsdp2) the group size to reshard to after forward
-    reshard_after_forward: Any = MISSING
-    forward_prefetch: int | None = MISSING  # fsdp2: units gathered ahead in forward
-    backward_prefetch: int | None = MISSING  # fsdp2: ... in backward (null: default)
-    activation_checkpointing: str = MISSING  # src.sharding.CHECKPOINTING, or auto
-    activation_checkpointing_every: int = MISSING
-    compile: bool = MISSING
-    replicate: int = MISSING  # HSDP: replica groups
-    tensor_parallel: int = MISSING  # fsdp2: ranks splitting each block (tp mesh dim)
-    sequence_parallel: bool | None = MISSING  # null: the family's default
+    policy: Any = described(
+        lambda: f"which modules become units: {', '.join(POLICIES)} or a list"
+    )
+    # a number, or "auto" (src/trainer/planner.py chooses)
+    min_params: Any = described(
+        "size policy: parameters that make a unit (1e8), or auto"
+    )
+    exclude_wrap_modules: list[str] = described(
+        "classes never made units (dotted paths)"
+    )
+    force_leaf_modules: list[str] = described(
+        "classes never split nor made units by themselves"
+    )
+    reshard_after_forward: Any = described(
+        "free gathered parameters after forward (fsdp2: or a group size)"
+    )
+    forward_prefetch: int | None = described(
+        "fsdp2: units gathered ahead in forward (null: default)"
+    )
+    backward_prefetch: int | None = described("fsdp2: units gathered ahead in backward")
+    # src.sharding.CHECKPOINTING, or auto
+    activation_checkpointing: str = described(
+        "none, full, selective or auto, per block"
+    )
+    activation_checkpointing_every: int = described("full: checkpoint every k-th block")
+    compile: bool = described("torch.compile each block")
+    replicate: int = described("HSDP: replica groups, each sharding over devices / R")
+    tensor_parallel: int = described(
+        "fsdp2: T ranks split each block (tp mesh dim); 1 = off"
+    )
+    sequence_parallel: bool | None = described(
+        "with tensor_parallel: norms sharded over the sequence (null: family default)"
+    )
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = MISSING  # one of src.sharding.PRECISIONS
+    name: str = described(lambda: f"{or_list(PRECISIONS)} (pick with precision=...)")
 
 
 @dataclass
 class TrainerConfig:
-    devices: Any = MISSING  # an int >= 1 or "auto"
-    max_steps: int = MISSING
-    batch_size: int = MISSING
-    grad_accum: Any = MISSING  # an int >= 1, or "auto"
-    grad_sync: str = MISSING  # auto or one of src.trainer.planner.GRAD_SYNC
-    mem_budget_gib: Any = MISSING  # GiB per rank or an accelerator name (planner)
-    mem_margin: float = MISSING  # the planner's safety margin: estimate x (1 + m) fits
-    seed: int = MISSING
-    log_every: int = MISSING
-    val_every: int = MISSING
-    val_batches: int = MISSING
-    sample_every: int = MISSING
-    sample_prompts: list[str] = MISSING
-    sample_tokens: int = MISSING
-    lr: float = MISSING
-    min_lr: float = MISSING
-    warmup_steps: int = MISSING
-    weight_decay: float = MISSING
-    betas: list[float] = MISSING
-    grad_clip: float = MISSING
-    ckpt_every: int = MISSING
-    keep_last: int = MISSING
-    ckpt_async: bool = MISSING
-    resume: str | None = MISSING
-    resume_schedule: str = MISSING  # src.trainer.loop.RESUME_SCHEDULES
-    export: Any = MISSING  # false, true (model.safetensors) or hf (a transformers dir)
-    max_restarts: int = MISSING
-    timeout_s: float = MISSING
-    plan_only: bool = MISSING
-    peak_tflops: float | None = MISSING
-    progress: bool = MISSING
-    log_level: str = MISSING  # one of src.trainer.logs.LOG_LEVELS
-    profile: bool = MISSING
-    profile_start: int = MISSING
-    profile_steps: int = MISSING
-    profile_record_shapes: bool = MISSING
-    profile_with_stack: bool = MISSING
-    profile_memory: bool | None = MISSING
+    devices: Any = described("ranks on this machine: an int, or auto (GPUs, else 1)")
+    max_steps: int = described("optimizer steps to train")
+    batch_size: int = described(
+        "global batch in sequences, whatever the number of ranks"
+    )
+    grad_accum: Any = described("micro-batches per step, or auto (the planner picks)")
+    # auto or one of src.trainer.planner.GRAD_SYNC
+    grad_sync: str = described(
+        "gradient reduction with grad_accum > 1: auto, last or every"
+    )
+    mem_budget_gib: Any = described(
+        "GiB per rank or an accelerator name, for the planner"
+    )
+    mem_margin: float = described(
+        "the planner's safety margin: a fit needs estimate x (1 + m)"
+    )
+    seed: int = described("seed of the model init and the batches")
+    log_every: int = described("steps between logged rows (metrics.jsonl, wandb)")
+    val_every: int = described("steps between validations (0 = none)")
+    val_batches: int = described("batches per validation")
+    sample_every: int = described(
+        "steps between greedy samples of sample_prompts (0 = off)"
+    )
+    sample_prompts: list[str] = described(
+        "texts continued by trainer.sample_every (a list)"
+    )
+    sample_tokens: int = described("new tokens per trainer.sample_every sample")
+    lr: float = described("peak learning rate (AdamW)")
+    min_lr: float = described("learning rate at the end of the cosine decay")
+    warmup_steps: int = described("steps of linear warmup")
+    weight_decay: float = described("AdamW weight decay (2-D weights only)")
+    betas: list[float] = described("AdamW betas")
+    grad_clip: float = described("max global gradient norm (0 = off)")
+    ckpt_every: int = described(
+        "steps between sharded checkpoints (0 = only on a stop)"
+    )
+    keep_last: int = described("newest checkpoints kept (0 = all)")
+    ckpt_async: bool = described("write checkpoints in the background")
+    resume: str | None = described(
+        "null, auto (newest in the run dir) or a checkpoint path"
+    )
+    # src.trainer.loop.RESUME_SCHEDULES
+    resume_schedule: str = described(
+        "resuming with another max_steps: keep (refuse) or extend"
+    )
+    export: Any = described("at the end: false, true (model.safetensors) or hf")
+    max_restarts: int = described("restarts of the whole group after a rank fails")
+    timeout_s: float = described("collective timeout; a silent rank is named after it")
+    plan_only: bool = described(
+        "print the wrap plan and memory estimate, allocate nothing"
+    )
+    peak_tflops: float | None = described(
+        "per-rank peak for MFU (null: GPU table or CPU probe)"
+    )
+    progress: bool = described(
+        "tqdm progress bar on rank 0 (false: a line per log point)"
+    )
+    # one of src.trainer.logs.LOG_LEVELS
+    log_level: str = described(
+        "console and train.log: debug (every rank), info, warning, error"
+    )
+    profile: bool = described(
+        "torch.profiler traces and memory timeline in <run dir>/profile"
+    )
+    profile_start: int = described("profile: the first profiled step")
+    profile_steps: int = described("profile: how many steps are profiled")
+    profile_record_shapes: bool = described(
+        "profile: input shapes of each op in the trace"
+    )
+    profile_with_stack: bool = described(
+        "profile: Python stacks of each op in the trace"
+    )
+    profile_memory: bool | None = described(
+        "profile: allocation events (null: on on CPU, off on CUDA)"
+    )
 
 
 @dataclass
@@ -145,9 +204,13 @@ class SweepConfig:
     min for losses, max for tokens_per_s); a job whose peak memory is above the cap
     scores below every job within it."""
 
-    objective: str = "val_loss"  # val_loss, loss or tokens_per_s
-    direction: str | None = None  # min, max; null: the objective's own
-    mem_cap_gib: float | None = None
+    objective: str = described(
+        "what makes a sweep point best: val_loss, loss or tokens_per_s", "val_loss"
+    )
+    direction: str | None = described("min or max (null: the objective's own)", None)
+    mem_cap_gib: float | None = described(
+        "a sweep point above this peak memory scores below all others", None
+    )
 
 
 @dataclass

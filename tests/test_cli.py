@@ -8,9 +8,8 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from src.cli_help import KEY_HELP, is_schema_option, user_options
+from src.cli_help import described_keys, is_schema_option, user_options
 from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
 from src.trainer.corpus import resolve_files
 from src.trainer.planner import default_policy
@@ -99,28 +98,17 @@ def test_internal_schema_groups_are_refused_in_one_line(override, group):
     )
 
 
-def _leaf_keys(node, prefix=""):
-    for key in node.keys():
-        child = node._get_node(key)
-        full = f"{prefix}{key}"
-        if OmegaConf.is_dict(child) and full not in KEY_HELP:
-            yield from _leaf_keys(child, f"{full}.")
-        else:
-            yield full
-
-
 def test_every_key_of_every_option_has_a_description():
-    """Every key that any option of any group composes is described in KEY_HELP (a new
-    key without a line fails here), and KEY_HELP describes no key that none has."""
-    seen = set()
+    """Every key that any option of any group composes is described by its schema
+    (``described(help)`` next to its type; a new key without a line fails here)."""
+    seen = {}
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         for group in ("model", "data", "logger", "sharding", "precision", "trainer"):
             for option in user_options(group):
                 if not is_schema_option(option):
                     cfg = compose("config", overrides=[f"{group}={option}"])
-                    seen.update(_leaf_keys(cfg))
-    assert sorted(seen - KEY_HELP.keys()) == []
-    assert sorted(KEY_HELP.keys() - seen) == []
+                    seen.update(described_keys(cfg))
+    assert sorted(k for k, about in seen.items() if not about) == []
 
 
 def test_help_lists_options_not_schemas_and_describes_every_key():
@@ -138,9 +126,9 @@ def test_help_lists_options_not_schemas_and_describes_every_key():
     assert "  data: files, synthetic, text, tokens\n" in groups
     assert "model=llama_tiny" in text
     cfg = make_cfg("model=llama_tiny")
-    for key in _leaf_keys(cfg):
+    for key, about in described_keys(cfg).items():
         leaf = key.rpartition(".")[2]
-        assert f"  {leaf}: " in text and f"# {KEY_HELP[key]}" in text, key
+        assert f"  {leaf}: " in text and f"# {about}" in text, key
     assert "cache_dir: ${oc.env:SHARDWRAP_CACHE" in text  # no $-substitution mangled
 
 

@@ -61,6 +61,10 @@ register(
     ModelSpec(
         name="custom",
         config_cls=CustomConfig,
+        key_help={
+            "_target_": "custom: dotted path of your nn.Module class",
+            "args": "custom: more constructor arguments (+model.args.dim=64)",
+        },
         build=build,
         block_classes=block_classes,
         flops_per_token=flops_per_token,

@@ -446,6 +446,13 @@ register(
     ModelSpec(
         name="gpt",
         config_cls=GPTConfig,
+        key_help={
+            "n_layer": "GPT: transformer blocks",
+            "n_head": "GPT: attention heads",
+            "n_embd": "GPT: hidden size (a multiple of n_head)",
+            "dropout": "GPT: dropout probability (0 = off)",
+            "bias": "GPT: biases in Linear and LayerNorm layers, as in GPT-2",
+        },
         build=lambda config, seed: GPT(config, seed=seed),
         block_classes=lambda config: (GPT.block_cls,),
         flops_per_token=flops_per_token,

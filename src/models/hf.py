@@ -476,6 +476,10 @@ register(
     ModelSpec(
         name="hf",
         config_cls=HFConfig,
+        key_help={
+            "config": "hf: a transformers config dir, or a name in conf/hf_configs",
+            "trust_remote_code": "hf: run the config dir's own model code (auto_map)",
+        },
         build=build,
         block_classes=block_classes,
         flops_per_token=flops_per_token,

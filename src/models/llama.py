@@ -491,6 +491,20 @@ register(
     ModelSpec(
         name="llama",
         config_cls=LlamaConfig,
+        key_help={
+            "dim": "Llama: hidden size",
+            "n_layers": "Llama: transformer blocks",
+            "n_heads": "Llama: attention heads",
+            "n_kv_heads": "Llama: key/value heads (grouped-query attention; "
+            "null = n_heads)",
+            "multiple_of": "Llama: the SwiGLU hidden size is rounded up to a "
+            "multiple of it",
+            "ffn_dim_multiplier": "Llama: scales the SwiGLU hidden size (null = 1)",
+            "norm_eps": "Llama: RMSNorm epsilon",
+            "rope_theta": "Llama: RoPE base frequency",
+            "max_seq_len": "Llama: the run's sequence length (and RoPE's table)",
+            "tie_embeddings": "Llama: share the input embedding and the output head",
+        },
         build=lambda config, seed: Llama(config, seed=seed),
         block_classes=lambda config: (Llama.block_cls,),
         flops_per_token=flops_per_token,

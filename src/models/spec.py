@@ -16,7 +16,7 @@ import importlib
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 import torch.nn as nn
@@ -24,17 +24,30 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from src.models.memory import ActivationBytes
-from src.registry import Registry
+from src.registry import Registry, described, or_list
 
 # The keys of the ``model`` group every family shares (the family's own config
-# dataclass brings the rest, with its own field names).
+# dataclass brings the rest, with its own field names), with their --help lines.
 
 
 @dataclass
 class ModelKeys:
-    name: str = ""  # the preset's name (conf/model/<name>.yaml)
-    init_device: str = "cpu"  # cpu, cuda or meta: where parameters are first created
-    pretrained: str | None = None  # a local Hugging Face directory (families with `hf`)
+    name: str = described("the preset (conf/model/<name>.yaml)", "")
+    init_device: str = described(
+        "where parameters are first created: cpu, cuda or meta", "cpu"
+    )
+    # families with `hf`
+    pretrained: str | None = described(
+        "a local Hugging Face dir whose safetensors are loaded, sharded", None
+    )
+
+
+#: The --help lines of keys many families' configs have (a family's own
+#: ``ModelSpec.key_help`` may say otherwise).
+SHARED_KEY_HELP = {
+    "vocab_size": "vocabulary size; follows data.tokenizer unless set",
+    "block_size": "the run's sequence length in tokens",
+}
 
 
 def default_no_decay(name: str) -> bool:
@@ -114,6 +127,9 @@ class ModelSpec:
     # Optional: a context the planner traces the model's activations in (fake
     # tensors, src/models/trace.py), for a family whose code branches on them.
     trace_context: Callable[[], contextlib.AbstractContextManager] | None = None
+    # The --help line of each key of ``config_cls`` (src/cli_help.py), beyond
+    # SHARED_KEY_HELP; the schema carries them as its fields' metadata.
+    key_help: Mapping[str, str] = field(default_factory=dict)
 
     def make_config(self, model_cfg: Mapping) -> Any:
         """The family's config from the ``model`` node (shared keys are ignored).
@@ -138,14 +154,35 @@ class ModelSpec:
         name = f"{self.name.capitalize()}ModelSchema"
         schema = globals().get(name)
         if schema is None or schema.__bases__[0] is not self.config_cls:
+            family = described(
+                lambda: f"the model family (src/models): {or_list(_REGISTRY)}",
+                self.name,
+            )
             schema = make_dataclass(
                 name,
-                [("family", str, field(default=self.name))],
+                [*self._keys_with_help(), ("family", str, family)],
                 bases=(self.config_cls, ModelKeys),
             )
             schema.__module__ = __name__
             globals()[name] = schema
         return schema
+
+    def _keys_with_help(self) -> list[tuple[str, Any, Any]]:
+        """The fields of ``config_cls`` again, each with its --help line (its type
+        and default unchanged)."""
+        about = {**SHARED_KEY_HELP, **self.key_help}
+        types = get_type_hints(self.config_cls)
+        keys = []
+        for f in fields(self.config_cls):
+            if f.name not in about:
+                continue
+            again = field(
+                default=f.default,
+                default_factory=f.default_factory,
+                metadata={**f.metadata, "help": about[f.name]},
+            )
+            keys.append((f.name, types[f.name], again))
+        return keys
 
 
 def import_module_class(path: str) -> type[nn.Module]:

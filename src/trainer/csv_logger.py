@@ -14,8 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 
+from src.registry import described
 from src.trainer.loggers import (
     LOGGERS,
     ConsoleSink,
@@ -29,7 +30,7 @@ from src.util import atomic_path
 
 @dataclass
 class CsvLoggerConfig(LoggerConfig):
-    file: str = MISSING  # the CSV's name in the run dir
+    file: str = described("csv: the CSV's file name in the run dir")
 
 
 def check(logger: DictConfig) -> None:

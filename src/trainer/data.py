@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 
-from src.registry import Registry, no_check
+from src.registry import Registry, described, no_check, or_list
 from src.trainer.corpus import Corpus
 from src.trainer.resolved import ConfigError, model_config, model_spec
 from src.trainer.token_cache import SPLITS, token_cache
@@ -239,7 +239,9 @@ class DataConfig:
     source's schema (``defaults: [base_<source>]`` in conf/data/), so a key of another
     source is an unknown key."""
 
-    name: str = MISSING
+    name: str = described(
+        lambda: f"the source: {or_list(DATA_SOURCES)} (pick with data=...)"
+    )
 
 
 @dataclass
@@ -247,26 +249,33 @@ class FilesDataConfig(DataConfig):
     """``data=files`` (and its preset ``data=text``): local files, tokenized once into
     the token cache (src/trainer/token_cache.py)."""
 
-    paths: Any = MISSING  # a glob or a list of globs
-    format: str = MISSING  # one of src.trainer.corpus.DATA_FORMATS
-    text_key: str = MISSING
-    tokenizer: str = MISSING
-    bpe_vocab_size: int = MISSING
-    eos_token: str | None = MISSING
-    val_fraction: float = MISSING
-    max_bytes: int | None = MISSING
-    cache_dir: str = MISSING
+    paths: Any = described("a glob or a list of globs of your corpus (~ and ** work)")
+    # one of src.trainer.corpus.DATA_FORMATS
+    format: str = described("auto (by file extension), text, jsonl or parquet")
+    text_key: str = described("the JSONL field / Parquet column holding the text")
+    tokenizer: str = described(
+        "byte, bpe, or a tokenizer.json / Hugging Face tokenizer dir"
+    )
+    bpe_vocab_size: int = described("tokenizer=bpe: its vocabulary size")
+    eos_token: str | None = described(
+        "end-of-document token (null: the tokenizer's own)"
+    )
+    val_fraction: float = described(
+        "the last fraction of the corpus bytes used for validation"
+    )
+    max_bytes: int | None = described("cap on the corpus bytes read (null = all)")
+    cache_dir: str = described("where tokenized corpora are cached")
 
 
 @dataclass
 class TokensDataConfig(DataConfig):
-    train_path: str = MISSING
-    val_path: str = MISSING
+    train_path: str = described("tokens: the training split (flat np.uint16 .bin)")
+    val_path: str = described("tokens: the validation split (flat np.uint16 .bin)")
 
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
-    num_tokens: int = MISSING
+    num_tokens: int = described("synthetic: how many random tokens")
 
 
 def _check_files(data: Any) -> None:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from src.registry import Registry, no_check
+from src.registry import Registry, described, no_check, or_list
 from src.trainer.resolved import ConfigError
 from src.util import json_default, write_json_atomic
 
@@ -477,17 +477,17 @@ class LoggerConfig:
     """The key every logger has; each option of the ``logger`` group picks its own
     schema (``schema/<logger>@_here_``), so a key of another logger is unknown."""
 
-    backend: str = MISSING  # one of LOGGERS
+    backend: str = described(lambda: f"{or_list(LOGGERS)} (pick with logger=...)")
 
 
 @dataclass
 class WandbLoggerConfig(LoggerConfig):
-    mode: str = MISSING  # one of WANDB_MODES
-    project: str = MISSING
-    group: str | None = MISSING
-    tags: list[str] = MISSING
-    name: str | None = MISSING  # the run's name; null = wandb's default
-    system_stats: bool = MISSING  # wandb's CPU/GPU sampling (probes cloud metadata)
+    mode: str = described("wandb: offline, online or disabled")  # one of WANDB_MODES
+    project: str = described("wandb project")
+    group: str | None = described("wandb group (null = none)")
+    tags: list[str] = described("wandb tags ([a,b])")
+    name: str | None = described("wandb run name (null = wandb's default)")
+    system_stats: bool = described("wandb's CPU/GPU sampling (probes cloud metadata)")
 
 
 #: ``logger.mode`` of the wandb logger (wandb's own modes).
