@@ -31,8 +31,8 @@ def main(cfg: DictConfig) -> float:
 def _fits(cfg: DictConfig) -> tuple[float, float] | None:
     """In a multirun: (needed, budget) GiB when the planner says the point cannot fit."""
     with exit_on_config_error():
-        validate(cfg)
-    return budget_check(cfg)
+        resolved = validate(cfg)
+    return budget_check(cfg, resolved)
 
 
 def _run(cfg: DictConfig, run_dir: str) -> dict | None:

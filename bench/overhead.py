@@ -218,7 +218,7 @@ def compose_trainer_cfg(args: argparse.Namespace, s: dict):
     return cfg
 
 
-def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
+def _ab_arm(name: str, s: dict, cfg, resolved, mesh, out_dir: str):
     """(step function, model) of one arm."""
 
     from src.trainer.loggers import Logger
@@ -247,7 +247,7 @@ def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
     arm_cfg.trainer.log_every = 1 if log_every_step else s["steps"] + 1
     run_dir = os.path.join(out_dir, name)
     logger = Logger.files(run_dir if log_every_step and dist.get_rank() == 0 else None)
-    trainer = Trainer(arm_cfg, run_dir, torch.device("cpu"), logger=logger).build()
+    trainer = Trainer(arm_cfg, run_dir, torch.device("cpu"), resolved, logger).build()
     if name.endswith("root_keep"):
         trainer.model.set_reshard_after_forward(False, recurse=False)
 
@@ -258,13 +258,15 @@ def _ab_arm(name: str, s: dict, cfg, mesh, out_dir: str):
     return step_fn
 
 
-def _ab_rank(rank: int, world: int, s: dict, cfg, arms: list[str], out_dir: str):
+def _ab_rank(
+    rank: int, world: int, s: dict, cfg, resolved, arms: list[str], out_dir: str
+):
     from torch.distributed.device_mesh import init_device_mesh
 
     from src.trainer.data import GlobalBatches, load_splits
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    steps = {a: _ab_arm(a, s, cfg, mesh, out_dir) for a in arms}
+    steps = {a: _ab_arm(a, s, cfg, resolved, mesh, out_dir) for a in arms}
     train_split, _ = load_splits(
         SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
         s["shape"]["vocab_size"],
@@ -288,10 +290,12 @@ def _ab_rank(rank: int, world: int, s: dict, cfg, arms: list[str], out_dir: str)
 
 def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
     """Per-step wall (rank 0) and CPU (both ranks) of each arm after the warm-up."""
+    from src.trainer.resolved import resolve
+
     cfg = compose_trainer_cfg(args, s)
     arms = list(args.ab_arms)
     with tempfile.TemporaryDirectory() as out_dir:
-        ranks = run_distributed(_ab_rank, WORLD, s, cfg, arms, out_dir)
+        ranks = run_distributed(_ab_rank, WORLD, s, cfg, resolve(cfg), arms, out_dir)
     w = s["warmup"]
     rows, base = [], None
     for arm in arms:

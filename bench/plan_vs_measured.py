@@ -164,14 +164,11 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
     return {"base": base, "peak": peak}
 
 
-def measure(cfg, world: int, steps: int) -> tuple[int, int]:
+def measure(cfg, resolved, world: int, steps: int) -> tuple[int, int]:
     """Max over ranks of the training peak above the rank's baseline, and the largest
     baseline (bytes)."""
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
     pg = "nccl" if torch.cuda.is_available() else "gloo"
-    from src.trainer.resolved import resolve
-
-    resolved = resolve(cfg)
     rows = run_distributed(
         _rank, world, cfg, resolved, steps, pg_backend=pg, setup=_set_device
     )
@@ -219,6 +216,7 @@ def _row(name: str, cfg, est, measured: int, base: int) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from src.trainer.planner import estimate_cfg, resolve_auto
+    from src.trainer.resolved import resolve
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
@@ -236,12 +234,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     rows = []
     for name in args.configs:
-        cfg, _ = resolve_auto(make_cfg(CONFIGS[name]))
+        cfg = make_cfg(CONFIGS[name])
+        resolved = resolve(cfg)
+        cfg, _ = resolve_auto(cfg, resolved)
         world = int(cfg.trainer.devices)
-        _, est = estimate_cfg(cfg, world)
+        _, est = estimate_cfg(cfg, resolved, world)
         key = json.dumps([name, CONFIGS[name], args.steps])
         if key not in known:
-            known[key] = measure(cfg, world, args.steps)
+            known[key] = measure(cfg, resolved, world, args.steps)
             if store:
                 store.write_text(json.dumps(known, indent=1))
         measured, base = known[key]

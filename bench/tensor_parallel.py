@@ -55,11 +55,14 @@ def compose_cfg(args: argparse.Namespace, layout: list[str]):
     )
 
 
-def _rank(rank: int, world: int, args: argparse.Namespace, cfg, out: str) -> dict:
+def _rank(
+    rank: int, world: int, args: argparse.Namespace, cfg, resolved, out: str
+) -> dict:
     from src.trainer.loop import Trainer
     from src.trainer.metrics import memory_metrics, reset_peak_memory
 
-    trainer = Trainer(cfg, os.path.join(out, "run"), torch.device("cpu")).build()
+    run_dir = os.path.join(out, "run")
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), resolved).build()
     for step in range(1, args.warmup + 1):
         trainer.step(step)
     reset_peak_memory(torch.device("cpu"))
@@ -78,9 +81,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace, cfg, out: str) -> dic
 
 
 def measure(args: argparse.Namespace, layout: list[str]) -> dict:
+    from src.trainer.resolved import resolve
+
     cfg = compose_cfg(args, layout)
+    resolved = resolve(cfg)
     with tempfile.TemporaryDirectory() as out:
-        ranks = run_distributed(_rank, WORLD, args, cfg, out, timeout=1800)
+        ranks = run_distributed(_rank, WORLD, args, cfg, resolved, out, timeout=1800)
     step = statistics.median(
         max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)
     )

@@ -54,8 +54,6 @@ from src.trainer.resolved import (
     ConfigError,
     Resolved,
     keyed,
-    model_config,
-    model_spec,
     resolve,
     resolve_devices,
     tensor_parallel_plan,
@@ -338,19 +336,12 @@ def refuse_schemas(cfg: DictConfig) -> None:
         )
 
 
-def check_pretrained(cfg: DictConfig) -> None:
-    """``model.pretrained``: an existing directory of safetensors whose tensors have
-    the shapes of the configured model (read from the file headers and a meta-device
-    build), for a family with a Hugging Face adapter."""
+def check_pretrained_dir(cfg: DictConfig) -> None:
+    """``model.pretrained``: an existing directory of safetensors (checked before the
+    model is resolved: ``model=hf`` reads its config from there)."""
     path = cfg.model.pretrained
     if path is None:
         return
-    spec = model_spec(cfg)
-    _require(
-        spec.hf is not None,
-        "model.pretrained",
-        f"model family {spec.name!r} has no Hugging Face adapter to load weights with",
-    )
     path = os.path.expanduser(path)
     _require(os.path.isdir(path), "model.pretrained", f"no such directory {path!r}")
     _require(
@@ -358,10 +349,25 @@ def check_pretrained(cfg: DictConfig) -> None:
         "model.pretrained",
         f"no .safetensors files in {path!r} (save with save_pretrained)",
     )
+
+
+def check_pretrained(cfg: DictConfig, resolved: Resolved) -> None:
+    """``model.pretrained`` (its directory checked by :func:`check_pretrained_dir`):
+    tensors of the shapes of the configured model (read from the file headers and a
+    meta-device build), for a family with a Hugging Face adapter."""
+    path = cfg.model.pretrained
+    if path is None:
+        return
+    spec, config = resolved.spec, resolved.model_config
+    _require(
+        spec.hf is not None,
+        "model.pretrained",
+        f"model family {spec.name!r} has no Hugging Face adapter to load weights with",
+    )
+    path = os.path.expanduser(path)
     from src.trainer.export import check_hf_shapes
     from src.trainer.hf_layout import HFLayout
 
-    config = model_config(cfg)
     with torch.device("meta"):
         model = spec.build(config, 0)
     shapes = {
@@ -428,13 +434,14 @@ def validate(cfg: DictConfig) -> Resolved:
     _require(
         cap is None or cap > 0, "sweep.mem_cap_gib", f"got {cap}, expected null or > 0"
     )
-    check_pretrained(cfg)  # first: model=hf reads its config from there
+    check_pretrained_dir(cfg)  # first: model=hf reads its config from there
     resolved = resolve(cfg)
+    check_pretrained(cfg, resolved)
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.world_size)
     _check_tensor_parallel(cfg, resolved)
     _check_batches(cfg, resolved.world_size)
-    _check_trainer(cfg, resolved.spec)
+    _check_trainer(cfg, resolved)
     # The chosen data source and logger check their own keys.
     _choice(cfg, "data.name", DATA_SOURCES)
     DATA_SOURCES[cfg.data.name].check(cfg.data)
@@ -579,9 +586,9 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     )
 
 
-def _check_trainer(cfg: DictConfig, spec: ModelSpec) -> None:
+def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
     """Export, the optimizer's numbers, timeouts, peak FLOPs and resuming."""
-    t = cfg.trainer
+    t, spec = cfg.trainer, resolved.spec
     _require(
         t.export in EXPORTS,
         "trainer.export",
@@ -593,7 +600,7 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec) -> None:
         f"hf needs a Hugging Face adapter, which model family {spec.name!r} has not",
     )
     if t.export == "hf":  # a shape transformers' class cannot hold (GPT without bias)
-        keyed("trainer.export", spec.hf.hf_config, model_config(cfg))
+        keyed("trainer.export", spec.hf.hf_config, resolved.model_config)
     _require(t.lr > 0, "trainer.lr", f"got {t.lr}, expected > 0")
     _require(
         0 <= t.min_lr <= t.lr, "trainer.min_lr", f"got {t.min_lr}, expected [0, lr]"

@@ -13,6 +13,7 @@ from src.cli_help import described_keys, is_schema_option, user_options
 from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
 from src.trainer.corpus import resolve_files
 from src.trainer.planner import default_policy
+from src.trainer.resolved import resolve
 from tests.test_config import CONF, ROOT, make_cfg
 
 
@@ -146,11 +147,14 @@ def test_big_presets_default_to_one_unit_per_block(model, policy):
     a big model's blocks into one unit per Linear; such a model gets the block policy
     unless the user chose the policy or the threshold."""
     cfg = make_cfg(f"model={model}", "trainer.plan_only=true")
-    out, line = default_policy(cfg, set())
+    resolved = resolve(cfg)
+    out, out_resolved, line = default_policy(cfg, resolved, set())
     assert out.sharding.policy == policy
+    assert out_resolved.policies == resolve(out).policies  # the run object follows
     assert bool(line) == (policy == "block")
     if line:
         assert line.startswith("sharding.policy=block: with sharding.min_params=150000")
     for key in ("sharding.policy", "sharding.min_params"):
-        kept, line = default_policy(cfg, {key})
+        kept, kept_resolved, line = default_policy(cfg, resolved, {key})
         assert kept.sharding.policy == "size" and line == ""
+        assert kept_resolved is resolved

@@ -60,8 +60,9 @@ def _sharded_vs_unsharded(rank: int, world: int, names: list[str]) -> dict:
         runs = []
         for backend_name in ("none", "fsdp2"):
             backend = build_backend(backend_name, "fp32", "cpu")
-            model = build_model(cfg, backend, resolve(cfg))
-            runs.append(_losses(model, build_optimizer(model, cfg), batches))
+            resolved = resolve(cfg)
+            model = build_model(cfg, backend, resolved)
+            runs.append(_losses(model, build_optimizer(model, cfg, resolved), batches))
         units = len(wrap_plan(model, world).units)
         result[name] = (runs, units)
     torch.distributed.barrier()  # both ranks done before either tears down

@@ -96,8 +96,7 @@ def test_gpt_export_refuses_a_shape_gpt2_cannot_hold():
 
 def _train_and_export(rank: int, world: int, run_dir: str, overrides: list) -> dict:
     cfg = make_cfg(*overrides)
-    validate(cfg)
-    train(cfg, run_dir, torch.device("cpu"))
+    train(cfg, run_dir, torch.device("cpu"), validate(cfg))
     tokenizer = tokenizer_of(cfg.data)
     # The export loaded back into the sharded GPT (each rank reads the transpose of
     # its own slices): its logits, to compare with GPT2LMHeadModel's.

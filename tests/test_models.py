@@ -18,7 +18,7 @@ from src.harness import compose_config
 from src.models import families, get_spec
 from src.sharding import wrap
 from src.trainer.loop import build_optimizer, train
-from src.trainer.resolved import model_config, model_spec
+from src.trainer.resolved import model_config, model_spec, resolve
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_custom_model_builds_from_config_alone():
     assert spec.block_classes(config) == (TinyBlock,)
     n = sum(p.numel() for p in model.parameters())
     assert spec.flops_per_token(config, 8) == 6 * n
-    decay, no_decay = build_optimizer(model, cfg).param_groups
+    decay, no_decay = build_optimizer(model, cfg, resolve(cfg)).param_groups
     assert {id(p) for p in no_decay["params"]} == {
         id(p)
         for n, p in model.named_parameters()
@@ -118,7 +118,7 @@ def test_custom_model_builds_from_config_alone():
 
 
 def _train_rank(rank: int, world: int, cfg, run_dir: str):
-    return train(cfg, run_dir, torch.device("cpu"))
+    return train(cfg, run_dir, torch.device("cpu"), resolve(cfg))
 
 
 @pytest.mark.slow

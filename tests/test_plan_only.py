@@ -13,10 +13,10 @@ import pytest
 import torch.distributed as dist
 
 import src.config  # noqa: F401  (registers the base_config schema for compose)
-from src.config import model_config, model_spec
 from src.harness import compose_config
 from src.trainer import metrics
 from src.trainer.planner import PARTS
+from src.trainer.resolved import model_config, model_spec, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -143,7 +143,7 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
     )
     rss_before = _rss_bytes()
     peak_resets = metrics._reset_cpu_peak_rss()  # False where the kernel cannot
-    plan = plan_only(cfg, str(tmp_path))
+    plan = plan_only(cfg, resolve(cfg), str(tmp_path))
     peak = metrics.cpu_peak_rss_bytes()
     printed = capsys.readouterr().out
 
@@ -169,7 +169,7 @@ def test_trainer_threshold_is_not_truncated(tmp_path):
     def units(min_params: float) -> dict[str, int]:
         cfg = _compose("trainer.plan_only=true", "model=small", "logger=none")
         cfg.sharding.min_params = min_params
-        plan = plan_only(cfg, str(tmp_path))
+        plan = plan_only(cfg, resolve(cfg), str(tmp_path))
         return {u.path: u.numel for u in plan.units}
 
     block = units(1.5e5)["h.0"]  # the default makes each block a unit

@@ -28,6 +28,7 @@ from src.trainer.planner import (
     estimate,
     resolve_auto,
 )
+from src.trainer.resolved import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -161,7 +162,7 @@ def test_traced_hf_activations_match_a_real_forward():
         real = _saved_bytes(build(config, 0).train(), 256, 64)
         assert traced.saved + traced.head == pytest.approx(real, rel=0.01), name
     cfg = _compose("model=hf", "model.config=tiny_qwen2", "model.block_size=64")
-    _, est = planner.estimate_cfg(cfg, 2)
+    _, est = planner.estimate_cfg(cfg, resolve(cfg), 2)
     assert est.parts["activations"] > 0 and est.parts["loss"] > 0
     assert "traced" in est.notes["activations"]
 
@@ -284,8 +285,9 @@ def test_auto_choices_are_deterministic_and_fit(capsys):
         "trainer.grad_sync=auto",
         "trainer.mem_budget_gib=0.391",
     )
-    first, why = resolve_auto(cfg)
-    again, why_again = resolve_auto(cfg)
+    resolved = resolve(cfg)
+    first, why = resolve_auto(cfg, resolved)
+    again, why_again = resolve_auto(cfg, resolved)
     assert why == why_again and len(why) == 3
     keys = ("sharding.min_params", "trainer.grad_accum", "trainer.grad_sync")
     chosen = [
@@ -299,10 +301,11 @@ def test_auto_choices_are_deterministic_and_fit(capsys):
         again.trainer.grad_sync,
     ]
     assert all(any(line.startswith(f"auto: {k}=") for line in why) for k in keys)
-    _, est = planner.estimate_cfg(first, 2)
+    _, est = planner.estimate_cfg(first, resolved, 2)
     assert est.total <= 0.391 * GIB
     # The search's cost order: a larger grad_accum only when the batch does not fit.
-    _, whole = planner.estimate_cfg(planner._with(first, {"trainer.grad_accum": 1}), 2)
+    one = planner._with(first, {"trainer.grad_accum": 1})
+    _, whole = planner.estimate_cfg(one, resolved, 2)
     assert (first.trainer.grad_accum == 1) == (whole.total <= 0.391 * GIB)
 
 
@@ -316,7 +319,8 @@ def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
         "sharding.activation_checkpointing=auto",
         "trainer.mem_budget_gib=0.601",
     )
-    out, why = resolve_auto(cfg, 2)
+    resolved = resolve(cfg)
+    out, why = resolve_auto(cfg, resolved, 2)
     s = out.sharding
     assert (s.activation_checkpointing, s.activation_checkpointing_every) == ("full", 2)
     assert why[-1].startswith(
@@ -327,7 +331,7 @@ def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
 
     def need(every: int) -> float:
         fewer = planner._with(out, {"sharding.activation_checkpointing_every": every})
-        return planner.needed(planner.estimate_cfg(fewer, 2)[1], 0.1) / GIB
+        return planner.needed(planner.estimate_cfg(fewer, resolved, 2)[1], 0.1) / GIB
 
     assert need(2) <= 0.601 < need(4)  # one block fewer would not fit
 
@@ -341,16 +345,19 @@ def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
         "trainer.mem_budget_gib=0.472",
         "logger=none",
     )
-    planner.plan_only(cfg, str(tmp_path))
+    resolved = resolve(cfg)
+    planner.plan_only(cfg, resolved, str(tmp_path))
     out = capsys.readouterr().out
     assert "does not fit: needs" in out
     assert "gradient accumulation modes (trainer.grad_sync):" in out
     # 4 micro-batches (x1.03 per doubling) are cheaper than checkpointing (x1.1 or
     # x4/3) or more ranks; the current min_params (1.5e5) is kept.
     assert "cheapest change that fits: trainer.grad_accum=4 ->" in out
-    _, est = planner.estimate_cfg(planner._with(cfg, {"trainer.grad_accum": 4}), 2)
+    four = planner._with(cfg, {"trainer.grad_accum": 4})
+    _, est = planner.estimate_cfg(four, resolved, 2)
     assert est.total <= 0.472 * GIB
-    _, est = planner.estimate_cfg(planner._with(cfg, {"trainer.grad_accum": 2}), 2)
+    two = planner._with(cfg, {"trainer.grad_accum": 2})
+    _, est = planner.estimate_cfg(two, resolved, 2)
     assert est.total > 0.472 * GIB
 
 
@@ -370,7 +377,7 @@ def test_70b_on_64_ranks_fits_a_budget_in_seconds_allocating_nothing(tmp_path, c
     peak_resets = metrics._reset_cpu_peak_rss()
     before = metrics.cpu_peak_rss_bytes()
     start = time.perf_counter()
-    planner.plan_only(cfg, str(tmp_path))
+    planner.plan_only(cfg, resolve(cfg), str(tmp_path))
     seconds = time.perf_counter() - start
     out = capsys.readouterr().out
     assert "activations (saved)" in out and "optimizer state (AdamW)" in out
@@ -400,8 +407,9 @@ def test_llama3_70b_on_64_ranks_plans_in_seconds_with_its_safety_margin(
         "trainer.mem_budget_gib=h100_80gb",
         "logger=none",
     )
+    resolved = resolve(cfg)
     start = time.process_time()
-    planner.plan_only(cfg, str(tmp_path))
+    planner.plan_only(cfg, resolved, str(tmp_path))
     assert time.process_time() - start < 10
     out = capsys.readouterr().out
     assert "(+10% safety margin, trainer.mem_margin: " in out
@@ -411,12 +419,14 @@ def test_llama3_70b_on_64_ranks_plans_in_seconds_with_its_safety_margin(
     )
     # The margin decides: a budget between the estimate and estimate x 1.1 fails.
     cfg = planner._with(cfg, {"trainer.mem_budget_gib": 80})  # GiB: this device
-    _, est = planner.estimate_cfg(cfg, 64)
+    _, est = planner.estimate_cfg(cfg, resolved, 64)
     budget = est.total * 1.05 / GIB
     tight = planner._with(cfg, {"trainer.mem_budget_gib": budget})
-    assert planner.budget_check(tight) == pytest.approx((est.total * 1.1 / GIB, budget))
+    assert planner.budget_check(tight, resolved) == pytest.approx(
+        (est.total * 1.1 / GIB, budget)
+    )
     loose = planner._with(tight, {"trainer.mem_margin": 0.0})
-    assert planner.budget_check(loose) is None
+    assert planner.budget_check(loose, resolved) is None
 
 
 @pytest.mark.slow

@@ -48,13 +48,14 @@ def _round_trip(rank: int, world: int, src: str, out: str, run_dir: str) -> dict
     cfg = make_cfg(*overrides, "sharding.policy=block", "trainer.lr=1e-2")
     x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     inputs, targets = x[:, :-1], x[:, 1:]
-    model = build_model(cfg, build_backend("fsdp2", "fp32", "cpu"), resolve(cfg)).eval()
+    resolved = resolve(cfg)
+    model = build_model(cfg, build_backend("fsdp2", "fp32", "cpu"), resolved).eval()
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         loaded = model(inputs)[0]
     result = {"load": (loaded - logits_of_transformers(Path(src), inputs)).abs().max()}
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, resolved)
     model.train()
     losses = []
     for _ in range(3):
@@ -83,8 +84,7 @@ def _round_trip(rank: int, world: int, src: str, out: str, run_dir: str) -> dict
         "data=synthetic",
         "data.num_tokens=5000",
     )
-    validate(run)
-    result["summary"] = train(run, run_dir, torch.device("cpu"))
+    result["summary"] = train(run, run_dir, torch.device("cpu"), validate(run))
     return result
 
 
@@ -197,8 +197,9 @@ def test_pretrained_vocabulary_does_not_follow_the_tokenizer(tiny_llama_dir):
     from src.trainer.data import follow_tokenizer_vocab
 
     cfg = make_cfg("model=hf", f"model.pretrained={tiny_llama_dir}")
-    follow_tokenizer_vocab(cfg, {"vocab_size": 100}, set())
+    resolved = resolve(cfg)
+    follow_tokenizer_vocab(cfg, resolved, {"vocab_size": 100}, set())
     assert cfg.model.vocab_size is None  # the checkpoint's 256 stays
     with pytest.raises(CONFIG_ERRORS) as info:
-        follow_tokenizer_vocab(cfg, {"vocab_size": 300}, set())
+        follow_tokenizer_vocab(cfg, resolved, {"vocab_size": 300}, set())
     assert "use the model's own tokenizer" in one_line(info.value)

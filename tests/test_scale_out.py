@@ -26,6 +26,7 @@ from src.sharding import build_backend, build_sharded_model, wrap, wrap_plan
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
 from src.trainer.planner import plan_only
+from src.trainer.resolved import resolve
 from tests.distributed import run_distributed
 from tests.test_train import ROOT, make_cfg, read_rows
 
@@ -62,7 +63,8 @@ def resume_from(root: Path, name: str) -> list[str]:
 def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> None:
     """Train each named run in turn on the same process group."""
     for name, overrides in runs.items():
-        train(make_cfg(*RUN, *overrides), f"{root}/{name}", torch.device("cpu"))
+        cfg = make_cfg(*RUN, *overrides)
+        train(cfg, f"{root}/{name}", torch.device("cpu"), resolve(cfg))
 
 
 def _layout_facts(rank: int, world: int) -> dict:
@@ -231,14 +233,11 @@ def test_two_torchrun_agents_train_like_a_local_two_rank_run(root, layouts):
 def test_plan_only_shows_the_2d_layout_and_shard_group_bytes(tmp_path, capsys):
     # Twice the global batch on twice the ranks: the same micro-batch per rank, so
     # the two estimates peak at the same moment and their parts compare one to one.
-    hsdp = plan_only(
-        make_cfg("model=tiny", "trainer.devices=8", "trainer.batch_size=32", *HSDP),
-        str(tmp_path / "hsdp"),
-    )
+    cfg = make_cfg("model=tiny", "trainer.devices=8", "trainer.batch_size=32", *HSDP)
+    hsdp = plan_only(cfg, resolve(cfg), str(tmp_path / "hsdp"))
     assert "world size 8: 2 x 4 mesh (replicate x shard)" in capsys.readouterr().out
-    full = plan_only(
-        make_cfg("model=tiny", "trainer.devices=4"), str(tmp_path / "full")
-    )
+    cfg = make_cfg("model=tiny", "trainer.devices=4")
+    full = plan_only(cfg, resolve(cfg), str(tmp_path / "full"))
     # 8 ranks as 2 x 4 hold per rank what 4-way full sharding holds.
     assert hsdp.bytes_per_rank() == full.bytes_per_rank()
     summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())

@@ -28,6 +28,7 @@ from src.trainer.from_run import RUN_CONFIG, RUN_OVERRIDES
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
 from src.trainer.planner import plan_only
+from src.trainer.resolved import resolve
 from tests.distributed import run_distributed
 from tests.test_config import config_error
 from tests.test_train import make_cfg, read_rows
@@ -78,7 +79,7 @@ def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) ->
             (Path(root) / name / ".hydra").mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, Path(root) / name / RUN_CONFIG)
             OmegaConf.save(list(RUN + overrides), Path(root) / name / RUN_OVERRIDES)
-        train(cfg, f"{root}/{name}", torch.device("cpu"))
+        train(cfg, f"{root}/{name}", torch.device("cpu"), resolve(cfg))
 
 
 def one_rank(root: Path, name: str, *overrides: str) -> None:
@@ -224,9 +225,9 @@ def test_bad_tensor_parallel_configs_fail_in_one_line(overrides, key, says):
 
 def test_plan_only_knows_tensor_parallelism(tmp_path, capsys):
     def plan(*overrides):
+        cfg = make_cfg("model=llama_tiny", "trainer.devices=4", *overrides)
         return plan_only(
-            make_cfg("model=llama_tiny", "trainer.devices=4", *overrides),
-            str(tmp_path / "_".join(overrides) or "fsdp"),
+            cfg, resolve(cfg), str(tmp_path / "_".join(overrides) or "fsdp")
         )
 
     fsdp4 = plan()

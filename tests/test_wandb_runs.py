@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from src.config import validate
 from src.trainer.loggers import RUN_ID_FILE, wandb_key
-from src.trainer.loop import train
-from src.trainer.resolved import ConfigError
+from src.trainer.loop import train as train_rank
+from src.trainer.resolved import ConfigError, resolve
 from tests.distributed import run_distributed
 from tests.wandb_offline import (
     offline_run_files,
@@ -56,6 +56,10 @@ def _four_starts(rank: int, world: int, run_dir: str) -> dict:
     """Train 2 steps; start again with nothing to train; a resume that is refused
     (another max_steps); a resume that extends the run to 4 steps."""
     cpu = torch.device("cpu")
+
+    def train(cfg, run_dir, cpu):
+        return train_rank(cfg, run_dir, cpu, resolve(cfg))
+
     out = {"first": train(_run_cfg(2), run_dir, cpu)}
     out["runs_after_first"] = len(offline_run_files(run_dir))
     out["nothing"] = train(_run_cfg(2, "trainer.resume=auto"), run_dir, cpu)

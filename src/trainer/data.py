@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from src.registry import Registry, described, no_check, or_list
 from src.trainer.corpus import Corpus
-from src.trainer.resolved import ConfigError, model_config, model_spec
+from src.trainer.resolved import ConfigError, Resolved
 from src.trainer.token_cache import SPLITS, token_cache
 from src.trainer.tokenizer import Tokenizer, load_tokenizer
 from src.util import write_json_atomic
@@ -147,14 +147,18 @@ def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     return load_tokenizer(data_cfg, Corpus.from_config(data_cfg), verbose=False)
 
 
-def follow_tokenizer_vocab(cfg: Any, meta: dict, user_keys: set[str]) -> None:
+def follow_tokenizer_vocab(
+    cfg: Any, resolved: Resolved, meta: dict, user_keys: set[str]
+) -> bool:
     """The model's vocabulary follows the tokenizer (``meta`` of the token cache): the
     family's vocabulary key (``model.vocab_size`` for GPT and Llama) becomes the
     tokenizer's size rounded up to a multiple of :data:`VOCAB_MULTIPLE` (faster
     matmuls). It stays as it is when the user set it (it is in ``user_keys``, the
     command line's keys), when weights are loaded (``model.pretrained``) or when the
-    family fixes it; then it must hold every id of the tokenizer."""
-    spec, vocab = model_spec(cfg), meta["vocab_size"]
+    family fixes it; then it must hold every id of the tokenizer. ``resolved``: the
+    run object of ``cfg`` as it is. Returns whether ``cfg.model`` changed (its run
+    object is then out of date)."""
+    spec, vocab = resolved.spec, meta["vocab_size"]
     key = f"model.{spec.vocab_key}" if spec.vocab_key else "model"
     if cfg.model.get("pretrained"):
         key, advice = "model.pretrained", "use the model's own tokenizer"
@@ -164,20 +168,22 @@ def follow_tokenizer_vocab(cfg: Any, meta: dict, user_keys: set[str]) -> None:
         advice = f"drop the override or set it >= {vocab}"
     else:
         padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-        if padded != cfg.model[spec.vocab_key]:
-            log.info(
-                f"{key}={padded}: follows data.tokenizer={cfg.data.tokenizer} ({vocab} "
-                f"tokens, padded to a multiple of {VOCAB_MULTIPLE})"
-            )
+        if padded == cfg.model[spec.vocab_key]:
+            return False
+        log.info(
+            f"{key}={padded}: follows data.tokenizer={cfg.data.tokenizer} ({vocab} "
+            f"tokens, padded to a multiple of {VOCAB_MULTIPLE})"
+        )
         cfg.model[spec.vocab_key] = padded
-        return
-    have = spec.vocab_size(model_config(cfg))
+        return True
+    have = spec.vocab_size(resolved.model_config)
     if have < vocab:
         raise ConfigError(
             key,
             f"vocabulary of {have} is smaller than data.tokenizer="
             f"{cfg.data.tokenizer}'s ({vocab} ids, up to {vocab - 1}); {advice}",
         )
+    return False
 
 
 def _text_splits(

@@ -23,6 +23,7 @@ import sys
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -87,8 +88,9 @@ def prepare(
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
     data ready in the token cache, the model's vocabulary following the tokenizer and
-    every ``auto`` value chosen, and its :class:`Resolved` run object, built once
-    from it (``resolved``: what ``validate()`` resolved from ``cfg`` as composed).
+    every ``auto`` value chosen, and its :class:`Resolved` run object: ``resolved``
+    (what ``validate()`` resolved from ``cfg`` as composed), built again only when
+    the model's vocabulary followed the tokenizer, then read by the planner.
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
     ``run_dir``: where to record what the data was made from (``data.json``). Bad
     input is a ``ConfigError``."""
@@ -104,27 +106,32 @@ def prepare(
             cfg.trainer.progress,
             run_dir if _is_rank0() else None,
         )
-        if meta is not None:
-            follow_tokenizer_vocab(cfg, meta, user_keys)
-    cfg, policy = default_policy(cfg, user_keys)
-    cfg, reasons = resolve_auto(cfg, _world_from_env())
+        if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
+            # The model is final now: its run object is built from it, once.
+            resolved = resolve(cfg)
+    # The planner reads that object (the model's spec and config); the block policy,
+    # when chosen, is in both the config and the object it returns.
+    cfg, resolved, policy = default_policy(cfg, resolved, user_keys)
+    cfg, reasons = resolve_auto(cfg, resolved, _world_from_env())
     reasons = [policy, *reasons] if policy else reasons
-    planned = None
-    if _is_rank0():
-        for line in reasons:
-            log.info(line)
-        if not cfg.trainer.plan_only:  # rank 0 logs it: planned once, by rank 0
-            planned = _planned_peak_gib(cfg, _world_from_env() or resolved.world_size)
-    # The run object of the config the ranks run, built once from it (the model's
-    # vocabulary may have followed the tokenizer); nothing patches it afterwards.
-    return cfg, resolve(cfg, planned_peak_gib=planned)
+    if not _is_rank0():
+        return cfg, resolved
+    for line in reasons:
+        log.info(line)
+    if cfg.trainer.plan_only:
+        return cfg, resolved
+    # Rank 0 logs it beside what it measures: planned once, by rank 0.
+    world = _world_from_env() or resolved.world_size
+    return cfg, replace(
+        resolved, planned_peak_gib=_planned_peak_gib(cfg, resolved, world)
+    )
 
 
-def _planned_peak_gib(cfg: DictConfig, world: int) -> float | None:
+def _planned_peak_gib(cfg: DictConfig, resolved: Resolved, world: int) -> float | None:
     """The planner's ``peak_mem_gib`` for this run; None (said in one line) if the
     planner cannot estimate it: training does not depend on it."""
     try:
-        return planned_peak_gib(plan_run(cfg, world))
+        return planned_peak_gib(plan_run(cfg, resolved, world))
     except Exception as err:  # e.g. a custom model the meta device cannot build
         log.warning(
             "planner: no estimate for this run (%s: %s)", type(err).__name__, err
@@ -144,7 +151,7 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
     world = _world_from_env()
     if cfg.trainer.plan_only:
         if _is_rank0():
-            plan_only(cfg, run_dir, world_size=world or resolved.world_size)
+            plan_only(cfg, resolved, run_dir, world_size=world or resolved.world_size)
         return None
     if under_torchrun():
         # record(): torchrun's failure summary then shows this rank's traceback.

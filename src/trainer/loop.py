@@ -62,13 +62,7 @@ from src.trainer.profiling import (
     oom_error,
     watch_cuda_oom,
 )
-from src.trainer.resolved import (
-    ConfigError,
-    Resolved,
-    model_spec,
-    resolve,
-    tensor_parallel_plan,
-)
+from src.trainer.resolved import ConfigError, Resolved, tensor_parallel_plan
 from src.trainer.sampling import sample_texts
 
 log = logging.getLogger(__name__)
@@ -168,12 +162,12 @@ def _ties_as_one_line(rank: int) -> Iterator[None]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: DictConfig, resolved: Resolved | None = None
+    model: nn.Module, cfg: DictConfig, resolved: Resolved
 ) -> torch.optim.AdamW:
     """AdamW with weight decay except where the family's no-decay rule says (biases
     and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
     views, so the live tensors cannot tell)."""
-    no_decay_name = (resolved.spec if resolved else model_spec(cfg)).no_decay
+    no_decay_name = resolved.spec.no_decay
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -418,11 +412,11 @@ class Trainer:
         cfg: DictConfig,
         run_dir: str,
         device: torch.device,
-        resolved: Resolved | None = None,
+        resolved: Resolved,
         logger: Logger | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
-        self.resolved = resolved or resolve(cfg)
+        self.resolved = resolved
         self.logger = logger or Logger()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.summary: dict[str, Any] = {}
@@ -806,11 +800,12 @@ def train(
     cfg: DictConfig,
     run_dir: str,
     device: torch.device,
-    resolved: Resolved | None = None,
+    resolved: Resolved,
 ) -> dict[str, Any]:
     """Train on this rank (the process group is already initialised); rank 0 logs to
     the console, ``run_dir`` (metrics.jsonl, summary.json) and wandb. ``resolved``:
-    what ``validate`` resolved (resolved here if not given). Returns the summary."""
+    the run object of ``cfg`` (from ``validate`` and the launcher's ``prepare``).
+    Returns the summary."""
     # A failed run (exception, NaN, a dead peer) still closes its files and marks its
     # wandb run failed, so the next job of a sweep does not inherit it.
     with build_logger(cfg, run_dir, dist.get_rank(), begin=False) as logger:

@@ -50,10 +50,10 @@ from src.sharding import (
 from src.trainer.loggers import LOGGERS, Logger, logger_kind
 from src.trainer.resolved import (
     ConfigError,
-    model_config,
-    model_spec,
-    resolve,
+    Resolved,
     resolve_devices,
+    resolve_policies,
+    tensor_parallel_plan,
 )
 
 log = logging.getLogger(__name__)
@@ -449,16 +449,16 @@ def _select(cfg: DictConfig, key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def build_meta_model(cfg: DictConfig) -> torch.nn.Module:
-    """The model of ``cfg`` on the meta device, units recorded by the ``plan`` backend
-    (nothing is allocated)."""
+def build_meta_model(cfg: DictConfig, resolved: Resolved) -> torch.nn.Module:
+    """The model of ``cfg`` (its family and config: ``resolved``'s) on the meta device,
+    units recorded by the ``plan`` backend (nothing is allocated)."""
     if _select(cfg, AC_KEY, "none") == "auto":  # not chosen yet: the units are alike
         cfg = _with(cfg, {AC_KEY: "none"})
     from src.trainer.loop import build_model
 
     backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
     try:
-        return build_model(cfg, backend, resolve(cfg), init_device="meta")
+        return build_model(cfg, backend, resolved, init_device="meta")
     finally:
         backend.close()  # tensor parallelism's fake process group, if any
 
@@ -474,7 +474,11 @@ def plan_of(cfg: DictConfig, model: torch.nn.Module, world: int) -> WrapPlan:
 
 
 def tp_activations(
-    cfg: DictConfig, shape: RunShape, acts: ActivationBytes, model: torch.nn.Module
+    cfg: DictConfig,
+    resolved: Resolved,
+    shape: RunShape,
+    acts: ActivationBytes,
+    model: torch.nn.Module,
 ) -> ActivationBytes:
     """One rank's activations under tensor parallelism of degree T (unchanged for
     T = 1). With sequence parallelism every saved activation is split T ways (the
@@ -490,13 +494,12 @@ def tp_activations(
     tp = _tp(cfg)
     if tp == 1:
         return acts
-    from src.trainer.resolved import tensor_parallel_plan
-
-    tpp = tensor_parallel_plan(cfg, model_spec(cfg), model_config(cfg))
-    full = activation_fn(cfg)(
+    spec, config = resolved.spec, resolved.model_config
+    tpp = tensor_parallel_plan(cfg, spec, config)
+    full = activation_fn(resolved)(
         shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
     )
-    classes = model_spec(cfg).block_classes(model_config(cfg))
+    classes = spec.block_classes(config)
     blocks = max(1, sum(isinstance(m, classes) for m in model.modules()))
     block_input = full.saved // blocks  # one block's input, full sequence
     every = shape.ac_every if shape.checkpointing == "full" else 1
@@ -517,11 +520,11 @@ def tp_activations(
     )
 
 
-def activation_fn(cfg: DictConfig) -> Callable[..., ActivationBytes]:
+def activation_fn(resolved: Resolved) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
-    to ``cfg.model``; for a family without one (``hf``, ``custom``), the activations
-    traced on fake tensors (src/models/trace.py), cached per model config."""
-    spec, config = model_spec(cfg), model_config(cfg)
+    to the run's model config; for a family without one (``hf``, ``custom``), the
+    activations traced on fake tensors (src/models/trace.py), cached per model config."""
+    spec, config = resolved.spec, resolved.model_config
     if spec.activation_bytes is not None:
         return functools.partial(spec.activation_bytes, config)
     key = (spec.name, repr(config))
@@ -537,11 +540,11 @@ def activation_fn(cfg: DictConfig) -> Callable[..., ActivationBytes]:
 _TRACED: dict[tuple[str, str], Callable[..., ActivationBytes]] = {}
 
 
-def family_process_bytes(cfg: DictConfig, device: str) -> int:
+def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> int:
     """The process baseline of a run of ``cfg``: its model family's imports and its
     logger's (rank 0 holds the sinks; the peak is the max over ranks)."""
     option = LOGGERS.get(logger_kind(cfg))
-    imports = model_spec(cfg).imports + (option.imports if option else ())
+    imports = resolved.spec.imports + (option.imports if option else ())
     return process_bytes(device, imports)
 
 
@@ -554,7 +557,7 @@ def device_type(cfg: DictConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_shape(cfg: DictConfig, world: int) -> RunShape:
+def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
     """The :class:`RunShape` of ``cfg`` on ``world`` ranks (``auto`` values must be
     resolved first)."""
     t, s = cfg.trainer, cfg.sharding
@@ -566,7 +569,7 @@ def run_shape(cfg: DictConfig, world: int) -> RunShape:
         backend=s.backend,
         world=world,
         micro_batch=max(1, per_rank),
-        seq_len=int(model_spec(cfg).seq_len(model_config(cfg))),
+        seq_len=int(resolved.spec.seq_len(resolved.model_config)),
         grad_accum=accum,
         grad_sync=str(_select(cfg, "trainer.grad_sync", "last")),
         param_bytes=prec.param_dtype.itemsize,
@@ -580,23 +583,28 @@ def run_shape(cfg: DictConfig, world: int) -> RunShape:
 
 
 def estimate_cfg(
-    cfg: DictConfig, world: int, model: torch.nn.Module | None = None
+    cfg: DictConfig,
+    resolved: Resolved,
+    world: int,
+    model: torch.nn.Module | None = None,
 ) -> tuple[WrapPlan, Estimate]:
-    """The wrap plan and the estimate of ``cfg`` on ``world`` ranks (``model``: a meta
-    model of ``cfg`` already built, reused across rank counts)."""
-    model = model if model is not None else build_meta_model(cfg)
+    """The wrap plan and the estimate of ``cfg`` (its model: ``resolved``'s) on
+    ``world`` ranks (``model``: a meta model of ``cfg`` already built, reused across
+    rank counts)."""
+    model = model if model is not None else build_meta_model(cfg, resolved)
     plan = plan_of(cfg, model, world)
-    shape = run_shape(cfg, world)
-    acts = activation_fn(cfg)(
+    shape = run_shape(cfg, resolved, world)
+    acts = activation_fn(resolved)(
         shape.micro_batch,
         shape.seq_len,
         shape.param_bytes,
         shape.checkpointing,
         shape.ac_every,
     )
-    acts = tp_activations(cfg, shape, acts, model)
-    est = estimate(plan, shape, acts, family_process_bytes(cfg, shape.device))
-    if model_spec(cfg).activation_bytes is None:
+    acts = tp_activations(cfg, resolved, shape, acts, model)
+    process = family_process_bytes(cfg, resolved, shape.device)
+    est = estimate(plan, shape, acts, process)
+    if resolved.spec.activation_bytes is None:
         est.notes["activations"] = "traced: one block per block class, fake tensors"
     return plan, est
 
@@ -608,10 +616,10 @@ def planned_peak_gib(est: Estimate) -> float:
     return (est.total if est.shape.device == "cpu" else est.training) / GIB
 
 
-def plan_run(cfg: DictConfig, world: int) -> Estimate:
+def plan_run(cfg: DictConfig, resolved: Resolved, world: int) -> Estimate:
     """The estimate of a run about to start (every ``auto`` value resolved): computed
     once, before the ranks start, so each run logs it beside what it measures."""
-    return estimate_cfg(cfg, world)[1]
+    return estimate_cfg(cfg, resolved, world)[1]
 
 
 # ---------------------------------------------------------------- the budget
@@ -761,17 +769,23 @@ def _current(cfg: DictConfig, key: str) -> Any:
     return _select(cfg, key, "none" if key == AC_KEY else None)
 
 
-def _n_blocks(cfg: DictConfig) -> int:
-    """How many blocks the checkpointing transform targets in ``cfg``'s model."""
+def _n_blocks(resolved: Resolved) -> int:
+    """How many blocks the checkpointing transform targets in the run's model."""
     from src.models.trace import block_order
 
-    spec, config = model_spec(cfg), model_config(cfg)
+    spec, config = resolved.spec, resolved.model_config
     with torch.device("meta"):
         model = spec.build(config, 0)
     return len(block_order(model, spec.block_classes(config)))
 
 
-def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
+def _options(
+    cfg: DictConfig,
+    resolved: Resolved,
+    keys: Iterable[str],
+    world: int,
+    max_world: int,
+):
     """The values the search tries for each key (the current one first)."""
     t = cfg.trainer
     out: dict[str, list] = {}
@@ -785,7 +799,7 @@ def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
             vals = list(GRAD_SYNC)
         elif key == AC_KEY:
             every = int(_select(cfg, AC_EVERY_KEY, 1))
-            out[key] = ac_options(str(cur), every, _n_blocks(cfg))
+            out[key] = ac_options(str(cur), every, _n_blocks(resolved))
             continue
         elif key == "trainer.devices":
             vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
@@ -797,6 +811,7 @@ def _options(cfg: DictConfig, keys: Iterable[str], world: int, max_world: int):
 
 def search(
     cfg: DictConfig,
+    resolved: Resolved,
     keys: Iterable[str],
     budget: int,
     world: int,
@@ -805,13 +820,15 @@ def search(
     """The cheapest point that fits ``budget`` over ``keys`` (None if none does) and
     the point with the smallest estimate. Deterministic: equal costs keep the order
     in which :func:`_options` lists the values (the current value first). One meta
-    model per ``sharding.min_params`` value; everything else is arithmetic."""
-    options = _options(cfg, keys, world, max_world or world)
+    model per ``sharding.min_params`` value; everything else is arithmetic. The
+    search varies sharding and trainer keys, never the model: ``resolved`` serves
+    every point."""
+    options = _options(cfg, resolved, keys, world, max_world or world)
     margin = mem_margin(cfg)
     currents = {k: values[0] for k, values in options.items()}
-    base = run_shape(cfg, world)
-    acts = activation_fn(cfg)
-    process = family_process_bytes(cfg, base.device)
+    base = run_shape(cfg, resolved, world)
+    acts = activation_fn(resolved)
+    process = family_process_bytes(cfg, resolved, base.device)
     batch = int(cfg.trainer.batch_size)
     models: dict[float, torch.nn.Module] = {}
     plans: dict[tuple[float, int], WrapPlan] = {}
@@ -824,7 +841,8 @@ def search(
         if batch % accum:
             continue
         if mp not in models:
-            models[mp] = build_meta_model(_with(cfg, {"sharding.min_params": mp}))
+            with_mp = _with(cfg, {"sharding.min_params": mp})
+            models[mp] = build_meta_model(with_mp, resolved)
         if (mp, w) not in plans:
             plans[mp, w] = plan_of(cfg, models[mp], w)
         ac = point.get(AC_KEY)
@@ -846,7 +864,7 @@ def search(
             shape.checkpointing,
             shape.ac_every,
         )
-        a = tp_activations(cfg, shape, a, models[mp])
+        a = tp_activations(cfg, resolved, shape, a, models[mp])
         est = estimate(plans[mp, w], shape, a, process)
         changed = {k: v for k, v in point.items() if v != options[k][0]}
         cand = Candidate(changed, est, _cost(currents, changed))
@@ -891,7 +909,7 @@ _AUTO_START: dict[str, Any] = {
 
 
 def resolve_auto(
-    cfg: DictConfig, world: int | None = None
+    cfg: DictConfig, resolved: Resolved, world: int | None = None
 ) -> tuple[DictConfig, list[str]]:
     """``cfg`` with every ``auto`` value of :data:`AUTO_KEYS` chosen by the planner:
     the cheapest setting that fits the budget (``trainer.mem_budget_gib``, else this
@@ -912,7 +930,7 @@ def resolve_auto(
     if budget is None:
         budget, source = machine_budget_bytes(world), "this machine's memory per rank"
     start = _with(cfg, {k: _AUTO_START[k] for k in keys})
-    best, smallest = search(start, keys, budget, world)
+    best, smallest = search(start, resolved, keys, budget, world)
     chosen = best or smallest
     values: dict[str, Any] = {}
     for k in keys:
@@ -934,11 +952,13 @@ def resolve_auto(
         f"auto: {k}={_fmt(v)}: {verdict}" for k, v in values.items() if k != AC_KEY
     ]
     if AC_KEY in keys:
-        reasons.append(_ac_reason(out, chosen, world, verdict))
+        reasons.append(_ac_reason(out, resolved, chosen, world, verdict))
     return out, reasons
 
 
-def _ac_reason(cfg: DictConfig, chosen: Candidate, world: int, verdict: str) -> str:
+def _ac_reason(
+    cfg: DictConfig, resolved: Resolved, chosen: Candidate, world: int, verdict: str
+) -> str:
     """Why ``auto`` checkpointing is what it is: which blocks, the recompute cost, and
     the estimate without any."""
     ac = chosen.overrides.get(AC_KEY)
@@ -948,7 +968,7 @@ def _ac_reason(cfg: DictConfig, chosen: Candidate, world: int, verdict: str) -> 
         return f"{line}: {verdict}"
     if ac.mode == "full":
         line += f" {AC_EVERY_KEY}={every}"
-    _, bare = estimate_cfg(_with(cfg, {AC_KEY: "none"}), world)
+    _, bare = estimate_cfg(_with(cfg, {AC_KEY: "none"}), resolved, world)
     return (
         f"{line}: {ac.recomputed} of {ac.blocks} blocks recomputed in backward "
         f"(compute x{ac_cost(ac):.2f}); without checkpointing the estimate is "
@@ -959,14 +979,17 @@ def _ac_reason(cfg: DictConfig, chosen: Candidate, world: int, verdict: str) -> 
 POLICY_KEYS = ("sharding.policy", "sharding.min_params")
 
 
-def default_policy(cfg: DictConfig, user_keys: set[str]) -> tuple[DictConfig, str]:
+def default_policy(
+    cfg: DictConfig, resolved: Resolved, user_keys: set[str]
+) -> tuple[DictConfig, Resolved, str]:
     """``cfg`` with the block policy when the size policy's threshold was not chosen for
     this model: the user set neither key of :data:`POLICY_KEYS` and, with the group's
     default ``sharding.min_params`` (tuned so each block of the CPU models is one unit),
     the size policy would cut a block into several units (``model=llama3_8b``: one per
     Linear, 227 units). One unit per block is what the planner's estimates assume for
     selective checkpointing, and what FSDP users pick for large models. Returns the
-    config and the line saying so (empty when nothing changed)."""
+    config, its run object (``resolved`` with the block policy when it changed) and
+    the line saying so (empty when nothing changed)."""
     s = cfg.sharding
     if (
         set(POLICY_KEYS) & user_keys
@@ -974,27 +997,35 @@ def default_policy(cfg: DictConfig, user_keys: set[str]) -> tuple[DictConfig, st
         or s.min_params == "auto"
         or not backend_class(s.backend).shards_parameters
     ):
-        return cfg, ""
-    plan = plan_of(cfg, build_meta_model(cfg), _tp(cfg))
+        return cfg, resolved, ""
+    plan = plan_of(cfg, build_meta_model(cfg, resolved), _tp(cfg))
     if not _nested(plan):
-        return cfg, ""
+        return cfg, resolved, ""
     inside = sum(1 for u in plan.units if u.path)
-    return _with(cfg, {"sharding.policy": "block"}), (
-        f"sharding.policy=block: with sharding.min_params={_fmt(s.min_params)} the "
-        f"size policy would make {inside} units, splitting model={cfg.model.name}'s blocks; "
-        "one unit per block (set sharding.policy or sharding.min_params to choose)"
+    block = replace(resolved, policies=resolve_policies("block"))
+    return (
+        _with(cfg, {"sharding.policy": "block"}),
+        block,
+        (
+            f"sharding.policy=block: with sharding.min_params={_fmt(s.min_params)} the "
+            f"size policy would make {inside} units, splitting model={cfg.model.name}'s blocks; "
+            "one unit per block (set sharding.policy or sharding.min_params to choose)"
+        ),
     )
 
 
 # ---------------------------------------------------------------- plan-only
 
 
-def grad_sync_costs(cfg: DictConfig, world: int, model: torch.nn.Module) -> str:
+def grad_sync_costs(
+    cfg: DictConfig, resolved: Resolved, world: int, model: torch.nn.Module
+) -> str:
     """Both gradient-accumulation modes side by side (memory and collectives)."""
     accum = int(cfg.trainer.grad_accum)
     lines = ["gradient accumulation modes (trainer.grad_sync):"]
     for mode in GRAD_SYNC:
-        _, est = estimate_cfg(_with(cfg, {"trainer.grad_sync": mode}), world, model)
+        sync = _with(cfg, {"trainer.grad_sync": mode})
+        _, est = estimate_cfg(sync, resolved, world, model)
         scatters = 1 if mode == "last" else accum
         lines.append(
             f"  {mode:<5} {_gib(est.total):>12} peak, {scatters} gradient reduction(s)"
@@ -1003,7 +1034,9 @@ def grad_sync_costs(cfg: DictConfig, world: int, model: torch.nn.Module) -> str:
     return "\n".join(lines)
 
 
-def fit_report(cfg: DictConfig, est: Estimate, world: int) -> tuple[str, dict]:
+def fit_report(
+    cfg: DictConfig, resolved: Resolved, est: Estimate, world: int
+) -> tuple[str, dict]:
     """The verdict against ``trainer.mem_budget_gib`` (and, if it does not fit, the
     cheapest change that does); empty when no budget is set."""
     budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
@@ -1027,7 +1060,7 @@ def fit_report(cfg: DictConfig, est: Estimate, world: int) -> tuple[str, dict]:
         f"does not fit: needs {_with_margin(est, pct)} > budget {_gib(budget)} per rank"
     ]
     keys = [*AUTO_KEYS, "trainer.devices"]
-    best, smallest = search(cfg, keys, budget, world, max_world=world * 64)
+    best, smallest = search(cfg, resolved, keys, budget, world, max_world=world * 64)
     if best is None:
         lines.append(
             f"no searched change fits; the smallest estimate is {_gib(smallest.estimate.total)}"
@@ -1044,18 +1077,20 @@ def fit_report(cfg: DictConfig, est: Estimate, world: int) -> tuple[str, dict]:
     return "\n".join(lines), info
 
 
-def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> WrapPlan:
+def plan_only(
+    cfg: DictConfig, resolved: Resolved, run_dir: str, world_size: int | None = None
+) -> WrapPlan:
     """Print the wrap plan, the per-rank training peak estimate part by part, the
     gradient-accumulation modes and, with ``trainer.mem_budget_gib``, the verdict,
     for ``trainer.devices`` ranks; no rank starts and nothing is allocated (the model
     is built on the meta device with the recording-only ``plan`` backend)."""
     world = world_size or resolve_devices(cfg.trainer.devices)
-    model = build_meta_model(cfg)
-    plan, est = estimate_cfg(cfg, world, model)
+    model = build_meta_model(cfg, resolved)
+    plan, est = estimate_cfg(cfg, resolved, world, model)
     log.info(plan.tree())
     log.info(est.table())
-    log.info(grad_sync_costs(cfg, world, model))
-    verdict, info = fit_report(cfg, est, world)
+    log.info(grad_sync_costs(cfg, resolved, world, model))
+    verdict, info = fit_report(cfg, resolved, est, world)
     if verdict:
         log.info(verdict)
     logger = Logger.files(run_dir)
@@ -1076,7 +1111,7 @@ def plan_only(cfg: DictConfig, run_dir: str, world_size: int | None = None) -> W
     return plan
 
 
-def budget_check(cfg: DictConfig) -> tuple[float, float] | None:
+def budget_check(cfg: DictConfig, resolved: Resolved) -> tuple[float, float] | None:
     """``(needed GiB, budget GiB)`` when the planner says ``cfg`` cannot fit its budget
     (``trainer.mem_budget_gib``, else ``sweep.mem_cap_gib``); None when it fits or no
     budget is set. For sweeps: such points are skipped, not launched."""
@@ -1086,7 +1121,7 @@ def budget_check(cfg: DictConfig) -> tuple[float, float] | None:
         budget = budget_bytes(cap, "sweep.mem_cap_gib")
     if budget is None:
         return None
-    cfg, _ = resolve_auto(cfg)
-    _, est = estimate_cfg(cfg, resolve_devices(cfg.trainer.devices))
+    cfg, _ = resolve_auto(cfg, resolved)
+    _, est = estimate_cfg(cfg, resolved, resolve_devices(cfg.trainer.devices))
     need = needed(est, mem_margin(cfg))
     return (need / GIB, budget / GIB) if need > budget else None

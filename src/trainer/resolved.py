@@ -65,7 +65,7 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> Resolved:
         world_size=world_size(cfg.trainer.devices),
         spec=model_spec(cfg),
         model_config=model_config(cfg),
-        policies=tuple(keyed("sharding.policy", policy_names, s.policy)),
+        policies=resolve_policies(s.policy),
         exclude_wrap_modules=import_classes(
             s.exclude_wrap_modules, "sharding.exclude_wrap_modules"
         ),
@@ -73,6 +73,11 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> Resolved:
             s.force_leaf_modules, "sharding.force_leaf_modules"
         ),
     )
+
+
+def resolve_policies(policy: Any) -> tuple[str, ...]:
+    """``sharding.policy`` as the wrap policies' names (ConfigError naming the key)."""
+    return tuple(keyed("sharding.policy", policy_names, policy))
 
 
 def under_torchrun() -> bool:
