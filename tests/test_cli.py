@@ -112,6 +112,31 @@ def test_every_key_of_every_option_has_a_description():
     assert sorted(k for k, about in seen.items() if not about) == []
 
 
+def test_help_lines_that_list_names_read_the_registries(monkeypatch):
+    """A new backend, precision, policy, logger, data source or model family shows
+    in --help by itself: those lines are made from the registries when shown."""
+    from src.config import PrecisionConfig, ShardingConfig
+    from src.models import get_spec
+    from src.models.spec import _REGISTRY
+    from src.registry import key_help
+    from src.sharding import BACKENDS, PRECISIONS
+    from src.sharding.policies import POLICIES
+    from src.trainer.data import DATA_SOURCES, DataConfig
+    from src.trainer.loggers import LOGGERS, LoggerConfig
+
+    for registry, schema, name in [
+        (BACKENDS, ShardingConfig, "backend"),
+        (POLICIES, ShardingConfig, "policy"),
+        (PRECISIONS, PrecisionConfig, "name"),
+        (LOGGERS, LoggerConfig, "backend"),
+        (DATA_SOURCES, DataConfig, "name"),
+        (_REGISTRY, get_spec("gpt").schema(), "family"),
+    ]:
+        assert all(n in key_help(schema, name) for n in registry), (schema, name)
+        monkeypatch.setitem(registry, "brand_new", None)
+        assert "brand_new" in key_help(schema, name), (schema, name)
+
+
 def test_help_lists_options_not_schemas_and_describes_every_key():
     out = subprocess.run(
         [sys.executable, "train.py", "model=llama_tiny", "--help"],

@@ -226,3 +226,32 @@ def test_appended_unknown_key_fails_like_a_plain_one(override, key):
     line = config_error(override)
     assert line.startswith(f"{key}: unknown key, expected one of: ")
     assert "\n" not in line
+
+
+def test_every_registry_refuses_a_taken_name():
+    """A plug-in cannot silently replace an entry: each registry's ``add`` (and the
+    backends' class decorator, the model families' ``register``) refuses the name."""
+    from src.models import get_spec, register
+    from src.sharding import BACKENDS, PRECISIONS
+    from src.sharding.backends import register_backend
+    from src.sharding.ddp import DDPBackend
+    from src.sharding.policies import POLICIES
+    from src.trainer.data import DATA_SOURCES
+    from src.trainer.loggers import LOGGERS
+
+    again = type("AnotherDDP", (DDPBackend,), {"name": "ddp"})
+    with pytest.raises(ValueError, match="backend 'ddp' is already registered"):
+        register_backend(again)
+    assert BACKENDS["ddp"] is DDPBackend
+    for registry, name, kind in [
+        (PRECISIONS, "fp32", "precision"),
+        (POLICIES, "size", "wrap policy"),
+        (LOGGERS, "csv", "logger"),
+        (DATA_SOURCES, "tokens", "data source"),
+    ]:
+        before = registry[name]
+        with pytest.raises(ValueError, match=f"{kind} '{name}' is already registered"):
+            registry.add(name, before)
+        assert registry[name] is before
+    with pytest.raises(ValueError, match="model family 'gpt' is already registered"):
+        register(get_spec("gpt"))

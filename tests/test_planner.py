@@ -19,7 +19,8 @@ from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes
 from src.models.memory import ActivationBytes
 from src.sharding import BACKENDS, Backend, Unit, WrapPlan
-from src.sharding.backends import DDPBackend, FSDP1Backend
+from src.sharding.backends import FSDP1Backend
+from src.sharding.ddp import DDPBackend
 from src.trainer import planner
 from src.trainer.planner import (
     PROCESS_BYTES,

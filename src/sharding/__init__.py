@@ -2,6 +2,9 @@
 FSDP1, wrap policies, backends, mixed precision, per-unit transforms (activation
 checkpointing, torch.compile) and the wrap plan."""
 
+# The backends in their own files add themselves to BACKENDS on import (in this
+# order: fsdp2 and fsdp1 from .backends, then ddp, then none).
+from . import ddp, single  # noqa: F401
 from .backends import (
     BACKENDS,
     Backend,

@@ -8,8 +8,9 @@ lists them by name. The same model code runs under all of them:
   or on a 2-D ``(replicate, shard)`` mesh for hybrid sharding (HSDP, ``replicate > 1``).
 - ``fsdp1``: ``FullyShardedDataParallel`` per unit (``use_orig_params=True``); with
   ``replicate > 1`` its ``HYBRID_SHARD`` strategy on the same 2-D mesh.
-- ``ddp``: no units; the root is wrapped in ``DistributedDataParallel`` (a baseline).
-- ``none``: one process, nothing wrapped.
+- ``ddp`` (src/sharding/ddp.py): no units; the root is wrapped in
+  ``DistributedDataParallel`` (a baseline).
+- ``none`` (src/sharding/single.py): one process, nothing wrapped.
 - ``plan``: records units without sharding anything (plan-only, on the meta device).
 
 State dicts need no backend method: torch.distributed.checkpoint's ``get_state_dict``
@@ -23,7 +24,7 @@ import contextlib
 import ctypes
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from src.registry import Registry
 
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
@@ -371,46 +374,18 @@ class Backend:
         return contextlib.nullcontext()
 
 
-class SingleProcessBackend(Backend):
-    """``none``: one process, nothing wrapped."""
-
-    name = "none"
-    distributed = False
-    wraps_units = False
-    shards_parameters = False
-    bucketed_gradients = False
-    meta_init = True
-    hybrid = False
-    partial_reshard = False
-    explicit_prefetch = False
-    allocates = True
-    tensor_parallel = False
-    gather_copy_out = False
+#: The backends that train, by ``sharding.backend`` name: each class adds itself
+#: with :func:`register_backend` (``ddp`` and ``none`` in their own files, which
+#: src/sharding/__init__.py imports).
+BACKENDS: Registry[type[Backend]] = Registry("backend")
+BackendT = TypeVar("BackendT", bound=type[Backend])
 
 
-class DDPBackend(Backend):
-    """``ddp``: no units; the root is wrapped in ``DistributedDataParallel``."""
-
-    name = "ddp"
-    distributed = True
-    wraps_units = False
-    shards_parameters = False
-    bucketed_gradients = True  # gradient_as_bucket_view=False: a second copy
-    gather_copy_out = False
-    meta_init = False
-    hybrid = False
-    partial_reshard = False
-    explicit_prefetch = False
-    allocates = True
-    tensor_parallel = False
-
-    def place(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
-        device_ids = [self.device] if self.device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return model.no_sync()
+def register_backend(cls: BackendT) -> BackendT:
+    """Class decorator: list the backend ``cls`` in :data:`BACKENDS` under its
+    ``name`` (``ValueError`` if the name is taken)."""
+    BACKENDS.add(cls.name, cls)
+    return cls
 
 
 class _FSDPBackend(Backend):
@@ -438,6 +413,7 @@ class _FSDPBackend(Backend):
         return ShardedGradScaler(device=self.device.type)
 
 
+@register_backend
 class FSDP2Backend(_FSDPBackend):
     """``fsdp2``: ``fully_shard`` per unit, in place, on a 1-D mesh (2-D for HSDP)."""
 
@@ -484,6 +460,7 @@ class FSDP2Backend(_FSDPBackend):
             model.set_requires_gradient_sync(True)
 
 
+@register_backend
 class FSDP1Backend(_FSDPBackend):
     """``fsdp1``: ``FullyShardedDataParallel`` per unit (``HYBRID_SHARD`` for HSDP)."""
 
@@ -563,12 +540,6 @@ class PlanBackend(_FSDPBackend):
         if self._fake_group:
             dist.destroy_process_group()
             self._fake_group = False
-
-
-#: The backends that train, by ``sharding.backend`` name.
-BACKENDS: dict[str, type[Backend]] = {
-    b.name: b for b in (FSDP2Backend, FSDP1Backend, DDPBackend, SingleProcessBackend)
-}
 
 
 def backend_class(name: str) -> type[Backend]:

@@ -23,11 +23,28 @@ from typing import Any
 
 import torch.nn as nn
 
+from src.registry import Registry
+
 from .wrap import auto_wrap, is_wrapped, make_unit
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """What :func:`build_policy` was given; each policy takes what it needs."""
+
+    min_num_params: int | float = 1e8
+    exclude_wrap_modules: tuple[type[nn.Module], ...] = ()
+    force_leaf_modules: tuple[type[nn.Module], ...] = ()
+    block_cls: tuple[type[nn.Module], ...] | None = None  # None: not given
 
 
 class WrapPolicy:
     """Base policy: annotations wrap, nothing else is wrapped (``manual``)."""
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> WrapPolicy:
+        """The policy for :func:`build_policy`'s arguments."""
+        return cls()
 
     def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
         return make_unit(module, **overrides)
@@ -41,6 +58,14 @@ class SizePolicy(WrapPolicy):
     min_num_params: int | float = 1e8
     exclude_wrap_modules: Sequence[type[nn.Module]] = ()
     force_leaf_modules: Sequence[type[nn.Module]] = ()
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> WrapPolicy:
+        return cls(
+            options.min_num_params,
+            options.exclude_wrap_modules,
+            options.force_leaf_modules,
+        )
 
     def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
         return self._auto_wrap(module, overrides)
@@ -61,6 +86,14 @@ class SizePolicy(WrapPolicy):
 @dataclass
 class BlockPolicy(WrapPolicy):
     block_cls: tuple[type[nn.Module], ...] = ()
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> WrapPolicy:
+        if options.block_cls is None:
+            raise ValueError(
+                "the block policy needs the model's block class (block_cls)"
+            )
+        return cls(options.block_cls)
 
     def annotate(self, module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
         return self._wrap_blocks(module, overrides)
@@ -96,8 +129,13 @@ class ComposedPolicy(WrapPolicy):
         return model
 
 
-#: The policies by name: ``size``, ``block``, ``manual`` (see the module docstring).
-POLICIES = ("size", "block", "manual")
+#: The policies by ``sharding.policy`` name (see the module docstring); a new one is
+#: a :class:`WrapPolicy` subclass (``from_options``, ``annotate``, ``finalize``) and
+#: its ``POLICIES.add`` here.
+POLICIES: Registry[type[WrapPolicy]] = Registry("wrap policy")
+POLICIES.add("size", SizePolicy)
+POLICIES.add("block", BlockPolicy)
+POLICIES.add("manual", WrapPolicy)  # annotations wrap, nothing else does
 
 
 def policy_names(policy: str | Iterable[str] | None) -> list[str]:
@@ -120,23 +158,13 @@ def build_policy(
     block_cls: type[nn.Module] | Sequence[type[nn.Module]] | None = None,
 ) -> WrapPolicy:
     """The policy (or composition of policies) named by ``names``."""
-    policies: list[WrapPolicy] = []
-    for name in policy_names(names):
-        if name == "size":
-            policies.append(
-                SizePolicy(
-                    min_num_params,
-                    tuple(exclude_wrap_modules),
-                    tuple(force_leaf_modules),
-                )
-            )
-        elif name == "block":
-            if block_cls is None:
-                raise ValueError(
-                    "the block policy needs the model's block class (block_cls)"
-                )
-            classes = (block_cls,) if isinstance(block_cls, type) else tuple(block_cls)
-            policies.append(BlockPolicy(classes))
-        else:  # manual: annotations wrap, nothing else does
-            policies.append(WrapPolicy())
+    if isinstance(block_cls, type):
+        block_cls = (block_cls,)
+    options = PolicyOptions(
+        min_num_params,
+        tuple(exclude_wrap_modules),
+        tuple(force_leaf_modules),
+        None if block_cls is None else tuple(block_cls),
+    )
+    policies = [POLICIES[n].from_options(options) for n in policy_names(names)]
     return policies[0] if len(policies) == 1 else ComposedPolicy(policies)

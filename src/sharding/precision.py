@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
+from src.registry import Registry
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -44,11 +46,15 @@ class Precision:
         )
 
 
-PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32", torch.float32, torch.float32, False),
-    "bf16_mixed": Precision("bf16_mixed", torch.bfloat16, torch.float32, False),
-    "fp16_mixed": Precision("fp16_mixed", torch.float16, torch.float32, True),
-}
+#: The policies by ``precision.name``; a new one is one ``PRECISIONS.add`` here plus
+#: its conf/precision/<name>.yaml.
+PRECISIONS: Registry[Precision] = Registry("precision")
+for _precision in (
+    Precision("fp32", torch.float32, torch.float32, False),
+    Precision("bf16_mixed", torch.bfloat16, torch.float32, False),
+    Precision("fp16_mixed", torch.float16, torch.float32, True),
+):
+    PRECISIONS.add(_precision.name, _precision)
 
 
 def get_precision(name: str) -> Precision:

@@ -517,8 +517,8 @@ class LoggerOption:
 
 
 #: ``logger.backend`` -> its :class:`LoggerOption`. A new logger is one file that
-#: calls ``LOGGERS.add`` (imported at the end of this module) plus its
-#: conf/logger/<name>.yaml; docs/architecture.md shows it step by step.
+#: calls ``LOGGERS.add`` (listed in src/trainer/__init__.py, which imports it) plus
+#: its conf/logger/<name>.yaml; docs/architecture.md shows it step by step.
 LOGGERS: Registry[LoggerOption] = Registry("logger")
 LOGGERS.add(
     "wandb",
@@ -559,7 +559,3 @@ def build_logger(
     if begin:
         logger.begin()
     return logger
-
-
-# The logger options that live in their own files register themselves on import.
-from src.trainer import csv_logger  # noqa: E402, F401
