@@ -14,7 +14,9 @@ option has one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -44,31 +46,38 @@ def is_schema_option(option: str) -> bool:
     return option.startswith(SCHEMA_PREFIXES)
 
 
-def described_keys(node: DictConfig, prefix: str = "") -> dict[str, str | None]:
-    """Each key of ``node`` that --help shows on one line (a node without a
-    description of its own is opened), by its full dotted name, with its description
-    (None: its schema has none)."""
-    out: dict[str, str | None] = {}
+def _walk(node: DictConfig, depth: int = 0) -> Iterator[tuple[int, str, Any, Any]]:
+    """Each key of ``node`` as --help shows it: ``(depth, key, child, description)``.
+    A node without a description of its own is opened: it comes with ``description``
+    ``...`` and its keys follow, one level deeper. ``None``: the schema has none."""
     for key in node.keys():
-        full = f"{prefix}{key}"
         child = node._get_node(key)
         about = key_help(OmegaConf.get_type(node), key)
         if isinstance(child, DictConfig) and about is None:
-            out.update(described_keys(child, f"{full}."))
+            yield depth, key, child, ...
+            yield from _walk(child, depth + 1)
         else:
-            out[full] = about
+            yield depth, key, child, about
+
+
+def described_keys(node: DictConfig) -> dict[str, str | None]:
+    """Each key of ``node`` that --help shows on one line, by its full dotted name,
+    with its description (None: its schema has none)."""
+    out: dict[str, str | None] = {}
+    path: list[str] = []
+    for depth, key, _, about in _walk(node):
+        path[depth:] = [key]
+        if about is not ...:
+            out[".".join(path)] = about
     return out
 
 
-def _lines(node: DictConfig, prefix: str, indent: str) -> list[str]:
+def _lines(node: DictConfig, indent: str) -> list[str]:
     out = []
-    for key in node.keys():
-        full = f"{prefix}{key}"
-        child = node._get_node(key)
-        about = key_help(OmegaConf.get_type(node), key)
-        if isinstance(child, DictConfig) and about is None:
-            out.append(f"{indent}{key}:")
-            out.extend(_lines(child, f"{full}.", indent + "  "))
+    for depth, key, child, about in _walk(node):
+        pad = indent + "  " * depth
+        if about is ...:
+            out.append(f"{pad}{key}:")
             continue
         if isinstance(child, DictConfig | ListConfig):
             container = OmegaConf.to_container(child, resolve=False)
@@ -76,7 +85,7 @@ def _lines(node: DictConfig, prefix: str, indent: str) -> list[str]:
             value = value.strip()
         else:
             value = OmegaConf.to_yaml({key: child}).strip().partition(": ")[2]
-        line = f"{indent}{key}: {value}"
+        line = f"{pad}{key}: {value}"
         out.append(f"{line:<44} # {about}" if about else line)
     return out
 
@@ -94,7 +103,7 @@ def render_help(*, _root_: DictConfig) -> str:
     keys = []
     for name, node in app.items():
         keys.append(f"{name}:")
-        keys.extend(_lines(node, f"{name}.", "  "))
+        keys.extend(_lines(node, "  "))
     text = "\n".join(
         [
             "python train.py [group=option ...] [key=value ...]   "
