@@ -96,9 +96,8 @@ class ShardingConfig:
         "fsdp2: units gathered ahead in forward (null: default)"
     )
     backward_prefetch: int | None = described("fsdp2: units gathered ahead in backward")
-    # src.sharding.CHECKPOINTING, or auto
     activation_checkpointing: str = described(
-        "none, full, selective or auto, per block"
+        f"{', '.join(CHECKPOINTING)} or auto, per block"
     )
     activation_checkpointing_every: int = described("full: checkpoint every k-th block")
     compile: bool = described("torch.compile each block")
@@ -124,9 +123,8 @@ class TrainerConfig:
         "global batch in sequences, whatever the number of ranks"
     )
     grad_accum: Any = described("micro-batches per step, or auto (the planner picks)")
-    # auto or one of src.trainer.planner.GRAD_SYNC
     grad_sync: str = described(
-        "gradient reduction with grad_accum > 1: auto, last or every"
+        f"gradient reduction with grad_accum > 1: {or_list(('auto', *GRAD_SYNC))}"
     )
     mem_budget_gib: Any = described(
         "GiB per rank or an accelerator name, for the planner"
@@ -203,9 +201,11 @@ class SweepConfig:
     scores below every job within it."""
 
     objective: str = described(
-        "what makes a sweep point best: val_loss, loss or tokens_per_s", "val_loss"
+        f"what makes a sweep point best: {or_list(OBJECTIVES)}", "val_loss"
     )
-    direction: str | None = described("min or max (null: the objective's own)", None)
+    direction: str | None = described(
+        f"{or_list(DIRECTIONS)} (null: the objective's own)", None
+    )
     mem_cap_gib: float | None = described(
         "a sweep point above this peak memory scores below all others", None
     )

@@ -31,7 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from src.registry import Registry, described, no_check, or_list
-from src.trainer.corpus import Corpus
+from src.trainer.corpus import DATA_FORMATS, Corpus
 from src.trainer.resolved import ConfigError, Resolved
 from src.trainer.token_cache import SPLITS, token_cache
 from src.trainer.tokenizer import Tokenizer, load_tokenizer
@@ -256,8 +256,7 @@ class FilesDataConfig(DataConfig):
     the token cache (src/trainer/token_cache.py)."""
 
     paths: Any = described("a glob or a list of globs of your corpus (~ and ** work)")
-    # one of src.trainer.corpus.DATA_FORMATS
-    format: str = described("auto (by file extension), text, jsonl or parquet")
+    format: str = described(f"auto (by file extension), {or_list(DATA_FORMATS)}")
     text_key: str = described("the JSONL field / Parquet column holding the text")
     tokenizer: str = described(
         "byte, bpe, or a tokenizer.json / Hugging Face tokenizer dir"

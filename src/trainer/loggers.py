@@ -472,6 +472,10 @@ def _wandb_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
 # ------------------------------------------------------------- the logger options
 
 
+#: ``logger.mode`` of the wandb logger (wandb's own modes).
+WANDB_MODES = ("offline", "online", "disabled")
+
+
 @dataclass
 class LoggerConfig:
     """The key every logger has; each option of the ``logger`` group picks its own
@@ -482,16 +486,12 @@ class LoggerConfig:
 
 @dataclass
 class WandbLoggerConfig(LoggerConfig):
-    mode: str = described("wandb: offline, online or disabled")  # one of WANDB_MODES
+    mode: str = described(f"wandb: {or_list(WANDB_MODES)}")
     project: str = described("wandb project")
     group: str | None = described("wandb group (null = none)")
     tags: list[str] = described("wandb tags ([a,b])")
     name: str | None = described("wandb run name (null = wandb's default)")
     system_stats: bool = described("wandb's CPU/GPU sampling (probes cloud metadata)")
-
-
-#: ``logger.mode`` of the wandb logger (wandb's own modes).
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _check_wandb(logger: DictConfig) -> None:
