@@ -268,6 +268,7 @@ def _cfg(backend: str):
                 "group": "grp",
                 "tags": ["cpu", "test"],
                 "name": None,
+                "system_stats": False,
             },
             "trainer": {"log_every": 1, "lr": 3e-4, "lr_peak": "${trainer.lr}"},
         }

@@ -412,7 +412,7 @@ def init_wandb(
     Project, group, tags and name come from :func:`run_identity` of ``identity_dir``
     (default ``wandb_dir``); ``init_kwargs`` (name, job_type, config, ...) beat them.
     """
-    mode = OmegaConf.select(cfg, "logger.mode", default=None) or "offline"
+    mode = cfg.logger.mode
     if mode == "offline":
         os.environ["WANDB_MODE"] = "offline"
     # No crash reports to sentry, and wandb's files stay in the run dir.
@@ -420,7 +420,7 @@ def init_wandb(
     os.environ["WANDB_DIR"] = str(wandb_dir)
     import wandb
 
-    system_stats = bool(OmegaConf.select(cfg, "logger.system_stats", default=False))
+    system_stats = bool(cfg.logger.system_stats)
     settings = wandb.Settings(
         # System metrics sampling also probes cloud metadata endpoints over HTTP.
         x_disable_stats=not system_stats,
@@ -447,9 +447,7 @@ def init_wandb(
 
 
 def _wandb_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
-    offline = (OmegaConf.select(cfg, "logger.mode", default=None) or "offline") == (
-        "offline"
-    )
+    offline = cfg.logger.mode == "offline"
     sync = str(run_dir / "wandb" / "offline-run-*") if offline else None
 
     def start(resume: dict | None):

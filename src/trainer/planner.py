@@ -444,15 +444,30 @@ def estimate(
 # ------------------------------------------------------------- from a config
 
 
-def _select(cfg: DictConfig, key: str, default: Any) -> Any:
-    value = OmegaConf.select(cfg, key, default=default)
-    return default if value is None else value
+_ABSENT = object()
+#: FSDP2's own prefetch depth (``sharding.backward_prefetch: null``): one unit ahead.
+FSDP2_PREFETCH = 1
+
+
+def _prefetch(cfg: DictConfig) -> int:
+    """Units gathered ahead in backward (0: off; null: FSDP2's own depth)."""
+    depth = _get(cfg, PREFETCH_KEY)
+    return FSDP2_PREFETCH if depth is None else int(depth)
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    """``cfg``'s value of ``key``; the composed config has every key (its value's one
+    home is the group's YAML), so the planner holds no defaults of its own."""
+    value = OmegaConf.select(cfg, key, default=_ABSENT)
+    if value is _ABSENT:
+        raise KeyError(f"the planner needs {key}, which this config has not")
+    return value
 
 
 def build_meta_model(cfg: DictConfig, resolved: Resolved) -> torch.nn.Module:
     """The model of ``cfg`` (its family and config: ``resolved``'s) on the meta device,
     units recorded by the ``plan`` backend (nothing is allocated)."""
-    if _select(cfg, AC_KEY, "none") == "auto":  # not chosen yet: the units are alike
+    if _get(cfg, AC_KEY) == "auto":  # not chosen yet: the units are alike
         cfg = _with(cfg, {AC_KEY: "none"})
     from src.trainer.loop import build_model
 
@@ -464,7 +479,7 @@ def build_meta_model(cfg: DictConfig, resolved: Resolved) -> torch.nn.Module:
 
 
 def _tp(cfg: DictConfig) -> int:
-    return int(_select(cfg, "sharding.tensor_parallel", 1))
+    return int(_get(cfg, "sharding.tensor_parallel"))
 
 
 def plan_of(cfg: DictConfig, model: torch.nn.Module, world: int) -> WrapPlan:
@@ -571,13 +586,13 @@ def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
         micro_batch=max(1, per_rank),
         seq_len=int(resolved.spec.seq_len(resolved.model_config)),
         grad_accum=accum,
-        grad_sync=str(_select(cfg, "trainer.grad_sync", "last")),
+        grad_sync=str(_get(cfg, "trainer.grad_sync")),
         param_bytes=prec.param_dtype.itemsize,
         reduce_bytes=prec.reduce_dtype.itemsize,
         reshard_after_forward=s.reshard_after_forward,
-        checkpointing=str(_select(cfg, AC_KEY, "none")),
-        ac_every=int(_select(cfg, AC_EVERY_KEY, 1)),
-        prefetch=int(_select(cfg, PREFETCH_KEY, 1)),
+        checkpointing=str(_get(cfg, AC_KEY)),
+        ac_every=int(_get(cfg, AC_EVERY_KEY)),
+        prefetch=_prefetch(cfg),
         device=device_type(cfg),
     )
 
@@ -628,8 +643,8 @@ MARGIN_KEY = "trainer.mem_margin"
 
 
 def mem_margin(cfg: DictConfig) -> float:
-    """The safety margin of a fit (``trainer.mem_margin``; 0 when the key is absent)."""
-    return float(_select(cfg, MARGIN_KEY, 0.0))
+    """The safety margin of a fit (``trainer.mem_margin``)."""
+    return float(_get(cfg, MARGIN_KEY))
 
 
 def needed(est: Estimate, margin: float) -> int:
@@ -764,9 +779,8 @@ def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
 
 
 def _current(cfg: DictConfig, key: str) -> Any:
-    """The value of a searched key in ``cfg`` (a key not in the schema yet reads as
-    its neutral value: no checkpointing)."""
-    return _select(cfg, key, "none" if key == AC_KEY else None)
+    """The value of a searched key in ``cfg``."""
+    return _get(cfg, key)
 
 
 def _n_blocks(resolved: Resolved) -> int:
@@ -798,7 +812,7 @@ def _options(
         elif key == "trainer.grad_sync":
             vals = list(GRAD_SYNC)
         elif key == AC_KEY:
-            every = int(_select(cfg, AC_EVERY_KEY, 1))
+            every = int(_get(cfg, AC_EVERY_KEY))
             out[key] = ac_options(str(cur), every, _n_blocks(resolved))
             continue
         elif key == "trainer.devices":
@@ -962,7 +976,7 @@ def _ac_reason(
     """Why ``auto`` checkpointing is what it is: which blocks, the recompute cost, and
     the estimate without any."""
     ac = chosen.overrides.get(AC_KEY)
-    every = int(_select(cfg, AC_EVERY_KEY, 1))
+    every = int(_get(cfg, AC_EVERY_KEY))
     line = f"auto: {AC_KEY}={cfg.sharding.activation_checkpointing}"
     if not isinstance(ac, Checkpointing) or ac.mode == "none":
         return f"{line}: {verdict}"
