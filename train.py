@@ -13,8 +13,8 @@ from omegaconf import DictConfig
 
 from src.config import exit_on_config_error, run_cli, validate
 from src.trainer.faults import stop_before_start
-from src.trainer.launch import launch, preflight, prepare
-from src.trainer.planner import budget_check
+from src.trainer.launch import job_user_keys, launch, preflight, prepare
+from src.trainer.planner import budget_check, default_policy
 from src.trainer.sweep import run_job
 
 
@@ -29,9 +29,11 @@ def main(cfg: DictConfig) -> float:
 
 
 def _fits(cfg: DictConfig) -> tuple[float, float] | None:
-    """In a multirun: (needed, budget) GiB when the planner says the point cannot fit."""
+    """In a multirun: (needed, budget) GiB when the planner says the point cannot fit
+    (planned with the wrap policy the run would get, as ``prepare`` chooses it)."""
     with exit_on_config_error():
         resolved = validate(cfg)
+    cfg, resolved, _ = default_policy(cfg, resolved, job_user_keys())
     return budget_check(cfg, resolved)
 
 

@@ -442,3 +442,17 @@ def test_sweep_records_the_point_that_cannot_fit_as_skipped(tmp_path):
     assert "| skipped |" in big
     assert "skipped: needs " in big and "GiB > budget 0.55 GiB" in big
     assert not (sweep / "1" / "summary.json").exists()  # never launched
+
+
+def test_sweep_precheck_plans_the_wrap_policy_the_run_gets():
+    """A sweep point is judged with the policy ``prepare`` gives the run: model=gpt2
+    with the default size threshold gets the block policy, and so does its budget
+    check (it used to estimate the size policy's units, which the run never had)."""
+    import train
+
+    cfg = _compose("model=gpt2", "trainer.mem_budget_gib=0.01", "logger=none")
+    needs, budget = train._fits(cfg)
+    block = planner._with(cfg, {"sharding.policy": "block"})
+    size_needs = planner.budget_check(cfg, resolve(cfg))[0]
+    assert (needs, budget) == planner.budget_check(block, resolve(block))
+    assert needs != size_needs

@@ -98,7 +98,7 @@ def prepare(
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     set_log_level(cfg.trainer.log_level)
-    user_keys = _user_keys() if user_keys is None else user_keys
+    user_keys = job_user_keys() if user_keys is None else user_keys
     if not cfg.trainer.plan_only:  # plan-only reads no data
         meta = prepare_data(
             cfg.data,
@@ -288,7 +288,7 @@ def _is_rank0() -> bool:
     return _rank_from_env() == 0
 
 
-def _user_keys() -> set[str]:
+def job_user_keys() -> set[str]:
     """The keys set on the command line of this Hydra job (empty outside Hydra)."""
     try:
         overrides = HydraConfig.get().overrides.task
