@@ -8,6 +8,10 @@ and to the run's wandb run. Keys in conf/eval.yaml; a config error is one line n
 the key (exit status 2).
 """
 
+from src.entry import quiet_ctrl_c
+
+quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+
 import logging
 
 import hydra

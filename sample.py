@@ -7,6 +7,10 @@ decode with a KV cache, Hugging Face models through ``generate()``. The keys are
 conf/sample.yaml; a config error is one line naming the key (exit status 2).
 """
 
+from src.entry import quiet_ctrl_c
+
+quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+
 import logging
 
 import hydra

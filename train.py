@@ -7,6 +7,10 @@ multirun (``-m``) a failed job is recorded instead and the other jobs still run
 (docs/sweeps.md).
 """
 
+from src.entry import quiet_ctrl_c
+
+quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig

@@ -3,6 +3,7 @@ schema groups, and the sharding policy a big preset gets by default."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -183,3 +184,27 @@ def test_big_presets_default_to_one_unit_per_block(model, policy):
         kept, kept_resolved, line = default_policy(cfg, resolved, {key})
         assert kept.sharding.policy == "size" and line == ""
         assert kept_resolved is resolved
+
+
+def test_ctrl_c_while_a_command_imports_is_one_line():
+    """Each command installs src/entry.py's handler before its first slow import; a
+    SIGINT then (here sent by the process itself, right before importing torch) ends
+    it with one line and exit 130, not a traceback through importlib."""
+    for script in ("train.py", "sample.py", "eval.py"):
+        body = ast.parse((ROOT / script).read_text()).body[1:3]  # after the docstring
+        assert [ast.unparse(s) for s in body] == [
+            "from src.entry import quiet_ctrl_c",
+            "quiet_ctrl_c()",
+        ], script
+    code = (
+        "import os, signal\n"
+        "from src.entry import quiet_ctrl_c\n"
+        "quiet_ctrl_c()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "import torch\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 130
+    assert run.stderr == "stopped by SIGINT while starting; nothing to resume\n"
