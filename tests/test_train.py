@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,19 @@ def test_failing_rank_fails_the_command_and_shows_its_error_once(tmp_path):
     text = out.stdout + out.stderr
     assert text.count("fewer than model.block_size") == 1, text
     assert "failed (exit code 1)" in out.stderr
+    # One rank runs in the launching process: the same one line, not a traceback.
+    out = run_cmd(
+        [sys.executable, "train.py", *SMALL_RUN, "data.max_bytes=50"]
+        + ["trainer.devices=1", f"hydra.run.dir={tmp_path}/one"]
+    )
+    assert out.returncode == 1
+    error_file = tmp_path / "one" / "ranks" / "rank0_error.txt"
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"rank 0 on {socket.gethostname()} failed: ValueError: data.paths: split has "
+        f"48 tokens, fewer than model.block_size + 1 = 65 (traceback: {error_file})"
+    )
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "fewer than model.block_size" in error_file.read_text()
 
 
 @pytest.mark.slow

@@ -20,11 +20,13 @@ import os
 import signal
 import socket
 import sys
+import traceback
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -205,6 +207,12 @@ def _launch_local(
         except Stopped as stop:
             log.info(resume_hint(stop.signum, stop.checkpoint, run_dir))
             sys.exit(128 + stop.signum)
+        except RunError:
+            raise  # its message is the report (launch)
+        except Exception as err:
+            if full_errors():
+                raise
+            exit_with_error(log, _in_process_failure(err, run_dir))
     # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console (at
     # debug every rank does, each line prefixed [rank N]).
     log_dir = None if debug_on() else os.path.join(run_dir, "ranks")
@@ -366,13 +374,29 @@ def _failure_report(err: ChildFailedError, run_dir: str) -> str:
         if full_errors() and stack:
             return f"{head}:\n{stack}".rstrip()
         kind, _, text = message["message"].partition(": ")
-        if kind in run_error_names() | {ConfigError.__name__}:
-            # The message says what happened, and who or which key.
-            return f"error: {text} ({head}; traceback: {failure.error_file})"
-        return f"{head}: {kind}: {text} (traceback: {failure.error_file})"
+        return _one_line(head, kind, text, failure.error_file)
     if failure.exitcode < 0:
         message = f"killed by {signal.Signals(-failure.exitcode).name}"
     return f"{head}: {disk_full(run_dir) or message}".rstrip()
+
+
+def _in_process_failure(err: Exception, run_dir: str) -> str:
+    """A one-rank run's failure as the launcher reports a rank's (:func:`_failure_report`):
+    one line, the traceback in a file under ``<run dir>/ranks``."""
+    error_file = Path(run_dir) / "ranks" / "rank0_error.txt"
+    error_file.parent.mkdir(parents=True, exist_ok=True)
+    error_file.write_text("".join(traceback.format_exception(err)))
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    head = f"rank 0 on {socket.gethostname()} failed"
+    return _one_line(head, type(err).__name__, text, error_file)
+
+
+def _one_line(head: str, kind: str, text: str, error_file: Any) -> str:
+    """A failed rank's report: a RunError's or ConfigError's message says what
+    happened and who or which key; any other error is named with its type."""
+    if kind in run_error_names() | {ConfigError.__name__}:
+        return f"error: {text} ({head}; traceback: {error_file})"
+    return f"{head}: {kind}: {text} (traceback: {error_file})"
 
 
 def init_distributed(timeout_s: float) -> tuple[torch.device, Heartbeat | None]:
