@@ -30,12 +30,13 @@ from .wrap import auto_wrap, is_wrapped, make_unit
 
 @dataclass(frozen=True)
 class PolicyOptions:
-    """What :func:`build_policy` was given; each policy takes what it needs."""
+    """What :func:`build_policy` was given (its defaults are the only ones); each
+    policy takes what it needs."""
 
-    min_num_params: int | float = 1e8
-    exclude_wrap_modules: tuple[type[nn.Module], ...] = ()
-    force_leaf_modules: tuple[type[nn.Module], ...] = ()
-    block_cls: tuple[type[nn.Module], ...] | None = None  # None: not given
+    min_num_params: int | float
+    exclude_wrap_modules: tuple[type[nn.Module], ...]
+    force_leaf_modules: tuple[type[nn.Module], ...]
+    block_cls: tuple[type[nn.Module], ...] | None  # None: not given
 
 
 class WrapPolicy:
