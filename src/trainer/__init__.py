@@ -6,4 +6,9 @@ imports them first (after the module that holds the registry), so every process
 (the launcher and each rank) has them.
 """
 
-from src.trainer import csv_logger  # noqa: F401  (registers logger=csv)
+# In this order (data.name's --help line and its errors list the sources as
+# registered): text and files (src/trainer/data.py), tokens, then synthetic.
+from src.trainer import csv_logger, tokens_data  # noqa: F401
+
+# isort: split
+from src.trainer import synthetic_data  # noqa: F401

@@ -7,9 +7,13 @@ Sources, chosen by ``data.name``:
   cache (src/trainer/token_cache.py) and memory-mapped from it. ``text`` is the preset
   whose corpus is the Python standard library's own sources (``<stdlib>``), so it
   exists on every machine without a download.
-- ``tokens``: nanoGPT's format, a flat ``np.uint16`` binary per split, read through
-  ``np.memmap`` so a large corpus is never loaded into RAM.
-- ``synthetic``: seeded random tokens, for benchmarks.
+- ``tokens`` (src/trainer/tokens_data.py): nanoGPT's format, a flat ``np.uint16``
+  binary per split, read through ``np.memmap`` so a large corpus is never loaded into
+  RAM.
+- ``synthetic`` (src/trainer/synthetic_data.py): seeded random tokens, for benchmarks.
+
+A source in a file of its own adds itself to :data:`DATA_SOURCES` on import
+(src/trainer/__init__.py lists those files).
 
 Batches are stateless: the global batch of ``(step, micro_step)`` is a set of windows at
 offsets drawn from a generator seeded by ``(seed, step, micro_step)``, and rank ``r`` of
@@ -40,7 +44,6 @@ from src.util import write_json_atomic
 log = logging.getLogger(__name__)
 
 VOCAB_MULTIPLE = 64
-SYNTHETIC_VAL_FRACTION = 0.05
 _MAX_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its max
 
 
@@ -196,46 +199,6 @@ def _text_splits(
     )
 
 
-def _memmap_tokens(path: str, key: str) -> np.memmap:
-    path = os.path.expanduser(str(path))
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"{key}: no such file {path!r} (expected a flat np.uint16 .bin)"
-        )
-    size = os.path.getsize(path)
-    if size == 0 or size % 2:
-        raise ValueError(
-            f"{key}: {path!r} has {size} bytes, not a non-empty np.uint16 token file"
-        )
-    return np.memmap(path, dtype=np.uint16, mode="r")
-
-
-def _token_file_splits(
-    cfg: Any, vocab_size: int, seed: int
-) -> tuple[TokenStream, TokenStream]:
-    return tuple(
-        TokenStream(
-            _memmap_tokens(getattr(cfg, key), f"data.{key}"), vocab_size, f"data.{key}"
-        )
-        for key in ("train_path", "val_path")
-    )
-
-
-def _synthetic_splits(
-    cfg: Any, vocab_size: int, seed: int
-) -> tuple[TokenStream, TokenStream]:
-    num_tokens = int(cfg.num_tokens)
-    if num_tokens < 2:
-        raise ValueError(f"data.num_tokens={num_tokens} must be at least 2")
-    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
-    data = np.random.default_rng(seed).integers(0, vocab_size, num_tokens, dtype=dtype)
-    cut = num_tokens - max(1, int(num_tokens * SYNTHETIC_VAL_FRACTION))
-    return (
-        TokenStream(data[:cut], vocab_size, "data.num_tokens"),
-        TokenStream(data[cut:], vocab_size, "data.num_tokens"),
-    )
-
-
 # ------------------------------------------------------------------- the sources
 
 
@@ -272,30 +235,12 @@ class FilesDataConfig(DataConfig):
     cache_dir: str = described("where tokenized corpora are cached")
 
 
-@dataclass
-class TokensDataConfig(DataConfig):
-    train_path: str = described("tokens: the training split (flat np.uint16 .bin)")
-    val_path: str = described("tokens: the validation split (flat np.uint16 .bin)")
-
-
-@dataclass
-class SyntheticDataConfig(DataConfig):
-    num_tokens: int = described("synthetic: how many random tokens")
-
-
 def _check_files(data: Any) -> None:
     if OmegaConf.is_missing(data, "paths"):
         raise ConfigError(
             "data.paths",
             "required with data=files: a glob or a list of globs of your corpus",
         )
-
-
-def _check_token_files(data: Any) -> None:
-    for key in ("train_path", "val_path"):
-        path = os.path.expanduser(data[key])
-        if not os.path.isfile(path):
-            raise ConfigError(f"data.{key}", f"no such file {path!r}")
 
 
 @dataclass(frozen=True)
@@ -310,17 +255,14 @@ class DataSource:
     tokenized: bool = False  # local files through the token cache (prepare_data)
 
 
-#: ``data.name`` -> its :class:`DataSource`; a new source is ``DATA_SOURCES.add``
-#: plus its conf/data/<name>.yaml (``defaults: [base_<name>]``).
+#: ``data.name`` -> its :class:`DataSource`. A new source is one file that calls
+#: ``DATA_SOURCES.add`` (listed in src/trainer/__init__.py, which imports it) plus its
+#: conf/data/<name>.yaml; docs/architecture.md shows it step by step (tokens_data.py).
 DATA_SOURCES: Registry[DataSource] = Registry("data source")
 for _name in ("text", "files"):
     DATA_SOURCES.add(
         _name, DataSource(FilesDataConfig, _text_splits, _check_files, tokenized=True)
     )
-DATA_SOURCES.add(
-    "tokens", DataSource(TokensDataConfig, _token_file_splits, _check_token_files)
-)
-DATA_SOURCES.add("synthetic", DataSource(SyntheticDataConfig, _synthetic_splits))
 
 
 class GlobalBatches:
