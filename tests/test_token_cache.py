@@ -128,6 +128,24 @@ def test_tokenizer_json_and_hf_directory(tmp_path):
     assert stream(cfg)[len(DOCS[0].split())] == vocab["mu"]
 
 
+def test_a_tokenizer_that_needs_its_own_code_is_refused_never_run(tmp_path):
+    """A tokenizer directory whose tokenizer_config.json maps AutoTokenizer to code of
+    its own (auto_map) is refused in one line naming data.tokenizer; its code never
+    runs, and no prompt asks whether to run it."""
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["my_tok.MyTok", None]}})
+    )
+    (tmp_path / "my_tok.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('')\n"
+    )
+    with pytest.raises(CONFIG_ERRORS) as err:
+        load_path_tokenizer(str(tmp_path))
+    assert one_line(err.value).startswith(
+        f"data.tokenizer: {str(tmp_path)!r} needs its own Python code (auto_map"
+    )
+    assert not (tmp_path / "RAN").exists()
+
+
 def test_cache_reused_and_rebuilt_on_any_change(tmp_path, capsys):
     paths = write_corpus(tmp_path, "text")
     cfg = cfg_for(tmp_path, paths)

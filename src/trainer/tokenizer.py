@@ -95,14 +95,19 @@ def _from_hf(hf: Any, name: str, eos_token: str | None, eos_hint: str | None):
     )
 
 
+def _tokenizer_config(directory: str) -> dict:
+    """A Hugging Face ``tokenizer_config.json`` of ``directory`` ({} if none)."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def _special_from_config(directory: str, key: str) -> str | None:
     """``key`` (``eos_token``, ``bos_token``...) of a Hugging Face
     ``tokenizer_config.json``, if any."""
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        token = json.load(f).get(key)
+    token = _tokenizer_config(directory).get(key)
     return token.get("content") if isinstance(token, dict) else token
 
 
@@ -128,10 +133,22 @@ def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
         if os.path.isfile(json_file):
             hf = HFTokenizer.from_file(json_file)
         else:  # slow-tokenizer files only (vocab.json + merges.txt, sentencepiece)
+            if _tokenizer_config(directory).get("auto_map"):
+                raise CorpusError(
+                    f"data.tokenizer: {path!r} needs its own Python code (auto_map in "
+                    "tokenizer_config.json), which is never run; save it as a "
+                    "tokenizer.json (tokenizer.backend_tokenizer.save(...)) and use that"
+                )
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(full, local_files_only=True)
+            # Never a tokenizer's own code, and never a prompt asking whether to
+            # run it (transformers asks when the flag is left unset).
+            hf = AutoTokenizer.from_pretrained(
+                full, local_files_only=True, trust_remote_code=False
+            )
             hf = hf.backend_tokenizer
+    except CorpusError:
+        raise
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorpusError(
