@@ -383,9 +383,12 @@ def _failure_report(err: ChildFailedError, run_dir: str) -> str:
 def _in_process_failure(err: Exception, run_dir: str) -> str:
     """A one-rank run's failure as the launcher reports a rank's (:func:`_failure_report`):
     one line, the traceback in a file under ``<run dir>/ranks``."""
-    error_file = Path(run_dir) / "ranks" / "rank0_error.txt"
-    error_file.parent.mkdir(parents=True, exist_ok=True)
-    error_file.write_text("".join(traceback.format_exception(err)))
+    error_file: Any = Path(run_dir) / "ranks" / "rank0_error.txt"
+    try:
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_file.write_text("".join(traceback.format_exception(err)))
+    except OSError as why:  # e.g. the disk is full: the report still comes
+        error_file = f"not written ({why.strerror}); HYDRA_FULL_ERROR=1 shows it"
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     head = f"rank 0 on {socket.gethostname()} failed"
     return _one_line(head, type(err).__name__, text, error_file)
