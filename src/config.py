@@ -322,18 +322,37 @@ def refuse_schemas(cfg: DictConfig) -> None:
     command line they give a node without a preset's values (an 8B-parameter default
     Llama, ``data.name`` unset). Refused, naming the options of conf/."""
     unset = {
-        "model": not cfg.model.get("name"),
-        "data": OmegaConf.is_missing(cfg.data, "name"),
-        "logger": OmegaConf.is_missing(cfg.logger, "backend"),
+        "model": ("name", not cfg.model.get("name")),
+        "data": ("name", OmegaConf.is_missing(cfg.data, "name")),
+        "logger": ("backend", OmegaConf.is_missing(cfg.logger, "backend")),
     }
-    for group, schema in unset.items():
+    for group, (key, schema) in unset.items():
+        if not schema:
+            continue
+        chosen = _chosen_option(group)
+        if chosen is not None and not is_schema_option(chosen):
+            # An option's own YAML (a new one, most likely) lacks the key that names it.
+            raise ConfigError(
+                f"{group}.{key}",
+                f"not set by the {group}={chosen} option; its YAML must set it "
+                "(docs/architecture.md, Where to add)",
+            )
         options = [o for o in user_options(group) if not is_schema_option(o)]
-        _require(
-            not schema,
+        raise ConfigError(
             group,
             f"an internal schema was picked, not an option; expected {group}= one "
             f"of: {', '.join(options)}",
         )
+
+
+def _chosen_option(group: str) -> str | None:
+    """The option of ``group`` this Hydra job composed (None outside a Hydra job)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.get(group)
+    except ValueError:
+        return None
 
 
 def check_pretrained_dir(cfg: DictConfig) -> None:

@@ -255,3 +255,25 @@ def test_every_registry_refuses_a_taken_name():
         assert registry[name] is before
     with pytest.raises(ValueError, match="model family 'gpt' is already registered"):
         register(get_spec("gpt"))
+
+
+@pytest.mark.slow
+def test_an_option_whose_yaml_does_not_name_itself_says_so(tmp_path):
+    """A new option's YAML (here on Hydra's search path) that leaves out the key
+    naming it (``data.name``) fails in one line naming that key and the option, not
+    as "an internal schema was picked"."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.yaml").write_text(
+        "defaults:\n  - base_synthetic\n  - _self_\nnum_tokens: 20000\n"
+    )
+    run = run_train(
+        f"hydra.searchpath=[file://{tmp_path}]",
+        "data=mine",
+        "trainer.plan_only=true",
+        f"hydra.run.dir={tmp_path}/run",
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "config error: data.name: not set by the data=mine option; its YAML must set "
+        "it (docs/architecture.md, Where to add)"
+    ]
