@@ -8,9 +8,10 @@ and to the run's wandb run. Keys in conf/eval.yaml; a config error is one line n
 the key (exit status 2).
 """
 
-from src.entry import quiet_ctrl_c
+from src.entry import quiet_ctrl_c, started
 
-quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+if __name__ == "__main__":
+    quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
 
 import logging
 
@@ -74,4 +75,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    started()
     run_cli(main)

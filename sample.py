@@ -7,9 +7,10 @@ decode with a KV cache, Hugging Face models through ``generate()``. The keys are
 conf/sample.yaml; a config error is one line naming the key (exit status 2).
 """
 
-from src.entry import quiet_ctrl_c
+from src.entry import quiet_ctrl_c, started
 
-quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+if __name__ == "__main__":
+    quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
 
 import logging
 
@@ -63,4 +64,5 @@ def main(cfg: DictConfig) -> list[str]:
 
 
 if __name__ == "__main__":
+    started()
     run_cli(main)

@@ -9,7 +9,8 @@ multirun (``-m``) a failed job is recorded instead and the other jobs still run
 
 from src.entry import quiet_ctrl_c
 
-quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+if __name__ == "__main__":
+    quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -18,7 +19,7 @@ from omegaconf import DictConfig
 from src.config import exit_on_config_error, run_cli, validate
 from src.trainer.faults import stop_before_start
 from src.trainer.launch import job_user_keys, launch, preflight, prepare
-from src.trainer.planner import budget_check, default_policy
+from src.trainer.planner import budget_check, default_policy, run_budget_bytes
 from src.trainer.sweep import run_job
 
 
@@ -37,6 +38,8 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
     (planned with the wrap policy the run would get, as ``prepare`` chooses it)."""
     with exit_on_config_error():
         resolved = validate(cfg)
+    if run_budget_bytes(cfg) is None:
+        return None  # nothing to judge against: no model is built for it
     cfg, resolved, _ = default_policy(cfg, resolved, job_user_keys())
     return budget_check(cfg, resolved)
 

@@ -18,6 +18,12 @@ def _stop_while_starting(signum: int, frame: Any) -> None:
 
 
 def quiet_ctrl_c() -> None:
-    """Until the command installs its own handler, Ctrl-C ends it with one line and
-    exit status 130, wherever the imports are."""
+    """Until :func:`started` (or the command's own handler), Ctrl-C ends the command
+    with one line and exit status 130, wherever the imports are. Called only when the
+    file runs as a script: importing it (a test, a spawned rank) changes nothing."""
     signal.signal(signal.SIGINT, _stop_while_starting)
+
+
+def started() -> None:
+    """The imports are done: Ctrl-C is Python's own again (KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -192,12 +192,29 @@ def test_ctrl_c_while_a_command_imports_is_one_line():
     """Each command installs src/entry.py's handler before its first slow import; a
     SIGINT then (here sent by the process itself, right before importing torch) ends
     it with one line and exit 130, not a traceback through importlib."""
-    for script in ("train.py", "sample.py", "eval.py"):
-        body = ast.parse((ROOT / script).read_text()).body[1:3]  # after the docstring
-        assert [ast.unparse(s) for s in body] == [
-            "from src.entry import quiet_ctrl_c",
-            "quiet_ctrl_c()",
-        ], script
+    for script, ends in (
+        ("train.py", "stop_before_start()"),
+        ("sample.py", "started()"),
+        ("eval.py", "started()"),
+    ):
+        body = ast.parse((ROOT / script).read_text()).body
+        first, last = (ast.unparse(s) for s in (body[2], body[-1]))  # after imports
+        assert first == "if __name__ == '__main__':\n    quiet_ctrl_c()", script
+        # Once imported, the command's own handler (or Python's) takes over.
+        assert last.startswith(f"if __name__ == '__main__':\n    {ends}"), script
+    # Importing a command (a test does; a spawned rank does) changes no handler.
+    importing = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import signal, eval, sample, train\n"
+            "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert importing.returncode == 0, importing.stderr[-2000:]
     code = (
         "import os, signal\n"
         "from src.entry import quiet_ctrl_c\n"

@@ -203,16 +203,19 @@ def _launch_local(
     nprocs = resolved.world_size
     if nprocs == 1:
         try:
-            return run_rank(cfg, run_dir, resolved)
+            summary = run_rank(cfg, run_dir, resolved)
         except Stopped as stop:
             log.info(resume_hint(stop.signum, stop.checkpoint, run_dir))
             sys.exit(128 + stop.signum)
-        except RunError:
-            raise  # its message is the report (launch)
+        except (RunError, ConfigError):
+            raise  # its message is the report (launch, or the command line's)
         except Exception as err:
             if full_errors():
                 raise
             exit_with_error(log, _in_process_failure(err, run_dir))
+        if requested():
+            _finished_anyway(requested())
+        return summary
     # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console (at
     # debug every rank does, each line prefixed [rank N]).
     log_dir = None if debug_on() else os.path.join(run_dir, "ranks")
@@ -241,10 +244,7 @@ def _launch_local(
             exit_with_error(log, f"error: {full}")
     signum, summary = requested(), summaries.get(0)
     if signum and summary:  # the last step had passed: a complete run, kept as one
-        log.info(
-            "%s arrived as the run finished; nothing was stopped",
-            signal.Signals(signum).name,
-        )
+        _finished_anyway(signum)
         return summary
     if signum:
         log.info(resume_hint(signum, _latest(run_dir), run_dir))
@@ -256,6 +256,13 @@ def _launch_local(
             previous(signum, None)  # e.g. submitit's SIGUSR2 handler: requeue the job
         sys.exit(128 + signum)
     return summary
+
+
+def _finished_anyway(signum: int) -> None:
+    log.info(
+        "%s arrived as the run finished; nothing was stopped",
+        signal.Signals(signum).name,
+    )
 
 
 # Seconds the other ranks get to exit after one failed, then again after SIGTERM,

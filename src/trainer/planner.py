@@ -1125,14 +1125,21 @@ def plan_only(
     return plan
 
 
-def budget_check(cfg: DictConfig, resolved: Resolved) -> tuple[float, float] | None:
-    """``(needed GiB, budget GiB)`` when the planner says ``cfg`` cannot fit its budget
-    (``trainer.mem_budget_gib``, else ``sweep.mem_cap_gib``); None when it fits or no
-    budget is set. For sweeps: such points are skipped, not launched."""
+def run_budget_bytes(cfg: DictConfig) -> int | None:
+    """The per-rank budget a run is judged against: ``trainer.mem_budget_gib``, else
+    ``sweep.mem_cap_gib``; None when neither is set."""
     budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
     if budget is None:
         cap = OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None)
         budget = budget_bytes(cap, "sweep.mem_cap_gib")
+    return budget
+
+
+def budget_check(cfg: DictConfig, resolved: Resolved) -> tuple[float, float] | None:
+    """``(needed GiB, budget GiB)`` when the planner says ``cfg`` cannot fit its budget
+    (``trainer.mem_budget_gib``, else ``sweep.mem_cap_gib``); None when it fits or no
+    budget is set. For sweeps: such points are skipped, not launched."""
+    budget = run_budget_bytes(cfg)
     if budget is None:
         return None
     cfg, _ = resolve_auto(cfg, resolved)
