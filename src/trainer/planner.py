@@ -778,11 +778,6 @@ def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
     return list(dict.fromkeys(out))  # the first of equal points
 
 
-def _current(cfg: DictConfig, key: str) -> Any:
-    """The value of a searched key in ``cfg``."""
-    return _get(cfg, key)
-
-
 def _n_blocks(resolved: Resolved) -> int:
     """How many blocks the checkpointing transform targets in the run's model."""
     from src.models.trace import block_order
@@ -804,7 +799,7 @@ def _options(
     t = cfg.trainer
     out: dict[str, list] = {}
     for key in keys:
-        cur = world if key == "trainer.devices" else _current(cfg, key)
+        cur = world if key == "trainer.devices" else _get(cfg, key)
         if key == "sharding.min_params":
             vals = list(MIN_PARAMS_CANDIDATES)
         elif key == "trainer.grad_accum":
