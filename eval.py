@@ -3,7 +3,7 @@
 The run's own composed config (``<run dir>/.hydra/config.yaml``) gives the model,
 tokenizer, sharding and data; ``data=files data.paths=...`` (any data option)
 evaluates other text, read with the run's tokenizer. Every rank evaluates its rows
-(src/trainer/evaluation.py); the result is logged, appended to ``<run dir>/eval.json``
+(src/runs/evaluation.py); the result is logged, appended to ``<run dir>/eval.json``
 and to the run's wandb run. Keys in conf/eval.yaml; a config error is one line naming
 the key (exit status 2).
 """
@@ -24,14 +24,14 @@ from src.config import (
     run_cli,
     validate_eval,
 )
-from src.trainer.evaluation import (
+from src.runs.evaluation import (
     eval_changes,
     eval_rank,
     log_to_wandb,
     record,
     write_record,
 )
-from src.trainer.from_run import on_ranks
+from src.runs.from_run import on_ranks
 
 log = logging.getLogger("eval")
 

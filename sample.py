@@ -23,8 +23,8 @@ from src.config import (
     run_cli,
     validate_sample,
 )
-from src.trainer.from_run import on_ranks, run_tokenizer, sample_rank
-from src.trainer.resolved import model_spec
+from src.resolved import model_spec
+from src.runs.from_run import on_ranks, run_tokenizer, sample_rank
 from src.trainer.sampling import sampling_changes
 
 log = logging.getLogger("sample")

@@ -54,11 +54,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace, cfg, out_dir: str) ->
 
 
 def measure(args: argparse.Namespace, cfg, out_dir: str) -> dict:
+    from src.build import build_model
+    from src.checkpoint.dcp import Checkpointer
     from src.config import validate
+    from src.data.sources import GlobalBatches, load_splits
     from src.sharding import build_backend
-    from src.trainer.checkpoint import Checkpointer
-    from src.trainer.data import GlobalBatches, load_splits
-    from src.trainer.loop import build_model, build_optimizer, lr_lambda, train_step
+    from src.trainer.loop import build_optimizer, lr_lambda, train_step
 
     resolved = validate(cfg)
     backend = build_backend("fsdp2", "fp32", "cpu")

@@ -189,8 +189,8 @@ def _measure(
     With ``warmup``, a 1-layer, 64-wide model is built the same way first and thrown
     away, so one-time costs (lazy imports, code pages, first-use allocations: about
     35 MiB) land in the baseline instead of in the measured build."""
+    from src.observe.metrics import cpu_peak_rss_bytes, reset_peak_memory
     from src.sharding import build_backend, wrap_plan
-    from src.trainer.metrics import cpu_peak_rss_bytes, reset_peak_memory
 
     # The backend (FSDP2: its device mesh) is part of the baseline.
     backend = build_backend("none" if mode == "none" else "fsdp2", "fp32", "cpu")

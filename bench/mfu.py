@@ -28,7 +28,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def run_dtype(args: argparse.Namespace, dtype_name: str) -> dict:
     """Time the training loop in one dtype and return one table row."""
     from src.models import get_spec
-    from src.trainer.metrics import measure_matmul_flops
+    from src.observe.metrics import measure_matmul_flops
 
     dtype = DTYPES[dtype_name]
     spec = get_spec("gpt")

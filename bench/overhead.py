@@ -1,7 +1,7 @@
 """Trainer overhead: train.py's tokens/s against a minimal hand-written FSDP2 loop.
 
 Both sides train the same GPT (``conf/model/<model>.yaml``), on the same synthetic
-tokens (``src.trainer.data`` ``GlobalBatches``), with the same global batch, 2 gloo
+tokens (``src.data.sources`` ``GlobalBatches``), with the same global batch, 2 gloo
 ranks of 1 thread each, FSDP2 ``fully_shard`` on every block and on the root, AdamW
 (weight decay on matrices only), warmup + cosine LR and grad-norm clipping, with the
 hyper-parameters of ``conf/trainer/default.yaml``. So the losses match step for step
@@ -130,8 +130,8 @@ def minimal_train(s: dict, out_dir: str) -> None:
     """One rank of the hand-written loop (process group already initialised)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from src.data.sources import GlobalBatches, load_splits
     from src.models import get_spec
-    from src.trainer.data import GlobalBatches, load_splits
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(s["seed"])
@@ -221,7 +221,7 @@ def compose_trainer_cfg(args: argparse.Namespace, s: dict):
 def _ab_arm(name: str, s: dict, cfg, resolved, mesh, out_dir: str):
     """(step function, model) of one arm."""
 
-    from src.trainer.loggers import Logger
+    from src.observe.loggers import Logger
     from src.trainer.loop import Trainer
 
     if name.startswith("minimal"):
@@ -263,7 +263,7 @@ def _ab_rank(
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from src.trainer.data import GlobalBatches, load_splits
+    from src.data.sources import GlobalBatches, load_splits
 
     mesh = init_device_mesh("cpu", (WORLD,))
     steps = {a: _ab_arm(a, s, cfg, resolved, mesh, out_dir) for a in arms}
@@ -290,7 +290,7 @@ def _ab_rank(
 
 def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
     """Per-step wall (rank 0) and CPU (both ranks) of each arm after the warm-up."""
-    from src.trainer.resolved import resolve
+    from src.resolved import resolve
 
     cfg = compose_trainer_cfg(args, s)
     arms = list(args.ab_arms)

@@ -1,6 +1,6 @@
 """The planner's training-peak estimate against the measured peak, config by config.
 
-For each configuration the planner (src/trainer/planner.py) predicts the per-rank peak
+For each configuration the planner (src/planner/planner.py) predicts the per-rank peak
 above the process baseline (``Estimate.training``: every part but ``process``), and
 ``world`` real ranks run the trainer's own code (``build_model``, ``build_optimizer``,
 ``train_step`` from src/trainer/loop.py) for a few steps on synthetic tokens:
@@ -118,10 +118,11 @@ def _set_device(rank: int) -> None:
 
 
 def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
+    from src.build import build_model
+    from src.data.sources import GlobalBatches, load_splits
+    from src.observe.metrics import _reset_cpu_peak_rss
     from src.sharding import build_backend
-    from src.trainer.data import GlobalBatches, load_splits
-    from src.trainer.loop import build_model, build_optimizer, train_step
-    from src.trainer.metrics import _reset_cpu_peak_rss
+    from src.trainer.loop import build_optimizer, train_step
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -215,8 +216,8 @@ def _row(name: str, cfg, est, measured: int, base: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from src.trainer.planner import estimate_cfg, resolve_auto
-    from src.trainer.resolved import resolve
+    from src.planner.planner import estimate_cfg, resolve_auto
+    from src.resolved import resolve
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
@@ -251,11 +252,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows,
         "Planner: estimated against measured training peak per rank",
         "All figures MiB per rank, above the process baseline. Estimate: "
-        "`Estimate.training` of src/trainer/planner.py (every part but the "
+        "`Estimate.training` of src/planner/planner.py (every part but the "
         "process baseline; parts shown: sharded fp32 parameters + AdamW "
         "states, all-gathered units, gradients held at the peak, saved "
         "activations + head/loss (GPT and Llama: their formulas; hf: traced on "
-        "fake tensors, src/models/trace.py), the backward or step working set, "
+        "fake tensors, src/planner/trace.py), the backward or step working set, "
         "the calibrated runtime constant). Measured: the same config run by the "
         f"trainer's build_model / build_optimizer / train_step for {args.steps} "
         "steps on synthetic tokens, 1 thread per rank, the ranks given the "

@@ -73,9 +73,9 @@ def _load(mode: str, directory: str):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(directory)
+    from src.build import build_model
+    from src.resolved import resolve
     from src.sharding import build_backend
-    from src.trainer.loop import build_model
-    from src.trainer.resolved import resolve
 
     cfg = _cfg(directory)
     return build_model(cfg, build_backend("fsdp2", "fp32", "cpu"), resolve(cfg))
@@ -115,7 +115,7 @@ class PeakSampler:
 
 
 def _measure(mode: str, directory: str, warmup_dir: str) -> dict:
-    from src.trainer.metrics import cpu_peak_rss_bytes, reset_peak_memory
+    from src.observe.metrics import cpu_peak_rss_bytes, reset_peak_memory
 
     _load(mode, warmup_dir)  # lazy imports and first-use costs go to the baseline
     gc.collect()

@@ -58,8 +58,8 @@ def compose_cfg(args: argparse.Namespace, layout: list[str]):
 def _rank(
     rank: int, world: int, args: argparse.Namespace, cfg, resolved, out: str
 ) -> dict:
+    from src.observe.metrics import memory_metrics, reset_peak_memory
     from src.trainer.loop import Trainer
-    from src.trainer.metrics import memory_metrics, reset_peak_memory
 
     run_dir = os.path.join(out, "run")
     trainer = Trainer(cfg, run_dir, torch.device("cpu"), resolved).build()
@@ -81,7 +81,7 @@ def _rank(
 
 
 def measure(args: argparse.Namespace, layout: list[str]) -> dict:
-    from src.trainer.resolved import resolve
+    from src.resolved import resolve
 
     cfg = compose_cfg(args, layout)
     resolved = resolve(cfg)

@@ -86,7 +86,7 @@ def step(model, opt, x, y) -> float:
 
 
 def _memory_rank(rank: int, args: argparse.Namespace, mode: str) -> dict:
-    from src.trainer.metrics import cpu_peak_rss_bytes, reset_peak_memory
+    from src.observe.metrics import cpu_peak_rss_bytes, reset_peak_memory
 
     spec, config = gpt(args.n_layer, args.n_embd, args.n_head, args.seq_len)
     model = build(spec, config, "fsdp2", mode)

@@ -38,28 +38,22 @@ from omegaconf.errors import (
 )
 
 from src.cli_help import CONF_DIR, is_schema_option, user_options
+from src.data.sources import DATA_SOURCES, DataConfig
+from src.data.token_cache import SPLITS
+from src.errors import ConfigError, keyed
 from src.models import ModelSpec, families, get_spec
+from src.observe.loggers import LOGGERS, LoggerConfig
+from src.observe.logs import LOG_LEVELS, error_line
+from src.planner.planner import GRAD_SYNC, budget_bytes
 from src.registry import described, or_list
+from src.resolved import Resolved, resolve, resolve_devices, tensor_parallel_plan
+from src.runs.from_run import find_run, run_config, with_changes
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.sharding.policies import POLICIES
-from src.trainer.data import DATA_SOURCES, DataConfig
 from src.trainer.faults import FULL_ERROR_ENV
-from src.trainer.from_run import find_run, run_config, with_changes
 from src.trainer.launch import override_keys, prepare
-from src.trainer.loggers import LOGGERS, LoggerConfig
-from src.trainer.logs import LOG_LEVELS, error_line
 from src.trainer.loop import RESUME_SCHEDULES
-from src.trainer.planner import GRAD_SYNC, budget_bytes
-from src.trainer.resolved import (
-    ConfigError,
-    Resolved,
-    keyed,
-    resolve,
-    resolve_devices,
-    tensor_parallel_plan,
-)
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
-from src.trainer.token_cache import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +73,7 @@ class ShardingConfig:
     policy: Any = described(
         lambda: f"which modules become units: {', '.join(POLICIES)} or a list"
     )
-    # a number, or "auto" (src/trainer/planner.py chooses)
+    # a number, or "auto" (src/planner/planner.py chooses)
     min_params: Any = described(
         "size policy: parameters that make a unit (1e8), or auto"
     )
@@ -173,7 +167,7 @@ class TrainerConfig:
     progress: bool = described(
         "tqdm progress bar on rank 0 (false: a line per log point)"
     )
-    # one of src.trainer.logs.LOG_LEVELS
+    # one of src.observe.logs.LOG_LEVELS
     log_level: str = described(
         "console and train.log: debug (every rank), info, warning, error"
     )
@@ -228,7 +222,7 @@ _store = ConfigStore.instance()
 _store.store(name="base_config", node=Config)
 for _family in families():
     _store.store(group="model/schema", name=_family, node=get_spec(_family).schema())
-# Each data source and logger owns its schema (src/trainer/data.py, loggers.py).
+# Each data source and logger owns its schema (src/data/sources.py, loggers.py).
 for _name, _source in DATA_SOURCES.items():
     _store.store(group="data", name=f"base_{_name}", node=_source.schema)
 for _name, _logger in LOGGERS.items():
@@ -238,7 +232,7 @@ for _name, _logger in LOGGERS.items():
 @dataclass
 class SampleConfig:
     """``sample.py`` (conf/sample.yaml): what to generate. The model, its tokenizer
-    and sharding are the run's own (src/trainer/from_run.py)."""
+    and sharding are the run's own (src/runs/from_run.py)."""
 
     run: str = MISSING  # a run dir of train.py, or a checkpoint in one
     prompt: str = MISSING
@@ -384,8 +378,8 @@ def check_pretrained(cfg: DictConfig, resolved: Resolved) -> None:
         f"model family {spec.name!r} has no Hugging Face adapter to load weights with",
     )
     path = os.path.expanduser(path)
-    from src.trainer.export import check_hf_shapes
-    from src.trainer.hf_layout import HFLayout
+    from src.checkpoint.export import check_hf_shapes
+    from src.checkpoint.hf_layout import HFLayout
 
     with torch.device("meta"):
         model = spec.build(config, 0)

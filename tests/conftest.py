@@ -21,7 +21,7 @@ def _project_console():
     logging), so a test reads what a user would see with capsys."""
     import logging
 
-    from src.trainer.logs import PROJECT_LOGGER, ConsoleHandler
+    from src.observe.logs import PROJECT_LOGGER, ConsoleHandler
 
     project = logging.getLogger(PROJECT_LOGGER)
     handler = ConsoleHandler()

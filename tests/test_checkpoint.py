@@ -25,13 +25,13 @@ from safetensors import safe_open
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from src.trainer.checkpoint import (
+from src.checkpoint.dcp import (
     Checkpointer,
     CheckpointError,
     complete_checkpoints,
     resolve_resume,
 )
-from src.trainer.export import export_consolidated, load_consolidated
+from src.checkpoint.export import export_consolidated, load_consolidated
 from tests.distributed import run_distributed
 
 D_IN, D_OUT, VOCAB = 8, 4, 32
@@ -435,7 +435,7 @@ def test_async_save_lets_training_go_on_and_publishes_after_the_write(two_ranks)
 _CRASH_IN_FLIGHT = """
 import os, sys, threading
 import torch, torch.distributed.checkpoint.filesystem as dcp_fs
-from src.trainer.checkpoint import Checkpointer
+from src.checkpoint.dcp import Checkpointer
 from tests.test_checkpoint import make_model, make_optim, train
 ckpt = Checkpointer(sys.argv[1], async_save=True)
 model = make_model(0)

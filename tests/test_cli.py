@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_dir
 
 from src.cli_help import described_keys, is_schema_option, user_options
 from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
-from src.trainer.corpus import resolve_files
-from src.trainer.planner import default_policy
-from src.trainer.resolved import resolve
+from src.data.corpus import resolve_files
+from src.planner.planner import default_policy
+from src.resolved import resolve
 from tests.test_config import CONF, ROOT, make_cfg
 
 
@@ -117,13 +117,13 @@ def test_help_lines_that_list_names_read_the_registries(monkeypatch):
     """A new backend, precision, policy, logger, data source or model family shows
     in --help by itself: those lines are made from the registries when shown."""
     from src.config import PrecisionConfig, ShardingConfig
+    from src.data.sources import DATA_SOURCES, DataConfig
     from src.models import get_spec
     from src.models.spec import _REGISTRY
+    from src.observe.loggers import LOGGERS, LoggerConfig
     from src.registry import key_help
     from src.sharding import BACKENDS, PRECISIONS
     from src.sharding.policies import POLICIES
-    from src.trainer.data import DATA_SOURCES, DataConfig
-    from src.trainer.loggers import LOGGERS, LoggerConfig
 
     for registry, schema, name in [
         (BACKENDS, ShardingConfig, "backend"),

@@ -11,8 +11,8 @@ import pytest
 
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.harness import compose_config
+from src.resolved import resolve_devices
 from src.sharding.policies import policy_names
-from src.trainer.resolved import resolve_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -231,13 +231,13 @@ def test_appended_unknown_key_fails_like_a_plain_one(override, key):
 def test_every_registry_refuses_a_taken_name():
     """A plug-in cannot silently replace an entry: each registry's ``add`` (and the
     backends' class decorator, the model families' ``register``) refuses the name."""
+    from src.data.sources import DATA_SOURCES
     from src.models import get_spec, register
+    from src.observe.loggers import LOGGERS
     from src.sharding import BACKENDS, PRECISIONS
     from src.sharding.backends import register_backend
     from src.sharding.ddp import DDPBackend
     from src.sharding.policies import POLICIES
-    from src.trainer.data import DATA_SOURCES
-    from src.trainer.loggers import LOGGERS
 
     again = type("AnotherDDP", (DDPBackend,), {"name": "ddp"})
     with pytest.raises(ValueError, match="backend 'ddp' is already registered"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.trainer.metrics import lookup_gpu_peak_tflops
+from src.observe.metrics import lookup_gpu_peak_tflops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -62,7 +62,7 @@ def test_bf16_training_on_one_gpu_reports_cuda_figures(tmp_path):
         < torch.cuda.get_device_properties(0).total_memory / 2**30
     )
     assert 0 < summary["mfu"] < 1
-    from src.trainer.export import load_consolidated
+    from src.checkpoint.export import load_consolidated
 
     state = load_consolidated(tmp_path / "run" / "model.safetensors")
     assert all(t.device.type == "cpu" for t in state.values())

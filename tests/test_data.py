@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from src.data.sources import GlobalBatches, TokenStream, load_splits
 from src.harness import compose_config
-from src.trainer.data import GlobalBatches, TokenStream, load_splits
 from tests.distributed import run_distributed
 
 

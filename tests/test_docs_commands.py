@@ -39,7 +39,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
-from src.trainer.resolved import ConfigError
+from src.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -50,7 +50,7 @@ SKIPPED = {
     ("pip", "install"): "installs packages from the network",
     ("python", "-m", "pytest"): "the test suite itself",
     ("wandb", "sync"): "uploads runs to wandb over the network",
-    ("python", "-m", "src.trainer.compare"): "reads earlier runs' dirs (run by "
+    ("python", "-m", "src.runs.compare"): "reads earlier runs' dirs (run by "
     "tests/test_research_loop.py on two trained runs)",
 }
 #: Commands that read a run dir the user names (a placeholder such as <date>).

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from src.checkpoint.dcp import Checkpointer, resolve_resume
 from src.models.gpt import GPT, GPTConfig
-from src.trainer.checkpoint import Checkpointer, resolve_resume
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [

@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
+from src.build import build_model
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.harness import compose_config
+from src.resolved import model_config, model_spec, resolve
 from src.sharding import build_backend, wrap_plan
-from src.trainer.loop import build_model, build_optimizer
-from src.trainer.resolved import model_config, model_spec, resolve
+from src.trainer.loop import build_optimizer
 from tests.distributed import run_distributed
 
 FAMILIES = ["tiny_gpt2", "tiny_llama", "tiny_qwen2", "tiny_gpt_neox"]

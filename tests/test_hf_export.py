@@ -11,13 +11,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from src.build import build_model
+from src.checkpoint.export import export_model_hf
 from src.config import CONFIG_ERRORS, one_line, validate
+from src.data.sources import tokenizer_of
+from src.data.tokenizer import BPE_EOS, byte_tokenizer
+from src.resolved import resolve
 from src.sharding import build_backend
-from src.trainer.data import tokenizer_of
-from src.trainer.export import export_model_hf
-from src.trainer.loop import build_model, train
-from src.trainer.resolved import resolve
-from src.trainer.tokenizer import BPE_EOS, byte_tokenizer
+from src.trainer.loop import train
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,7 @@ def test_trainer_exports_the_bpe_tokenizer_and_its_eos(tmp_path):
         "logger=none",
     ]
     # The launcher builds the token cache (and the BPE) before the ranks start.
-    from src.trainer.data import prepare_data
+    from src.data.sources import prepare_data
 
     prepare_data(make_cfg(*overrides).data, verbose=False)
     result = run_distributed(_train_and_export, 2, str(run_dir), overrides)[0]

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from src.build import build_model
+from src.checkpoint.export import export_model_hf
 from src.config import CONFIG_ERRORS, one_line, validate
+from src.resolved import resolve
 from src.sharding import build_backend
-from src.trainer.export import export_model_hf
-from src.trainer.loop import build_model, build_optimizer
-from src.trainer.resolved import resolve
+from src.trainer.loop import build_optimizer
 from tests.distributed import run_distributed
 from tests.test_pretrained import (
     logits_of_transformers,

@@ -1,12 +1,12 @@
-"""The run's log set-up in one process (src/trainer/logs.py) and the profiler's table
-arithmetic (src/trainer/profiling.py); the end-to-end run is tests/test_profile.py."""
+"""The run's log set-up in one process (src/observe/logs.py) and the profiler's table
+arithmetic (src/observe/profiling.py); the end-to-end run is tests/test_profile.py."""
 
 from __future__ import annotations
 
 import logging
 
-from src.trainer.logs import FILE_ONLY, ConsoleHandler, LogSpec, rank_logging
-from src.trainer.profiling import step_table
+from src.observe.logs import FILE_ONLY, ConsoleHandler, LogSpec, rank_logging
+from src.observe.profiling import step_table
 
 
 def test_a_launched_rank_recreates_console_and_train_log_rank_0_only(
@@ -134,7 +134,7 @@ def test_step_table_on_cuda_counts_kernels_and_gpu_side_unit_ranges():
 def test_log_level_is_set_per_job():
     """trainer.log_level sets the project loggers' level each time (a multirun job
     does not inherit the previous job's debug)."""
-    from src.trainer.logs import set_log_level
+    from src.observe.logs import set_log_level
 
     project = logging.getLogger("src")
     try:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.trainer.loggers import build_logger, run_identity
-from src.trainer.metrics import (
+from src.observe.loggers import build_logger, run_identity
+from src.observe.metrics import (
     ThroughputMeter,
     cpu_flags,
     lookup_gpu_peak_tflops,
@@ -182,7 +182,7 @@ def test_mfu_above_one_is_omitted_with_one_line(caplog):
         clock=lambda: next(times),
     )
     assert meter.step(1, log=True) is None
-    with caplog.at_level("WARNING", logger="src.trainer.metrics"):
+    with caplog.at_level("WARNING", logger="src.observe.metrics"):
         first, second = meter.step(2, log=True), meter.step(3, log=True)
     assert "mfu" not in first and "mfu" not in second
     assert first["tokens_per_s"] == pytest.approx(1000.0)
@@ -396,7 +396,7 @@ import json, os, sys
 import hydra
 from hydra.core.hydra_config import HydraConfig
 sys.path.insert(0, {repo!r})
-from src.trainer.loggers import run_identity
+from src.observe.loggers import run_identity
 
 @hydra.main(config_path=None, config_name=None, version_base="1.3")
 def main(cfg):
@@ -437,14 +437,14 @@ def test_closing_line_compares_planned_and_measured_peak(tmp_path, caplog):
     beyond 15% adds one warning line, within it none."""
     import logging
 
-    from src.trainer.loggers import ConsoleSink
+    from src.observe.loggers import ConsoleSink
 
     def close(measured: float) -> list[logging.LogRecord]:
         caplog.clear()
         sink = ConsoleSink(tmp_path)
         sink.log_summary({"loss": 1.0, "steps": 2, "peak_mem_gib": measured,
                           "planned_peak_gib": 1.0})  # fmt: skip
-        with caplog.at_level(logging.INFO, logger="src.trainer.loggers"):
+        with caplog.at_level(logging.INFO, logger="src.observe.loggers"):
             sink.finish(0)
         return caplog.records
 

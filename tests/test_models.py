@@ -16,9 +16,9 @@ from src.cli_help import is_schema_option, user_options
 from src.config import validate
 from src.harness import compose_config
 from src.models import families, get_spec
+from src.resolved import model_config, model_spec, resolve
 from src.sharding import wrap
 from src.trainer.loop import build_optimizer, train
-from src.trainer.resolved import model_config, model_spec, resolve
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

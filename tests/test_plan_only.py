@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import src.config  # noqa: F401  (registers the base_config schema for compose)
 from src.harness import compose_config
-from src.trainer import metrics
-from src.trainer.planner import PARTS
-from src.trainer.resolved import model_config, model_spec, resolve
+from src.planner.planner import PARTS
+from src.resolved import model_config, model_spec, resolve
+from src.observe import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -133,7 +133,7 @@ def test_plan_only_13b_subprocess_allocates_nothing(tmp_path):
     ("model", "world"), [("llama3_8b", 8), ("gpt_70b", 64), ("small", 2)]
 )
 def test_plan_only_in_process(tmp_path, capsys, model, world):
-    from src.trainer.planner import plan_only
+    from src.planner.planner import plan_only
 
     cfg = _compose(
         "trainer.plan_only=true",
@@ -164,7 +164,7 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
 def test_trainer_threshold_is_not_truncated(tmp_path):
     """``sharding.min_params`` reaches auto_wrap as a number: half a parameter above a
     block's size, no block is a unit (``int()`` truncation used to make them units)."""
-    from src.trainer.planner import plan_only
+    from src.planner.planner import plan_only
 
     def units(min_params: float) -> dict[str, int]:
         cfg = _compose("trainer.plan_only=true", "model=small", "logger=none")

@@ -18,18 +18,18 @@ from src.harness import compose_config
 from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes
 from src.models.memory import ActivationBytes
-from src.sharding import BACKENDS, Backend, Unit, WrapPlan
-from src.sharding.backends import FSDP1Backend
-from src.sharding.ddp import DDPBackend
-from src.trainer import planner
-from src.trainer.planner import (
+from src.planner.planner import (
     PROCESS_BYTES,
     RUNTIME_BYTES,
     RunShape,
     estimate,
     resolve_auto,
 )
-from src.trainer.resolved import resolve
+from src.resolved import resolve
+from src.sharding import BACKENDS, Backend, Unit, WrapPlan
+from src.sharding.backends import FSDP1Backend
+from src.sharding.ddp import DDPBackend
+from src.planner import planner
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -116,14 +116,14 @@ def test_activation_formula_by_hand():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_traced_activations_equal_the_formulas(dtype):
-    """The fake-tensor trace (src/models/trace.py, what families without a formula
+    """The fake-tensor trace (src/planner/trace.py, what families without a formula
     get) against the hand-written GPT and Llama formulas, every checkpointing mode:
     the saved bytes and the head's to the byte; the backward's working set, followed
     op by op, within 10% of the formula's peak (5% without selective checkpointing:
     the trace sees the selective recomputation's buffers ~7% above the formula)."""
     from src.models.llama import Llama, LlamaConfig
     from src.models.llama import activation_bytes as llama_bytes
-    from src.models.trace import traced_activation_bytes
+    from src.planner.trace import traced_activation_bytes
 
     models = [
         (GPT, GPTConfig(n_layer=3, n_head=4, n_embd=128, vocab_size=256,
@@ -151,7 +151,7 @@ def test_traced_hf_activations_match_a_real_forward():
     residual and partial rotary): the traced saved bytes against what autograd keeps
     in a real forward of the same model; and plan-only now counts them."""
     from src.models.hf import HFConfig, block_classes, build, eager_on_fake_tensors
-    from src.models.trace import traced_activation_bytes
+    from src.planner.trace import traced_activation_bytes
 
     for name in ("tiny_qwen2", "tiny_gpt_neox"):
         config = HFConfig(config=name, block_size=64)
@@ -365,7 +365,7 @@ def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
 def test_70b_on_64_ranks_fits_a_budget_allocating_nothing(tmp_path, capsys):
     """The issue's check: gpt_70b, 64 ranks, 80 GiB: breakdown, verdict and the change
     that fits (a search over min_params, checkpointing, micro-batch and ranks)."""
-    from src.trainer import metrics
+    from src.observe import metrics
 
     cfg = _compose(
         "model=gpt_70b",

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from src.build import build_model
+from src.checkpoint.export import export_hf
 from src.config import CONFIG_ERRORS, one_line, validate
 from src.harness import compose_config
+from src.resolved import model_config, model_spec, resolve
 from src.sharding import build_backend
-from src.trainer.export import export_hf
-from src.trainer.loop import build_model, build_optimizer, train
-from src.trainer.resolved import model_config, model_spec, resolve
+from src.trainer.loop import build_optimizer, train
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +195,7 @@ def test_llama_family_loads_hugging_face_llama_weights(tiny_llama_dir):
 
 def test_pretrained_vocabulary_does_not_follow_the_tokenizer(tiny_llama_dir):
     """A checkpoint fixes the vocabulary: the tokenizer must fit in it, not resize it."""
-    from src.trainer.data import follow_tokenizer_vocab
+    from src.data.sources import follow_tokenizer_vocab
 
     cfg = make_cfg("model=hf", f"model.pretrained={tiny_llama_dir}")
     resolved = resolve(cfg)

@@ -1,5 +1,5 @@
 """The profiler window and the run's log, end to end: one ``train.py`` run on 2 CPU
-ranks with ``trainer.profile=true`` (src/trainer/profiling.py, src/trainer/logs.py)."""
+ranks with ``trainer.profile=true`` (src/observe/profiling.py, src/observe/logs.py)."""
 
 from __future__ import annotations
 

@@ -11,15 +11,10 @@ import pytest
 import torch
 
 from src.config import ConfigError
-from src.trainer.faults import (
-    RunDirBusy,
-    StopRequest,
-    requested,
-    run_dir_lock,
-    stop_signal,
-)
+from src.errors import RunDirBusy
+from src.observe.loggers import METRICS_FILE, Logger
+from src.trainer.faults import StopRequest, requested, run_dir_lock, stop_signal
 from src.trainer.launch import preflight
-from src.trainer.loggers import METRICS_FILE, Logger
 
 
 def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):

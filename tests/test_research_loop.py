@@ -23,18 +23,19 @@ from omegaconf import DictConfig, OmegaConf
 
 import eval as eval_py
 from src.config import open_run, validate
+from src.data.sources import GlobalBatches, TokenStream
+from src.errors import ConfigError
 from src.models import get_spec
 from src.models.generate import KVCache, generate
-from src.trainer.compare import main as compare_main
-from src.trainer.data import GlobalBatches, TokenStream
-from src.trainer.evaluation import EVAL_FILE
-from src.trainer.from_run import (
+from src.resolved import Resolved
+from src.runs.compare import main as compare_main
+from src.runs.evaluation import EVAL_FILE
+from src.runs.from_run import (
     load_model,
     run_tokenizer,
 )
 from src.trainer.launch import prepare, run_rank, run_ranks
 from src.trainer.loop import lr_lambda
-from src.trainer.resolved import ConfigError, Resolved
 from src.trainer.sampling import SAMPLING_CHANGES, sample_texts, sampling_changes
 from tests.test_train import ROOT, make_cfg, read_rows, run_cmd
 
@@ -326,7 +327,7 @@ def test_covering_batches_leave_no_token_out(n_tokens):
 
 
 def test_compare_two_runs_table_and_plot(gpt_run, llama_run, tmp_path):
-    """``python -m src.trainer.compare`` on two runs: the sweep summary's table (the
+    """``python -m src.runs.compare`` on two runs: the sweep summary's table (the
     overrides that differ, each run's final figures) and one plot over steps."""
     compare_main([str(gpt_run), str(llama_run), "--out", str(tmp_path)])
     table = (tmp_path / "compare.md").read_text()

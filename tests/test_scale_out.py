@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from src.config import validate
 from src.models import GPT, GPTConfig
+from src.planner.planner import plan_only
+from src.resolved import resolve
 from src.sharding import build_backend, build_sharded_model, wrap, wrap_plan
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
-from src.trainer.planner import plan_only
-from src.trainer.resolved import resolve
 from tests.distributed import run_distributed
 from tests.test_train import ROOT, make_cfg, read_rows
 

@@ -24,11 +24,11 @@ from safetensors.torch import load_file
 import eval as eval_py
 from src.config import validate
 from src.harness import CONF_DIR
-from src.trainer.from_run import RUN_CONFIG, RUN_OVERRIDES
+from src.planner.planner import plan_only
+from src.resolved import resolve
+from src.runs.from_run import RUN_CONFIG, RUN_OVERRIDES
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
-from src.trainer.planner import plan_only
-from src.trainer.resolved import resolve
 from tests.distributed import run_distributed
 from tests.test_config import config_error
 from tests.test_train import make_cfg, read_rows

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from src.config import CONFIG_ERRORS, one_line, validate
+from src.data.sources import follow_tokenizer_vocab, load_splits, prepare_data
+from src.data.tokenizer import BPE_EOS, load_path_tokenizer
 from src.harness import compose_config
-from src.trainer.data import follow_tokenizer_vocab, load_splits, prepare_data
-from src.trainer.resolved import resolve
-from src.trainer.tokenizer import BPE_EOS, load_path_tokenizer
+from src.resolved import resolve
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

@@ -15,9 +15,9 @@ import torch
 
 from src.harness import compose_config
 from src.models import GPT, get_spec
+from src.planner.planner import plan_only
+from src.resolved import resolve
 from src.trainer.loop import build_optimizer, lr_lambda, train
-from src.trainer.planner import plan_only
-from src.trainer.resolved import resolve
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from src.config import validate
-from src.trainer.loggers import RUN_ID_FILE, wandb_key
+from src.errors import ConfigError
+from src.observe.loggers import RUN_ID_FILE, wandb_key
+from src.resolved import resolve
 from src.trainer.loop import train as train_rank
-from src.trainer.resolved import ConfigError, resolve
 from tests.distributed import run_distributed
 from tests.wandb_offline import (
     offline_run_files,
@@ -145,7 +146,7 @@ class _Run:
 
 
 def test_wandb_sink_starts_at_begin_and_resumes_only_a_resumed_run(tmp_path):
-    from src.trainer.loggers import WandbSink
+    from src.observe.loggers import WandbSink
 
     started: list[_Run] = []
 

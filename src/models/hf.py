@@ -400,7 +400,7 @@ def generate(
 def eager_on_fake_tensors() -> Iterator[None]:
     """transformers takes a fake tensor for a graph being compiled (``is_tracing``)
     and then materialises the causal mask and repeats GQA's keys and values, which an
-    eager run does not: the planner's fake-tensor trace (src/models/trace.py) runs
+    eager run does not: the planner's fake-tensor trace (src/planner/trace.py) runs
     in this context, so it follows the eager path it measures. Packed sequences are
     looked for by reading the positions (data a fake tensor has not); the trainer's
     are never packed."""

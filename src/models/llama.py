@@ -406,7 +406,7 @@ def activation_bytes(
     (4 n V), token ids and targets (int64), RoPE's fp32 cos and sin (T x head_dim
     each), the loss's total weight. Loss backward: 8 n V. Block backward: the gradient
     flowing in and two of the SwiGLU's hidden gradients alive at once, s (n d + 2 n F)
-    (what the fake-tensor trace of src/models/trace.py follows op by op).
+    (what the fake-tensor trace of src/planner/trace.py follows op by op).
     Checkpointing: ``full`` keeps each checkpointed layer's input (s n d) and
     recomputes it; ``selective`` keeps the input and the matmul and attention outputs
     (q, k, v, attention out, wo, w1, w3, w2 outs: s (5 n d + 2 n kv + 2 n F) + 4 n h).

@@ -106,7 +106,7 @@ class ModelSpec:
     vocab_key: str | None = "vocab_size"
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: HFAdapter | None = None
-    # Optional, for the planner (src/trainer/planner.py): (config, micro_batch,
+    # Optional, for the planner (src/planner/planner.py): (config, micro_batch,
     # seq_len, act_bytes, checkpointing, every) -> ActivationBytes (src/models/memory.py).
     activation_bytes: Callable[..., ActivationBytes] | None = None
     # Decoding (sample.py, trainer.sample_every; src/models/generate.py): the model's
@@ -125,7 +125,7 @@ class ModelSpec:
     # by their resident size: planner.IMPORT_BYTES).
     imports: tuple[str, ...] = ()
     # Optional: a context the planner traces the model's activations in (fake
-    # tensors, src/models/trace.py), for a family whose code branches on them.
+    # tensors, src/planner/trace.py), for a family whose code branches on them.
     trace_context: Callable[[], contextlib.AbstractContextManager] | None = None
     # The --help line of each key of ``config_cls`` (src/cli_help.py), beyond
     # SHARED_KEY_HELP; the schema carries them as its fields' metadata.

@@ -144,7 +144,7 @@ class UnitTransform:
 
 def checkpointed(forward: Callable, selective: bool) -> Callable:
     """``forward`` under torch's non-reentrant checkpoint (``selective``: keeping the
-    outputs of :data:`SAVED_OPS`); also what the planner traces (src/models/trace.py)."""
+    outputs of :data:`SAVED_OPS`); also what the planner traces (src/planner/trace.py)."""
     context_fn = _selective_contexts if selective else None
 
     @functools.wraps(forward)

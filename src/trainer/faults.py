@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from src.errors import DiskFull, PeerUnresponsive, RunDirBusy, RunError
+
 log = logging.getLogger(__name__)
 
 # Set when the user asked for full tracebacks (HYDRA_FULL_ERROR=1, which the command
@@ -44,30 +46,6 @@ FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 LOCK_FILE = "run.lock"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 HEARTBEAT_S = 1.0
-
-
-class RunError(RuntimeError):
-    """A failure the user can act on, reported as its message alone."""
-
-
-class RunDirBusy(RunError):
-    """Another live run holds the run dir."""
-
-
-class PeerUnresponsive(RunError):
-    """A collective timed out because a peer rank stopped responding."""
-
-
-class DiskFull(RunError):
-    """A write failed with ENOSPC."""
-
-
-class Stopped(Exception):
-    """The run stopped on a signal after writing a checkpoint (not a failure)."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
 def full_errors() -> bool:

@@ -38,14 +38,28 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.multiprocessing.spawn import ProcessContext
 
-from src.trainer.checkpoint import Checkpointer, run_checkpoints
-from src.trainer.data import follow_tokenizer_vocab, prepare_data
+from src.checkpoint.dcp import Checkpointer, run_checkpoints
+from src.data.sources import follow_tokenizer_vocab, prepare_data
+from src.errors import ConfigError, RunDirBusy, RunError, Stopped
+from src.observe.logs import (
+    LogSpec,
+    debug_on,
+    exit_with_error,
+    log_spec,
+    rank_logging,
+    set_log_level,
+)
+from src.planner.planner import (
+    default_policy,
+    plan_only,
+    plan_run,
+    planned_peak_gib,
+    resolve_auto,
+)
+from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
     STOP_SIGNALS,
     Heartbeat,
-    RunDirBusy,
-    RunError,
-    Stopped,
     StopRequest,
     describe_holder,
     disk_full,
@@ -60,23 +74,7 @@ from src.trainer.faults import (
     stop_at_once,
     tell_ranks,
 )
-from src.trainer.logs import (
-    LogSpec,
-    debug_on,
-    exit_with_error,
-    log_spec,
-    rank_logging,
-    set_log_level,
-)
 from src.trainer.loop import train
-from src.trainer.planner import (
-    default_policy,
-    plan_only,
-    plan_run,
-    planned_peak_gib,
-    resolve_auto,
-)
-from src.trainer.resolved import ConfigError, Resolved, resolve, under_torchrun
 
 log = logging.getLogger(__name__)
 
@@ -504,7 +502,7 @@ def run_rank(
     signal ends training after the current step with a checkpoint (:class:`Stopped`);
     a timed-out collective names the silent peer, a full disk says so (faults.py).
     ``spec``: the launching process's log set-up, for a rank started as a new process
-    (see src/trainer/logs.py)."""
+    (see src/observe/logs.py)."""
     rank, world = _rank_from_env(), int(os.environ.get("WORLD_SIZE", 1))
     with StopRequest(), rank_logging(spec, rank, world):
         device, heartbeat = init_distributed(cfg.trainer.timeout_s)

@@ -15,8 +15,6 @@ import logging
 import math
 import os
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,29 +24,18 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from src.sharding import (
-    Backend,
-    TiedParametersWarning,
-    UnitTransform,
-    WrapPlan,
-    build_backend,
-    build_policy,
-    build_sharded_model,
-    canonical_name,
-    set_prefetch,
-    wrap_plan,
-)
-from src.trainer.checkpoint import (
+from src.build import build_model, make_backend
+from src.checkpoint.dcp import (
     Checkpointer,
     resolve_resume,
     run_checkpoints,
 )
-from src.trainer.data import GlobalBatches, load_splits, tokenizer_of
-from src.trainer.export import export_consolidated, export_model_hf, load_hf_weights
-from src.trainer.faults import RunError, Stopped, signal_point, stop_signal
-from src.trainer.loggers import Logger, build_logger
-from src.trainer.logs import FILE_ONLY
-from src.trainer.metrics import (
+from src.checkpoint.export import export_consolidated, export_model_hf
+from src.data.sources import GlobalBatches, load_splits, tokenizer_of
+from src.errors import ConfigError, RunError, Stopped
+from src.observe.loggers import Logger, build_logger
+from src.observe.logs import FILE_ONLY
+from src.observe.metrics import (
     ThroughputMeter,
     interval_line,
     memory_metrics,
@@ -56,109 +43,23 @@ from src.trainer.metrics import (
     reduce_max_min,
     reset_peak_memory,
 )
-from src.trainer.profiling import (
+from src.observe.profiling import (
     ProfileOptions,
     StepProfiler,
     oom_error,
     watch_cuda_oom,
 )
-from src.trainer.resolved import ConfigError, Resolved, tensor_parallel_plan
+from src.resolved import Resolved
+from src.sharding import (
+    Backend,
+    WrapPlan,
+    canonical_name,
+    wrap_plan,
+)
+from src.trainer.faults import signal_point, stop_signal
 from src.trainer.sampling import sample_texts
 
 log = logging.getLogger(__name__)
-
-
-def make_backend(cfg: DictConfig, device: torch.device) -> Backend:
-    """The backend of ``cfg.sharding`` and ``cfg.precision`` on ``device``."""
-    return build_backend(
-        cfg.sharding.backend,
-        cfg.precision.name,
-        device,
-        cfg.sharding.reshard_after_forward,
-        replicate=cfg.sharding.replicate,
-        tensor_parallel=cfg.sharding.tensor_parallel,
-    )
-
-
-def build_model(
-    cfg: DictConfig,
-    backend: Backend,
-    resolved: Resolved,
-    init_device: str | None = None,
-) -> nn.Module:
-    """The model of ``cfg.model``'s family built inside the wrap context: each unit is
-    sharded as it is constructed, and a meta-device model is materialised shard by
-    shard from the family's per-parameter init."""
-    init_device = init_device or cfg.model.init_device
-    spec, config = resolved.spec, resolved.model_config
-    seed, s = cfg.trainer.seed, cfg.sharding
-    pretrained = cfg.model.pretrained if backend.allocates else None
-    if pretrained and backend.meta_init:
-        init_device = "meta"  # never whole: each rank fills only its own shards
-    policy = build_policy(
-        resolved.policies,
-        min_num_params=s.min_params,
-        exclude_wrap_modules=resolved.exclude_wrap_modules,
-        force_leaf_modules=resolved.force_leaf_modules,
-        block_cls=spec.block_classes(config) or None,
-    )
-    init_fn = None
-    if init_device == "meta" and spec.init_tensor is not None:
-
-        def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
-            if pretrained and isinstance(t, nn.Parameter):
-                return torch.empty(t.shape)  # loaded below; buffers are computed
-            return spec.init_tensor(name, t.shape, config, seed)
-
-    # Checkpointing and compile apply to the model's blocks, whatever units the policy
-    # chooses (a block unit, or a block inside a larger unit).
-    transform = UnitTransform(
-        s.activation_checkpointing,
-        s.activation_checkpointing_every,
-        s.compile,
-        targets=spec.block_classes(config),
-    )
-    with _ties_as_one_line(backend.rank):
-        model = build_sharded_model(
-            lambda: spec.build(config, seed),
-            backend,
-            policy,
-            init_device,
-            init_fn,
-            transform=transform,
-            tp_plan=tensor_parallel_plan(cfg, spec, config),
-        )
-    set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
-    if pretrained:
-        load_hf_weights(
-            model,
-            os.path.expanduser(pretrained),
-            spec.hf.to_hf_name,
-            spec.hf.converting_model(config),
-            spec.hf.transposed,
-        )
-    return model
-
-
-@contextlib.contextmanager
-def _ties_as_one_line(rank: int) -> Iterator[None]:
-    """The sharding layer warns (TiedParametersWarning) when auto_wrap keeps modules
-    that share parameters in one unit; for a run that is a known, intended fact (a
-    tied embedding and head), reported as one plain line on rank 0. Other warnings
-    raised inside pass through as usual."""
-    with warnings.catch_warnings(record=True) as caught:
-        yield
-    users: dict[str, list[str]] = {}
-    for w in caught:
-        if issubclass(w.category, TiedParametersWarning):
-            for path, names in w.message.blocked_by_ties.items():
-                for name in names:
-                    users.setdefault(name, []).append(path or "<root>")
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    if users and rank == 0:
-        ties = "; ".join(f"{n} ({', '.join(sorted(u))})" for n, u in users.items())
-        log.info("tied parameters stay whole in one unit: %s", ties)
 
 
 def build_optimizer(

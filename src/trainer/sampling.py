@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
 from src.models.generate import generate
-from src.trainer.resolved import Resolved
-from src.trainer.tokenizer import Tokenizer
+from src.resolved import Resolved
 
 # What sample.py changes in the run's config: decoding is not training.
 SAMPLING_CHANGES = {

@@ -278,7 +278,7 @@ def collect_dirs(
     dirs: Sequence[Path], names: Sequence[str] | None = None
 ) -> tuple[list[str], list[dict], tuple[str, str]]:
     """:func:`collect` of the run dirs ``dirs`` (one sweep's jobs, or runs compared by
-    src/trainer/compare.py); ``names``: each row's ``job`` (default: the job number)."""
+    src/runs/compare.py); ``names``: each row's ``job`` (default: the job number)."""
     overrides = [_overrides(d) for d in dirs]
     keys = swept_keys(overrides)
     rows = []
@@ -498,7 +498,7 @@ def _log_to_wandb(
 ) -> str | None:
     """A ``sweep-summary`` run in the sweep's wandb group (the group of its jobs'
     runs); nothing if the jobs log with ``logger=none``. Returns the run's dir."""
-    from src.trainer.loggers import init_wandb, logs_to_wandb, run_identity
+    from src.observe.loggers import init_wandb, logs_to_wandb, run_identity
 
     cfg = _job_config(first_job)
     if not logs_to_wandb(cfg):

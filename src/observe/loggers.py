@@ -9,7 +9,7 @@ unconditionally.
   and ``<table>.json`` in the run dir.
 - :class:`ConsoleSink`: the closing summary of a finished run (final loss and
   val_loss, throughput, MFU, memory, where the outputs are, how to upload), logged
-  (console and ``train.log``, see src/trainer/logs.py).
+  (console and ``train.log``, see src/observe/logs.py).
 - :class:`WandbSink`: a wandb run, offline by default (nothing needs a network; sync
   later with ``wandb sync <run_dir>/wandb/offline-run-*``), one run per Hydra job.
   :func:`init_wandb` is the one wandb setup, for training runs and sweep summaries.
@@ -30,8 +30,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from src.errors import ConfigError
 from src.registry import Registry, described, no_check, or_list
-from src.trainer.resolved import ConfigError
 from src.util import json_default, write_json_atomic
 
 log = logging.getLogger(__name__)

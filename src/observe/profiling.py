@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from src.trainer.faults import RunError
+from src.errors import RunError
 from src.util import markdown_table, write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from src.trainer.corpus import EOD, Corpus, build_lock, digest
-from src.trainer.tokenizer import Tokenizer, cache_path, load_tokenizer
+from src.data.corpus import EOD, Corpus, build_lock, digest
+from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 
 log = logging.getLogger(__name__)
 

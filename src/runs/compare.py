@@ -1,4 +1,4 @@
-"""Compare runs that were not one multirun: ``python -m src.trainer.compare RUN_DIR...``.
+"""Compare runs that were not one multirun: ``python -m src.runs.compare RUN_DIR...``.
 
 The table is the sweep summary's (src/trainer/sweep.py ``collect_dirs`` and
 ``summary_table``: each run's final figures from its ``summary.json``, the overrides
@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from src.trainer.loggers import METRICS_FILE
+from src.observe.loggers import METRICS_FILE
 from src.trainer.sweep import collect_dirs, summary_table, write_csv
 
 log = logging.getLogger(__name__)

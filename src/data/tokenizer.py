@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from src.trainer.corpus import EOD, Corpus, CorpusError, build_lock, digest
+from src.data.corpus import EOD, Corpus, CorpusError, build_lock, digest
 from src.util import atomic_path
 
 log = logging.getLogger(__name__)

@@ -4,13 +4,13 @@ Sources, chosen by ``data.name``:
 
 - ``text`` / ``files``: local files (``data.paths``, ``data.format`` text, jsonl or
   parquet) tokenized by ``data.tokenizer`` (byte, bpe or a path) once into the token
-  cache (src/trainer/token_cache.py) and memory-mapped from it. ``text`` is the preset
+  cache (src/data/token_cache.py) and memory-mapped from it. ``text`` is the preset
   whose corpus is the Python standard library's own sources (``<stdlib>``), so it
   exists on every machine without a download.
-- ``tokens`` (src/trainer/tokens_data.py): nanoGPT's format, a flat ``np.uint16``
+- ``tokens`` (src/data/tokens_data.py): nanoGPT's format, a flat ``np.uint16``
   binary per split, read through ``np.memmap`` so a large corpus is never loaded into
   RAM.
-- ``synthetic`` (src/trainer/synthetic_data.py): seeded random tokens, for benchmarks.
+- ``synthetic`` (src/data/synthetic_data.py): seeded random tokens, for benchmarks.
 
 A source in a file of its own adds itself to :data:`DATA_SOURCES` on import
 (src/trainer/__init__.py lists those files).
@@ -34,11 +34,12 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from src.data.corpus import DATA_FORMATS, Corpus
+from src.data.token_cache import SPLITS, token_cache
+from src.data.tokenizer import Tokenizer, load_tokenizer
+from src.errors import ConfigError
 from src.registry import Registry, described, no_check, or_list
-from src.trainer.corpus import DATA_FORMATS, Corpus
-from src.trainer.resolved import ConfigError, Resolved
-from src.trainer.token_cache import SPLITS, token_cache
-from src.trainer.tokenizer import Tokenizer, load_tokenizer
+from src.resolved import Resolved
 from src.util import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class DataConfig:
 @dataclass
 class FilesDataConfig(DataConfig):
     """``data=files`` (and its preset ``data=text``): local files, tokenized once into
-    the token cache (src/trainer/token_cache.py)."""
+    the token cache (src/data/token_cache.py)."""
 
     paths: Any = described("a glob or a list of globs of your corpus (~ and ** work)")
     format: str = described(f"auto (by file extension), {or_list(DATA_FORMATS)}")

@@ -36,8 +36,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from src.errors import ConfigError
 from src.models.memory import ActivationBytes
-from src.models.trace import traced_activation_bytes
+from src.observe.loggers import LOGGERS, Logger, logger_kind
+from src.planner.trace import traced_activation_bytes
+from src.resolved import (
+    Resolved,
+    resolve_devices,
+    resolve_policies,
+    tensor_parallel_plan,
+)
 from src.sharding import (
     GIB,
     MIB,
@@ -46,14 +54,6 @@ from src.sharding import (
     build_backend,
     get_precision,
     wrap_plan,
-)
-from src.trainer.loggers import LOGGERS, Logger, logger_kind
-from src.trainer.resolved import (
-    ConfigError,
-    Resolved,
-    resolve_devices,
-    resolve_policies,
-    tensor_parallel_plan,
 )
 
 log = logging.getLogger(__name__)
@@ -469,7 +469,7 @@ def build_meta_model(cfg: DictConfig, resolved: Resolved) -> torch.nn.Module:
     units recorded by the ``plan`` backend (nothing is allocated)."""
     if _get(cfg, AC_KEY) == "auto":  # not chosen yet: the units are alike
         cfg = _with(cfg, {AC_KEY: "none"})
-    from src.trainer.loop import build_model
+    from src.build import build_model
 
     backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
     try:
@@ -538,7 +538,7 @@ def tp_activations(
 def activation_fn(resolved: Resolved) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
     to the run's model config; for a family without one (``hf``, ``custom``), the
-    activations traced on fake tensors (src/models/trace.py), cached per model config."""
+    activations traced on fake tensors (src/planner/trace.py), cached per model config."""
     spec, config = resolved.spec, resolved.model_config
     if spec.activation_bytes is not None:
         return functools.partial(spec.activation_bytes, config)
@@ -780,7 +780,7 @@ def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
 
 def _n_blocks(resolved: Resolved) -> int:
     """How many blocks the checkpointing transform targets in the run's model."""
-    from src.models.trace import block_order
+    from src.planner.trace import block_order
 
     spec, config = resolved.spec, resolved.model_config
     with torch.device("meta"):

@@ -21,28 +21,10 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from src.errors import ConfigError, keyed
 from src.models import ModelSpec, get_spec
 from src.models.spec import import_module_class
 from src.sharding.policies import policy_names
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; ``str()`` is one line naming the key."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
-
-
-def keyed(key: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, its ``ValueError`` (the lower layers name no config key) as a
-    :class:`ConfigError` on ``key``."""
-    try:
-        return fn(*args)
-    except ConfigError:
-        raise
-    except ValueError as err:
-        raise ConfigError(key, str(err)) from None
 
 
 @dataclass(frozen=True)

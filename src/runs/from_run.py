@@ -25,14 +25,15 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from src.build import build_model, make_backend
+from src.checkpoint.dcp import Checkpointer, resolve_resume, run_checkpoints
+from src.data.sources import DATA_SOURCES, tokenizer_of
+from src.data.tokenizer import Tokenizer
+from src.errors import ConfigError
+from src.resolved import Resolved
 from src.sharding import Backend
-from src.trainer.checkpoint import Checkpointer, resolve_resume, run_checkpoints
-from src.trainer.data import DATA_SOURCES, tokenizer_of
 from src.trainer.launch import run_ranks
-from src.trainer.loop import build_model, make_backend
-from src.trainer.resolved import ConfigError, Resolved
 from src.trainer.sampling import sample_texts
-from src.trainer.tokenizer import Tokenizer
 
 RUN_CONFIG = Path(".hydra") / "config.yaml"
 RUN_OVERRIDES = Path(".hydra") / "overrides.yaml"

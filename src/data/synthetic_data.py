@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from src.data.sources import DATA_SOURCES, DataConfig, DataSource, TokenStream
 from src.registry import described
-from src.trainer.data import DATA_SOURCES, DataConfig, DataSource, TokenStream
 
 VAL_FRACTION = 0.05
 

@@ -16,15 +16,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from src.registry import described
-from src.trainer.loggers import (
+from src.errors import ConfigError
+from src.observe.loggers import (
     LOGGERS,
     ConsoleSink,
     LoggerConfig,
     LoggerOption,
     Sink,
 )
-from src.trainer.resolved import ConfigError
+from src.registry import described
 from src.util import atomic_path
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from src.data.sources import DATA_SOURCES, DataConfig, DataSource, TokenStream
+from src.errors import ConfigError
 from src.registry import described
-from src.trainer.data import DATA_SOURCES, DataConfig, DataSource, TokenStream
-from src.trainer.resolved import ConfigError
 
 SPLIT_KEYS = ("train_path", "val_path")
 

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from src.trainer.faults import RunError
+from src.errors import RunError
 from src.util import collective_device
 
 MARKER = "COMPLETE"

@@ -1,6 +1,6 @@
 """Loss and perplexity of a run's checkpoint on any data source: ``eval.py``.
 
-The run's model and tokenizer (src/trainer/from_run.py), the data of the run or of
+The run's model and tokenizer (src/runs/from_run.py), the data of the run or of
 ``data=...`` read with the run's tokenizer, on every rank: each rank evaluates its
 rows of the same fixed batches the trainer validates on (``GlobalBatches.val_batches``,
 windows evenly spaced over the split) and ``loop.evaluate`` averages over ranks, so on
@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from src.trainer.data import GlobalBatches, load_splits
-from src.trainer.from_run import load_model, run_tokenizer
+from src.data.sources import GlobalBatches, load_splits
+from src.resolved import Resolved
+from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.loop import evaluate
-from src.trainer.resolved import Resolved
 from src.util import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> N
     """``eval/loss`` and ``eval/perplexity`` in the run's wandb run (its id from
     ``<run dir>/wandb/run_id.json``: the same run continues; else a new one of
     ``job_type="eval"``); nothing if the run logged with another logger."""
-    from src.trainer.loggers import RUN_ID_FILE, init_wandb, logs_to_wandb
+    from src.observe.loggers import RUN_ID_FILE, init_wandb, logs_to_wandb
 
     if not logs_to_wandb(run_cfg):
         return

@@ -33,15 +33,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from src.sharding import canonical_name
-from src.trainer.checkpoint import (
+from src.checkpoint.dcp import (
     all_agree,
     dcp_errors,
     quiet_single_process,
     this_rank,
 )
-from src.trainer.hf_layout import HFLayout
-from src.trainer.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
+from src.checkpoint.hf_layout import HFLayout
+from src.data.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
+from src.sharding import canonical_name
 from src.util import atomic_path, collective_device
 
 # -------------------------------------------------------------------- export

@@ -23,7 +23,7 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from src.trainer.resolved import ConfigError
+from src.errors import ConfigError
 
 #: How a file holds its documents.
 DATA_FORMATS = ("text", "jsonl", "parquet")

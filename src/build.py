@@ -1,0 +1,126 @@
+"""Building a run's backend and model from its config: what the trainer, the planner
+(on the meta device) and the tools that open a finished run all need.
+
+``build_model`` builds the model of ``cfg.model``'s family inside the wrap context
+(each unit sharded as it is constructed, the root last), materialises a meta-device
+model shard by shard, and loads ``model.pretrained`` into the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from src.checkpoint.export import load_hf_weights
+from src.resolved import Resolved, tensor_parallel_plan
+from src.sharding import (
+    Backend,
+    TiedParametersWarning,
+    UnitTransform,
+    build_backend,
+    build_policy,
+    build_sharded_model,
+    set_prefetch,
+)
+
+log = logging.getLogger(__name__)
+
+
+def make_backend(cfg: DictConfig, device: torch.device) -> Backend:
+    """The backend of ``cfg.sharding`` and ``cfg.precision`` on ``device``."""
+    return build_backend(
+        cfg.sharding.backend,
+        cfg.precision.name,
+        device,
+        cfg.sharding.reshard_after_forward,
+        replicate=cfg.sharding.replicate,
+        tensor_parallel=cfg.sharding.tensor_parallel,
+    )
+
+
+def build_model(
+    cfg: DictConfig,
+    backend: Backend,
+    resolved: Resolved,
+    init_device: str | None = None,
+) -> nn.Module:
+    """The model of ``cfg.model``'s family built inside the wrap context: each unit is
+    sharded as it is constructed, and a meta-device model is materialised shard by
+    shard from the family's per-parameter init."""
+    init_device = init_device or cfg.model.init_device
+    spec, config = resolved.spec, resolved.model_config
+    seed, s = cfg.trainer.seed, cfg.sharding
+    pretrained = cfg.model.pretrained if backend.allocates else None
+    if pretrained and backend.meta_init:
+        init_device = "meta"  # never whole: each rank fills only its own shards
+    policy = build_policy(
+        resolved.policies,
+        min_num_params=s.min_params,
+        exclude_wrap_modules=resolved.exclude_wrap_modules,
+        force_leaf_modules=resolved.force_leaf_modules,
+        block_cls=spec.block_classes(config) or None,
+    )
+    init_fn = None
+    if init_device == "meta" and spec.init_tensor is not None:
+
+        def init_fn(name: str, t: torch.Tensor) -> torch.Tensor:
+            if pretrained and isinstance(t, nn.Parameter):
+                return torch.empty(t.shape)  # loaded below; buffers are computed
+            return spec.init_tensor(name, t.shape, config, seed)
+
+    # Checkpointing and compile apply to the model's blocks, whatever units the policy
+    # chooses (a block unit, or a block inside a larger unit).
+    transform = UnitTransform(
+        s.activation_checkpointing,
+        s.activation_checkpointing_every,
+        s.compile,
+        targets=spec.block_classes(config),
+    )
+    with _ties_as_one_line(backend.rank):
+        model = build_sharded_model(
+            lambda: spec.build(config, seed),
+            backend,
+            policy,
+            init_device,
+            init_fn,
+            transform=transform,
+            tp_plan=tensor_parallel_plan(cfg, spec, config),
+        )
+    set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
+    if pretrained:
+        load_hf_weights(
+            model,
+            os.path.expanduser(pretrained),
+            spec.hf.to_hf_name,
+            spec.hf.converting_model(config),
+            spec.hf.transposed,
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _ties_as_one_line(rank: int) -> Iterator[None]:
+    """The sharding layer warns (TiedParametersWarning) when auto_wrap keeps modules
+    that share parameters in one unit; for a run that is a known, intended fact (a
+    tied embedding and head), reported as one plain line on rank 0. Other warnings
+    raised inside pass through as usual."""
+    with warnings.catch_warnings(record=True) as caught:
+        yield
+    users: dict[str, list[str]] = {}
+    for w in caught:
+        if issubclass(w.category, TiedParametersWarning):
+            for path, names in w.message.blocked_by_ties.items():
+                for name in names:
+                    users.setdefault(name, []).append(path or "<root>")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if users and rank == 0:
+        ties = "; ".join(f"{n} ({', '.join(sorted(u))})" for n, u in users.items())
+        log.info("tied parameters stay whole in one unit: %s", ties)

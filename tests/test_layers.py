@@ -1,0 +1,125 @@
+"""Imports in src/ only go down: the allowed direction, written once (LAYERS).
+
+Every ``import`` in src/ is read, those inside functions included: a layer (a folder of
+src/, or a top-level module) may import its own modules and those of lower floors,
+never a floor above or a neighbour on its own floor, so no two layers import each other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Lowest floor first. A floor may import any floor below it; the layers sharing a floor
+# do not import each other.
+LAYERS: list[set[str]] = [
+    {"registry", "util", "errors", "entry"},
+    {"cli_help"},
+    {"sharding"},
+    {"models"},
+    {"resolved"},
+    {"data", "observe"},
+    {"checkpoint"},
+    {"build"},
+    {"planner"},
+    {"trainer"},
+    {"runs"},
+    {"config"},
+    {"harness"},
+]
+FLOOR = {layer: i for i, floor in enumerate(LAYERS) for layer in floor}
+
+
+def _layer(module: str) -> str | None:
+    """``src.data.corpus`` -> ``data``; ``src.config`` -> ``config``; else None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "src" and len(parts) > 1 else None
+
+
+def _module_of(path: Path, src: Path) -> str:
+    rel = path.relative_to(src.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, src: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file, relative ones resolved."""
+    here = _module_of(path, src)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+            # ``from src import data`` imports the layer ``data``.
+            if module == "src":
+                found += [(node.lineno, f"src.{a.name}") for a in node.names]
+    return found
+
+
+def layer_violations(src: Path = SRC) -> list[str]:
+    bad = []
+    for path in sorted(src.rglob("*.py")):
+        own = _layer(_module_of(path, src))
+        if own is None:
+            continue
+        for line, module in _imports(path, src):
+            other = _layer(module)
+            if other is None or other == own:
+                continue
+            where = f"{path.relative_to(src.parent)}:{line} imports {module}"
+            if own not in FLOOR or other not in FLOOR:
+                bad.append(f"{where}: a layer missing from LAYERS")
+            elif FLOOR[other] >= FLOOR[own]:
+                rel = "a neighbour" if FLOOR[other] == FLOOR[own] else "a higher layer"
+                bad.append(f"{where}: {rel} ({other} above or beside {own})")
+    return bad
+
+
+def test_every_layer_of_src_is_placed() -> None:
+    on_disk = {p.stem for p in SRC.glob("*.py")} | {
+        p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()
+    }
+    assert on_disk - {"__init__"} - set(FLOOR) == set(), "add the new layer to LAYERS"
+
+
+def test_imports_only_go_down() -> None:
+    assert layer_violations() == []
+
+
+def test_the_check_sees_upward_and_sideways_imports(tmp_path) -> None:
+    """The checker itself: an upward import inside a function and a sideways one."""
+    fake = tmp_path / "src"
+    (fake / "data").mkdir(parents=True)
+    (fake / "sharding").mkdir()
+    (fake / "data" / "__init__.py").write_text("")
+    (fake / "data" / "x.py").write_text("from src.observe import logs\n")
+    (fake / "sharding" / "y.py").write_text(
+        "def f():\n    from ..trainer import loop\n"
+    )
+    found = layer_violations(fake)
+    assert any(
+        "src/data/x.py:1 imports src.observe" in b and "neighbour" in b for b in found
+    )
+    assert any(
+        "src/sharding/y.py:2 imports src.trainer" in b and "higher" in b for b in found
+    )
+
+
+def test_no_layer_holds_more_than_a_third_of_src() -> None:
+    lines = {p: len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
+    total = sum(lines.values())
+    per_layer: dict[str, int] = {}
+    for path, n in lines.items():
+        layer = _layer(_module_of(path, SRC)) or "src"
+        per_layer[layer] = per_layer.get(layer, 0) + n
+    biggest = max(per_layer, key=per_layer.get)
+    assert per_layer[biggest] <= total / 3, (biggest, per_layer[biggest], total)
