@@ -17,6 +17,7 @@ from src.observe.loggers import build_logger, run_identity
 from src.observe.metrics import (
     ThroughputMeter,
     cpu_flags,
+    interval_line,
     lookup_gpu_peak_tflops,
     measure_matmul_flops,
     memory_metrics,
@@ -188,6 +189,20 @@ def test_mfu_above_one_is_omitted_with_one_line(caplog):
     assert first["tokens_per_s"] == pytest.approx(1000.0)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("MFU omitted")
+
+
+def test_interval_line_says_mfu_na_when_the_window_has_none():
+    """A window without MFU (omitted above 100%) is a line, not a KeyError."""
+    row = {"loss": 4.5, "lr": 1e-3, "tokens_per_s": 2048.0, "step_time_s": 0.5}
+    assert interval_line(10, {**row, "peak_mem_gib": 0.25}) == (
+        "step 10: loss 4.5000, 2,048 tok/s, 500.0 ms/step, mfu n/a, mem 0.250 GiB, "
+        "lr 1.00e-03"
+    )
+    assert "ms/step, mfu 12.50%, lr" in interval_line(10, {**row, "mfu": 0.125})
+    assert (
+        interval_line(1, {"loss": 5.0, "lr": 1e-4})
+        == "step 1: loss 5.0000, lr 1.00e-04"
+    )
 
 
 # --- memory ---------------------------------------------------------------------------

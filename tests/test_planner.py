@@ -18,6 +18,7 @@ from src.harness import compose_config
 from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes
 from src.models.memory import ActivationBytes
+from src.planner import planner
 from src.planner.planner import (
     PROCESS_BYTES,
     RUNTIME_BYTES,
@@ -29,7 +30,6 @@ from src.resolved import resolve
 from src.sharding import BACKENDS, Backend, Unit, WrapPlan
 from src.sharding.backends import FSDP1Backend
 from src.sharding.ddp import DDPBackend
-from src.planner import planner
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -456,3 +456,21 @@ def test_sweep_precheck_plans_the_wrap_policy_the_run_gets():
     size_needs = planner.budget_check(cfg, resolve(cfg))[0]
     assert (needs, budget) == planner.budget_check(block, resolve(block))
     assert needs != size_needs
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_default_policy_plans_hsdp_on_the_runs_world(tp):
+    """HSDP (and TP) with the default policy: the size policy's units are counted on
+    the run's world (it was given the tensor-parallel degree, so ``sharding.replicate=2``
+    failed before any rank started: 'must divide the world size 1')."""
+    cfg = _compose(
+        "model=gpt2",
+        "trainer.devices=16",
+        "sharding.replicate=2",
+        f"sharding.tensor_parallel={tp}",
+    )
+    chosen, run, line = planner.default_policy(cfg, resolve(cfg), set())
+    assert chosen.sharding.policy == "block" and run.policies == (
+        resolve(chosen).policies
+    )
+    assert line.startswith("sharding.policy=block: with sharding.min_params=")

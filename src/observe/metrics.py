@@ -385,14 +385,15 @@ def reduce_max_min(metrics: dict, group=None) -> dict:
 
 def interval_line(step: int, row: dict) -> str:
     """nanoGPT's per-interval line from a logged row: step, loss, then the figures
-    the row has (tokens/s, step time and MFU from the second log point on, peak
-    memory per rank, learning rate)."""
+    the row has (tokens/s, step time and MFU from the second log point on: ``mfu
+    n/a`` when the window has none; peak memory per rank, learning rate)."""
     parts = [f"step {step}: loss {row['loss']:.4f}"]
     if "tokens_per_s" in row:
+        mfu = row.get("mfu")
         parts += [
             f"{row['tokens_per_s']:,.0f} tok/s",
             f"{row['step_time_s'] * 1e3:.1f} ms/step",
-            f"mfu {row['mfu']:.2%}",
+            "mfu n/a" if mfu is None else f"mfu {mfu:.2%}",
         ]
     if "peak_mem_gib" in row:
         parts.append(f"mem {row['peak_mem_gib']:.3f} GiB")

@@ -1007,7 +1007,7 @@ def default_policy(
         or not backend_class(s.backend).shards_parameters
     ):
         return cfg, resolved, ""
-    plan = plan_of(cfg, build_meta_model(cfg, resolved), _tp(cfg))
+    plan = plan_of(cfg, build_meta_model(cfg, resolved), resolved.world_size)
     if not _nested(plan):
         return cfg, resolved, ""
     inside = sum(1 for u in plan.units if u.path)

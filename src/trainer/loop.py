@@ -558,6 +558,8 @@ class Trainer:
             metrics["skipped_steps"] = self.skipped_steps
         self.logger.log(metrics, step=step)
         self.summary.update(metrics)
+        if speed and "mfu" not in speed:
+            self.summary.pop("mfu", None)  # the last window's, or none (omitted)
         if self.rank == 0:  # only rank 0 measures MFU
             # On the console without the bar; in train.log either way.
             extra = None if self.bar.disable else FILE_ONLY
