@@ -652,7 +652,9 @@ def test_damaged_checkpoints_are_named_and_auto_takes_the_newest_good(tmp_path):
     with pytest.raises(CheckpointError, match="step_00000003 is damaged: .*checksum"):
         ckpt.load(shard.parent, model, optimizer, scheduler)
     (tmp_path / "step_00000001" / "rng" / "rank_00000.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="no usable checkpoint.*No such file"):
+    with pytest.raises(
+        CheckpointError, match="no usable checkpoint.*rank_00000.safetensors is missing"
+    ):
         resolve_resume("auto", tmp_path, ckpt.verify)
 
 
@@ -721,7 +723,7 @@ def test_load_refuses_pickled_code(tmp_path, capsys):
     ):
         ckpt.load(path, model, optimizer, scheduler)
     # Checksums are no defence against a crafted file: the unpickler is.
-    with pytest.raises(RuntimeError, match="refusing to load builtins.print"):
+    with pytest.raises(CheckpointError, match="it names builtins.print"):
         ckpt.load(path, model, optimizer, scheduler, verify=False)
     assert "must never run" not in capsys.readouterr().out
 

@@ -8,33 +8,47 @@ Layout of a checkpoint directory (``trainer.ckpt_every`` writes one per save)::
         rng/rank_00000.safetensors                    per-rank RNG states (tensors + JSON)
         meta.json                                     step, world size, scheduler, extra,
                                                       size and CRC-32 of every file above
-        COMPLETE                                      completion marker, written last
+        COMPLETE                                      completion marker, written last;
+                                                      holds the CRC-32 of meta.json
       .tmp.step_00000300/     a save in progress (or one that crashed): never loaded
 
 Model and optimizer go through DCP, so a checkpoint written by N ranks loads on M ranks
 under any of FSDP2, FSDP1 (``use_orig_params=True``), DDP or a plain module. Only tensors
 are given to DCP; every non-tensor value (optimizer hyperparameters, scheduler state,
-extra) is stored as JSON and the DCP index is read with an allow-list unpickler, so
-loading a checkpoint never runs arbitrary pickled code.
+extra) is stored as JSON.
+
+Everything read is data, checked before it is used. DCP's index (``.metadata``, a
+pickle) is read by an unpickler that builds only an allow-list of exact (module, name)
+pairs of DCP's own records, then checked as a whole: tensors only (DCP would hand a
+bytes entry to ``torch.load(weights_only=False)``), every chunk inside its tensor and
+inside a ``.distcp`` file of the checkpoint, no stream transforms; DCP reads the tensors
+themselves with ``torch.load(weights_only=True)``. ``meta.json``'s fields are checked
+for type and range (:func:`read_checkpoint_meta`), its checksum entries may name only
+files inside the checkpoint, and the JSON sections must have the kinds of value this
+run's own state has before any is set. RNG files are safetensors (no pickle).
 
 Loading is strict and verified: a parameter, buffer or optimizer tensor that the
 checkpoint and the model do not both have, or have with different shapes, is a
 :class:`CheckpointError` naming the first one; every file is checked against the size
-and checksum recorded at save (the work split over the ranks), and ``resume=auto``
-skips a checkpoint that fails, saying why, for the newest one that passes. CRC-32
-(zlib) rather than a cryptographic hash: it detects torn writes and flipped bytes at
-memory speed, and a checkpoint is not a security boundary (the unpickler above is).
+and checksum recorded at save (the work split over the ranks; a file no checksum
+covers, a link or a device is damage), and ``resume=auto`` skips a checkpoint that
+fails, saying why, for the newest one that passes. CRC-32 (zlib) rather than a
+cryptographic hash: it detects torn writes and flipped bytes at memory speed; a forger
+can recompute it, which is why the reading above is safe without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import math
 import os
 import pickle
 import random
 import re
 import shutil
+import stat
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -47,10 +61,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -65,8 +87,12 @@ from src.util import collective_device
 MARKER = "COMPLETE"
 META = "meta.json"
 RNG_DIR = "rng"
-FORMAT_VERSION = 2  # 2: meta.json holds per-file checksums
+# 2: meta.json holds per-file checksums; 3: the marker holds meta.json's CRC-32
+FORMAT_VERSION = 3
+_MARKER_TEXT = re.compile(rf"{re.escape(META)} crc32 ([0-9a-f]{{8}})\n")
 CHECKSUMS = "checksums"
+INDEX = ".metadata"  # DCP's index of tensors, chunks and file offsets (a pickle)
+_CRC32 = re.compile(r"[0-9a-f]{8}")
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp."
 _OLD_PREFIX = ".old."
@@ -205,52 +231,322 @@ def _rng_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / RNG_DIR / f"rank_{rank:05d}.safetensors"
 
 
-# ----------------------------------------------------------- safe DCP metadata
+# ------------------------------------------------------------- reading safely
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickler for DCP's ``.metadata`` index that only builds DCP's own records.
+class _Damaged(ValueError):
+    """What is wrong with one file of a checkpoint (a reason, without the path)."""
 
-    DCP stores its index (tensor shapes, chunk offsets, file offsets) with pickle;
-    this refuses every global outside that vocabulary instead of importing it.
-    """
 
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-    }
+def _bad_value(where: str, value: Any, want: str) -> _Damaged:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return _Damaged(f"{where} is {shown}, not {want}")
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _member_name(name: Any) -> bool:
+    """A checksum entry that can only name a file inside the checkpoint."""
+    if type(name) is not str or not name or "\\" in name or "\0" in name:
+        return False
+    parts = name.split("/")
+    return not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def _check_meta(meta: Any, step: int | None) -> dict:
+    """``meta`` (meta.json, parsed) if every field has its type and range, else
+    _Damaged naming the first field that does not; ``step`` is the one the
+    checkpoint's directory name says."""
+    if not isinstance(meta, dict):
+        raise _Damaged(f"{META} holds a {type(meta).__name__}, not a JSON object")
+    version = meta.get("format_version")
+    if version not in (2, FORMAT_VERSION) or type(version) is not int:
+        raise _bad_value(
+            f"{META}: format_version",
+            version,
+            f"2 or {FORMAT_VERSION} (this version's)",
+        )
+    if not _is_int(meta.get("step")):
+        raise _bad_value(f"{META}: step", meta.get("step"), "an integer >= 0")
+    if step is not None and meta["step"] != step:
+        raise _bad_value(f"{META}: step", meta["step"], f"{step} (the directory's)")
+    if not _is_int(meta.get("world_size"), 1):
+        raise _bad_value(
+            f"{META}: world_size", meta.get("world_size"), "an integer >= 1"
+        )
+    for key, types, want in (
+        ("torch_version", (str,), "a string"),
+        ("model_objects", (dict,), "an object"),
+        ("optim_objects", (dict,), "an object"),
+        ("scheduler", (dict, type(None)), "an object or null"),
+        ("extra", (dict,), "an object"),
+        (CHECKSUMS, (dict,), "an object"),
+    ):
+        if type(meta.get(key)) not in types:
+            raise _bad_value(f"{META}: {key}", meta.get(key), want)
+    for name, entry in meta[CHECKSUMS].items():
+        if not _member_name(name):
+            raise _bad_value(
+                f"{META}: a checksum entry", name, "a file inside the checkpoint"
+            )
+        if (
+            not isinstance(entry, dict)
+            or not _is_int(entry.get("bytes"))
+            or not isinstance(entry.get("crc32"), str)
+            or not _CRC32.fullmatch(entry["crc32"])
+        ):
+            raise _bad_value(
+                f"{META}: checksums[{name!r}]",
+                entry,
+                '{"bytes": integer >= 0, "crc32": 8 hex digits}',
+            )
+    needed = [INDEX] + [str(_rng_file(Path(), r)) for r in range(meta["world_size"])]
+    missing = [n for n in needed if n not in meta[CHECKSUMS]]
+    if missing:
+        raise _Damaged(f"{META} has no checksum of {missing[0]}")
+    return meta
+
+
+def read_checkpoint_meta(path: str | Path) -> dict:
+    """``meta.json`` of the checkpoint at ``path``, checked before anything acts on
+    it: step (that of the ``step_N`` directory), world size, the JSON sections, and
+    checksum entries that name only files inside the checkpoint. A
+    :class:`CheckpointError` in one line naming the field otherwise."""
+    path = Path(path)
+    try:
+        return _read_meta(path)
+    except _Damaged as exc:
+        raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from None
+
+
+def _read_meta(path: Path) -> dict:
+    file = path / META
+    if file.is_symlink() or not file.is_file():
+        raise _Damaged(f"{META} is missing or not a regular file")
+    marker = path / MARKER
+    if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 64:
+        raise _Damaged(f"{MARKER} is missing or not a marker")
+    try:
+        data, sealed = file.read_bytes(), marker.read_text()
+    except (OSError, ValueError) as exc:
+        raise _Damaged(f"{META} is unreadable ({_one_line(exc)})") from None
+    seal = _MARKER_TEXT.fullmatch(sealed)
+    if sealed and not seal:
+        raise _Damaged(f"{MARKER} is damaged")
+    if seal and seal.group(1) != f"{zlib.crc32(data):08x}":
+        raise _Damaged(f"{META} fails its checksum (corrupted)")
+    try:
+        meta = json.loads(
+            data.decode(), parse_constant=_no_constant, parse_float=_finite
+        )
+    except (ValueError, RecursionError) as exc:
+        raise _Damaged(f"{META} is unreadable ({_one_line(exc)})") from None
+    meta = _check_meta(meta, _step_of(path))
+    if not seal and meta["format_version"] != 2:
+        raise _Damaged(
+            f"{MARKER} is empty (format {meta['format_version']} seals {META})"
+        )
+    return meta
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} does not fit a float")
+    return value
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _stray_files(root: Path, names: list[str]) -> str | None:
+    """Why the files under ``root`` are not exactly meta.json, the marker and
+    ``names`` as regular files (a link, a device, a file no checksum covers), or
+    None."""
+    expected = set(names) | {META, MARKER}
+    present = set()
+    for dirpath, dirs, files in os.walk(root):
+        for entry in dirs + files:
+            full = Path(dirpath, entry)
+            rel = str(full.relative_to(root))
+            mode = full.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                return f"{rel} is a symbolic link"
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                return f"{rel} is not a regular file"
+            if rel not in expected:
+                return f"{rel} has no checksum in {META}"
+            present.add(rel)
+    missing = sorted(expected - present)
+    return f"{missing[0]} is missing" if missing else None
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickler for DCP's ``.metadata`` index that builds DCP's own records and
+    nothing else: exact (module, name) pairs, so no dotted name (protocol 4 resolves
+    ``a.b`` attribute by attribute) and no other member of an allowed module passes.
+    A bytes entry (``BytesStorageMetadata``, loaded by DCP with full pickle) is not
+    among them: this project's checkpoints hold tensors only."""
+
+    _ALLOWED = frozenset(
+        [
+            *(
+                ("torch.distributed.checkpoint.metadata", n)
+                for n in (
+                    "Metadata",
+                    "MetadataIndex",
+                    "StorageMeta",
+                    "TensorProperties",
+                    "TensorStorageMetadata",
+                    "ChunkStorageMetadata",
+                    "_MEM_FORMAT_ENCODING",
+                )
+            ),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict"),
+            *(
+                (m, n)
+                for m in ("pathlib", "pathlib._local")
+                for n in (
+                    "PosixPath",
+                    "PurePosixPath",
+                    "WindowsPath",
+                    "PureWindowsPath",
+                )
+            ),
+            *(
+                ("torch", n)
+                for n, v in vars(torch).items()
+                if isinstance(v, torch.dtype)
+            ),
+        ]
+    )
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (
-            module
-            in (
-                "torch.distributed.checkpoint.metadata",
-                "torch.distributed.checkpoint.planner",
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent id")
+
+
+def _size(value: Any, where: str) -> tuple[int, ...]:
+    if type(value) is not torch.Size or not all(_is_int(d) for d in value):
+        raise _bad_value(where, value, "a shape")
+    return tuple(value)
+
+
+def _check_index(md: Any, sizes: dict[str, int]) -> Metadata:
+    """``md`` if it is a DCP index of tensors only, every chunk inside its tensor
+    and stored in a listed ``.distcp`` file of the checkpoint within its size
+    (``sizes``: recorded bytes), with no stream transform; _Damaged otherwise."""
+    where = INDEX
+    if type(md) is not Metadata:
+        raise _bad_value(where, type(md).__name__, "a DCP Metadata")
+    entries, storage = md.state_dict_metadata, md.storage_data
+    if type(entries) is not dict or type(storage) is not dict:
+        raise _Damaged(f"{where} has no tensor table or no storage table")
+    for key, entry in entries.items():
+        if type(key) is not str:
+            raise _bad_value(f"{where}: a key", key, "a string")
+        if type(entry) is not TensorStorageMetadata:
+            raise _bad_value(f"{where}: {key}", type(entry).__name__, "a tensor entry")
+        props = entry.properties
+        if type(props) is not TensorProperties or type(props.dtype) is not torch.dtype:
+            raise _bad_value(f"{where}: {key}'s properties", props, "a dtype")
+        shape = _size(entry.size, f"{where}: {key}'s size")
+        if type(entry.chunks) is not list:
+            raise _bad_value(f"{where}: {key}'s chunks", entry.chunks, "a list")
+        for chunk in entry.chunks:
+            if type(chunk) is not ChunkStorageMetadata:
+                raise _bad_value(f"{where}: {key}'s chunk", chunk, "a chunk")
+            offsets = _size(chunk.offsets, f"{where}: {key}'s chunk offsets")
+            lengths = _size(chunk.sizes, f"{where}: {key}'s chunk sizes")
+            if (
+                len(offsets) != len(shape)
+                or len(lengths) != len(shape)
+                or any(
+                    o + n > d for o, n, d in zip(offsets, lengths, shape, strict=True)
+                )
+            ):
+                raise _Damaged(f"{where}: a chunk of {key} lies outside its tensor")
+            if MetadataIndex(key, offsets) not in storage:
+                raise _Damaged(f"{where}: a chunk of {key} is stored nowhere")
+    data_files = {
+        n: b for n, b in sizes.items() if "/" not in n and n.endswith(".distcp")
+    }
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or index.fqn not in entries:
+            raise _bad_value(f"{where}: a storage key", index, "a tensor's chunk")
+        if type(info) is not _StorageInfo or info.relative_path not in data_files:
+            raise _bad_value(
+                f"{where}: {index.fqn}'s file",
+                getattr(info, "relative_path", info),
+                "a .distcp file of the checkpoint",
             )
-            or (module, name) in self._ALLOWED
+        if not (_is_int(info.offset) and _is_int(info.length)) or (
+            info.offset + info.length > data_files[info.relative_path]
         ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint: refusing to load {module}.{name} from a DCP index"
+            raise _Damaged(f"{where}: {index.fqn} lies outside {info.relative_path}")
+        if info.transform_descriptors:
+            raise _bad_value(
+                f"{where}: {index.fqn}'s transforms",
+                info.transform_descriptors,
+                "none",
+            )
+    planner = md.planner_data
+    if planner is not None and (
+        type(planner) is not dict
+        or not all(
+            type(k) is str and type(v) is tuple and all(type(p) is str for p in v)
+            for k, v in planner.items()
         )
+    ):
+        raise _bad_value(f"{where}: planner_data", planner, "key paths")
+    if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
+        raise _bad_value(f"{where}: storage_meta", md.storage_meta, "a StorageMeta")
+    return md
+
+
+def _read_index(path: Path, meta: dict) -> Metadata:
+    """The checkpoint's DCP index, unpickled with :class:`_IndexUnpickler` and
+    checked by :func:`_check_index`; _Damaged saying what is wrong otherwise."""
+    try:
+        with open(path / INDEX, "rb") as f:
+            md = _IndexUnpickler(f).load()
+    except Exception as exc:  # pickle's own errors are of many types
+        raise _Damaged(
+            f"{INDEX} is not a DCP index of tensors ({_one_line(exc)})"
+        ) from None
+    sizes = {n: e["bytes"] for n, e in meta[CHECKSUMS].items()}
+    return _check_index(md, sizes)
 
 
 class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader given an index already read and checked (never unpickled
+    again from the file)."""
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self._metadata = metadata
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata = copy.copy(self._metadata)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
 
@@ -288,13 +584,11 @@ def _step_of(path: Path) -> int | None:
 
 
 def is_complete(path: str | Path) -> bool:
-    """A published checkpoint: a ``step_N`` dir holding the completion marker."""
+    """A published checkpoint: a ``step_N`` dir holding the completion marker (its
+    other files, meta.json included, are checked by :meth:`Checkpointer.verify`)."""
     path = Path(path)
-    return (
-        _step_of(path) is not None
-        and (path / MARKER).is_file()
-        and (path / META).is_file()
-    )
+    marker = path / MARKER
+    return _step_of(path) is not None and (marker.exists() or marker.is_symlink())
 
 
 def complete_checkpoints(directory: str | Path) -> list[Path]:
@@ -521,7 +815,8 @@ class Checkpointer:
     def _publish(self, tmp: Path, final: Path, meta_text: str) -> None:
         """Marker last, then one rename: readers see all of a checkpoint or none of it."""
         _write_synced(tmp / META, meta_text)
-        _write_synced(tmp / MARKER, "")
+        crc = zlib.crc32(meta_text.encode())
+        _write_synced(tmp / MARKER, f"{META} crc32 {crc:08x}\n")
         _fsync_dir(tmp)
         if final.exists():  # saving a step again (e.g. after a resume): replace it
             old = final.with_name(f"{_OLD_PREFIX}{final.name}")
@@ -545,25 +840,33 @@ class Checkpointer:
                 shutil.rmtree(path)
 
     def verify(self, path: str | Path) -> str | None:
-        """Why the checkpoint at ``path`` is damaged (a file missing, truncated or
-        failing its checksum), or None if it is intact. A collective: each rank checks
-        a share of the files and every rank gets the same answer. A checkpoint written
-        before checksums existed (format 1) passes."""
+        """Why the checkpoint at ``path`` is damaged, or None if it is intact: its
+        ``meta.json`` checked (:func:`read_checkpoint_meta`), its files exactly those
+        meta.json lists (regular files, none missing, none extra), each of the size
+        and CRC-32 recorded, and its DCP index one of tensors stored in those files.
+        A collective: each rank checks a share of the files and every rank gets the
+        same answer."""
         path = Path(path)
-        expected, reason = {}, None
+        names, reason, meta = [], None, None
         try:
-            expected = json.loads((path / META).read_text()).get(CHECKSUMS) or {}
-        except (OSError, ValueError) as exc:
-            reason = f"{META} unreadable ({exc})"
-        got, error = _digests(path, sorted(expected), reason)
+            meta = _read_meta(path)
+            names = sorted(meta[CHECKSUMS])
+            reason = _stray_files(path, names)
+        except (_Damaged, OSError) as exc:
+            reason = str(exc)
+        got, error = _digests(path, names if reason is None else [], reason)
         if error is not None:
             return str(error)
-        for name, want in sorted(expected.items()):
+        for name, want in sorted(meta[CHECKSUMS].items()):
             have = got[name]
             if have["bytes"] != want["bytes"]:
                 return f"{name} has {have['bytes']} bytes, {want['bytes']} were written"
             if have["crc32"] != want["crc32"]:
                 return f"{name} fails its checksum (corrupted)"
+        try:
+            _read_index(path, meta)
+        except _Damaged as exc:
+            return str(exc)
         return None
 
     def load(
@@ -580,16 +883,38 @@ class Checkpointer:
         size, any backend), but must have the same tensors with the same shapes.
         Per-rank RNG states are restored only when the world size is unchanged (they
         have no meaning otherwise). ``verify=False`` skips the checksums (the caller
-        already ran :meth:`verify`). Returns ``{"step": step, **extra}``.
+        already ran :meth:`verify`); every value is still checked against the kind
+        this run's own state holds before any is set. Returns
+        ``{"step": step, **extra}``.
         """
         path = Path(path)
         meta = self._meta(path, verify)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
-        model_tensors, _ = _split(model_sd)
-        optim_tensors, _ = _split(optim_sd)
-        _read_tensors(path, {"model": model_tensors, "optim": optim_tensors})
-        model_tensors.update(_from_json(meta["model_objects"]))
-        optim_tensors.update(_from_json(meta["optim_objects"]))
+        model_tensors, model_objects = _split(model_sd)
+        optim_tensors, optim_objects = _split(optim_sd)
+        wanted = {"model": model_tensors, "optim": optim_tensors}
+        with _as_error(path):
+            index = _read_index(path, meta)
+        _check_same_tensors(path, index, wanted)
+        with _as_error(path):
+            model_objects = json_like(
+                meta["model_objects"], model_objects, "model_objects"
+            )
+            optim_objects = json_like(
+                meta["optim_objects"], optim_objects, "optim_objects"
+            )
+            if scheduler is not None:
+                if meta["scheduler"] is None:
+                    raise _Damaged("it holds no scheduler state")
+                live = scheduler.state_dict()
+                saved = {k: v for k, v in meta["scheduler"].items() if k in live}
+                scheduler_state = json_like(saved, live, "scheduler", partial=True)
+            rng = None
+            if meta["world_size"] == _world_size():
+                rng = _read_rng(_rng_file(path, this_rank()), path)
+        _read_tensors(path, index, wanted)
+        model_tensors.update(model_objects)
+        optim_tensors.update(optim_objects)
         set_state_dict(
             model,
             optimizer,
@@ -598,15 +923,9 @@ class Checkpointer:
             options=_DSD_OPTIONS,
         )
         if scheduler is not None:
-            if meta["scheduler"] is None:
-                raise ValueError(f"{path} holds no scheduler state")
-            scheduler.load_state_dict(_from_json(meta["scheduler"]))
-
-        if meta["world_size"] == _world_size():
-            rng_path = _rng_file(path, this_rank())
-            with safe_open(rng_path, framework="pt") as f:
-                scalars = json.loads(f.metadata()["scalars"])
-            _set_rng_state(load_file(rng_path), scalars)
+            scheduler.load_state_dict(scheduler_state)
+        if rng is not None:
+            _set_rng_state(*rng)
         else:
             warnings.warn(
                 f"checkpoint {path.name} was written by {meta['world_size']} ranks and "
@@ -624,33 +943,171 @@ class Checkpointer:
         unread. Returns ``{"step": step, **extra}``."""
         path = Path(path)
         meta = self._meta(path, verify)
-        model_tensors, _ = _split(get_model_state_dict(model, options=_DSD_OPTIONS))
-        _read_tensors(path, {"model": model_tensors})
-        model_tensors.update(_from_json(meta["model_objects"]))
+        model_tensors, objects = _split(
+            get_model_state_dict(model, options=_DSD_OPTIONS)
+        )
+        wanted = {"model": model_tensors}
+        with _as_error(path):
+            index = _read_index(path, meta)
+        _check_same_tensors(path, index, wanted)
+        with _as_error(path):
+            objects = json_like(meta["model_objects"], objects, "model_objects")
+        _read_tensors(path, index, wanted)
+        model_tensors.update(objects)
         set_model_state_dict(model, model_tensors, options=_DSD_OPTIONS)
         return {"step": meta["step"], **_from_json(meta["extra"])}
 
     def _meta(self, path: Path, verify: bool) -> dict:
-        """``meta.json`` of a complete checkpoint, after :meth:`verify` if asked."""
+        """``meta.json`` of a complete checkpoint, checked; after :meth:`verify` if
+        asked."""
         if not is_complete(path):
             raise FileNotFoundError(f"not a complete checkpoint: {path}")
         reason = self.verify(path) if verify else None
         if reason is not None:
             raise CheckpointError(f"checkpoint {path} is damaged: {reason}")
-        return json.loads((path / META).read_text())
+        return read_checkpoint_meta(path)
 
 
-def _read_tensors(path: Path, wanted: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Fill ``wanted`` (``{"model": ..., "optim": ...}``: this rank's possibly sharded
-    tensors) in place from the checkpoint, after checking that it holds exactly these
-    tensors with these shapes."""
+@contextlib.contextmanager
+def _as_error(path: Path) -> Iterator[None]:
     try:
-        metadata = _SafeReader(path).read_metadata()
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"checkpoint {path}: {exc}") from exc
-    _check_same_tensors(path, metadata, wanted)
-    with quiet_single_process(), dcp_errors(f"load from {path}"):
-        dcp.load(wanted, storage_reader=_SafeReader(path))
+        yield
+    except _Damaged as exc:
+        raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from None
+
+
+def _kind(value: Any) -> str:
+    if value is None or type(value) in (bool, str, dict, list):
+        return {
+            None: "null",
+            bool: "a boolean",
+            str: "a string",
+            dict: "an object",
+            list: "a list",
+        }[None if value is None else type(value)]
+    if type(value) in (int, float):
+        return "a number"
+    if type(value) is tuple:
+        return f"a tuple of {len(value)}"
+    return type(value).__name__
+
+
+def json_like(saved: Any, live: Any, where: str, partial: bool = False) -> Any:
+    """``saved`` (a JSON section of a checkpoint) as Python values, if it has the
+    shape of ``live`` (what this run's own state holds there): the same keys (a
+    subset with ``partial``, top level only), the same kinds of value, finite
+    numbers (integers where ``live`` has one); a null where ``live`` has a boolean
+    or a null is accepted (optional flags). _Damaged naming the first difference
+    otherwise."""
+    saved = _from_json(saved)
+
+    def same(s: Any, v: Any, at: str) -> None:
+        if v is None and (s is None or type(s) in (bool, int, float, str)):
+            pass
+        elif s is None and type(v) is bool:
+            pass
+        elif _kind(s) != _kind(v) or (type(v) is int and type(s) is float):
+            raise _bad_value(f"{META}: {at}", s, _kind(v))
+        elif type(s) is float and not math.isfinite(s):
+            raise _bad_value(f"{META}: {at}", s, "a finite number")
+        elif type(s) in (list, tuple):
+            if len(s) != len(v):
+                raise _bad_value(f"{META}: {at}", s, f"{len(v)} values")
+            for i, (a, b) in enumerate(zip(s, v, strict=True)):
+                same(a, b, f"{at}[{i}]")
+        elif type(s) is dict:
+            keys(s, v, at)
+
+    def keys(s: dict, v: dict, at: str, subset: bool = False) -> None:
+        extra = [k for k in s if k not in v]
+        missing = [] if subset else [k for k in v if k not in s]
+        if extra or missing:
+            which = (
+                f"has {extra[0]!r}, which this run's state does not"
+                if extra
+                else f"lacks {missing[0]!r}, which this run's state has"
+            )
+            raise _Damaged(f"{META}: {at} {which}")
+        for k in s:
+            same(s[k], v[k], f"{at}.{k}")
+
+    if type(saved) is not dict:
+        raise _bad_value(f"{META}: {where}", saved, "an object")
+    keys(saved, live, where, partial)
+    return saved
+
+
+def checked_extra(path: str | Path, extra: dict, key: str, like: Any) -> Any:
+    """``extra[key]`` of the checkpoint at ``path`` (what :meth:`Checkpointer.load`
+    returned) if it has the kinds of value ``like`` has (see :func:`json_like`);
+    a one-line :class:`CheckpointError` naming it otherwise."""
+    with _as_error(Path(path)):
+        return json_like({key: extra.get(key)}, {key: like}, "extra")[key]
+
+
+#: The RNG states a checkpoint holds per rank: tensor name -> dtype, and the JSON
+#: scalars' kinds (``python_gauss`` is null until random.gauss has run).
+_RNG_TENSORS = {
+    "torch_cpu": torch.uint8,
+    "python_state": torch.int64,
+    "numpy_keys": torch.int64,
+}
+_RNG_SCALARS = {
+    "python_version": (int,),
+    "python_gauss": (float, type(None)),
+    "numpy_name": (str,),
+    "numpy_pos": (int,),
+    "numpy_has_gauss": (int,),
+    "numpy_gauss": (float,),
+}
+
+
+def _read_rng(file: Path, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A rank's RNG file (safetensors: no pickle), checked against the states this
+    process has (names, dtypes, shapes, the scalars' types); _Damaged otherwise."""
+    rel = file.relative_to(path)
+    live_tensors, _ = _rng_state()
+    try:
+        with safe_open(file, framework="pt") as f:
+            scalars = json.loads((f.metadata() or {}).get("scalars", "null"))
+        tensors = load_file(file)
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise _Damaged(f"{rel} is unreadable ({_one_line(exc)})") from None
+    for name, dtype in _RNG_TENSORS.items():
+        got = tensors.get(name)
+        want = live_tensors[name]
+        if got is None or got.dtype != dtype or got.shape != want.shape:
+            raise _bad_value(
+                f"{rel}: {name}", got, f"{dtype} of shape {list(want.shape)}"
+            )
+    if not isinstance(scalars, dict):
+        raise _bad_value(f"{rel}: scalars", scalars, "an object")
+    for name, types in _RNG_SCALARS.items():
+        if type(scalars.get(name)) not in types:
+            raise _bad_value(f"{rel}: {name}", scalars.get(name), types[0].__name__)
+    if not 0 <= scalars["numpy_pos"] <= 624:
+        raise _bad_value(f"{rel}: numpy_pos", scalars["numpy_pos"], "0..624")
+    return tensors, scalars
+
+
+def _read_tensors(
+    path: Path, index: Metadata, wanted: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Fill ``wanted`` (``{"model": ..., "optim": ...}``: this rank's possibly sharded
+    tensors, which :func:`_check_same_tensors` found in ``index``) in place from the
+    checkpoint whose checked DCP ``index`` is given."""
+    try:
+        with quiet_single_process():
+            dcp.load(wanted, storage_reader=_SafeReader(path, index))
+    except CheckpointException as exc:  # every rank's failures, gathered by DCP
+        rank, (error, _) = min(exc.failures.items())
+        what = _one_line(error)
+        if isinstance(error, pickle.UnpicklingError):  # torch.load's long advice
+            what = "bytes that torch.load(weights_only=True) refuses to unpickle"
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: rank {rank} read "
+            f"{type(error).__name__}: {what}"
+        ) from None
 
 
 def _check_same_tensors(
@@ -659,10 +1116,7 @@ def _check_same_tensors(
     """CheckpointError naming the first tensor that the checkpoint and the model do
     not both have with the same (global) shape; model tensors first, in model order.
     DCP alone would ignore extra checkpoint entries and fail deep inside on the rest."""
-    saved = {
-        k: tuple(getattr(v, "size", ()) or ())
-        for k, v in metadata.state_dict_metadata.items()
-    }
+    saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()}
     what = {"model": "the model", "optim": "the optimizer state"}
     for space, tensors in wanted.items():
         here = {f"{space}.{k}": tuple(t.size()) for k, t in tensors.items()}

@@ -27,6 +27,8 @@ from tqdm import tqdm
 from src.build import build_model, make_backend
 from src.checkpoint.dcp import (
     Checkpointer,
+    CheckpointError,
+    checked_extra,
     resolve_resume,
     run_checkpoints,
 )
@@ -188,12 +190,21 @@ def resume(
         return 0, None
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
-    saved_max = state.get("max_steps", cfg.trainer.max_steps)
+    saved_max = checked_extra(
+        path, {"max_steps": cfg.trainer.max_steps, **state}, "max_steps", 1
+    )
+    if saved_max < 1:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: meta.json: extra.max_steps is "
+            f"{saved_max}, not an integer >= 1"
+        )
     extended = None
     if saved_max != cfg.trainer.max_steps:
         extended = _new_schedule(cfg, path, step, saved_max, scheduler, rank)
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])  # fp16 resume stays exact
+    if scaler is not None and state.get("scaler"):  # fp16 resume stays exact
+        scaler.load_state_dict(
+            checked_extra(path, state, "scaler", scaler.state_dict())
+        )
     log.info("resumed from %s (step %d)", path, step)
     return step, extended
 

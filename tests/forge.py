@@ -1,0 +1,204 @@
+"""Damaged and forged files for the fuzz tests: a checkpoint's files cut, flipped,
+retyped, or rewritten by a forger (who recomputes every checksum), with pickles whose
+payload would create a marker file if any of their code ran."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+INDEX, META, MARKER = ".metadata", "meta.json", "COMPLETE"
+
+
+class Payload:
+    """Pickles as ``os.system('touch <marker>')``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _text(s: str) -> bytes:
+    b = s.encode()
+    return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+
+
+def global_call(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle calling ``module``.``name``(arg) (STACK_GLOBAL: a dotted
+    name is looked up attribute by attribute)."""
+    return b"\x80\x04" + _text(module) + _text(name) + b"\x93" + _text(arg) + b"\x85R."
+
+
+# ------------------------------------------------------------------ mutations
+
+
+def truncate(fraction: float) -> Callable[[Path], None]:
+    def cut(file: Path) -> None:
+        data = file.read_bytes()
+        file.write_bytes(data[: int(len(data) * fraction)])
+
+    return cut
+
+
+def flip(where: float) -> Callable[[Path], None]:
+    def flip_byte(file: Path) -> None:
+        data = bytearray(file.read_bytes())
+        if data:
+            i = min(len(data) - 1, int(len(data) * where))
+            data[i] ^= 0x5A
+        file.write_bytes(bytes(data))
+
+    return flip_byte
+
+
+def append(file: Path) -> None:
+    file.write_bytes(file.read_bytes() + b"\x00junk")
+
+
+def delete(file: Path) -> None:
+    file.unlink()
+
+
+def fill(byte: int) -> Callable[[Path], None]:
+    def same_size(file: Path) -> None:
+        file.write_bytes(bytes([byte]) * file.stat().st_size)
+
+    return same_size
+
+
+RAW = {
+    "empty": truncate(0),
+    "half": truncate(0.5),
+    "last byte cut": truncate(0.999),
+    "flip early": flip(0.05),
+    "flip middle": flip(0.5),
+    "flip late": flip(0.97),
+    "append": append,
+    "delete": delete,
+    "0xff": fill(0xFF),
+}
+
+
+# -------------------------------------------------------------------- forging
+
+
+def reseal(ckpt: Path) -> None:
+    """What a forger does after an edit: every checksum and the marker recomputed."""
+    meta = json.loads((ckpt / META).read_text())
+    sums = {}
+    for name in meta.get("checksums", {}):
+        file = ckpt / name
+        if file.is_file() and not name.startswith(("/", "..")) and ".." not in name:
+            data = file.read_bytes()
+            sums[name] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        else:
+            sums[name] = meta["checksums"][name]
+    meta["checksums"] = sums
+    write_meta(ckpt, meta)
+
+
+def write_meta(ckpt: Path, meta: object) -> None:
+    """meta.json as given, with a marker that matches it (a forger's)."""
+    text = json.dumps(meta, allow_nan=True)
+    (ckpt / META).write_text(text)
+    crc = zlib.crc32(text.encode())
+    (ckpt / MARKER).write_text(f"{META} crc32 {crc:08x}\n")
+
+
+def edit_meta(change: Callable[[dict], object]) -> Callable[[Path], None]:
+    def forge(ckpt: Path) -> None:
+        meta = json.loads((ckpt / META).read_text())
+        out = change(meta)
+        write_meta(ckpt, meta if out is None else out)
+
+    return forge
+
+
+def edit_index(change: Callable[[object, Path], object]) -> Callable[[Path], None]:
+    """Unpickle the index (trusted here: the test wrote it), change it, re-pickle,
+    reseal."""
+
+    def forge(ckpt: Path) -> None:
+        with open(ckpt / INDEX, "rb") as f:
+            md = pickle.load(f)
+        out = change(md, ckpt)
+        (ckpt / INDEX).write_bytes(pickle.dumps(md if out is None else out, 4))
+        reseal(ckpt)
+
+    return forge
+
+
+def index_bytes(data: Callable[[Path], bytes]) -> Callable[[Path], None]:
+    def forge(ckpt: Path) -> None:
+        (ckpt / INDEX).write_bytes(data(ckpt))
+        reseal(ckpt)
+
+    return forge
+
+
+def _append_payload(ckpt: Path, marker: Path) -> _StorageInfo:
+    """A pickle with the payload appended to the shard; where it lies."""
+    shard = ckpt / "__0_0.distcp"
+    buf = io.BytesIO()
+    torch.save(Payload(marker), buf)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+    return _StorageInfo(shard.name, offset, len(buf.getvalue()))
+
+
+def bytes_entry(marker: Path) -> Callable[[Path], None]:
+    """The 0-d optimizer ``step`` entry turned into a bytes entry whose bytes are a
+    pickle (DCP would hand them to torch.load(weights_only=False))."""
+
+    def change(md, ckpt: Path) -> None:
+        key = next(k for k in md.state_dict_metadata if k.endswith(".step"))
+        md.state_dict_metadata[key] = BytesStorageMetadata()
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != key}
+        md.storage_data[MetadataIndex(key)] = _append_payload(ckpt, marker)
+
+    return edit_index(change)
+
+
+def shard_payload(marker: Path) -> Callable[[Path], None]:
+    """A tensor's bytes in the shard replaced by a pickle with the payload (DCP reads
+    tensors with weights_only=True)."""
+
+    def change(md, ckpt: Path) -> None:
+        md.storage_data[next(iter(md.storage_data))] = _append_payload(ckpt, marker)
+
+    return edit_index(change)
+
+
+def storage(**fields) -> Callable[[Path], None]:
+    """Every storage entry's fields (relative_path, offset, ...) replaced."""
+
+    def change(md, ckpt: Path) -> None:
+        for k, v in md.storage_data.items():
+            md.storage_data[k] = _StorageInfo(
+                **{**{f: getattr(v, f) for f in v.__dataclass_fields__}, **fields}
+            )
+
+    return edit_index(change)
+
+
+def chunk_outside(md, ckpt: Path) -> None:
+    entry = next(v for v in md.state_dict_metadata.values() if len(v.size))
+    entry.chunks[0].sizes = torch.Size([d + 1 for d in entry.size])
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst

@@ -1,0 +1,290 @@
+"""Every file the project reads is data: a few dozen mutations per format (cut,
+flipped bytes, wrong types, forged pickles whose payload would create a marker file,
+path traversal), each read as the project reads it, in this process. Each must end in
+the module's own one-line error (never another exception), never run the payload, and
+never pass as intact. docs/reliability.md reports the counts."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from src.checkpoint.dcp import (
+    Checkpointer,
+    CheckpointError,
+    read_checkpoint_meta,
+    resolve_resume,
+)
+from tests import forge
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    return model, optimizer, scheduler
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    model, optimizer, scheduler = _model()
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    root = tmp_path_factory.mktemp("good")
+    return Checkpointer(root).save(1, model, optimizer, scheduler, {"max_steps": 4})
+
+
+FILES = [".metadata", "__0_0.distcp", "rng/rank_00000.safetensors", "meta.json"]
+
+
+def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
+    """name -> (kind, mutation of a checkpoint dir). ``damaged``: bytes changed as a
+    crash or a disk would (verify must say why); ``forged``: changed and resealed
+    (every checksum recomputed), so loading itself must refuse, whether or not
+    verify ran; ``load``: resealed JSON values of the wrong kind for this run's
+    optimizer or scheduler, or a tensor's bytes that are not a tensor (refused by
+    ``load``)."""
+    cases: dict[str, tuple[str, object]] = {}
+    for file in FILES:
+        for how, mutate in forge.RAW.items():
+            cases[f"{file}: {how}"] = (
+                "damaged",
+                lambda ckpt, f=file, m=mutate: m(ckpt / f),
+            )
+    cases["COMPLETE: flipped"] = ("damaged", lambda c: forge.flip(0.5)(c / "COMPLETE"))
+    cases["COMPLETE: junk"] = ("damaged", lambda c: (c / "COMPLETE").write_text("x"))
+    cases["a file no checksum covers"] = (
+        "damaged",
+        lambda c: (c / "evil.py").write_text("import os"),
+    )
+
+    def link(ckpt: Path, target: str) -> None:
+        rng = ckpt / "rng" / "rank_00000.safetensors"
+        rng.unlink()
+        rng.symlink_to(target)
+
+    cases["rng file -> /dev/zero"] = ("damaged", lambda c: link(c, "/dev/zero"))
+    cases["rng file -> /etc/hostname"] = ("damaged", lambda c: link(c, "/etc/hostname"))
+
+    def meta_field(key, value):
+        return forge.edit_meta(lambda m: m.__setitem__(key, value))
+
+    for key, value in [
+        ("step", -5),
+        ("step", "2; rm -rf /"),
+        ("step", True),
+        ("step", 7),  # not the directory's
+        ("step", 1.0),
+        ("world_size", 0),
+        ("world_size", "2"),
+        ("format_version", 1),
+        ("format_version", 99),
+        ("scheduler", "x"),
+        ("model_objects", []),
+        ("extra", None),
+        ("checksums", {}),
+        ("checksums", []),
+    ]:
+        cases[f"meta.json: {key}={value!r}"] = ("forged", meta_field(key, value))
+    for what, entry in [
+        ("/dev/zero", "/dev/zero"),
+        ("traversal", "../../../../etc/hostname"),
+        ("dot", "./.metadata"),
+        ("backslash", "rng\\..\\..\\x"),
+    ]:
+        cases[f"meta.json: checksum entry {what}"] = (
+            "forged",
+            forge.edit_meta(
+                lambda m, e=entry: m["checksums"].__setitem__(
+                    e, {"bytes": 1, "crc32": "00000000"}
+                )
+            ),
+        )
+    cases["meta.json: bytes=-1"] = (
+        "forged",
+        forge.edit_meta(lambda m: m["checksums"][".metadata"].__setitem__("bytes", -1)),
+    )
+    cases["meta.json: crc32 not hex"] = (
+        "forged",
+        forge.edit_meta(
+            lambda m: m["checksums"][".metadata"].__setitem__("crc32", "zz")
+        ),
+    )
+    cases["meta.json: a list"] = ("forged", forge.edit_meta(lambda m: [m]))
+    cases["meta.json: a list nested 900 deep"] = (
+        "forged",
+        lambda c: forge.write_meta(c, json.loads("[" * 900 + "]" * 900)),
+    )
+    cases["meta.json: deeper than the parser"] = (
+        "forged",
+        lambda c: _write_sealed(c, "[" * 100000 + "]" * 100000),
+    )
+    cases["meta.json: NaN"] = ("forged", lambda c: _write_sealed(c, '{"step": NaN}'))
+    cases["meta.json: invalid UTF-8"] = ("forged", lambda c: _write_sealed(c, b"\xff{"))
+
+    def optim(key_end: str, value):
+        def change(m):
+            key = next(k for k in m["optim_objects"] if k.endswith(key_end))
+            m["optim_objects"][key] = value
+
+        return forge.edit_meta(change)
+
+    cases["optim lr a string"] = ("load", optim(".lr", "x"))
+    cases["optim lr 1e400 (inf)"] = (
+        "forged",
+        lambda c: _write_sealed(
+            c, (c / "meta.json").read_text().replace('lr": 0.01', 'lr": 1e400')
+        ),
+    )
+    cases["optim betas of 3"] = ("load", optim(".betas", {"__tuple__": [1, 2, 3]}))
+    cases["optim amsgrad a list"] = ("load", optim(".amsgrad", [True]))
+    cases["optim key added"] = (
+        "load",
+        forge.edit_meta(lambda m: m["optim_objects"].__setitem__("evil", 1)),
+    )
+    cases["optim key dropped"] = (
+        "load",
+        forge.edit_meta(lambda m: [m["optim_objects"].popitem(), m][1]),
+    )
+    cases["scheduler last_epoch a string"] = (
+        "load",
+        forge.edit_meta(lambda m: m["scheduler"].__setitem__("last_epoch", "x")),
+    )
+    cases["scheduler base_lrs longer"] = (
+        "load",
+        forge.edit_meta(lambda m: m["scheduler"]["base_lrs"].append(1.0)),
+    )
+
+    touch = f"touch {marker}"
+    for module, name in [
+        ("torch.distributed.checkpoint.metadata", "os.system"),
+        ("torch.distributed.checkpoint.planner", "torch.serialization.os.system"),
+        ("torch.distributed.checkpoint.metadata", "torch.serialization.os.system"),
+        ("os", "system"),
+        ("builtins", "exec"),
+        ("torch", "serialization.os.system"),
+        ("pathlib", "os.system"),
+        ("collections", "os.system"),
+    ]:
+        cases[f"index pickle: {module} + {name}"] = (
+            "forged",
+            forge.index_bytes(
+                lambda c, m=module, n=name: forge.global_call(m, n, touch)
+            ),
+        )
+    cases["index pickle: a __reduce__ payload"] = (
+        "forged",
+        forge.index_bytes(lambda c: pickle.dumps(forge.Payload(marker))),
+    )
+    cases["index: a bytes entry (torch.load, weights_only=False)"] = (
+        "forged",
+        forge.bytes_entry(marker),
+    )
+    cases["shard: a tensor's bytes are a pickle"] = (
+        "load",
+        forge.shard_payload(marker),
+    )
+    cases["index: a dict, not Metadata"] = (
+        "forged",
+        forge.edit_index(lambda md, c: {"state_dict_metadata": {}}),
+    )
+    cases["index: file ../../etc/hostname"] = (
+        "forged",
+        forge.storage(relative_path="../../../../etc/hostname"),
+    )
+    cases["index: file /dev/zero"] = (
+        "forged",
+        forge.storage(relative_path="/dev/zero"),
+    )
+    cases["index: file meta.json"] = (
+        "forged",
+        forge.storage(relative_path="meta.json"),
+    )
+    cases["index: offset past the file"] = ("forged", forge.storage(offset=1 << 40))
+    cases["index: negative length"] = ("forged", forge.storage(length=-1))
+    cases["index: a stream transform"] = (
+        "forged",
+        forge.storage(transform_descriptors=["zstd"]),
+    )
+    cases["index: a chunk outside its tensor"] = (
+        "forged",
+        forge.edit_index(forge.chunk_outside),
+    )
+    cases["index: an extra tensor"] = (
+        "forged",
+        forge.edit_index(
+            lambda md, c: md.state_dict_metadata.__setitem__(
+                "model.evil", next(iter(md.state_dict_metadata.values()))
+            )
+        ),
+    )
+    return cases
+
+
+def _write_sealed(ckpt: Path, text: str | bytes) -> None:
+    data = text.encode() if isinstance(text, str) else text
+    (ckpt / "meta.json").write_bytes(data)
+
+    (ckpt / "COMPLETE").write_text(f"meta.json crc32 {zlib.crc32(data):08x}\n")
+
+
+def _refused(call) -> str:
+    """The one-line CheckpointError ``call`` must raise."""
+    with pytest.raises(CheckpointError) as err:
+        call()
+    line = str(err.value)
+    assert "\n" not in line, line
+    return line
+
+
+def _check_refused(ckpt: Path, name: str, kind: str) -> None:
+    checkpointer = Checkpointer(ckpt.parent)
+    model, optimizer, scheduler = _model()
+    if kind == "load":  # intact files, values this run's state cannot take
+        _refused(lambda: checkpointer.load(ckpt, model, optimizer, scheduler, False))
+        return
+    reason = checkpointer.verify(ckpt)
+    assert reason is not None and "\n" not in reason, (name, reason)
+    line = _refused(lambda: resolve_resume("auto", ckpt.parent, checkpointer.verify))
+    assert line.startswith("no usable checkpoint"), (name, line)
+    _refused(lambda: checkpointer.load(ckpt, model, optimizer, scheduler))
+    _refused(lambda: checkpointer.load_model(ckpt, model))
+    if kind == "forged" and "checksum entry" not in name:
+        _refused(lambda: checkpointer.load(ckpt, model, optimizer, scheduler, False))
+        _refused(lambda: checkpointer.load_model(ckpt, model, verify=False))
+    if name.startswith("meta.json: "):
+        _refused(lambda: read_checkpoint_meta(ckpt))
+
+
+def test_fuzz_checkpoints(checkpoint, tmp_path):
+    """Each case: ``verify`` names the damage (resume=auto would skip it; the only
+    checkpoint: one line), ``load`` and ``load_model`` refuse it in one line (forged
+    ones also without verify, as after a verify that passed), and the payload never
+    ran. The intact copy loads (the test can fail)."""
+    marker = tmp_path / "MARKER"
+    cases = checkpoint_cases(marker)
+    counts: dict[str, int] = {}
+    intact = forge.copy_of(checkpoint, tmp_path / "intact" / checkpoint.name)
+    model, optimizer, scheduler = _model()
+    assert Checkpointer(intact.parent).load(intact, model, optimizer, scheduler) == {
+        "step": 1,
+        "max_steps": 4,
+    }
+    for i, (name, (kind, mutate)) in enumerate(cases.items()):
+        ckpt = forge.copy_of(checkpoint, tmp_path / f"case{i}" / checkpoint.name)
+        mutate(ckpt)
+        _check_refused(ckpt, name, kind)
+        assert not marker.exists(), f"{name}: the payload ran"
+        counts[kind] = counts.get(kind, 0) + 1
+    assert sum(counts.values()) == len(cases) >= 90
+    print(f"checkpoint mutations: {counts}")
