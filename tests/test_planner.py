@@ -168,6 +168,71 @@ def test_traced_hf_activations_match_a_real_forward():
     assert "traced" in est.notes["activations"]
 
 
+def test_moe_blocks_are_traced_in_fp32_without_errors(caplog):
+    """Mixtral and Qwen3-MoE run their experts as grouped matmuls, whose meta kernel
+    takes bf16 only: the trace still follows them in fp32 (the saved bytes of a real
+    CPU forward, within 1%) and logs no error."""
+    from src.models.hf import HFConfig, block_classes, build, eager_on_fake_tensors
+    from src.planner.trace import traced_activation_bytes
+
+    for name in ("tiny_mixtral", "tiny_qwen3_moe"):
+        config = HFConfig(config=name, block_size=64)
+        with torch.device("meta"):
+            meta = build(config, 0)
+        with caplog.at_level("ERROR"):
+            traced = traced_activation_bytes(
+                meta, block_classes(config), eager_on_fake_tensors
+            )(2, 64, 4)
+        assert not caplog.records, name
+        real = _saved_bytes(build(config, 0).train(), 256, 64)
+        assert traced.saved + traced.head == pytest.approx(real, rel=0.01), name
+
+
+def test_tensor_parallel_blocks_are_traced_on_one_ranks_shapes():
+    """Under TP2, a Hugging Face block is traced as one rank computes it: half the
+    heads (q, k, v) and half the MLP width, the residual stream whole. That is what
+    the same architecture with half the heads and width saves in a real forward; the
+    plan of a TP2 run counts it, below the TP1 plan's whole activations."""
+    from src.models.hf import block_classes, build, eager_on_fake_tensors
+    from src.planner.trace import tp_local, traced_activation_bytes
+
+    cfg = _compose("model=hf", "model.config=tiny_llama", "sharding.tensor_parallel=2")
+    resolved = resolve(cfg)
+    config = resolved.model_config
+    classes = block_classes(config)
+    with torch.device("meta"):
+        meta = build(config, 0)
+    plan = planner.tensor_parallel_plan(cfg, resolved.spec, config)
+    local = tp_local(meta, classes, plan, 2)
+    traced = traced_activation_bytes(local, classes, eager_on_fake_tensors)(2, 64, 4)
+    # A real model with one rank's share of each colwise / rowwise weight (the
+    # heads follow the projections' widths, as under transformers' own TP plan).
+    real_model = build(replace(config, block_size=64), 0)
+    for layer in real_model.modules():
+        if isinstance(layer, classes):
+            attn, mlp = layer.self_attn, layer.mlp
+            for proj in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+            ):
+                proj.weight = torch.nn.Parameter(proj.weight[: proj.out_features // 2])
+            for proj in (attn.o_proj, mlp.down_proj):
+                proj.weight = torch.nn.Parameter(
+                    proj.weight[:, : proj.in_features // 2]
+                )
+    real = _saved_bytes(real_model.train(), 256, 64)
+    assert traced.saved + traced.head == pytest.approx(real, rel=0.01)
+    whole = traced_activation_bytes(meta, classes, eager_on_fake_tensors)(2, 64, 4)
+    assert traced.saved < whole.saved
+    tp1 = _compose("model=hf", "model.config=tiny_llama")
+    _, est = planner.estimate_cfg(cfg, resolved, 4)
+    _, est1 = planner.estimate_cfg(tp1, resolve(tp1), 2)
+    assert est.parts["activations"] < est1.parts["activations"]
+
+
 # -------------------------------------------------------------- the estimate
 
 # A root of 1000 parameters (embedding + head) and two blocks of 300, on 2 ranks:

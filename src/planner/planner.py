@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from src.errors import ConfigError
 from src.models.memory import ActivationBytes
 from src.observe.loggers import LOGGERS, Logger, logger_kind
-from src.planner.trace import traced_activation_bytes
+from src.planner.trace import tp_local, traced_activation_bytes
 from src.resolved import (
     Resolved,
     resolve_devices,
@@ -501,8 +501,9 @@ def tp_activations(
     its width), but the colwise matmuls save their all-gathered, full-sequence input
     (two per block: attention and MLP; one block input each, what full checkpointing
     keeps) in the blocks that are not checkpointed. Without sequence parallelism only
-    the heads and MLP width split; the estimate then keeps every activation whole (an
-    upper bound). A vocabulary-sharded output layer (``loss_parallel``) splits the
+    the heads and MLP width split: a traced family (``hf``, ``custom``) is traced on
+    one rank's local shapes (:func:`run_activation_fn`), a family formula keeps every
+    activation whole (an upper bound). A vocabulary-sharded output layer (``loss_parallel``) splits the
     logits and the loss's buffers T ways. The backward working set of one block adds
     its gathered inputs and the all-gather / reduce-scatter buffers (four block
     inputs: the TP collectives' working set)."""
@@ -521,38 +522,58 @@ def tp_activations(
     checkpointed = (
         0 if shape.checkpointing != "full" else math.ceil(blocks / max(1, every))
     )
-    if tpp.sequence_parallel:
+    if spec.activation_bytes is None:
+        # traced on one rank's local shapes (run_activation_fn): heads and width split
+        saved, work = acts.saved, acts.block_transient
+    elif tpp.sequence_parallel:
         gathered = 2 * block_input * (blocks - checkpointed)
-        saved = acts.saved // tp + gathered
+        saved, work = acts.saved // tp + gathered, acts.block_transient // tp
     else:
-        saved = acts.saved
+        saved, work = acts.saved, acts.block_transient // tp
     split = tp if tpp.loss_parallel else 1
     return ActivationBytes(
         saved=saved,
         head=acts.head // split,
         loss_transient=acts.loss_transient // split,
-        block_transient=acts.block_transient // tp + 4 * block_input,
+        block_transient=work + 4 * block_input,
     )
 
 
-def activation_fn(resolved: Resolved) -> Callable[..., ActivationBytes]:
+def activation_fn(
+    resolved: Resolved, tp: int = 1, tp_plan: Any = None
+) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
     to the run's model config; for a family without one (``hf``, ``custom``), the
-    activations traced on fake tensors (src/planner/trace.py), cached per model config."""
+    activations traced on fake tensors (src/planner/trace.py), cached per model config
+    and tensor-parallel degree: with ``tp > 1`` the blocks are traced as one rank of
+    ``tp_plan`` computes them (:func:`~src.planner.trace.tp_local`)."""
     spec, config = resolved.spec, resolved.model_config
     if spec.activation_bytes is not None:
         return functools.partial(spec.activation_bytes, config)
-    key = (spec.name, repr(config))
+    tp = tp if tp_plan is not None else 1
+    key = (spec.name, repr(config), tp)
     if key not in _TRACED:
+        classes = spec.block_classes(config)
         with torch.device("meta"):
             model = spec.build(config, 0)
-        _TRACED[key] = traced_activation_bytes(
-            model, spec.block_classes(config), spec.trace_context
-        )
+        if tp > 1:
+            model = tp_local(model, classes, tp_plan, tp)
+        _TRACED[key] = traced_activation_bytes(model, classes, spec.trace_context)
     return _TRACED[key]
 
 
-_TRACED: dict[tuple[str, str], Callable[..., ActivationBytes]] = {}
+def run_activation_fn(
+    cfg: DictConfig, resolved: Resolved
+) -> Callable[..., ActivationBytes]:
+    """:func:`activation_fn` for ``cfg``'s tensor-parallel degree and plan."""
+    tp = _tp(cfg)
+    if tp == 1:
+        return activation_fn(resolved)
+    plan = tensor_parallel_plan(cfg, resolved.spec, resolved.model_config)
+    return activation_fn(resolved, tp, plan)
+
+
+_TRACED: dict[tuple[str, str, int], Callable[..., ActivationBytes]] = {}
 
 
 def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> int:
@@ -609,7 +630,7 @@ def estimate_cfg(
     model = model if model is not None else build_meta_model(cfg, resolved)
     plan = plan_of(cfg, model, world)
     shape = run_shape(cfg, resolved, world)
-    acts = activation_fn(resolved)(
+    acts = run_activation_fn(cfg, resolved)(
         shape.micro_batch,
         shape.seq_len,
         shape.param_bytes,
@@ -836,7 +857,7 @@ def search(
     margin = mem_margin(cfg)
     currents = {k: values[0] for k, values in options.items()}
     base = run_shape(cfg, resolved, world)
-    acts = activation_fn(resolved)
+    acts = run_activation_fn(cfg, resolved)
     process = family_process_bytes(cfg, resolved, base.device)
     batch = int(cfg.trainer.batch_size)
     models: dict[float, torch.nn.Module] = {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ class _Tracker(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _run(func, args, kwargs or {})
         outs = _tensors(out)
         if not self.backward:
             if func is torch.ops.aten._to_copy.default and _storage(args[0])._cdata in (
@@ -173,6 +174,18 @@ class _Tracker(TorchDispatchMode):
         self.active = {i for i in self.active if not self.refs[i][1].expired()}
         self.snapshots.append((self.window, self.window_base, tuple(self.active)))
         return out
+
+
+def _run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on fake tensors. The meta kernel of a grouped matmul (MoE experts)
+    accepts bf16 only, as CUDA's does; CPU runs it in any dtype: its output's shape is
+    the bf16 one's, in the inputs' dtype (ops called here reach the fake mode below
+    this one, untracked)."""
+    if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+        low = [a.to(torch.bfloat16) if i < 2 else a for i, a in enumerate(args)]
+        dtype = kwargs.get("out_dtype") or args[0].dtype
+        return func(*low, **{**kwargs, "out_dtype": None}).to(dtype)
+    return func(*args, **kwargs)
 
 
 def trace(
@@ -304,6 +317,69 @@ def compose(
         loss_transient=none.loss_transient,
         block_transient=backward_peak(kept, [b.excess for b in per]),
     )
+
+
+def tp_local(
+    model: nn.Module, classes: Sequence[type[nn.Module]], plan: Any, tp: int
+) -> nn.Module:
+    """A copy of ``model`` (on the meta device) whose blocks (``classes``) compute
+    what one rank of tensor parallelism of degree ``tp`` computes under ``plan`` (a
+    src.sharding.TPPlan): each Linear inside a block whose style shards its output
+    (colwise) keeps ``1/tp`` of its output features, each whose style takes a
+    sharded input (rowwise) ``1/tp`` of its input features. Attention then runs on
+    ``1/tp`` of the heads and the MLP on ``1/tp`` of its width, as a tensor-parallel
+    block's local tensors do; the residual stream stays whole. Styles that keep both
+    sides whole (``colwise_rep``, embeddings) change nothing, nor does the plan
+    outside the blocks (the head: the planner splits its buffers itself)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model = copy.deepcopy(model)
+    inside = {
+        id(m)
+        for b in model.modules()
+        if isinstance(b, tuple(classes))
+        for m in b.modules()
+    }
+    for target in model.modules():
+        styles = next(
+            (st for cls, st in plan.modules.items() if isinstance(target, cls)), {}
+        )
+        for pattern, style in styles.items():
+            depth = len(pattern.split("."))
+            for name, sub in target.named_modules():
+                if (
+                    id(sub) not in inside
+                    or not isinstance(sub, nn.Linear)
+                    or len(name.split(".")) != depth
+                    or not fnmatch.fnmatchcase(name, pattern)
+                ):
+                    continue
+                if isinstance(style, ColwiseParallel) and isinstance(
+                    style.output_layouts[0], Shard
+                ):
+                    _shrink(sub, 0, tp)
+                elif isinstance(style, RowwiseParallel) and isinstance(
+                    style.input_layouts[0], Shard
+                ):
+                    _shrink(sub, 1, tp)
+    return model
+
+
+def _shrink(linear: nn.Linear, dim: int, tp: int) -> None:
+    """``linear`` with ``1/tp`` of its output (``dim=0``) or input (1) features."""
+    weight = linear.weight
+    shape = list(weight.shape)
+    shape[dim] //= tp
+    linear.weight = nn.Parameter(weight.new_empty(shape), weight.requires_grad)
+    if dim == 0:
+        linear.out_features = shape[0]
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(
+                linear.bias.new_empty(shape[0]), linear.bias.requires_grad
+            )
+    else:
+        linear.in_features = shape[1]
 
 
 def block_order(model: nn.Module, classes: Sequence[type[nn.Module]]) -> list[type]:
