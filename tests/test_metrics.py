@@ -7,14 +7,17 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from src.observe import metrics
 from src.observe.loggers import build_logger, run_identity
 from src.observe.metrics import (
+    CONTENDED,
     ThroughputMeter,
     cpu_flags,
     interval_line,
@@ -173,7 +176,8 @@ def test_cpu_flags_reads_x86_and_arm_cpuinfo(tmp_path):
     assert cpu_flags(str(tmp_path / "missing")) is None
 
 
-def test_mfu_above_one_is_omitted_with_one_line(caplog):
+def test_mfu_above_one_is_omitted_with_one_line(caplog, monkeypatch):
+    monkeypatch.setattr(metrics, "thread_times", lambda: None)  # this machine's load
     times = iter([0.0, 1.0, 2.0])
     meter = ThroughputMeter(
         tokens_per_step=1000,
@@ -203,6 +207,49 @@ def test_interval_line_says_mfu_na_when_the_window_has_none():
         interval_line(1, {"loss": 5.0, "lr": 1e-4})
         == "step 1: loss 5.0000, lr 1.00e-04"
     )
+    assert "cpu wait" not in interval_line(10, {**row, "cpu_wait": CONTENDED / 2})
+    assert "mfu n/a, cpu wait 45%" in interval_line(10, {**row, "cpu_wait": 0.45})
+
+
+def test_cpu_wait_is_the_share_of_thread_time_waiting_for_a_core(tmp_path, monkeypatch):
+    def stat(**threads):
+        for tid, (ran, waited) in threads.items():
+            (tmp_path / tid).mkdir(exist_ok=True)
+            (tmp_path / tid / "schedstat").write_text(f"{ran} {waited} 7\n")
+
+    monkeypatch.setattr(metrics, "_TASKS", str(tmp_path))
+    stat(a=(100, 10), b=(50, 0))
+    before = metrics.thread_times()
+    assert before == {"a": (100, 10), "b": (50, 0)}
+    # a ran 300 and waited 90 more; b ended; c started (all of its time counts).
+    (tmp_path / "b" / "schedstat").unlink()
+    stat(a=(400, 100), c=(60, 50))
+    after = metrics.thread_times()
+    assert metrics.cpu_wait(before, after) == pytest.approx(140 / (300 + 90 + 110))
+    monkeypatch.setattr(metrics, "_TASKS", str(tmp_path / "none"))  # not Linux
+    assert metrics.thread_times() is None
+    assert metrics.cpu_wait(before, None) is None
+    # This process, for real: its own threads are listed.
+    monkeypatch.undo()
+    assert str(threading.get_native_id()) in metrics.thread_times()
+
+
+def test_contended_windows_are_logged_said_once_and_summarised(monkeypatch, caplog):
+    waits = iter([(0, 0), (95, 5), (145, 55), (170, 130)])  # 5%, 50%, 75% per window
+    monkeypatch.setattr(metrics, "thread_times", lambda: {"1": next(waits)})
+    times = iter([0.0, 1.0, 2.0, 3.0])
+    meter = ThroughputMeter(1000, 6000.0, 1e9, 1, clock=lambda: next(times))
+    assert meter.contention() == {}
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        rows = [meter.step(step, log=True) for step in (1, 2, 3)]
+    assert rows[0] is None  # the warm-up window
+    assert [r["cpu_wait"] for r in rows[1:]] == pytest.approx([0.5, 0.75])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("steps 2-2: this rank's threads")
+    assert meter.contention() == pytest.approx({"cpu_wait_max": 0.75})
+    assert metrics.contended(meter.contention())
+    assert not metrics.contended({"cpu_wait_max": 0.05, "probe_cpu_wait": 0.02})
+    assert metrics.contended({"probe_cpu_wait": 0.3})
 
 
 # --- memory ---------------------------------------------------------------------------

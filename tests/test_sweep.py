@@ -64,7 +64,8 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def markdown_rows(path: Path) -> list[list[str]]:
-    lines = path.read_text().splitlines()
+    """The table's rows (a note may follow the table after a blank line)."""
+    lines = path.read_text().split("\n\n")[0].splitlines()
     assert lines[1].startswith("|---")
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
 
@@ -313,6 +314,36 @@ def test_best_point_follows_the_objective(tmp_path, sweep_cfg, best_job, bold):
     header = (sweep / "sweep_summary.md").read_text().splitlines()[0]
     assert "| loss |" in header and "| val_loss |" in header
     assert [c for row in md for c in row if c.startswith("**")] == [bold]
+
+
+def test_speed_of_a_run_on_a_busy_machine_is_marked(tmp_path):
+    """tokens/s and MFU of a run whose windows (or MFU probe) waited for a core are
+    marked, and the note under the table says why; the other rows are not."""
+    sweep = tmp_path / "sweep"
+    busy = [({**o}, {**s, "mfu": 0.1}) for o, s in LR_SWEEP]
+    busy[1][1]["cpu_wait_max"] = 0.6  # a window waited 60% of its thread time
+    busy[2][1]["probe_cpu_wait"] = 0.3  # the MFU probe did
+    busy[3][1].update(cpu_wait_max=0.02, probe_cpu_wait=0.01)  # an idle machine
+    _fake_sweep(sweep, busy, {})
+    rows = summarise(sweep, log_wandb=False, make_plot=False)
+    md = markdown_rows(sweep / "sweep_summary.md")
+    header = (sweep / "sweep_summary.md").read_text().splitlines()[0]
+    header = [c.strip() for c in header.strip("|").split("|")]
+    speed = [[row[header.index(h)] for h in ("tokens/s", "MFU")] for row in md]
+    assert speed == [
+        ["900", "10.00%"],
+        ["800 \\*", "10.00% \\*"],
+        ["700 \\*", "10.00% \\*"],
+        ["2,000", "10.00%"],
+    ]
+    note = (sweep / "sweep_summary.md").read_text().split("\n\n")[1]
+    assert note.startswith(
+        "\\* measured while other processes held the machine's cores"
+    )
+    assert [r["cpu_wait_max"] for r in rows] == [None, 0.6, None, 0.02]
+    _fake_sweep(tmp_path / "idle", LR_SWEEP[:1], {})
+    summarise(tmp_path / "idle", log_wandb=False, make_plot=False)
+    assert "\\*" not in (tmp_path / "idle" / "sweep_summary.md").read_text()
 
 
 def test_plot_shows_loss_and_colours_points_by_the_swept_keys(tmp_path):

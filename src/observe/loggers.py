@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from src.errors import ConfigError
+from src.observe.metrics import contended
 from src.registry import Registry, described, no_check, or_list
 from src.util import json_default, write_json_atomic
 
@@ -236,8 +237,10 @@ class ConsoleSink(Sink):
         s = self._summary
         if exit_code != 0 or "loss" not in s:
             return  # failed, or not a training run (plan-only prints its own)
+        # Other processes held the cores: tokens/s and MFU move with their load.
+        busy = " (a busy machine: cpu_wait_max)" if contended(s) else ""
         figures = ", ".join(
-            f"{label} {fmt.format(s[key])}"
+            f"{label} {fmt.format(s[key])}" + (busy if key == "tokens_per_s" else "")
             for key, label, fmt in _CLOSING_FIGURES
             if isinstance(s.get(key), int | float)
             and not (key == "peak_mem_gib" and s.get("planned_peak_gib"))

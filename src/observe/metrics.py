@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -150,6 +151,7 @@ class Peak:
     matmul_dtype: torch.dtype
     source: str  # "trainer.peak_tflops", "datasheet" or "probe"
     warning: str | None = None
+    cpu_wait: float | None = None  # the probe's share of time waiting for a core
 
 
 def precision_support(
@@ -213,9 +215,50 @@ def peak_flops_per_rank(
             "(set trainer.peak_tflops to use the datasheet figure)",
             stacklevel=2,
         )
-    return Peak(
-        measure_matmul_flops(device, matmul_dtype), matmul_dtype, "probe", warning
-    )
+    before = thread_times()
+    flops = measure_matmul_flops(device, matmul_dtype)
+    waited = cpu_wait(before, thread_times())
+    return Peak(flops, matmul_dtype, "probe", warning, waited)
+
+
+#: A share of a window's thread time spent waiting for a core above which the run's
+#: speed figures (and a probe's peak) are said to depend on other processes' load.
+CONTENDED = 0.10
+_TASKS = "/proc/self/task"
+
+
+def thread_times() -> dict[str, tuple[int, int]] | None:
+    """Per thread of this process: (ns on a core, ns runnable but waiting for one),
+    from ``/proc/self/task/*/schedstat``; None where the kernel does not say (not
+    Linux)."""
+    out = {}
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+        out[tid] = (int(ran), int(waited))
+    return out or None
+
+
+def cpu_wait(
+    since: dict[str, tuple[int, int]] | None, now: dict[str, tuple[int, int]] | None
+) -> float | None:
+    """The share of this process's thread time between two :func:`thread_times`
+    spent waiting for a core: 0 on an idle machine, about 1 - cores / runnable
+    threads when other processes hold the cores. None without the figures."""
+    if since is None or now is None:
+        return None
+    ran = waited = 0
+    for tid, (r, w) in now.items():
+        r0, w0 = since.get(tid, (0, 0))
+        ran, waited = ran + r - r0, waited + w - w0
+    return waited / (ran + waited) if ran + waited > 0 else None
 
 
 def _synchronize() -> None:
@@ -239,6 +282,7 @@ class ThroughputMeter:
         peak_flops_per_rank: float | None,
         world_size: int,
         clock: Callable[[], float] = time.perf_counter,
+        probe_cpu_wait: float | None = None,
     ) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -246,7 +290,10 @@ class ThroughputMeter:
         self.world_size = world_size
         self.clock = clock
         self._mark: tuple[int, float] | None = None
+        self._threads = thread_times()  # the window's start, for cpu_wait
         self._mfu_dropped = False  # the MFU-above-100% line is said once
+        self.cpu_wait_max: float | None = None  # the most contended window's
+        self.probe_cpu_wait = probe_cpu_wait  # the peak probe's (Peak.cpu_wait)
 
     def _now(self) -> float:
         _synchronize()  # GPU work is asynchronous: time it when it has finished
@@ -258,6 +305,7 @@ class ThroughputMeter:
         nothing: the warm-up window stays open and is still left out."""
         if self._mark is not None:
             self._mark = (step, self._now())
+            self._threads = thread_times()
 
     def step(self, step: int, log: bool) -> dict | None:
         """Call after every optimizer step; at log points returns the window's figures
@@ -266,6 +314,7 @@ class ThroughputMeter:
             return None
         now = self._now()
         mark, self._mark = self._mark, (step, now)
+        threads, self._threads = self._threads, thread_times()
         if mark is None or step <= mark[0] or now <= mark[1]:
             return None
         steps, seconds = step - mark[0], now - mark[1]
@@ -276,6 +325,10 @@ class ThroughputMeter:
             "tokens_per_s_per_rank": per_rank,
             "step_time_s": seconds / steps,
         }
+        waited = cpu_wait(threads, self._threads)
+        if waited is not None:
+            row["cpu_wait"] = waited
+            self._contended(waited, mark[0] + 1, step)
         if self.peak_flops_per_rank is None:
             return row
         mfu = per_rank * self.flops_per_token / self.peak_flops_per_rank
@@ -284,6 +337,28 @@ class ThroughputMeter:
         else:
             self._omit_mfu(per_rank * self.flops_per_token)
         return row
+
+    def contention(self) -> dict[str, float]:
+        """For the run's summary: the most contended window's ``cpu_wait`` and the
+        peak probe's (where measured); :func:`contended` reads them back."""
+        out = {"cpu_wait_max": self.cpu_wait_max, "probe_cpu_wait": self.probe_cpu_wait}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def _contended(self, waited: float, first: int, last: int) -> None:
+        # Said once, at the first window where other processes held the cores.
+        said = self.cpu_wait_max is not None and self.cpu_wait_max > CONTENDED
+        self.cpu_wait_max = max(waited, self.cpu_wait_max or 0.0)
+        if waited > CONTENDED and not said:
+            log.warning(
+                "steps %d-%d: this rank's threads waited for a core %.0f%% of the "
+                "time (other processes are using this machine's cores): tokens/s "
+                "and MFU are below what this run gets alone and move with the load "
+                "(cpu_wait in metrics.jsonl); compare runs measured under the same "
+                "load",
+                first,
+                last,
+                100 * waited,
+            )
 
     def _omit_mfu(self, achieved: float) -> None:
         # Above 100% the denominator is wrong (a probe measured on a busy machine, a
@@ -297,6 +372,14 @@ class ThroughputMeter:
                 achieved,
                 self.peak_flops_per_rank,
             )
+
+
+def contended(summary: dict) -> bool:
+    """Whether a run's speed figures (tokens/s, MFU) were measured while other
+    processes held its cores: a window or the peak probe waited for a core more
+    than :data:`CONTENDED` of the time (:meth:`ThroughputMeter.contention`)."""
+    figures = (summary.get("cpu_wait_max"), summary.get("probe_cpu_wait"))
+    return any(isinstance(v, int | float) and v > CONTENDED for v in figures)
 
 
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -386,7 +469,8 @@ def reduce_max_min(metrics: dict, group=None) -> dict:
 def interval_line(step: int, row: dict) -> str:
     """nanoGPT's per-interval line from a logged row: step, loss, then the figures
     the row has (tokens/s, step time and MFU from the second log point on: ``mfu
-    n/a`` when the window has none; peak memory per rank, learning rate)."""
+    n/a`` when the window has none, the cores' wait when other processes held them;
+    peak memory per rank, learning rate)."""
     parts = [f"step {step}: loss {row['loss']:.4f}"]
     if "tokens_per_s" in row:
         mfu = row.get("mfu")
@@ -395,6 +479,8 @@ def interval_line(step: int, row: dict) -> str:
             f"{row['step_time_s'] * 1e3:.1f} ms/step",
             "mfu n/a" if mfu is None else f"mfu {mfu:.2%}",
         ]
+        if row.get("cpu_wait", 0.0) > CONTENDED:
+            parts.append(f"cpu wait {row['cpu_wait']:.0%}")
     if "peak_mem_gib" in row:
         parts.append(f"mem {row['peak_mem_gib']:.3f} GiB")
     parts.append(f"lr {row['lr']:.2e}")

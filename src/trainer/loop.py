@@ -38,6 +38,7 @@ from src.errors import ConfigError, RunError, Stopped
 from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
 from src.observe.metrics import (
+    CONTENDED,
     ThroughputMeter,
     interval_line,
     memory_metrics,
@@ -447,19 +448,27 @@ class Trainer:
         t = self.cfg.trainer
         spec, model_cfg = self.resolved.spec, self.resolved.model_config
         block_size = spec.seq_len(model_cfg)
-        peak = None
+        peak = waited = None
         if self.rank == 0:
             found = peak_flops_per_rank(
                 self.device, self.backend.param_dtype, t.peak_tflops
             )
             if found.warning:
                 log.warning("precision=%s: %s", self.cfg.precision.name, found.warning)
-            peak = found.flops
+            peak, waited = found.flops, found.cpu_wait
+            if waited is not None and waited > CONTENDED:
+                log.warning(
+                    "MFU: the peak probe waited for a core %.0f%% of the time (other "
+                    "processes are using this machine's cores): its peak reads low "
+                    "and MFU high; set trainer.peak_tflops for a fixed peak",
+                    100 * waited,
+                )
         return ThroughputMeter(
             tokens_per_step=t.batch_size * block_size,
             flops_per_token=spec.flops_per_token(model_cfg, block_size),
             peak_flops_per_rank=peak,
             world_size=self.world,
+            probe_cpu_wait=waited,
         )
 
     def startup_line(self) -> str:
@@ -668,6 +677,7 @@ class Trainer:
             init_peak_mem_gib=self.init_mem["init_peak_mem_gib"],
             wall_time_s=time.perf_counter() - self._start_time,
             **self._planned(),
+            **self.meter.contention(),
         )
         self.logger.log_summary(self.summary)
         return self.summary

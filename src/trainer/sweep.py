@@ -40,6 +40,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.observe.metrics import CONTENDED, contended
 from src.trainer.faults import stopped_by_signal
 from src.util import markdown_table, write_json_atomic
 
@@ -59,7 +60,11 @@ METRICS = (
     "wrap_units",
     "num_params",
     "wall_time_s",
+    "cpu_wait_max",
+    "probe_cpu_wait",
 )
+#: Figures that other processes' load on the machine moves (marked in the table).
+SPEED = ("tokens_per_s", "mfu")
 # Markdown header and format of each figure.
 _MD_FORMAT = {
     "tokens_per_s": ("tokens/s", "{:,.0f}"),
@@ -72,6 +77,14 @@ _MD_FORMAT = {
     "wall_time_s": ("time s", "{:.1f}"),
 }
 
+
+#: Under a table with marked rows.
+CONTENDED_NOTE = (
+    f"\\* measured while other processes held the machine's cores (a window or the "
+    f"MFU probe waited for a core more than {CONTENDED:.0%} of the time: "
+    "cpu_wait_max, probe_cpu_wait): tokens/s and MFU move with that load; compare "
+    "them with runs measured under the same load"
+)
 
 # ---------------------------------------------------------------- one job
 
@@ -349,16 +362,19 @@ def summary_table(keys: list[str], rows: list[dict], goal: str = "val_loss") -> 
     """The summary as a Markdown table; the best row's ``goal`` (the objective) is in
     bold."""
     with_error = any(r["error"] for r in rows)
-    table = []
+    table, marked = [], False
     for r in rows:
         cells = {"job": r["job"], **{k: r[k] for k in keys}, "status": r["status"]}
         for m, (header, _) in _MD_FORMAT.items():
             text = _cell(m, r[m])
             cells[header] = f"**{text}**" if m == goal and r["best"] and text else text
+            if m in SPEED and text and contended(r):
+                cells[header], marked = f"{cells[header]} \\*", True
         if with_error:
             cells["error"] = r["error"]
         table.append(cells)
-    return markdown_table(table) + "\n"
+    note = f"\n\n{CONTENDED_NOTE}" if marked else ""
+    return markdown_table(table) + note + "\n"
 
 
 def _short(value: str) -> str:
