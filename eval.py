@@ -44,7 +44,8 @@ def evaluate_run(cfg: DictConfig) -> dict:
             cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg)
         )
     opts = {key: cfg[key] for key in ("split", "batches", "batch_size")}
-    result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)
+    with exit_on_config_error():  # a rank's failure: one line
+        result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)
     if result is None:  # a rank > 0 under torchrun: rank 0 reports
         return {}
     entry = record(result, checkpoint, run_cfg, cfg.split)

@@ -47,7 +47,8 @@ def main(cfg: DictConfig) -> list[str]:
         for key in ("prompt", "num_samples", "max_new_tokens", "temperature")
     }
     opts.update(top_k=cfg.top_k, seed=cfg.seed, kv_cache=cfg.kv_cache)
-    out = on_ranks(sample_rank, run_cfg, resolved, checkpoint, opts)
+    with exit_on_config_error():  # a rank's failure: one line
+        out = on_ranks(sample_rank, run_cfg, resolved, checkpoint, opts)
     if out is None:  # a rank > 0 under torchrun: rank 0 reports
         return []
     log.info(

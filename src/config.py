@@ -40,7 +40,7 @@ from omegaconf.errors import (
 from src.cli_help import CONF_DIR, is_schema_option, user_options
 from src.data.sources import DATA_SOURCES, DataConfig
 from src.data.token_cache import SPLITS
-from src.errors import ConfigError, keyed
+from src.errors import ConfigError, RunError, keyed
 from src.models import ModelSpec, families, get_spec
 from src.observe.loggers import LOGGERS, LoggerConfig
 from src.observe.logs import LOG_LEVELS, error_line
@@ -793,17 +793,20 @@ def quote_paths(args: Sequence[str]) -> list[str]:
 
 @contextlib.contextmanager
 def exit_on_config_error() -> Iterator[None]:
-    """Turn a config error raised inside into one line on stderr and exit status 2.
+    """Turn a config error raised inside into one line on stderr and exit status 2
+    (a RunError, such as a damaged checkpoint found by sample.py's or eval.py's
+    ranks: ``error: ...``, exit status 1).
 
     ``sys.exit`` (not an exception) also inside a Hydra job: Hydra would print its
     own "Error executing job" line first.
     """
     try:
         yield
-    except CONFIG_ERRORS as err:
-        line = f"config error: {one_line(err)}"
+    except (*CONFIG_ERRORS, RunError) as err:
+        config = isinstance(err, CONFIG_ERRORS)
+        line = f"{'config error' if config else 'error'}: {one_line(err)}"
         error_line(log, line)  # stderr (and train.log once Hydra set it up)
-        exit_ = SystemExit(2)
+        exit_ = SystemExit(2 if config else 1)
         exit_.add_note(line)  # what a sweep records for the job (src/trainer/sweep.py)
         raise exit_ from err
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch.nn as nn
 from src.checkpoint.dcp import (
     Checkpointer,
     CheckpointError,
+    checked_extra,
     read_checkpoint_meta,
     resolve_resume,
 )
@@ -288,3 +291,93 @@ def test_fuzz_checkpoints(checkpoint, tmp_path):
         counts[kind] = counts.get(kind, 0) + 1
     assert sum(counts.values()) == len(cases) >= 90
     print(f"checkpoint mutations: {counts}")
+
+
+# ------------------------------------------------------- the command lines
+
+
+def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
+    """A run's checkpoint forged three ways (an index pickle reaching os.system
+    through a dotted name, the same through ``planner``, a bytes entry whose bytes
+    are a pickle, a tensor's bytes that are a pickle), each resealed:
+    ``train.py trainer.resume=auto``, ``sample.py`` and ``eval.py`` refuse it in one
+    line and the payload never runs."""
+    from tests.test_research_loop import train_run
+    from tests.test_train import run_cmd
+
+    run = [
+        "model=tiny",
+        "logger=none",
+        "data.max_bytes=200000",
+        "trainer.devices=1",
+        "trainer.max_steps=2",
+        "trainer.batch_size=2",
+        "trainer.val_every=0",
+        "trainer.ckpt_every=2",
+        "trainer.progress=false",
+        "trainer.peak_tflops=1",
+    ]
+    good = tmp_path / "good"
+    train_run(good, *run)
+    marker = tmp_path / "MARKER"
+    touch = f"touch {marker}"
+    forgeries = [
+        (
+            "train",
+            forge.index_bytes(
+                lambda c: forge.global_call(
+                    "torch.distributed.checkpoint.metadata", "os.system", touch
+                )
+            ),
+        ),
+        (
+            "sample",
+            forge.index_bytes(
+                lambda c: forge.global_call(
+                    "torch.distributed.checkpoint.planner",
+                    "torch.serialization.os.system",
+                    touch,
+                )
+            ),
+        ),
+        ("eval", forge.bytes_entry(marker)),
+        ("eval", forge.shard_payload(marker)),  # passes verify; the rank refuses it
+    ]
+    for i, (command, forged) in enumerate(forgeries):
+        run_dir = tmp_path / f"{command}{i}"
+        shutil.copytree(good, run_dir)
+        forged(run_dir / "checkpoints" / "step_00000002")
+        if command == "train":
+            args = ["train.py", *run, "trainer.max_steps=4", "trainer.resume=auto"]
+            args.append(f"hydra.run.dir={run_dir}")
+        else:
+            args = [f"{command}.py", f"run={run_dir}"]
+        out = run_cmd([sys.executable, *args], timeout=300)
+        text = out.stdout + out.stderr
+        assert out.returncode != 0 and "Traceback" not in text, text
+        lines = [ln for ln in text.splitlines() if "step_00000002" in ln]
+        assert len(lines) == 1 and (
+            "is not a DCP index of tensors" in lines[0]
+            or "torch.load(weights_only=True) refuses" in lines[0]
+        ), text
+        assert not marker.exists(), f"{command}: the payload ran"
+
+
+def test_checked_extra_refuses_wrong_kinds(checkpoint):
+    """The trainer's own extra values (``max_steps``, the fp16 scaler's state) are
+    checked against this run's before they are used."""
+    scaler = {"scale": 65536.0, "growth_factor": 2.0, "_growth_tracker": 0}
+    assert checked_extra(checkpoint, {"scaler": scaler}, "scaler", scaler) == scaler
+    for extra, key, like in [
+        ({"max_steps": "4"}, "max_steps", 4),
+        ({"max_steps": 4.5}, "max_steps", 4),
+        ({"max_steps": None}, "max_steps", 4),
+        ({"scaler": {**scaler, "scale": "x"}}, "scaler", scaler),
+        ({"scaler": {**scaler, "evil": 1}}, "scaler", scaler),
+        ({"scaler": {"scale": 1.0}}, "scaler", scaler),
+        ({"scaler": [1]}, "scaler", scaler),
+    ]:
+        line = _refused(
+            lambda e=extra, k=key, v=like: checked_extra(checkpoint, e, k, v)
+        )
+        assert f"extra.{key}" in line, line

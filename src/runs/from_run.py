@@ -26,7 +26,12 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from src.build import build_model, make_backend
-from src.checkpoint.dcp import Checkpointer, resolve_resume, run_checkpoints
+from src.checkpoint.dcp import (
+    Checkpointer,
+    CheckpointError,
+    resolve_resume,
+    run_checkpoints,
+)
 from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError
@@ -60,6 +65,8 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
         )
     except FileNotFoundError:
         checkpoint = None
+    except CheckpointError as err:  # every checkpoint there damaged or forged
+        raise ConfigError(key, f"{path}: {err}") from None
     if checkpoint is None:
         raise ConfigError(
             key,
