@@ -1,11 +1,14 @@
 """Small helpers every layer uses, with no home in any one feature: atomic file
-writes, Markdown tables, the device a collective needs."""
+writes, strict JSON and CRC-32 reads, Markdown tables, the device a collective
+needs."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,45 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def parse_json(data: bytes) -> Any:
+    """``data`` as strict JSON: UTF-8, no NaN or Infinity, no number that overflows
+    a float, no nesting deeper than the parser; ValueError in one line otherwise."""
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} does not fit a float")
+        return value
+
+    try:
+        return json.loads(data.decode(), parse_constant=no_constant, parse_float=finite)
+    except RecursionError:
+        raise ValueError("nested deeper than the JSON parser goes") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The strict JSON (:func:`parse_json`) in the regular file ``path``; OSError or
+    ValueError in one line otherwise."""
+    if not os.path.isfile(path):
+        raise OSError(f"{path} is missing or not a regular file")
+    with open(path, "rb") as f:
+        return parse_json(f.read())
+
+
+def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
+    """Size and CRC-32 (zlib) of the file ``path``, read in 16 MiB blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return size, crc
 
 
 def json_default(value: Any) -> Any:

@@ -13,6 +13,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -381,3 +382,92 @@ def test_checked_extra_refuses_wrong_kinds(checkpoint):
             lambda e=extra, k=key, v=like: checked_extra(checkpoint, e, k, v)
         )
         assert f"extra.{key}" in line, line
+
+
+# ------------------------------------------------------------------ token cache
+
+
+def cache_cases() -> dict[str, object]:
+    """name -> mutation of a token-cache entry dir (each one damages it)."""
+    cases: dict[str, object] = {}
+    for file in ("train.bin", "val.bin", "meta.json"):
+        for how, mutate in forge.RAW.items():
+            cases[f"{file}: {how}"] = lambda e, f=file, m=mutate: m(e / f)
+
+    def meta_field(key, value):
+        def change(entry: Path) -> None:
+            meta = json.loads((entry / "meta.json").read_text())
+            meta[key] = value
+            (entry / "meta.json").write_text(json.dumps(meta))
+
+        return change
+
+    for key, value in [
+        ("vocab_size", "256"),
+        ("vocab_size", 300),
+        ("dtype", "float64"),
+        ("dtype", "object"),
+        ("train_tokens", -1),
+        ("train_tokens", 10**12),
+        ("max_id", 10**9),
+        ("eos_id", None),
+        ("val_crc32", "00000000"),
+        ("meta_crc32", None),
+    ]:
+        cases[f"meta.json: {key}={value!r}"] = meta_field(key, value)
+    cases["meta.json: a list"] = lambda e: (e / "meta.json").write_text("[]")
+    cases["meta.json: deeper than the parser"] = lambda e: (e / "meta.json").write_text(
+        "[" * 100000 + "]" * 100000
+    )
+
+    def link(entry: Path, file: str, target: str) -> None:
+        (entry / file).unlink()
+        (entry / file).symlink_to(target)
+
+    cases["train.bin -> /dev/zero"] = lambda e: link(e, "train.bin", "/dev/zero")
+    cases["val.bin -> /etc/hostname"] = lambda e: link(e, "val.bin", "/etc/hostname")
+    cases["meta.json a directory"] = lambda e: [
+        (e / "meta.json").unlink(),
+        (e / "meta.json").mkdir(),
+    ]
+
+    def entry_is_a_file(entry: Path) -> None:
+        shutil.rmtree(entry)
+        entry.write_text("x")
+
+    cases["the entry is a file"] = entry_is_a_file
+    return cases
+
+
+def test_fuzz_token_cache(tmp_path, caplog):
+    """Each damaged entry is found when a run reads it again, rebuilt with one line
+    saying why, and the run gets the same tokens as from the intact entry; a
+    temporary dir left by a killed build is removed by the next build."""
+    import logging
+
+    from src.data.sources import prepare_data
+    from tests.test_token_cache import cfg_for, stream, write_corpus
+
+    cfg = cfg_for(tmp_path, write_corpus(tmp_path, "text"))
+    first = prepare_data(cfg.data, progress=False)
+    tokens = stream(cfg)
+    (entry,) = [p for p in (tmp_path / "cache").glob("tokens-*") if p.is_dir()]
+    killed = tmp_path / "cache" / f"{entry.name}.tmp-1234abcd"
+    cases = cache_cases()
+    for name, mutate in cases.items():
+        mutate(entry)
+        killed.mkdir(exist_ok=True)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="src.data.token_cache"):
+            again = prepare_data(cfg.data, progress=False)
+        assert {**again, "build_s": 0} == {**first, "build_s": 0}, name
+        lines = [r.getMessage() for r in caplog.records]
+        damaged = [ln for ln in lines if "is damaged" in ln]
+        assert len(damaged) == 1 and damaged[0].endswith("rebuilding it"), (
+            name,
+            lines,
+        )
+        assert "\n" not in damaged[0]
+        assert not killed.exists(), name
+        assert np.array_equal(stream(cfg), tokens), name
+    assert len(cases) >= 40

@@ -82,7 +82,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src.errors import RunError
-from src.util import collective_device
+from src.util import collective_device, file_crc32, parse_json
 
 MARKER = "COMPLETE"
 META = "meta.json"
@@ -339,10 +339,8 @@ def _read_meta(path: Path) -> dict:
     if seal and seal.group(1) != f"{zlib.crc32(data):08x}":
         raise _Damaged(f"{META} fails its checksum (corrupted)")
     try:
-        meta = json.loads(
-            data.decode(), parse_constant=_no_constant, parse_float=_finite
-        )
-    except (ValueError, RecursionError) as exc:
+        meta = parse_json(data)
+    except ValueError as exc:
         raise _Damaged(f"{META} is unreadable ({_one_line(exc)})") from None
     meta = _check_meta(meta, _step_of(path))
     if not seal and meta["format_version"] != 2:
@@ -350,17 +348,6 @@ def _read_meta(path: Path) -> dict:
             f"{MARKER} is empty (format {meta['format_version']} seals {META})"
         )
     return meta
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} does not fit a float")
-    return value
 
 
 def _one_line(exc: BaseException) -> str:
@@ -1158,10 +1145,7 @@ def _files_of(root: Path) -> list[str]:
 
 
 def _digest(path: Path) -> dict[str, Any]:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    size, crc = file_crc32(path)
     return {"bytes": size, "crc32": f"{crc:08x}"}
 
 

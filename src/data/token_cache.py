@@ -7,7 +7,15 @@ corpus (each file's path, size and mtime, format, split, cap), the tokenizer (it
 serialised JSON) and :data:`CACHE_VERSION`: a run with the same corpus, tokenizer and
 settings reuses the entry, any change builds a new one. An entry is written into a
 temporary directory and published by one atomic rename, so a crashed build never leaves
-an entry that looks complete, and two concurrent builders cannot corrupt each other.
+an entry that looks complete, and two concurrent builders cannot corrupt each other;
+the temporary directory of a build that was killed is removed by the next build of
+any entry (once no process holds that entry's lock).
+
+An entry is checked before it is reused: ``meta.json`` strict JSON with every field of
+its type and range, sealed by its own CRC-32, and matching the tokenizer (vocabulary, end-of-document id,
+dtype), each ``.bin`` a regular file of exactly the recorded number of tokens and, in
+the launcher (``check_contents``), of the recorded CRC-32. A damaged entry is rebuilt,
+with a line saying why.
 
 The launcher builds the entry before the ranks start; under torchrun the first rank to
 take the entry's file lock builds it while the others wait (:func:`build_lock`), and
@@ -16,12 +24,16 @@ the ranks only memory-map it.
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +42,11 @@ from tqdm import tqdm
 
 from src.data.corpus import EOD, Corpus, build_lock, digest
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
+from src.util import file_crc32, read_json
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: meta.json holds each split's CRC-32
 BATCH_BYTES = 1 << 23  # text handed to the tokenizer's thread pool at a time
 SPLITS = ("train", "val")
 
@@ -67,10 +80,10 @@ def _write_splits(
     corpus: Corpus, tokenizer: Tokenizer, paths: list[str], bar: tqdm
 ) -> list[tuple[int, int]]:
     """Tokenize the corpus in one pass into the files ``paths`` (train, val); returns
-    (tokens, largest id) of each."""
+    (tokens, largest id, CRC-32) of each."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = np.array([tokenizer.eos_id], dtype=np.int64)
-    stats = [[0, -1] for _ in paths]
+    stats = [[0, -1, 0] for _ in paths]
     files = [open(path, "wb") for path in paths]  # noqa: SIM115 (closed below)
 
     def flush(batch: list[tuple[int, bytes | None]]) -> None:
@@ -83,7 +96,9 @@ def _write_splits(
             if len(ids):
                 stats[split][1] = max(stats[split][1], int(ids.max()))
             stats[split][0] += len(ids)
-            ids.astype(dtype).tofile(files[split])
+            out = ids.astype(dtype)
+            stats[split][2] = zlib.crc32(out, stats[split][2])
+            out.tofile(files[split])
         bar.update(sum(1 if p is EOD else len(p) for _, p in batch))
 
     try:
@@ -128,31 +143,133 @@ def build_entry(
         ) as bar:
             paths = [os.path.join(tmp, f"{split}.bin") for split in SPLITS]
             stats = _write_splits(corpus, tokenizer, paths, bar)
-        for split, (n, _) in zip(SPLITS, stats, strict=True):
+        for split, (n, _, crc) in zip(SPLITS, stats, strict=True):
             meta[f"{split}_tokens"] = n
-        meta["max_id"] = max(top for _, top in stats)
+            meta[f"{split}_crc32"] = f"{crc:08x}"
+        meta["max_id"] = max(top for _, top, _ in stats)
         meta["build_s"] = round(time.perf_counter() - start, 3)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+            json.dump({**meta, "meta_crc32": _seal(meta)}, f, indent=1)
         os.rename(tmp, path)  # atomic: the entry appears complete or not at all
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return CacheEntry(path, meta)
 
 
-def _read_entry(path: str) -> CacheEntry | None:
-    meta_file = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_file):
-        return None
-    with open(meta_file) as f:
-        return CacheEntry(path, json.load(f))
+#: meta.json's fields and their types (integers >= 0).
+_META_FIELDS = {
+    "tokenizer": (str,),
+    "vocab_size": (int,),
+    "eos_id": (int,),
+    "dtype": (str,),
+    "files": (int,),
+    "bytes": (int,),
+    "train_tokens": (int,),
+    "val_tokens": (int,),
+    "max_id": (int,),
+    "build_s": (int, float),
+    "train_crc32": (str,),
+    "val_crc32": (str,),
+}
+
+
+def _read_entry(
+    path: str, tokenizer: Tokenizer, check_contents: bool
+) -> tuple[CacheEntry | None, str | None]:
+    """The entry at ``path`` if it is intact, else ``(None, why it is damaged)``;
+    ``(None, None)`` if there is none. See the module's doc for what is checked."""
+    if not os.path.lexists(path):
+        return None, None
+    try:
+        meta = read_json(os.path.join(path, "meta.json"))
+    except (OSError, ValueError) as exc:
+        return None, f"meta.json unreadable ({exc})"
+    if not isinstance(meta, dict):
+        return None, "meta.json is not a JSON object"
+    if meta.pop("meta_crc32", None) != _seal(meta):
+        return None, "meta.json fails its checksum (corrupted)"
+    for key, types in _META_FIELDS.items():
+        value = meta.get(key)
+        if type(value) not in types or (type(value) is int and value < 0):
+            return None, f"meta.json: {key} is {value!r:.40}"
+    dtype = token_dtype(tokenizer.vocab_size)
+    if (meta["vocab_size"], meta["eos_id"], meta["dtype"]) != (
+        tokenizer.vocab_size,
+        tokenizer.eos_id,
+        dtype.name,
+    ):
+        return None, (
+            f"meta.json records vocab {meta['vocab_size']}, end id {meta['eos_id']}, "
+            f"{meta['dtype']}; the tokenizer has {tokenizer.vocab_size}, "
+            f"{tokenizer.eos_id}, {dtype.name}"
+        )
+    if meta["max_id"] >= tokenizer.vocab_size:
+        return None, f"meta.json: max_id {meta['max_id']} is outside the vocabulary"
+    for split in SPLITS:
+        file = os.path.join(path, f"{split}.bin")
+        want = meta[f"{split}_tokens"] * dtype.itemsize
+        try:
+            info = os.lstat(file)
+        except OSError:
+            return None, f"{split}.bin is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"{split}.bin is not a regular file"
+        if info.st_size != want:
+            return (
+                None,
+                f"{split}.bin has {info.st_size:,} bytes, {want:,} were written",
+            )
+        if check_contents and f"{file_crc32(file)[1]:08x}" != meta[f"{split}_crc32"]:
+            return None, f"{split}.bin fails its checksum (corrupted)"
+    return CacheEntry(path, meta), None
+
+
+def _seal(meta: dict) -> str:
+    """The CRC-32 of ``meta`` (without its own), as canonical JSON."""
+    return f"{zlib.crc32(json.dumps(meta, sort_keys=True).encode()):08x}"
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _discard(path: str) -> None:
+    """Remove a damaged entry: renamed aside first, so it vanishes at once."""
+    aside = f"{path}.tmp-damaged-{uuid.uuid4().hex[:8]}"
+    os.rename(path, aside)
+    _remove(aside)
+
+
+def _remove_stale_builds(cache_dir: str, held: str) -> int:
+    """Remove the temporary dirs of builds that were killed: those of the entry
+    ``held`` (whose lock this process holds) and of entries whose lock no process
+    holds (a build in progress holds it). Returns how many."""
+    removed = 0
+    for tmp in glob.glob(os.path.join(glob.escape(cache_dir), "tokens-*.tmp-*")):
+        entry = tmp.rsplit(".tmp-", 1)[0]
+        try:
+            if entry == held:
+                _remove(tmp)
+            else:
+                with open(f"{entry}.lock", "a") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not building
+                    _remove(tmp)
+            removed += 1
+        except OSError:  # held (a build in progress), or already gone
+            continue
+    return removed
 
 
 def token_cache(
     data_cfg: Any, verbose: bool = True, progress: bool = True
 ) -> CacheEntry:
-    """The cache entry for the ``data`` config (a text/files source): reused if built,
-    else built here. ``verbose``: say which; ``progress``: also show progress bars."""
+    """The cache entry for the ``data`` config (a text/files source): reused if built
+    and intact, else built (or rebuilt, saying why) here. ``verbose`` (the launcher):
+    say which, and check the tokens' checksums too; ``progress``: also show progress
+    bars."""
     corpus = Corpus.from_config(data_cfg)
     tokenizer = load_tokenizer(data_cfg, corpus, verbose, verbose and progress)
     key = digest(
@@ -164,11 +281,22 @@ def token_cache(
     )
     path = os.path.join(cache_path(data_cfg), f"tokens-{key}")
     built = False
-    entry = _read_entry(path)
+    entry, _ = _read_entry(path, tokenizer, verbose)
     if entry is None:
         with build_lock(path):  # waits while another process builds it
-            entry = _read_entry(path)
+            entry, damage = _read_entry(path, tokenizer, verbose)
             if entry is None:
+                if damage:
+                    log.warning(
+                        "token cache: %s is damaged (%s): rebuilding it", path, damage
+                    )
+                    _discard(path)
+                stale = _remove_stale_builds(cache_path(data_cfg), path)
+                if stale:
+                    log.info(
+                        "token cache: removed %d temporary dir(s) of interrupted builds",
+                        stale,
+                    )
                 entry = build_entry(corpus, tokenizer, path, verbose and progress)
                 built = True
     verb = (
