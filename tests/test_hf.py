@@ -137,3 +137,32 @@ def test_config_transformers_cannot_build_is_one_line(tmp_path, config, words):
     message = one_line(info.value)
     assert message.startswith("model.config") and words in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_a_configs_dtype_never_changes_the_training_dtype(tmp_path, caplog, key):
+    """A config.json saying bfloat16 (or float16) under precision=fp32: the
+    parameters are float32 (the backend casts from them per ``precision``) and one
+    line says the config's dtype is not used."""
+    import logging
+    import shutil
+
+    from src.models.hf import SHIPPED, HFConfig, build
+
+    for dtype in ("bfloat16", "float16"):
+        path = tmp_path / f"{key}_{dtype}"
+        shutil.copytree(SHIPPED / "tiny_llama", path)
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, key: dtype}))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="src.models.hf"):
+            config = HFConfig(config=str(path), block_size=16)
+        lines = [r.getMessage() for r in caplog.records if "dtype" in r.getMessage()]
+        assert lines == [
+            f"model.config: {path} says dtype {dtype}; not used: precision sets "
+            "the training dtype (parameters are built in float32)"
+        ]
+        model = build(config, seed=0)
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        with torch.device("meta"):
+            assert {p.dtype for p in config.skeleton().parameters()} == {torch.float32}

@@ -143,6 +143,15 @@ def load_hf_config(config: str | None, trust_remote_code: bool = False):
             ", ".join(f"{k}: {v}" for k, v in sorted(auto_map.items())),
         )
     hf_config.use_cache = False  # training: no KV cache
+    dtype = getattr(hf_config, "dtype", None)
+    if dtype not in (None, torch.float32) and path not in _TOLD_DTYPE:
+        _TOLD_DTYPE.add(path)  # said once per process
+        log.info(
+            "model.config: %s says dtype %s; not used: precision sets the "
+            "training dtype (parameters are built in float32)",
+            path,
+            str(dtype).removeprefix("torch."),
+        )
     _check_causal(hf_config, path, trust_remote_code)
     return hf_config
 
@@ -216,6 +225,7 @@ _PROBE_SIZES = {
 _PROBE_MAX_PARAMS = 50_000_000
 _PROBED: dict[tuple[str, Path], float | None] = {}
 _TRUSTED: set[Path] = set()  # directories whose code this process was told runs
+_TOLD_DTYPE: set[Path] = set()  # directories whose ignored dtype it was told of
 
 
 # Tried in turn: widths and a short vocabulary (special ids past it break some), widths,
@@ -257,7 +267,6 @@ def _shrink(config, sizes: dict[str, int]) -> None:
 def _later_inputs_reach(hf_config, trust_remote_code: bool) -> float | None:
     """How much the last 4 of 8 input tokens move the first 4 positions' logits (a
     seeded tiny probe model on CPU); None if no probe model could be built or run."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -269,9 +278,7 @@ def _later_inputs_reach(hf_config, trust_remote_code: bool) -> float | None:
                 with torch.device("meta"):
                     size = sum(
                         p.numel()
-                        for p in AutoModelForCausalLM.from_config(
-                            probe, trust_remote_code=trust_remote_code
-                        ).parameters()
+                        for p in _from_config(probe, trust_remote_code).parameters()
                     )
                 if size > _PROBE_MAX_PARAMS:
                     continue
@@ -293,10 +300,13 @@ def _later_inputs_reach(hf_config, trust_remote_code: bool) -> float | None:
 
 
 def _from_config(hf_config, trust_remote_code: bool = False) -> nn.Module:
+    """The transformers model of ``hf_config``, in float32 whatever the config's
+    ``dtype``/``torch_dtype`` says: ``precision`` is the one source of the training
+    dtype (the backend casts from float32 master weights)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(
-        hf_config, trust_remote_code=trust_remote_code
+        hf_config, trust_remote_code=trust_remote_code, dtype=torch.float32
     )
 
 
