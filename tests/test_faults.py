@@ -352,7 +352,7 @@ def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "Traceback" not in out
     last = out.strip().splitlines()[-1]
-    assert last.startswith("stopped by SIGTERM: checkpoint ")
+    assert last.startswith("stopped by SIGTERM at step 3: checkpoint ")
     assert last.endswith(f"resume with trainer.resume=auto hydra.run.dir={tmp_path}")
     stopped_at = max(losses(tmp_path))
     assert stopped_at == 3
@@ -376,6 +376,81 @@ def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
     assert "SIGTERM arrived as the run finished; nothing was stopped" in ends
     assert "resume with" not in ends
     assert loss_rows(tmp_path) == loss_rows(reference)
+
+
+def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
+    reference, tmp_path
+):
+    """One stop path, whoever gets the signal, in a chain of runs on one run dir: SIGTERM
+    and SIGINT to rank 1 alone, SIGHUP to the launcher alone (a closed terminal), each
+    mid-step (rank 1 sends them at a named step): every rank ends that step, one
+    checkpoint is written, the launcher says the one line, summary.json says the run
+    stopped, and the exit status is 128 + signal. Then two Ctrl-Cs, the second while
+    the stop's checkpoint is being written: one line says it was skipped, nothing
+    half-written stays, and the newest checkpoint is named. The last run resumes and
+    the whole run equals the uninterrupted one, bit for bit."""
+    checkpoints = tmp_path / "checkpoints"
+    resume = ["trainer.resume=auto"]
+    for step, signal_at, signum in [
+        (1, "step1:self:SIGTERM", signal.SIGTERM),
+        (2, "step2:self:SIGINT", signal.SIGINT),
+        (3, "step3:launcher:SIGHUP", signal.SIGHUP),
+    ]:
+        run = run_with_signal(tmp_path, signal_at, *REFERENCE, *resume)
+        out = run.stdout + run.stderr
+        assert run.returncode == 128 + signum, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        name = signal.Signals(signum).name
+        assert out.strip().splitlines()[-1] == (
+            f"stopped by {name} at step {step}: checkpoint {checkpoints}/"
+            f"step_{step:08d}; resume with trainer.resume=auto hydra.run.dir={tmp_path}"
+        )
+        assert out.count("stopped by") == 1, out[-3000:]
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["stopped"] == {
+            "by": name,
+            "step": step,
+            "checkpoint": str(checkpoints / f"step_{step:08d}"),
+        }
+        assert max(losses(tmp_path)) == step
+
+    # Ctrl-C mid-step 4, Ctrl-C again while step 4's checkpoint is being written.
+    run = run_with_signal(tmp_path, "step4,checkpoint4", *REFERENCE, *resume)
+    out = run.stdout + run.stderr
+    assert run.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    stops = [line for line in out.splitlines() if "stopped" in line]
+    assert stops == [
+        "stopped at once by a second SIGINT: the checkpoint of step 4 it was writing "
+        f"is skipped (removed); the newest checkpoint is {checkpoints}/step_00000003; "
+        f"resume with trainer.resume=auto hydra.run.dir={tmp_path}"
+    ]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "step_00000002",
+        "step_00000003",
+    ]
+
+    done = run_train(tmp_path, *REFERENCE, *resume)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "(step 3)" in done.stdout
+    assert loss_rows(tmp_path) == loss_rows(reference)
+    assert "stopped" not in json.loads((tmp_path / "summary.json").read_text())
+
+
+def run_with_signal(
+    run_dir: Path, signal_at: str, *overrides: str
+) -> subprocess.CompletedProcess:
+    """train.py to the end, with SHARDWRAP_TEST_SIGNAL_AT set (faults.py), in a
+    process group of its own (the group a Ctrl-C reaches)."""
+    return subprocess.run(
+        command(run_dir, *overrides),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SHARDWRAP_TEST_SIGNAL_AT": signal_at},
+        start_new_session=True,
+        timeout=600,
+    )
 
 
 def test_stopped_rank_is_named_within_the_timeout(tmp_path):
@@ -456,7 +531,7 @@ def test_ctrl_c_to_the_group_at_any_moment_loses_nothing_and_says_one_line(
         return
     checkpoint = tmp_path / f"checkpoints/step_{stopped_at:08d}"
     assert stops == [
-        f"stopped by SIGINT: checkpoint {checkpoint}; resume with "
+        f"stopped by SIGINT at step {stopped_at}: checkpoint {checkpoint}; resume with "
         f"trainer.resume=auto hydra.run.dir={tmp_path}"
     ]
     assert (checkpoint / "COMPLETE").is_file()

@@ -10,10 +10,18 @@ import signal
 import pytest
 import torch
 
+from src.checkpoint.dcp import drop_partial
 from src.config import ConfigError
 from src.errors import RunDirBusy
 from src.observe.loggers import METRICS_FILE, Logger
-from src.trainer.faults import StopRequest, requested, run_dir_lock, stop_signal
+from src.trainer.faults import (
+    StopNow,
+    StopRequest,
+    requested,
+    run_dir_lock,
+    stop_signal,
+    stopped_at_once,
+)
 from src.trainer.launch import preflight
 
 
@@ -45,6 +53,43 @@ def test_first_stop_signal_is_remembered_and_handlers_restored():
     assert signal.getsignal(signal.SIGTERM) is before
     with StopRequest():
         assert requested() == 0
+
+
+def test_a_second_stop_signal_raises_in_the_reporting_process_and_names_the_skip(
+    tmp_path,
+):
+    """The launcher's second signal is StopNow (then ignored while it reports); what
+    the interrupted save left goes: its tmp dir, and a step being replaced gets its
+    old copy back. The line names the skipped step and the newest checkpoint."""
+    before = signal.getsignal(signal.SIGHUP)
+    with StopRequest(at_once="raise"):
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert requested() == signal.SIGHUP
+        with pytest.raises(StopNow) as now:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert now.value.signum == signal.SIGINT
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGHUP) is before
+
+    checkpoints = tmp_path / "checkpoints"
+    for name in ["step_00000002", ".old.step_00000004", ".tmp.step_00000004"]:
+        (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / "COMPLETE").write_text("")
+        (checkpoints / name / "meta.json").write_text("{}")
+    assert drop_partial(checkpoints) == [4]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+    ]
+    (checkpoints / ".tmp.step_00000005").mkdir()
+    assert stopped_at_once(signal.SIGINT, str(tmp_path)) == (
+        "stopped at once by a second SIGINT: the checkpoint of step 5 it was writing "
+        f"is skipped (removed); the newest checkpoint is {checkpoints}/step_00000004; "
+        f"resume with trainer.resume=auto hydra.run.dir={tmp_path}"
+    )
+    assert stopped_at_once(signal.SIGTERM, str(tmp_path / "none")) == (
+        "stopped at once by a second SIGTERM: no checkpoint written; nothing to resume"
+    )
 
 
 def test_preflight_checks_the_run_dir_is_writable(tmp_path):

@@ -342,7 +342,7 @@ def _read_meta(path: Path) -> dict:
         meta = parse_json(data)
     except ValueError as exc:
         raise _Damaged(f"{META} is unreadable ({_one_line(exc)})") from None
-    meta = _check_meta(meta, _step_of(path))
+    meta = _check_meta(meta, step_of(path))
     if not seal and meta["format_version"] != 2:
         raise _Damaged(
             f"{MARKER} is empty (format {meta['format_version']} seals {META})"
@@ -565,7 +565,8 @@ def run_checkpoints(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
+    """The step of a ``step_N`` checkpoint dir (None for any other name)."""
     match = _STEP_DIR.fullmatch(path.name)
     return int(match.group(1)) if match else None
 
@@ -575,7 +576,7 @@ def is_complete(path: str | Path) -> bool:
     other files, meta.json included, are checked by :meth:`Checkpointer.verify`)."""
     path = Path(path)
     marker = path / MARKER
-    return _step_of(path) is not None and (marker.exists() or marker.is_symlink())
+    return step_of(path) is not None and (marker.exists() or marker.is_symlink())
 
 
 def complete_checkpoints(directory: str | Path) -> list[Path]:
@@ -584,7 +585,28 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
+
+
+def drop_partial(directory: str | Path) -> list[int]:
+    """Remove what interrupted saves left in ``directory`` (call it while no rank
+    writes there): ``.tmp.step_N`` dirs go, and a ``step_N`` being replaced when the
+    save stopped gets its old copy back. Returns the steps of the saves dropped."""
+    directory, dropped = Path(directory), []
+    if not directory.is_dir():
+        return dropped
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith(_OLD_PREFIX):
+            final = directory / path.name.removeprefix(_OLD_PREFIX)
+            if final.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # the new copy never took its place: the old one is the checkpoint
+                os.rename(path, final)
+        elif path.name.startswith(_TMP_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+            step = step_of(Path(path.name.removeprefix(_TMP_PREFIX)))
+            dropped += [] if step is None else [step]
+    return dropped
 
 
 def resolve_resume(
@@ -664,16 +686,24 @@ class Checkpointer:
     the training loop's. (DCP's other mode, a checkpoint daemon process per rank, also
     works with gloo on CPU but costs a process start, about 18 s here, at the first
     save.)
+
+    ``writing``: called on each rank with the step once its ``.tmp.step_N`` dir exists
+    (the trainer's test hook for a signal mid-save, src/trainer/faults.py).
     """
 
     def __init__(
-        self, directory: str | Path, keep_last: int = 0, async_save: bool = False
+        self,
+        directory: str | Path,
+        keep_last: int = 0,
+        async_save: bool = False,
+        writing: Callable[[int], None] | None = None,
     ):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.async_save = async_save
+        self._writing = writing
         self._pending: Future | None = None
         self._group = None
         self._executor = None
@@ -752,6 +782,8 @@ class Checkpointer:
         except Exception as exc:
             error = exc
         all_agree(error, "RNG write")
+        if self._writing is not None:
+            self._writing(step)
 
         state = {"model": model_tensors, "optim": optim_tensors}
         writer = dcp.FileSystemWriter(tmp)
@@ -817,9 +849,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints; drop crashed tmp dirs."""
-        for path in self.directory.iterdir():
-            if path.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
-                shutil.rmtree(path, ignore_errors=True)
+        drop_partial(self.directory)
         if self.keep_last:
             for path in complete_checkpoints(self.directory)[: -self.keep_last]:
                 # Unmark first so a crash mid-delete leaves an ignored dir.

@@ -3,8 +3,9 @@
 - :func:`run_dir_lock`: one run per run dir. An exclusive ``flock`` on
   ``<run dir>/run.lock`` (the kernel drops it when the holder dies, so a stale lock
   is simply taken over); the file records the holder's host and PID for the message.
-- :class:`StopRequest`: SIGTERM, SIGINT (and SIGUSR2, SLURM's advance warning) ask the
-  run to stop after the current step, with a checkpoint; a second signal stops at once.
+- :class:`StopRequest`: SIGTERM, SIGINT, SIGHUP (and SIGUSR2, SLURM's advance warning)
+  sent to any process of the run ask it to stop after the current step, with a
+  checkpoint; a second signal stops at once (:class:`StopNow`).
   :func:`stop_signal` is the collective that makes every rank stop at the same step.
 - :class:`Heartbeat`: every rank bumps a counter in the rendezvous store each second;
   after a collective times out, the ranks whose counter stopped moving are named.
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.errors import DiskFull, PeerUnresponsive, RunDirBusy, RunError
+from src.checkpoint.dcp import complete_checkpoints, drop_partial, run_checkpoints
+from src.errors import DiskFull, PeerUnresponsive, RunDirBusy, RunError, Stopped
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 # one line.
 FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 LOCK_FILE = "run.lock"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 HEARTBEAT_S = 1.0
 
 
@@ -111,24 +113,41 @@ _requested = 0  # the first stop signal this process received
 #: Ctrl-C reaches every process of the group already, and a second signal means "stop
 #: at once").
 STOP_FILE_ENV = "SHARDWRAP_STOP_FILE"
-#: Test hook: ``<point>`` makes rank 1 (the launcher for ``prepare``) send SIGINT to
-#: its process group once, at that named point, as a Ctrl-C does; ``<point>:launcher``
-#: makes rank 1 send SIGTERM to the launcher alone, as a scheduler does. A point is a
-#: name (its first occurrence) or ``step<N>`` (step N). See tests/test_faults.py.
+#: Test hook: comma-separated ``<point>[:<target>[:<SIGNAL>]]``. At that named point
+#: rank 1 (the launcher for ``prepare``) sends a signal once: to its process group
+#: (``group``, the default: SIGINT, as a Ctrl-C does), to the launcher alone
+#: (``launcher``: SIGTERM, as a scheduler does) or to itself (``self``: SIGTERM). A
+#: point is a name (its first occurrence) or ``<name><N>`` (of step N). See
+#: tests/test_faults.py.
 SIGNAL_AT_ENV = "SHARDWRAP_TEST_SIGNAL_AT"
 _signalled: set[str] = set()
 
 
+class StopNow(BaseException):
+    """A second stop signal: stop at once, without the stop's checkpoint. Raised in
+    the process that reports the stop (the launcher, or a rank with no peers), which
+    then removes what the interrupted save left (:func:`stopped_at_once`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class StopRequest:
     """While active, the first stop signal is remembered (``requested()``) and passed
-    to ``forward``; a second one stops the process as the default action would.
+    to ``forward``; a second one raises :class:`StopNow` (``at_once="raise"``: the
+    process that reports the stop) or ends the process as the default action would
+    (a rank among peers: they see its connection close).
 
     Entering it also unblocks the stop signals: a rank starts with them blocked (see
     :func:`ranks_start_blocked`), so a signal sent while it was starting waits for
     this handler instead of killing it half-imported."""
 
-    def __init__(self, forward: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, forward: Callable[[int], None] | None = None, at_once: str = "die"
+    ) -> None:
         self._forward = forward
+        self._raise = at_once == "raise"
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -146,6 +165,10 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         global _requested
+        if _requested and self._raise:
+            for sig in STOP_SIGNALS:  # the report of this one is not interrupted
+                signal.signal(sig, signal.SIG_IGN)
+            raise StopNow(signum)
         if _requested:
             signal.signal(signum, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
@@ -159,7 +182,7 @@ class StopRequest:
 def stop_at_once(signum: int, frame: Any) -> None:
     """The stop signals' handler until the ranks start (:func:`stop_before_start`):
     one line, then ``SystemExit(128 + signal)`` (files and locks are closed)."""
-    log.warning(resume_hint(signum, None, ""))
+    log.warning(resume_hint(None, "", signum))
     raise SystemExit(128 + signum)
 
 
@@ -236,20 +259,32 @@ def _told() -> int:
 
 def signal_point(name: str, step: int | None = None) -> None:
     """Test hook (:data:`SIGNAL_AT_ENV`): at the named point (of ``step``, if given),
-    rank 1 (the launcher for ``prepare``) sends SIGINT to its whole process group,
-    once, as a Ctrl-C in the terminal does; or SIGTERM to the launcher, then waits
-    until the launcher has told the ranks, so the stop lands in this step. Nothing
-    happens unless the variable names this point."""
-    point, _, target = os.environ.get(SIGNAL_AT_ENV, "").partition(":")
-    if point not in (name, f"{name}{step}") or point in _signalled:
+    rank 1 (the launcher for ``prepare``) sends the signal the variable names, once:
+    to its whole process group, as a Ctrl-C in the terminal does; to itself; or to
+    the launcher, then waits until the launcher has told the ranks, so the stop lands
+    in this step. Nothing happens unless the variable names this point."""
+    for item in os.environ.get(SIGNAL_AT_ENV, "").split(","):
+        point, target, signame = (item.split(":") + ["", ""])[:3]
+        if point not in (name, f"{name}{step}") or item in _signalled:
+            continue
+        if int(os.environ.get("RANK", -1)) != (-1 if name == "prepare" else 1):
+            return
+        _signalled.add(item)
+        target = target or "group"
+        signum = getattr(
+            signal, signame or ("SIGINT" if target == "group" else "SIGTERM")
+        )
+        if target == "group":
+            os.killpg(os.getpgrp(), signum)
+        elif target == "self":
+            os.kill(os.getpid(), signum)
+        else:
+            _signal_launcher(signum)
         return
-    if int(os.environ.get("RANK", -1)) != (-1 if name == "prepare" else 1):
-        return
-    _signalled.add(point)
-    if target != "launcher":
-        os.killpg(os.getpgrp(), signal.SIGINT)
-        return
-    os.kill(os.getppid(), signal.SIGTERM)  # a rank's parent is the launcher
+
+
+def _signal_launcher(signum: int) -> None:
+    os.kill(os.getppid(), signum)  # a rank's parent is the launcher
     deadline = time.monotonic() + 60
     while not _told():
         if time.monotonic() > deadline:
@@ -277,14 +312,37 @@ def stop_signal(device: torch.device) -> int:
     return int(flag.item())
 
 
-def resume_hint(stopped_by: int, checkpoint: Path | None, run_dir: str) -> str:
-    """The one line a stopped run ends with."""
-    name = signal.Signals(stopped_by).name
-    if checkpoint is None:
+def resume_hint(stop: Stopped | None, run_dir: str, signum: int = 0) -> str:
+    """The one line a stopped run ends with (``stop``: what the ranks did; None: no
+    rank had started training when ``signum`` came)."""
+    if stop is None or stop.checkpoint is None:
+        name = signal.Signals(stop.signum if stop else signum).name
         return f"stopped by {name} before the first step; nothing to resume"
+    return f"{stop}: checkpoint {stop.checkpoint}; {_resume_with(run_dir)}"
+
+
+def _resume_with(run_dir: str) -> str:
+    return f"resume with trainer.resume=auto hydra.run.dir={run_dir}"
+
+
+def stopped_at_once(signum: int, run_dir: str) -> str:
+    """The one line of a run stopped by a second signal, once no rank is left
+    writing: what the interrupted checkpoint left is removed (the line says which),
+    and where the run resumes from."""
+    directory = run_checkpoints(run_dir)
+    dropped = drop_partial(directory)
+    name = signal.Signals(signum).name
+    skipped = (
+        f"the checkpoint of step {dropped[-1]} it was writing is skipped (removed)"
+        if dropped
+        else "no checkpoint written"
+    )
+    found = complete_checkpoints(directory)
+    if not found:
+        return f"stopped at once by a second {name}: {skipped}; nothing to resume"
     return (
-        f"stopped by {name}: checkpoint {checkpoint}; resume with "
-        f"trainer.resume=auto hydra.run.dir={run_dir}"
+        f"stopped at once by a second {name}: {skipped}; the newest checkpoint is "
+        f"{found[-1]}; {_resume_with(run_dir)}"
     )
 
 

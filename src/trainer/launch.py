@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.multiprocessing.spawn import ProcessContext
 
-from src.checkpoint.dcp import Checkpointer, run_checkpoints
+from src.checkpoint.dcp import Checkpointer, run_checkpoints, step_of
 from src.data.sources import follow_tokenizer_vocab, prepare_data
 from src.errors import ConfigError, RunDirBusy, RunError, Stopped
 from src.observe.logs import (
@@ -60,6 +60,7 @@ from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
     STOP_SIGNALS,
     Heartbeat,
+    StopNow,
     StopRequest,
     describe_holder,
     disk_full,
@@ -72,6 +73,7 @@ from src.trainer.faults import (
     run_error_names,
     signal_point,
     stop_at_once,
+    stopped_at_once,
     tell_ranks,
 )
 from src.trainer.loop import train
@@ -161,9 +163,9 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
             with run_dir_lock(run_dir) if rank0 else contextlib.nullcontext():
                 return record(run_rank)(cfg, run_dir, resolved)
         except Stopped as stop:
-            if rank0:
-                log.info(resume_hint(stop.signum, stop.checkpoint, run_dir))
-            sys.exit(128 + stop.signum)
+            _stopped(stop, run_dir, report=rank0)
+        except StopNow as now:  # one rank in all: no peer to wait for
+            _stopped_at_once(now, run_dir)
         except RunDirBusy as err:
             exit_with_error(log, f"error: {err}")
     try:
@@ -203,8 +205,9 @@ def _launch_local(
         try:
             summary = run_rank(cfg, run_dir, resolved)
         except Stopped as stop:
-            log.info(resume_hint(stop.signum, stop.checkpoint, run_dir))
-            sys.exit(128 + stop.signum)
+            _stopped(stop, run_dir)
+        except StopNow as now:
+            _stopped_at_once(now, run_dir)
         except (RunError, ConfigError):
             raise  # its message is the report (launch, or the command line's)
         except Exception as err:
@@ -219,41 +222,86 @@ def _launch_local(
     log_dir = None if debug_on() else os.path.join(run_dir, "ranks")
     config = local_launch_config(nprocs, cfg.trainer.max_restarts, log_dir)
     _quiet_launcher_logs()
-    summaries: dict = {}
     # The ranks are new processes: they re-create this process's console and
     # train.log handlers (Hydra's job logging) from the spec.
     spec = log_spec()
     with (
-        StopRequest(forward=tell_ranks) as stop,
+        StopRequest(forward=tell_ranks, at_once="raise") as stop,
         _bounded_failure_grace(),
-        ranks_start_blocked(run_dir),
     ):
         try:
-            summaries = elastic_launch(config, _rank_entry)(
-                cfg, run_dir, resolved, spec
-            )
-        except ChildFailedError as err:
-            if not requested():
-                exit_with_error(log, _failure_report(err, run_dir))
-        except Exception:  # e.g. a rank's error file left empty by a full disk
-            full = disk_full(run_dir)
-            if full is None or full_errors():
-                raise
-            exit_with_error(log, f"error: {full}")
-    signum, summary = requested(), summaries.get(0)
+            with ranks_start_blocked(run_dir):
+                summaries = _run_local_ranks(config, cfg, run_dir, resolved, spec)
+            return _outcome(summaries.get(0) or {}, run_dir, stop.previous)
+        except StopNow as now:  # the agent has ended the ranks on its way out
+            _stopped_at_once(now, run_dir)
+
+
+def _run_local_ranks(
+    config: LaunchConfig,
+    cfg: DictConfig,
+    run_dir: str,
+    resolved: Resolved,
+    spec: LogSpec,
+) -> dict[int, Any]:
+    """The ranks' return values; a failed rank is reported in one line (exit 1)."""
+    try:
+        return elastic_launch(config, _rank_entry)(cfg, run_dir, resolved, spec)
+    except ChildFailedError as err:
+        if not requested():
+            exit_with_error(log, _failure_report(err, run_dir))
+    except Exception:  # e.g. a rank's error file left empty by a full disk
+        full = disk_full(run_dir)
+        if full is None or full_errors():
+            raise
+        exit_with_error(log, f"error: {full}")
+    return {}
+
+
+def _outcome(summary: dict, run_dir: str, previous: dict) -> dict[str, Any]:
+    """Rank 0's summary, or the end of a run stopped by a signal to any of its
+    processes (rank 0 returned :data:`STOPPED`, or this launcher got the signal)."""
+    signum = requested()
+    if STOPPED in summary:
+        _stopped(Stopped(*summary[STOPPED]), run_dir, previous=previous)
     if signum and summary:  # the last step had passed: a complete run, kept as one
         _finished_anyway(signum)
-        return summary
-    if signum:
-        log.info(resume_hint(signum, _latest(run_dir), run_dir))
-        previous = stop.previous.get(signum)
-        if callable(previous) and previous not in (
-            signal.default_int_handler,
-            stop_at_once,
-        ):
-            previous(signum, None)  # e.g. submitit's SIGUSR2 handler: requeue the job
-        sys.exit(128 + signum)
+    elif signum:  # no rank trained (e.g. the signal came as they started)
+        latest = _latest(run_dir)
+        stopped = latest and Stopped(signum, step_of(latest), latest)
+        _stopped(stopped or None, run_dir, signum=signum, previous=previous)
     return summary
+
+
+#: What a rank returns to the launcher instead of a summary when the run stopped on a
+#: signal (its exit status is 0, so the elastic agent neither restarts nor reports
+#: it): ``(signal, step, checkpoint)``.
+STOPPED = "stopped"
+
+
+def _stopped(
+    stop: Stopped | None,
+    run_dir: str,
+    signum: int = 0,
+    previous: dict | None = None,
+    report: bool = True,
+) -> NoReturn:
+    """End a stopped run: its one line (``report``: this process says it), the
+    signal's previous handler (e.g. submitit's SIGUSR2 handler requeues the job),
+    exit status 128 + signal."""
+    signum = stop.signum if stop else signum
+    if report:
+        log.info(resume_hint(stop, run_dir, signum))
+    handler = (previous or {}).get(signum)
+    if callable(handler) and handler not in (signal.default_int_handler, stop_at_once):
+        handler(signum, None)
+    sys.exit(128 + signum)
+
+
+def _stopped_at_once(now: StopNow, run_dir: str) -> NoReturn:
+    """A second signal: once no rank writes, say what was skipped and exit."""
+    log.warning(stopped_at_once(now.signum, run_dir))
+    sys.exit(128 + now.signum)
 
 
 def _finished_anyway(signum: int) -> None:
@@ -352,9 +400,8 @@ def _rank_entry(
     signal_point("rank_start")
     try:
         return run_rank(cfg, run_dir, resolved, spec)
-    except Stopped:
-        # exit 0: the agent neither restarts nor reports it; the launcher says it
-        return {}
+    except Stopped as stop:
+        return {STOPPED: (stop.signum, stop.step, stop.checkpoint)}
 
 
 def _quiet_launcher_logs() -> None:
@@ -504,7 +551,10 @@ def run_rank(
     ``spec``: the launching process's log set-up, for a rank started as a new process
     (see src/observe/logs.py)."""
     rank, world = _rank_from_env(), int(os.environ.get("WORLD_SIZE", 1))
-    with StopRequest(), rank_logging(spec, rank, world):
+    # A second signal ends a rank among peers at once (they see its connection
+    # close); a rank alone raises StopNow, and its process reports it.
+    at_once = "raise" if world == 1 else "die"
+    with StopRequest(at_once=at_once), rank_logging(spec, rank, world):
         device, heartbeat = init_distributed(cfg.trainer.timeout_s)
         try:
             if dist.get_rank() != 0:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -416,6 +417,7 @@ class Trainer:
             run_checkpoints(self.run_dir),
             keep_last=t.keep_last,
             async_save=t.ckpt_async,
+            writing=lambda step: signal_point("checkpoint", step),
         )
         self.start_step, self.extended = resume(
             self.cfg,
@@ -717,7 +719,12 @@ class Trainer:
         path = saved or self.checkpoint(step)
         self.ckpt.wait()
         self.bar.close()
-        raise Stopped(signum, step, path)
+        stop = Stopped(signum, step, path)
+        # summary.json says so (the completed run's summary replaces it).
+        by = signal.Signals(signum).name
+        self.summary["stopped"] = {"by": by, "step": step, "checkpoint": str(path)}
+        self.logger.log_summary(self.summary)
+        raise stop
 
 
 def train(
