@@ -44,6 +44,11 @@ class PeerUnresponsive(RunError):
     """A collective timed out because a peer rank stopped responding."""
 
 
+class PeerExited(RunError):
+    """A collective failed because a peer rank's connection closed (it exited or was
+    killed)."""
+
+
 class DiskFull(RunError):
     """A write failed with ENOSPC."""
 

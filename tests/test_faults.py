@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +26,7 @@ import torch
 
 from src.checkpoint.dcp import Checkpointer, resolve_resume
 from src.models.gpt import GPT, GPTConfig
+from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
@@ -200,6 +203,12 @@ def test_max_restarts_restarts_the_ranks_and_they_resume(tmp_path):
     os.kill(worker_pids(proc.pid)[-1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
+    # The restarted ranks name the failure and say truthfully what they resume from.
+    assert re.search(
+        rf"elastic restart 1 of 1 after rank \d on {socket.gethostname()} failed "
+        r"\(exit code -9\): killed by SIGKILL; resuming from the newest good checkpoint",
+        out,
+    ), out[-3000:]
     assert "resumed from" in out
     assert max(losses(tmp_path)) == 16
     assert (tmp_path / "checkpoints" / "step_00000016").is_dir()
@@ -435,6 +444,65 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
     assert "(step 3)" in done.stdout
     assert loss_rows(tmp_path) == loss_rows(reference)
     assert "stopped" not in json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_a_rank_killed_under_two_torchrun_agents_is_one_line_naming_it(
+    reference, tmp_path
+):
+    """Two torchrun agents (one rank each, as on two nodes); rank 1 is killed (SIGKILL,
+    by itself, mid-step 3). The surviving rank says in one line which rank is gone,
+    its PID and host, and why: its connection closed (not a timeout: the run's
+    trainer.timeout_s is 600 s). Each agent exits 1; the dead rank's agent has only
+    torchrun's own summary (SIGKILL, no traceback of ours). The step-2 checkpoint
+    then resumes exactly on a local launch."""
+    port = free_port()
+    ranks = [o for o in BASE if not o.startswith("trainer.devices")]
+    overrides = [*ranks, *REFERENCE, "trainer.ckpt_every=2", "trainer.keep_last=0"]
+    env = {**os.environ, "SHARDWRAP_TEST_SIGNAL_AT": "step3:self:SIGKILL"}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
+            + ["--nproc_per_node=1", "--rdzv_backend=c10d"]
+            + [f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=faults"]
+            + [f"--rdzv_conf=is_host={int(node == 0)}", str(ROOT / "train.py")]
+            + [*overrides, f"hydra.run.dir={tmp_path}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for node in range(2)
+    ]
+    try:
+        outs = [agent.communicate(timeout=600)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    assert [a.returncode for a in agents] == [1, 1], "\n".join(outs)[-6000:]
+    survivor = [out for out in outs if "stopped responding" in out or "error: " in out]
+    assert len(survivor) == 1, "\n".join(outs)[-6000:]
+    out = survivor[0]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    host = socket.gethostname()
+    assert len(errors) == 1, out[-3000:]
+    assert re.fullmatch(
+        rf"error: rank 1 \(PID \d+ on {host}, exited\) is gone: its connection "
+        rf"closed during a collective \(.+\) \(rank 0 on {host} failed; traceback: "
+        rf"{tmp_path}/ranks/rank0_error.txt\)",
+        errors[0],
+    ), errors[0]
+    assert "[rank0]:" not in out and "timed out" not in out, out[-3000:]
+    (dead,) = [o for o in outs if o is not out]
+    assert "Signal 9 (SIGKILL)" in dead and "error: " not in dead, dead[-3000:]
+
+    resumed = run_train(
+        tmp_path, *REFERENCE, "trainer.ckpt_every=2", "trainer.resume=auto"
+    )
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "(step 2)" in resumed.stdout
+    assert loss_rows(tmp_path) == loss_rows(reference)
 
 
 def run_with_signal(

@@ -4,11 +4,13 @@ pre-rank checks, metrics bookkeeping. tests/test_faults.py drives them end to en
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from src.checkpoint.dcp import drop_partial
 from src.config import ConfigError
@@ -22,7 +24,7 @@ from src.trainer.faults import (
     stop_signal,
     stopped_at_once,
 )
-from src.trainer.launch import preflight
+from src.trainer.launch import _quiet_launcher_logs, preflight
 
 
 def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
@@ -90,6 +92,26 @@ def test_a_second_stop_signal_raises_in_the_reporting_process_and_names_the_skip
     assert stopped_at_once(signal.SIGTERM, str(tmp_path / "none")) == (
         "stopped at once by a second SIGTERM: no checkpoint written; nothing to resume"
     )
+
+
+def test_an_unparsable_rank_error_file_is_not_a_traceback(tmp_path):
+    """A full disk leaves a rank's error file empty: the elastic agent's parser fails
+    (the launcher then reports the full disk in one line); its own traceback of that
+    ("Failed to parse reply file") is not logged."""
+    _quiet_launcher_logs()
+    error_file = tmp_path / "error.json"
+    error_file.write_text("")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    parser_log = logging.getLogger(ProcessFailure.__module__)
+    parser_log.addHandler(handler)
+    try:
+        with pytest.raises(ValueError):
+            ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    finally:
+        parser_log.removeHandler(handler)
+    assert records == []
 
 
 def test_preflight_checks_the_run_dir_is_writable(tmp_path):

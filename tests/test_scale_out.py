@@ -10,7 +10,6 @@ pair, one 4-rank and one 2-rank launch, and 1-rank runs in this process.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from src.resolved import resolve
 from src.sharding import build_backend, build_sharded_model, wrap, wrap_plan
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
-from tests.distributed import run_distributed
+from tests.distributed import free_port, run_distributed
 from tests.test_train import ROOT, make_cfg, read_rows
 
 # 4 steps of model=tiny on 8 sequences a step; checkpoints at steps 2 and 4.
@@ -118,12 +117,6 @@ def one_rank(root: Path, name: str, *overrides: str) -> None:
     """``trainer.devices=1``: the rank runs in this process, as train.py runs it."""
     cfg = make_cfg(*RUN, "sharding=none", "trainer.devices=1", *overrides)
     run_rank(cfg, str(root / name), validate(cfg))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@
 - :class:`Heartbeat`: every rank bumps a counter in the rendezvous store each second;
   after a collective times out, the ranks whose counter stopped moving are named.
 - :func:`named_failures`: a collective timeout becomes :class:`PeerUnresponsive`, a
-  full disk :class:`DiskFull` ("no space left", and where).
+  peer's closed connection :class:`PeerExited` (both name the rank, its PID and
+  host), a full disk :class:`DiskFull` ("no space left", and where).
 
 Every :class:`RunError` is reported as its one-line message; the traceback stays in the
 rank's error file (``<run dir>/ranks/...``), or inline with ``HYDRA_FULL_ERROR=1``.
@@ -37,7 +38,14 @@ import torch
 import torch.distributed as dist
 
 from src.checkpoint.dcp import complete_checkpoints, drop_partial, run_checkpoints
-from src.errors import DiskFull, PeerUnresponsive, RunDirBusy, RunError, Stopped
+from src.errors import (
+    DiskFull,
+    PeerExited,
+    PeerUnresponsive,
+    RunDirBusy,
+    RunError,
+    Stopped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,9 @@ log = logging.getLogger(__name__)
 # one line.
 FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 LOCK_FILE = "run.lock"
+#: Set by the launcher for ranks it restarts after a failure (elastic restart): the
+#: failure's one-line report, which the restarted ranks say.
+RESTART_CAUSE_ENV = "SHARDWRAP_RESTART_CAUSE"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 HEARTBEAT_S = 1.0
 
@@ -402,8 +413,10 @@ def _local_state(who: dict[str, Any]) -> str:
 def named_failures(
     heartbeat: Heartbeat | None, run_dir: str, timeout_s: float
 ) -> Iterator[None]:
-    """Turn a collective timeout into :class:`PeerUnresponsive` naming the silent
-    rank(s), and a full disk into :class:`DiskFull` saying where."""
+    """Turn a failed collective into the peer's failure, naming the rank(s) whose
+    heartbeat stopped: :class:`PeerExited` when the peer's connection closed (it
+    exited or was killed), :class:`PeerUnresponsive` when it timed out; and a full
+    disk into :class:`DiskFull` saying where."""
     try:
         yield
     except RunError:
@@ -415,13 +428,37 @@ def named_failures(
                 f"({_free(run_dir)} free): {_first_line(err)}"
             ) from err
         if heartbeat is not None and isinstance(err, RuntimeError):
-            silent = heartbeat.silent_peers()
+            closed = _peer_closed(err)
+            try:
+                silent = heartbeat.silent_peers()
+            except Exception:  # the rendezvous store went with the peer
+                silent = []
+            if closed:
+                who = ", ".join(silent) or "a peer rank"
+                raise PeerExited(
+                    f"{who} is gone: its connection closed during a collective "
+                    f"({closed})"
+                ) from err
             if silent:
                 raise PeerUnresponsive(
                     f"{', '.join(silent)} stopped responding: a collective timed out "
                     f"after trainer.timeout_s={timeout_s:g}"
                 ) from err
         raise
+
+
+#: How gloo and the store say a peer's socket closed (the peer exited or was killed).
+_CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_closed(err: BaseException | None) -> str | None:
+    """Which of :data:`_CLOSED` ``err`` (or its cause) says, if any."""
+    while err is not None:
+        closed = [c for c in _CLOSED if c in str(err)]
+        if closed:
+            return closed[0]
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _no_space(err: BaseException) -> bool:

@@ -33,6 +33,9 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.agent.server.local_elastic_agent import (
+    LocalElasticAgent,
+)
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -58,6 +61,7 @@ from src.planner.planner import (
 )
 from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
+    RESTART_CAUSE_ENV,
     STOP_SIGNALS,
     Heartbeat,
     StopNow,
@@ -156,18 +160,25 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
             plan_only(cfg, resolved, run_dir, world_size=world or resolved.world_size)
         return None
     if under_torchrun():
-        # record(): torchrun's failure summary then shows this rank's traceback.
+        # A failed rank says so in one line, as the local launcher does (with
+        # HYDRA_FULL_ERROR=1, record() hands its traceback to torchrun's summary).
         # Rank 0 holds the run dir (it is rank 0's; a restart finds the lock free).
         rank0 = _is_rank0()
         try:
             with run_dir_lock(run_dir) if rank0 else contextlib.nullcontext():
-                return record(run_rank)(cfg, run_dir, resolved)
+                return (record(run_rank) if full_errors() else run_rank)(
+                    cfg, run_dir, resolved
+                )
         except Stopped as stop:
             _stopped(stop, run_dir, report=rank0)
         except StopNow as now:  # one rank in all: no peer to wait for
             _stopped_at_once(now, run_dir)
         except RunDirBusy as err:
             exit_with_error(log, f"error: {err}")
+        except Exception as err:
+            if full_errors():
+                raise
+            exit_with_error(log, _in_process_failure(err, run_dir, _rank_from_env()))
     try:
         with run_dir_lock(run_dir) as stale:
             if stale:
@@ -228,6 +239,7 @@ def _launch_local(
     with (
         StopRequest(forward=tell_ranks, at_once="raise") as stop,
         _bounded_failure_grace(),
+        _restart_cause(run_dir),
     ):
         try:
             with ranks_start_blocked(run_dir):
@@ -337,6 +349,29 @@ def _bounded_failure_grace():
         ProcessContext.join = join
 
 
+@contextlib.contextmanager
+def _restart_cause(run_dir: str):
+    """The elastic agent restarts the ranks after a failure without telling them
+    which rank failed; this puts the failure's one line (:func:`_failure_report`) in
+    :data:`RESTART_CAUSE_ENV` for the restarted ranks (a started rank inherits this
+    process's environment), who say it. Patched like :func:`_bounded_failure_grace`."""
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitored(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.is_failed():
+            failed = ChildFailedError("ranks", result.failures)
+            os.environ[RESTART_CAUSE_ENV] = _failure_report(failed, run_dir)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitored
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = monitor
+        os.environ.pop(RESTART_CAUSE_ENV, None)
+
+
 def _latest(run_dir: str):
     return Checkpointer(run_checkpoints(run_dir)).latest()
 
@@ -412,6 +447,11 @@ def _quiet_launcher_logs() -> None:
         logging.CRITICAL
     )
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # A rank's error file it cannot parse (left empty by a full disk): reported as
+    # what caused it (launch), not as its parser's traceback.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.errors").setLevel(
+        logging.CRITICAL
+    )
 
 
 def _failure_report(err: ChildFailedError, run_dir: str) -> str:
@@ -432,17 +472,18 @@ def _failure_report(err: ChildFailedError, run_dir: str) -> str:
     return f"{head}: {disk_full(run_dir) or message}".rstrip()
 
 
-def _in_process_failure(err: Exception, run_dir: str) -> str:
-    """A one-rank run's failure as the launcher reports a rank's (:func:`_failure_report`):
-    one line, the traceback in a file under ``<run dir>/ranks``."""
-    error_file: Any = Path(run_dir) / "ranks" / "rank0_error.txt"
+def _in_process_failure(err: Exception, run_dir: str, rank: int = 0) -> str:
+    """The failure of the rank in this process (one rank, or one under torchrun) as
+    the launcher reports a rank's (:func:`_failure_report`): one line, the traceback
+    in a file under ``<run dir>/ranks``."""
+    error_file: Any = Path(run_dir) / "ranks" / f"rank{rank}_error.txt"
     try:
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_file.write_text("".join(traceback.format_exception(err)))
     except OSError as why:  # e.g. the disk is full: the report still comes
         error_file = f"not written ({why.strerror}); HYDRA_FULL_ERROR=1 shows it"
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    head = f"rank 0 on {socket.gethostname()} failed"
+    head = f"rank {rank} on {socket.gethostname()} failed"
     return _one_line(head, type(err).__name__, text, error_file)
 
 

@@ -60,7 +60,7 @@ from src.sharding import (
     canonical_name,
     wrap_plan,
 )
-from src.trainer.faults import signal_point, stop_signal
+from src.trainer.faults import RESTART_CAUSE_ENV, signal_point, stop_signal
 from src.trainer.sampling import sample_texts
 
 log = logging.getLogger(__name__)
@@ -182,12 +182,12 @@ def resume(
     it was written with (ConfigError otherwise); with ``extend`` the learning rate
     follows the schedule of the new ``max_steps`` from the resumed step on.
     """
-    wanted = cfg.trainer.resume
     restarted = _restart_line(cfg)
-    if restarted:
-        wanted = "auto"
-        log.info(restarted)
+    wanted = "auto" if restarted else cfg.trainer.resume
     path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
+    if restarted:
+        found = "resuming from the newest good checkpoint"
+        log.info(f"{restarted}; {found if path else 'no checkpoint yet: from step 0'}")
     if path is None:
         return 0, None
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
@@ -254,17 +254,15 @@ def _restart_line(cfg: DictConfig) -> str | None:
     """The console line of an elastic restart or a SLURM requeue (None otherwise)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restart:
-        return (
-            f"elastic restart {restart} of {cfg.trainer.max_restarts} after a rank "
-            "failed: resuming from the newest good checkpoint"
+        # The launcher names the failure (torchrun does not: "a rank failed").
+        cause = os.environ.get(RESTART_CAUSE_ENV, "a rank failed").removeprefix(
+            "error: "
         )
+        return f"elastic restart {restart} of {cfg.trainer.max_restarts} after {cause}"
     requeue = int(os.environ.get("SLURM_RESTART_COUNT", 0))
     if requeue:
         job = os.environ.get("SLURM_JOB_ID", "?")
-        return (
-            f"SLURM job {job} requeued ({requeue}x): resuming from the newest good "
-            "checkpoint"
-        )
+        return f"SLURM job {job} requeued ({requeue}x)"
     return None
 
 
