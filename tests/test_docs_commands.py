@@ -1,18 +1,23 @@
 """Every command README.md and docs/*.md show, checked, so the docs cannot drift.
 
 The commands are read from the Markdown itself: each line of a ```bash block (``\\``
-continuations joined, ``&&`` chains split, comments dropped) and each ``$ `` line of
-an unlabelled block, with the lines shown after it as its output. A command someone
-adds to the docs is checked without touching this file:
+continuations joined, ``&&`` chains split, comments dropped), each ``$ `` line of an
+unlabelled block, with the lines shown after it as its output, and each backticked
+``python X.py ...`` in running text that is not a template (``...``, ``<config>``).
+A command someone adds to the docs is checked without touching this file:
 
-- ``python train.py ...`` (also after ``torchrun``): its arguments go through what
-  train.py does first (``quote_paths``), then Hydra's own override parser; each point
-  of a sweep (``-m a=1,2``) is composed with conf/ (Hydra's settings included:
-  launcher and sweeper keys are typed by their plugins) and validated, in-process.
-- a ``$ `` command shown with its output: run in-process as train.py runs it
-  (plan-only or a config error, never a training), and every line shown must be a
-  line it prints (up to a trailing ``...``).
-- a few commands are really run, shortened (:data:`EXECUTED`).
+- ``python train.py ...`` (also after ``torchrun``), each point of a sweep
+  (``-m a=1,2``): taken in-process as far as a run goes without training, as
+  train.py's main() does: composed with conf/ (Hydra's settings included: launcher
+  and sweeper keys are typed by their plugins), validated, ``launch.prepare``d (the
+  token cache, the planner's choices and estimate) and, plan-only, the plan printed.
+  A config error fails unless the docs show it, or it names a path the user
+  supplies (``~/corpus``).
+- the short ones (the planner's peak per rank <= :data:`SHORT_GIB`, up to
+  :data:`SHORT_WORLD` ranks; a sweep's first point) are then trained for real,
+  shortened (:data:`SHORTEN`): one launch of ranks per world size runs them all.
+- a ``$ `` command shown with its output: every line shown must be a line it prints
+  (``...`` stands for any text), plan-only, a config error or a training.
 - another Hydra entry point (``python X.py``, ``python -m pkg.mod``): composed with its
   own config.
 - anything else must be in :data:`SKIPPED` with the reason it cannot run here; an
@@ -24,22 +29,22 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
-import json
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
-from src.errors import ConfigError
+from src.trainer.launch import override_keys
+from tests.distributed import run_distributed
+from tests.test_config import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -58,17 +63,6 @@ USER_RUN_DIR = re.compile(r"<date>|<time>|<run dir>")
 #: Keys holding a path the user supplies (~/corpus, ~/ckpt/my-llama): such a
 #: command is composed and validated, but its validation may stop at that path.
 USER_PATH_KEYS = ("model.pretrained", "data.paths", "data.tokenizer", "model.config")
-
-#: Commands really run (shortened by the extra overrides), one of each kind: a
-#: training, the composed config, a config error's exit status.
-EXECUTED = {
-    "python train.py model=tiny trainer.devices=1 sharding=none trainer.max_steps=50": [
-        "trainer.max_steps=3",
-        "trainer.val_every=0",
-        "logger=none",
-    ],
-    "python train.py --cfg job": [],
-}
 
 
 @dataclass(frozen=True)
@@ -145,7 +139,25 @@ def doc_commands() -> list[Command]:
                         commands.append(Command(f"{name}:{number}", tuple(argv)))
             elif block.group(1) in ("", "console"):
                 commands.extend(_shown_commands(name, lines))
+        prose = fence.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        commands.extend(_inline_commands(name, prose))
     return commands
+
+
+#: A ``python X.py ...`` command in running text (a backticked span), unless it is a
+#: template (``...``, ``<config>``, ``[overrides]``).
+INLINE = re.compile(r"`(python [\w/.-]+\.py(?: [^`]*)?)`")
+TEMPLATE = re.compile(r"\.\.\.|<\w[^>]*>|\[overrides\]")
+
+
+def _inline_commands(name: str, text: str) -> list[Command]:
+    """The commands a doc names in running text (outside its code blocks)."""
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for span in INLINE.findall(line):
+            if not TEMPLATE.search(span):
+                out.extend(Command(f"{name}:{number}", tuple(a)) for a in _split(span))
+    return out
 
 
 def _shown_commands(name: str, lines: list[tuple[int, str]]) -> list[Command]:
@@ -171,6 +183,7 @@ def _shown_commands(name: str, lines: list[tuple[int, str]]) -> list[Command]:
 class TrainArgs:
     overrides: list[str]
     multirun: bool
+    runs: bool = True  # False: Hydra prints (--cfg, --help, --info) and exits
 
 
 def train_args(argv: tuple[str, ...]) -> TrainArgs | None:
@@ -181,7 +194,7 @@ def train_args(argv: tuple[str, ...]) -> TrainArgs | None:
     if argv[0] != "torchrun" and argv[:i] != ("python",):
         return None
     args = quote_paths(argv[i + 1 :])  # what train.py does before Hydra
-    overrides, multirun, skip = [], False, False
+    overrides, multirun, skip, runs = [], False, False, True
     for arg in args:
         if skip:
             skip = False
@@ -189,11 +202,13 @@ def train_args(argv: tuple[str, ...]) -> TrainArgs | None:
             multirun = True
         elif arg in ("--cfg", "-c", "--package", "-p", "--info", "-i"):
             skip = arg not in ("--info", "-i")
+            runs = runs and arg in ("--package", "-p")
         elif arg.startswith("-"):
             assert arg in ("--help", "-h", "--hydra-help", "--resolve"), arg
+            runs = runs and arg == "--resolve"
         else:
             overrides.append(arg)
-    return TrainArgs(overrides, multirun)
+    return TrainArgs(overrides, multirun, runs)
 
 
 def sweep_points(args: TrainArgs) -> list[list[str]]:
@@ -219,37 +234,99 @@ def compose_run(overrides: list[str]):
     return cfg, full
 
 
-def check_train_command(command: Command, args: TrainArgs) -> None:
-    user_paths = "~" in command.text
-    for point in sweep_points(args):
-        cfg, _ = compose_run(point)
-        try:
-            validate(cfg)
-        except ConfigError as err:
-            # A path the user supplies (~/ckpt/my-llama) is not on this machine.
-            if not (user_paths and str(err).split(":")[0] in USER_PATH_KEYS):
-                raise
+@dataclass
+class Outcome:
+    """One documented train.py command (one point of a sweep) taken as far as a run
+    goes without training: composed, validated, ``prepare``d (and, plan-only, the
+    plan printed). ``lines``: what it printed; ``error``: why it stopped early."""
+
+    command: Command
+    point: list[str]
+    lines: list[str]
+    error: str | None = None
+    world: int = 0
+    planned_gib: float | None = None
+    plan_only: bool = False
+    min_steps: int = 1  # the fewest steps its config allows (a profiled window's end)
 
 
-def run_shown(command: Command, args: TrainArgs, run_dir: Path) -> list[str]:
-    """What ``python train.py <overrides>`` prints for a plan-only run or a config
-    error, run in-process as train.py's main() does."""
+def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
+    """``point`` as train.py's main() takes it, in-process: compose, validate,
+    ``prepare`` (the token cache, the planner's choices and estimate) and, for a
+    plan-only run, ``launch`` (which prints the plan). A config error is printed as
+    train.py prints it; one about a path the user supplies (~/corpus) ends the
+    command there."""
     from src.trainer.launch import launch, prepare
 
-    out = io.StringIO()
+    out, outcome = io.StringIO(), Outcome(command, point, [])
     with contextlib.redirect_stdout(out):
         try:
-            cfg, full = compose_run(args.overrides)
+            cfg, full = compose_run(point)
             resolved = validate(cfg)
-            assert cfg.trainer.plan_only, f"{command.where}: shown output of a training"
+            if not train_args(command.argv).runs:
+                return outcome  # Hydra prints the config or the help, and exits
             HydraConfig.instance().set_config(full)  # the command line's keys
-            cfg, resolved = prepare(cfg, resolved)
-            launch(cfg, str(run_dir), resolved)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cfg, resolved = prepare(cfg, resolved, run_dir=str(run_dir))
+            outcome.world, outcome.plan_only = (
+                resolved.world_size,
+                cfg.trainer.plan_only,
+            )
+            outcome.planned_gib = resolved.planned_peak_gib
+            t = cfg.trainer
+            if t.profile:
+                outcome.min_steps = t.profile_start + t.profile_steps - 1
+            if cfg.trainer.plan_only:
+                launch(cfg, str(run_dir), resolved)
         except CONFIG_ERRORS as err:
             print(f"config error: {one_line(err)}")
+            key = str(err).split(":")[0]
+            if not ("~" in command.text and key in USER_PATH_KEYS):
+                outcome.error = f"config error: {one_line(err)}"
+        except Exception as err:  # noqa: BLE001 - reported with the command
+            outcome.error = f"{type(err).__name__}: {one_line(err)}"
         finally:
             HydraConfig.instance().cfg = None  # later tests see no Hydra job
-    return out.getvalue().splitlines()
+    outcome.lines = out.getvalue().splitlines()
+    return outcome
+
+
+def shown_mismatches(shown: tuple[str, ...], printed: list[str]) -> list[str]:
+    """The lines shown in the docs that the command did not print; ``...`` in a shown
+    line stands for any text (a figure that varies, the rest of a long line)."""
+    missing = []
+    for line in shown:
+        pattern = ".*".join(map(re.escape, line.split("...")))
+        if not any(re.fullmatch(pattern, p.strip()) for p in printed):
+            missing.append(line)
+    return missing
+
+
+def train_commands(commands: list[Command]) -> list[Command]:
+    """The documented train.py commands, each once (the first place that shows it)."""
+    out: dict[tuple[str, ...], Command] = {}
+    for command in commands:
+        if train_args(command.argv) is not None and not skip_reason(command):
+            out.setdefault(command.argv, command)
+    return list(out.values())
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """``prepared(command)``: its outcomes, one per point of its sweep, each taken
+    through ``prepare`` once in this module (the tests below share them)."""
+    root, done = tmp_path_factory.mktemp("prepared"), {}
+
+    def outcomes(command: Command) -> list[Outcome]:
+        if command.argv not in done:
+            points = sweep_points(train_args(command.argv))
+            done[command.argv] = [
+                prepare_point(command, p, root / f"{len(done)}_{i}")
+                for i, p in enumerate(points)
+            ]
+        return done[command.argv]
+
+    return outcomes
 
 
 # ------------------------------------------------------------ other programs
@@ -306,22 +383,31 @@ def test_the_docs_show_commands():
     assert len(COMMANDS) > 30
     assert "python train.py model=llama_tiny" in texts
     assert any(c.output for c in COMMANDS)
-    for executed in EXECUTED:
-        assert executed in texts, f"EXECUTED lists {executed!r}, which no doc shows"
+    assert "python train.py --cfg job" in texts
     for prefix in SKIPPED:
         assert any(c.argv[: len(prefix)] == prefix for c in COMMANDS), prefix
 
 
-def test_every_docs_command_composes_validates_or_is_skipped_with_a_reason(tmp_path):
+@pytest.mark.parametrize("command", train_commands(COMMANDS), ids=lambda c: c.where)
+def test_train_command_goes_as_far_as_prepare(command, prepared):
+    """Each train.py command (each point of a sweep) goes as far as a run goes
+    without training: a config error only where the docs show one."""
+    problems = [
+        f"{' '.join(o.point) or 'python train.py'}: {o.error}"
+        for o in prepared(command)
+        if o.error and not command.output
+    ]
+    assert problems == []
+
+
+def test_other_docs_commands_compose_or_are_skipped_with_a_reason():
+    """Every other command is composed with its own app's config or skipped for a
+    stated reason."""
     problems = []
     for command in COMMANDS:
+        if skip_reason(command) or train_args(command.argv) is not None:
+            continue
         try:
-            if skip_reason(command) or command.output:
-                continue  # shown with its output: the next test runs it
-            args = train_args(command.argv)
-            if args is not None:
-                check_train_command(command, args)
-                continue
             app = hydra_app(command.argv)
             if app is not None:
                 check_hydra_app(*app)
@@ -335,37 +421,127 @@ def test_every_docs_command_composes_validates_or_is_skipped_with_a_reason(tmp_p
     assert problems == []
 
 
+#: A documented training is run for real when its model is this small (the planner's
+#: peak per rank, GiB) on at most this many ranks, shortened to STEPS steps (and the
+#: rest of :data:`SHORTEN`) that its config allows.
+SHORT_GIB, SHORT_WORLD, STEPS = 0.5, 4, 2
+SHORTEN = [
+    f"trainer.max_steps={STEPS}",
+    "trainer.val_batches=1",
+    "trainer.progress=false",
+]
+#: Added unless the command sets the key: no wandb process, no MFU probe.
+QUIET = {"logger": "logger=none", "trainer.peak_tflops": "trainer.peak_tflops=1"}
+
+
+def _short(o: Outcome) -> bool:
+    return (
+        o.error is None
+        and not o.plan_only
+        and o.command.argv[0] == "python"
+        and o.planned_gib is not None
+        and o.planned_gib <= SHORT_GIB
+        and o.world <= SHORT_WORLD
+        and o.min_steps <= STEPS
+        and "trainer.resume" not in override_keys(o.point)  # needs an earlier run
+    )
+
+
+def _train_group(rank: int, world: int, runs: list[tuple]) -> dict | None:
+    """The runs of one world size, one after another on the same ranks: each as
+    launch's ranks run it (``loop.train``); rank 0 returns each run's summary and the
+    lines it logged."""
+    import logging
+
+    from src.observe.logs import PROJECT_LOGGER
+    from src.trainer.loop import train
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.extend(record.getMessage().splitlines())
+
+    project, handler = logging.getLogger(PROJECT_LOGGER), Lines()
+    project.setLevel(logging.INFO)
+    project.addHandler(handler)
+    out = {}
+    for where, cfg, resolved, run_dir in runs:
+        lines: list[str] = []
+        try:
+            summary = train(cfg, run_dir, torch.device("cpu"), resolved)
+        except Exception as err:
+            raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
+        out[where] = (summary, lines)
+    project.removeHandler(handler)
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def real_runs(prepared, tmp_path_factory) -> dict[tuple, tuple[dict, list[str]]]:
+    """Each short documented training (its sweep's first point), shortened, run for
+    real: one launch of ranks per world size. ``{argv: (summary, lines)}``."""
+    from src.trainer.launch import prepare
+
+    root, groups, first = tmp_path_factory.mktemp("real"), {}, {}
+    for command in train_commands(COMMANDS):
+        o = prepared(command)[0]  # a sweep's first point
+        if not _short(o):
+            continue
+        keys = override_keys(o.point)
+        extra = SHORTEN + [v for k, v in QUIET.items() if k not in keys]
+        cfg, full = compose_run([*o.point, *extra])
+        run = OmegaConf.to_yaml(cfg)  # a command that runs what another runs: once
+        first[o.command.argv] = first.setdefault(run, o.command.argv)
+        if first[run] != o.command.argv:
+            continue
+        HydraConfig.instance().set_config(full)
+        try:
+            cfg, resolved = prepare(cfg, validate(cfg))
+        finally:
+            HydraConfig.instance().cfg = None
+        run_dir = str(root / str(len(first)))
+        groups.setdefault(o.world, []).append((o.command.argv, cfg, resolved, run_dir))
+    done = {}
+    for world, runs in sorted(groups.items()):
+        done.update(run_distributed(_train_group, world, runs, timeout=600)[0])
+    return {a: done[b] for a, b in first.items() if isinstance(a, tuple)}
+
+
+@pytest.mark.timeout(1500)  # one launch per world size runs them all (the fixture)
+def test_short_docs_commands_really_run(real_runs):
+    """Tiny models and a few steps: HSDP, TP, Llama, hf, custom, csv, sampling...
+    each trains its 2 steps and reports a throughput window."""
+    ran = {" ".join(argv[1:]) for argv in real_runs}
+    assert {
+        "train.py model=tiny trainer.devices=4 sharding.replicate=2",
+        "train.py model=tiny trainer.devices=1 sharding=none trainer.max_steps=50",
+        "train.py model=llama_tiny",
+    } <= ran, ran
+    for argv, (summary, lines) in real_runs.items():
+        assert summary["steps"] == STEPS and 0 < summary["loss"] < 10, argv
+        assert summary["tokens_per_s"] > 0, argv
+        # The last window's MFU, or none where its line says n/a (docs/metrics.md).
+        last = next(x for x in reversed(lines) if x.startswith(f"step {STEPS}: loss"))
+        assert ("mfu n/a" in last) == ("mfu" not in summary), (argv, last)
+        assert 0 < summary.get("mfu", 1) <= 1, argv
+
+
 @pytest.mark.parametrize(
     "command", [c for c in COMMANDS if c.output], ids=lambda c: c.where
 )
-def test_shown_output_is_what_the_command_prints(command, tmp_path):
-    """docs/planner.md's verdicts, the README's config error...: each line shown after
-    a ``$ `` command is a line the command prints (``...`` ends a shown prefix)."""
-    args = train_args(command.argv)
-    assert args is not None, f"{command.where}: shown output of {command.text}"
-    printed = run_shown(command, args, tmp_path)
-    for line in command.output:
-        if line.endswith("..."):
-            assert any(p.startswith(line[:-3]) for p in printed), (line, printed)
-        else:
-            assert line in printed, (line, printed)
+@pytest.mark.timeout(1500)  # the first of these alone (-k) starts the real runs
+def test_shown_output_is_what_the_command_prints(command, prepared, real_runs):
+    """docs/planner.md's verdicts, the README's config error, a training's lines...:
+    each line shown after a ``$ `` command is a line the command prints."""
+    assert train_args(command.argv) is not None, command.where
+    printed = prepared(command)[0].lines + real_runs.get(command.argv, ({}, []))[1]
+    assert shown_mismatches(command.output, printed) == [], printed
 
 
-def test_a_few_docs_commands_really_run(tmp_path):
-    for text, extra in EXECUTED.items():
-        run_dir = tmp_path / str(len(list(tmp_path.iterdir())))
-        argv = [sys.executable, *shlex.split(text)[1:], *extra]
-        if "--cfg" not in argv:
-            argv.append(f"hydra.run.dir={run_dir}")
-        out = subprocess.run(
-            argv, cwd=ROOT, capture_output=True, text=True, timeout=600
-        )
-        assert out.returncode == 0, (text, out.stderr[-3000:])
-        if "--cfg" in argv:
-            assert "trainer:\n" in out.stdout and "max_steps: 300" in out.stdout
-        else:
-            summary = json.loads((run_dir / "summary.json").read_text())
-            assert summary["steps"] == 3 and summary["loss"] > 0
+def test_the_composed_config_prints():
+    """``python train.py --cfg job`` (README), as a user runs it."""
+    out = run_train("--cfg", "job", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trainer:\n" in out.stdout and "max_steps: 300" in out.stdout
 
 
 def test_python_blocks_import_what_exists_and_md_files_named_exist():

@@ -17,6 +17,7 @@ from src.harness import compose_config
 from src.models import GPT, get_spec
 from src.planner.planner import plan_only
 from src.resolved import resolve
+from src.trainer.launch import cpu_threads
 from src.trainer.loop import build_optimizer, lr_lambda, train
 from tests.distributed import run_distributed
 
@@ -81,6 +82,18 @@ def test_plan_only_allocates_nothing_and_writes_the_plan(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["total_gib"] > 0
     assert len(json.loads((tmp_path / "wrap_plan.json").read_text())) == len(plan.units)
+
+
+def test_cpu_ranks_split_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(1) == cores and cpu_threads(2) == max(1, cores // 2)
+    assert cpu_threads(4 * cores) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    assert cpu_threads(1) == cpu_threads(2) == 3
+    for unusable in ("0", "two", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert cpu_threads(1) == cores
 
 
 def _train_rank(rank: int, world_size: int, cfg, run_dir: str) -> list[dict] | None:

@@ -349,15 +349,20 @@ class ThroughputMeter:
         said = self.cpu_wait_max is not None and self.cpu_wait_max > CONTENDED
         self.cpu_wait_max = max(waited, self.cpu_wait_max or 0.0)
         if waited > CONTENDED and not said:
+            threads = torch.get_num_threads()
             log.warning(
                 "steps %d-%d: this rank's threads waited for a core %.0f%% of the "
                 "time (other processes are using this machine's cores): tokens/s "
                 "and MFU are below what this run gets alone and move with the load "
                 "(cpu_wait in metrics.jsonl); compare runs measured under the same "
-                "load",
+                "load%s",
                 first,
                 last,
                 100 * waited,
+                f"; {threads} threads per rank wait for each other on a busy "
+                "machine: OMP_NUM_THREADS=1 runs faster there"
+                if threads > 1
+                else "",
             )
 
     def _omit_mfu(self, achieved: float) -> None:

@@ -499,8 +499,7 @@ def init_distributed(timeout_s: float) -> tuple[torch.device, Heartbeat | None]:
     """Join the process group (NCCL on GPU, gloo on CPU) and pick this rank's device;
     with several ranks, also start this rank's heartbeat.
 
-    On CPU each rank gets ``cores // local ranks`` threads so the ranks on a machine
-    do not oversubscribe it.
+    On CPU each rank gets :func:`cpu_threads` threads.
     """
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -510,9 +509,20 @@ def init_distributed(timeout_s: float) -> tuple[torch.device, Heartbeat | None]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-        torch.set_num_threads(max(1, (cores or os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(cpu_threads(local_world))
     return device, _join_group(timeout_s, "nccl" if cuda else "gloo")
+
+
+def cpu_threads(local_world: int) -> int:
+    """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (the user's
+    choice: on a machine other processes share, one thread per rank runs far faster
+    than threads that wait for each other; docs/benchmarks.md), else ``cores // local
+    ranks``, so the ranks on a machine do not oversubscribe it."""
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if wanted.isdigit() and int(wanted) > 0:
+        return int(wanted)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    return max(1, (cores or os.cpu_count() or 1) // local_world)
 
 
 def _join_group(timeout_s: float, backend: str) -> Heartbeat | None:
