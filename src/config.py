@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 import sys
@@ -37,7 +38,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.cli_help import CONF_DIR, is_schema_option, user_options
+from src.cli_help import CONF_DIR, is_schema_option, user_groups, user_options
 from src.data.sources import DATA_SOURCES, DataConfig
 from src.data.token_cache import SPLITS
 from src.errors import ConfigError, RunError, keyed
@@ -281,8 +282,49 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
     _require(value >= minimum, key, f"got {value}, expected an integer >= {minimum}")
 
 
+MAX_TIMEOUT_S = 2_147_483  # s: 2^31 - 1 ms (tested with gloo; Python's timedelta
+# overflows near 1e14 s)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def reject_non_finite(node: DictConfig) -> None:
+    """Fail on a number that is not finite (``inf``, ``nan``, or ``1e400``, which
+    YAML reads as inf) at any key: no float setting means infinity."""
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, f"got {value}, expected a finite number")
+        items = value.items() if isinstance(value, dict) else ()
+        if isinstance(value, list):
+            items = ((f"[{i}]", v) for i, v in enumerate(value))
+        for k, v in items:
+            walk(v, f"{key}{'' if str(k).startswith('[') else '.'}{k}".lstrip("."))
+
+    try:
+        values = OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException:
+        return  # an interpolation that does not resolve: reported where it is read
+    walk(values, "")
+
+
+def refuse_null_groups(args: Sequence[str]) -> None:
+    """``trainer=null`` (or ``None``) on the command line for a group of conf/:
+    Hydra's defaults list fails on it with a traceback. One line naming the group and
+    its options instead."""
+    groups = set(user_groups())
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        group = key.lstrip("+")
+        value = value.strip().strip("'\"")
+        if sep and group in groups and value.lower() in ("null", "none", ""):
+            raise ConfigError(
+                group,
+                f"got {value or 'nothing'}, expected one of: "
+                f"{', '.join(user_options(group))}",
+            )
 
 
 def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
@@ -435,6 +477,7 @@ def validate(cfg: DictConfig) -> Resolved:
     Raises :class:`ConfigError` (one line naming the key) at the first problem.
     """
     reject_unknown_keys(cfg)
+    reject_non_finite(cfg)
     refuse_schemas(cfg)
     cap = cfg.sweep.mem_cap_gib
     _choice(cfg, "sweep.objective", OBJECTIVES)
@@ -625,7 +668,11 @@ def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
     )
     _require(t.weight_decay >= 0, "trainer.weight_decay", "expected a number >= 0")
     _require(t.grad_clip >= 0, "trainer.grad_clip", "expected >= 0 (0 = off)")
-    _require(t.timeout_s > 0, "trainer.timeout_s", "expected seconds > 0")
+    _require(
+        0 < t.timeout_s <= MAX_TIMEOUT_S,
+        "trainer.timeout_s",
+        f"got {t.timeout_s:g}, expected seconds > 0 and <= {MAX_TIMEOUT_S} (24 days)",
+    )
     _require(
         t.peak_tflops is None or t.peak_tflops > 0,
         "trainer.peak_tflops",
@@ -676,6 +723,7 @@ def open_run(
 def validate_sample(cfg: DictConfig) -> None:
     """sample.py's own keys (the run's config is checked by :func:`validate`)."""
     reject_unknown_keys(cfg)
+    reject_non_finite(cfg)
     _positive_int(cfg, "num_samples")
     _positive_int(cfg, "max_new_tokens")
     _require(
@@ -693,6 +741,7 @@ def validate_eval(cfg: DictConfig) -> None:
     """eval.py's own keys (the run's config, with ``data`` replaced, is checked by
     :func:`validate`)."""
     reject_unknown_keys(cfg)
+    reject_non_finite(cfg)
     _choice(cfg, "split", SPLITS)
     batches = cfg.batches
     _require(
@@ -825,6 +874,7 @@ def run_cli(main: Callable[[], Any]) -> None:
         return
     os.environ["HYDRA_FULL_ERROR"] = "1"
     with exit_on_config_error():
+        refuse_null_groups(sys.argv[1:])
         try:
             main()
         except OSError as err:  # e.g. Hydra cannot create the run dir

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from src.config import CONFIG_ERRORS, one_line, validate
+from src.config import CONFIG_ERRORS, one_line, reject_non_finite, validate
 from src.harness import compose_config
 from src.resolved import resolve_devices
 from src.sharding.policies import policy_names
@@ -277,3 +280,71 @@ def test_an_option_whose_yaml_does_not_name_itself_says_so(tmp_path):
         "config error: data.name: not set by the data=mine option; its YAML must set "
         "it (docs/architecture.md, Where to add)"
     ]
+
+
+def _float_keys(node, prefix: str = "") -> list[str]:
+    """Every key of the composed config that the schema types as a float (optional
+    ones and lists of floats included)."""
+    from omegaconf import DictConfig, ListConfig
+    from omegaconf.nodes import FloatNode
+
+    keys = []
+    for key in node.keys():
+        child = node._get_node(key)
+        full = f"{prefix}{key}"
+        if isinstance(child, FloatNode):
+            keys.append(full)
+        elif isinstance(child, ListConfig) and child._metadata.element_type is float:
+            keys.append(f"{full}[0]")
+        elif isinstance(child, DictConfig) and not child._is_missing():
+            keys.extend(_float_keys(child, f"{full}."))
+    return keys
+
+
+def test_every_float_key_refuses_non_finite_numbers():
+    """inf, nan and 1e400 (YAML's inf) at every float key of the schema: one line
+    naming the key. Also trainer.timeout_s=1e30, which overflowed a timedelta."""
+    keys = _float_keys(compose_config())
+    assert {"trainer.lr", "trainer.betas[0]", "trainer.peak_tflops"} <= set(keys)
+    keys += ["trainer.mem_budget_gib", "sharding.min_params"]  # typed Any: or auto
+    for value in ("inf", "nan", "-inf", "1e400"):  # from the command line
+        with pytest.raises(CONFIG_ERRORS) as info:
+            validate(compose_config(f"trainer.lr={value}"))
+        assert one_line(info.value).startswith("trainer.lr: got "), info.value
+    base = compose_config()
+    for i, key in enumerate(keys):  # each key, one value each (set in place: fast)
+        cfg = copy.deepcopy(base)
+        value = (math.inf, math.nan, -math.inf)[i % 3]
+        name = key.removesuffix("[0]")
+        OmegaConf.update(cfg, name, [value, value] if name != key else value)
+        with pytest.raises(CONFIG_ERRORS) as info:
+            reject_non_finite(cfg)
+        line = one_line(info.value)
+        assert line.startswith(f"{key}: got ") and "finite" in line, line
+    with pytest.raises(CONFIG_ERRORS) as info:
+        validate(compose_config("trainer.timeout_s=1e30"))
+    assert one_line(info.value).startswith("trainer.timeout_s: got 1e+30"), info.value
+
+
+def test_a_group_set_to_null_is_one_line(monkeypatch, capsys):
+    """``trainer=null`` (or None) failed inside Hydra's defaults list with a
+    traceback: one line naming the group and its options, exit status 2, before
+    Hydra runs anything."""
+    from src.cli_help import user_groups
+    from src.config import run_cli
+
+    def main() -> None:
+        raise AssertionError("must not run")
+
+    for group in user_groups():
+        for value in ("null", "None"):
+            monkeypatch.setattr(sys, "argv", ["train.py", f"{group}={value}"])
+            monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # run_cli sets it
+            with pytest.raises(SystemExit) as exit_:
+                run_cli(main)
+            assert exit_.value.code == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(
+                f"config error: {group}: got {value}, expected one of"
+            )
+            assert "\n" not in err
