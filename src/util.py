@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -58,6 +59,20 @@ def read_json(path: str | os.PathLike) -> Any:
         raise OSError(f"{path} is missing or not a regular file")
     with open(path, "rb") as f:
         return parse_json(f.read())
+
+
+def keep_aside(path: str | os.PathLike, copy: bool = False) -> Path:
+    """Move (or ``copy``) the damaged file ``path`` to ``<name>.damaged-<n>`` next to
+    it, a name not taken yet, so a record is never lost to its rewrite; returns it."""
+    path = Path(path)
+    n = 1
+    while (aside := path.with_name(f"{path.name}.damaged-{n}")).exists():
+        n += 1
+    if copy:
+        shutil.copy2(path, aside)
+    else:
+        path.rename(aside)
+    return aside
 
 
 def file_crc32(path: str | os.PathLike) -> tuple[int, int]:

@@ -471,3 +471,91 @@ def test_fuzz_token_cache(tmp_path, caplog):
         assert not killed.exists(), name
         assert np.array_equal(stream(cfg), tokens), name
     assert len(cases) >= 40
+
+
+# ------------------------------------------------- run records: eval.json, metrics
+
+
+RECORD_MUTATIONS = {
+    **forge.RAW,
+    "a JSON object": lambda f: f.write_text('{"not": "a list"}'),
+    "a list of numbers": lambda f: f.write_text("[1, 2]"),
+    "null": lambda f: f.write_text("null"),
+    "a string": lambda f: f.write_text('"x"'),
+    "NaN": lambda f: f.write_text('[{"loss": NaN}]'),
+    "1e400": lambda f: f.write_text('[{"loss": 1e400}]'),
+    "invalid UTF-8": lambda f: f.write_bytes(b'[{"loss": "\xff"}]'),
+    "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
+    "a directory": lambda f: [f.unlink(), f.mkdir()],
+    "-> /dev/zero": lambda f: [f.unlink(), f.symlink_to("/dev/zero")],
+}
+
+
+def test_fuzz_eval_json_is_kept_aside_never_overwritten(tmp_path, caplog):
+    """eval.py appends to eval.json: a damaged history is kept aside (same bytes),
+    one line says so, and the new file holds the new record alone; an intact one
+    grows by one record."""
+    import logging
+
+    from src.runs.evaluation import EVAL_FILE, write_record
+
+    records = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+    new = {"step": 3, "loss": 2.0}
+    intact = tmp_path / "intact"
+    intact.mkdir()
+    (intact / EVAL_FILE).write_text(json.dumps(records))
+    write_record(intact, new)
+    assert json.loads((intact / EVAL_FILE).read_text()) == [*records, new]
+    for i, (name, mutate) in enumerate(RECORD_MUTATIONS.items()):
+        if name == "delete":
+            continue  # no history yet: nothing damaged
+        run_dir = tmp_path / f"case{i}"
+        run_dir.mkdir()
+        path = run_dir / EVAL_FILE
+        path.write_text(json.dumps(records))
+        mutate(path)
+        before = path.read_bytes() if path.is_file() else None
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="src.runs.evaluation"):
+            write_record(run_dir, new)
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "is damaged" in line and "kept as eval.json.damaged-1" in line, line
+        aside = run_dir / "eval.json.damaged-1"
+        assert aside.is_symlink() or aside.exists(), name
+        if before is not None:
+            assert aside.read_bytes() == before, name
+        assert json.loads(path.read_text()) == [new], name
+
+
+def test_fuzz_metrics_jsonl_rows_on_resume(tmp_path, caplog):
+    """Resuming drops the rows past the checkpoint's step; rows that are not UTF-8
+    JSON with a step (not only a torn last line) are dropped too, with one line, and
+    the file as it was is kept aside."""
+    import logging
+
+    from src.observe.loggers import METRICS_FILE, FileSink
+
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)]
+    damages = {
+        "invalid UTF-8": b'{"step": 2, "x": "\xff\xfe"}\n',
+        "not JSON": b"garbage\n",
+        "no step": b'{"loss": 1}\n',
+        "step a string": b'{"step": "2"}\n',
+        "a list": b"[1, 2]\n",
+        "NaN bytes": b"\x00\x00\x00\n",
+    }
+    for i, (name, bad) in enumerate(damages.items()):
+        run_dir = tmp_path / f"case{i}"
+        run_dir.mkdir()
+        original = "".join(rows[:2]).encode() + bad + "".join(rows[2:]).encode()
+        (run_dir / METRICS_FILE).write_bytes(original + b'{"step": 7, "lo')
+        sink = FileSink(run_dir)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="src.observe.loggers"):
+            assert sink.drop_rows_after(4) == 4, name  # 5, 6, the torn one, bad
+        sink.finish(0)
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "1 damaged row(s)" in line and "metrics.jsonl.damaged-1" in line, line
+        assert (run_dir / "metrics.jsonl.damaged-1").read_bytes().startswith(original)
+        kept = (run_dir / METRICS_FILE).read_text()
+        assert kept == "".join(rows[:4]), name

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.errors import ConfigError
 from src.observe.metrics import contended
 from src.registry import Registry, described, no_check, or_list
-from src.util import json_default, write_json_atomic
+from src.util import json_default, keep_aside, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +101,21 @@ class FileSink(Sink):
         # Rows cut short by a crash (no step) go too.
         path = self.run_dir / METRICS_FILE
         self._jsonl.close()
-        rows = path.read_text().splitlines(keepends=True)
+        rows = path.read_bytes().splitlines(keepends=True)
         kept = [r for r in rows if _row_step(r) <= step]
+        damaged = sum(_row_step(r) == math.inf for r in rows[:-1])
+        if damaged:  # not a row cut short at the end: keep the file as it was
+            aside = keep_aside(path, copy=True)
+            log.warning(
+                "%s: %d damaged row(s) (not UTF-8 JSON with a step) dropped; the "
+                "file as it was is kept as %s",
+                path,
+                damaged,
+                aside.name,
+            )
         if len(kept) < len(rows):
             tmp = path.with_name(METRICS_FILE + ".tmp")
-            tmp.write_text("".join(kept))
+            tmp.write_bytes(b"".join(kept))
             tmp.replace(path)
         self._jsonl = open(path, "a")
         return len(rows) - len(kept)
@@ -334,11 +344,16 @@ class Logger:
         self.finish(exit_code=0 if exc_type is None else 1)
 
 
-def _row_step(line: str) -> float:
+def _row_step(line: bytes) -> float:
     try:
-        return json.loads(line)["step"]
+        step = json.loads(line.decode())["step"]
     except (ValueError, KeyError, TypeError):
-        return math.inf  # a torn last line: dropped
+        return math.inf  # a torn last line (or a damaged one): dropped
+    return (
+        step
+        if isinstance(step, int | float) and not isinstance(step, bool)
+        else math.inf
+    )
 
 
 def _table_cell(value: Any) -> Any:

@@ -44,12 +44,14 @@ def series(run_dir: Path, key: str) -> tuple[list[int], list[float]]:
     """``(steps, values)`` of ``key`` in the run's metrics.jsonl."""
     steps, values = [], []
     path = run_dir / METRICS_FILE
-    lines = path.read_text().splitlines() if path.is_file() else []
+    lines = path.read_bytes().splitlines() if path.is_file() else []
     for line in lines:
         try:
-            row = json.loads(line)
+            row = json.loads(line.decode())
         except ValueError:
-            continue  # a row cut short by a crash
+            continue  # a row cut short by a crash, or damaged (not UTF-8 JSON)
+        if not isinstance(row, dict):
+            continue
         if isinstance(row.get(key), int | float) and "step" in row:
             steps.append(row["step"])
             values.append(row[key])

@@ -26,7 +26,7 @@ from src.data.sources import GlobalBatches, load_splits
 from src.resolved import Resolved
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.loop import evaluate
-from src.util import write_json_atomic
+from src.util import keep_aside, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,27 @@ def record(
 
 
 def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
-    """Append ``entry`` to ``<run dir>/eval.json``."""
+    """Append ``entry`` to ``<run dir>/eval.json``. A history that is not a JSON
+    list of records (cut short by a torn write, edited) is kept aside, never
+    overwritten, with a line saying so; a new history starts."""
     path = run_dir / EVAL_FILE
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = []
+    entries: list = []
+    if path.exists() or path.is_symlink():
+        try:
+            entries = read_json(path)
+            if not isinstance(entries, list) or not all(
+                isinstance(e, dict) for e in entries
+            ):
+                raise ValueError("not a JSON list of records")
+        except (OSError, ValueError) as exc:
+            aside = keep_aside(path)
+            log.warning(
+                "%s is damaged (%s): kept as %s; a new history starts",
+                path,
+                exc,
+                aside.name,
+            )
+            entries = []
     write_json_atomic(path, [*entries, entry])
     return path
 
