@@ -16,7 +16,15 @@ above the process baseline (``Estimate.training``: every part but ``process``), 
 
 measured = the max over ranks of (peak - baseline); error = estimate / measured - 1.
 
+``--ordinary``: what a user sees instead. Each configuration of :data:`ORDINARY` runs
+as ``python train.py <overrides>`` for a few steps (no allocator environment: the ranks
+set their own, ``trainer.malloc_mmap_threshold_kib``), and its closing line's two
+figures are compared: ``planned_peak_gib`` (the planner's, computed here as the
+launcher computes it) against ``peak_mem_gib`` (the max over ranks of VmHWM from the
+model's build on, the process included).
+
     python -m bench.plan_vs_measured [--steps 3] [--configs NAME ...] [--append-docs]
+    python -m bench.plan_vs_measured --ordinary [--configs NAME ...] [--measured FILE]
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -100,6 +112,31 @@ CONFIGS: dict[str, list[str]] = {
     "hf mistral bf16": _hf("mistral_4x256", 256, 8, 2, "precision=bf16_mixed"),
     "hf qwen2, AC full": _hf("qwen2_4x384", 256, 8, 2,
                              "sharding.activation_checkpointing=full"),
+}  # fmt: skip
+
+
+# Ordinary runs: train.py's defaults (data=text, logger=wandb offline, 128 tokens,
+# global batch 16) with the layouts named; each runs a few steps, no validation.
+HF = "bench/hf_configs"
+ORDINARY: dict[str, list[str]] = {
+    "gpt 4x384, 4 ranks": ["model.n_embd=384", "trainer.devices=4"],
+    "gpt 8x512, one unit": ["model.n_layer=8", "model.n_embd=512",
+                            "sharding.min_params=1e8"],
+    "gpt 4x256, many small units": ["model.n_embd=256", "sharding.min_params=2e4"],
+    "gpt 4x384, ddp": ["model.n_embd=384", "sharding=ddp"],
+    "llama fsdp1 bf16": ["model=llama_tiny", "sharding=fsdp1", "precision=bf16_mixed"],
+    "llama AC full": ["model=llama_tiny", "sharding.activation_checkpointing=full"],
+    "hf qwen2": ["model=hf", f"model.config={HF}/qwen2_4x384"],
+    "hf qwen2 fsdp1 bf16": ["model=hf", f"model.config={HF}/qwen2_4x384",
+                            "sharding=fsdp1", "precision=bf16_mixed"],
+    "hf llama TP2 x FSDP2, 4 ranks": ["model=hf", f"model.config={HF}/llama_4x256",
+                                      "trainer.devices=4", "sharding.tensor_parallel=2"],
+    "hf phi3": ["model=hf", f"model.config={HF}/phi3_4x256"],
+    "hf mixtral (MoE)": ["model=hf", f"model.config={HF}/mixtral_4x256"],
+    "hf qwen3-moe (MoE)": ["model=hf", f"model.config={HF}/qwen3_moe_4x256"],
+    "custom TinyLM": ["model=custom", "model._target_=tests.test_models.TinyLM",
+                      "+model.args.dim=256", "+model.args.depth=4",
+                      "model.block_size=256", "sharding.policy=block"],
 }  # fmt: skip
 
 
@@ -215,13 +252,90 @@ def _row(name: str, cfg, est, measured: int, base: int) -> dict:
     }
 
 
+def planned_gib(overrides: list[str]) -> float | None:
+    """The planner's ``planned_peak_gib`` for ``python train.py <overrides>``: the
+    launcher's own path (:func:`src.trainer.launch.prepare`)."""
+    from src.resolved import resolve
+    from src.trainer.launch import prepare
+
+    cfg = compose_config(*overrides)
+    keys = {o.lstrip("+").split("=", 1)[0] for o in overrides}
+    _, resolved = prepare(cfg, resolve(cfg), user_keys=keys)
+    return resolved.planned_peak_gib
+
+
+def run_ordinary(overrides: list[str], steps: int) -> float:
+    """``peak_mem_gib`` of ``python train.py <overrides>`` run for ``steps`` steps."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as run_dir:
+        args = [*overrides, f"trainer.max_steps={steps}", "trainer.val_every=0",
+                "trainer.progress=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
+        subprocess.run([sys.executable, "train.py", *args], cwd=root, check=True)
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    return summary["peak_mem_gib"]
+
+
+def ordinary(args) -> list[dict]:
+    """The ``--ordinary`` table: planned against measured ``peak_mem_gib``."""
+    store = Path(args.measured) if args.measured else None
+    known = json.loads(store.read_text()) if store and store.exists() else {}
+    rows = []
+    for name in args.configs or list(ORDINARY):
+        key = json.dumps(["ordinary", name, ORDINARY[name], args.steps])
+        if key not in known:
+            known[key] = run_ordinary(ORDINARY[name], args.steps)
+            if store:
+                store.write_text(json.dumps(known, indent=1))
+        measured = known[key]
+        planned = planned_gib(ORDINARY[name])
+        error = measured / planned - 1 if planned else None
+        rows.append({
+            "config": name,
+            "overrides": " ".join(ORDINARY[name]),
+            "planned GiB": f"{planned:.3f}" if planned else "no estimate",
+            "measured GiB": f"{measured:.3f}",
+            "measured vs planned": f"{error:+.1%}" if error is not None else "-",
+            f"within {TARGET:.0%}": "yes" if error is not None and abs(error) <= TARGET else "NO",
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    errors = [abs(float(r["measured vs planned"].rstrip("%"))) for r in rows
+              if r["measured vs planned"] != "-"]  # fmt: skip
+    summary = (
+        f"median |error| {statistics.median(errors):.1f}%, worst {max(errors):.1f}%, "
+        f"{sum(e <= 100 * TARGET for e in errors)} of {len(rows)} within "
+        f"{TARGET:.0%}"
+        if errors
+        else "no estimates"
+    )
+    print(summary)
+    publish(
+        rows,
+        "Planner in ordinary runs: the closing line's planned against measured peak",
+        "Each row is `python train.py <overrides> trainer.max_steps="
+        f"{args.steps} trainer.val_every=0` with no allocator environment (the "
+        "ranks set glibc's mmap threshold themselves, trainer.malloc_mmap_threshold_kib"
+        "=64); planned: the launcher's planned_peak_gib; measured: peak_mem_gib, the max "
+        "over ranks of VmHWM from the model's build on (the process included), the two "
+        f"figures of the run's closing line. {summary}.",
+        bench="plan_vs_measured",
+        argv=args.argv,
+        append=args.append_docs,
+    )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     from src.planner.planner import estimate_cfg, resolve_auto
     from src.resolved import resolve
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", choices=[*CONFIGS, *ORDINARY])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--ordinary",
+        action="store_true",
+        help="run train.py as a user does and compare its closing line's figures",
+    )
     p.add_argument("--append-docs", action="store_true")
     p.add_argument(
         "--measured",
@@ -230,11 +344,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "overrides are unchanged, and store new ones there (run it in pieces)",
     )
     args = p.parse_args(argv)
+    args.argv = argv
+    if args.ordinary:
+        return ordinary(args)
     store = Path(args.measured) if args.measured else None
     known = json.loads(store.read_text()) if store and store.exists() else {}
 
     rows = []
-    for name in args.configs:
+    for name in args.configs or list(CONFIGS):
         cfg = make_cfg(CONFIGS[name])
         resolved = resolve(cfg)
         cfg, _ = resolve_auto(cfg, resolved)

@@ -127,6 +127,9 @@ class TrainerConfig:
     mem_margin: float = described(
         "the planner's safety margin: a fit needs estimate x (1 + m)"
     )
+    malloc_mmap_threshold_kib: int | None = described(
+        "CPU ranks: heap blocks >= this (KiB) are freed to the OS at once (null: glibc)"
+    )
     seed: int = described("seed of the model init and the batches")
     log_every: int = described("steps between logged rows (metrics.jsonl, wandb)")
     val_every: int = described("steps between validations (0 = none)")
@@ -630,6 +633,12 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
         _is_number(t.mem_margin) and 0 <= t.mem_margin < 1,
         "trainer.mem_margin",
         f"got {t.mem_margin!r}, expected a fraction in [0, 1) such as 0.1",
+    )
+    mmap = t.malloc_mmap_threshold_kib
+    _require(
+        mmap is None or (_is_number(mmap) and int(mmap) == mmap and 0 < mmap <= 32768),
+        "trainer.malloc_mmap_threshold_kib",
+        f"got {mmap!r}, expected KiB in 1..32768 (glibc's limit) or null",
     )
     accum = 1 if accum == "auto" else int(accum)
     micro = t.batch_size // accum

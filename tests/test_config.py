@@ -348,3 +348,16 @@ def test_a_group_set_to_null_is_one_line(monkeypatch, capsys):
                 f"config error: {group}: got {value}, expected one of"
             )
             assert "\n" not in err
+
+
+def test_malloc_threshold_is_kib_or_null():
+    """trainer.malloc_mmap_threshold_kib: the ranks' glibc mmap threshold (null: glibc's
+    own); out of glibc's range is one line naming the key."""
+    from src.observe.metrics import set_malloc_mmap_threshold
+
+    validate(make_cfg("trainer.malloc_mmap_threshold_kib=null"))
+    assert "trainer.malloc_mmap_threshold_kib" in config_error(
+        "trainer.malloc_mmap_threshold_kib=0"
+    )
+    assert set_malloc_mmap_threshold(None) is False
+    assert set_malloc_mmap_threshold(64) is True  # glibc (Linux CI)

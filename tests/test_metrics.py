@@ -511,8 +511,9 @@ def test_closing_line_compares_planned_and_measured_peak(tmp_path, caplog):
         return caplog.records
 
     near = close(1.1)
-    assert "peak memory/rank planned 1.000 GiB, measured 1.100 GiB (+10%)" in (
-        near[0].getMessage()
+    assert (
+        "peak memory/rank (RSS high-water) planned 1.000 GiB, measured 1.100 GiB (+10%)"
+        in (near[0].getMessage())
     )
     assert [r.levelname for r in near] == ["INFO"]
     far = close(0.8)

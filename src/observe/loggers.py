@@ -259,8 +259,10 @@ class ConsoleSink(Sink):
         drift = None
         if planned and isinstance(measured, int | float):
             drift = measured / planned - 1
+            # the quantity both figures are: CUDA summaries carry the reserved peak
+            of = "CUDA max allocated" if "peak_reserved_gib" in s else "RSS high-water"
             figures += (
-                f", peak memory/rank planned {planned:.3f} GiB, measured "
+                f", peak memory/rank ({of}) planned {planned:.3f} GiB, measured "
                 f"{measured:.3f} GiB ({drift:+.0%})"
             )
         took = f" in {s['wall_time_s']:.0f} s" if "wall_time_s" in s else ""

@@ -13,6 +13,7 @@ Conventions (see docs/metrics.md):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -385,6 +386,26 @@ def contended(summary: dict) -> bool:
     than :data:`CONTENDED` of the time (:meth:`ThroughputMeter.contention`)."""
     figures = (summary.get("cpu_wait_max"), summary.get("probe_cpu_wait"))
     return any(isinstance(v, int | float) and v > CONTENDED for v in figures)
+
+
+#: glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD).
+_M_MMAP_THRESHOLD = -3
+
+
+def set_malloc_mmap_threshold(kib: int | None) -> bool:
+    """Serve every heap block of ``kib`` KiB or more with its own mmap, so freeing it
+    returns its pages to the OS at once (glibc's ``mallopt(M_MMAP_THRESHOLD)``; fixing
+    it also stops glibc's dynamic threshold, which otherwise rises after the first
+    large frees and keeps later tensors on the heap). A rank's peak resident set is
+    then the memory it uses, which the planner predicts, and not what glibc happened
+    to keep. ``None``: glibc's defaults. False when not applied (no glibc)."""
+    if kib is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without it)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024))
 
 
 _CLEAR_REFS = "/proc/self/clear_refs"

@@ -5,7 +5,8 @@ The estimate is arithmetic on the wrap plan (units and their sizes, from a model
 on the meta device with the recording-only ``plan`` backend) and on the model family's
 activation formula (``activation_bytes`` next to its FLOPs formula in src/models/), so
 it allocates nothing and takes seconds even for a 70B model on hundreds of ranks. It
-follows one training step through three moments and reports the largest:
+follows one training step through its moments (docs/planner.md lists them all) and
+reports the largest; the main ones:
 
 - ``loss backward``: every block's activations are saved, the loss's backward buffers
   are alive (the usual peak when activations dominate);
@@ -49,6 +50,7 @@ from src.resolved import (
 from src.sharding import (
     GIB,
     MIB,
+    PRECISIONS,
     WrapPlan,
     backend_class,
     build_backend,
@@ -97,30 +99,35 @@ def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
 
 #: What training adds above the parts the estimate counts (code and kernels first
 #: touched by backward and the optimizer, gloo buffers, autograd bookkeeping), per
-#: device type and compute-dtype width. CPU: fitted to bench/plan_vs_measured.py (the
-#: mean residual of its configurations; peak RSS above the process baseline, glibc
-#: retention removed, the model's classes built once on meta before the baseline);
-#: bf16 on CPU adds ~12 MiB whatever the model size (oneDNN's bf16 kernels and their
-#: scratch buffers). CUDA: not calibrated yet (no GPU in the
-#: calibration runs): a margin for the allocator's cached blocks and workspaces.
+#: device type and compute-dtype width. CPU: measured, fitted to
+#: bench/plan_vs_measured.py (the mean residual of its configurations; peak RSS above
+#: the process baseline, glibc retention removed, the model's classes built once on
+#: meta before the baseline); bf16 on CPU adds ~12 MiB whatever the model size
+#: (oneDNN's bf16 kernels and their scratch buffers). CUDA: assumed, not calibrated
+#: yet (no GPU in the calibration runs): a margin for the allocator's cached blocks
+#: and workspaces.
 RUNTIME_BYTES: dict[str, dict[int, int]] = {
     "cpu": {4: 21 * MIB, 2: 33 * MIB},
     "cuda": {4: 512 * MIB, 2: 512 * MIB},
 }
 #: The process itself before the model exists: Python + torch + the process group
-#: + the model's code (CPU: the resident set bench/plan_vs_measured.py measures just
-#: before the model is built, its ``process`` column; CUDA: the context, outside the
-#: allocator's counters).
-#: On CPU that is a train.py rank (Hydra, the sinks' files, the data and logging
-#: set-up): 332 MiB, its init_peak_mem_gib on the default 0.84M-parameter model less
-#: that model (docs/benchmarks.md); bench/plan_vs_measured.py's leaner ranks hold 312.
-PROCESS_BYTES: dict[str, int] = {"cpu": 332 * MIB, "cuda": 600 * MIB}
+#: + the model's code. CPU (measured): a train.py rank's resident set just before its
+#: model is built (Hydra, the sinks' files, the data and logging set-up), its allocator
+#: set as ranks set it (``trainer.malloc_mmap_threshold_kib``): 288 MiB, the ranks
+#: without the logger of bench/plan_vs_measured.py's ``--ordinary`` runs
+#: (docs/benchmarks.md). CUDA (assumed): the context, outside the allocator's counters.
+PROCESS_BYTES: dict[str, int] = {"cpu": 288 * MIB, "cuda": 600 * MIB}
 #: What a model family's own imports (its spec's ``imports``) and the logger's
-#: (``LoggerOption.imports``, rank 0) add to the process baseline, CPU resident set:
-#: transformers with its model classes (bench/plan_vs_measured.py's ``process``
-#: column); wandb with its offline run (rank 0 against rank 1 of the default run,
-#: logger=wandb against logger=none, docs/benchmarks.md).
-IMPORT_BYTES: dict[str, int] = {"transformers": 78 * MIB, "wandb": 27 * MIB}
+#: (``LoggerOption.imports``, rank 0) add to the process baseline, CPU resident set
+#: (measured in the same ``--ordinary`` runs): transformers with its model classes
+#: (an ``hf`` rank's baseline against a GPT rank's), wandb with its offline run (rank 0
+#: against rank 1 at the peak, rank 0 alone logs).
+IMPORT_BYTES: dict[str, int] = {"transformers": 106 * MIB, "wandb": 25 * MIB}
+#: Where each device's constants come from, said beside them in every estimate.
+CONSTANTS_SOURCE: dict[str, str] = {
+    "cpu": "CPU-measured, docs/benchmarks.md",
+    "cuda": "assumed: not calibrated on a GPU yet",
+}
 
 
 def process_bytes(device: str, imports: Iterable[str] = ()) -> int:
@@ -136,6 +143,7 @@ GRAD_SYNC = ("last", "every")
 AC_KEY = "sharding.activation_checkpointing"
 AC_EVERY_KEY = "sharding.activation_checkpointing_every"
 PREFETCH_KEY = "sharding.backward_prefetch"
+PRECISION_KEY = "precision.name"
 #: The keys ``auto`` may stand for, and what the planner searches.
 AUTO_KEYS = ("sharding.min_params", "trainer.grad_accum", "trainer.grad_sync", AC_KEY)
 MIN_PARAMS_CANDIDATES = (1e5, 1e6, 1e7, 1e8, 1e9)
@@ -216,7 +224,7 @@ _LABELS = {
     "activations": "activations (saved)",
     "loss": "head + loss (fp32 log-probs, grads)",
     "transient": "backward / step working set",
-    "runtime": "runtime constant (calibrated)",
+    "runtime": "runtime constant",
     "process": "process baseline",
 }
 
@@ -402,8 +410,9 @@ def estimate(
     # saved (a one-unit model gathers before any).
     before_last = acts.saved - acts.saved // n_blocks if n_blocks else 0
     # A one-unit model reduces its gradients after the whole backward, when every
-    # activation is freed.
-    live = bool(n_blocks) or not s.shards
+    # activation is freed: its blocks' backward runs with no unit's gradients in
+    # flight, and the reduction is a moment of its own.
+    per_unit = bool(n_blocks) or not s.shards
     phases = {
         "forward": {
             **base,
@@ -422,9 +431,16 @@ def estimate(
         "block backward": {
             **base,
             "grads": held + h.root_grad,
-            "activations": acts.saved if live else 0,
+            "activations": acts.saved,
             "loss": 0,
-            "transient": (acts.block_transient if live else 0) + h.unit_grads,
+            "transient": acts.block_transient + (h.unit_grads if per_unit else 0),
+        },
+        "gradient reduction": {
+            **base,
+            "grads": held,
+            "activations": 0,
+            "loss": 0,
+            "transient": 0 if per_unit else h.unit_grads,
         },
         "optimizer step": {
             **base,
@@ -438,6 +454,8 @@ def estimate(
     }
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     parts = {k: int(phases[phase][k]) for k in PARTS}
+    source = CONSTANTS_SOURCE.get(s.device, CONSTANTS_SOURCE["cuda"])
+    notes["runtime"] = notes["process"] = f"{s.device}: {source}"
     return Estimate(parts=parts, phase=phase, shape=shape, notes=notes)
 
 
@@ -584,6 +602,15 @@ def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> in
     return process_bytes(device, imports)
 
 
+def accelerator_name(cfg: DictConfig) -> str:
+    """The accelerator the estimate is for: the one ``trainer.mem_budget_gib`` names,
+    else this machine's GPU; empty on a CPU."""
+    budget = OmegaConf.select(cfg, "trainer.mem_budget_gib", default=None)
+    if isinstance(budget, str) and budget.strip().lower() in ACCELERATORS_GIB:
+        return budget.strip().lower()
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
 def device_type(cfg: DictConfig) -> str:
     """The device the estimate is for: a named accelerator budget means CUDA;
     otherwise this machine's."""
@@ -710,6 +737,10 @@ class Candidate:
             for k, v in self.settings().items()
             if not (k == AC_EVERY_KEY and v == 1)  # the default: every block
         }
+        # the precision is a config group: picked as precision=<name>
+        shown = {
+            ("precision" if k == PRECISION_KEY else k): v for k, v in shown.items()
+        }
         return " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()) or "as is"
 
     def settings(self) -> dict[str, Any]:
@@ -734,8 +765,11 @@ def _with(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
     return out
 
 
-def _cost(currents: dict[str, Any], ovr: dict[str, Any]) -> float:
-    """Relative cost of changing the ``currents`` values to ``ovr`` (see :data:`COST`)."""
+def _cost(
+    currents: dict[str, Any], ovr: dict[str, Any], device: tuple[str, str] = ("cpu", "")
+) -> float:
+    """Relative cost of changing the ``currents`` values to ``ovr`` (see :data:`COST`
+    and :func:`precision_cost`; ``device``: the estimate's device and accelerator)."""
     cost = 1.0
     for key, value in ovr.items():
         old = currents[key]
@@ -752,7 +786,33 @@ def _cost(currents: dict[str, Any], ovr: dict[str, Any]) -> float:
             cost *= COST["other_change"]
         elif key == "trainer.devices":
             cost *= COST["ranks_doubling"] ** math.log2(value / old)
+        elif key == PRECISION_KEY:
+            cost *= precision_cost(value, *device) / precision_cost(old, *device)
     return cost
+
+
+#: Matmul time of a low-precision policy against fp32 where no datasheet says
+#: (assumed: tensor cores run bf16/fp16 at twice the tf32 rate).
+ASSUMED_LOW_PRECISION_COST = 0.5
+
+
+def precision_cost(name: str, device: str, accelerator: str = "") -> float:
+    """Relative compute of a step in precision ``name`` (fp32 = 1): on a GPU the
+    datasheet's fp32 peak over the policy's (src/observe/metrics.py; fp32 matmuls as
+    torch runs them by default), :data:`ASSUMED_LOW_PRECISION_COST` for a GPU not in
+    it; on a CPU 1 where it computes the dtype natively (nothing measured faster),
+    ``inf`` where it emulates it (never proposed)."""
+    from src.observe.metrics import lookup_gpu_peak_tflops, precision_support
+
+    dtype = get_precision(name).param_dtype
+    if dtype == torch.float32:
+        return 1.0
+    if device == "cpu":
+        native, _ = precision_support(torch.device("cpu"), dtype)
+        return 1.0 if native == dtype else math.inf
+    low = lookup_gpu_peak_tflops(accelerator, dtype)
+    full = lookup_gpu_peak_tflops(accelerator, torch.float32)
+    return full / low if low and full else ASSUMED_LOW_PRECISION_COST
 
 
 @dataclass(frozen=True)
@@ -833,6 +893,9 @@ def _options(
             continue
         elif key == "trainer.devices":
             vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
+        elif key == PRECISION_KEY:
+            device = (device_type(cfg), accelerator_name(cfg))
+            vals = [p for p in PRECISIONS if precision_cost(p, *device) < math.inf]
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
@@ -857,6 +920,7 @@ def search(
     margin = mem_margin(cfg)
     currents = {k: values[0] for k, values in options.items()}
     base = run_shape(cfg, resolved, world)
+    device = (base.device, accelerator_name(cfg))
     acts = run_activation_fn(cfg, resolved)
     process = family_process_bytes(cfg, resolved, base.device)
     batch = int(cfg.trainer.batch_size)
@@ -878,8 +942,11 @@ def search(
         ac = point.get(AC_KEY)
         if ac is not None and ac.mode == "selective" and _nested(plans[mp, w]):
             continue  # selective needs each block a unit of its own (transforms.py)
+        prec = get_precision(point.get(PRECISION_KEY, cfg.precision.name))
         shape = replace(
             base,
+            param_bytes=prec.param_dtype.itemsize,
+            reduce_bytes=prec.reduce_dtype.itemsize,
             world=w,
             grad_accum=accum,
             micro_batch=max(1, math.ceil(batch / accum / max(1, w // _tp(cfg)))),
@@ -897,7 +964,7 @@ def search(
         a = tp_activations(cfg, resolved, shape, a, models[mp])
         est = estimate(plans[mp, w], shape, a, process)
         changed = {k: v for k, v in point.items() if v != options[k][0]}
-        cand = Candidate(changed, est, _cost(currents, changed))
+        cand = Candidate(changed, est, _cost(currents, changed, device))
         if smallest is None or est.total < smallest.estimate.total:
             smallest = cand
         fits = needed(est, margin) <= budget
@@ -1089,7 +1156,7 @@ def fit_report(
     lines = [
         f"does not fit: needs {_with_margin(est, pct)} > budget {_gib(budget)} per rank"
     ]
-    keys = [*AUTO_KEYS, "trainer.devices"]
+    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices"]
     best, smallest = search(cfg, resolved, keys, budget, world, max_world=world * 64)
     if best is None:
         lines.append(
@@ -1104,7 +1171,34 @@ def fit_report(
             f" (headroom {_gib(m)}, relative cost x{best.cost:.2f})"
         )
         info["fix"] = best.describe()
+        if PRECISION_KEY in best.overrides:
+            name = best.overrides[PRECISION_KEY]
+            lines.append(
+                f"precision={name} changes more than memory: "
+                f"{get_precision(name).effects}; compute x"
+                f"{precision_cost(name, est.shape.device, accelerator_name(cfg)):.2f} "
+                "(the datasheet's peak rates, src/observe/metrics.py)"
+            )
     return "\n".join(lines), info
+
+
+def uneven_batch(cfg: DictConfig, world: int) -> str:
+    """A warning line when ``trainer.batch_size`` does not split into
+    ``trainer.grad_accum`` micro-batches of whole sequences on each data-parallel
+    rank of ``world`` (the estimate plans the busiest rank's share, at least one
+    sequence; a run refuses such a batch); empty when it splits."""
+    t = cfg.trainer
+    batch, accum = int(t.batch_size), int(t.grad_accum)
+    dp = max(1, world // _tp(cfg))
+    if batch % accum == 0 and (batch // accum) % dp == 0:
+        return ""
+    share = batch / accum / dp
+    return (
+        f"warning: trainer.batch_size={batch} in {accum} micro-batch(es) over {dp} "
+        f"data-parallel rank(s) is {share:g} sequence(s) per rank: planned as "
+        f"micro-batch {max(1, math.ceil(share))}, the busiest rank's share; a run needs "
+        f"trainer.batch_size a multiple of {accum * dp}"
+    )
 
 
 def plan_only(
@@ -1119,6 +1213,8 @@ def plan_only(
     plan, est = estimate_cfg(cfg, resolved, world, model)
     log.info(plan.tree())
     log.info(est.table())
+    if uneven_batch(cfg, world):
+        log.warning(uneven_batch(cfg, world))
     log.info(grad_sync_costs(cfg, resolved, world, model))
     verdict, info = fit_report(cfg, resolved, est, world)
     if verdict:

@@ -22,6 +22,8 @@ class Precision:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     needs_grad_scaler: bool
+    # What choosing it changes besides memory (the planner says it with a proposal).
+    effects: str = ""
 
     @property
     def is_mixed(self) -> bool:
@@ -50,9 +52,24 @@ class Precision:
 #: its conf/precision/<name>.yaml.
 PRECISIONS: Registry[Precision] = Registry("precision")
 for _precision in (
-    Precision("fp32", torch.float32, torch.float32, False),
-    Precision("bf16_mixed", torch.bfloat16, torch.float32, False),
-    Precision("fp16_mixed", torch.float16, torch.float32, True),
+    Precision("fp32", torch.float32, torch.float32, False, "full fp32 numerics"),
+    Precision(
+        "bf16_mixed",
+        torch.bfloat16,
+        torch.float32,
+        False,
+        "forward and backward in bf16 (8-bit mantissa: losses differ from fp32's "
+        "in the 2nd-3rd digit), fp32 master weights, optimizer and gradient reduction; "
+        "matmuls at the bf16 rate",
+    ),
+    Precision(
+        "fp16_mixed",
+        torch.float16,
+        torch.float32,
+        True,
+        "forward and backward in fp16 with a gradient scaler (steps whose gradients "
+        "overflow are skipped), fp32 master weights and optimizer",
+    ),
 ):
     PRECISIONS.add(_precision.name, _precision)
 

@@ -52,6 +52,7 @@ from src.observe.logs import (
     rank_logging,
     set_log_level,
 )
+from src.observe.metrics import set_malloc_mmap_threshold
 from src.planner.planner import (
     default_policy,
     plan_only,
@@ -601,6 +602,8 @@ def run_rank(
     a timed-out collective names the silent peer, a full disk says so (faults.py).
     ``spec``: the launching process's log set-up, for a rank started as a new process
     (see src/observe/logs.py)."""
+    # First: every later allocation follows it (the planner models this process).
+    set_malloc_mmap_threshold(cfg.trainer.malloc_mmap_threshold_kib)
     rank, world = _rank_from_env(), int(os.environ.get("WORLD_SIZE", 1))
     # A second signal ends a rank among peers at once (they see its connection
     # close); a rank alone raises StopNow, and its process reports it.
