@@ -328,14 +328,6 @@ def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
     assert "trainer.max_steps: got 8, but" in line and "trainer.max_steps=6" in line
 
 
-def wait_for(predicate, what: str, deadline_s: float = 120.0) -> None:
-    """Poll ``predicate`` until it holds (fails after ``deadline_s``)."""
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
     reference, tmp_path
 ):
@@ -346,9 +338,11 @@ def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
     is 0), exits 143 with one line; a SLURM requeue resumes by itself and loses no
     step."""
     proc = start(tmp_path, *REFERENCE, signal_at="step3:launcher")
-    lock = tmp_path / "run.lock"
-    wait_for(lambda: lock.is_file() and lock.read_text(), "the run dir lock")
-    os.killpg(proc.pid, signal.SIGSTOP)  # keeps the lock while the second run tries
+    # Stopped while its ranks train, it keeps the lock while the second run tries.
+    # (Stopped as soon as the lock was taken, its rendezvous store could time out
+    # connecting to itself while a second train.py started on a loaded machine.)
+    read_until(proc, "step 1:")
+    os.killpg(proc.pid, signal.SIGSTOP)
     try:
         second = run_train(tmp_path, *REFERENCE, "trainer.seed=1")
     finally:
@@ -395,9 +389,10 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
     mid-step (rank 1 sends them at a named step): every rank ends that step, one
     checkpoint is written, the launcher says the one line, summary.json says the run
     stopped, and the exit status is 128 + signal. Then two Ctrl-Cs, the second while
-    the stop's checkpoint is being written: one line says it was skipped, nothing
-    half-written stays, and the newest checkpoint is named. The last run resumes and
-    the whole run equals the uninterrupted one, bit for bit."""
+    the stop's checkpoint is being written, and the same with two SIGTERMs to rank 1:
+    one line says it was skipped, nothing half-written stays, and the newest
+    checkpoint is named. The last run resumes and the whole run equals the
+    uninterrupted one, bit for bit."""
     checkpoints = tmp_path / "checkpoints"
     resume = ["trainer.resume=auto"]
     for step, signal_at, signum in [
@@ -406,7 +401,7 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
         (3, "step3:launcher:SIGHUP", signal.SIGHUP),
     ]:
         run = run_with_signal(tmp_path, signal_at, *REFERENCE, *resume)
-        out = run.stdout + run.stderr
+        out = run.stdout
         assert run.returncode == 128 + signum, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
         name = signal.Signals(signum).name
@@ -423,21 +418,28 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
         }
         assert max(losses(tmp_path)) == step
 
-    # Ctrl-C mid-step 4, Ctrl-C again while step 4's checkpoint is being written.
-    run = run_with_signal(tmp_path, "step4,checkpoint4", *REFERENCE, *resume)
-    out = run.stdout + run.stderr
-    assert run.returncode == 128 + signal.SIGINT, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    stops = [line for line in out.splitlines() if "stopped" in line]
-    assert stops == [
-        "stopped at once by a second SIGINT: the checkpoint of step 4 it was writing "
-        f"is skipped (removed); the newest checkpoint is {checkpoints}/step_00000003; "
-        f"resume with trainer.resume=auto hydra.run.dir={tmp_path}"
-    ]
-    assert sorted(p.name for p in checkpoints.iterdir()) == [
-        "step_00000002",
-        "step_00000003",
-    ]
+    # A second signal while step 4's checkpoint is being written, after a first one
+    # mid-step: Ctrl-C twice (the launcher gets both), then SIGTERM twice to rank 1
+    # alone (the launcher learns it from how the rank ended).
+    for signal_at, signum in [
+        ("step4,checkpoint4", signal.SIGINT),
+        ("step4:self,checkpoint4:self", signal.SIGTERM),
+    ]:
+        run = run_with_signal(tmp_path, signal_at, *REFERENCE, *resume)
+        out = run.stdout
+        assert run.returncode == 128 + signum, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        stops = [line for line in out.splitlines() if "stopped" in line]
+        assert stops == [
+            f"stopped at once by a second {signal.Signals(signum).name}: the "
+            "checkpoint of step 4 it was writing is skipped (removed); the newest "
+            f"checkpoint is {checkpoints}/step_00000003; resume with "
+            f"trainer.resume=auto hydra.run.dir={tmp_path}"
+        ]
+        assert sorted(p.name for p in checkpoints.iterdir()) == [
+            "step_00000002",
+            "step_00000003",
+        ]
 
     done = run_train(tmp_path, *REFERENCE, *resume)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -509,13 +511,16 @@ def run_with_signal(
     run_dir: Path, signal_at: str, *overrides: str
 ) -> subprocess.CompletedProcess:
     """train.py to the end, with SHARDWRAP_TEST_SIGNAL_AT set (faults.py), in a
-    process group of its own (the group a Ctrl-C reaches)."""
+    process group of its own (the group a Ctrl-C reaches); ``.stdout`` holds stdout
+    and stderr in the order they were written."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHARDWRAP_TEST_SIGNAL_AT": signal_at}
     return subprocess.run(
         command(run_dir, *overrides),
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "SHARDWRAP_TEST_SIGNAL_AT": signal_at},
+        env=env,
         start_new_session=True,
         timeout=600,
     )
@@ -563,7 +568,7 @@ def test_errors_before_any_rank_starts_are_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     ("point", "stopped_at"),
-    [("prepare", None), ("rank_start", 1), ("step", 1), ("validation", 2)],
+    [("prepare", None), ("rank_start", 1), ("validation", 2)],
 )
 def test_ctrl_c_to_the_group_at_any_moment_loses_nothing_and_says_one_line(
     tmp_path, point, stopped_at
@@ -571,23 +576,16 @@ def test_ctrl_c_to_the_group_at_any_moment_loses_nothing_and_says_one_line(
     """A real Ctrl-C: SIGINT to the whole process group (launcher and ranks), sent by
     rank 1 itself at a named point (SHARDWRAP_TEST_SIGNAL_AT; the launcher for
     ``prepare``), not after a timer. Before the ranks start: one line, nothing to
-    resume. While a rank starts (before its handler exists), mid-step or during
-    validation: the step ends, a complete checkpoint of it is written, and the run ends
+    resume. While a rank starts (before its handler exists) or during validation
+    (mid-step: the chain test above, whose first Ctrl-C comes mid-step): the step ends, a complete checkpoint of it is written, and the run ends
     with exit 130 and the one resume line; no traceback, no leaked-semaphore warning.
     (The launcher used to pass the signal on to ranks that had it already, a second
     signal that killed them before the checkpoint whenever it was handled apart from
     the first; and a rank signalled while importing died with a KeyboardInterrupt.)"""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHARDWRAP_TEST_SIGNAL_AT": point}
-    proc = subprocess.run(
-        command(tmp_path, "trainer.max_steps=4", "trainer.val_every=2"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        start_new_session=True,  # the group the rank signals is this run alone
-        timeout=600,
+    proc = run_with_signal(
+        tmp_path, point, "trainer.max_steps=4", "trainer.val_every=2"
     )
-    out = proc.stdout + proc.stderr
+    out = proc.stdout
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
     for noise in ("Traceback", "KeyboardInterrupt", "leaked", "Warning"):
         assert noise not in out, out[-3000:]

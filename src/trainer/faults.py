@@ -296,7 +296,7 @@ def signal_point(name: str, step: int | None = None) -> None:
 
 def _signal_launcher(signum: int) -> None:
     os.kill(os.getppid(), signum)  # a rank's parent is the launcher
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # the launcher may be stopped (SIGSTOP) a while
     while not _told():
         if time.monotonic() > deadline:
             raise RuntimeError("test hook: the launcher never told the ranks to stop")

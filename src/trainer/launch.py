@@ -257,10 +257,17 @@ def _run_local_ranks(
     resolved: Resolved,
     spec: LogSpec,
 ) -> dict[int, Any]:
-    """The ranks' return values; a failed rank is reported in one line (exit 1)."""
+    """The ranks' return values; a failed rank is reported in one line (exit 1), a
+    rank ended by a stop signal as a second signal (:class:`StopNow`)."""
     try:
         return elastic_launch(config, _rank_entry)(cfg, run_dir, resolved, spec)
     except ChildFailedError as err:
+        # A rank takes its first stop signal as a stop request; one that a stop
+        # signal ended had a second (the agent's own SIGTERMs come after failures).
+        signals = [-f.exitcode for f in err.failures.values()]
+        stopped = [s for s in signals if s in STOP_SIGNALS]
+        if stopped:
+            raise StopNow(stopped[0]) from None
         if not requested():
             exit_with_error(log, _failure_report(err, run_dir))
     except Exception:  # e.g. a rank's error file left empty by a full disk
