@@ -559,3 +559,100 @@ def test_fuzz_metrics_jsonl_rows_on_resume(tmp_path, caplog):
         assert (run_dir / "metrics.jsonl.damaged-1").read_bytes().startswith(original)
         kept = (run_dir / METRICS_FILE).read_text()
         assert kept == "".join(rows[:4]), name
+
+
+# ------------------------------------------- Hugging Face weights and config
+
+
+def _header_edit(change):
+    """The safetensors header rewritten by ``change(header) -> header`` (the data
+    left as it is)."""
+
+    def forge_header(file: Path) -> None:
+        data = file.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = change(json.loads(data[8 : 8 + n]))
+        text = json.dumps(header).encode() if not isinstance(header, bytes) else header
+        file.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+
+    return forge_header
+
+
+def _first_tensor(header: dict) -> dict:
+    return next(v for k, v in header.items() if k != "__metadata__")
+
+
+SAFETENSORS_MUTATIONS = {
+    "empty": forge.truncate(0),
+    "half": forge.truncate(0.5),
+    "last byte cut": forge.truncate(0.999),
+    "append": forge.append,
+    "0xff": forge.fill(0xFF),
+    "header length flipped": lambda f: forge.flip(0.0)(f),
+    "header length huge": lambda f: f.write_bytes(
+        (1 << 62).to_bytes(8, "little") + f.read_bytes()[8:]
+    ),
+    "header not JSON": _header_edit(lambda h: b"{not json" + b" " * 20),
+    "header a list": _header_edit(lambda h: [1]),
+    "header NaN": _header_edit(lambda h: b'{"x": NaN}'),
+    "unknown dtype": _header_edit(
+        lambda h: [_first_tensor(h).__setitem__("dtype", "OBJ"), h][1]
+    ),
+    "offsets past the file": _header_edit(
+        lambda h: [_first_tensor(h).__setitem__("data_offsets", [0, 1 << 40]), h][1]
+    ),
+    "negative offset": _header_edit(
+        lambda h: [_first_tensor(h).__setitem__("data_offsets", [-4, 0]), h][1]
+    ),
+    "shape larger than its bytes": _header_edit(
+        lambda h: [_first_tensor(h).__setitem__("shape", [10**6]), h][1]
+    ),
+    "shape a string": _header_edit(
+        lambda h: [_first_tensor(h).__setitem__("shape", "x"), h][1]
+    ),
+    "entry not an object": _header_edit(lambda h: {**h, "evil": 1}),
+}
+
+
+def test_fuzz_pretrained_safetensors_and_hf_config(tmp_path):
+    """``model.pretrained`` with a damaged or forged model.safetensors, and
+    ``model.config`` with sizes of zero or the wrong type: one line naming the key,
+    before any rank starts (the file headers and sizes are checked, no tensor is
+    read); the intact directory passes."""
+    from src.config import CONFIG_ERRORS, one_line, validate
+    from src.harness import compose_config
+    from tests.test_pretrained import save_tiny
+
+    good = save_tiny(tmp_path / "good", "tiny_llama")
+    run = ["model=hf", "model.block_size=16"]
+    validate(compose_config(*run, f"model.pretrained={good}"))
+
+    def refused(*overrides: str) -> str:
+        with pytest.raises(CONFIG_ERRORS) as info:
+            validate(compose_config(*run, *overrides))
+        line = one_line(info.value)
+        assert "\n" not in line
+        return line
+
+    for i, (name, mutate) in enumerate(SAFETENSORS_MUTATIONS.items()):
+        directory = shutil.copytree(good, tmp_path / f"st{i}")
+        mutate(directory / "model.safetensors")
+        line = refused(f"model.pretrained={directory}")
+        assert line.startswith("model.pretrained: "), (name, line)
+    for i, (key, value) in enumerate(
+        [
+            ("vocab_size", 0),
+            ("vocab_size", "256"),
+            ("hidden_size", -1),
+            ("num_hidden_layers", 0),
+            ("num_attention_heads", 2.5),
+            ("max_position_embeddings", None),  # unset: the model's default
+        ]
+    ):
+        directory = shutil.copytree(good, tmp_path / f"cfg{i}")
+        raw = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**raw, key: value}))
+        if value is None:
+            continue
+        line = refused(f"model.config={directory}")
+        assert line.startswith(f"model.config: {key} is {value!r}"), line

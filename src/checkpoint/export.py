@@ -9,6 +9,8 @@ own shards, and rank 0 writes what is consolidated.
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +44,7 @@ from src.checkpoint.dcp import (
 from src.checkpoint.hf_layout import HFLayout
 from src.data.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
 from src.sharding import canonical_name
-from src.util import atomic_path, collective_device
+from src.util import atomic_path, collective_device, parse_json
 
 # -------------------------------------------------------------------- export
 
@@ -111,11 +113,64 @@ def load_consolidated(path: str | Path) -> dict[str, torch.Tensor]:
 # its shards, which rank 0 consolidates into files that `from_pretrained` opens.
 
 
+#: Bytes per element of the safetensors dtypes.
+_ST_BYTES = {
+    **dict.fromkeys(["F64", "I64", "U64"], 8),
+    **dict.fromkeys(["F32", "I32", "U32"], 4),
+    **dict.fromkeys(["F16", "BF16", "I16", "U16"], 2),
+    **dict.fromkeys(["I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2"], 1),
+}
+
+
+def safetensors_damage(path: str | Path) -> str | None:
+    """What is wrong with the safetensors file ``path`` (from its header and size,
+    without reading the tensors), or None: a header that is not JSON, a tensor of an
+    unknown dtype, whose bytes do not match its shape or lie outside the file, or a
+    file longer or shorter than its tensors."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"has {size} bytes, no safetensors header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"is cut short: its header needs {n} bytes, the file has {size}"
+        try:
+            header = parse_json(f.read(n))
+        except ValueError as exc:
+            return f"has a header that is not JSON ({exc})"
+    if not isinstance(header, dict):
+        return "has a header that is not a JSON object"
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shape, (begin, stop) = list(info["shape"]), info["data_offsets"]
+            per = _ST_BYTES[info["dtype"]]
+            ok = all(type(d) is int and d >= 0 for d in [*shape, begin, stop])
+        except (KeyError, TypeError, ValueError):
+            return f"has a malformed entry for {name!r}"
+        if not ok or stop - begin != per * math.prod(shape):
+            return f"has {name!r} whose bytes do not match its dtype and shape"
+        end = max(end, stop)
+    if 8 + n + end != size:
+        return f"has {size} bytes, its tensors need {8 + n + end} (cut short or padded)"
+    return None
+
+
 def hf_checkpoint_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of the safetensors files in ``directory`` (headers only)."""
-    reader = HuggingFaceStorageReader(str(directory))
-    metadata = reader.read_metadata().state_dict_metadata
-    return {name: tuple(md.size) for name, md in metadata.items()}
+    """Tensor name -> shape of the safetensors files in ``directory`` (headers only);
+    ValueError naming the first damaged file (:func:`safetensors_damage`)."""
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        damage = safetensors_damage(file)
+        if damage:
+            raise ValueError(f"{file} {damage}")
+    try:
+        metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+    except Exception as exc:  # safetensors' and DCP's own errors, of many types
+        raise ValueError(f"{directory}: unreadable ({exc})") from None
+    return {name: tuple(md.size) for name, md in metadata.state_dict_metadata.items()}
 
 
 def check_hf_shapes(

@@ -46,6 +46,7 @@ from src.sharding.tensor_parallel import (
     TPPlan,
     styles_from_strings,
 )
+from src.util import read_json
 
 SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hf_configs"
 PREFIX = "hf."  # our parameter names: "hf." + the transformers model's own
@@ -120,6 +121,7 @@ def load_hf_config(config: str | None, trust_remote_code: bool = False):
             f"{', '.join(sorted(auto_map))}), which runs only with "
             "model.trust_remote_code=true"
         )
+    _check_sizes(path)  # before transformers warns about them
     try:
         hf_config = AutoConfig.from_pretrained(
             path, trust_remote_code=trust_remote_code
@@ -154,6 +156,23 @@ def load_hf_config(config: str | None, trust_remote_code: bool = False):
         )
     _check_causal(hf_config, path, trust_remote_code)
     return hf_config
+
+
+def _check_sizes(path: Path) -> None:
+    """ValueError naming the first of :data:`_POSITIVE` that config.json (or its
+    ``text_config``) sets to anything but an integer >= 1."""
+    try:
+        raw = read_json(path / "config.json")
+    except (OSError, ValueError):
+        return  # AutoConfig says what is wrong
+    for node in (raw, raw.get("text_config") if isinstance(raw, dict) else None):
+        for key in _POSITIVE if isinstance(node, dict) else ():
+            value = node.get(key)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(
+                    f"model.config: {key} is {value!r} in {str(path)!r}, expected "
+                    "an integer >= 1"
+                )
 
 
 def _auto_map(path: Path) -> dict | None:
@@ -225,6 +244,16 @@ _PROBE_SIZES = {
 _PROBE_MAX_PARAMS = 50_000_000
 _PROBED: dict[tuple[str, Path], float | None] = {}
 _TRUSTED: set[Path] = set()  # directories whose code this process was told runs
+# A config's sizes that must be integers >= 1 where it has them (vocab_size=0 ended
+# in "ValueError: high <= 0" after a page of warnings).
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+)
 _TOLD_DTYPE: set[Path] = set()  # directories whose ignored dtype it was told of
 
 
