@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from src.checkpoint.export import load_hf_weights
 from src.resolved import Resolved, tensor_parallel_plan
+from src.models.spec import lm_loss
 from src.sharding import (
     Backend,
     TiedParametersWarning,
@@ -28,6 +29,16 @@ from src.sharding import (
     build_policy,
     build_sharded_model,
     set_prefetch,
+    wrap,
+)
+from src.sharding.pipeline import (
+    SCHEDULES,
+    Pipeline,
+    PipelineLayout,
+    StageRole,
+    cut_stage,
+    local_stages,
+    split_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -42,7 +53,54 @@ def make_backend(cfg: DictConfig, device: torch.device) -> Backend:
         cfg.sharding.reshard_after_forward,
         replicate=cfg.sharding.replicate,
         tensor_parallel=cfg.sharding.tensor_parallel,
+        pipeline_parallel=cfg.sharding.pipeline_parallel,
     )
+
+
+def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pipeline:
+    """This rank's pipeline stages (``sharding.pipeline_parallel > 1``): the family's
+    model built whole on the meta device (nothing allocated), cut by its
+    ``PipelineLayout``, and each stage built from its part under the wrap context
+    as a model is (its blocks annotated, tensor-parallelised, checkpointed, compiled
+    and sharded over the stage's data-parallel ranks, its root last), then
+    materialised shard by shard from the family's per-parameter init."""
+    s, spec, config = cfg.sharding, resolved.spec, resolved.model_config
+    layout = spec.pipeline
+    per_rank = SCHEDULES[s.pp_schedule].stages_per_rank
+    n_stages = backend.pp * per_rank
+    with torch.device("meta"):
+        skeleton = spec.build(config, cfg.trainer.seed)
+    n_blocks = len(skeleton.get_submodule(layout.blocks))
+    ranges = split_blocks(n_blocks, n_stages, s.pp_split or None)
+    ids = local_stages(backend.pp_mesh.get_local_rank(), backend.pp, per_rank)
+    stages = []
+    for i in ids:
+        role = StageRole(i, n_stages)
+        part = cut_stage(skeleton, layout, ranges[i], role.first, role.last, role)
+        stages.append(build_model(cfg, backend, resolved, "meta", part, layout))
+    model = stages[0]
+    if len(stages) > 1:  # one module holding the rank's parameters under their names
+        blocks = [b for i in ids for b in ranges[i]]
+        first, last = ids[0] == 0, ids[-1] == n_stages - 1
+        model = cut_stage(skeleton, layout, blocks, first, last)
+    return Pipeline(
+        stages,
+        s.pp_schedule,
+        s.pp_microbatches,
+        backend.pp_mesh,
+        backend.device,
+        lm_loss,
+        model,
+    )
+
+
+def _annotated(part: nn.Module, layout: PipelineLayout) -> nn.Module:
+    """A stage's blocks given to ``wrap()`` (inside the wrap context), as the
+    family's constructor does when it builds them."""
+    blocks = part.get_submodule(layout.blocks)
+    for key, block in list(blocks.items()):
+        blocks[key] = wrap(block)
+    return part
 
 
 def build_model(
@@ -50,10 +108,13 @@ def build_model(
     backend: Backend,
     resolved: Resolved,
     init_device: str | None = None,
+    stage: nn.Module | None = None,
+    layout: PipelineLayout | None = None,
 ) -> nn.Module:
     """The model of ``cfg.model``'s family built inside the wrap context: each unit is
     sharded as it is constructed, and a meta-device model is materialised shard by
-    shard from the family's per-parameter init."""
+    shard from the family's per-parameter init. ``stage``: a pipeline stage's part
+    of the model, on meta (:func:`build_pipeline`), built in its place."""
     init_device = init_device or cfg.model.init_device
     spec, config = resolved.spec, resolved.model_config
     seed, s = cfg.trainer.seed, cfg.sharding
@@ -85,7 +146,9 @@ def build_model(
     )
     with _ties_as_one_line(backend.rank):
         model = build_sharded_model(
-            lambda: spec.build(config, seed),
+            (lambda: _annotated(stage, layout))
+            if stage is not None
+            else (lambda: spec.build(config, seed)),
             backend,
             policy,
             init_device,

@@ -50,6 +50,7 @@ from src.registry import described, or_list
 from src.resolved import Resolved, resolve, resolve_devices, tensor_parallel_plan
 from src.runs.from_run import find_run, run_config, with_changes
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
+from src.sharding.pipeline import SCHEDULES, split_blocks
 from src.sharding.policies import POLICIES
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.launch import override_keys, prepare
@@ -102,6 +103,16 @@ class ShardingConfig:
     )
     sequence_parallel: bool | None = described(
         "with tensor_parallel: norms sharded over the sequence (null: family default)"
+    )
+    pipeline_parallel: int = described(
+        "fsdp2: P pipeline stages (pp mesh dim, outermost); 1 = off"
+    )
+    pp_schedule: str = described(lambda: f"pipeline schedule: {or_list(SCHEDULES)}")
+    pp_microbatches: int = described(
+        "pipeline micro-batches per micro-step (each rank's rows split M ways)"
+    )
+    pp_split: list[int] = described(
+        "blocks per pipeline stage (empty: as even as possible)"
     )
 
 
@@ -499,6 +510,7 @@ def validate(cfg: DictConfig) -> Resolved:
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.world_size)
     _check_tensor_parallel(cfg, resolved)
+    _check_pipeline(cfg, resolved)
     _check_batches(cfg, resolved.world_size)
     _check_trainer(cfg, resolved)
     # The chosen data source and logger check their own keys.
@@ -597,6 +609,74 @@ def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
     tensor_parallel_plan(cfg, resolved.spec, resolved.model_config)
 
 
+#: What a pipeline-parallel run does not do yet: the key, the value that is
+#: refused, and why.
+PP_UNSUPPORTED = (
+    ("trainer.sample_every", lambda v: v != 0, "samples"),
+    ("trainer.export", lambda v: v is not False, "export"),
+    ("model.pretrained", lambda v: bool(v), "loading pretrained weights"),
+    ("precision.name", lambda v: v == "fp16_mixed", "fp16's gradient scaler"),
+)
+
+
+def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
+    """``sharding.pipeline_parallel`` and the ``sharding.pp_*`` keys: the backend,
+    the mesh, the schedule, the family's layout and the stage cut."""
+    s, spec, world_size = cfg.sharding, resolved.spec, resolved.world_size
+    pp = s.pipeline_parallel
+    _require(pp >= 1, "sharding.pipeline_parallel", f"got {pp}, expected >= 1")
+    _choice(cfg, "sharding.pp_schedule", tuple(SCHEDULES))
+    _positive_int(cfg, "sharding.pp_microbatches")
+    if pp == 1:
+        return
+    _require(
+        BACKENDS[s.backend].pipeline_parallel,
+        "sharding.pipeline_parallel",
+        f"pipeline parallelism needs sharding="
+        f"{' or sharding='.join(with_capability('pipeline_parallel'))}, "
+        f"not sharding={s.backend}",
+    )
+    refused = SCHEDULES[s.pp_schedule].refused
+    _require(not refused, "sharding.pp_schedule", f"{s.pp_schedule}: {refused}")
+    per_group = s.replicate * s.tensor_parallel
+    _require(
+        world_size % (pp * per_group) == 0,
+        "sharding.pipeline_parallel",
+        f"{pp} stages x replicate={s.replicate} x tensor_parallel="
+        f"{s.tensor_parallel} do not divide the {world_size} devices",
+    )
+    _require(
+        spec.pipeline is not None and spec.init_tensor is not None,
+        "sharding.pipeline_parallel",
+        f"model family {spec.name!r} has no pipeline layout (ModelSpec.pipeline) "
+        "and per-parameter init",
+    )
+    for key, refuses, what in PP_UNSUPPORTED:
+        value = OmegaConf.select(cfg, key)
+        _require(
+            not refuses(value),
+            key,
+            f"{value!r}: {what} with sharding.pipeline_parallel > 1 is not supported "
+            "yet",
+        )
+    with torch.device("meta"):
+        model = spec.build(resolved.model_config, 0)
+    blocks = len(model.get_submodule(spec.pipeline.blocks))
+    stages = pp * SCHEDULES[s.pp_schedule].stages_per_rank
+    keyed(
+        "sharding.pp_split" if s.pp_split else "sharding.pipeline_parallel",
+        split_blocks,
+        blocks,
+        stages,
+        list(s.pp_split),
+    )
+    _require(
+        s.pp_microbatches >= pp,
+        "sharding.pp_microbatches",
+        f"got {s.pp_microbatches}, expected at least the {pp} pipeline stages",
+    )
+
+
 def _check_batches(cfg: DictConfig, world_size: int) -> None:
     """The step counts, gradient accumulation, the memory budget, and a batch that
     splits into micro-batches over the ranks."""
@@ -642,12 +722,22 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     )
     accum = 1 if accum == "auto" else int(accum)
     micro = t.batch_size // accum
-    tp = cfg.sharding.tensor_parallel  # the ranks of a tp group read the same rows
+    # the ranks of a tp group, and the stages of a pipeline, read the same rows
+    dp = world_size // (cfg.sharding.tensor_parallel * cfg.sharding.pipeline_parallel)
     _require(
-        t.plan_only or (t.batch_size % accum == 0 and micro % (world_size // tp) == 0),
+        t.plan_only or (t.batch_size % accum == 0 and micro % dp == 0),
         "trainer.batch_size",
         f"{t.batch_size} must split into trainer.grad_accum={t.grad_accum} micro-batches"
-        f" that divide evenly over {world_size // tp} data-parallel rank(s)",
+        f" that divide evenly over {dp} data-parallel rank(s)",
+    )
+    m = cfg.sharding.pp_microbatches
+    _require(
+        t.plan_only
+        or cfg.sharding.pipeline_parallel == 1
+        or (micro // max(1, dp)) % m == 0,
+        "sharding.pp_microbatches",
+        f"{m} does not divide each rank's {micro // max(1, dp)} rows per micro-step "
+        f"(trainer.batch_size={t.batch_size} / grad_accum / {dp} data-parallel ranks)",
     )
 
 

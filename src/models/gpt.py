@@ -50,6 +50,7 @@ from src.models.spec import (
     tie_,
 )
 from src.sharding import wrap
+from src.sharding.pipeline import PipelineLayout, stage_role
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
     FusedHeadsParallel,
@@ -215,7 +216,8 @@ class GPT(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        tie_(self.lm_head, self.wte)  # again: _apply may have untied them (see tie_)
+        if self.lm_head is not None and self.wte is not None:  # a pipeline stage may
+            tie_(self.lm_head, self.wte)  # again: _apply may have untied them (tie_)
         return self
 
     def forward(
@@ -229,14 +231,23 @@ class GPT(nn.Module):
         given (entries equal to -1 are ignored), else None. With a ``cache``
         (decoding, src/models/generate.py) ``idx`` holds the tokens after the cached
         ones, at positions ``cache.pos`` onwards."""
-        start = 0 if cache is None else cache.pos
-        T = start + idx.size(1)
-        if T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {T} exceeds model.block_size {self.config.block_size}"
-            )
-        pos = torch.arange(start, T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        stage = stage_role(self)  # pipeline parallelism: this model is one stage
+        if stage is not None and not stage.first:
+            x = idx  # the previous stage's hidden states
+        else:
+            start = 0 if cache is None else cache.pos
+            T = start + idx.size(1)
+            if T > self.config.block_size:
+                raise ValueError(
+                    f"sequence length {T} exceeds model.block_size "
+                    f"{self.config.block_size}"
+                )
+            pos = torch.arange(start, T, device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+        if stage is not None:
+            for block in self.h:
+                x = block(x)
+            return self.lm_head(self.ln_f(x)) if stage.last else x
         if cache is None:
             for block in self.h:
                 x = block(x)
@@ -460,6 +471,9 @@ register(
         activation_bytes=activation_bytes,
         kv_cache=True,
         tp_plan=tp_plan,
+        pipeline=PipelineLayout(
+            blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head")
+        ),
         hf=HFAdapter(
             to_hf_name=to_hf_name, hf_config=to_hf_config, transposed=hf_transposed
         ),

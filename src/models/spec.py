@@ -121,6 +121,11 @@ class ModelSpec:
     # or None for the family's default) -> src.sharding.TPPlan; ValueError (one line)
     # if the shape does not split that many ways. None: no tensor parallelism.
     tp_plan: Callable[[Any, int, bool | None], Any] | None = None
+    # Optional: how the model cuts into pipeline stages (src.sharding.pipeline's
+    # PipelineLayout: the blocks, the first stage's and the last stage's modules);
+    # the forward of a model with a ``pp_stage`` runs only its stage and the last
+    # stage returns the logits. None: no pipeline parallelism.
+    pipeline: Any = None
     # Modules the family imports beyond torch (the planner's process baseline grows
     # by their resident size: planner.IMPORT_BYTES).
     imports: tuple[str, ...] = ()

@@ -43,6 +43,7 @@ def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
         # Data-parallel ranks only (any number): the checkpoint (DCP) loads on any
         # layout, a tensor-parallel run's too.
         "sharding.tensor_parallel": 1,
+        "sharding.pipeline_parallel": 1,
         "sharding.sequence_parallel": None,
     }
     if eval_cfg.data is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -57,14 +57,24 @@ def shard_group_size(world_size: int, replicate: int) -> int:
 
 
 def device_mesh(
-    device_type: str, world_size: int, replicate: int = 1, tensor_parallel: int = 1
+    device_type: str,
+    world_size: int,
+    replicate: int = 1,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> DeviceMesh:
     """The mesh of the run: 1-D over all ranks, 2-D ``(replicate, shard)`` for HSDP,
     where ranks ``[r * S, (r + 1) * S)`` form shard group ``r`` (on GPUs, consecutive
     ranks share a node, so all-gathers stay inside it), and with ``tensor_parallel=T
     > 1`` a last ``tp`` dimension of T consecutive ranks: ``(shard, tp)`` or
     ``(replicate, shard, tp)``. Units are sharded on the data-parallel dimensions
-    (:func:`data_parallel_mesh`)."""
+    (:func:`data_parallel_mesh`). With ``pipeline_parallel=P > 1`` a first ``pp``
+    dimension of P stages, outermost: ``(pp, [replicate,] shard[, tp])``, each stage's
+    ranks a consecutive block of ``world_size / P``."""
+    if pipeline_parallel > 1:
+        return _pipeline_mesh(
+            device_type, world_size, replicate, tensor_parallel, pipeline_parallel
+        )
     shard = shard_group_size(world_size, replicate * tensor_parallel)
     if tensor_parallel > 1:
         dims = (
@@ -85,13 +95,35 @@ def device_mesh(
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIMS)
 
 
+def _pipeline_mesh(
+    device_type: str, world_size: int, replicate: int, tp: int, pp: int
+) -> DeviceMesh:
+    if world_size % (pp * replicate * tp):
+        raise ValueError(
+            f"pipeline_parallel={pp} x replicate={replicate} x tensor_parallel={tp} "
+            f"does not divide the world size {world_size}"
+        )
+    shard = world_size // (pp * replicate * tp)
+    dims = [("pp", pp)] + [("replicate", replicate)] * (replicate > 1)
+    dims += [("shard", shard)] + [("tp", tp)] * (tp > 1)
+    names = tuple(n for n, _ in dims)
+    mesh = init_device_mesh(
+        device_type, tuple(d for _, d in dims), mesh_dim_names=names
+    )
+    if replicate > 1 and tp > 1:
+        mesh["shard", "tp"]._flatten("shard_tp")
+    if len(names) > 2:  # a stage's ranks: one collective for its gradient norm
+        mesh[names[1:]]._flatten("stage")
+    return mesh
+
+
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The dimensions of ``mesh`` that units are sharded (and replicated) on: all but
-    ``tp``."""
+    ``pp`` and ``tp``."""
     names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
+    if "tp" not in names and "pp" not in names:
         return mesh
-    dp = tuple(n for n in names if n != "tp")
+    dp = tuple(n for n in names if n not in ("tp", "pp"))
     return mesh[dp[0]] if len(dp) == 1 else mesh[dp]
 
 
@@ -188,6 +220,7 @@ class Backend:
     explicit_prefetch: ClassVar[bool]  # takes forward/backward prefetch depths
     allocates: ClassVar[bool]  # the built model holds real tensors
     tensor_parallel: ClassVar[bool]  # takes tensor_parallel > 1 (a tp mesh dimension)
+    pipeline_parallel: ClassVar[bool]  # takes pipeline_parallel > 1 (a pp mesh dim)
     # a unit's all-gather output is copied into its parameters' own unsharded
     # tensors (both alive at once while it is gathered)
     gather_copy_out: ClassVar[bool]
@@ -202,6 +235,7 @@ class Backend:
         "explicit_prefetch",
         "allocates",
         "tensor_parallel",
+        "pipeline_parallel",
         "gather_copy_out",
     )
 
@@ -221,6 +255,7 @@ class Backend:
         reshard_after_forward: bool | int = True,
         replicate: int = 1,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ) -> None:
         if replicate != 1 and not self.hybrid:
             raise ValueError(
@@ -232,11 +267,18 @@ class Backend:
                 f"tensor_parallel={tensor_parallel}: tensor parallelism needs "
                 f"{' or '.join(with_capability('tensor_parallel'))}"
             )
+        if pipeline_parallel != 1 and not type(self).pipeline_parallel:
+            raise ValueError(
+                f"pipeline_parallel={pipeline_parallel}: pipeline parallelism needs "
+                f"{' or '.join(with_capability('pipeline_parallel'))}"
+            )
         self.precision, self.device = precision, device
         #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
         self.reshard_after_forward = reshard_after_forward
         self.replicate = replicate  # HSDP: replica groups, each sharding over N / R
         self.tp = tensor_parallel  # ranks splitting each block's matmuls (tp mesh dim)
+        self.pp = pipeline_parallel  # pipeline stages (pp mesh dim, outermost)
+        self.pp_mesh: DeviceMesh | None = None
         self.world_size, self.rank = 1, 0
         self.mesh: DeviceMesh | None = None  # the data-parallel mesh units shard on
         self.tp_mesh: DeviceMesh | None = None
@@ -260,13 +302,15 @@ class Backend:
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index: the ``tp`` ranks of a group (consecutive
-        ranks) read the same rows of the batch."""
-        return self.rank // self.tp
+        ranks) read the same rows of the batch, and so do the ``pp`` stages (blocks
+        of ``world_size / pp`` ranks)."""
+        return self.rank % (self.world_size // self.pp) // self.tp
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the world size over ``tensor_parallel``."""
-        return self.world_size // self.tp
+        """Data-parallel ranks: the world size over ``tensor_parallel`` and
+        ``pipeline_parallel``."""
+        return self.world_size // (self.tp * self.pp)
 
     def close(self) -> None:
         """Release what the backend made for itself (the plan backend's fake process
@@ -352,26 +396,47 @@ class Backend:
         Gradients on different meshes (with tensor parallelism: DTensors on the
         data-parallel x tp mesh, and parameters no plan parallelised on the
         data-parallel mesh alone) are normed per mesh, then combined."""
-        groups: dict[Any, list[torch.Tensor]] = {}
-        for p in model.parameters():
-            if p.grad is not None:
-                mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-                groups.setdefault(mesh, []).append(p)
-        if len(groups) <= 1:
+        if len(_by_mesh(model.parameters())) <= 1:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
-        norms = []
-        for params in groups.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        for params in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        total = grad_norm(model.parameters())
+        clip_grads_with_norm_(model.parameters(), max_norm, total)
         return total
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Skip the gradient reduction (inner gradient-accumulation steps)."""
         return contextlib.nullcontext()
+
+
+def _by_mesh(params: Iterable[nn.Parameter]) -> dict[Any, list[nn.Parameter]]:
+    """The parameters with a gradient, by the mesh of their gradient (None: plain)."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+    return groups
+
+
+def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of the gradients of ``params`` (a plain tensor), over every mesh
+    they are sharded on: normed per mesh, then combined."""
+    norms = []
+    for group in _by_mesh(params).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_grads_with_norm_(
+    params: Iterable[nn.Parameter], max_norm: float, total: torch.Tensor
+) -> None:
+    """Scale the gradients of ``params`` by ``max_norm / total`` where below 1, one
+    mesh at a time."""
+    for group in _by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
 
 #: The backends that train, by ``sharding.backend`` name: each class adds itself
@@ -399,6 +464,7 @@ class _FSDPBackend(Backend):
     hybrid = True
     allocates = True
     tensor_parallel = False
+    pipeline_parallel = False
     gather_copy_out = False  # FSDP1: the flat parameter is the all-gather's output
 
     def place(self, model: nn.Module) -> nn.Module:
@@ -419,6 +485,7 @@ class FSDP2Backend(_FSDPBackend):
 
     name = "fsdp2"
     tensor_parallel = True
+    pipeline_parallel = True
     meta_init = True
     partial_reshard = True
     explicit_prefetch = True
@@ -427,11 +494,13 @@ class FSDP2Backend(_FSDPBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.world_mesh = device_mesh(
-            self.device.type, self.world_size, self.replicate, self.tp
+            self.device.type, self.world_size, self.replicate, self.tp, self.pp
         )
         self.mesh = data_parallel_mesh(self.world_mesh)
         if self.tp > 1:
             self.tp_mesh = self.world_mesh["tp"]
+        if self.pp > 1:
+            self.pp_mesh = self.world_mesh["pp"]
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return fully_shard, {
@@ -500,6 +569,7 @@ class PlanBackend(_FSDPBackend):
     explicit_prefetch = True
     allocates = False
     tensor_parallel = True  # parallelised on meta over a fake process group
+    pipeline_parallel = True  # the planner's stage is built as a model of its own
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -564,17 +634,27 @@ def build_backend(
     reshard_after_forward: bool | int = True,
     replicate: int = 1,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> Backend:
     """The backend ``name`` (one of :data:`BACKENDS`, or ``plan``) for this process;
     distributed ones need an initialised process group. ``replicate=R > 1`` (fsdp2,
     fsdp1, and ``plan`` for its estimate) is hybrid sharding: R replica groups, each
     sharding over ``world_size / R`` ranks. ``tensor_parallel=T > 1`` (fsdp2) adds a
     ``tp`` mesh dimension of T consecutive ranks: units shard over
-    ``world_size / (R * T)`` ranks and each block's matmuls are split T ways."""
+    ``world_size / (R * T)`` ranks and each block's matmuls are split T ways.
+    ``pipeline_parallel=P > 1`` (fsdp2) adds an outer ``pp`` mesh dimension: P
+    blocks of ``world_size / P`` ranks, each holding one pipeline stage."""
     cls = backend_class(name)
     prec = get_precision(precision) if isinstance(precision, str) else precision
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return cls(prec, device, reshard_after_forward, replicate, tensor_parallel)
+    return cls(
+        prec,
+        device,
+        reshard_after_forward,
+        replicate,
+        tensor_parallel,
+        pipeline_parallel,
+    )
 
 
 def build_sharded_model(

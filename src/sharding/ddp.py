@@ -33,6 +33,7 @@ class DDPBackend(Backend):
     explicit_prefetch = False
     allocates = True
     tensor_parallel = False
+    pipeline_parallel = False
 
     def place(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

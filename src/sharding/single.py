@@ -21,4 +21,5 @@ class SingleProcessBackend(Backend):
     explicit_prefetch = False
     allocates = True
     tensor_parallel = False
+    pipeline_parallel = False
     gather_copy_out = False

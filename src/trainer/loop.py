@@ -25,7 +25,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from src.build import build_model, make_backend
+from src.build import build_model, build_pipeline, make_backend
 from src.checkpoint.dcp import (
     Checkpointer,
     CheckpointError,
@@ -61,6 +61,7 @@ from src.sharding import (
     wrap_plan,
 )
 from src.trainer.faults import RESTART_CAUSE_ENV, signal_point, stop_signal
+from src.trainer.pipelined import pipeline_evaluate, pipeline_train_step
 from src.trainer.sampling import sample_texts
 
 log = logging.getLogger(__name__)
@@ -398,10 +399,18 @@ class Trainer:
         """The model, sharded as it is built (its construction peak measured on its
         own), and its wrap plan."""
         reset_peak_memory(self.device)
-        self.model = build_model(self.cfg, self.backend, self.resolved)
+        self.pipeline = None  # sharding.pipeline_parallel > 1: this rank's stages
+        if self.backend.pp > 1:
+            self.pipeline = build_pipeline(self.cfg, self.backend, self.resolved)
+            self.model = self.pipeline.model
+        else:
+            self.model = build_model(self.cfg, self.backend, self.resolved)
         self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
         self.plan = wrap_plan(
-            self.model, self.world, self.backend.replicate, self.backend.tp
+            self.model,
+            self.world // self.backend.pp,
+            self.backend.replicate,
+            self.backend.tp,
         )
         log_wrap_plan(self.plan, self.logger, self.rank)
         self.num_params = sum(u.numel for u in self.plan.units) or sum(
@@ -542,15 +551,25 @@ class Trainer:
             self.profiler.before_step(step)
         signal_point("step", step)  # a test's Ctrl-C, mid-step (src/trainer/faults.py)
         try:
-            loss, grad_norm = train_step(
-                self.model,
-                self.batches,
-                step - 1,
-                self.backend,
-                self.optimizer,
-                self.scaler,
-                self.cfg,
-            )
+            if self.pipeline is not None:
+                loss, grad_norm = pipeline_train_step(
+                    self.pipeline,
+                    self.batches,
+                    step - 1,
+                    self.backend,
+                    self.optimizer,
+                    self.cfg,
+                )
+            else:
+                loss, grad_norm = train_step(
+                    self.model,
+                    self.batches,
+                    step - 1,
+                    self.backend,
+                    self.optimizer,
+                    self.scaler,
+                    self.cfg,
+                )
         except torch.OutOfMemoryError as err:
             raise oom_error(err, self.oom_snapshot, self.rank, step) from None
         self.scheduler.step()
@@ -590,7 +609,12 @@ class Trainer:
     def validate(self, step: int) -> float:
         """The loss on the fixed validation batches, logged at ``step``."""
         signal_point("validation")  # a test's Ctrl-C (src/trainer/faults.py)
-        val_loss = evaluate(self.model, self.val_set, self.backend)
+        if self.pipeline is not None:
+            val_loss = global_mean(
+                pipeline_evaluate(self.pipeline, self.val_set, self.backend)
+            )
+        else:
+            val_loss = evaluate(self.model, self.val_set, self.backend)
         self.logger.log({"val_loss": val_loss}, step=step)
         self.summary["val_loss"] = val_loss
         log.info("step %d: val_loss %.4f", step, val_loss)

@@ -30,6 +30,7 @@ SAMPLING_CHANGES = {
     # Data-parallel ranks only: the checkpoint (DCP) loads on any layout, and decoding
     # one token at a time has no sequence to split over tensor-parallel ranks.
     "sharding.tensor_parallel": 1,
+    "sharding.pipeline_parallel": 1,
     "sharding.sequence_parallel": None,
 }
 # A family that decodes through its own generate() (Hugging Face) calls into the
