@@ -19,8 +19,8 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.checkpoint.export import load_hf_weights
-from src.resolved import Resolved, tensor_parallel_plan
 from src.models.spec import lm_loss
+from src.resolved import Resolved, tensor_parallel_plan
 from src.sharding import (
     Backend,
     TiedParametersWarning,
