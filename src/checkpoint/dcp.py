@@ -1135,9 +1135,12 @@ def _check_same_tensors(
     DCP alone would ignore extra checkpoint entries and fail deep inside on the rest."""
     saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()}
     what = {"model": "the model", "optim": "the optimizer state"}
+    # Each pipeline stage holds only its own tensors: what the checkpoint has beyond
+    # them must be held by another rank.
+    anywhere = set(_all_ranks([f"{s}.{k}" for s, ts in wanted.items() for k in ts]))
     for space, tensors in wanted.items():
         here = {f"{space}.{k}": tuple(t.size()) for k, t in tensors.items()}
-        extra = [k for k in saved if k.startswith(f"{space}.") and k not in here]
+        extra = [k for k in saved if k.startswith(f"{space}.") and k not in anywhere]
         problem = None
         for key, shape in here.items():
             name = key[len(space) + 1 :]
@@ -1163,6 +1166,15 @@ def _check_same_tensors(
                 f"checkpoint {path} does not match this run: {problem} "
                 "(resume with the model config it was saved with)"
             )
+
+
+def _all_ranks(names: list[str]) -> list[str]:
+    """``names`` of every rank together (this rank's alone without ranks)."""
+    if not _distributed() or _world_size() == 1:
+        return names
+    everyone: list[list[str]] = [[] for _ in range(_world_size())]
+    dist.all_gather_object(everyone, names)
+    return [n for names in everyone for n in names]
 
 
 def _files_of(root: Path) -> list[str]:
