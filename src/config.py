@@ -616,6 +616,7 @@ PP_UNSUPPORTED = (
     ("trainer.export", lambda v: v is not False, "export"),
     ("model.pretrained", lambda v: bool(v), "loading pretrained weights"),
     ("precision.name", lambda v: v == "fp16_mixed", "fp16's gradient scaler"),
+    ("sharding.sequence_parallel", lambda v: bool(v), "sequence parallelism"),
 )
 
 

@@ -111,6 +111,8 @@ def tensor_parallel_plan(cfg: DictConfig, spec: ModelSpec, config: Any) -> Any:
         )
     plan = keyed("sharding.tensor_parallel", spec.tp_plan, config, tp, None)
     sp = s.sequence_parallel
+    if sp is None and s.pipeline_parallel > 1:
+        sp = False  # stages pass whole sequences (a stage cannot know their length)
     if sp is None or sp == plan.sequence_parallel:
         return plan
     return keyed("sharding.sequence_parallel", spec.tp_plan, config, tp, sp)

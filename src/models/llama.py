@@ -51,6 +51,7 @@ from src.models.spec import (
     tie_,
 )
 from src.sharding import wrap
+from src.sharding.pipeline import PipelineLayout, stage_role
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -259,8 +260,9 @@ class Llama(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        if self.config.tie_embeddings:
-            tie_(self.output, self.tok_embeddings)  # again (see tie_)
+        # again (see tie_); a pipeline stage may hold neither
+        if self.config.tie_embeddings and self.output is not None:
+            tie_(self.output, self.tok_embeddings)
         return self
 
     def forward(
@@ -279,7 +281,13 @@ class Llama(nn.Module):
                 f"sequence length {T} exceeds model.max_seq_len {self.config.max_seq_len}"
             )
         cos, sin = self.rope(idx.size(1), start)
-        x = self.tok_embeddings(idx)
+        stage = stage_role(self)  # pipeline parallelism: this model is one stage
+        # a later stage gets the previous stage's hidden states
+        x = self.tok_embeddings(idx) if stage is None or stage.first else idx
+        if stage is not None:
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.output(self.norm(x)) if stage.last else x
         if cache is None:
             for layer in self.layers:
                 x = layer(x, cos, sin)
@@ -514,5 +522,8 @@ register(
         hf=HFAdapter(to_hf_name=to_hf_name, hf_config=to_hf_config),
         kv_cache=True,
         tp_plan=tp_plan,
+        pipeline=PipelineLayout(
+            blocks="layers", first=("tok_embeddings",), last=("norm", "output")
+        ),
     )
 )

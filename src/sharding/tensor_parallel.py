@@ -136,6 +136,9 @@ def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> Non
     the same placement under both names."""
     for target in _targets(module, plan):
         styles = next(s for cls, s in plan.modules.items() if isinstance(target, cls))
+        # A pipeline stage lacks the other stages' modules (its embedding, its head).
+        names = [n for n, m in target.named_modules() if m is not None]
+        styles = {p: st for p, st in styles.items() if _matching(names, p)}
         ties = _ties(target)
         parallelize_module(target, mesh, dict(styles), src_data_rank=None)
         _mark(target, styles)
@@ -157,13 +160,23 @@ def _targets(module: nn.Module, plan: TPPlan) -> Iterator[nn.Module]:
     return iter(found)
 
 
+def _matches(name: str, pattern: str) -> bool:
+    """``name`` is what ``pattern`` of a plan names (``*``: one path component)."""
+    return (
+        name == pattern or (pattern and fnmatch.fnmatchcase(name, pattern))
+    ) and len(name.split(".")) == len(pattern.split("."))
+
+
+def _matching(names: list[str], pattern: str) -> bool:
+    return any(_matches(name, pattern) for name in names)
+
+
 def _mark(target: nn.Module, styles: Mapping[str, ParallelStyle]) -> None:
     names = dict(target.named_modules())
     for pattern, style in styles.items():
         for name, sub in names.items():
-            if name == pattern or (pattern and fnmatch.fnmatchcase(name, pattern)):
-                if len(name.split(".")) == len(pattern.split(".")):
-                    sub.__dict__[STYLE_ATTR] = style_name(style)
+            if _matches(name, pattern):
+                sub.__dict__[STYLE_ATTR] = style_name(style)
 
 
 def _ties(module: nn.Module) -> list[tuple[str, str]]:
