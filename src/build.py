@@ -65,7 +65,7 @@ def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pip
     and sharded over the stage's data-parallel ranks, its root last), then
     materialised shard by shard from the family's per-parameter init."""
     s, spec, config = cfg.sharding, resolved.spec, resolved.model_config
-    layout = spec.pipeline
+    layout = spec.pipeline(config)
     per_rank = SCHEDULES[s.pp_schedule].stages_per_rank
     n_stages = backend.pp * per_rank
     with torch.device("meta"):

@@ -652,6 +652,7 @@ def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
         f"model family {spec.name!r} has no pipeline layout (ModelSpec.pipeline) "
         "and per-parameter init",
     )
+    layout = keyed("sharding.pipeline_parallel", spec.pipeline, resolved.model_config)
     for key, refuses, what in PP_UNSUPPORTED:
         value = OmegaConf.select(cfg, key)
         _require(
@@ -662,7 +663,7 @@ def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
         )
     with torch.device("meta"):
         model = spec.build(resolved.model_config, 0)
-    blocks = len(model.get_submodule(spec.pipeline.blocks))
+    blocks = len(model.get_submodule(layout.blocks))
     stages = pp * SCHEDULES[s.pp_schedule].stages_per_rank
     keyed(
         "sharding.pp_split" if s.pp_split else "sharding.pipeline_parallel",

@@ -216,8 +216,10 @@ class GPT(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        if self.lm_head is not None and self.wte is not None:  # a pipeline stage may
-            tie_(self.lm_head, self.wte)  # again: _apply may have untied them (tie_)
+        if hasattr(self.lm_head, "weight") and hasattr(self.wte, "weight"):
+            # again: _apply may have untied them (see tie_); a pipeline stage may
+            # hold neither
+            tie_(self.lm_head, self.wte)
         return self
 
     def forward(
@@ -471,7 +473,7 @@ register(
         activation_bytes=activation_bytes,
         kv_cache=True,
         tp_plan=tp_plan,
-        pipeline=PipelineLayout(
+        pipeline=lambda config: PipelineLayout(
             blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head")
         ),
         hf=HFAdapter(

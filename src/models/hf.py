@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
+from src.sharding.pipeline import PipelineLayout, stage_role
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
     Shard,
@@ -359,12 +360,49 @@ class HFCausalLM(nn.Module):
         super()._apply(fn, recurse)
         for alias, kept in self._ties:
             module, _, leaf = alias.rpartition(".")
-            setattr(self.hf.get_submodule(module), leaf, self.hf.get_parameter(kept))
+            owner = self.hf.get_submodule(module)
+            if hasattr(owner, leaf):  # a pipeline stage may hold neither
+                setattr(owner, leaf, self.hf.get_parameter(kept))
         return self
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        stage = stage_role(self)  # pipeline parallelism: this model is one stage
+        if stage is not None:
+            # a later stage's input is the previous one's hidden states; an earlier
+            # stage's head is Absent, so its "logits" are its hidden states
+            inputs = {"input_ids" if stage.first else "inputs_embeds": idx}
+            return self.hf(**inputs, use_cache=False).logits
         logits = self.hf(input_ids=idx, use_cache=False).logits
         return logits, lm_loss(logits, targets)
+
+
+def pipeline_layout(config: HFConfig) -> PipelineLayout:
+    """The stages transformers ships for the architecture: its config's
+    ``base_model_pp_plan`` (embeddings, the layers, the final norm, in order) and
+    the causal LM's ``_pp_plan`` (the head); ValueError naming the architecture
+    without one."""
+    skeleton = config.skeleton()
+    arch = type(skeleton).__name__
+    plan = getattr(config.hf_config.get_text_config(), "base_model_pp_plan", None)
+    if not plan:
+        raise ValueError(
+            f"{arch} has no pipeline plan in transformers (its config's "
+            "base_model_pp_plan is empty)"
+        )
+    base = skeleton.base_model_prefix
+    paths = [f"{base}.{name}" for name in plan]
+    lists = [p for p in paths if isinstance(skeleton.get_submodule(p), nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(f"{arch}'s pipeline plan has no single list of layers")
+    i = paths.index(lists[0])
+    # the causal LM's own modules (its plan may repeat the base model's, prefixed)
+    own = getattr(skeleton, "_pp_plan", None) or ()
+    head = [p for p in own if not p.startswith(f"{base}.")]
+    return PipelineLayout(
+        blocks=PREFIX + paths[i],
+        first=tuple(PREFIX + p for p in paths[:i]),
+        last=tuple(PREFIX + p for p in [*paths[i + 1 :], *head]),
+    )
 
 
 def build(config: HFConfig, seed: int) -> nn.Module:
@@ -533,5 +571,6 @@ register(
             skeleton=lambda config: config.skeleton(),
         ),
         tp_plan=tp_plan,
+        pipeline=pipeline_layout,
     )
 )

@@ -261,7 +261,7 @@ class Llama(nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         # again (see tie_); a pipeline stage may hold neither
-        if self.config.tie_embeddings and self.output is not None:
+        if self.config.tie_embeddings and hasattr(self.output, "weight"):
             tie_(self.output, self.tok_embeddings)
         return self
 
@@ -522,7 +522,7 @@ register(
         hf=HFAdapter(to_hf_name=to_hf_name, hf_config=to_hf_config),
         kv_cache=True,
         tp_plan=tp_plan,
-        pipeline=PipelineLayout(
+        pipeline=lambda config: PipelineLayout(
             blocks="layers", first=("tok_embeddings",), last=("norm", "output")
         ),
     )

@@ -121,11 +121,13 @@ class ModelSpec:
     # or None for the family's default) -> src.sharding.TPPlan; ValueError (one line)
     # if the shape does not split that many ways. None: no tensor parallelism.
     tp_plan: Callable[[Any, int, bool | None], Any] | None = None
-    # Optional: how the model cuts into pipeline stages (src.sharding.pipeline's
-    # PipelineLayout: the blocks, the first stage's and the last stage's modules);
-    # the forward of a model with a ``pp_stage`` runs only its stage and the last
-    # stage returns the logits. None: no pipeline parallelism.
-    pipeline: Any = None
+    # Optional: how the model cuts into pipeline stages, (config) ->
+    # src.sharding.pipeline.PipelineLayout (the blocks, the first stage's and the
+    # last stage's modules), ValueError (one line) if it cannot be cut; the forward
+    # of a model with a ``pp_stage`` runs only its stage (a later stage takes the
+    # hidden states as ``idx``) and returns the last stage's logits, the others'
+    # hidden states. None: no pipeline parallelism.
+    pipeline: Callable[[Any], Any] | None = None
     # Modules the family imports beyond torch (the planner's process baseline grows
     # by their resident size: planner.IMPORT_BYTES).
     imports: tuple[str, ...] = ()

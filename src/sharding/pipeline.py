@@ -3,7 +3,7 @@
 A model is cut into stages by its family's :class:`PipelineLayout`: the blocks (a
 ``ModuleList``) split into contiguous runs, the modules only the first stage runs
 (embeddings) and those only the last one runs (final norm, output head). A stage is
-the model itself with the other stages' modules left out (``None``), its blocks under
+the model itself with the other stages' modules left out (:class:`Absent`), its blocks under
 their own indices (:class:`StageBlocks`), so every parameter keeps the name it has in
 the whole model: checkpoints (DCP, by name) move between layouts. A module the stage
 does not run but that shares a parameter with one it runs (an embedding tied to the
@@ -99,10 +99,21 @@ def stage_role(model: nn.Module) -> StageRole | None:
 
 class StageBlocks(nn.ModuleDict):
     """A stage's blocks under their indices in the whole model (``h.2``, ``h.3``),
-    iterated in order like the ``ModuleList`` they come from."""
+    iterated (and sliced) in order like the ``ModuleList`` they come from."""
 
     def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
         return iter(self.values())
+
+    def __getitem__(self, key: str | slice) -> nn.Module | list[nn.Module]:
+        if isinstance(key, slice):  # transformers: self.layers[: num_hidden_layers]
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+
+class Absent(nn.Identity):
+    """In a stage, a module of another stage: no parameters, passes its input on
+    (transformers' forward then runs as it is: a stage without the output head
+    returns its hidden states as the "logits")."""
 
 
 def split_blocks(
@@ -181,14 +192,21 @@ def cut_stage(
     parent._modules[leaf] = StageBlocks({str(i): all_blocks[i] for i in blocks})
     dropped = [*(() if first else layout.first), *(() if last else layout.last)]
     for path in dropped:
-        if _get(stage, path) is None:
+        if _get(stage, path) is None:  # pragma: no cover - a layout's own error
             raise ValueError(f"pipeline layout: the model has no module {path!r}")
         parent, leaf = _own_copy(stage, path)
-        parent._modules[leaf] = None
+        parent._modules[leaf] = Absent()
+    # A parameter the stage uses that is named in a module it left out (the head
+    # tied to the embedding: named wte.weight) brings that module back, so the
+    # parameter keeps its name (the optimizer's and the checkpoint's).
     kept = {id(p) for p in stage.parameters()}
-    for path in dropped:  # a tied module (embedding and head) stays where it is used
+    named = {id(p): name for name, p in skeleton.named_parameters()}
+    for path in dropped:
         module = _get(skeleton, path)
-        if any(id(p) in kept for p in module.parameters()):
+        if any(
+            id(p) in kept and named[id(p)].startswith(path + ".")
+            for p in module.parameters()
+        ):
             parent, leaf = _own_copy(stage, path)
             parent._modules[leaf] = module
     return stage

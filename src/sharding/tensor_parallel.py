@@ -137,7 +137,7 @@ def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> Non
     for target in _targets(module, plan):
         styles = next(s for cls, s in plan.modules.items() if isinstance(target, cls))
         # A pipeline stage lacks the other stages' modules (its embedding, its head).
-        names = [n for n, m in target.named_modules() if m is not None]
+        names = [n for n, m in target.named_modules() if not isinstance(m, nn.Identity)]
         styles = {p: st for p, st in styles.items() if _matching(names, p)}
         ties = _ties(target)
         parallelize_module(target, mesh, dict(styles), src_data_rank=None)
