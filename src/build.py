@@ -97,6 +97,8 @@ def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pip
 def _annotated(part: nn.Module, layout: PipelineLayout) -> nn.Module:
     """A stage's blocks given to ``wrap()`` (inside the wrap context), as the
     family's constructor does when it builds them."""
+    if not layout.annotated:
+        return part
     blocks = part.get_submodule(layout.blocks)
     for key, block in list(blocks.items()):
         blocks[key] = wrap(block)

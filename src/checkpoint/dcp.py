@@ -749,6 +749,8 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
         model_tensors, model_objects = _split(model_sd)
         optim_tensors, optim_objects = _split(optim_sd)
+        # every rank's (pipeline stages each hold their own parameters' entries)
+        model_objects, optim_objects = _union(model_objects), _union(optim_objects)
         meta = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -913,12 +915,20 @@ class Checkpointer:
         with _as_error(path):
             index = _read_index(path, meta)
         _check_same_tensors(path, index, wanted)
+        held = {
+            "model_objects": set(_all_ranks(list(model_objects))),
+            "optim_objects": set(_all_ranks(list(optim_objects))),
+        }
         with _as_error(path):
             model_objects = json_like(
-                meta["model_objects"], model_objects, "model_objects"
+                _ours(meta, "model_objects", model_objects, held),
+                model_objects,
+                "model_objects",
             )
             optim_objects = json_like(
-                meta["optim_objects"], optim_objects, "optim_objects"
+                _ours(meta, "optim_objects", optim_objects, held),
+                optim_objects,
+                "optim_objects",
             )
             if scheduler is not None:
                 if meta["scheduler"] is None:
@@ -1166,6 +1176,24 @@ def _check_same_tensors(
                 f"checkpoint {path} does not match this run: {problem} "
                 "(resume with the model config it was saved with)"
             )
+
+
+def _union(objects: dict[str, Any]) -> dict[str, Any]:
+    """``objects`` of every rank merged (this rank's alone without ranks)."""
+    if not _distributed() or _world_size() == 1:
+        return objects
+    everyone: list[dict] = [{} for _ in range(_world_size())]
+    dist.all_gather_object(everyone, objects)
+    return {k: v for objs in everyone for k, v in objs.items()}
+
+
+def _ours(meta: dict, section: str, live: dict, held: dict[str, set]) -> Any:
+    """A saved section of ``meta`` without the entries another rank holds (a
+    pipeline stage's): what this rank's ``live`` state must match."""
+    saved = meta[section]
+    if type(saved) is not dict:
+        return saved  # json_like names it
+    return {k: v for k, v in saved.items() if k in live or k not in held[section]}
 
 
 def _all_ranks(names: list[str]) -> list[str]:

@@ -402,6 +402,7 @@ def pipeline_layout(config: HFConfig) -> PipelineLayout:
         blocks=PREFIX + paths[i],
         first=tuple(PREFIX + p for p in paths[:i]),
         last=tuple(PREFIX + p for p in [*paths[i + 1 :], *head]),
+        annotated=False,  # transformers' constructor calls no wrap()
     )
 
 

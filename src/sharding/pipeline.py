@@ -74,6 +74,9 @@ class PipelineLayout:
     blocks: str  # dotted path of the ModuleList of blocks: "h", "model.layers"
     first: tuple[str, ...]  # dotted paths of the modules only the first stage runs
     last: tuple[str, ...]  # ... and those only the last stage runs
+    # The family's constructor gives each block to ``wrap()`` (GPT, Llama); a stage
+    # does the same. False: units come from the policy once the stage exists (HF).
+    annotated: bool = True
 
 
 @dataclass(frozen=True)
