@@ -416,6 +416,8 @@ class Trainer:
         self.num_params = sum(u.numel for u in self.plan.units) or sum(
             p.numel() for p in self.model.parameters()
         )
+        if self.pipeline is not None:  # the plan is this rank's stage's
+            self.num_params = self.resolved.spec.num_params(self.resolved.model_config)
 
     def _resume(self) -> None:
         """The checkpointer, and the state of the checkpoint resumed from (if any)."""
