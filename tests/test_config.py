@@ -32,6 +32,13 @@ def config_error(*overrides: str) -> str:
     return one_line(info.value)
 
 
+def assert_fails_naming(overrides: list[str], key: str, says: str) -> None:
+    """The config fails in one line that starts with ``key`` and says ``says``."""
+    message = config_error(*overrides)
+    assert message.startswith(f"{key}:") and says in message, message
+    assert "\n" not in message
+
+
 def test_default_config_composes_and_validates():
     cfg = make_cfg()
     validate(cfg)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_config import config_error
+from tests.test_config import assert_fails_naming
 from tests.test_tensor_parallel import (
     CKPT,
     _train_runs,
@@ -166,12 +166,9 @@ def test_pipeline_checkpoint_resumes_on_fsdp(runs):
     ],
 )
 def test_bad_pipeline_configs_fail_in_one_line(overrides, key, says):
-    message = config_error(*overrides)
-    assert message.startswith(f"sharding.{key}:") and says in message, message
-    assert "\n" not in message
+    assert_fails_naming(overrides, f"sharding.{key}", says)
 
 
 def test_what_pipelining_does_not_do_yet_fails_in_one_line():
-    message = config_error("trainer.devices=2", *PP2, "trainer.sample_every=10")
-    assert message.startswith("trainer.sample_every:"), message
-    assert "pipeline_parallel" in message and "\n" not in message
+    overrides = ["trainer.devices=2", *PP2, "trainer.sample_every=10"]
+    assert_fails_naming(overrides, "trainer.sample_every", "pipeline_parallel")
