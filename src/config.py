@@ -325,19 +325,18 @@ def reject_non_finite(node: DictConfig) -> None:
 
 
 def refuse_null_groups(args: Sequence[str]) -> None:
-    """``trainer=null`` (or ``None``) on the command line for a group of conf/:
-    Hydra's defaults list fails on it with a traceback. One line naming the group and
-    its options instead."""
+    """``trainer=null`` on the command line for a group of conf/: Hydra's defaults
+    list fails on it with a traceback. One line naming the group and its options
+    instead. (``logger=none`` is an option, not null.)"""
     groups = set(user_groups())
     for arg in args:
         key, sep, value = arg.partition("=")
         group = key.lstrip("+")
-        value = value.strip().strip("'\"")
-        if sep and group in groups and value.lower() in ("null", "none", ""):
+        value = value.strip()
+        if sep and group in groups and value.lower() == "null":
             raise ConfigError(
                 group,
-                f"got {value or 'nothing'}, expected one of: "
-                f"{', '.join(user_options(group))}",
+                f"got {value}, expected one of: {', '.join(user_options(group))}",
             )
 
 

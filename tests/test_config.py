@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from src.config import CONFIG_ERRORS, one_line, reject_non_finite, validate
+from src.config import (
+    CONFIG_ERRORS,
+    one_line,
+    refuse_null_groups,
+    reject_non_finite,
+    validate,
+)
 from src.harness import compose_config
 from src.resolved import resolve_devices
 from src.sharding.policies import policy_names
@@ -334,7 +340,7 @@ def test_every_float_key_refuses_non_finite_numbers():
 
 
 def test_a_group_set_to_null_is_one_line(monkeypatch, capsys):
-    """``trainer=null`` (or None) failed inside Hydra's defaults list with a
+    """``trainer=null`` failed inside Hydra's defaults list with a
     traceback: one line naming the group and its options, exit status 2, before
     Hydra runs anything."""
     from src.cli_help import user_groups
@@ -343,8 +349,9 @@ def test_a_group_set_to_null_is_one_line(monkeypatch, capsys):
     def main() -> None:
         raise AssertionError("must not run")
 
+    refuse_null_groups(["logger=none", "trainer=default", "+trainer.x=null"])  # fine
     for group in user_groups():
-        for value in ("null", "None"):
+        for value in ("null", "NULL"):
             monkeypatch.setattr(sys, "argv", ["train.py", f"{group}={value}"])
             monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # run_cli sets it
             with pytest.raises(SystemExit) as exit_:

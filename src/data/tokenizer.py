@@ -15,7 +15,6 @@ Encoding runs in the ``tokenizers`` Rust thread pool (``encode_batch``): all cor
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from src.data.corpus import EOD, Corpus, CorpusError, build_lock, digest
-from src.util import atomic_path
+from src.util import atomic_path, read_json
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +97,15 @@ def _from_hf(hf: Any, name: str, eos_token: str | None, eos_hint: str | None):
 def _tokenizer_config(directory: str) -> dict:
     """A Hugging Face ``tokenizer_config.json`` of ``directory`` ({} if none)."""
     path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        config = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise CorpusError(f"data.tokenizer: {path} is unreadable ({exc})") from None
+    if not isinstance(config, dict):
+        raise CorpusError(f"data.tokenizer: {path} is not a JSON object")
+    return config
 
 
 def _special_from_config(directory: str, key: str) -> str | None:

@@ -83,9 +83,10 @@ def describe_holder(holder: dict[str, Any]) -> str:
 def _read_holder(fd: int) -> dict[str, Any] | None:
     try:
         text = os.pread(fd, 4096, 0).decode()
-        return json.loads(text) if text.strip() else None
-    except (OSError, ValueError):
+        holder = json.loads(text) if text.strip() else None
+    except (OSError, ValueError):  # damaged: no holder to name
         return None
+    return holder if isinstance(holder, dict) else None
 
 
 @contextlib.contextmanager

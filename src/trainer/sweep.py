@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import math
 import os
@@ -42,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.observe.metrics import CONTENDED, contended
 from src.trainer.faults import stopped_by_signal
-from src.util import markdown_table, write_json_atomic
+from src.util import markdown_table, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +158,18 @@ def objective(
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    """The JSON object in ``path`` ({} if there is none); a damaged one is left out
+    with a line naming it."""
+    if not path.exists():
         return {}
-    return data if isinstance(data, dict) else {}
+    try:
+        data = read_json(path)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        log.warning("%s is damaged (%s): left out", path, exc)
+        return {}
+    return data
 
 
 def skipped_line(needs_gib: float, budget_gib: float) -> str:
