@@ -87,3 +87,23 @@ def test_mfu_tiny(docs_untouched):
     assert float(row["tokens/s"]) > 0
     assert float(row["achieved GFLOP/s"]) > 0
     assert 0 < float(row["MFU (median step)"].rstrip("%")) < 100
+
+
+def test_plan_vs_measured_ordinary_compares_the_closing_lines_figures(
+    tmp_path, docs_untouched
+):
+    """--ordinary with a stored measured peak (no run): the row puts the launcher's
+    planned_peak_gib for that train.py command beside it, a MoE model included."""
+    import json
+
+    from bench import plan_vs_measured as b
+
+    name = "hf mixtral (MoE)"
+    store = tmp_path / "measured.json"
+    key = json.dumps(["ordinary", name, b.ORDINARY[name], 3])
+    store.write_text(json.dumps({key: 0.5}))
+    (row,) = b.main(["--ordinary", "--configs", name, "--measured", str(store)])
+    planned = float(row["planned GiB"])
+    assert row["measured GiB"] == "0.500"
+    error = float(row["measured vs planned"].rstrip("%")) / 100
+    assert error == pytest.approx(0.5 / planned - 1, abs=0.002)
