@@ -656,3 +656,66 @@ def test_fuzz_pretrained_safetensors_and_hf_config(tmp_path):
             continue
         line = refused(f"model.config={directory}")
         assert line.startswith(f"model.config: {key} is {value!r}"), line
+
+
+# ------------------------------------- summary.json, the run lock, tokenizer config
+
+
+SMALL_JSON_MUTATIONS = {
+    **{k: v for k, v in forge.RAW.items() if k != "delete"},
+    "a list": lambda f: f.write_text("[1]"),
+    "NaN": lambda f: f.write_text('{"val_loss": NaN}'),
+    "invalid UTF-8": lambda f: f.write_bytes(b'{"x": "\xff"}'),
+    "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
+    "a directory": lambda f: [f.unlink(), f.mkdir()],
+}
+
+
+def test_fuzz_summary_lock_and_tokenizer_config(tmp_path, caplog):
+    """summary.json (read by sweeps and compare.py): a damaged one is left out with
+    a line naming it; the run lock's holder: a damaged one names no holder and the
+    lock still works; tokenizer_config.json: one line naming data.tokenizer."""
+    import logging
+
+    from src.config import CONFIG_ERRORS
+    from src.data.tokenizer import byte_level_hf, load_path_tokenizer
+    from src.trainer.faults import run_dir_lock
+    from src.trainer.sweep import _read_json
+
+    summary = {"val_loss": 2.5, "steps": 4}
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    byte_level_hf().save(str(tokenizer_dir / "tokenizer.json"))
+    tokenizer_config = json.dumps({"eos_token": "<0x0A>"})
+    (tokenizer_dir / "tokenizer_config.json").write_text(tokenizer_config)
+    load_path_tokenizer(str(tokenizer_dir))  # intact
+    structural = ("empty", "half", "last byte cut", "append", "0xff")
+    for i, (name, mutate) in enumerate(SMALL_JSON_MUTATIONS.items()):
+        path = tmp_path / f"s{i}" / "summary.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(summary))
+        mutate(path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="src.trainer.sweep"):
+            assert _read_json(path) == {}, name
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith(f"{path} is damaged"), line
+
+        if name != "a directory":
+            lock_dir = tmp_path / f"l{i}"
+            lock_dir.mkdir()
+            (lock_dir / "run.lock").write_text(json.dumps({"pid": 1, "host": "h"}))
+            mutate(lock_dir / "run.lock")
+            with run_dir_lock(lock_dir) as stale:
+                assert stale is None or isinstance(stale, dict), name
+
+        if name in structural or name not in forge.RAW:
+            config = tokenizer_dir / "tokenizer_config.json"
+            if config.is_dir():
+                config.rmdir()
+            config.write_text(tokenizer_config)
+            mutate(config)
+            with pytest.raises(CONFIG_ERRORS) as info:
+                load_path_tokenizer(str(tokenizer_dir))
+            line = str(info.value)
+            assert line.startswith("data.tokenizer: ") and "\n" not in line, line

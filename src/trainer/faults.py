@@ -46,6 +46,7 @@ from src.errors import (
     RunError,
     Stopped,
 )
+from src.util import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,8 @@ def describe_holder(holder: dict[str, Any]) -> str:
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
     try:
-        text = os.pread(fd, 4096, 0).decode()
-        holder = json.loads(text) if text.strip() else None
+        data = os.pread(fd, 4096, 0)
+        holder = parse_json(data) if data.strip() else None
     except (OSError, ValueError):  # damaged: no holder to name
         return None
     return holder if isinstance(holder, dict) else None
