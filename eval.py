@@ -27,6 +27,7 @@ from src.config import (
 from src.runs.evaluation import (
     eval_changes,
     eval_rank,
+    eval_split,
     log_to_wandb,
     record,
     write_record,
@@ -43,20 +44,23 @@ def evaluate_run(cfg: DictConfig) -> dict:
         run_dir, checkpoint, run_cfg, resolved = open_run(
             cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg)
         )
-    opts = {key: cfg[key] for key in ("split", "batches", "batch_size")}
+    split = eval_split(cfg)
+    opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}
     with exit_on_config_error():  # a rank's failure: one line
         result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)
     if result is None:  # a rank > 0 under torchrun: rank 0 reports
         return {}
-    entry = record(result, checkpoint, run_cfg, cfg.split)
+    entry = record(result, checkpoint, run_cfg, split)
     path = write_record(run_dir, entry)
     log.info(
-        "eval of %s (step %d) on data=%s split=%s, %d batches x %d x %d tokens, "
-        "%d rank%s: loss %.4f, perplexity %.2f (appended to %s)",
+        "eval of %s (step %d) on data=%s split=%s (%s of its %s tokens), %d batches "
+        "x %d x %d tokens, %d rank%s: loss %.4f, perplexity %.2f (appended to %s)",
         checkpoint,
         entry["step"],
         entry["data"],
         entry["split"],
+        f"{entry['split_tokens']:,}",
+        f"{entry['data_tokens']:,}",
         entry["batches"],
         entry["batch_size"],
         resolved.spec.seq_len(resolved.model_config),

@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from src.config import exit_on_config_error, run_cli, validate
+from src.config import continue_run, exit_on_config_error, run_cli, validate
 from src.planner.planner import budget_check, default_policy, run_budget_bytes
 from src.trainer.faults import stop_before_start
 from src.trainer.launch import job_user_keys, launch, preflight, prepare
@@ -47,7 +47,10 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
 def _run(cfg: DictConfig, run_dir: str) -> dict | None:
     """The run's summary (None for plan-only)."""
     with exit_on_config_error():  # one line, before any rank starts
-        cfg, resolved = prepare(cfg, validate(cfg), run_dir=run_dir)
+        user_keys = None
+        if not cfg.trainer.plan_only:  # a resume: the run's config, with changes
+            cfg, user_keys = continue_run(cfg, run_dir)
+        cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
         if not cfg.trainer.plan_only:
             preflight(run_dir)  # the run dir is writable
     return launch(cfg, run_dir, resolved)

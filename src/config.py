@@ -38,9 +38,9 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from src.checkpoint.dcp import resolve_resume, run_checkpoints
 from src.cli_help import CONF_DIR, is_schema_option, user_groups, user_options
 from src.data.sources import DATA_SOURCES, DataConfig
-from src.data.token_cache import SPLITS
 from src.errors import ConfigError, RunError, keyed
 from src.models import ModelSpec, families, get_spec
 from src.observe.loggers import LOGGERS, LoggerConfig
@@ -48,13 +48,28 @@ from src.observe.logs import LOG_LEVELS, error_line
 from src.planner.planner import GRAD_SYNC, budget_bytes
 from src.registry import described, or_list
 from src.resolved import Resolved, resolve, resolve_devices, tensor_parallel_plan
+from src.runs.evaluation import EVAL_SPLITS
 from src.runs.from_run import find_run, run_config, with_changes
+from src.runs.resume import (
+    RECORD,
+    adopt_attempt,
+    checkpoint_config,
+    differences,
+    in_use,
+    refusal,
+    requested_changes,
+    run_progress,
+    run_record,
+)
+from src.runs.resume import (
+    with_changes as resumed_with,
+)
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.sharding.pipeline import SCHEDULES, split_blocks
 from src.sharding.policies import POLICIES
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.launch import override_keys, prepare
-from src.trainer.loop import RESUME_SCHEDULES
+from src.trainer.loop import RESUME_SCHEDULES, restart_reason, schedule_refusal
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
 
 log = logging.getLogger(__name__)
@@ -159,7 +174,10 @@ class TrainerConfig:
     betas: list[float] = described("AdamW betas")
     grad_clip: float = described("max global gradient norm (0 = off)")
     ckpt_every: int = described(
-        "steps between sharded checkpoints (0 = only on a stop)"
+        "steps between sharded checkpoints (0 = only on a stop and at the end)"
+    )
+    ckpt_final: bool = described(
+        "save the last step's checkpoint (sample.py, eval.py and a resume read it)"
     )
     keep_last: int = described("newest checkpoints kept (0 = all)")
     ckpt_async: bool = described("write checkpoints in the background")
@@ -266,7 +284,7 @@ class EvalConfig:
 
     run: str = MISSING  # a run dir of train.py, or a checkpoint in one
     data: Any = None  # null: the run's data; else a data option (data=files ...)
-    split: str = MISSING  # val or train
+    split: str | None = MISSING  # val, train or all (null: see evaluation.eval_split)
     batches: Any = MISSING  # null: the run's trainer.val_batches; an int; or all
     batch_size: int | None = MISSING  # sequences per batch; null: the run's micro-batch
     devices: Any = MISSING  # ranks: an int >= 1 or auto
@@ -805,16 +823,108 @@ def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
         return saved
 
 
+def continue_run(cfg: DictConfig, run_dir: str) -> tuple[DictConfig, set[str] | None]:
+    """train.py's config in ``run_dir`` (this Hydra job's) and the keys its user set
+    (None: this command line's), decided before any rank starts; see
+    :func:`resume_config`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        hydra = HydraConfig.get()
+    except ValueError:  # not a Hydra job: the config is the run's as it is
+        return cfg, None
+    return resume_config(
+        cfg,
+        run_dir,
+        [str(o) for o in hydra.overrides.task],
+        dict(hydra.runtime.choices),
+        hydra.output_subdir,
+    )
+
+
+def resume_config(
+    cfg: DictConfig,
+    run_dir: str,
+    overrides: Sequence[str],
+    choices: Mapping[str, str],
+    attempt: str | None,
+) -> tuple[DictConfig, set[str] | None]:
+    """A run dir is a run (src/runs/resume.py). A fresh start (``trainer.resume=null``)
+    in a dir that holds a run is refused. A resume starts from the config its
+    checkpoint was saved with (before there is one, the run's record): the command
+    line's ``overrides`` (``cfg`` composed from them, ``choices`` its groups' options)
+    are changes to it, each said in one line; one the checkpoint cannot take is
+    refused naming the key and the recorded value. ``attempt``: where Hydra wrote
+    this attempt's files (``.hydra`` for the run's first). Returns the config and the
+    keys its user set (None: the command line's)."""
+    if in_use(run_dir):
+        return cfg, None  # the launcher refuses it, naming the live run
+    progress = run_progress(run_dir)
+    wanted = "auto" if restart_reason(cfg) else cfg.trainer.resume
+    if wanted is None:
+        if progress is not None:
+            raise ConfigError(
+                "trainer.resume",
+                f"null, but {run_dir} holds a run ({progress.describe()}); resume it "
+                f"with `python train.py hydra.run.dir={run_dir} trainer.resume=auto` "
+                "(changes after it), or start over in another hydra.run.dir (or "
+                "after deleting this one)",
+            )
+        if attempt not in (None, RECORD):  # the record's attempt never trained
+            adopt_attempt(run_dir, attempt)
+        return cfg, None
+    try:
+        checkpoint = resolve_resume(wanted, run_checkpoints(run_dir))
+    except FileNotFoundError as err:
+        raise ConfigError("trainer.resume", str(err).partition(": ")[2]) from None
+    record = None if attempt == RECORD else run_record(run_dir)
+    saved = checkpoint_config(checkpoint) if checkpoint is not None else None
+    if saved is None and (record is None or progress is None):
+        # Nothing recorded to continue from: this command line is the run's config.
+        if attempt not in (None, RECORD):
+            adopt_attempt(run_dir, attempt)
+        return cfg, None
+    base = OmegaConf.create(saved) if saved is not None else record.config
+    base_overrides = record.overrides if record is not None else list(overrides)
+    base = compose_run(base, base_overrides)
+    changes = requested_changes(
+        cfg, list(overrides), dict(choices), record.choices if record else {}
+    )
+    changes["trainer.resume"] = cfg.trainer.resume
+    new = resumed_with(base, changes)
+    where = f"checkpoint {checkpoint}" if saved is not None else f"{run_dir}/{RECORD}"
+    changed = differences(base, new)
+    for key, before, after in changed if checkpoint is not None else ():
+        reason = refusal(key)
+        if reason:
+            raise ConfigError(
+                key,
+                f"{before!r} was recorded by {where}, got {after!r}: {reason} "
+                "(train another in a new hydra.run.dir)",
+            )
+        if key == "trainer.max_steps" and new.trainer.resume_schedule != "extend":
+            raise schedule_refusal(after, before, checkpoint)
+    if changed:
+        log.info("resuming %s with %d change(s) to %s:", run_dir, len(changed), where)
+    for key, before, after in changed:
+        log.info("  %s: %r -> %r", key, before, after)
+    if attempt == RECORD:  # this attempt's own record: the config it trains with
+        OmegaConf.save(new, Path(run_dir) / RECORD / "config.yaml")
+    return new, override_keys(base_overrides) | set(changes)
+
+
 def open_run(
     run: str, changes: Callable[[DictConfig], Mapping[str, Any]]
 ) -> tuple[Path, Path, DictConfig, Resolved]:
     """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
-    the run's config typed by today's schema (:func:`compose_run`), changed by
+    the config the checkpoint was saved with (else the run's record) typed by today's
+    schema (:func:`compose_run`), changed by
     ``changes(config)``, validated and prepared as train.py prepares it (the keys its
     user set stay theirs). A problem is a ConfigError naming the key."""
     run_dir, checkpoint = find_run(run)
     cfg, overrides = run_config(run_dir)
-    cfg = compose_run(cfg, overrides)
+    saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
+    cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)
     cfg = with_changes(cfg, changes(cfg))
     cfg, resolved = prepare(cfg, validate(cfg), override_keys(overrides))
     return run_dir, checkpoint, cfg, resolved
@@ -842,7 +952,12 @@ def validate_eval(cfg: DictConfig) -> None:
     :func:`validate`)."""
     reject_unknown_keys(cfg)
     reject_non_finite(cfg)
-    _choice(cfg, "split", SPLITS)
+    _require(
+        cfg.split is None or cfg.split in EVAL_SPLITS,
+        "split",
+        f"got {cfg.split!r}, expected null (val; all of data= given) or one of: "
+        f"{', '.join(EVAL_SPLITS)}",
+    )
     batches = cfg.batches
     _require(
         batches in (None, "all") or (_is_number(batches) and int(batches) >= 1),

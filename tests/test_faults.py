@@ -281,11 +281,12 @@ def reference(tmp_path_factory) -> Path:
 
 
 def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
-    """Cases 2, 3, 8 and 9: a corrupted newest checkpoint is skipped, saying why; a
-    model that does not match the checkpoint is refused in one line naming the first
-    tensor; the newest good checkpoint then resumes exactly, replacing the rows the
-    first run logged past it; then there is nothing left to train, and a different
-    max_steps is refused."""
+    """Cases 2, 3, 8 and 9: a model that is not the checkpoint's is refused in one
+    line naming the key and the recorded value, before any rank starts; a corrupted
+    newest checkpoint is skipped, saying why; the newest good checkpoint then resumes
+    exactly, replacing the rows the first run logged past it; then there is nothing
+    left to train, and a different max_steps is refused. (A model that does not
+    match a checkpoint's tensors: tests/test_checkpoint.py.)"""
     shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
     (tmp_path / "run.lock").unlink()
     shard = tmp_path / "checkpoints/step_00000006/__0_0.distcp"
@@ -294,13 +295,12 @@ def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
     shard.write_bytes(bytes(data))
 
     smaller = run_train(tmp_path, *REFERENCE, "trainer.resume=auto", "model.n_layer=1")
-    out = smaller.stdout + smaller.stderr
-    assert smaller.returncode != 0
-    assert "skipping checkpoint" in out and "step_00000006" in out
-    assert "__0_0.distcp fails its checksum" in out
-    line = one_line_error(out)
-    assert "does not match this run: h.1.ln_1.weight [64]" in line
-    assert "is in the checkpoint, not in the model" in line
+    assert smaller.returncode == 2
+    assert smaller.stderr.startswith(
+        "config error: model.n_layer: 2 was recorded by checkpoint "
+        f"{tmp_path}/checkpoints/step_00000006, got 1"
+    )
+    assert len(smaller.stderr.splitlines()) == 1 and "Traceback" not in smaller.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_00000002",
         "step_00000004",
@@ -312,6 +312,8 @@ def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
         tmp_path, *REFERENCE, "trainer.resume=auto", "trainer.ckpt_every=2"
     )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "skipping checkpoint" in resumed.stdout
+    assert "step_00000006: __0_0.distcp fails its checksum" in resumed.stdout
     assert "step_00000004 (step 4)" in resumed.stdout
     assert "dropped 2 rows past step 4" in resumed.stdout
     # Each step once, and the resumed ones equal the uninterrupted run, bit for bit.
@@ -324,8 +326,10 @@ def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
     assert (tmp_path / "summary.json").read_bytes() == summary
 
     longer = run_train(tmp_path, "trainer.max_steps=8", "trainer.resume=auto")
-    line = one_line_error(longer.stdout + longer.stderr)
-    assert "trainer.max_steps: got 8, but" in line and "trainer.max_steps=6" in line
+    assert longer.returncode == 2
+    line = longer.stderr.strip()
+    assert line.startswith("config error: trainer.max_steps: got 8, but")
+    assert "trainer.max_steps=6" in line and "\n" not in line
 
 
 def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
@@ -356,7 +360,9 @@ def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
     assert "Traceback" not in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("stopped by SIGTERM at step 3: checkpoint ")
-    assert last.endswith(f"resume with trainer.resume=auto hydra.run.dir={tmp_path}")
+    assert last.endswith(
+        f"resume with python train.py hydra.run.dir={tmp_path} trainer.resume=auto"
+    )
     stopped_at = max(losses(tmp_path))
     assert stopped_at == 3
     assert (tmp_path / f"checkpoints/step_{stopped_at:08d}").is_dir()
@@ -407,7 +413,7 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
         name = signal.Signals(signum).name
         assert out.strip().splitlines()[-1] == (
             f"stopped by {name} at step {step}: checkpoint {checkpoints}/"
-            f"step_{step:08d}; resume with trainer.resume=auto hydra.run.dir={tmp_path}"
+            f"step_{step:08d}; resume with python train.py hydra.run.dir={tmp_path} trainer.resume=auto"
         )
         assert out.count("stopped by") == 1, out[-3000:]
         summary = json.loads((tmp_path / "summary.json").read_text())
@@ -434,7 +440,7 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
             f"stopped at once by a second {signal.Signals(signum).name}: the "
             "checkpoint of step 4 it was writing is skipped (removed); the newest "
             f"checkpoint is {checkpoints}/step_00000003; resume with "
-            f"trainer.resume=auto hydra.run.dir={tmp_path}"
+            f"python train.py hydra.run.dir={tmp_path} trainer.resume=auto"
         ]
         assert sorted(p.name for p in checkpoints.iterdir()) == [
             "step_00000002",
@@ -598,7 +604,7 @@ def test_ctrl_c_to_the_group_at_any_moment_loses_nothing_and_says_one_line(
     checkpoint = tmp_path / f"checkpoints/step_{stopped_at:08d}"
     assert stops == [
         f"stopped by SIGINT at step {stopped_at}: checkpoint {checkpoint}; resume with "
-        f"trainer.resume=auto hydra.run.dir={tmp_path}"
+        f"python train.py hydra.run.dir={tmp_path} trainer.resume=auto"
     ]
     assert (checkpoint / "COMPLETE").is_file()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [checkpoint.name]

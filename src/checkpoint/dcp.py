@@ -609,6 +609,19 @@ def drop_partial(directory: str | Path) -> list[int]:
     return dropped
 
 
+def incomplete_checkpoints(directory: str | Path) -> list[tuple[Path, str]]:
+    """The ``step_N`` dirs under ``directory`` without the completion marker, each
+    with why (never loaded; a resume names them)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return [
+        (path, f"no {MARKER} marker (a save that did not finish)")
+        for path in sorted(directory.iterdir())
+        if step_of(path) is not None and path.is_dir() and not is_complete(path)
+    ]
+
+
 def resolve_resume(
     resume: str | Path | None,
     directory: str | Path,

@@ -43,8 +43,9 @@ def check(logger: DictConfig) -> None:
 
 class CsvSink(Sink):
     """One row per logged step under a header of every key seen so far: a row with
-    a new key (the first ``val_loss``, say) rewrites the file with the wider header;
-    other rows are appended. A resumed run continues the file."""
+    a new key (the first ``val_loss``, say), or logged at the last row's step (merged
+    into it), rewrites the file; other rows are appended. A resumed run continues the
+    file."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -56,6 +57,11 @@ class CsvSink(Sink):
 
     def log(self, row: dict, step: int) -> None:
         row = {"step": step, **row}
+        if self.rows and _step(self.rows[-1]) == step:  # one row per step
+            self.rows[-1].update(row)
+            self.columns += [k for k in row if k not in self.columns]
+            self._rewrite()
+            return
         self.rows.append(row)
         new = [k for k in row if k not in self.columns]
         if new:

@@ -81,29 +81,39 @@ class Sink:
 
 
 class FileSink(Sink):
-    """metrics.jsonl, summary.json and tables as JSON in the run dir."""
+    """metrics.jsonl, summary.json and tables as JSON in the run dir. One row per
+    step: a row logged at the step of the last one (validation, samples) is merged
+    into it, which is rewritten in place."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file.
         self._jsonl = open(self.run_dir / METRICS_FILE, "a")
+        self._last: tuple[int, dict, int] | None = None  # step, row, its offset
 
     def log(self, row: dict, step: int) -> None:
+        if self._last is not None and self._last[0] == step:
+            row = {**self._last[1], **row}
+            self._jsonl.truncate(self._last[2])
+        self._jsonl.seek(0, os.SEEK_END)
+        offset = self._jsonl.tell()
         self._jsonl.write(json.dumps({"step": step, **row}, default=json_default))
         self._jsonl.write("\n")
         self._jsonl.flush()
+        self._last = (step, row, offset)
 
     def log_summary(self, summary: dict) -> None:
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
 
     def drop_rows_after(self, step: int) -> int:
-        # Rows cut short by a crash (no step) go too.
+        # Rows cut short by a crash (no step) go too; rows of one step are merged
+        # (files written before rows were), and a row logged next at the last kept
+        # step is merged into it.
         path = self.run_dir / METRICS_FILE
         self._jsonl.close()
-        rows = path.read_bytes().splitlines(keepends=True)
-        kept = [r for r in rows if _row_step(r) <= step]
-        damaged = sum(_row_step(r) == math.inf for r in rows[:-1])
+        lines = path.read_bytes().splitlines(keepends=True)
+        damaged = sum(_row_step(r) == math.inf for r in lines[:-1])
         if damaged:  # not a row cut short at the end: keep the file as it was
             aside = keep_aside(path, copy=True)
             log.warning(
@@ -113,12 +123,30 @@ class FileSink(Sink):
                 damaged,
                 aside.name,
             )
-        if len(kept) < len(rows):
+        rows: dict[Any, dict] = {}
+        for line in lines:
+            if _row_step(line) <= step:
+                row = json.loads(line.decode())
+                rows.setdefault(row["step"], {}).update(row)
+        kept = [
+            (json.dumps(r, default=json_default) + "\n").encode() for r in rows.values()
+        ]
+        if kept != lines:
             tmp = path.with_name(METRICS_FILE + ".tmp")
             tmp.write_bytes(b"".join(kept))
             tmp.replace(path)
         self._jsonl = open(path, "a")
-        return len(rows) - len(kept)
+        self._last = None
+        if rows:
+            last = list(rows.values())[-1]
+            self._jsonl.seek(0, os.SEEK_END)
+            offset = self._jsonl.tell() - len(kept[-1])
+            self._last = (
+                last["step"],
+                {k: v for k, v in last.items() if k != "step"},
+                offset,
+            )
+        return len(lines) - len(kept)
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         safe = re.sub(r"[^\w.-]+", "_", name)

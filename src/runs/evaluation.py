@@ -18,11 +18,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from src.data.sources import GlobalBatches, load_splits
+from src.data.sources import GlobalBatches, TokenStream, load_splits
+from src.data.token_cache import SPLITS
 from src.resolved import Resolved
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.loop import evaluate
@@ -31,6 +33,16 @@ from src.util import keep_aside, read_json, write_json_atomic
 log = logging.getLogger(__name__)
 
 EVAL_FILE = "eval.json"
+#: eval.py's ``split``: the data's train or val split, or every token of it (``all``).
+EVAL_SPLITS = (*SPLITS, "all")
+
+
+def eval_split(eval_cfg: DictConfig) -> str:
+    """The split eval.py scores: ``split``, or when null the run's validation split
+    (its ``val_loss``) or, for ``data=`` given, every token of that data."""
+    if eval_cfg.split is not None:
+        return eval_cfg.split
+    return "val" if eval_cfg.data is None else "all"
 
 
 def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
@@ -70,7 +82,12 @@ def eval_rank(
     model, backend, step = load_model(cfg, resolved, checkpoint, device)
     t, spec, config = cfg.trainer, resolved.spec, resolved.model_config
     train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
-    stream = val if opts["split"] == "val" else train
+    stream = {"train": train, "val": val}.get(opts["split"])
+    if stream is None:  # all: the stream the splits were cut from, in order
+        tokens = np.concatenate([np.asarray(train.tokens), np.asarray(val.tokens)])
+        stream = TokenStream(
+            tokens, spec.vocab_size(config), "data", max_token=0
+        )  # both checked
     batch = opts["batch_size"] or t.batch_size // t.grad_accum
     windows = GlobalBatches(stream, batch, spec.seq_len(config), t.seed)
     n = opts["batches"] or t.val_batches
@@ -83,6 +100,8 @@ def eval_rank(
         "batches": n,
         "batch_size": batch,
         "tokens": n * batch * spec.seq_len(config),
+        "split_tokens": len(stream),
+        "data_tokens": len(train) + len(val),
         "world_size": world,
     }
 

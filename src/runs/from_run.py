@@ -70,8 +70,8 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
     if checkpoint is None:
         raise ConfigError(
             key,
-            f"{path}: no complete checkpoint in {directory} (train with "
-            "trainer.ckpt_every=N: the last step is saved too)",
+            f"{path}: no complete checkpoint in {directory} (a run keeps its last "
+            "step's unless trainer.ckpt_final=false; trainer.ckpt_every=N saves more)",
         )
     return run_dir, checkpoint
 

@@ -335,7 +335,7 @@ def resume_hint(stop: Stopped | None, run_dir: str, signum: int = 0) -> str:
 
 
 def _resume_with(run_dir: str) -> str:
-    return f"resume with trainer.resume=auto hydra.run.dir={run_dir}"
+    return f"resume with python train.py hydra.run.dir={run_dir} trainer.resume=auto"
 
 
 def stopped_at_once(signum: int, run_dir: str) -> str:

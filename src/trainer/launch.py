@@ -104,6 +104,7 @@ def prepare(
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
+    composed = OmegaConf.to_container(cfg)  # what a checkpoint records
     set_log_level(cfg.trainer.log_level)
     user_keys = job_user_keys() if user_keys is None else user_keys
     if not cfg.trainer.plan_only:  # plan-only reads no data
@@ -121,6 +122,7 @@ def prepare(
     cfg, resolved, policy = default_policy(cfg, resolved, user_keys)
     cfg, reasons = resolve_auto(cfg, resolved, _world_from_env())
     reasons = [policy, *reasons] if policy else reasons
+    resolved = replace(resolved, run_config=composed)
     if not _is_rank0():
         return cfg, resolved
     for line in reasons:

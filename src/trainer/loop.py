@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.build import build_model, build_pipeline, make_backend
@@ -30,6 +30,7 @@ from src.checkpoint.dcp import (
     Checkpointer,
     CheckpointError,
     checked_extra,
+    incomplete_checkpoints,
     resolve_resume,
     run_checkpoints,
 )
@@ -81,10 +82,15 @@ def build_optimizer(
             (no_decay if is_nd else decay).append(p)
     t = cfg.trainer
     groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": wd}
+        for params, wd in zip((decay, no_decay), _weight_decays(t), strict=True)
     ]
     return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas))
+
+
+def _weight_decays(t: DictConfig) -> tuple[float, float]:
+    """The weight decay of :func:`build_optimizer`'s two groups."""
+    return t.weight_decay, 0.0
 
 
 def lr_lambda(cfg: DictConfig):
@@ -178,18 +184,28 @@ def resume(
 
     After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
     resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
-    says. The schedule depends on ``trainer.max_steps``: with
-    ``trainer.resume_schedule=keep`` a checkpoint resumes only with the ``max_steps``
-    it was written with (ConfigError otherwise); with ``extend`` the learning rate
-    follows the schedule of the new ``max_steps`` from the resumed step on.
+    says. The optimizer's hyperparameters are this run's (:func:`apply_hyperparameters`:
+    a resume that changed them applies them). The schedule depends on
+    ``trainer.max_steps``: with ``trainer.resume_schedule=keep`` a checkpoint resumes
+    only with the ``max_steps`` it was written with (ConfigError otherwise); with
+    ``extend`` the learning rate follows the schedule of the new ``max_steps`` from
+    the resumed step on.
     """
-    restarted = _restart_line(cfg)
+    restarted = restart_reason(cfg)
     wanted = "auto" if restarted else cfg.trainer.resume
+    if wanted == "auto":
+        for skipped, reason in incomplete_checkpoints(ckpt.directory):
+            log.info("skipping checkpoint dir %s: %s", skipped, reason)
     path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
     if restarted:
         found = "resuming from the newest good checkpoint"
         log.info(f"{restarted}; {found if path else 'no checkpoint yet: from step 0'}")
     if path is None:
+        if wanted == "auto" and not restarted:
+            log.info(
+                "trainer.resume=auto: no checkpoint in %s; starting at step 1",
+                ckpt.directory,
+            )
         return 0, None
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
@@ -201,9 +217,22 @@ def resume(
             f"checkpoint {path} is damaged: meta.json: extra.max_steps is "
             f"{saved_max}, not an integer >= 1"
         )
+    if saved_max != cfg.trainer.max_steps and cfg.trainer.resume_schedule != "extend":
+        raise schedule_refusal(cfg.trainer.max_steps, saved_max, path)
+    before = scheduler.get_last_lr()[0]
+    apply_hyperparameters(optimizer, scheduler, cfg)
+    after = scheduler.get_last_lr()[0]
     extended = None
     if saved_max != cfg.trainer.max_steps:
-        extended = _new_schedule(cfg, path, step, saved_max, scheduler, rank)
+        extended = _extended(cfg, path, step, saved_max, before, after)
+    elif after != before:
+        log.info(
+            "from step %d the learning rate follows this run's trainer.lr, min_lr "
+            "and warmup_steps (lr %.3g -> %.3g)",
+            step,
+            before,
+            after,
+        )
     if scaler is not None and state.get("scaler"):  # fp16 resume stays exact
         scaler.load_state_dict(
             checked_extra(path, state, "scaler", scaler.state_dict())
@@ -216,25 +245,43 @@ def resume(
 RESUME_SCHEDULES = ("keep", "extend")
 
 
-def _new_schedule(
-    cfg: DictConfig, path: Path, step: int, saved_max: int, scheduler: Any, rank: int
-) -> dict[str, Any]:
-    """``trainer.max_steps`` changed on resume: refuse (``keep``), or (``extend``) set
-    the learning rate of the resumed step from the schedule of the new ``max_steps``,
-    which the scheduler (built with it) follows from there on."""
+def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:
+    """A resume with another ``trainer.max_steps`` under ``resume_schedule=keep``."""
+    return ConfigError(
+        "trainer.max_steps",
+        f"got {max_steps}, but {path} belongs to a run of {saved_max} steps and "
+        f"the learning-rate schedule depends on it; resume with "
+        f"trainer.max_steps={saved_max}, or add trainer.resume_schedule=extend to "
+        f"continue on the schedule of {max_steps} steps",
+    )
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: Any, cfg: DictConfig
+) -> None:
+    """This run's learning rate, schedule, weight decay and betas in the restored
+    optimizer and scheduler (a checkpoint brings back its own; a resume that changed
+    them trains with the new ones). The learning rate of the resumed step is the
+    scheduler's formula with this run's numbers, so an unchanged resume keeps it bit
+    for bit."""
     t = cfg.trainer
-    if t.resume_schedule != "extend":
-        raise ConfigError(
-            "trainer.max_steps",
-            f"got {t.max_steps}, but {path} belongs to a run of {saved_max} steps and "
-            f"the learning-rate schedule depends on it; resume with "
-            f"trainer.max_steps={saved_max}, or add trainer.resume_schedule=extend to "
-            f"continue on the schedule of {t.max_steps} steps",
-        )
-    before = scheduler.get_last_lr()[0]
-    scheduler.last_epoch -= 1  # step() recomputes this step's lr with the new lambda
-    scheduler.step()
-    after = scheduler.get_last_lr()[0]
+    for group, decay in zip(optimizer.param_groups, _weight_decays(t), strict=True):
+        group.update(weight_decay=decay, betas=tuple(t.betas), initial_lr=t.lr)
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _extended(
+    cfg: DictConfig, path: Path, step: int, saved_max: int, before: float, after: float
+) -> dict[str, Any]:
+    """``trainer.max_steps`` changed on resume with ``resume_schedule=extend``: the
+    learning rate follows the schedule of the new ``max_steps`` (the scheduler is
+    built with it); said, and recorded in the summary."""
+    t = cfg.trainer
     log.info(
         f"trainer.resume_schedule=extend: max_steps {saved_max} -> {t.max_steps}; "
         f"from step {step} the learning rate follows the schedule of "
@@ -251,8 +298,9 @@ def _new_schedule(
     }
 
 
-def _restart_line(cfg: DictConfig) -> str | None:
-    """The console line of an elastic restart or a SLURM requeue (None otherwise)."""
+def restart_reason(cfg: DictConfig) -> str | None:
+    """An elastic restart or a SLURM requeue, in words (None otherwise): the ranks
+    then resume from the newest good checkpoint, whatever ``trainer.resume`` says."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restart:
         # The launcher names the failure (torchrun does not: "a rank failed").
@@ -442,15 +490,16 @@ class Trainer:
             # start (the same one again on a resume): a refused start or "nothing to
             # train" makes none.
             self.logger.begin(resumed=self.start_step > 0)
-        if self.start_step:
-            dropped = self.logger.drop_rows_after(self.start_step)
-            if dropped:
-                log.info(
-                    "metrics.jsonl: dropped %d rows past step %d (logged by the "
-                    "interrupted run)",
-                    dropped,
-                    self.start_step,
-                )
+        # One row per step: an earlier attempt's rows past this start go (all but
+        # step 0's when it starts over); a row at this step is merged into.
+        dropped = self.logger.drop_rows_after(self.start_step)
+        if dropped:
+            log.info(
+                "metrics.jsonl: dropped %d rows past step %d (logged by the "
+                "interrupted run)",
+                dropped,
+                self.start_step,
+            )
 
     def _throughput_meter(self) -> ThroughputMeter:
         """Tokens/s and MFU. Only rank 0 reports MFU, so only it runs the (CPU)
@@ -656,7 +705,9 @@ class Trainer:
     def checkpoint(self, step: int) -> Path:
         """A sharded checkpoint of ``step`` (a collective; in the background with
         ``trainer.ckpt_async``)."""
-        extra = {"max_steps": self.cfg.trainer.max_steps}
+        # The config it was saved with: a resume continues from it (src/runs/resume.py).
+        config = self.resolved.run_config or OmegaConf.to_container(self.cfg)
+        extra = {"max_steps": self.cfg.trainer.max_steps, "config": config}
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         path = self.ckpt.save(
@@ -728,7 +779,9 @@ class Trainer:
                 self.validate(step)
             if t.sample_every and (step % t.sample_every == 0 or last):
                 self.sample(step)
-            saved = t.ckpt_every and (step % t.ckpt_every == 0 or last)
+            saved = (last and t.ckpt_final) or (
+                t.ckpt_every and step % t.ckpt_every == 0
+            )
             if saved:
                 path = self.checkpoint(step)
             self.stop_if_asked(step, None if not saved else path)

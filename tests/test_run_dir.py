@@ -1,0 +1,296 @@
+"""A run dir is a run (src/runs/resume.py): a resume composes from what the run
+recorded and says or refuses each change before any rank starts; a fresh start never
+mixes with a run; each attempt's Hydra output is kept apart; the optimizer takes a
+changed learning rate for real; metrics.jsonl has one row per step; the default run
+keeps its final checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from src.checkpoint.dcp import META, incomplete_checkpoints
+from src.config import resume_config
+from src.errors import ConfigError
+from src.harness import compose_config
+from src.observe.loggers import FileSink
+from src.runs.resume import RECORD, attempt_subdir
+from src.trainer.loop import apply_hyperparameters, lr_lambda
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ["model=tiny", "data=synthetic", "logger=none", "trainer.max_steps=6"]
+
+
+def _composed(*overrides: str):
+    """(config, overrides, group choices) as train.py's Hydra job sees them."""
+    full = compose_config(*overrides, return_hydra_config=True)
+    choices = dict(full.hydra.runtime.choices)
+    cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
+    return cfg, list(overrides), choices
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A run dir as train.py leaves it: the record of the run's first attempt
+    (``RUN``), a checkpoint at step 4 recording the config (trainer.lr changed by an
+    earlier resume) and metrics rows."""
+    cfg, overrides, choices = _composed(*RUN)
+    hydra_dir = tmp_path / RECORD
+    hydra_dir.mkdir()
+    OmegaConf.save(cfg, hydra_dir / "config.yaml")
+    OmegaConf.save(OmegaConf.create(overrides), hydra_dir / "overrides.yaml")
+    OmegaConf.save(
+        {"hydra": {"runtime": {"choices": choices}}}, hydra_dir / "hydra.yaml"
+    )
+    step = tmp_path / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved["trainer"]["lr"] = 0.002
+    (step / META).write_text(json.dumps({"step": 4, "extra": {"config": saved}}))
+    (step / "COMPLETE").write_text("")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    return tmp_path
+
+
+def _resume(run_dir: Path, *overrides: str):
+    """resume_config for a later attempt in ``run_dir`` with this command line."""
+    cfg, overrides, choices = _composed(*overrides)
+    return resume_config(cfg, str(run_dir), overrides, choices, f"{RECORD}/attempts/x")
+
+
+def test_a_resume_from_the_run_dir_alone_takes_the_checkpoints_config(run_dir, caplog):
+    """Nothing retyped: the model and max_steps of the run, the checkpoint's lr; the
+    changes typed are said, one line each, and none is said when nothing changed."""
+    with caplog.at_level(logging.INFO):
+        cfg, user_keys = _resume(run_dir, "trainer.resume=auto")
+    assert cfg.model.name == "tiny" and cfg.trainer.max_steps == 6
+    assert cfg.trainer.lr == 0.002 and cfg.trainer.resume == "auto"
+    assert "model" in user_keys and "resume" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        cfg, _ = _resume(
+            run_dir, "trainer.resume=auto", "trainer.lr=0.3", "trainer.val_every=1"
+        )
+    assert (cfg.trainer.lr, cfg.trainer.val_every, cfg.model.n_layer) == (0.3, 1, 2)
+    assert "  trainer.lr: 0.002 -> 0.3" in caplog.text
+    assert "  trainer.val_every: 100 -> 1" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "recorded"),
+    [
+        ("model.n_layer=1", "model.n_layer", "2"),
+        ("model=small", "model.name", "'tiny'"),
+        ("data=text", "data.name", "'synthetic'"),
+        ("precision=bf16_mixed", "precision.name", "'fp32'"),
+        ("trainer.seed=3", "trainer.seed", "0"),
+        ("trainer.max_steps=9", "trainer.max_steps", "6"),
+    ],
+)
+def test_a_change_the_checkpoint_cannot_take_is_refused_naming_the_key(
+    run_dir, change, key, recorded
+):
+    with pytest.raises(ConfigError) as err:
+        _resume(run_dir, "trainer.resume=auto", change)
+    line = str(err.value)
+    assert line.startswith(f"{key}: ") and "\n" not in line
+    assert recorded in line and "step_00000004" in line
+
+
+def test_max_steps_changes_with_resume_schedule_extend(run_dir):
+    cfg, _ = _resume(
+        run_dir,
+        "trainer.resume=auto",
+        "trainer.max_steps=9",
+        "trainer.resume_schedule=extend",
+    )
+    assert cfg.trainer.max_steps == 9
+
+
+def test_a_fresh_start_in_a_used_run_dir_is_refused_saying_how_to_resume(run_dir):
+    with pytest.raises(ConfigError) as err:
+        _resume(run_dir)
+    line = str(err.value)
+    assert line.startswith("trainer.resume: null, but") and "step_00000004" in line
+    assert f"python train.py hydra.run.dir={run_dir} trainer.resume=auto" in line
+
+
+def test_a_record_whose_run_never_trained_gives_way(tmp_path):
+    """A first attempt refused before training (no checkpoint, no row) left the
+    record: the next attempt that starts becomes the run's record."""
+    (tmp_path / RECORD).mkdir()
+    (tmp_path / RECORD / "config.yaml").write_text("old: 1\n")
+    attempt = tmp_path / RECORD / "attempts" / "x"
+    attempt.mkdir(parents=True)
+    (attempt / "config.yaml").write_text("new: 1\n")
+    cfg, overrides, choices = _composed(*RUN)
+    assert resume_config(cfg, str(tmp_path), overrides, choices, f"{RECORD}/attempts/x")
+    assert (tmp_path / RECORD / "config.yaml").read_text() == "new: 1\n"
+
+
+def test_each_attempt_after_the_first_writes_its_hydra_files_apart(tmp_path):
+    assert attempt_subdir(str(tmp_path)) == RECORD
+    (tmp_path / RECORD).mkdir()
+    (tmp_path / RECORD / "config.yaml").write_text("")
+    assert attempt_subdir(str(tmp_path)).startswith(f"{RECORD}/attempts/")
+
+
+def test_a_step_dir_that_is_no_checkpoint_is_named_with_why(tmp_path):
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / META).write_text("{}")
+    (tmp_path / ".tmp.step_00000003").mkdir()
+    [(path, why)] = incomplete_checkpoints(tmp_path)
+    assert path.name == "step_00000002" and why.startswith("no COMPLETE marker")
+
+
+def test_a_resumed_optimizer_takes_the_runs_hyperparameters():
+    """The checkpoint's param groups and scheduler come back with its lr; the run's
+    own (changed) lr, schedule, weight decay and betas are then applied. Unchanged,
+    the resumed step's lr is the checkpoint's, bit for bit."""
+    old = compose_config("trainer.max_steps=10", "trainer.warmup_steps=2")
+    new = compose_config(
+        "trainer.max_steps=10",
+        "trainer.warmup_steps=2",
+        "trainer.lr=0.3",
+        "trainer.weight_decay=0.5",
+        "trainer.betas=[0.8,0.9]",
+    )
+
+    def optimizer(cfg, steps: int = 0):  # as the Trainer builds them
+        model = torch.nn.Linear(2, 2)
+        groups = [
+            {"params": [model.weight], "weight_decay": cfg.trainer.weight_decay},
+            {"params": [model.bias], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=cfg.trainer.lr, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        for _ in range(steps):
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    opt, sched = optimizer(old, steps=4)
+    saved = (opt.state_dict(), sched.state_dict(), sched.get_last_lr())
+    for cfg, lr in ((old, saved[2][0]), (new, 0.3 * lr_lambda(new)(4))):
+        opt, sched = optimizer(cfg)
+        opt.load_state_dict(saved[0])
+        sched.load_state_dict(saved[1])
+        apply_hyperparameters(opt, sched, cfg)
+        assert [g["lr"] for g in opt.param_groups] == [lr, lr]
+        assert sched.get_last_lr() == [lr, lr]
+        decay = [g["weight_decay"] for g in opt.param_groups]
+        assert decay == [cfg.trainer.weight_decay, 0.0]
+        assert opt.param_groups[0]["betas"] == tuple(cfg.trainer.betas)
+        opt.step()
+        sched.step()  # the scheduler goes on from the run's numbers
+        assert opt.param_groups[0]["lr"] == pytest.approx(
+            cfg.trainer.lr * lr_lambda(cfg)(5)
+        )
+
+
+def test_metrics_jsonl_has_one_row_per_step(tmp_path):
+    """Validation merges into its step's row; a resume's rows past its step go, and
+    an earlier run's duplicate rows of one step become one."""
+    sink = FileSink(tmp_path)
+    sink.log({"loss": 2.0}, step=1)
+    sink.log({"loss": 1.5}, step=2)
+    sink.log({"val_loss": 1.7}, step=2)
+    sink.finish(0)
+    rows = [
+        json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert rows == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "val_loss": 1.7}]
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "lr": 0.1}\n{"step": 3, "loss": 1.0}\n{"st')
+    sink = FileSink(tmp_path)
+    assert sink.drop_rows_after(2) == 3
+    sink.log({"init_peak_mem_gib": 0.5}, step=2)  # a resume's first row, at its step
+    sink.log({"loss": 1.1}, step=3)
+    sink.finish(0)
+    rows = [
+        json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1] == {
+        "step": 2,
+        "loss": 1.5,
+        "val_loss": 1.7,
+        "lr": 0.1,
+        "init_peak_mem_gib": 0.5,
+    }
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _digest(run_dir: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((run_dir / RECORD).glob("*.yaml"))
+    }
+
+
+@pytest.mark.slow
+def test_train_then_resume_from_the_run_dir_alone(tmp_path):
+    """``python train.py`` keeps its final checkpoint with no checkpoint key set;
+    ``hydra.run.dir=DIR trainer.resume=auto`` then trains further with the run's own
+    config (nothing retyped) and a changed learning rate, applied for real; a fresh
+    start there and a model change are refused in one line before any rank starts;
+    no attempt rewrites the run's record."""
+    where = f"hydra.run.dir={tmp_path}"
+    first = _train(
+        *RUN,
+        "trainer.max_steps=4",
+        "trainer.devices=1",
+        "trainer.progress=false",
+        "trainer.log_every=1",
+        "trainer.val_every=2",
+        "trainer.batch_size=4",
+        "trainer.peak_tflops=1",
+        where,
+    )
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
+    record = _digest(tmp_path)
+
+    more = [where, "trainer.resume=auto", "trainer.max_steps=6"]
+    more += ["trainer.resume_schedule=extend", "trainer.lr=0.03"]
+    resumed = _train(*more)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-3000:]
+    assert "  trainer.lr: 0.003 -> 0.03" in out
+    assert "  trainer.max_steps: 4 -> 6" in out
+    assert "step_00000004 (step 4)" in out
+    rows = [
+        json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # one row per step
+    assert "val_loss" in rows[2] and "loss" in rows[2]
+    cfg = compose_config(*RUN, "trainer.lr=0.03")
+    assert rows[5]["lr"] == pytest.approx(0.03 * lr_lambda(cfg)(4))
+
+    fresh = _train(where)
+    assert fresh.returncode == 2
+    assert fresh.stderr.strip().startswith("config error: trainer.resume: null, but")
+    assert len(fresh.stderr.strip().splitlines()) == 1
+    other = _train(where, "trainer.resume=auto", "model.n_layer=1")
+    assert other.returncode == 2
+    assert "config error: model.n_layer: 2 was recorded by checkpoint" in other.stderr
+    assert _digest(tmp_path) == record
+    assert len(list((tmp_path / RECORD / "attempts").iterdir())) == 3
