@@ -870,8 +870,7 @@ def resume_config(
                 "(changes after it), or start over in another hydra.run.dir (or "
                 "after deleting this one)",
             )
-        if attempt not in (None, RECORD):  # the record's attempt never trained
-            adopt_attempt(run_dir, attempt)
+        _adopt(run_dir, attempt)  # the record's attempt never trained
         return cfg, None
     try:
         checkpoint = resolve_resume(wanted, run_checkpoints(run_dir))
@@ -881,8 +880,7 @@ def resume_config(
     saved = checkpoint_config(checkpoint) if checkpoint is not None else None
     if saved is None and (record is None or progress is None):
         # Nothing recorded to continue from: this command line is the run's config.
-        if attempt not in (None, RECORD):
-            adopt_attempt(run_dir, attempt)
+        _adopt(run_dir, attempt)
         return cfg, None
     base = OmegaConf.create(saved) if saved is not None else record.config
     base_overrides = record.overrides if record is not None else list(overrides)
@@ -911,6 +909,13 @@ def resume_config(
     if attempt == RECORD:  # this attempt's own record: the config it trains with
         OmegaConf.save(new, Path(run_dir) / RECORD / "config.yaml")
     return new, override_keys(base_overrides) | set(changes)
+
+
+def _adopt(run_dir: str, attempt: str | None) -> None:
+    """This attempt's Hydra files become the record of a run dir whose record's
+    attempt never trained (by rank 0 alone under torchrun)."""
+    if attempt not in (None, RECORD) and int(os.environ.get("RANK", 0)) == 0:
+        adopt_attempt(run_dir, attempt)
 
 
 def open_run(

@@ -56,7 +56,11 @@ def losses(run_dir: Path) -> dict[int, float]:
 def resume_from(root: Path, name: str) -> list[str]:
     """Continue from run ``name``'s step-2 checkpoint, writing no checkpoint of its own."""
     step_2 = root / name / "checkpoints" / "step_00000002"
-    return [f"trainer.resume={step_2}", "trainer.ckpt_every=0"]
+    return [
+        f"trainer.resume={step_2}",
+        "trainer.ckpt_every=0",
+        "trainer.ckpt_final=false",
+    ]
 
 
 def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> None:
