@@ -857,7 +857,7 @@ def resume_config(
     refused naming the key and the recorded value. ``attempt``: where Hydra wrote
     this attempt's files (``.hydra`` for the run's first). Returns the config and the
     keys its user set (None: the command line's)."""
-    if in_use(run_dir):
+    if _rank0() and in_use(run_dir):
         return cfg, None  # the launcher refuses it, naming the live run
     progress = run_progress(run_dir)
     wanted = "auto" if restart_reason(cfg) else cfg.trainer.resume
@@ -914,8 +914,14 @@ def resume_config(
 def _adopt(run_dir: str, attempt: str | None) -> None:
     """This attempt's Hydra files become the record of a run dir whose record's
     attempt never trained (by rank 0 alone under torchrun)."""
-    if attempt not in (None, RECORD) and int(os.environ.get("RANK", 0)) == 0:
+    if attempt not in (None, RECORD) and _rank0():
         adopt_attempt(run_dir, attempt)
+
+
+def _rank0() -> bool:
+    """This process is rank 0 (under torchrun every rank runs train.py; the others
+    read the same run dir and never hold its lock)."""
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 def open_run(

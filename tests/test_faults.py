@@ -413,7 +413,8 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
         name = signal.Signals(signum).name
         assert out.strip().splitlines()[-1] == (
             f"stopped by {name} at step {step}: checkpoint {checkpoints}/"
-            f"step_{step:08d}; resume with python train.py hydra.run.dir={tmp_path} trainer.resume=auto"
+            f"step_{step:08d}; resume with python train.py hydra.run.dir={tmp_path} "
+            "trainer.resume=auto"
         )
         assert out.count("stopped by") == 1, out[-3000:]
         summary = json.loads((tmp_path / "summary.json").read_text())
