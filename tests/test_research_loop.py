@@ -285,8 +285,8 @@ def test_eval_py_on_two_ranks_reproduces_the_runs_val_loss(gpt_run):
 
 
 def test_eval_on_other_files_reads_them_with_the_runs_tokenizer(gpt_run):
-    """eval.py's steps in this process, with data=files on other text (every window
-    of it): a finite loss a trained model beats a uniform guess on, its perplexity,
+    """eval.py's steps in this process, with data=files on other text (all of it, the
+    default split for data given; every window of it): a finite loss a trained model beats a uniform guess on, its perplexity,
     the record appended after the others."""
     paths = f"{sysconfig.get_paths()['stdlib']}/json/*.py"
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -303,6 +303,8 @@ def test_eval_on_other_files_reads_them_with_the_runs_tokenizer(gpt_run):
     entries = json.loads((gpt_run / EVAL_FILE).read_text())
     assert len(entries) == before + 1 and entries[-1] == entry
     assert entry["data"] == "files" and entry["paths"] == paths
+    # data= given: every token of it is scored (split=all), and the record says so
+    assert entry["split"] == "all" and entry["split_tokens"] == entry["data_tokens"]
     assert 0 < entry["loss"] < math.log(256)  # better than uniform over bytes
     assert entry["perplexity"] == pytest.approx(math.exp(entry["loss"]))
 

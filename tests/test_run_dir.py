@@ -294,3 +294,24 @@ def test_train_then_resume_from_the_run_dir_alone(tmp_path):
     assert "config error: model.n_layer: 2 was recorded by checkpoint" in other.stderr
     assert _digest(tmp_path) == record
     assert len(list((tmp_path / RECORD / "attempts").iterdir())) == 3
+
+
+def test_eval_says_its_split_and_scores_all_of_given_data():
+    """eval.py's ``split``: null is the run's val split, or all of ``data=`` given;
+    ``all`` is accepted, anything else is one line naming the key."""
+    from hydra import compose, initialize_config_dir
+
+    from src.config import validate_eval
+    from src.runs.evaluation import eval_split
+
+    def eval_cfg(*overrides: str):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            return compose("eval", ["run=x", *overrides])
+
+    assert eval_split(eval_cfg()) == "val"
+    assert eval_split(eval_cfg("data=files", "data.paths=x")) == "all"
+    assert eval_split(eval_cfg("data=files", "data.paths=x", "split=val")) == "val"
+    validate_eval(eval_cfg("split=all"))
+    with pytest.raises(ConfigError) as err:
+        validate_eval(eval_cfg("split=test"))
+    assert str(err.value).startswith("split: got 'test'")
