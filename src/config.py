@@ -903,7 +903,13 @@ def resume_config(
         if key == "trainer.max_steps" and new.trainer.resume_schedule != "extend":
             raise schedule_refusal(after, before, checkpoint)
     if changed:
-        log.info("resuming %s with %d change(s) to %s:", run_dir, len(changed), where)
+        source = "its checkpoint's" if saved is not None else "its recorded"
+        log.info(
+            "resuming %s with %d change(s) to %s config:",
+            run_dir,
+            len(changed),
+            source,
+        )
     for key, before, after in changed:
         log.info("  %s: %r -> %r", key, before, after)
     if attempt == RECORD:  # this attempt's own record: the config it trains with

@@ -349,7 +349,9 @@ def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
         shutil.copytree(good, run_dir)
         forged(run_dir / "checkpoints" / "step_00000002")
         if command == "train":
+            # extend: max_steps is a change a resume takes, so the load is reached
             args = ["train.py", *run, "trainer.max_steps=4", "trainer.resume=auto"]
+            args.append("trainer.resume_schedule=extend")
             args.append(f"hydra.run.dir={run_dir}")
         else:
             args = [f"{command}.py", f"run={run_dir}"]
