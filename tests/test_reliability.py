@@ -87,7 +87,7 @@ def test_a_second_stop_signal_raises_in_the_reporting_process_and_names_the_skip
     assert stopped_at_once(signal.SIGINT, str(tmp_path)) == (
         "stopped at once by a second SIGINT: the checkpoint of step 5 it was writing "
         f"is skipped (removed); the newest checkpoint is {checkpoints}/step_00000004; "
-        f"resume with trainer.resume=auto hydra.run.dir={tmp_path}"
+        f"resume with python train.py hydra.run.dir={tmp_path} trainer.resume=auto"
     )
     assert stopped_at_once(signal.SIGTERM, str(tmp_path / "none")) == (
         "stopped at once by a second SIGTERM: no checkpoint written; nothing to resume"
