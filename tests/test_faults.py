@@ -240,6 +240,9 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_pat
         GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64)
     )
     optimizer = torch.optim.AdamW(model.parameters())
+    # As the trainer builds it: its schedule adds initial_lr to every param group, and
+    # loading checks the saved groups against this optimizer's keys.
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = Checkpointer(tmp_path / "checkpoints").load(last, model, optimizer)
     assert state["step"] >= 1
 

@@ -111,6 +111,8 @@ class FileSink(Sink):
         # (files written before rows were), and a row logged next at the last kept
         # step is merged into it.
         path = self.run_dir / METRICS_FILE
+        if not path.is_file():  # a device or a link to one (/dev/full): no rows to read
+            return 0
         self._jsonl.close()
         lines = path.read_bytes().splitlines(keepends=True)
         damaged = sum(_row_step(r) == math.inf for r in lines[:-1])
