@@ -15,6 +15,17 @@ def _token_cache_in_tmp(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves os.environ as it found it: a command run in-process sets
+    variables for its own ranks (run_cli's HYDRA_FULL_ERROR, the stop file), which
+    must not reach the train.py subprocesses of later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _project_console():
     """The project's log records reach the console as in a run (train.py's Hydra job
