@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import src.config  # noqa: F401  (registers the base_config schema for compose)
 from src.harness import compose_config
+from src.observe import metrics
 from src.planner.planner import PARTS
 from src.resolved import model_config, model_spec, resolve
-from src.observe import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
