@@ -72,13 +72,16 @@ def resume_from(root: Path, name: str, step: int) -> list[str]:
 
 def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> None:
     """Train each named run in turn on the same process group, its config saved as
-    train.py saves it (for eval.py)."""
+    train.py saves it (for eval.py). A run choosing its own ``data=`` leaves
+    RUN's synthetic data keys out."""
     for name, overrides in runs.items():
-        cfg = make_cfg(*RUN, *overrides)
+        own_data = any(o.startswith("data=") for o in overrides)
+        base = [o for o in RUN if not (own_data and o.startswith("data"))]
+        cfg = make_cfg(*base, *overrides)
         if rank == 0:
             (Path(root) / name / ".hydra").mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, Path(root) / name / RUN_CONFIG)
-            OmegaConf.save(list(RUN + overrides), Path(root) / name / RUN_OVERRIDES)
+            OmegaConf.save([*base, *overrides], Path(root) / name / RUN_OVERRIDES)
         train(cfg, f"{root}/{name}", torch.device("cpu"), resolve(cfg))
 
 

@@ -32,10 +32,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .backends import canonical_name, clip_grads_with_norm_, grad_norm
 
@@ -298,6 +302,34 @@ class Pipeline:
             for name in self.shared
             if me in holders[name] and holders[name][0] != me
         }
+
+    @torch.no_grad()
+    def gather_into(self, whole: nn.Module) -> None:
+        """Copy every stage's weights into ``whole``: the whole model (no stages),
+        on these ranks, sharded on any layout (each rank keeps its slices), one
+        tensor at a time: the stage holding it (the lowest, for a tensor several
+        hold) gathers it and broadcasts it over the pp group. A collective."""
+        mine = get_model_state_dict(self.model)
+        everyone: list[list[str]] = [None] * dist.get_world_size(self.group)  # type: ignore[list-item]
+        dist.all_gather_object(everyone, list(mine), group=self.group)
+        me = dist.get_rank(self.group)
+        state = {}
+        for name, ref in get_model_state_dict(whole).items():
+            owner = next((r for r, names in enumerate(everyone) if name in names), None)
+            if owner is None:
+                raise ValueError(f"no pipeline stage holds {name!r}")
+            if owner == me:
+                t = mine[name]
+                t = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
+            else:
+                t = torch.empty(ref.shape, dtype=ref.dtype, device=_local(ref).device)
+            dist.broadcast(t, group=self.group, group_src=owner)
+            if isinstance(ref, DTensor):
+                t = distribute_tensor(
+                    t, ref.device_mesh, ref.placements, src_data_rank=None
+                )
+            state[name] = t
+        set_model_state_dict(whole, state)
 
     # -- a step ---------------------------------------------------------------------
     def step(

@@ -62,7 +62,11 @@ from src.sharding import (
     wrap_plan,
 )
 from src.trainer.faults import RESTART_CAUSE_ENV, signal_point, stop_signal
-from src.trainer.pipelined import pipeline_evaluate, pipeline_train_step
+from src.trainer.pipelined import (
+    pipeline_evaluate,
+    pipeline_train_step,
+    unpipelined_model,
+)
 from src.trainer.sampling import sample_texts
 
 log = logging.getLogger(__name__)
@@ -448,6 +452,7 @@ class Trainer:
         own), and its wrap plan."""
         reset_peak_memory(self.device)
         self.pipeline = None  # sharding.pipeline_parallel > 1: this rank's stages
+        self._whole: nn.Module | None = None  # ... and the model without them
         if self.backend.pp > 1:
             self.pipeline = build_pipeline(self.cfg, self.backend, self.resolved)
             self.model = self.pipeline.model
@@ -672,6 +677,17 @@ class Trainer:
         self.meter.restart(step)  # validation time is not training throughput
         return val_loss
 
+    def whole_model(self) -> nn.Module:
+        """The model whole on these ranks (sharded, not cut into stages): the model,
+        or under pipeline parallelism the stages' weights gathered into the model
+        built without them (built once). A collective."""
+        if self.pipeline is None:
+            return self.model
+        if self._whole is None:
+            self._whole = unpipelined_model(self.cfg, self.resolved, self.device)
+        self.pipeline.gather_into(self._whole)
+        return self._whole
+
     def sample(self, step: int) -> list[dict[str, Any]]:
         """Greedy continuations of ``trainer.sample_prompts`` (every rank decodes, in
         step; the random streams are untouched), logged at ``step``: the console,
@@ -680,7 +696,7 @@ class Trainer:
         t = self.cfg.trainer
         prompts = list(t.sample_prompts)
         texts = sample_texts(
-            self.model,
+            self.whole_model(),
             self.resolved,
             self.tokenizer,
             prompts,
@@ -730,7 +746,7 @@ class Trainer:
                 # The run's tokenizer goes next to the weights (rank 0 writes).
                 tokenizer = tokenizer_of(self.cfg.data) if self.rank == 0 else None
                 export_model_hf(
-                    self.model,
+                    self.whole_model(),
                     export_path,
                     self.resolved.spec.hf,
                     self.resolved.model_config,
@@ -741,7 +757,7 @@ class Trainer:
                 )
             else:
                 export_path = Path(self.run_dir) / "model.safetensors"
-                export_consolidated(self.model, export_path)
+                export_consolidated(self.whole_model(), export_path)
                 what = "consolidated weights"
             log.info("exported %s to %s", what, export_path)
         if self.extended:

@@ -8,18 +8,27 @@ micro-steps runs the schedule over its micro-batch (split into
 loss scaled by ``1 / (pp_microbatches * grad_accum)``, so the gradients sum to those
 of the global batch's mean loss; tied parameters' gradients are then summed over the
 stages holding them, and clipping uses the norm over all stages.
+
+What needs the model whole (``trainer.sample_every``'s decoding, ``trainer.export``)
+gets :func:`unpipelined_model`, the model built without stages over the same ranks,
+with the stages' weights gathered into it (``Pipeline.gather_into``).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
-from omegaconf import DictConfig
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
 
+from src.build import build_model, make_backend
 from src.data.sources import GlobalBatches
+from src.resolved import Resolved
 from src.sharding import Backend
 from src.sharding.pipeline import Pipeline
+from src.trainer.sampling import SAMPLING_CHANGES
 
 
 def pipeline_train_step(
@@ -67,3 +76,16 @@ def pipeline_evaluate(
                 train=False,
             )
     return pipeline.share(total / max(1, len(batches)))
+
+
+def unpipelined_model(
+    cfg: DictConfig, resolved: Resolved, device: torch.device
+) -> nn.Module:
+    """The run's model without pipeline stages (nor tensor parallelism: sampling's
+    changes), sharded over all of the run's ranks, on the meta device filled by
+    the family's init; ``Pipeline.gather_into`` gives it the trained weights."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in SAMPLING_CHANGES.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    model = build_model(cfg, make_backend(cfg, device), resolved, "meta")
+    return model.eval()
