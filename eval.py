@@ -19,6 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 from src.config import (
+    check_writable,
     exit_on_config_error,
     open_run,
     run_cli,
@@ -44,6 +45,7 @@ def evaluate_run(cfg: DictConfig) -> dict:
         run_dir, checkpoint, run_cfg, resolved = open_run(
             cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg)
         )
+        check_writable(run_cfg, ("run", str(run_dir), "eval.json"))
     split = eval_split(cfg)
     opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}
     with exit_on_config_error():  # a rank's failure: one line

@@ -31,6 +31,7 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
+from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
@@ -41,9 +42,11 @@ from omegaconf.errors import (
 from src.checkpoint.dcp import resolve_resume, run_checkpoints
 from src.cli_help import CONF_DIR, is_schema_option, user_groups, user_options
 from src.data.sources import DATA_SOURCES, DataConfig
+from src.data.tokenizer import cache_path
 from src.errors import ConfigError, RunError, keyed
 from src.models import ModelSpec, families, get_spec
-from src.observe.loggers import LOGGERS, LoggerConfig
+from src.models.hf import remote_code_dir
+from src.observe.loggers import LOGGERS, LoggerConfig, logs_to_wandb, wandb_dirs
 from src.observe.logs import LOG_LEVELS, error_line
 from src.planner.planner import GRAD_SYNC, budget_bytes
 from src.registry import described, or_list
@@ -67,10 +70,12 @@ from src.runs.resume import (
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.sharding.pipeline import SCHEDULES, split_blocks
 from src.sharding.policies import POLICIES
+from src.sharding.transforms import compile_cache_dir
 from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.launch import override_keys, prepare
 from src.trainer.loop import RESUME_SCHEDULES, restart_reason, schedule_refusal
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
+from src.util import unwritable
 
 log = logging.getLogger(__name__)
 
@@ -802,6 +807,73 @@ def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
     )
 
 
+def written_dirs(cfg: DictConfig) -> list[tuple[str, str, str]]:
+    """Every directory outside its run dir a training run of ``cfg`` writes to: (the
+    key or environment variable that moves it, the directory, what writes there)."""
+    if OmegaConf.select(cfg, "trainer.plan_only", default=False):
+        return []  # reads no data, starts no rank
+    dirs = []
+    if OmegaConf.select(cfg, "data.cache_dir", default=None) is not None:
+        dirs.append(("data.cache_dir", cache_path(cfg.data), "the token cache"))
+    if logs_to_wandb(cfg):
+        dirs += [(var, path, "wandb") for var, path in wandb_dirs()]
+    if OmegaConf.select(cfg, "sharding.compile", default=False):
+        dirs.append((*compile_cache_dir(), "torch.compile (sharding.compile=true)"))
+    if OmegaConf.select(cfg, "model.trust_remote_code", default=False):
+        what = "transformers (model.trust_remote_code=true)"
+        dirs.append((*remote_code_dir(), what))
+    return dirs
+
+
+def check_writable(
+    cfg: DictConfig, first: tuple[str, str, str] | None = None, others: bool = True
+) -> None:
+    """ConfigError naming the key (or environment variable) to change, if a
+    directory the command writes to cannot be written: ``first`` (the key, the
+    directory, what writes there: the run dir) and, with ``others``, the
+    :func:`written_dirs` of ``cfg``."""
+    dirs = ([first] if first else []) + (written_dirs(cfg) if others else [])
+    home = os.path.expanduser("~")
+    for key, path, what in dirs:
+        problem = unwritable(os.path.expanduser(path))
+        if problem is None:
+            continue
+        fix = f"set {key} to a writable directory"
+        if key not in os.environ and "." not in key and path.startswith(home + os.sep):
+            fix += f" (or HOME, {home}: it is there by default)"
+        raise ConfigError(key, f"{what} writes to {path}: {problem}; {fix}")
+
+
+class WritableDirs(Callback):
+    """Hydra callback (conf/config.yaml): before Hydra creates the run dir and starts
+    its job logging (which writes ``train.log`` there), the run (or sweep) dir and
+    the other directories the run writes to are checked (:func:`check_writable`);
+    one that cannot be written ends the command in one line naming the key (exit 2)
+    instead of Hydra's logging set-up failing over 50 lines. A resume's own dirs are
+    its recorded config's: :func:`continue_run` checks them."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra, before = HydraConfig.instance(), HydraConfig.instance().cfg
+        hydra.set_config(config)  # for ${hydra:...} in the dir, as Hydra's run_job
+        try:
+            what = "the sweep" if key == "hydra.sweep.dir" else "the run"
+            first = (key, str(OmegaConf.select(config, key)), what)
+            resume = OmegaConf.select(config, "trainer.resume", default=None)
+            # sys.exit inside: Hydra turns a callback's exception into a warning
+            with exit_on_config_error():
+                check_writable(config, first, others=resume in (None, "none"))
+        finally:
+            hydra.cfg = before
+
+
 def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """A saved run's config (``<run dir>/.hydra/config.yaml``) typed by today's
     schema: conf/ composed with the run's command-line ``overrides``, the saved values
@@ -824,20 +896,25 @@ def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
 def continue_run(cfg: DictConfig, run_dir: str) -> tuple[DictConfig, set[str] | None]:
     """train.py's config in ``run_dir`` (this Hydra job's) and the keys its user set
     (None: this command line's), decided before any rank starts; see
-    :func:`resume_config`."""
+    :func:`resume_config`. The directories that config writes to are checked
+    (:func:`check_writable`: a resume's are those of the config it resumes, a
+    sweep job's its own)."""
     from hydra.core.hydra_config import HydraConfig
 
     try:
         hydra = HydraConfig.get()
     except ValueError:  # not a Hydra job: the config is the run's as it is
-        return cfg, None
-    return resume_config(
-        cfg,
-        run_dir,
-        [str(o) for o in hydra.overrides.task],
-        dict(hydra.runtime.choices),
-        hydra.output_subdir,
-    )
+        cfg, user_keys = cfg, None
+    else:
+        cfg, user_keys = resume_config(
+            cfg,
+            run_dir,
+            [str(o) for o in hydra.overrides.task],
+            dict(hydra.runtime.choices),
+            hydra.output_subdir,
+        )
+    check_writable(cfg)
+    return cfg, user_keys
 
 
 def resume_config(

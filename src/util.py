@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,28 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def unwritable(directory: str | os.PathLike) -> str | None:
+    """Why the directory ``directory`` cannot be written, or None; created first if
+    missing, as its writer would. A file is written to find out: to root,
+    ``os.access`` says yes to any directory, also on /proc or /sys, where nothing
+    can be created."""
+    directory = os.path.abspath(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        above = directory
+        while not os.path.lexists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            return f"{above} is not a directory"
+        return f"cannot create {err.filename or directory} ({err.strerror})"
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as err:
+        return f"cannot create a file in it ({err.strerror})"
 
 
 def parse_json(data: bytes) -> Any:

@@ -567,8 +567,12 @@ def test_errors_before_any_rank_starts_are_one_line(tmp_path):
     """Case 8: a run dir that cannot be created, a data glob that matches nothing."""
     (tmp_path / "file").write_text("")
     run = run_train(tmp_path / "file" / "run", "trainer.max_steps=1")
-    assert run.returncode == 1
-    assert one_line_error(run.stderr).startswith("error: [Errno 20] Not a directory")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr == (
+        f"config error: hydra.run.dir: the run writes to {tmp_path}/file/run: "
+        f"{tmp_path}/file is not a directory; set hydra.run.dir to a writable "
+        "directory\n"
+    )
 
     run = run_train(tmp_path / "run", "data=text", f"data.paths={tmp_path}/none/*.txt")
     assert run.returncode == 2

@@ -315,3 +315,93 @@ def test_eval_says_its_split_and_scores_all_of_given_data():
     with pytest.raises(ConfigError) as err:
         validate_eval(eval_cfg("split=test"))
     assert str(err.value).startswith("split: got 'test'")
+
+
+# A directory the run cannot write. Tests run as root, to whom a chmod 0o500 dir is
+# writable (and os.access says yes even on /proc): the unwritable dirs here are under
+# a regular file, or on /proc, where not even root can create anything.
+NOT_A_DIR = "{tmp}/file/run"  # a missing parent that is a regular file
+MISSING_UNDER_PROC = "/proc/none/run"  # a missing parent that cannot be created
+READ_ONLY = "/proc"  # an existing dir nothing can be created in
+
+
+def _start(monkeypatch, tmp_path: Path, *args: str) -> tuple[int, str]:
+    """train.py's command line run in-process up to its job: Hydra composes
+    conf/config.yaml (its callbacks included) from ``args``; the job itself must not
+    run. (exit status, stderr)."""
+    import hydra
+
+    from src.config import run_cli
+
+    @hydra.main(
+        config_path=str(ROOT / "conf"), config_name="config", version_base="1.3"
+    )
+    def main(cfg) -> None:
+        raise AssertionError("the job ran")
+
+    (tmp_path / "file").write_text("")
+    flags = [a for a in args if a.startswith("-")]  # before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    monkeypatch.setattr(sys, "argv", ["train.py", *flags, *RUN, *overrides])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(main)
+    return exit_.value.code, exit_.value.__notes__[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "key"),
+    [
+        ([f"hydra.run.dir={NOT_A_DIR}"], {}, "hydra.run.dir"),
+        ([f"hydra.run.dir={MISSING_UNDER_PROC}"], {}, "hydra.run.dir"),
+        ([f"hydra.run.dir={READ_ONLY}"], {}, "hydra.run.dir"),
+        (
+            ["-m", f"hydra.sweep.dir={MISSING_UNDER_PROC}", "trainer.lr=1,2"],
+            {},
+            "hydra.sweep.dir",
+        ),
+        (["data=text", f"data.cache_dir={NOT_A_DIR}"], {}, "data.cache_dir"),
+        (["logger=wandb"], {"HOME": MISSING_UNDER_PROC}, "WANDB_DATA_DIR"),
+        (["logger=wandb"], {"WANDB_CACHE_DIR": NOT_A_DIR}, "WANDB_CACHE_DIR"),
+        (
+            ["sharding.compile=true"],
+            {"TORCHINDUCTOR_CACHE_DIR": READ_ONLY},
+            "TORCHINDUCTOR_CACHE_DIR",
+        ),
+    ],
+)
+def test_an_unwritable_dir_is_one_line_naming_the_key_before_hydra_logs(
+    monkeypatch, tmp_path, args, env, key
+):
+    """Hydra's job logging set-up used to fail over 53 lines on an unwritable run dir,
+    and an unwritable cache dir or HOME ended in ``[Errno 2] ... '/proc/none'`` or
+    late in a rank (wandb): now one line naming the key (or environment variable) to
+    change, exit 2, before Hydra makes the run dir or its train.log."""
+    run_dir = tmp_path / "run"
+    for var in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "WANDB_DATA_DIR", "WANDB_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value.format(tmp=tmp_path))
+    args = [a.format(tmp=tmp_path) for a in args]
+    code, line = _start(monkeypatch, tmp_path, f"hydra.run.dir={run_dir}", *args)
+    assert code == 2
+    assert line.startswith(f"config error: {key}: ") and "\n" not in line, line
+    assert f"set {key} to a writable directory" in line
+    if env.get("HOME"):
+        assert f"(or HOME, {env['HOME']}: it is there by default)" in line
+    assert not (run_dir / "train.log").exists() and not (run_dir / ".hydra").exists()
+
+
+def test_dirs_that_can_be_written_pass_and_a_resume_checks_its_own(tmp_path):
+    """No false alarm: writable dirs (missing ones are created, as their writers
+    would). A resume is checked against the config it resumes (``continue_run``),
+    not the command line's defaults."""
+    from src.config import check_writable, continue_run
+
+    cfg = compose_config(*RUN, "data=text", f"data.cache_dir={tmp_path}/a/cache")
+    check_writable(cfg, ("hydra.run.dir", str(tmp_path / "b" / "run"), "the run"))
+    assert (tmp_path / "a" / "cache").is_dir() and (tmp_path / "b" / "run").is_dir()
+    (tmp_path / "file").write_text("")
+    cfg.data.cache_dir = str(tmp_path / "file" / "cache")
+    with pytest.raises(ConfigError, match=r"^data.cache_dir: the token cache writes"):
+        continue_run(cfg, str(tmp_path / "b" / "run"))

@@ -109,6 +109,14 @@ def config_dir(config: str | None) -> Path:
     )
 
 
+def remote_code_dir() -> tuple[str, str]:
+    """Where transformers copies a config directory's own code to run it
+    (``model.trust_remote_code=true``), and the environment variable that moves it."""
+    from transformers.utils import HF_MODULES_CACHE
+
+    return "HF_MODULES_CACHE", HF_MODULES_CACHE
+
+
 def load_hf_config(config: str | None, trust_remote_code: bool = False):
     """The ``transformers`` config of ``model.config`` (one-line ValueError if bad:
     unreadable, custom code not trusted, not a causal LM, not causal)."""

@@ -450,6 +450,21 @@ def run_identity(cfg: DictConfig, run_dir: str | os.PathLike) -> dict:
     }
 
 
+def wandb_dirs() -> list[tuple[str, str]]:
+    """The directories outside the run dir that wandb writes to (even offline: its
+    artifact staging and its core's logs), each with the environment variable that
+    moves it; by default they are under HOME."""
+    import platformdirs  # what wandb's own defaults are made with
+
+    return [
+        (var, os.environ.get(var) or default)
+        for var, default in (
+            ("WANDB_DATA_DIR", platformdirs.user_data_dir("wandb")),
+            ("WANDB_CACHE_DIR", platformdirs.user_cache_dir("wandb")),
+        )
+    ]
+
+
 def init_wandb(
     cfg: DictConfig,
     wandb_dir: str | os.PathLike,

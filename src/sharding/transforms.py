@@ -23,6 +23,7 @@ forward lets dynamo trace the checkpoint as one region, as torchtitan does.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,6 +141,15 @@ class UnitTransform:
             forward = torch.compile(forward)
         module.forward = forward
         module.__dict__[_TRANSFORMED] = True
+
+
+def compile_cache_dir() -> tuple[str, str]:
+    """Where ``torch.compile`` (inductor) writes its cache, and the environment
+    variable that moves it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    var = "TORCHINDUCTOR_CACHE_DIR"
+    return var, os.environ.get(var) or default_cache_dir()
 
 
 def checkpointed(forward: Callable, selective: bool) -> Callable:

@@ -82,6 +82,7 @@ from src.trainer.faults import (
     tell_ranks,
 )
 from src.trainer.loop import train
+from src.util import unwritable
 
 log = logging.getLogger(__name__)
 
@@ -199,15 +200,9 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
 def preflight(run_dir: str) -> None:
     """Checks that need no rank (the data is checked by :func:`prepare`): the run dir
     is writable. Raises ConfigError (one line naming the key)."""
-    probe = os.path.join(run_dir, ".write_test")
-    try:
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as err:
-        raise ConfigError(
-            "hydra.run.dir", f"{run_dir} is not writable ({err})"
-        ) from None
+    problem = unwritable(run_dir)
+    if problem:
+        raise ConfigError("hydra.run.dir", f"{run_dir} is not writable: {problem}")
 
 
 def _launch_local(
