@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -18,11 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+#: The temporary name :func:`atomic_path` writes ``<name>`` under: ``<name>.tmp-<PID>``.
+_ATOMIC_TMP = re.compile(r".+\.tmp-(\d+)")
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path to write ``path``'s new content to; renamed onto ``path`` when
-    the block succeeds (readers never see half a file), removed when it fails."""
+    the block succeeds (readers never see half a file), removed when it fails (a
+    killed writer's stays: :func:`interrupted_writes` finds it)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per writer
     try:
@@ -30,6 +35,29 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def interrupted_writes(directory: str | os.PathLike) -> list[Path]:
+    """The temporary files :func:`atomic_path` left in ``directory`` (not below it):
+    regular files named as it names them whose writer is no process on this host."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            match = _ATOMIC_TMP.fullmatch(entry.name)
+            if match and entry.is_file(follow_symlinks=False):
+                if not _alive(int(match.group(1))):
+                    found.append(Path(entry.path))
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's (or not a PID: keep it)
+    return True
 
 
 def unwritable(directory: str | os.PathLike) -> str | None:

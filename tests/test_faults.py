@@ -555,12 +555,23 @@ def test_stopped_rank_is_named_within_the_timeout(tmp_path):
 
 def test_full_disk_says_no_space_left_and_where(tmp_path):
     """Case 7: a write that fails with ENOSPC (metrics.jsonl is /dev/full here) ends
-    the run with one line saying so and naming the run dir."""
+    the run with one line saying so and naming the run dir. What an earlier full
+    disk left mid-write (a checkpoint being saved, a summary.json being replaced) is
+    removed when the run starts, in one line."""
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    (tmp_path / "checkpoints" / ".tmp.step_00000002").mkdir(parents=True)
+    writer = subprocess.Popen(["true"])  # a writer that is gone
+    writer.wait()
+    (tmp_path / f"summary.json.tmp-{writer.pid}").write_text("{")
     run = run_train(tmp_path, "trainer.max_steps=2")
     assert run.returncode == 1
     line = one_line_error(run.stdout + run.stderr)
     assert f"no space left on device writing to {tmp_path}" in line
+    assert (
+        f"left in {tmp_path}: checkpoints/.tmp.step_00000002, "
+        f"summary.json.tmp-{writer.pid}\n" in run.stderr
+    )
+    assert not list(tmp_path.glob("**/*.tmp*"))
 
 
 def test_errors_before_any_rank_starts_are_one_line(tmp_path):

@@ -78,7 +78,7 @@ def test_a_second_stop_signal_raises_in_the_reporting_process_and_names_the_skip
         (checkpoints / name).mkdir(parents=True)
         (checkpoints / name / "COMPLETE").write_text("")
         (checkpoints / name / "meta.json").write_text("{}")
-    assert drop_partial(checkpoints) == [4]
+    assert drop_partial(checkpoints) == [checkpoints / ".tmp.step_00000004"]
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         "step_00000002",
         "step_00000004",

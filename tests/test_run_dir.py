@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -405,3 +406,100 @@ def test_dirs_that_can_be_written_pass_and_a_resume_checks_its_own(tmp_path):
     cfg.data.cache_dir = str(tmp_path / "file" / "cache")
     with pytest.raises(ConfigError, match=r"^data.cache_dir: the token cache writes"):
         continue_run(cfg, str(tmp_path / "b" / "run"))
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has ended (a writer killed mid-write)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_start_removes_what_interrupted_writes_left_and_nothing_else(
+    tmp_path, caplog
+):
+    """A full disk (or a kill) mid-write leaves the checkpoint being saved
+    (``.tmp.step_N``) and atomic_path's ``<file>.tmp-<PID>`` files behind. The next
+    start in the run dir removes them, in one line naming each and why; it touches no
+    other name, and no temporary file whose writer is alive."""
+    from src.trainer.faults import remove_interrupted_writes
+
+    dead, alive = _dead_pid(), os.getpid()
+    ckpts = tmp_path / "checkpoints"
+    for name in (".tmp.step_00000006", "step_00000004", ".old.step_00000004"):
+        (ckpts / name).mkdir(parents=True)
+        (ckpts / name / "meta.json").write_text("{}")
+    left = [
+        "checkpoints/.tmp.step_00000006",
+        "checkpoints/.old.step_00000004",  # its step_N was replaced: an old copy
+        f"metrics.jsonl.tmp-{dead}",
+        f"summary.json.tmp-{dead}",
+        f"wandb/run_id.json.tmp-{dead}",
+        f"profile/rank0.memory_timeline.json.tmp-{dead}",
+    ]
+    kept = [
+        "checkpoints/step_00000004/meta.json",
+        f"eval.json.tmp-{alive}",  # eval.py writing it now
+        "notes.tmp",
+        "summary.json.tmp-x1",
+        f"data.json.tmp-{dead}.bak",
+        ".hydra/config.yaml",
+        f"checkpoints/step_00000004/meta.json.tmp-{dead}",  # not a run-dir writer's
+    ]
+    for name in left[2:] + kept[1:]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    (tmp_path / f"dir.tmp-{dead}").mkdir()  # atomic_path writes files, not dirs
+    kept.append(f"dir.tmp-{dead}")
+    with caplog.at_level(logging.WARNING, logger="src.trainer.faults"):
+        removed = remove_interrupted_writes(tmp_path)
+    assert sorted(str(p.relative_to(tmp_path)) for p in removed) == sorted(left)
+    for name in left:
+        assert not (tmp_path / name).exists(), name
+    for name in kept:
+        assert (tmp_path / name).exists(), name
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(
+        "removed what writes that did not finish (a full disk, a killed run) left in "
+        f"{tmp_path}: checkpoints/.old.step_00000004, checkpoints/.tmp.step_00000006, "
+    ), line
+    assert all(name in line for name in left)
+    assert remove_interrupted_writes(tmp_path) == []  # the next start: nothing
+
+
+def test_the_token_cache_removes_what_killed_builds_left(tmp_path, caplog):
+    """A token-cache build or a BPE training killed (or stopped by a full disk)
+    leaves ``tokens-<key>.tmp-*`` dirs and ``bpe-<key>.json.tmp-<PID>``; the next
+    opening of the cache removes them in one line, but not a build in progress (its
+    entry's lock is held) and no other name."""
+    import fcntl
+
+    from src.data.token_cache import token_cache
+    from tests.test_token_cache import cfg_for, write_corpus
+
+    cfg = cfg_for(tmp_path, write_corpus(tmp_path, "text"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    left = [
+        "bpe-0a1b.json.tmp-4321",
+        "tokens-0a1b.tmp-1234abcd",
+        "tokens-0a1b.tmp-damaged-5678abcd",
+    ]
+    kept = ["tokens-busy.tmp-0000abcd", "other.tmp-1234", "tokens-0a1b.lock"]
+    for name in left[1:] + kept[:1]:
+        (cache / name).mkdir()
+        (cache / name / "train.bin").write_bytes(b"\0")
+    for name in left[:1] + kept[1:]:
+        (cache / name).write_text("x")
+    with open(cache / "tokens-busy.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a build in progress
+        with caplog.at_level(logging.WARNING, logger="src.data.token_cache"):
+            token_cache(cfg.data, verbose=True, progress=False)
+    assert sorted(p.name for p in cache.iterdir() if p.name in left) == []
+    for name in kept:
+        assert (cache / name).exists(), name
+    (line,) = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert line == (
+        "token cache: removed what interrupted builds (killed, or a full disk) left "
+        f"in {cache}: {', '.join(left[1:])}, {left[0]}"
+    )

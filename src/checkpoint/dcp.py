@@ -588,25 +588,33 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def drop_partial(directory: str | Path) -> list[int]:
+def drop_partial(directory: str | Path) -> list[Path]:
     """Remove what interrupted saves left in ``directory`` (call it while no rank
     writes there): ``.tmp.step_N`` dirs go, and a ``step_N`` being replaced when the
-    save stopped gets its old copy back. Returns the steps of the saves dropped."""
-    directory, dropped = Path(directory), []
+    save stopped gets its old copy back (an old copy already replaced goes). Returns
+    the dirs removed (:func:`saving_step` gives a save's step)."""
+    directory, removed = Path(directory), []
     if not directory.is_dir():
-        return dropped
+        return removed
     for path in sorted(directory.iterdir()):
         if path.name.startswith(_OLD_PREFIX):
             final = directory / path.name.removeprefix(_OLD_PREFIX)
             if final.exists():
                 shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
             else:  # the new copy never took its place: the old one is the checkpoint
                 os.rename(path, final)
         elif path.name.startswith(_TMP_PREFIX):
             shutil.rmtree(path, ignore_errors=True)
-            step = step_of(Path(path.name.removeprefix(_TMP_PREFIX)))
-            dropped += [] if step is None else [step]
-    return dropped
+            removed.append(path)
+    return removed
+
+
+def saving_step(path: Path) -> int | None:
+    """The step whose save ``path`` (a ``.tmp.step_N`` dir) was writing, else None."""
+    if not path.name.startswith(_TMP_PREFIX):
+        return None
+    return step_of(Path(path.name.removeprefix(_TMP_PREFIX)))
 
 
 def incomplete_checkpoints(directory: str | Path) -> list[tuple[Path, str]]:

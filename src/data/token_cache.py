@@ -8,8 +8,9 @@ serialised JSON) and :data:`CACHE_VERSION`: a run with the same corpus, tokenize
 settings reuses the entry, any change builds a new one. An entry is written into a
 temporary directory and published by one atomic rename, so a crashed build never leaves
 an entry that looks complete, and two concurrent builders cannot corrupt each other;
-the temporary directory of a build that was killed is removed by the next build of
-any entry (once no process holds that entry's lock).
+what a build that was killed left (its temporary directory, a BPE tokenizer's
+temporary file) is removed when the cache is next opened, once no process holds that
+entry's lock (:func:`remove_interrupted_builds`).
 
 An entry is checked before it is reused: ``meta.json`` strict JSON with every field of
 its type and range, sealed by its own CRC-32, and matching the tokenizer (vocabulary, end-of-document id,
@@ -243,23 +244,27 @@ def _discard(path: str) -> None:
     _remove(aside)
 
 
-def _remove_stale_builds(cache_dir: str, held: str) -> int:
-    """Remove the temporary dirs of builds that were killed: those of the entry
-    ``held`` (whose lock this process holds) and of entries whose lock no process
-    holds (a build in progress holds it). Returns how many."""
-    removed = 0
-    for tmp in glob.glob(os.path.join(glob.escape(cache_dir), "tokens-*.tmp-*")):
-        entry = tmp.rsplit(".tmp-", 1)[0]
-        try:
-            if entry == held:
-                _remove(tmp)
-            else:
+#: What the cache's builders write before their one rename, ``<entry>.tmp-<suffix>``:
+#: a token entry's dir (or a damaged one set aside) and a BPE tokenizer's file
+#: (:func:`atomic_path`).
+_BUILDS = ("tokens-*.tmp-*", "bpe-*.json.tmp-*")
+
+
+def remove_interrupted_builds(cache_dir: str) -> list[str]:
+    """Remove from ``cache_dir`` what builds that were killed (or stopped by a full
+    disk) left: the temporary dirs and files of :data:`_BUILDS` whose entry's lock no
+    process holds (a build in progress holds it). Returns their names."""
+    removed = []
+    for pattern in _BUILDS:
+        for tmp in sorted(glob.glob(os.path.join(glob.escape(cache_dir), pattern))):
+            entry = tmp.rsplit(".tmp-", 1)[0]
+            try:
                 with open(f"{entry}.lock", "a") as f:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not building
                     _remove(tmp)
-            removed += 1
-        except OSError:  # held (a build in progress), or already gone
-            continue
+            except OSError:  # held (a build in progress), or already gone
+                continue
+            removed.append(os.path.basename(tmp))
     return removed
 
 
@@ -270,6 +275,14 @@ def token_cache(
     and intact, else built (or rebuilt, saying why) here. ``verbose`` (the launcher):
     say which, and check the tokens' checksums too; ``progress``: also show progress
     bars."""
+    removed = remove_interrupted_builds(cache_path(data_cfg))
+    if removed and verbose:
+        log.warning(
+            "token cache: removed what interrupted builds (killed, or a full disk) "
+            "left in %s: %s",
+            cache_path(data_cfg),
+            ", ".join(removed),
+        )
     corpus = Corpus.from_config(data_cfg)
     tokenizer = load_tokenizer(data_cfg, corpus, verbose, verbose and progress)
     key = digest(
@@ -291,12 +304,6 @@ def token_cache(
                         "token cache: %s is damaged (%s): rebuilding it", path, damage
                     )
                     _discard(path)
-                stale = _remove_stale_builds(cache_path(data_cfg), path)
-                if stale:
-                    log.info(
-                        "token cache: removed %d temporary dir(s) of interrupted builds",
-                        stale,
-                    )
                 entry = build_entry(corpus, tokenizer, path, verbose and progress)
                 built = True
     verb = (

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.errors import ConfigError
 from src.observe.metrics import contended
 from src.registry import Registry, described, no_check, or_list
-from src.util import json_default, keep_aside, write_json_atomic
+from src.util import atomic_path, json_default, keep_aside, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +134,8 @@ class FileSink(Sink):
             (json.dumps(r, default=json_default) + "\n").encode() for r in rows.values()
         ]
         if kept != lines:
-            tmp = path.with_name(METRICS_FILE + ".tmp")
-            tmp.write_bytes(b"".join(kept))
-            tmp.replace(path)
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(b"".join(kept))
         self._jsonl = open(path, "a")
         self._last = None
         if rows:

@@ -37,7 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.checkpoint.dcp import complete_checkpoints, drop_partial, run_checkpoints
+from src.checkpoint.dcp import (
+    complete_checkpoints,
+    drop_partial,
+    run_checkpoints,
+    saving_step,
+)
 from src.errors import (
     DiskFull,
     PeerExited,
@@ -46,7 +51,7 @@ from src.errors import (
     RunError,
     Stopped,
 )
-from src.util import parse_json
+from src.util import atomic_path, interrupted_writes, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,29 @@ def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
             os.ftruncate(fd, 0)  # empty: released by a run that ended (even failed)
     finally:
         os.close(fd)  # releases the flock
+
+
+def remove_interrupted_writes(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove what writes that did not finish (a full disk, a killed run) left in
+    ``run_dir``: interrupted checkpoint saves (:func:`drop_partial`) and the temporary
+    files of :func:`atomic_path` anywhere below the run dir; one line names them.
+    Call it holding the run dir (:func:`run_dir_lock`): no other run writes there."""
+    run_dir = Path(run_dir)
+    checkpoints = run_checkpoints(run_dir)
+    removed = drop_partial(checkpoints)
+    for directory, subdirs, _ in os.walk(run_dir):
+        subdirs[:] = [d for d in subdirs if Path(directory, d) != checkpoints]
+        for path in interrupted_writes(directory):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.warning(
+            "removed what writes that did not finish (a full disk, a killed run) "
+            "left in %s: %s",
+            run_dir,
+            ", ".join(str(p.relative_to(run_dir)) for p in removed),
+        )
+    return removed
 
 
 # ---------------------------------------------------------------- graceful stop
@@ -257,9 +285,8 @@ def tell_ranks(signum: int) -> None:
     rank reads at the end of each step (:func:`stop_signal`)."""
     path = os.environ.get(STOP_FILE_ENV)
     if path:
-        tmp = f"{path}.tmp"
-        Path(tmp).write_text(str(signum))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(str(signum))
 
 
 def _told() -> int:
@@ -343,7 +370,7 @@ def stopped_at_once(signum: int, run_dir: str) -> str:
     writing: what the interrupted checkpoint left is removed (the line says which),
     and where the run resumes from."""
     directory = run_checkpoints(run_dir)
-    dropped = drop_partial(directory)
+    dropped = [s for p in drop_partial(directory) if (s := saving_step(p)) is not None]
     name = signal.Signals(signum).name
     skipped = (
         f"the checkpoint of step {dropped[-1]} it was writing is skipped (removed)"

@@ -72,6 +72,7 @@ from src.trainer.faults import (
     full_errors,
     named_failures,
     ranks_start_blocked,
+    remove_interrupted_writes,
     requested,
     resume_hint,
     run_dir_lock,
@@ -170,6 +171,8 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
         rank0 = _is_rank0()
         try:
             with run_dir_lock(run_dir) if rank0 else contextlib.nullcontext():
+                if rank0:
+                    remove_interrupted_writes(run_dir)
                 return (record(run_rank) if full_errors() else run_rank)(
                     cfg, run_dir, resolved
                 )
@@ -190,6 +193,7 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
                     "run dir lock of %s taken over (that run is no longer running)",
                     describe_holder(stale),
                 )
+            remove_interrupted_writes(run_dir)
             return _launch_local(cfg, run_dir, resolved)
     except RunError as err:
         if full_errors():
