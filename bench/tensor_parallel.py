@@ -55,16 +55,15 @@ def compose_cfg(args: argparse.Namespace, layout: list[str]):
     )
 
 
-def _rank(
-    rank: int, world: int, args: argparse.Namespace, cfg, resolved, out: str
-) -> dict:
-    from src.observe.metrics import memory_metrics, reset_peak_memory
-    from src.trainer.loop import Trainer
+def timed_steps(trainer, args: argparse.Namespace, after_warmup=None) -> list[float]:
+    """``args.warmup`` untimed steps (then ``after_warmup()``, and the memory peak
+    reset), then the times of ``args.steps`` steps, each started on all ranks."""
+    from src.observe.metrics import reset_peak_memory
 
-    run_dir = os.path.join(out, "run")
-    trainer = Trainer(cfg, run_dir, torch.device("cpu"), resolved).build()
     for step in range(1, args.warmup + 1):
         trainer.step(step)
+    if after_warmup is not None:
+        after_warmup()
     reset_peak_memory(torch.device("cpu"))
     times = []
     for step in range(args.warmup + 1, args.warmup + args.steps + 1):
@@ -72,21 +71,47 @@ def _rank(
         start = time.perf_counter()
         trainer.step(step)
         times.append(time.perf_counter() - start)
+    return times
+
+
+def _rank(
+    rank: int,
+    world: int,
+    args: argparse.Namespace,
+    cfg,
+    resolved,
+    out: str,
+    instrument=None,
+) -> dict:
+    """One rank's timed steps. ``instrument(trainer)``: an object whose ``start()``
+    runs when the timed steps begin and whose ``result()`` joins the rank's figures."""
+    from src.observe.metrics import memory_metrics
+    from src.trainer.loop import Trainer
+
+    run_dir = os.path.join(out, "run")
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), resolved).build()
+    probe = instrument(trainer) if instrument is not None else None
+    times = timed_steps(trainer, args, probe.start if probe else None)
     return {
         "times": times,
         "peak_gib": memory_metrics(torch.device("cpu"))["peak_mem_gib"],
         "param_bytes": trainer.plan.bytes_per_rank(),
         "loss": trainer.loss,
+        **(probe.result() if probe else {}),
     }
 
 
-def measure(args: argparse.Namespace, layout: list[str]) -> dict:
+def measure(args: argparse.Namespace, layout: list[str], instrument=None) -> dict:
+    """``layout`` on WORLD ranks (``instrument``: see ``_rank``); the ranks' own
+    results under ``ranks``."""
     from src.resolved import resolve
 
     cfg = compose_cfg(args, layout)
     resolved = resolve(cfg)
     with tempfile.TemporaryDirectory() as out:
-        ranks = run_distributed(_rank, WORLD, args, cfg, resolved, out, timeout=1800)
+        ranks = run_distributed(
+            _rank, WORLD, args, cfg, resolved, out, instrument, timeout=1800
+        )
     step = statistics.median(
         max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)
     )
@@ -97,20 +122,26 @@ def measure(args: argparse.Namespace, layout: list[str]) -> dict:
         "peak_gib": max(r["peak_gib"] for r in ranks),
         "param_mib": max(r["param_bytes"] for r in ranks) / 2**20,
         "loss": ranks[0]["loss"],
+        "ranks": ranks,
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arg_parser(doc: str, batch_size: int = 8) -> argparse.ArgumentParser:
+    """The arguments of a 2-rank layout comparison (``--append-docs`` included)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--model", default="llama_tiny")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument(
         "--override", nargs="*", default=[], help="more Hydra overrides (model.dim=512)"
     )
     p.add_argument("--append-docs", action="store_true")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return arg_parser(__doc__).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
