@@ -166,6 +166,7 @@ def build_model(
             spec.hf.to_hf_name,
             spec.hf.converting_model(config),
             spec.hf.transposed,
+            part=stage is not None,
         )
     return model
 

@@ -634,7 +634,6 @@ def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
 #: What a pipeline-parallel run does not do yet: the key, the value that is
 #: refused, and why.
 PP_UNSUPPORTED = (
-    ("model.pretrained", lambda v: bool(v), "loading pretrained weights"),
     ("precision.name", lambda v: v == "fp16_mixed", "fp16's gradient scaler"),
     ("sharding.sequence_parallel", lambda v: bool(v), "sequence parallelism"),
 )

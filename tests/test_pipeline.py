@@ -7,7 +7,7 @@ loss must agree with one-process training within 1e-5 whatever the layout: PP2 (
 on 2 ranks, PP2 (interleaved 1F1B) x FSDP2 and PP2 x TP2 on 4 ranks, for GPT (its
 embedding tied to the head across the first and last stage), Llama and a Hugging Face
 Llama (cut by transformers' own pipeline plan); HSDP x PP2 and gradient accumulation
-under PP too. A PP2 x FSDP2 checkpoint resumes exactly on FSDP over 4 ranks. A PP run
+under PP too, and from ``model.pretrained``. A PP2 x FSDP2 checkpoint resumes exactly on FSDP over 4 ranks. A PP run
 on text exports (``trainer.export``: the trained weights exactly), samples while it
 trains, and its run dir opens in ``eval.py`` and ``sample.py`` without stages. One
 4-rank and one 2-rank launch hold all the runs; the references and the tools run in
@@ -95,6 +95,7 @@ def runs(tmp_path_factory) -> Path:
         one_rank(root, f"one_{family}", *model)
     gpt = fams["gpt"]
     one_rank(root, "one_gpt_accum", *gpt, *ACCUM)
+    pretrained = [f"model.pretrained={root / 'pp2_text' / 'hf'}"]
     run_distributed(
         _train_runs,
         4,
@@ -124,8 +125,11 @@ def runs(tmp_path_factory) -> Path:
                 for f, m in fams.items()
             },
             "pp2_text": [*gpt, *PP2, *TEXT],
+            # the stages read their own tensors of the run's export
+            "pp2_pretrained": [*gpt, *PP2, *pretrained],
         },
     )
+    one_rank(root, "one_pretrained", *gpt, *pretrained)
     return root
 
 
@@ -147,6 +151,15 @@ def test_hsdp_and_gradient_accumulation_under_pipelining(runs):
     ref = losses(runs / "one_gpt_accum")
     assert ref != losses(runs / "one_gpt")
     assert_close(losses(runs / "accum_interleaved_fsdp2"), ref, range(1, 5))
+
+
+@pytest.mark.slow
+def test_pipeline_run_starts_from_pretrained_weights(runs):
+    """model.pretrained under PP2 (the PP text run's export, GPT's tied embedding in
+    both end stages) trains as one rank from the same weights."""
+    ref = losses(runs / "one_pretrained")
+    assert abs(ref[1] - losses(runs / "one_gpt")[1]) > 1e-3  # not the init
+    assert_close(losses(runs / "pp2_pretrained"), ref, range(1, 5))
 
 
 @pytest.mark.slow

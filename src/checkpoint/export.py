@@ -174,14 +174,19 @@ def hf_checkpoint_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_hf_shapes(
-    expected: dict[str, tuple[int, ...]], directory: str | Path
+    expected: dict[str, tuple[int, ...]], directory: str | Path, part: bool = False
 ) -> None:
     """``ValueError`` naming the first expected tensor that the checkpoint in
     ``directory`` lacks or holds with another shape (both shapes given), or the first
     tensor it holds that the model has not (older checkpoints' rotary ``inv_freq``
-    buffers aside)."""
+    buffers aside; none with ``part``: the model is a part of the whole, a pipeline
+    stage)."""
     found = hf_checkpoint_shapes(directory)
-    extra = [n for n in found if n not in expected and not n.endswith("inv_freq")]
+    extra = [
+        n
+        for n in found
+        if not part and n not in expected and not n.endswith("inv_freq")
+    ]
     if extra:
         raise ValueError(
             f"{str(directory)!r} holds {extra[0]!r}, which the "
@@ -311,16 +316,18 @@ def load_hf_weights(
     to_hf_name: Callable[[str], str],
     skeleton: nn.Module | None = None,
     transposed: Callable[[str], bool] | None = None,
+    part: bool = False,
 ) -> None:
     """Load a Hugging Face safetensors checkpoint (as ``save_pretrained`` writes it)
     into the (sharded) model in place; each rank reads only its own slices. Tensors
     that transformers converts on load (``skeleton``'s conversion: fused MoE experts)
     are read as slices over all ranks, then converted one group at a time; the
-    ``transposed`` ones (GPT-2's Conv1D) are read into their transpose's slices. A
+    ``transposed`` ones (GPT-2's Conv1D) are read into their transpose's slices.
+    ``part``: the model is a pipeline stage, which reads only its own tensors. A
     collective: every rank calls it."""
     state, hf_names = _hf_named_state(model, to_hf_name, transposed)
     layout, ours = _layout(state, hf_names, skeleton)
-    check_hf_shapes(layout.disk_shapes, directory)
+    check_hf_shapes(layout.disk_shapes, directory, part)
     on_disk = {d: state[ours[m]] for m, d in layout.renames.items()}
     spread = _world_spread()
     for group in layout.groups:
