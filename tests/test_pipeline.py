@@ -103,7 +103,13 @@ def runs(tmp_path_factory) -> Path:
         {
             **{f"interleaved_fsdp2_{f}": [*m, *INTERLEAVED] for f, m in fams.items()},
             **{f"pp2_tp2_{f}": [*m, *PP2, *TP2] for f, m in fams.items()},
-            "hsdp_pp2": [*gpt, *PP2, "sharding.replicate=2", "trainer.export=true"],
+            "hsdp_pp2": [
+                *gpt,
+                *PP2,
+                "sharding.replicate=2",
+                "trainer.export=true",
+                "trainer.val_every=4",
+            ],
             "accum_interleaved_fsdp2": [*gpt, *INTERLEAVED, *ACCUM],
             # PP2 x FSDP2 (validation too) -> FSDP over the 4 ranks, from step 2
             "chain_pp": [*gpt, *PP2, *CKPT, "trainer.val_every=2"],
@@ -267,7 +273,7 @@ def test_export_of_a_pipeline_run_is_the_trained_weights(runs, run):
     """trainer.export=hf (PP2 on 2 ranks) and =true (PP2 x HSDP on 4): the weights
     gathered from the stages equal, bit for bit, the final checkpoint's (DCP, by
     name) loaded into the model without stages, GPT's tied head included."""
-    one = {"trainer.devices": 1, "sharding.backend": "none", "sharding.replicate": 1}
+    one = {"trainer.devices": 1, "sharding.backend": "none"}
     changes = {**SAMPLING_CHANGES, **one}
     _, checkpoint, cfg, resolved = open_run(str(runs / run), lambda _: changes)
     out = run_ranks(_trained_and_exported, 1, 60, cfg, resolved, checkpoint, runs / run)
@@ -276,26 +282,22 @@ def test_export_of_a_pipeline_run_is_the_trained_weights(runs, run):
 
 @pytest.mark.slow
 def test_eval_and_sample_open_a_pipeline_run(runs):
-    """eval.py on one rank gives the val_loss the PP run measured through its
-    stages; sample.py's greedy text is the one the run sampled at its last step
-    (trainer.sample_every, decoded by the model gathered from the stages)."""
+    """eval.py on one rank gives the val_loss the PP run (and the PP2 x HSDP run)
+    measured through its stages; sample.py's greedy text is the one the run sampled
+    at its last step (trainer.sample_every, decoded by the model gathered from the
+    stages)."""
     run = runs / "pp2_text"
     rows = read_rows(run)
     val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
     samples = {r["step"]: r["sample_0"] for r in rows if "sample_0" in r}
     assert sorted(val) == [2, 4] and sorted(samples) == [2, 4]
+    hsdp = runs / "hsdp_pp2"
+    hsdp_val = json.loads((hsdp / "summary.json").read_text())["val_loss"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         entry = eval_py.evaluate_run(compose("eval", [f"run={run}", "devices=1"]))
-        texts = sample_py.main(
-            compose(
-                "sample",
-                [
-                    f"run={run}",
-                    "num_samples=1",
-                    "temperature=0",
-                    "max_new_tokens=12",
-                ],
-            )
-        )
+        hsdp_entry = eval_py.evaluate_run(compose("eval", [f"run={hsdp}", "devices=1"]))
+        greedy = ["num_samples=1", "temperature=0", "max_new_tokens=12"]
+        texts = sample_py.main(compose("sample", [f"run={run}", *greedy]))
     assert entry["step"] == 4 and abs(entry["loss"] - val[4]) < 1e-5, (entry, val)
+    assert abs(hsdp_entry["loss"] - hsdp_val) < 1e-5, (hsdp_entry, hsdp_val)
     assert texts == [samples[4]]

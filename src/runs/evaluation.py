@@ -28,6 +28,7 @@ from src.data.token_cache import SPLITS
 from src.resolved import Resolved
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.loop import evaluate
+from src.trainer.sampling import SHARDED_ONLY
 from src.util import keep_aside, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,7 @@ def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
         "trainer.devices": eval_cfg.devices,
         "trainer.resume": None,
         "trainer.plan_only": False,
-        # Data-parallel ranks only (any number): the checkpoint (DCP) loads on any
-        # layout, a tensor-parallel run's too.
-        "sharding.tensor_parallel": 1,
-        "sharding.pipeline_parallel": 1,
-        "sharding.sequence_parallel": None,
+        **SHARDED_ONLY,  # any number of ranks, whatever the run's layout
     }
     if eval_cfg.data is not None:
         data = OmegaConf.to_container(eval_cfg.data)

@@ -21,17 +21,23 @@ from src.models import ModelSpec
 from src.models.generate import generate
 from src.resolved import Resolved
 
+# A trained run opened again (sample.py, eval.py, a PP run's whole model): sharded
+# over its ranks only (the checkpoint, DCP, loads on any layout; an HSDP, TP or PP
+# run's on any number of ranks), and decoding one token at a time has no sequence to
+# split over tensor-parallel ranks.
+SHARDED_ONLY = {
+    "sharding.replicate": 1,
+    "sharding.tensor_parallel": 1,
+    "sharding.pipeline_parallel": 1,
+    "sharding.sequence_parallel": None,
+}
 # What sample.py changes in the run's config: decoding is not training.
 SAMPLING_CHANGES = {
     "trainer.resume": None,
     "trainer.plan_only": False,
     "sharding.activation_checkpointing": "none",
     "sharding.compile": False,  # each new length would compile again
-    # Data-parallel ranks only: the checkpoint (DCP) loads on any layout, and decoding
-    # one token at a time has no sequence to split over tensor-parallel ranks.
-    "sharding.tensor_parallel": 1,
-    "sharding.pipeline_parallel": 1,
-    "sharding.sequence_parallel": None,
+    **SHARDED_ONLY,
 }
 # A family that decodes through its own generate() (Hugging Face) calls into the
 # model's inner modules, past the root unit's hooks: it gets the whole model, one rank.
