@@ -13,6 +13,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -57,32 +58,82 @@ def make_backend(cfg: DictConfig, device: torch.device) -> Backend:
     )
 
 
-def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pipeline:
-    """This rank's pipeline stages (``sharding.pipeline_parallel > 1``): the family's
-    model built whole on the meta device (nothing allocated), cut by its
-    ``PipelineLayout``, and each stage built from its part under the wrap context
-    as a model is (its blocks annotated, tensor-parallelised, checkpointed, compiled
-    and sharded over the stage's data-parallel ranks, its root last), then
-    materialised shard by shard from the family's per-parameter init."""
+@dataclass(frozen=True)
+class RankStages:
+    """What pp rank ``pp_rank`` of ``pp`` holds of the model: its stages (indices of
+    ``n_stages``), cut from a fresh meta skeleton of the whole model by the family's
+    ``PipelineLayout``: the one home of the stage cut (the trainer builds these
+    parts, the planner plans them)."""
+
+    skeleton: nn.Module
+    layout: PipelineLayout
+    ranges: tuple[range, ...]  # the blocks of every stage, in stage order
+    ids: tuple[int, ...]  # this rank's stages
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.ranges)
+
+    def roles(self) -> list[StageRole]:
+        return [StageRole(i, self.n_stages) for i in self.ids]
+
+    def parts(self) -> list[nn.Module]:
+        """This rank's stages, each the skeleton with the other stages' modules left
+        out (on meta, unbuilt)."""
+        return [
+            cut_stage(
+                self.skeleton, self.layout, self.ranges[r.index], r.first, r.last, r
+            )
+            for r in self.roles()
+        ]
+
+    def holder(self, stages: list[nn.Module]) -> nn.Module:
+        """The module holding the rank's parameters under their names (its stages,
+        once built): the stage itself, or a part with every stage's modules."""
+        if len(stages) == 1:
+            return stages[0]
+        blocks = [b for i in self.ids for b in self.ranges[i]]
+        first, last = self.ids[0] == 0, self.ids[-1] == self.n_stages - 1
+        return cut_stage(self.skeleton, self.layout, blocks, first, last)
+
+
+def rank_stages(
+    cfg: DictConfig, resolved: Resolved, pp: int, pp_rank: int
+) -> RankStages:
+    """The stage cut of ``cfg``'s model for pp rank ``pp_rank`` of ``pp``
+    (``sharding.pp_schedule``'s stages per rank, ``sharding.pp_split``)."""
     s, spec, config = cfg.sharding, resolved.spec, resolved.model_config
     layout = spec.pipeline(config)
     per_rank = SCHEDULES[s.pp_schedule].stages_per_rank
-    n_stages = backend.pp * per_rank
     with torch.device("meta"):
         skeleton = spec.build(config, cfg.trainer.seed)
     n_blocks = len(skeleton.get_submodule(layout.blocks))
-    ranges = split_blocks(n_blocks, n_stages, s.pp_split or None)
-    ids = local_stages(backend.pp_mesh.get_local_rank(), backend.pp, per_rank)
-    stages = []
-    for i in ids:
-        role = StageRole(i, n_stages)
-        part = cut_stage(skeleton, layout, ranges[i], role.first, role.last, role)
-        stages.append(build_model(cfg, backend, resolved, "meta", part, layout))
-    model = stages[0]
-    if len(stages) > 1:  # one module holding the rank's parameters under their names
-        blocks = [b for i in ids for b in ranges[i]]
-        first, last = ids[0] == 0, ids[-1] == n_stages - 1
-        model = cut_stage(skeleton, layout, blocks, first, last)
+    ranges = split_blocks(n_blocks, pp * per_rank, s.pp_split or None)
+    ids = local_stages(pp_rank, pp, per_rank)
+    return RankStages(skeleton, layout, tuple(ranges), tuple(ids))
+
+
+def build_stages(
+    cfg: DictConfig, backend: Backend, resolved: Resolved, cut: RankStages
+) -> list[nn.Module]:
+    """The stages of ``cut``, each built from its part under the wrap context as a
+    model is (its blocks annotated, tensor-parallelised, checkpointed, compiled and
+    sharded over the stage's data-parallel ranks, its root last), then
+    materialised shard by shard from the family's per-parameter init."""
+    return [
+        build_model(cfg, backend, resolved, "meta", part, cut.layout)
+        for part in cut.parts()
+    ]
+
+
+def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pipeline:
+    """This rank's pipeline stages (``sharding.pipeline_parallel > 1``): the family's
+    model built whole on the meta device (nothing allocated), cut by its
+    ``PipelineLayout`` (:func:`rank_stages`), each stage built by
+    :func:`build_stages`, and the schedule."""
+    s = cfg.sharding
+    cut = rank_stages(cfg, resolved, backend.pp, backend.pp_mesh.get_local_rank())
+    stages = build_stages(cfg, backend, resolved, cut)
     return Pipeline(
         stages,
         s.pp_schedule,
@@ -90,7 +141,7 @@ def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pip
         backend.pp_mesh,
         backend.device,
         lm_loss,
-        model,
+        cut.holder(stages),
     )
 
 

@@ -40,6 +40,8 @@ class Resolved:
     # The planner's predicted peak_mem_gib (set by the launcher before the ranks
     # start; None when not planned, e.g. the planner failed on a custom model).
     planned_peak_gib: float | None = None
+    # ... of a pipeline-parallel run: the pp rank whose stages it is (the worst)
+    planned_peak_pp_rank: int | None = None
     # The config as composed, before the launcher prepared it (auto values, the
     # vocabulary following the tokenizer): what a checkpoint records and a resume
     # continues from (src/runs/resume.py). None outside train.py's launcher.

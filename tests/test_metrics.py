@@ -501,11 +501,11 @@ def test_closing_line_compares_planned_and_measured_peak(tmp_path, caplog):
 
     from src.observe.loggers import ConsoleSink
 
-    def close(measured: float) -> list[logging.LogRecord]:
+    def close(measured: float, **more) -> list[logging.LogRecord]:
         caplog.clear()
         sink = ConsoleSink(tmp_path)
         sink.log_summary({"loss": 1.0, "steps": 2, "peak_mem_gib": measured,
-                          "planned_peak_gib": 1.0})  # fmt: skip
+                          "planned_peak_gib": 1.0, **more})  # fmt: skip
         with caplog.at_level(logging.INFO, logger="src.observe.loggers"):
             sink.finish(0)
         return caplog.records
@@ -520,3 +520,6 @@ def test_closing_line_compares_planned_and_measured_peak(tmp_path, caplog):
     assert "measured 0.800 GiB (-20%)" in far[0].getMessage()
     assert [r.levelname for r in far] == ["INFO", "WARNING"]
     assert "-20% off the planner's estimate" in far[1].getMessage()
+    # a pipeline-parallel run's plan is its worst stage's, named
+    staged = close(1.0, planned_peak_pp_rank=1)[0].getMessage()
+    assert "planned 1.000 GiB (worst stage: pp rank 1), measured 1.000 GiB" in staged

@@ -175,3 +175,40 @@ def test_trainer_threshold_is_not_truncated(tmp_path):
     block = units(1.5e5)["h.0"]  # the default makes each block a unit
     assert "h.0" in units(block)
     assert "h.0" not in units(block + 0.5)
+
+
+def test_plan_only_pipeline_plans_each_stage_allocating_nothing(tmp_path, capsys):
+    """PP8 x TP8 x FSDP8 of llama3_70b on 512 ranks: each pp rank's stages planned
+    (no whole-model build), the worst named in the output and the summary; the peak
+    grows by far less than one stage's parameters (8.8B on each pp rank)."""
+    from src.planner.planner import plan_only
+
+    cfg = _compose(
+        "trainer.plan_only=true",
+        "model=llama3_70b",
+        "trainer.devices=512",
+        "sharding.pipeline_parallel=8",
+        "sharding.tensor_parallel=8",
+        "sharding.pp_microbatches=8",
+        "trainer.batch_size=64",
+        "sharding.policy=block",
+        "logger=none",
+    )
+    rss_before = _rss_bytes()
+    peak_resets = metrics._reset_cpu_peak_rss()
+    plan = plan_only(cfg, resolve(cfg), str(tmp_path))
+    peak = metrics.cpu_peak_rss_bytes()
+    printed = capsys.readouterr().out
+    assert "pipeline stages (1f1b, 8 micro-batches per micro-step" in printed
+    assert printed.count("  pp rank ") == 8
+    assert "worst stage: pp rank 0, " in printed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["worst_pp_rank"] == 0
+    assert len(summary["stage_total_gib"]) == 8
+    assert summary["total_gib"] == max(summary["stage_total_gib"])
+    assert summary["stage_total_gib"] == sorted(summary["stage_total_gib"])[::-1]
+    # the worst stage's own plan: the embedding and blocks 0-9 on 64 ranks
+    assert [u.path for u in plan.units] == ["", *(f"layers.{i}" for i in range(10))]
+    assert plan.world_size == 64
+    if peak_resets and rss_before:
+        assert peak - rss_before < 0.25 * GIB, f"{(peak - rss_before) / GIB:.2f} GiB"

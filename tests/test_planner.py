@@ -265,6 +265,7 @@ def test_parts_at_the_loss_backward_peak():
         "activations": 10_000,
         "loss": 3_000 + 6_000,
         "transient": 0,
+        "pipeline": 0,  # no pipeline stages
         "runtime": RUNTIME_BYTES["cpu"][4],
         "process": PROCESS_BYTES["cpu"],
     }
@@ -583,3 +584,144 @@ def test_default_policy_plans_hsdp_on_the_runs_world(tp):
         resolve(chosen).policies
     )
     assert line.startswith("sharding.policy=block: with sharding.min_params=")
+
+
+# ------------------------------------------------------------- pipeline stages
+
+
+def _torch_ops(actions) -> list[tuple[str, int]]:
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    kinds = {C.FORWARD: "F", C.FULL_BACKWARD: "B"}
+    return [
+        (kinds[a.computation_type], a.stage_index)
+        for a in actions
+        if a is not None and a.computation_type in kinds
+    ]
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8)])
+def test_schedule_order_is_torchs(pp, m):
+    """The passes the planner walks are torch's own (its schedules' order, read off
+    the classes themselves, which need no process group for it); 1F1B (no order
+    method in torch) runs min(M, P - stage) forwards before its first backward."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as S
+
+    from src.sharding.pipeline import schedule_order
+
+    gpipe = S.ScheduleGPipe._get_pipeline_order(
+        SimpleNamespace(_num_stages=pp, _n_microbatches=m)
+    )
+    looped = SimpleNamespace(
+        n_local_stages=2,
+        pp_group_size=pp,
+        microbatches_per_round=m // max(1, m // pp),
+        _n_microbatches=m,
+    )
+    for r in range(pp):
+        assert schedule_order("gpipe", pp, m, r) == _torch_ops(gpipe[r])
+        want = S.ScheduleInterleaved1F1B._calculate_single_rank_operations(looped, r)
+        assert schedule_order("interleaved_1f1b", pp, m, r) == _torch_ops(want)
+        order = schedule_order("1f1b", pp, m, r)
+        assert order.index(("B", r)) == min(m, pp - r)
+        assert order.count(("F", r)) == order.count(("B", r)) == m
+        # what the planner counts as held at once
+        _, most = planner.in_flight(_rank(r, pp, m, "1f1b"), {r: 1})
+        assert most == {r: min(m, pp - r)}
+        _, most = planner.in_flight(_rank(r, pp, m, "gpipe"), {r: 1})
+        assert most == {r: m}
+
+
+def _rank(r: int, pp: int, m: int, schedule: str) -> planner.PipelineRank:
+    return planner.PipelineRank(r, (r,), (1,), pp, schedule, pp, m)
+
+
+LLAMA_PP = (
+    "model=llama3_70b",
+    "trainer.devices=512",
+    "sharding.pipeline_parallel=8",
+    "sharding.tensor_parallel=8",
+    "sharding.pp_microbatches=8",
+    "trainer.batch_size=64",
+    "sharding.policy=block",
+    "logger=none",
+)
+
+
+def test_llama3_70b_pp8_tp8_stages_by_hand():
+    """Each stage's figures on PP8 x TP8 x FSDP8 (512 ranks) by hand: 10 of the 80
+    blocks per stage, the embedding on the first, the final norm and head on the
+    last; each rank's tp shard (norms whole) sharded 8 ways in fp32; the stage's
+    units all gathered and its gradients unsharded through the schedule; 1F1B
+    holds 8 - stage micro-batches (1 sequence of 8192 tokens each, 64 sequences over
+    8 data-parallel ranks in 8 micro-batches); the send/recv buffers are 8
+    micro-batches of a block's input (8192 x 8192 fp32) per direction."""
+    cfg = _compose(*LLAMA_PP)
+    resolved = resolve(cfg)
+    stages = planner.pipeline_estimates(cfg, resolved, 512)
+    d, v, hidden, kv = 8192, 128256, 28672, 1024
+    block = 2 * d * d + 2 * d * kv + 3 * d * hidden  # wq wo, wk wv, w1 w2 w3
+    local_block = block // 8 + 2 * d  # tp shards; 2 norms whole
+    local = {0: 10 * local_block + v * d // 8, 7: 10 * local_block + d + v * d // 8}
+    boundary = d * d * 4
+    whole = resolved.spec.activation_bytes(resolved.model_config, 1, d, 4, "none")
+    per_block = whole.saved / 80
+    assert [e.pp_rank for _, e in stages] == list(range(8))
+    for _, est in stages:
+        r = est.pp_rank
+        n = local.get(r, 10 * local_block)
+        assert est.parts["params"] == n // 8 * 4
+        assert est.parts["optimizer"] == 2 * est.parts["params"]
+        assert est.parts["gathered_units"] == n * 4
+        edges = (r > 0) + (r < 7)
+        assert est.parts["pipeline"] == 8 * boundary * edges
+        saved = 10 * per_block + boundary * ((r < 7) - (r > 0))
+        assert est.parts["activations"] == pytest.approx((8 - r) * saved, rel=1e-6)
+        assert est.phase == "block backward"
+        assert est.parts["grads"] >= n * 4  # the stage's, unsharded
+    _, worst = planner.worst_stage(stages)
+    assert worst.pp_rank == 0
+    # 8 micro-batches of 10 blocks are 80 blocks' activations: the whole model's
+    assert worst.parts["activations"] == pytest.approx(whole.saved + 8 * boundary)
+
+
+PP2_SMALL = (
+    "model=small",
+    "model.block_size=1024",
+    "trainer.devices=4",
+    "trainer.batch_size=16",
+    "sharding.pipeline_parallel=2",
+    "sharding.pp_microbatches=2",
+    "logger=none",
+)
+
+
+def test_fit_search_plans_pipelined_points_as_the_stages_are_planned(capsys, tmp_path):
+    """The search's pipelined points are the per-stage estimate of their config (the
+    same figures, by arithmetic on the stages built once); it may change the stage
+    count where that is the cheapest fit, saying what that changes besides memory:
+    here no pipeline at all, which also drops 1F1B's bubble of 1/3 (P=2, M=2)."""
+    cfg = _compose(*PP2_SMALL, "trainer.mem_budget_gib=0.45")
+    resolved = resolve(cfg)
+    budget = int(0.45 * GIB)
+    for keys in (["trainer.grad_accum"], ["trainer.grad_accum", planner.PP_KEY]):
+        best, _ = planner.search(cfg, resolved, keys, budget, 4)
+        point = planner._with(cfg, best.settings())
+        _, est = planner.estimate_cfg(point, resolved, 4)
+        assert est.total == best.estimate.total, best.describe()
+        assert (planner.PP_KEY in best.overrides) == (planner.PP_KEY in keys)
+    assert best.overrides[planner.PP_KEY] == 1
+    assert best.cost == pytest.approx(1.03 * 1.001 / 1.5)  # grad_accum=2, no bubble
+    planner.plan_only(cfg, resolved, str(tmp_path))
+    out = capsys.readouterr().out
+    assert "pipeline stages (1f1b, 2 micro-batches per micro-step, bubble " in out
+    assert "worst stage: pp rank 0" in out
+    assert (
+        "cheapest change that fits: trainer.grad_accum=2 sharding.pipeline_parallel=1"
+        in out
+    )
+    assert (
+        "sharding.pipeline_parallel=1 changes more than memory: no pipeline, so " in out
+    )

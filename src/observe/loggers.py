@@ -290,9 +290,11 @@ class ConsoleSink(Sink):
             drift = measured / planned - 1
             # the quantity both figures are: CUDA summaries carry the reserved peak
             of = "CUDA max allocated" if "peak_reserved_gib" in s else "RSS high-water"
+            stage = s.get("planned_peak_pp_rank")
+            worst = "" if stage is None else f" (worst stage: pp rank {stage})"
             figures += (
-                f", peak memory/rank ({of}) planned {planned:.3f} GiB, measured "
-                f"{measured:.3f} GiB ({drift:+.0%})"
+                f", peak memory/rank ({of}) planned {planned:.3f} GiB{worst}, "
+                f"measured {measured:.3f} GiB ({drift:+.0%})"
             )
         took = f" in {s['wall_time_s']:.0f} s" if "wall_time_s" in s else ""
         lines = [

@@ -51,11 +51,18 @@ from src.sharding import (
     GIB,
     MIB,
     PRECISIONS,
+    Unit,
     WrapPlan,
     backend_class,
     build_backend,
     get_precision,
     wrap_plan,
+)
+from src.sharding.pipeline import (
+    SCHEDULES,
+    bubble_fraction,
+    local_stages,
+    schedule_order,
 )
 
 log = logging.getLogger(__name__)
@@ -184,6 +191,10 @@ class RunShape:
     prefetch: int = 1  # units all-gathered ahead in backward (FSDP's default: 1)
     device: str = "cpu"
     optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
+    # a pipeline stage (``world``: its ranks; ``micro_batch``: a pipeline
+    # micro-batch): torch's schedules keep every unit gathered and its gradients
+    # unsharded from the first backward to the step's end (no_sync, no reshard)
+    pipelined: bool = False
 
     @property
     def shards(self) -> bool:
@@ -212,6 +223,7 @@ PARTS = (
     "activations",
     "loss",
     "transient",
+    "pipeline",
     "runtime",
     "process",
 )
@@ -224,6 +236,7 @@ _LABELS = {
     "activations": "activations (saved)",
     "loss": "head + loss (fp32 log-probs, grads)",
     "transient": "backward / step working set",
+    "pipeline": "pipeline send/recv buffers",
     "runtime": "runtime constant",
     "process": "process baseline",
 }
@@ -237,6 +250,8 @@ class Estimate:
     phase: str
     shape: RunShape
     notes: dict[str, str] = field(default_factory=dict)
+    stage: str = ""  # a pipeline-parallel run: which pp rank's stages, how run
+    pp_rank: int | None = None  # ... and that pp rank
 
     @property
     def total(self) -> int:
@@ -255,13 +270,22 @@ class Estimate:
 
     def table(self) -> str:
         s = self.shape
+        ranks = (
+            f"{s.world} rank(s) per stage, {self.stage}"
+            if s.pipelined
+            else (f"{s.world} rank(s)")
+        )
+        batch = "pipeline micro-batch" if s.pipelined else "micro-batch"
+        sync = "" if s.pipelined else f" (sync {s.grad_sync})"
         lines = [
-            f"per-rank training peak estimate ({s.backend}, {s.world} rank(s), "
-            f"micro-batch {s.micro_batch} x {s.seq_len} tokens, grad_accum "
-            f"{s.grad_accum} (sync {s.grad_sync}), checkpointing {s.checkpointing}); "
+            f"per-rank training peak estimate ({s.backend}, {ranks}, "
+            f"{batch} {s.micro_batch} x {s.seq_len} tokens, grad_accum "
+            f"{s.grad_accum}{sync}, checkpointing {s.checkpointing}); "
             f"peak at: {self.phase}"
         ]
         for k in PARTS:
+            if k == "pipeline" and not s.pipelined:
+                continue
             note = f"  ({self.notes[k]})" if k in self.notes else ""
             lines.append(f"  {_LABELS[k]:<38} {_gib(self.parts[k]):>12}{note}")
         lines.append(f"  {'total':<38} {_gib(self.total):>12}")
@@ -303,7 +327,8 @@ def _held_sharded(
     blocks = sorted((u.local_numel for u in plan.units if u.path), reverse=True)
     root_numel = root.local_numel if root else 0
     params = plan.bytes_per_rank()
-    raf = s.reshard_after_forward
+    # a pipeline stage's units stay gathered from their first backward on
+    raf = False if s.pipelined else s.reshard_after_forward
     kept = blocks if raf is False else blocks[: 1 + s.prefetch]
     # With a group size g, the other units keep 1/g of themselves until backward.
     partly = sum(blocks[len(kept) :]) // raf if type(raf) is int else 0
@@ -368,6 +393,14 @@ def _held_unsharded(
 def _accumulated(h: _Held, s: RunShape, notes: dict[str, str]) -> int:
     """Gradients held through backward: earlier micro-batches' and DDP's buckets."""
     held = 0
+    if s.pipelined:
+        # unsharded through the schedule's micro-batches (reduced at its end), and
+        # the earlier micro-steps' reduced ones
+        held = h.unsharded_grads + (h.sharded_grads if s.grad_accum > 1 else 0)
+        notes["grads"] = "the stage's unsharded, held through the schedule" + (
+            ", + earlier micro-steps' sharded" if s.grad_accum > 1 else ""
+        )
+        return held
     if s.grad_accum > 1:
         every = s.grad_sync == "every" or not s.shards
         held = h.sharded_grads if every else h.unsharded_grads
@@ -381,11 +414,17 @@ def _accumulated(h: _Held, s: RunShape, notes: dict[str, str]) -> int:
 
 
 def estimate(
-    plan: WrapPlan, shape: RunShape, acts: ActivationBytes, process: int | None = None
+    plan: WrapPlan,
+    shape: RunShape,
+    acts: ActivationBytes,
+    process: int | None = None,
+    pipeline: int = 0,
 ) -> Estimate:
     """The per-rank training peak of ``shape`` for the units of ``plan`` (built for
-    ``shape.world`` ranks) with the activations ``acts`` of one micro-batch;
-    ``process``: the process baseline (default: :data:`PROCESS_BYTES` of the device)."""
+    ``shape.world`` ranks) with the activations ``acts`` of one micro-batch (a
+    pipeline stage: of the micro-batches it holds at once); ``process``: the process
+    baseline (default: :data:`PROCESS_BYTES` of the device); ``pipeline``: a stage's
+    send/recv buffers, held throughout."""
     s = shape
     # What one rank holds before data-parallel sharding: with tensor parallelism, its
     # tp shard of each parameter (gathered units, unsharded gradients).
@@ -403,6 +442,7 @@ def estimate(
         "gathered_units": h.gathered,
         "optimizer": s.optimizer_states * h.params,
         "mixed_precision": h.mixed_precision,
+        "pipeline": pipeline,
         "runtime": runtime_bytes(s.device, s.param_bytes),
         "process": process_bytes(s.device) if process is None else process,
     }
@@ -511,7 +551,7 @@ def tp_activations(
     resolved: Resolved,
     shape: RunShape,
     acts: ActivationBytes,
-    model: torch.nn.Module,
+    model: torch.nn.Module | int,
 ) -> ActivationBytes:
     """One rank's activations under tensor parallelism of degree T (unchanged for
     T = 1). With sequence parallelism every saved activation is split T ways (the
@@ -524,7 +564,8 @@ def tp_activations(
     activation whole (an upper bound). A vocabulary-sharded output layer (``loss_parallel``) splits the
     logits and the loss's buffers T ways. The backward working set of one block adds
     its gathered inputs and the all-gather / reduce-scatter buffers (four block
-    inputs: the TP collectives' working set)."""
+    inputs: the TP collectives' working set). ``model``: the model, or its number of
+    blocks."""
     tp = _tp(cfg)
     if tp == 1:
         return acts
@@ -534,7 +575,12 @@ def tp_activations(
         shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
     )
     classes = spec.block_classes(config)
-    blocks = max(1, sum(isinstance(m, classes) for m in model.modules()))
+    blocks = (
+        model
+        if isinstance(model, int)
+        else sum(isinstance(m, classes) for m in model.modules())
+    )
+    blocks = max(1, blocks)
     block_input = full.saved // blocks  # one block's input, full sequence
     every = shape.ac_every if shape.checkpointing == "full" else 1
     checkpointed = (
@@ -653,7 +699,9 @@ def estimate_cfg(
 ) -> tuple[WrapPlan, Estimate]:
     """The wrap plan and the estimate of ``cfg`` (its model: ``resolved``'s) on
     ``world`` ranks (``model``: a meta model of ``cfg`` already built, reused across
-    rank counts)."""
+    rank counts). A pipeline-parallel run: its worst stage's (:func:`worst_stage`)."""
+    if _pp(cfg) > 1:
+        return worst_stage(pipeline_estimates(cfg, resolved, world))
     model = model if model is not None else build_meta_model(cfg, resolved)
     plan = plan_of(cfg, model, world)
     shape = run_shape(cfg, resolved, world)
@@ -683,6 +731,415 @@ def plan_run(cfg: DictConfig, resolved: Resolved, world: int) -> Estimate:
     """The estimate of a run about to start (every ``auto`` value resolved): computed
     once, before the ranks start, so each run logs it beside what it measures."""
     return estimate_cfg(cfg, resolved, world)[1]
+
+
+# ------------------------------------------------------------- pipeline stages
+
+PP_KEY = "sharding.pipeline_parallel"
+PP_MICRO_KEY = "sharding.pp_microbatches"
+
+
+def _pp(cfg: DictConfig) -> int:
+    return int(_get(cfg, PP_KEY))
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    """One pp rank's part of a pipeline-parallel run: its stages and their blocks
+    (the stage cut of src/build.py's :func:`~src.build.rank_stages`), and how the
+    schedule runs them."""
+
+    pp_rank: int
+    stages: tuple[int, ...]  # its stage indices
+    blocks: tuple[int, ...]  # the blocks of each
+    n_stages: int
+    schedule: str
+    pp: int
+    microbatches: int
+
+    def first(self, k: int) -> bool:
+        return self.stages[k] == 0
+
+    def last(self, k: int) -> bool:
+        return self.stages[k] == self.n_stages - 1
+
+    def describe(self) -> str:
+        many = len(self.stages) > 1
+        return (
+            f"pp rank {self.pp_rank}: stage{'s' if many else ''} "
+            f"{', '.join(map(str, self.stages))} of {self.n_stages}, "
+            f"{' + '.join(map(str, self.blocks))} block(s)"
+        )
+
+
+@dataclass
+class StagePlans:
+    """The pp ranks of a run and their stages built on the meta device with the
+    ``plan`` backend (ranks whose stages have the same roles and block counts share
+    one build: their plans are alike, only the blocks' indices differ)."""
+
+    ranks: list[PipelineRank]
+    built: dict[tuple, list[torch.nn.Module]]
+    n_blocks: int  # the whole model's
+
+    @staticmethod
+    def signature(rank: PipelineRank) -> tuple:
+        return tuple(
+            (rank.first(k), rank.last(k), b) for k, b in enumerate(rank.blocks)
+        )
+
+    def plans(self, cfg: DictConfig, world: int) -> list[tuple[PipelineRank, WrapPlan]]:
+        """Each rank's wrap plan on its stage's ``world / P`` ranks."""
+        cache: dict[tuple, WrapPlan] = {}
+        out = []
+        for rank in self.ranks:
+            sig = self.signature(rank)
+            if sig not in cache:
+                cache[sig] = _merged_plan(
+                    [plan_of(cfg, m, world // rank.pp) for m in self.built[sig]]
+                )
+            out.append((rank, cache[sig]))
+        return out
+
+
+def _merged_plan(plans: list[WrapPlan]) -> WrapPlan:
+    """The plan of a rank's stages together: their roots one unit (each stage's
+    root is gathered from its forward to the end of backward)."""
+    if len(plans) == 1:
+        return plans[0]
+    roots = [u for p in plans for u in p.units if not u.path]
+    units = [u for p in plans for u in p.units if u.path]
+    if roots:
+        root = Unit(
+            "",
+            roots[0].cls,
+            sum(u.numel for u in roots),
+            sum(u.bytes_per_rank for u in roots),
+            sum(u.local_numel for u in roots),
+        )
+        units = [root, *units]
+    first = plans[0]
+    return replace(
+        first,
+        units=units,
+        total_numel=sum(p.total_numel for p in plans),
+        tp_modules=[m for p in plans for m in p.tp_modules],
+    )
+
+
+def stage_plans(
+    cfg: DictConfig, resolved: Resolved, only: int | None = None
+) -> StagePlans:
+    """The pp ranks of ``cfg`` and their stages built on meta (``only``: just that
+    rank's, built under its own block indices)."""
+    from src.build import build_stages, rank_stages
+
+    if _get(cfg, AC_KEY) == "auto":  # not chosen yet: the units are alike
+        cfg = _with(cfg, {AC_KEY: "none"})
+    pp, s = _pp(cfg), cfg.sharding
+    backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
+    ranks, built = [], {}
+    used: set[int] = set()  # modules already built from the skeleton
+    try:
+        cut = rank_stages(cfg, resolved, pp, 0 if only is None else only)
+        for r in range(pp) if only is None else [only]:
+            ids = local_stages(r, pp, SCHEDULES[s.pp_schedule].stages_per_rank)
+            rank = PipelineRank(
+                r,
+                tuple(ids),
+                tuple(len(cut.ranges[i]) for i in ids),
+                cut.n_stages,
+                str(s.pp_schedule),
+                pp,
+                int(s.pp_microbatches),
+            )
+            ranks.append(rank)
+            sig = StagePlans.signature(rank)
+            if sig not in built:
+                # cut from the same skeleton unless it shares a module with a
+                # stage built before (a tied embedding): then from a fresh one
+                mine = replace(cut, ids=tuple(ids))
+                modules = {
+                    id(m)
+                    for part in mine.parts()
+                    for m in part.modules()
+                    if m is not part and m._parameters
+                }
+                if modules & used:
+                    mine = rank_stages(cfg, resolved, pp, r)
+                used |= modules
+                built[sig] = build_stages(cfg, backend, resolved, mine)
+    finally:
+        backend.close()
+    return StagePlans(ranks, built, sum(len(r) for r in cut.ranges))
+
+
+@functools.cache
+def held_counts(
+    schedule: str, pp: int, microbatches: int, pp_rank: int
+) -> tuple[tuple[int, ...], frozenset[tuple[int, ...]]]:
+    """Walking a rank's schedule (:func:`~src.sharding.pipeline.schedule_order`),
+    a forward keeping one more micro-batch of its stage and that stage's backward
+    freeing one: the rank's stages, and every distinct count of micro-batches
+    they hold after a forward (the moments activations peak)."""
+    order = schedule_order(schedule, pp, microbatches, pp_rank)
+    stages = tuple(sorted({stage for _, stage in order}))
+    held = dict.fromkeys(stages, 0)
+    seen = set()
+    for kind, stage in order:
+        held[stage] += 1 if kind == "F" else -1
+        if kind == "F":
+            seen.add(tuple(held[k] for k in stages))
+    return stages, frozenset(seen)
+
+
+def in_flight(rank: PipelineRank, saved: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """The most activation bytes ``rank`` holds at once (``saved[stage]``: one
+    micro-batch's in that stage) and the most micro-batches each stage holds."""
+    stages, counts = held_counts(
+        rank.schedule, rank.pp, rank.microbatches, rank.pp_rank
+    )
+    peak = max(
+        sum(n * saved[k] for n, k in zip(c, stages, strict=True)) for c in counts
+    )
+    most = {k: max(c[i] for c in counts) for i, k in enumerate(stages)}
+    return peak, most
+
+
+def stage_activations(
+    whole: Callable[[str, int], ActivationBytes],
+    n_blocks: int,
+    blocks: int,
+    first: bool,
+    last: bool,
+    checkpointing: str,
+    every: int,
+    boundary: int,
+) -> ActivationBytes:
+    """One micro-batch's activations in a stage of ``blocks`` of the model's
+    ``n_blocks`` blocks, from the whole model's (``whole(mode, every)``: its
+    blocks are alike): each block saves its share of the whole model's, or of what
+    checkpointing keeps (counted from the stage's first block, as each stage's
+    blocks are wrapped in turn); the head and the loss on the last stage only. A
+    stage that is not the last also holds its output (``boundary``: one block's
+    input) until its backward; one that is not the first has its input in the
+    receive buffers (counted there, :func:`pipeline_buffers`), and its backward
+    makes the input's gradient to send back."""
+    from src.models.memory import backward_blocks, checkpointed_blocks
+
+    none = whole("none", 1)
+    per_block = none.saved / n_blocks
+    kept = {m: whole(m, 1).saved / n_blocks for m in ("full", "selective")}
+    ckpt = checkpointed_blocks(blocks, checkpointing, every)
+    kept_per_block = [kept[checkpointing] if c else per_block for c in ckpt]
+    edges = (0 if last else boundary) - (0 if first else boundary)
+    return ActivationBytes(
+        saved=int(sum(kept_per_block)) + edges,
+        head=none.head if last else 0,
+        loss_transient=none.loss_transient if last else 0,
+        block_transient=int(
+            backward_blocks(kept_per_block, int(per_block), ckpt, none.block_transient)
+        )
+        + (0 if first else boundary),
+    )
+
+
+def pipeline_buffers(rank: PipelineRank, boundary: int) -> int:
+    """A rank's send/recv buffers: torch's ``PipelineStage`` allocates, per
+    micro-batch, a buffer for the activation it receives (every stage but the
+    first) and one for the gradient it receives (every stage but the last), each
+    one micro-batch's tensor at the stage boundary, kept from the first step on."""
+    edges = sum(
+        (not rank.first(k)) + (not rank.last(k)) for k in range(len(rank.stages))
+    )
+    return rank.microbatches * boundary * edges
+
+
+def rank_activations(
+    rank: PipelineRank,
+    shape: RunShape,
+    whole: Callable[[str, int], ActivationBytes],
+    n_blocks: int,
+    boundary: int,
+    cache: dict | None = None,
+) -> tuple[ActivationBytes, dict[int, int]]:
+    """What one pp rank's stages hold of activations at once: the micro-batches its
+    schedule keeps in flight (:func:`in_flight`) times each stage's, the head of
+    as many micro-batches as the last stage keeps; and those counts per stage
+    (``cache``: stages' activations already computed for ``shape``)."""
+    cache = {} if cache is None else cache
+    acts = {}
+    for k, b in enumerate(rank.blocks):
+        key = (rank.first(k), rank.last(k), b)
+        if key not in cache:
+            cache[key] = stage_activations(
+                whole,
+                n_blocks,
+                b,
+                *key[:2],
+                shape.checkpointing,
+                shape.ac_every,
+                boundary,
+            )
+        acts[rank.stages[k]] = cache[key]
+    saved, most = in_flight(rank, {i: a.saved for i, a in acts.items()})
+    held = ActivationBytes(
+        saved=saved,
+        head=sum(most[i] * a.head for i, a in acts.items()),
+        loss_transient=max(a.loss_transient for a in acts.values()),
+        block_transient=max(a.block_transient for a in acts.values()),
+    )
+    return held, most
+
+
+def rank_estimate(
+    rank: PipelineRank,
+    plan: WrapPlan,
+    shape: RunShape,
+    held: tuple[ActivationBytes, dict[int, int]],
+    boundary: int,
+    process: int,
+) -> Estimate:
+    """The training peak of one pp rank: its stages' parameters (``plan``), the
+    activations it holds at once (``held``: :func:`rank_activations`), its
+    send/recv buffers."""
+    acts, most = held
+    est = estimate(plan, shape, acts, process, pipeline_buffers(rank, boundary))
+    depth = ", ".join(f"stage {i}: {n}" for i, n in most.items())
+    est.notes["activations"] = f"micro-batches held at once: {depth}"
+    est.notes["pipeline"] = f"{rank.microbatches} micro-batches' boundary tensors"
+    est.stage = rank.describe()
+    est.pp_rank = rank.pp_rank
+    return est
+
+
+def worst_rank(
+    ranks: list[tuple[PipelineRank, WrapPlan]],
+    shape: RunShape,
+    whole: Callable[[str, int], ActivationBytes],
+    n_blocks: int,
+    boundary: int,
+    process: int,
+) -> Estimate:
+    """The estimate of the pp rank with the largest: of ranks whose stages are
+    alike (:meth:`StagePlans.signature`) only the one holding the most
+    activations is estimated (the rest of their estimate is the same)."""
+    heaviest: dict[tuple, tuple] = {}
+    cache: dict = {}
+    for rank, plan in ranks:
+        if SCHEDULES[rank.schedule].stages_per_rank == 1 and (
+            StagePlans.signature(rank) in heaviest
+        ):
+            continue  # one stage per rank: an earlier rank holds as many or more
+        held = rank_activations(rank, shape, whole, n_blocks, boundary, cache)
+        sig = StagePlans.signature(rank)
+        size = held[0].saved + held[0].head
+        if sig not in heaviest or size > heaviest[sig][0]:
+            heaviest[sig] = (size, rank, plan, held)
+    return max(
+        (
+            rank_estimate(rank, plan, shape, held, boundary, process)
+            for _, rank, plan, held in heaviest.values()
+        ),
+        key=lambda e: e.total,
+    )
+
+
+def pipeline_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
+    """:func:`run_shape` of one pipeline stage: its ``world / P`` ranks, one pipeline
+    micro-batch (each data-parallel rank's rows of a micro-step split
+    ``sharding.pp_microbatches`` ways; the busiest rank's share)."""
+    shape = run_shape(cfg, resolved, world)
+    t = cfg.trainer
+    dp = max(1, world // (_tp(cfg) * _pp(cfg)))
+    rows = t.batch_size / shape.grad_accum / dp / int(_get(cfg, PP_MICRO_KEY))
+    return replace(
+        shape,
+        world=world // _pp(cfg),
+        micro_batch=max(1, math.ceil(rows)),
+        pipelined=True,
+    )
+
+
+def whole_activations(
+    cfg: DictConfig, resolved: Resolved, shape: RunShape, n_blocks: int
+) -> tuple[Callable[[str, int], ActivationBytes], int]:
+    """The whole model's activations of one micro-batch of ``shape`` per
+    checkpointing mode (tensor parallelism applied), and one block's input (the
+    tensor at a stage boundary)."""
+    fn = run_activation_fn(cfg, resolved)
+    args = (shape.micro_batch, shape.seq_len, shape.param_bytes)
+
+    @functools.cache
+    def whole(mode: str, every: int) -> ActivationBytes:
+        mode_shape = replace(shape, checkpointing=mode, ac_every=every)
+        return tp_activations(
+            cfg, resolved, mode_shape, fn(*args, mode, every), n_blocks
+        )
+
+    boundary = activation_fn(resolved)(*args, "full", 1).saved // n_blocks
+    return whole, boundary
+
+
+def pipeline_estimates(
+    cfg: DictConfig,
+    resolved: Resolved,
+    world: int,
+    plans: StagePlans | None = None,
+) -> list[tuple[WrapPlan, Estimate]]:
+    """Each pp rank's wrap plan and estimate (``sharding.pipeline_parallel > 1``)."""
+    plans = plans or stage_plans(cfg, resolved)
+    shape = pipeline_shape(cfg, resolved, world)
+    n_blocks = plans.n_blocks
+    whole, boundary = whole_activations(cfg, resolved, shape, n_blocks)
+    process = family_process_bytes(cfg, resolved, shape.device)
+    return [
+        (
+            plan,
+            rank_estimate(
+                rank,
+                plan,
+                shape,
+                rank_activations(rank, shape, whole, n_blocks, boundary),
+                boundary,
+                process,
+            ),
+        )
+        for rank, plan in plans.plans(cfg, world)
+    ]
+
+
+def pipeline_report(cfg: DictConfig, estimates: list[tuple[WrapPlan, Estimate]]) -> str:
+    """Each pp rank's peak, the worst named, and what the schedule costs in time."""
+    s = cfg.sharding
+    pp, m = _pp(cfg), int(s.pp_microbatches)
+    _, worst = worst_stage(estimates)
+    lines = [
+        f"pipeline stages ({s.pp_schedule}, {m} micro-batches per micro-step, "
+        f"{bubble_line(str(s.pp_schedule), pp, m)}):"
+    ]
+    for _, e in estimates:
+        lines.append(f"  {e.stage:<44} {_gib(e.total):>12} peak at {e.phase}")
+    lines.append(
+        f"worst stage: pp rank {worst.pp_rank}, {_gib(worst.total)} "
+        "(the estimate below; gradient accumulation: each micro-step's schedule "
+        "reduces the stage's gradients at its end, trainer.grad_sync does not apply)"
+    )
+    return "\n".join(lines)
+
+
+def bubble_line(schedule: str, pp: int, microbatches: int) -> str:
+    """The schedule's idle share, as theory gives it."""
+    v = SCHEDULES[schedule].stages_per_rank
+    formula = "(P-1)/(M+P-1)" if v == 1 else f"(P-1)/(V M+P-1) with V={v}"
+    return f"bubble {formula} = {bubble_fraction(schedule, pp, microbatches):.0%}"
+
+
+def worst_stage(
+    estimates: list[tuple[WrapPlan, Estimate]],
+) -> tuple[WrapPlan, Estimate]:
+    """The pp rank with the largest estimate (the first of equal ones)."""
+    return max(estimates, key=lambda pe: pe[1].total)
 
 
 # ---------------------------------------------------------------- the budget
@@ -772,6 +1229,8 @@ def _cost(
     and :func:`precision_cost`; ``device``: the estimate's device and accelerator)."""
     cost = 1.0
     for key, value in ovr.items():
+        if key in (PP_KEY, PP_MICRO_KEY):
+            continue
         old = currents[key]
         if key == AC_KEY:
             cost *= ac_cost(value) / ac_cost(old)
@@ -788,7 +1247,16 @@ def _cost(
             cost *= COST["ranks_doubling"] ** math.log2(value / old)
         elif key == PRECISION_KEY:
             cost *= precision_cost(value, *device) / precision_cost(old, *device)
-    return cost
+    return cost  # pipeline keys: pipeline_cost (the search)
+
+
+def pipeline_cost(schedule: str, pp: int, microbatches: int) -> float:
+    """Relative time of a step with ``pp`` stages: the schedule's bubble
+    (:func:`~src.sharding.pipeline.bubble_fraction`) idles each rank for that share
+    of it, so a step takes ``1 / (1 - bubble)`` of its compute."""
+    if pp <= 1:
+        return 1.0
+    return 1 / (1 - bubble_fraction(schedule, pp, microbatches))
 
 
 #: Matmul time of a low-precision policy against fp32 where no datasheet says
@@ -896,10 +1364,36 @@ def _options(
         elif key == PRECISION_KEY:
             device = (device_type(cfg), accelerator_name(cfg))
             vals = [p for p in PRECISIONS if precision_cost(p, *device) < math.inf]
+        elif key == PP_KEY:
+            vals = pipeline_options(cfg, resolved, world)
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
     return out
+
+
+def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
+    """The stage counts the fit search tries on ``world`` ranks: none (1), and 2, 4,
+    8, 16 where they divide the ranks with the run's tp and replica groups and leave each stage a
+    block, where the backend and the model family can pipeline (none with
+    ``sharding.pp_split`` or sequence parallelism set: they fix the layout)."""
+    s, spec = cfg.sharding, resolved.spec
+    if (
+        not getattr(backend_class(s.backend), "pipeline_parallel", False)
+        or spec.pipeline is None
+        or spec.init_tensor is None
+        or s.pp_split
+        or OmegaConf.select(cfg, "sharding.sequence_parallel") is True
+    ):
+        return []
+    per_rank = SCHEDULES[str(s.pp_schedule)].stages_per_rank
+    blocks = _n_blocks(resolved)
+    group = _tp(cfg) * int(s.replicate)
+    return [1] + [
+        2**i
+        for i in range(1, 5)
+        if world % (2**i * group) == 0 and 2**i * per_rank <= blocks
+    ]
 
 
 def search(
@@ -924,15 +1418,74 @@ def search(
     acts = run_activation_fn(cfg, resolved)
     process = family_process_bytes(cfg, resolved, base.device)
     batch = int(cfg.trainer.batch_size)
+    tp = _tp(cfg)
     models: dict[float, torch.nn.Module] = {}
     plans: dict[tuple[float, int], WrapPlan] = {}
+    staged: dict[tuple[float, int], StagePlans] = {}
+    staged_plans: dict[tuple[float, int, int], list] = {}
+    wholes: dict[tuple[int, int], tuple] = {}
+    cur_mp, cur_pp = float(cfg.sharding.min_params), _pp(cfg)
+    cur_m, schedule = (
+        int(_get(cfg, PP_MICRO_KEY)),
+        str(_get(cfg, "sharding.pp_schedule")),
+    )
     best: Candidate | None = None
     smallest: Candidate | None = None
     for point in _product(options):
-        mp = float(point.get("sharding.min_params", cfg.sharding.min_params))
+        mp = float(point.get("sharding.min_params", cur_mp))
         w = int(point.get("trainer.devices", world))
         accum = int(point.get("trainer.grad_accum", base.grad_accum))
+        pp = int(point.get(PP_KEY, cur_pp))
         if batch % accum:
+            continue
+        if pp > 1:
+            if mp != cur_mp or (pp != cur_pp and w != world):
+                continue  # other stage counts: at the current ranks; units as set
+            if point.get("trainer.grad_sync", base.grad_sync) != base.grad_sync:
+                continue  # no effect: each schedule reduces at its end
+            m = max(cur_m, pp)
+            if (mp, pp) not in staged:
+                at = {"sharding.min_params": mp, PP_KEY: pp, PP_MICRO_KEY: m}
+                staged[mp, pp] = stage_plans(_with(cfg, at), resolved)
+            if (mp, pp, w) not in staged_plans:
+                staged_plans[mp, pp, w] = staged[mp, pp].plans(cfg, w)
+            ranks = staged_plans[mp, pp, w]
+            ac = point.get(AC_KEY)
+            if ac is not None and ac.mode == "selective":
+                if any(_nested(plan) for _, plan in ranks):
+                    continue
+            prec = get_precision(point.get(PRECISION_KEY, cfg.precision.name))
+            if prec.name == "fp16_mixed":
+                continue  # its gradient scaler does not pipeline yet (config.py)
+            rows = batch / accum / max(1, w // (tp * pp)) / m
+            shape = replace(
+                base,
+                param_bytes=prec.param_dtype.itemsize,
+                reduce_bytes=prec.reduce_dtype.itemsize,
+                world=w // pp,
+                grad_accum=accum,
+                micro_batch=max(1, math.ceil(rows)),
+                checkpointing=ac.mode if ac else base.checkpointing,
+                ac_every=ac.every if ac else base.ac_every,
+                pipelined=True,
+            )
+            n_blocks = staged[mp, pp].n_blocks
+            at = (shape.micro_batch, shape.param_bytes)
+            if at not in wholes:
+                wholes[at] = whole_activations(cfg, resolved, shape, n_blocks)
+            whole, boundary = wholes[at]
+            est = worst_rank(ranks, shape, whole, n_blocks, boundary, process)
+            changed = {k: v for k, v in point.items() if v != options[k][0]}
+            if m != cur_m:
+                changed[PP_MICRO_KEY] = m
+            cost = _cost(currents, changed, device) * (
+                pipeline_cost(schedule, pp, m) / pipeline_cost(schedule, cur_pp, cur_m)
+            )
+            cand = Candidate(changed, est, cost)
+            if smallest is None or est.total < smallest.estimate.total:
+                smallest = cand
+            if needed(est, margin) <= budget and (best is None or cost < best.cost):
+                best = cand
             continue
         if mp not in models:
             with_mp = _with(cfg, {"sharding.min_params": mp})
@@ -949,7 +1502,7 @@ def search(
             reduce_bytes=prec.reduce_dtype.itemsize,
             world=w,
             grad_accum=accum,
-            micro_batch=max(1, math.ceil(batch / accum / max(1, w // _tp(cfg)))),
+            micro_batch=max(1, math.ceil(batch / accum / max(1, w // tp))),
             grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
             checkpointing=ac.mode if ac else base.checkpointing,
             ac_every=ac.every if ac else base.ac_every,
@@ -961,10 +1514,12 @@ def search(
             shape.checkpointing,
             shape.ac_every,
         )
-        a = tp_activations(cfg, resolved, shape, a, models[mp])
+        if tp > 1:
+            a = tp_activations(cfg, resolved, shape, a, models[mp])
         est = estimate(plans[mp, w], shape, a, process)
         changed = {k: v for k, v in point.items() if v != options[k][0]}
-        cand = Candidate(changed, est, _cost(currents, changed, device))
+        cost = _cost(currents, changed, device) / pipeline_cost(schedule, cur_pp, cur_m)
+        cand = Candidate(changed, est, cost)
         if smallest is None or est.total < smallest.estimate.total:
             smallest = cand
         fits = needed(est, margin) <= budget
@@ -1095,7 +1650,10 @@ def default_policy(
         or not backend_class(s.backend).shards_parameters
     ):
         return cfg, resolved, ""
-    plan = plan_of(cfg, build_meta_model(cfg, resolved), resolved.world_size)
+    if _pp(cfg) > 1:  # the first stage's blocks tell (never the whole model)
+        plan = stage_plans(cfg, resolved, only=0).plans(cfg, resolved.world_size)[0][1]
+    else:
+        plan = plan_of(cfg, build_meta_model(cfg, resolved), resolved.world_size)
     if not _nested(plan):
         return cfg, resolved, ""
     inside = sum(1 for u in plan.units if u.path)
@@ -1156,7 +1714,7 @@ def fit_report(
     lines = [
         f"does not fit: needs {_with_margin(est, pct)} > budget {_gib(budget)} per rank"
     ]
-    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices"]
+    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices", PP_KEY]
     best, smallest = search(cfg, resolved, keys, budget, world, max_world=world * 64)
     if best is None:
         lines.append(
@@ -1171,6 +1729,8 @@ def fit_report(
             f" (headroom {_gib(m)}, relative cost x{best.cost:.2f})"
         )
         info["fix"] = best.describe()
+        if PP_KEY in best.overrides:
+            lines.append(pipeline_effects(cfg, best))
         if PRECISION_KEY in best.overrides:
             name = best.overrides[PRECISION_KEY]
             lines.append(
@@ -1182,22 +1742,49 @@ def fit_report(
     return "\n".join(lines), info
 
 
+def pipeline_effects(cfg: DictConfig, best: Candidate) -> str:
+    """What a proposed stage count changes besides memory."""
+    s = cfg.sharding
+    pp = best.overrides[PP_KEY]
+    m = best.overrides.get(PP_MICRO_KEY, int(s.pp_microbatches))
+    schedule = str(s.pp_schedule)
+    if pp == 1:
+        was = int(s.pipeline_parallel)
+        return (
+            f"{PP_KEY}=1 changes more than memory: no pipeline, so no bubble (the "
+            f"{bubble_line(schedule, was, int(s.pp_microbatches))} of a step now); "
+            "every rank holds shards of all the blocks"
+        )
+    return (
+        f"{PP_KEY}={pp} changes more than memory: {pp} stages of the model's "
+        f"blocks, each sharded over {best.estimate.shape.world} ranks; "
+        f"{schedule} over {m} micro-batches idles each rank for the "
+        f"{bubble_line(schedule, pp, m)} of a step (compute "
+        f"x{pipeline_cost(schedule, pp, m):.2f}); activations pass between stages "
+        "point to point (docs/sharding.md)"
+    )
+
+
 def uneven_batch(cfg: DictConfig, world: int) -> str:
     """A warning line when ``trainer.batch_size`` does not split into
     ``trainer.grad_accum`` micro-batches of whole sequences on each data-parallel
-    rank of ``world`` (the estimate plans the busiest rank's share, at least one
+    rank of ``world`` (and, pipelined, into ``sharding.pp_microbatches`` pipeline
+    micro-batches; the estimate plans the busiest rank's share, at least one
     sequence; a run refuses such a batch); empty when it splits."""
     t = cfg.trainer
     batch, accum = int(t.batch_size), int(t.grad_accum)
-    dp = max(1, world // _tp(cfg))
-    if batch % accum == 0 and (batch // accum) % dp == 0:
+    pp = _pp(cfg)
+    m = int(_get(cfg, PP_MICRO_KEY)) if pp > 1 else 1
+    dp = max(1, world // (_tp(cfg) * pp))
+    if batch % accum == 0 and (batch // accum) % (dp * m) == 0:
         return ""
-    share = batch / accum / dp
+    share = batch / accum / dp / m
+    into = f" and {m} pipeline micro-batches" if pp > 1 else ""
     return (
-        f"warning: trainer.batch_size={batch} in {accum} micro-batch(es) over {dp} "
-        f"data-parallel rank(s) is {share:g} sequence(s) per rank: planned as "
+        f"warning: trainer.batch_size={batch} in {accum} micro-batch(es){into} over "
+        f"{dp} data-parallel rank(s) is {share:g} sequence(s) per rank: planned as "
         f"micro-batch {max(1, math.ceil(share))}, the busiest rank's share; a run needs "
-        f"trainer.batch_size a multiple of {accum * dp}"
+        f"trainer.batch_size a multiple of {accum * dp * m}"
     )
 
 
@@ -1209,13 +1796,28 @@ def plan_only(
     for ``trainer.devices`` ranks; no rank starts and nothing is allocated (the model
     is built on the meta device with the recording-only ``plan`` backend)."""
     world = world_size or resolve_devices(cfg.trainer.devices)
-    model = build_meta_model(cfg, resolved)
-    plan, est = estimate_cfg(cfg, resolved, world, model)
-    log.info(plan.tree())
-    log.info(est.table())
+    stages: dict[str, Any] = {}
+    if _pp(cfg) > 1:  # each stage planned, never the whole model
+        estimates = pipeline_estimates(cfg, resolved, world)
+        plan, est = worst_stage(estimates)
+        # the worst rank's own blocks (alike ranks share one build)
+        plan = stage_plans(cfg, resolved, only=est.pp_rank).plans(cfg, world)[0][1]
+        log.info(plan.tree())
+        log.info(pipeline_report(cfg, estimates))
+        log.info(est.table())
+        stages = {
+            "worst_pp_rank": est.pp_rank,
+            "stage_total_gib": [e.total / GIB for _, e in estimates],
+        }
+    else:
+        model = build_meta_model(cfg, resolved)
+        plan, est = estimate_cfg(cfg, resolved, world, model)
+        log.info(plan.tree())
+        log.info(est.table())
     if uneven_batch(cfg, world):
         log.warning(uneven_batch(cfg, world))
-    log.info(grad_sync_costs(cfg, resolved, world, model))
+    if _pp(cfg) == 1:
+        log.info(grad_sync_costs(cfg, resolved, world, model))
     verdict, info = fit_report(cfg, resolved, est, world)
     if verdict:
         log.info(verdict)
@@ -1230,6 +1832,7 @@ def plan_only(
             "wrap_units": len(plan.units),
             "peak_phase": est.phase,
             **est.gib(),
+            **stages,
             **info,
         }
     )

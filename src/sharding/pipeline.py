@@ -71,6 +71,50 @@ SCHEDULES: dict[str, Schedule] = {
 }
 
 
+def schedule_order(
+    schedule: str, pp: int, microbatches: int, pp_rank: int
+) -> list[tuple[str, int]]:
+    """The forward (``"F"``) and backward (``"B"``) passes pp rank ``pp_rank`` runs
+    in one step of ``schedule``, in order, each with its stage index: what the
+    planner walks to know how many micro-batches each stage holds at once. Read off
+    torch 2.13's schedules (tests/test_planner.py checks it against them): GPipe runs
+    every forward, then every backward; 1F1B ``min(M, P - stage)`` forwards, then one
+    backward and one forward at a time; Interleaved1F1B its warm-up of
+    ``(V - 1) * m + 2 * (P - 1 - rank)`` forwards (m micro-batches a round, capped at
+    ``V * M``), forwards cycling through the rank's V stages every m, then a forward
+    and a backward at a time, backwards visiting the stages in reverse."""
+    v = SCHEDULES[schedule].stages_per_rank
+    if schedule == "gpipe":
+        return [("F", pp_rank)] * microbatches + [("B", pp_rank)] * microbatches
+    if v == 1:  # 1f1b
+        warmup = min(microbatches, pp - pp_rank)
+        order = [("F", pp_rank)] * warmup
+        for _ in range(microbatches - warmup):
+            order += [("B", pp_rank), ("F", pp_rank)]
+        return order + [("B", pp_rank)] * warmup
+    per_round = microbatches // max(1, microbatches // pp)
+    total = v * microbatches
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+
+    def forward(op: int) -> int:
+        return (op // per_round) % v * pp + pp_rank
+
+    def backward(op: int) -> int:
+        return (v - 1 - ((op - warmup) // per_round) % v) * pp + pp_rank
+
+    order = [("F", forward(op)) for op in range(warmup)]
+    for op in range(warmup, total):
+        order += [("F", forward(op)), ("B", backward(op))]
+    return order + [("B", backward(op)) for op in range(total, total + warmup)]
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int) -> float:
+    """The idle share of a step in theory: ``(P - 1) / (M + P - 1)`` for GPipe and
+    1F1B; with V stages per rank (interleaved) ``(P - 1) / (V M + P - 1)``."""
+    v_m = SCHEDULES[schedule].stages_per_rank * microbatches
+    return (pp - 1) / (v_m + pp - 1)
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """How a family's model cuts into stages (``ModelSpec.pipeline``)."""

@@ -54,6 +54,7 @@ from src.observe.logs import (
 )
 from src.observe.metrics import set_malloc_mmap_threshold
 from src.planner.planner import (
+    Estimate,
     default_policy,
     plan_only,
     plan_run,
@@ -133,16 +134,20 @@ def prepare(
         return cfg, resolved
     # Rank 0 logs it beside what it measures: planned once, by rank 0.
     world = _world_from_env() or resolved.world_size
+    est = _planned(cfg, resolved, world)
     return cfg, replace(
-        resolved, planned_peak_gib=_planned_peak_gib(cfg, resolved, world)
+        resolved,
+        planned_peak_gib=planned_peak_gib(est) if est else None,
+        planned_peak_pp_rank=est.pp_rank if est else None,
     )
 
 
-def _planned_peak_gib(cfg: DictConfig, resolved: Resolved, world: int) -> float | None:
-    """The planner's ``peak_mem_gib`` for this run; None (said in one line) if the
-    planner cannot estimate it: training does not depend on it."""
+def _planned(cfg: DictConfig, resolved: Resolved, world: int) -> Estimate | None:
+    """The planner's estimate of this run (a pipeline: its worst stage's); None
+    (said in one line) if the planner cannot estimate it: training does not depend
+    on it."""
     try:
-        return planned_peak_gib(plan_run(cfg, resolved, world))
+        return plan_run(cfg, resolved, world)
     except Exception as err:  # e.g. a custom model the meta device cannot build
         log.warning(
             "planner: no estimate for this run (%s: %s)", type(err).__name__, err

@@ -593,9 +593,16 @@ class Trainer:
         self.logger.log_artifact("profile", "profile", directory)
 
     def _planned(self) -> dict[str, float]:
-        """The planner's ``peak_mem_gib`` (launcher's estimate), logged beside it."""
-        planned = self.resolved.planned_peak_gib
-        return {} if planned is None else {"planned_peak_gib": planned}
+        """The planner's ``peak_mem_gib`` (launcher's estimate), logged beside it (a
+        pipeline's: its worst stage's, and that stage's pp rank)."""
+        planned, pp_rank = (
+            self.resolved.planned_peak_gib,
+            self.resolved.planned_peak_pp_rank,
+        )
+        if planned is None:
+            return {}
+        stage = {} if pp_rank is None else {"planned_peak_pp_rank": pp_rank}
+        return {"planned_peak_gib": planned, **stage}
 
     # -- the parts of a step ------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any] | None:
