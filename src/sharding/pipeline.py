@@ -386,8 +386,12 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         target = y if self.last else None
-        run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=target, losses=losses)
+        if train:  # the losses are all it needs: no stage keeps its logits
+            self.schedule.step(
+                *args, target=target, losses=losses, return_outputs=False
+            )
+        else:
+            self.schedule.eval(*args, target=target, losses=losses)
         total = torch.zeros((), device=x.device)
         for loss in losses:
             total += loss.detach().float()
