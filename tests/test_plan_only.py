@@ -182,18 +182,9 @@ def test_plan_only_pipeline_plans_each_stage_allocating_nothing(tmp_path, capsys
     (no whole-model build), the worst named in the output and the summary; the peak
     grows by far less than one stage's parameters (8.8B on each pp rank)."""
     from src.planner.planner import plan_only
+    from tests.test_planner import LLAMA_PP
 
-    cfg = _compose(
-        "trainer.plan_only=true",
-        "model=llama3_70b",
-        "trainer.devices=512",
-        "sharding.pipeline_parallel=8",
-        "sharding.tensor_parallel=8",
-        "sharding.pp_microbatches=8",
-        "trainer.batch_size=64",
-        "sharding.policy=block",
-        "logger=none",
-    )
+    cfg = _compose("trainer.plan_only=true", *LLAMA_PP)
     rss_before = _rss_bytes()
     peak_resets = metrics._reset_cpu_peak_rss()
     plan = plan_only(cfg, resolve(cfg), str(tmp_path))
