@@ -118,6 +118,8 @@ CONFIGS: dict[str, list[str]] = {
 # Ordinary runs: train.py's defaults (data=text, logger=wandb offline, 128 tokens,
 # global batch 16) with the layouts named; each runs a few steps, no validation.
 HF = "bench/hf_configs"
+_PP_GPT = ["model.n_embd=384", "model.block_size=512", "trainer.devices=2",
+           "sharding.pipeline_parallel=2", "sharding.pp_microbatches=4"]  # fmt: skip
 ORDINARY: dict[str, list[str]] = {
     "gpt 4x384, 4 ranks": ["model.n_embd=384", "trainer.devices=4"],
     "gpt 8x512, one unit": ["model.n_layer=8", "model.n_embd=512",
@@ -137,6 +139,13 @@ ORDINARY: dict[str, list[str]] = {
     "custom TinyLM": ["model=custom", "model._target_=tests.test_models.TinyLM",
                       "+model.args.dim=256", "+model.args.depth=4",
                       "model.block_size=256", "sharding.policy=block"],
+    # pipeline stages: the worst stage's plan against the max over ranks
+    "gpt 4x384 PP2 1F1B, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=1f1b"],
+    "gpt 4x384 PP2 GPipe, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=gpipe"],
+    "llama PP2 interleaved x FSDP2, 4 ranks": [
+        "model=llama_tiny", "model.max_seq_len=512", "trainer.devices=4",
+        "sharding.pipeline_parallel=2", "sharding.pp_schedule=interleaved_1f1b",
+        "sharding.pp_microbatches=4"],
 }  # fmt: skip
 
 
