@@ -30,7 +30,7 @@ import time
 
 from bench import tensor_parallel as tp
 from bench.common import publish
-from src.sharding.pipeline import SCHEDULES
+from src.sharding.pipeline import SCHEDULES, bubble_fraction
 
 WORLD = 2
 PP = 2
@@ -54,8 +54,7 @@ def layouts(microbatches: int) -> dict[str, list[str]]:
 
 def theoretical_bubble(schedule: str, microbatches: int) -> float:
     """The idle share of a rank's schedule time with equal stages and free sends."""
-    v = SCHEDULES[schedule].stages_per_rank
-    return (PP - 1) / (v * microbatches + PP - 1)
+    return bubble_fraction(schedule, PP, microbatches)
 
 
 def _timed(fn, into: list[float]):
