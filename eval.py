@@ -8,10 +8,11 @@ and to the run's wandb run. Keys in conf/eval.yaml; a config error is one line n
 the key (exit status 2).
 """
 
-from src.entry import quiet_ctrl_c, started
+from src.entry import quiet_ctrl_c, start_rank_server, started
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+    start_rank_server()  # the ranks' imports, alongside the ones below
 
 import logging
 

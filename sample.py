@@ -7,10 +7,11 @@ decode with a KV cache, Hugging Face models through ``generate()``. The keys are
 conf/sample.yaml; a config error is one line naming the key (exit status 2).
 """
 
-from src.entry import quiet_ctrl_c, started
+from src.entry import quiet_ctrl_c, start_rank_server, started
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+    start_rank_server()  # the ranks' imports, alongside the ones below
 
 import logging
 

@@ -7,10 +7,11 @@ multirun (``-m``) a failed job is recorded instead and the other jobs still run
 (docs/sweeps.md).
 """
 
-from src.entry import quiet_ctrl_c
+from src.entry import quiet_ctrl_c, start_rank_server
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
+    start_rank_server()  # the ranks' imports, alongside the ones below
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

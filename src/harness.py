@@ -1,11 +1,15 @@
 """For tests and benchmarks: the composed config of some overrides, and a function run
 on N real torch.distributed ranks.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, gives each
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, gives each
 a process group (gloo; NCCL with ``pg_backend="nccl"``) through a FileStore (no ports
 to race for), calls ``fn(rank, world_size, *args)`` and returns the list of per-rank
 results. A rank that raises fails the call with that rank's traceback; a rank that
-hangs fails it after ``timeout`` seconds instead of hanging the caller.
+hangs fails it after ``timeout`` seconds instead of hanging the caller. The ranks
+are forked from one server process per caller (multiprocessing's forkserver) that
+imported torch and the trainer once (:data:`RANK_MODULES`): a test session pays
+those seconds once, not once per rank of every call; each rank gets the caller's
+environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+#: What the rank server imports before it forks a rank: what train.py's ranks import.
+RANK_MODULES = ["src.config", "src.trainer.launch"]
 
 
 def compose_config(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
@@ -43,6 +49,7 @@ def compose_config(*overrides: str, return_hydra_config: bool = False) -> DictCo
 
 def _worker(
     rank: int,
+    env: dict[str, str],
     world_size: int,
     tmpdir: str,
     fn: Callable,
@@ -52,7 +59,9 @@ def _worker(
     setup: Callable[[int], None] | None,
 ) -> None:
     torch.set_num_threads(1)
+    os.environ.clear()  # the server's is the caller's as the server started
     os.environ.update(
+        env,
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -93,13 +102,15 @@ def run_distributed(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks; ``setup(rank)``
     (a module-level function) runs in each first, before its process group exists."""
+    mp.set_forkserver_preload(RANK_MODULES)
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmpdir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, tmpdir, fn, args, timeout, pg_backend, setup),
+            args=(env, world_size, tmpdir, fn, args, timeout, pg_backend, setup),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         try:
             deadline = time.monotonic() + timeout

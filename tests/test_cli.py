@@ -199,7 +199,9 @@ def test_ctrl_c_while_a_command_imports_is_one_line():
     ):
         body = ast.parse((ROOT / script).read_text()).body
         first, last = (ast.unparse(s) for s in (body[2], body[-1]))  # after imports
-        assert first == "if __name__ == '__main__':\n    quiet_ctrl_c()", script
+        assert first == (
+            "if __name__ == '__main__':\n    quiet_ctrl_c()\n    start_rank_server()"
+        ), script
         # Once imported, the command's own handler (or Python's) takes over.
         assert last.startswith(f"if __name__ == '__main__':\n    {ends}"), script
     # Importing a command (a test does; a spawned rank does) changes no handler.

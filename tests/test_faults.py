@@ -85,9 +85,9 @@ def read_until(proc: subprocess.Popen, needle: str) -> list[str]:
     raise AssertionError(f"run ended without printing {needle!r}:\n{''.join(seen)}")
 
 
-def worker_pids(pid: int) -> list[int]:
-    """The rank processes the launcher started (children of ``pid`` running spawn)."""
-    out = []
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their command lines."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -96,10 +96,16 @@ def worker_pids(pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and "spawn_main" in cmdline:
-            out.append(int(entry.name))
-    return sorted(out)
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out[int(entry.name)] = cmdline
+    return out
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The rank processes the launcher started: forked by its rank server (a child
+    of the launcher running multiprocessing's forkserver; src/entry.py)."""
+    servers = [p for p, cmd in children(pid).items() if "forkserver" in cmd]
+    return sorted(rank for server in servers for rank in children(server))
 
 
 def loss_rows(run_dir: Path) -> list[tuple[int, float]]:

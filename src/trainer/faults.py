@@ -24,6 +24,7 @@ import errno
 import fcntl
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ from src.checkpoint.dcp import (
     run_checkpoints,
     saving_step,
 )
+from src.entry import STOP_SIGNALS
 from src.errors import (
     DiskFull,
     PeerExited,
@@ -63,7 +65,6 @@ LOCK_FILE = "run.lock"
 #: Set by the launcher for ranks it restarts after a failure (elastic restart): the
 #: failure's one-line report, which the restarted ranks say.
 RESTART_CAUSE_ENV = "SHARDWRAP_RESTART_CAUSE"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 HEARTBEAT_S = 1.0
 
 
@@ -324,7 +325,10 @@ def signal_point(name: str, step: int | None = None) -> None:
 
 
 def _signal_launcher(signum: int) -> None:
-    os.kill(os.getppid(), signum)  # a rank's parent is the launcher
+    # A local rank's parent is the rank server; the launcher created its process
+    # object. Under torchrun the rank is its agent's child.
+    launcher = multiprocessing.parent_process()
+    os.kill(launcher.pid if launcher else os.getppid(), signum)
     deadline = time.monotonic() + 600  # the launcher may be stopped (SIGSTOP) a while
     while not _told():
         if time.monotonic() > deadline:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.local_elastic_agent import (
     LocalElasticAgent,
 )
@@ -43,6 +44,7 @@ from torch.multiprocessing.spawn import ProcessContext
 
 from src.checkpoint.dcp import Checkpointer, run_checkpoints, step_of
 from src.data.sources import follow_tokenizer_vocab, prepare_data
+from src.entry import rank_start_method, stop_rank_server
 from src.errors import ConfigError, RunDirBusy, RunError, Stopped
 from src.observe.logs import (
     LogSpec,
@@ -165,6 +167,8 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
     once, if any rank fails. With ``trainer.plan_only`` no rank starts: the wrap plan
     for that many ranks is printed instead (and None returned)."""
     world = _world_from_env()
+    if cfg.trainer.plan_only or resolved.world_size == 1:
+        stop_rank_server()  # no rank will be forked from it
     if cfg.trainer.plan_only:
         if _is_rank0():
             plan_only(cfg, resolved, run_dir, world_size=world or resolved.world_size)
@@ -266,7 +270,7 @@ def _run_local_ranks(
     """The ranks' return values; a failed rank is reported in one line (exit 1), a
     rank ended by a stop signal as a second signal (:class:`StopNow`)."""
     try:
-        return elastic_launch(config, _rank_entry)(cfg, run_dir, resolved, spec)
+        return _start_local_ranks(config, _rank_entry, cfg, run_dir, resolved, spec)
     except ChildFailedError as err:
         # A rank takes its first stop signal as a stop request; one that a stop
         # signal ended had a second (the agent's own SIGTERMs come after failures).
@@ -367,8 +371,8 @@ def _bounded_failure_grace():
 def _restart_cause(run_dir: str):
     """The elastic agent restarts the ranks after a failure without telling them
     which rank failed; this puts the failure's one line (:func:`_failure_report`) in
-    :data:`RESTART_CAUSE_ENV` for the restarted ranks (a started rank inherits this
-    process's environment), who say it. Patched like :func:`_bounded_failure_grace`."""
+    :data:`RESTART_CAUSE_ENV` for the restarted ranks (a started rank gets this
+    process's environment: :func:`_start_local_ranks`), who say it. Patched like :func:`_bounded_failure_grace`."""
     monitor = LocalElasticAgent._monitor_workers
 
     def monitored(self, worker_group):
@@ -430,6 +434,7 @@ def local_launch_config(
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port
         max_restarts=max_restarts,
+        start_method=rank_start_method(),
         shutdown_timeout=SHUTDOWN_S,
         # The agent would turn a stop signal into killing the ranks; StopRequest
         # passes it on to them instead, and they stop after a checkpoint.
@@ -440,6 +445,28 @@ def local_launch_config(
         ),
         **logs,
     )
+
+
+def _start_local_ranks(
+    config: LaunchConfig, entry: Callable[..., Any], *args: Any
+) -> dict[int, Any]:
+    """``elastic_launch(config, entry)(*args)``: each rank's return value. A rank
+    forked from the rank server (src/entry.py) would see the server's environment,
+    this process's as the command started; each rank gets this process's environment
+    as it is when the rank starts (restarts included: :func:`_restart_cause`), under
+    the variables the agent sets for it, as a spawned rank did. Patched like
+    :func:`_bounded_failure_grace` (torch is pinned)."""
+    start = local_elastic_agent.start_processes
+
+    def start_with_this_environment(*a: Any, envs: dict, **kw: Any) -> Any:
+        envs = {rank: {**os.environ, **env} for rank, env in envs.items()}
+        return start(*a, envs=envs, **kw)
+
+    local_elastic_agent.start_processes = start_with_this_environment
+    try:
+        return elastic_launch(config, entry)(*args)
+    finally:
+        local_elastic_agent.start_processes = start
 
 
 def _rank_entry(
@@ -579,12 +606,13 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, timeout_s: float, *args: Any)
     For sample.py and eval.py: the ranks compute, this process reports (under
     torchrun only rank 0's process gets the result, the others None)."""
     if nprocs == 1 or under_torchrun():
+        stop_rank_server()  # no rank will be forked from it
         result = _call_on_rank(fn, timeout_s, *args)
         return result if _is_rank0() else None
     _quiet_launcher_logs()
     try:
-        results = elastic_launch(local_launch_config(nprocs), _call_on_rank)(
-            fn, timeout_s, *args
+        results = _start_local_ranks(
+            local_launch_config(nprocs), _call_on_rank, fn, timeout_s, *args
         )
     except ChildFailedError as err:
         sys.exit(_failure_report(err, os.getcwd()))
