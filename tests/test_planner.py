@@ -233,6 +233,46 @@ def test_tensor_parallel_blocks_are_traced_on_one_ranks_shapes():
     assert est.parts["activations"] < est1.parts["activations"]
 
 
+def test_gpt_and_llama_under_tp_without_sequence_parallelism_split_by_the_plan():
+    """Without sequence parallelism a family with a formula is traced on one rank's
+    shapes too: under TP2 a GPT block keeps the residual stream and norms whole and
+    half of q/k/v (the fused ``c_attn`` keeps its own heads of each), attention and
+    the MLP width: what a real forward with one rank's share of each weight saves
+    (10 of the formula's 16 n d per block). Llama likewise: below TP1's whole
+    activations, above the sequence-parallel split."""
+    tp2 = ("trainer.devices=4", "sharding.tensor_parallel=2", "logger=none")
+    cfg = _compose("model=small", "model.n_layer=2", "model.n_embd=64",
+                   "model.n_head=4", "model.block_size=32", "model.vocab_size=96",
+                   "sharding.sequence_parallel=false", *tp2)  # fmt: skip
+    resolved = resolve(cfg)
+    acts = planner.run_activation_fn(cfg, resolved)(2, 32, 4)
+    real_model = GPT(resolved.model_config).train()
+    for block in real_model.h:
+        for linear, dim in (
+            (block.attn.c_attn, 0),
+            (block.mlp.c_fc, 0),
+            (block.attn.c_proj, 1),
+            (block.mlp.c_proj, 1),
+        ):
+            keep = linear.weight.shape[dim] // 2
+            linear.weight = torch.nn.Parameter(linear.weight.narrow(dim, 0, keep))
+            if dim == 0:
+                linear.bias = torch.nn.Parameter(linear.bias[:keep])
+    real = _saved_bytes(real_model, 96, 32)
+    assert acts.saved + acts.head == pytest.approx(real, rel=0.01)
+    n, d = 2 * 32, 64
+    assert acts.saved == pytest.approx(2 * 4 * 10 * n * d, rel=0.05)
+    for family in ("model=small", "model=llama_tiny"):
+        parts = {}
+        for sp in ("true", "false"):
+            run = _compose(family, f"sharding.sequence_parallel={sp}", *tp2)
+            est = planner.estimate_cfg(run, resolve(run), 4)[1]
+            parts[sp] = est.parts["activations"]
+        one = _compose(family, "trainer.devices=2", "logger=none")
+        whole = planner.estimate_cfg(one, resolve(one), 2)[1].parts["activations"]
+        assert parts["true"] <= parts["false"] < whole, family
+
+
 # -------------------------------------------------------------- the estimate
 
 # A root of 1000 parameters (embedding + head) and two blocks of 300, on 2 ranks:
@@ -280,13 +320,32 @@ def test_a_one_unit_model_runs_its_blocks_backward_with_every_activation():
     block's working set alive (no unit gradients yet), and it reduces the whole
     model's gradients afterwards, with no activation left (a moment of its own)."""
     one = WrapPlan(units=[Unit("", "Net", 1600, 3200)], world_size=2, total_numel=1600)
-    acts = replace(ACTS, head=0, loss_transient=0, block_transient=5_000)
+    acts = replace(ACTS, head=0, loss_transient=0, block_transient=7_000)
     est = estimate(one, SHAPE, acts)
     assert est.phase == "block backward"
-    assert (est.parts["activations"], est.parts["transient"]) == (10_000, 5_000)
+    assert (est.parts["activations"], est.parts["transient"]) == (10_000, 7_000)
     light = estimate(one, SHAPE, replace(acts, saved=0, block_transient=0))
     assert light.phase == "gradient reduction"
     assert light.parts["transient"] == 1600 * (4 + 4)  # grads + reduce-scatter input
+
+
+def test_the_last_all_gather_output_lives_to_the_end_of_forward():
+    """FSDP2 frees a unit's all-gather output when the next unit's is copied out, the
+    last one's at the root's post-forward: through the head and the loss in forward
+    it is alive beside every activation. A model that is one unit keeps the whole
+    model's (bench/plan_vs_measured: a one-unit GPT measured 15% above a plan
+    without it); FSDP1 gathers in place, one shard gathers nothing."""
+    one = WrapPlan(units=[Unit("", "Net", 1600, 3200)], world_size=2, total_numel=1600)
+    acts = replace(ACTS, head=1_000, loss_transient=0, block_transient=5_000)
+    est = estimate(one, SHAPE, acts)
+    assert est.phase == "loss forward"
+    assert est.parts["gathered_units"] == 1600 * 4
+    assert (est.parts["activations"], est.parts["loss"]) == (10_000, 1_000)
+    assert est.parts["transient"] == 1600 * 4  # the all-gather's flat output
+    fsdp1 = estimate(one, replace(SHAPE, backend="fsdp1"), acts)
+    assert fsdp1.phase == "block backward"
+    alone = WrapPlan(units=one.units, world_size=1, total_numel=1600)
+    assert estimate(alone, replace(SHAPE, world=1), acts).phase == "block backward"
 
 
 def test_accumulation_holds_sharded_or_unsharded_grads():
@@ -356,7 +415,14 @@ def test_the_planner_asks_the_backend_class_not_its_name(monkeypatch):
 # -------------------------------------------------------- budget and auto
 
 
+def _budget(above_process_gib: float) -> float:
+    """A CPU budget (GiB) that leaves ``above_process_gib`` above the process
+    baseline, so a re-measured baseline constant does not move the verdicts."""
+    return round(PROCESS_BYTES["cpu"] / GIB + above_process_gib, 4)
+
+
 def test_auto_choices_are_deterministic_and_fit(capsys):
+    budget = _budget(0.1098)
     cfg = _compose(
         "model=small",
         "model.n_layer=2",
@@ -364,7 +430,7 @@ def test_auto_choices_are_deterministic_and_fit(capsys):
         "sharding.min_params=auto",
         "trainer.grad_accum=auto",
         "trainer.grad_sync=auto",
-        "trainer.mem_budget_gib=0.391",
+        f"trainer.mem_budget_gib={budget}",
     )
     resolved = resolve(cfg)
     first, why = resolve_auto(cfg, resolved)
@@ -383,11 +449,11 @@ def test_auto_choices_are_deterministic_and_fit(capsys):
     ]
     assert all(any(line.startswith(f"auto: {k}=") for line in why) for k in keys)
     _, est = planner.estimate_cfg(first, resolved, 2)
-    assert est.total <= 0.391 * GIB
+    assert est.total <= budget * GIB
     # The search's cost order: a larger grad_accum only when the batch does not fit.
     one = planner._with(first, {"trainer.grad_accum": 1})
     _, whole = planner.estimate_cfg(one, resolved, 2)
-    assert (first.trainer.grad_accum == 1) == (whole.total <= 0.391 * GIB)
+    assert (first.trainer.grad_accum == 1) == (whole.total <= budget * GIB)
 
 
 def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
@@ -398,7 +464,7 @@ def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
         "model.block_size=1024",
         "sharding.policy=block",
         "sharding.activation_checkpointing=auto",
-        "trainer.mem_budget_gib=0.556",
+        f"trainer.mem_budget_gib={(budget := _budget(0.2748))}",
     )
     resolved = resolve(cfg)
     out, why = resolve_auto(cfg, resolved, 2)
@@ -414,7 +480,7 @@ def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
         fewer = planner._with(out, {"sharding.activation_checkpointing_every": every})
         return planner.needed(planner.estimate_cfg(fewer, resolved, 2)[1], 0.1) / GIB
 
-    assert need(2) <= 0.556 < need(4)  # one block fewer would not fit
+    assert need(2) <= budget < need(4)  # one block fewer would not fit
 
 
 def test_the_search_proposes_bf16_where_it_is_the_cheapest_fit():
@@ -448,12 +514,13 @@ def test_the_search_proposes_bf16_where_it_is_the_cheapest_fit():
 
 
 def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
+    budget = _budget(0.1478)
     cfg = _compose(
         "model=small",
         "model.block_size=1024",
         "trainer.devices=2",
         "trainer.batch_size=16",
-        "trainer.mem_budget_gib=0.429",
+        f"trainer.mem_budget_gib={budget}",
         "logger=none",
     )
     resolved = resolve(cfg)
@@ -466,10 +533,10 @@ def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
     assert "cheapest change that fits: trainer.grad_accum=4 ->" in out
     four = planner._with(cfg, {"trainer.grad_accum": 4})
     _, est = planner.estimate_cfg(four, resolved, 2)
-    assert est.total <= 0.429 * GIB
+    assert est.total <= budget * GIB
     two = planner._with(cfg, {"trainer.grad_accum": 2})
     _, est = planner.estimate_cfg(two, resolved, 2)
-    assert est.total > 0.429 * GIB
+    assert est.total > budget * GIB
 
 
 def test_70b_on_64_ranks_fits_a_budget_allocating_nothing(tmp_path, capsys):

@@ -120,16 +120,17 @@ RUNTIME_BYTES: dict[str, dict[int, int]] = {
 #: The process itself before the model exists: Python + torch + the process group
 #: + the model's code. CPU (measured): a train.py rank's resident set just before its
 #: model is built (Hydra, the sinks' files, the data and logging set-up), its allocator
-#: set as ranks set it (``trainer.malloc_mmap_threshold_kib``): 288 MiB, the ranks
+#: set as ranks set it (``trainer.malloc_mmap_threshold_kib``): 316 MiB, the ranks
 #: without the logger of bench/plan_vs_measured.py's ``--ordinary`` runs
 #: (docs/benchmarks.md). CUDA (assumed): the context, outside the allocator's counters.
-PROCESS_BYTES: dict[str, int] = {"cpu": 288 * MIB, "cuda": 600 * MIB}
+PROCESS_BYTES: dict[str, int] = {"cpu": 316 * MIB, "cuda": 600 * MIB}
 #: What a model family's own imports (its spec's ``imports``) and the logger's
 #: (``LoggerOption.imports``, rank 0) add to the process baseline, CPU resident set
 #: (measured in the same ``--ordinary`` runs): transformers with its model classes
-#: (an ``hf`` rank's baseline against a GPT rank's), wandb with its offline run (rank 0
-#: against rank 1 at the peak, rank 0 alone logs).
-IMPORT_BYTES: dict[str, int] = {"transformers": 106 * MIB, "wandb": 25 * MIB}
+#: (an ``hf`` rank's baseline against a GPT rank's: much of torch it would import is
+#: there already), wandb with its offline run (rank 0 against rank 1 at the peak,
+#: rank 0 alone logs).
+IMPORT_BYTES: dict[str, int] = {"transformers": 80 * MIB, "wandb": 25 * MIB}
 #: Where each device's constants come from, said beside them in every estimate.
 CONSTANTS_SOURCE: dict[str, str] = {
     "cpu": "CPU-measured, docs/benchmarks.md",
@@ -316,6 +317,7 @@ class _Held:
     largest_shard: int  # the largest tensor the per-tensor AdamW works on
     mixed_precision: int  # low-precision copies of the weights
     gather_copy: int  # FSDP2's copy-out of an all-gather
+    last_gather: int = 0  # the last unit's all-gather output, alive to forward's end
     buckets: int = 0  # DDP's gradient buckets, held in every moment
 
 
@@ -356,6 +358,13 @@ def _held_sharded(
         # FSDP2 copies a unit out of the all-gather's flat output into its own
         # unsharded parameters: both alive at once while the unit is gathered.
         gather_copy=largest_unit * s.param_bytes if s.gather_copy_out else 0,
+        # In forward, FSDP2 frees a unit's all-gather output only once the next
+        # unit's is copied out, and the last one's at the root's post-forward: it is
+        # alive through the head and the loss (a one-unit model's, the whole
+        # model's, through the whole forward). Not with one shard: nothing gathered.
+        last_gather=largest_unit * s.param_bytes
+        if s.gather_copy_out and plan.shard_size > 1
+        else 0,
     )
 
 
@@ -461,6 +470,13 @@ def estimate(
             "loss": 0,
             "transient": h.gather_copy,
         },
+        "loss forward": {
+            **base,
+            "grads": held,
+            "activations": acts.saved,
+            "loss": acts.head,
+            "transient": h.last_gather,
+        },
         "loss backward": {
             **base,
             "grads": held,
@@ -559,10 +575,10 @@ def tp_activations(
     its width), but the colwise matmuls save their all-gathered, full-sequence input
     (two per block: attention and MLP; one block input each, what full checkpointing
     keeps) in the blocks that are not checkpointed. Without sequence parallelism only
-    the heads and MLP width split: a traced family (``hf``, ``custom``) is traced on
-    one rank's local shapes (:func:`run_activation_fn`), a family formula keeps every
-    activation whole (an upper bound). A vocabulary-sharded output layer (``loss_parallel``) splits the
-    logits and the loss's buffers T ways. The backward working set of one block adds
+    the heads and MLP width split: the blocks are traced on one rank's local shapes
+    (:func:`run_activation_fn`, a family with a formula too; :func:`traced_locally`).
+    A vocabulary-sharded output layer (``loss_parallel``) splits the logits and the
+    loss's buffers T ways. The backward working set of one block adds
     its gathered inputs and the all-gather / reduce-scatter buffers (four block
     inputs: the TP collectives' working set). ``model``: the model, or its number of
     blocks."""
@@ -586,14 +602,12 @@ def tp_activations(
     checkpointed = (
         0 if shape.checkpointing != "full" else math.ceil(blocks / max(1, every))
     )
-    if spec.activation_bytes is None:
+    if traced_locally(spec, tpp):
         # traced on one rank's local shapes (run_activation_fn): heads and width split
         saved, work = acts.saved, acts.block_transient
-    elif tpp.sequence_parallel:
+    else:
         gathered = 2 * block_input * (blocks - checkpointed)
         saved, work = acts.saved // tp + gathered, acts.block_transient // tp
-    else:
-        saved, work = acts.saved, acts.block_transient // tp
     split = tp if tpp.loss_parallel else 1
     return ActivationBytes(
         saved=saved,
@@ -604,15 +618,15 @@ def tp_activations(
 
 
 def activation_fn(
-    resolved: Resolved, tp: int = 1, tp_plan: Any = None
+    resolved: Resolved, tp: int = 1, tp_plan: Any = None, trace: bool = False
 ) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
-    to the run's model config; for a family without one (``hf``, ``custom``), the
-    activations traced on fake tensors (src/planner/trace.py), cached per model config
-    and tensor-parallel degree: with ``tp > 1`` the blocks are traced as one rank of
-    ``tp_plan`` computes them (:func:`~src.planner.trace.tp_local`)."""
+    to the run's model config; for a family without one (``hf``, ``custom``), or with
+    ``trace``, the activations traced on fake tensors (src/planner/trace.py), cached
+    per model config and tensor-parallel degree: with ``tp > 1`` the blocks are traced
+    as one rank of ``tp_plan`` computes them (:func:`~src.planner.trace.tp_local`)."""
     spec, config = resolved.spec, resolved.model_config
-    if spec.activation_bytes is not None:
+    if spec.activation_bytes is not None and not trace:
         return functools.partial(spec.activation_bytes, config)
     tp = tp if tp_plan is not None else 1
     key = (spec.name, repr(config), tp)
@@ -626,6 +640,14 @@ def activation_fn(
     return _TRACED[key]
 
 
+def traced_locally(spec: Any, tp_plan: Any) -> bool:
+    """Whether a run's activations under tensor parallelism are traced on one rank's
+    local shapes: a family without a formula always; one with a formula without
+    sequence parallelism (its formula knows only the sequence split; the heads and
+    MLP width split as the plan's Linears do)."""
+    return spec.activation_bytes is None or not tp_plan.sequence_parallel
+
+
 def run_activation_fn(
     cfg: DictConfig, resolved: Resolved
 ) -> Callable[..., ActivationBytes]:
@@ -634,7 +656,9 @@ def run_activation_fn(
     if tp == 1:
         return activation_fn(resolved)
     plan = tensor_parallel_plan(cfg, resolved.spec, resolved.model_config)
-    return activation_fn(resolved, tp, plan)
+    if not traced_locally(resolved.spec, plan):
+        return activation_fn(resolved)
+    return activation_fn(resolved, tp, plan, trace=True)
 
 
 _TRACED: dict[tuple[str, str, int], Callable[..., ActivationBytes]] = {}

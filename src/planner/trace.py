@@ -325,14 +325,17 @@ def tp_local(
     """A copy of ``model`` (on the meta device) whose blocks (``classes``) compute
     what one rank of tensor parallelism of degree ``tp`` computes under ``plan`` (a
     src.sharding.TPPlan): each Linear inside a block whose style shards its output
-    (colwise) keeps ``1/tp`` of its output features, each whose style takes a
-    sharded input (rowwise) ``1/tp`` of its input features. Attention then runs on
+    (colwise; a fused q|k|v projection, which keeps its own heads of each part)
+    keeps ``1/tp`` of its output features, each whose style takes a sharded input
+    (rowwise) ``1/tp`` of its input features. Attention then runs on
     ``1/tp`` of the heads and the MLP on ``1/tp`` of its width, as a tensor-parallel
     block's local tensors do; the residual stream stays whole. Styles that keep both
     sides whole (``colwise_rep``, embeddings) change nothing, nor does the plan
     outside the blocks (the head: the planner splits its buffers itself)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from src.sharding.tensor_parallel import FusedHeadsParallel
 
     model = copy.deepcopy(model)
     inside = {
@@ -355,9 +358,10 @@ def tp_local(
                     or not fnmatch.fnmatchcase(name, pattern)
                 ):
                     continue
-                if isinstance(style, ColwiseParallel) and isinstance(
-                    style.output_layouts[0], Shard
-                ):
+                if (
+                    isinstance(style, ColwiseParallel)
+                    and isinstance(style.output_layouts[0], Shard)
+                ) or isinstance(style, FusedHeadsParallel):
                     _shrink(sub, 0, tp)
                 elif isinstance(style, RowwiseParallel) and isinstance(
                     style.input_layouts[0], Shard
