@@ -99,13 +99,15 @@ def runs(tmp_path_factory) -> Path:
     # from one_gpt's export, with grad_accum=2 (its micro-steps draw other rows)
     from_export = [f"model.pretrained={root / 'one_gpt' / 'hf'}", *ACCUM]
     one_rank(root, "one_gpt_accum", *gpt, *from_export)
+    tp_runs = {f"pp2_tp2_{f}": [*m, *PP2, *TP2] for f, m in fams.items()}
+    tp_runs["pp2_tp2_gpt"].append("trainer.export=true")  # gathered across TP too
     run_distributed(
         _train_runs,
         4,
         str(root),
         {
             **{f"interleaved_fsdp2_{f}": [*m, *INTERLEAVED] for f, m in fams.items()},
-            **{f"pp2_tp2_{f}": [*m, *PP2, *TP2] for f, m in fams.items()},
+            **tp_runs,
             # interleaved PP2 x HSDP (each stage replicated over its 2 ranks) from
             # pretrained weights, grad_accum=2; exported and validated at the end
             "hsdp_pp2": [
@@ -260,11 +262,12 @@ def _trained_and_exported(device, cfg, resolved, checkpoint, run_dir) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["pp2_text", "hsdp_pp2"])
+@pytest.mark.parametrize("run", ["pp2_text", "hsdp_pp2", "pp2_tp2_gpt"])
 def test_export_of_a_pipeline_run_is_the_trained_weights(runs, run):
-    """trainer.export=hf (PP2 on 2 ranks) and =true (PP2 x HSDP on 4): the weights
-    gathered from the stages equal, bit for bit, the final checkpoint's (DCP, by
-    name) loaded into the model without stages, GPT's tied head included."""
+    """trainer.export=hf (PP2 on 2 ranks) and =true (PP2 x HSDP, PP2 x TP2 on 4
+    ranks): the weights gathered from the stages equal, bit for bit, the final
+    checkpoint's (DCP, by name) loaded into the model without stages, GPT's tied
+    head included."""
     one = {"trainer.devices": 1, "sharding.backend": "none"}
     changes = {**SAMPLING_CHANGES, **one}
     _, checkpoint, cfg, resolved = open_run(str(runs / run), lambda _: changes)
