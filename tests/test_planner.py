@@ -733,7 +733,11 @@ def test_llama3_70b_pp8_tp8_stages_by_hand():
     local_block = block // 8 + 2 * d  # tp shards; 2 norms whole
     local = {0: 10 * local_block + v * d // 8, 7: 10 * local_block + d + v * d // 8}
     boundary = d * d * 4
-    whole = resolved.spec.activation_bytes(resolved.model_config, 1, d, 4, "none")
+    # the whole model's activations of one sequence on one tp rank (traced on its
+    # local shapes): each stage holds 10/80 of them per micro-batch
+    shape = planner.pipeline_shape(cfg, resolved, 512)
+    assert (shape.micro_batch, shape.world) == (1, 64)
+    whole = planner.run_activation_fn(cfg, resolved)(1, d, 4, "none", 1)
     per_block = whole.saved / 80
     assert [e.pp_rank for _, e in stages] == list(range(8))
     for _, est in stages:
