@@ -37,8 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as S
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .backends import canonical_name, clip_grads_with_norm_, grad_norm
@@ -46,21 +44,30 @@ from .backends import canonical_name, clip_grads_with_norm_, grad_norm
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule: torch's class, stages per rank, and why it is refused
-    here (None: it runs)."""
+    """A pipeline schedule: torch's class (by name), stages per rank, and why it is
+    refused here (None: it runs)."""
 
-    cls: type
+    name: str
     stages_per_rank: int = 1
     refused: str | None = None
+
+    @property
+    def cls(self) -> type:
+        # Imported when a pipeline is built: torch.distributed.pipelining imports
+        # torch._dynamo and inductor (over a second), which a run without pipeline
+        # parallelism (and its launcher, and the planner) never needs.
+        from torch.distributed.pipelining import schedules
+
+        return getattr(schedules, self.name)
 
 
 #: ``sharding.pp_schedule``'s names.
 SCHEDULES: dict[str, Schedule] = {
-    "gpipe": Schedule(S.ScheduleGPipe),
-    "1f1b": Schedule(S.Schedule1F1B),
-    "interleaved_1f1b": Schedule(S.ScheduleInterleaved1F1B, stages_per_rank=2),
+    "gpipe": Schedule("ScheduleGPipe"),
+    "1f1b": Schedule("Schedule1F1B"),
+    "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", stages_per_rank=2),
     "zbv": Schedule(
-        S.ScheduleZBVZeroBubble,
+        "ScheduleZBVZeroBubble",
         stages_per_rank=2,
         refused=(
             "torch 2.13's zero-bubble schedule gives wrong gradients with fully_shard "
@@ -296,6 +303,8 @@ class Pipeline:
         self.microbatches = microbatches
         self._loss_fn = loss_fn
         self._scale = 1.0
+        from torch.distributed.pipelining import PipelineStage
+
         self.stages = [
             PipelineStage(m, r.index, r.num_stages, device, group=self.group)
             for m, r in zip(self.modules, self.roles, strict=True)
