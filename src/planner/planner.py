@@ -120,16 +120,17 @@ RUNTIME_BYTES: dict[str, dict[int, int]] = {
 #: The process itself before the model exists: Python + torch + the process group
 #: + the model's code. CPU (measured): a train.py rank's resident set just before its
 #: model is built (Hydra, the sinks' files, the data and logging set-up), its allocator
-#: set as ranks set it (``trainer.malloc_mmap_threshold_kib``): 288 MiB, the ranks
+#: set as ranks set it (``trainer.malloc_mmap_threshold_kib``): 297 MiB, plus
+#: ``torch._dynamo``, which the first step imports (~20 MiB): 316 MiB, the ranks
 #: without the logger of bench/plan_vs_measured.py's ``--ordinary`` runs
 #: (docs/benchmarks.md). CUDA (assumed): the context, outside the allocator's counters.
-PROCESS_BYTES: dict[str, int] = {"cpu": 288 * MIB, "cuda": 600 * MIB}
+PROCESS_BYTES: dict[str, int] = {"cpu": 316 * MIB, "cuda": 600 * MIB}
 #: What a model family's own imports (its spec's ``imports``) and the logger's
 #: (``LoggerOption.imports``, rank 0) add to the process baseline, CPU resident set
 #: (measured in the same ``--ordinary`` runs): transformers with its model classes
 #: (an ``hf`` rank's baseline against a GPT rank's), wandb with its offline run (rank 0 against rank 1 at the peak,
 #: rank 0 alone logs).
-IMPORT_BYTES: dict[str, int] = {"transformers": 106 * MIB, "wandb": 25 * MIB}
+IMPORT_BYTES: dict[str, int] = {"transformers": 80 * MIB, "wandb": 25 * MIB}
 #: Where each device's constants come from, said beside them in every estimate.
 CONSTANTS_SOURCE: dict[str, str] = {
     "cpu": "CPU-measured, docs/benchmarks.md",
