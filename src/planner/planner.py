@@ -1307,6 +1307,20 @@ def precision_cost(name: str, device: str, accelerator: str = "") -> float:
     return full / low if low and full else ASSUMED_LOW_PRECISION_COST
 
 
+def precision_cost_basis(name: str, device: str, accelerator: str = "") -> str:
+    """Where :func:`precision_cost`'s figure for ``name`` comes from, as shown."""
+    from src.observe.metrics import lookup_gpu_peak_tflops
+
+    if device == "cpu":
+        return "this CPU computes it natively: assumed no faster than fp32"
+    dtype = get_precision(name).param_dtype
+    if lookup_gpu_peak_tflops(accelerator, dtype) and lookup_gpu_peak_tflops(
+        accelerator, torch.float32
+    ):
+        return "the datasheet's peak rates, src/observe/metrics.py"
+    return f"assumed for an accelerator with no datasheet entry: {accelerator or '?'}"
+
+
 @dataclass(frozen=True)
 class Checkpointing:
     """A value of the checkpointing search: the mode, every k-th block (``full``) and
@@ -1757,11 +1771,12 @@ def fit_report(
             lines.append(pipeline_effects(cfg, best))
         if PRECISION_KEY in best.overrides:
             name = best.overrides[PRECISION_KEY]
+            device = (est.shape.device, accelerator_name(cfg))
             lines.append(
                 f"precision={name} changes more than memory: "
                 f"{get_precision(name).effects}; compute x"
-                f"{precision_cost(name, est.shape.device, accelerator_name(cfg)):.2f} "
-                "(the datasheet's peak rates, src/observe/metrics.py)"
+                f"{precision_cost(name, *device):.2f} "
+                f"({precision_cost_basis(name, *device)})"
             )
     return "\n".join(lines), info
 
