@@ -20,13 +20,13 @@ import hydra
 from omegaconf import DictConfig
 
 from src.config import (
-    check_writable,
     exit_on_config_error,
     open_run,
     run_cli,
     validate_eval,
 )
 from src.runs.evaluation import (
+    EVAL_FILE,
     eval_changes,
     eval_rank,
     eval_split,
@@ -44,9 +44,8 @@ def evaluate_run(cfg: DictConfig) -> dict:
     with exit_on_config_error():
         validate_eval(cfg)
         run_dir, checkpoint, run_cfg, resolved = open_run(
-            cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg)
+            cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg), EVAL_FILE
         )
-        check_writable(run_cfg, ("run", str(run_dir), "eval.json"))
     split = eval_split(cfg)
     opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}
     with exit_on_config_error():  # a rank's failure: one line

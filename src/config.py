@@ -1005,19 +1005,25 @@ def _rank0() -> bool:
 
 
 def open_run(
-    run: str, changes: Callable[[DictConfig], Mapping[str, Any]]
+    run: str,
+    changes: Callable[[DictConfig], Mapping[str, Any]],
+    record: str | None = None,
 ) -> tuple[Path, Path, DictConfig, Resolved]:
     """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
     the config the checkpoint was saved with (else the run's record) typed by today's
     schema (:func:`compose_run`), changed by
     ``changes(config)``, validated and prepared as train.py prepares it (the keys its
-    user set stay theirs). A problem is a ConfigError naming the key."""
+    user set stay theirs). Before anything is prepared, the dirs that config writes to
+    are checked (:func:`check_writable`; the run dir too where the command writes
+    ``record`` there). A problem is a ConfigError naming the key."""
     run_dir, checkpoint = find_run(run)
     cfg, overrides = run_config(run_dir)
     saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
     cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)
     cfg = with_changes(cfg, changes(cfg))
-    cfg, resolved = prepare(cfg, validate(cfg), override_keys(overrides))
+    resolved = validate(cfg)
+    check_writable(cfg, ("run", str(run_dir), record) if record else None)
+    cfg, resolved = prepare(cfg, resolved, override_keys(overrides))
     return run_dir, checkpoint, cfg, resolved
 
 

@@ -309,6 +309,30 @@ def test_eval_on_other_files_reads_them_with_the_runs_tokenizer(gpt_run):
     assert entry["perplexity"] == pytest.approx(math.exp(entry["loss"]))
 
 
+def test_eval_py_refuses_an_unwritable_cache_dir_in_one_line(gpt_run, tmp_path):
+    """eval.py checks the dirs it writes to (the token cache for other data, the run
+    dir for eval.json) before any rank starts: one line naming the key, exit 2, and
+    the run's eval history untouched."""
+    (tmp_path / "file").write_text("")
+    paths = f"{sysconfig.get_paths()['stdlib']}/json/*.py"
+    cache = tmp_path / "file" / "cache"
+    history = gpt_run / EVAL_FILE
+    before = history.read_bytes() if history.is_file() else None
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "eval",
+            [f"run={gpt_run}", "data=files", f"data.paths='{paths}'"]
+            + [f"data.cache_dir={cache}"],
+        )
+    with pytest.raises(SystemExit) as exit_:
+        eval_py.evaluate_run(cfg)
+    line = exit_.value.__notes__[0]
+    assert exit_.value.code == 2 and "\n" not in line, line
+    assert line.startswith("config error: data.cache_dir: the token cache writes to ")
+    assert line.endswith("set data.cache_dir to a writable directory"), line
+    assert (history.read_bytes() if history.is_file() else None) == before
+
+
 @pytest.mark.parametrize("n_tokens", [65, 100, 1000, 4097])
 def test_covering_batches_leave_no_token_out(n_tokens):
     """``batches=all``: the fewest fixed batches whose windows hold every token."""
