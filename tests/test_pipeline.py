@@ -8,7 +8,7 @@ on 2 ranks, PP2 (interleaved 1F1B) x FSDP2 and PP2 x TP2 on 4 ranks, for GPT (it
 embedding tied to the head across the first and last stage), Llama and a Hugging Face
 Llama (cut by transformers' own pipeline plan); so does interleaved PP2 x HSDP with
 gradient accumulation, from ``model.pretrained``. A PP2 x FSDP2 checkpoint resumes
-exactly on FSDP over 4 ranks. A PP run on text exports (``trainer.export``: the
+exactly on FSDP over 4 ranks, and that run's checkpoint on PP2 x TP2. A PP run on text exports (``trainer.export``: the
 trained weights exactly), samples while it trains, and its run dir opens in
 ``eval.py`` and ``sample.py`` without stages. One
 4-rank and one 2-rank launch hold all the runs; the references and the tools run in
@@ -126,6 +126,8 @@ def runs(tmp_path_factory) -> Path:
                 "trainer.val_every=2",
                 *resume_from(root, "chain_pp", 2),
             ],
+            # -> PP2 x TP2 from FSDP4's step 3
+            "chain_pp_tp": [*gpt, *PP2, *TP2, *resume_from(root, "chain_fsdp", 3)],
         },
     )
     run_distributed(
@@ -178,10 +180,11 @@ def test_gradient_norm_spans_the_stages(runs):
 
 
 @pytest.mark.slow
-def test_pipeline_checkpoint_resumes_on_fsdp(runs):
+def test_pipeline_checkpoint_resumes_across_layouts(runs):
     gpt = losses(runs / "one_gpt")
     assert_close(losses(runs / "chain_pp"), gpt, range(1, 5))
     assert_close(losses(runs / "chain_fsdp"), gpt, range(3, 5))
+    assert_close(losses(runs / "chain_pp_tp"), gpt, range(4, 5))
 
     def val(name):
         return {
