@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "cuda",
                     "-p",
                     "no:cacheprovider",
+                    "-n",  # one process: the CUDA tests share the one GPU
+                    "0",
                 ],
                 out_dir / "logs",
                 args.timeout,

@@ -53,12 +53,16 @@ class TiedParametersWarning(UserWarning):
     embedding and head; ``blocked_by_ties`` maps each module path to those parameters."""
 
     def __init__(self, blocked_by_ties: dict[str, list[str]]) -> None:
+        # args are what rebuilds the warning (pickle, pytest-xdist): the mapping
+        super().__init__(blocked_by_ties)
         self.blocked_by_ties = blocked_by_ties
+
+    def __str__(self) -> str:
         detail = "; ".join(
             f"{p or '<root>'} (shares {', '.join(n)})"
-            for p, n in blocked_by_ties.items()
+            for p, n in self.blocked_by_ties.items()
         )
-        super().__init__(
+        return (
             "auto_wrap kept these modules out of their own units because they share "
             f"parameters with modules outside them: {detail}"
         )
