@@ -32,6 +32,7 @@ import torch
 
 from bench.common import publish
 from src.harness import run_distributed
+from src.observe.metrics import set_malloc_mmap_threshold
 from src.sharding import GIB
 
 MODES = ("none", "after", "cpu", "meta")
@@ -66,16 +67,6 @@ def malloc_trim() -> bool:
     """Give glibc's free heap memory back to the OS (no-op without glibc)."""
     libc = _libc()
     return bool(libc.malloc_trim(0)) if hasattr(libc, "malloc_trim") else False
-
-
-M_MMAP_THRESHOLD = -3  # mallopt parameter, <malloc.h>
-
-
-def set_mmap_threshold(nbytes: int) -> bool:
-    """Fix glibc's mmap threshold (this also turns off its dynamic raising): blocks of
-    at least ``nbytes`` are mmap'd and given back to the OS as soon as they are freed."""
-    libc = _libc()
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes)) if libc else False
 
 
 # Allocator variants (glibc malloc settings in the ranks).
@@ -224,7 +215,7 @@ def _measure(
 
 
 def _mmap_1m(rank: int) -> None:
-    set_mmap_threshold(2**20)
+    set_malloc_mmap_threshold(1024)
 
 
 def _rank(rank: int, world: int, mode: str, cfg, warmup: bool, allocator: str) -> dict:

@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from bench.common import append_to_benchmarks
-from bench.init_memory import malloc_trim, rss_bytes, set_mmap_threshold
+from bench.init_memory import malloc_trim, rss_bytes
 from src.harness import run_distributed
+from src.observe.metrics import set_malloc_mmap_threshold
 from src.util import markdown_table
 
 MIB = 2**20
@@ -131,7 +132,7 @@ def _speed_rank(rank: int, args: argparse.Namespace) -> dict:
 
 
 def _mmap_64k(rank: int) -> None:
-    set_mmap_threshold(64 * 1024)
+    set_malloc_mmap_threshold(64)
 
 
 def _call(rank: int, world: int, fn, args, *extra):
