@@ -4,15 +4,15 @@ tensor parallelism.
 Every run trains the same model on the same global batches (fp32, no dropout, 4
 blocks so that interleaved schedules get one block per stage), so each step's global
 loss must agree with one-process training within 1e-5 whatever the layout: PP2 (1F1B)
-on 2 ranks, PP2 (interleaved 1F1B) x FSDP2 and PP2 x TP2 on 4 ranks, for GPT (its
-embedding tied to the head across the first and last stage), Llama and a Hugging Face
-Llama (cut by transformers' own pipeline plan); so does interleaved PP2 x HSDP with
-gradient accumulation, from ``model.pretrained``. A PP2 x FSDP2 checkpoint resumes
-exactly on FSDP over 4 ranks, and that run's checkpoint on PP2 x TP2. A PP run on text exports (``trainer.export``: the
-trained weights exactly), samples while it trains, and its run dir opens in
-``eval.py`` and ``sample.py`` without stages. One
-4-rank and one 2-rank launch hold all the runs; the references and the tools run in
-this process.
+on 2 ranks (GPipe too, for GPT), PP2 (interleaved 1F1B) x FSDP2 and PP2 x TP2 on 4
+ranks, for GPT (its embedding tied to the head across the first and last stage),
+Llama and a Hugging Face Llama (cut by transformers' own pipeline plan); so does
+interleaved PP2 x HSDP with gradient accumulation, from ``model.pretrained``. A PP2 x
+FSDP2 checkpoint resumes exactly on FSDP over 4 ranks, and that run's checkpoint on
+PP2 x TP2. A PP run on text exports (``trainer.export``: the trained weights
+exactly), samples while it trains, and its run dir opens in ``eval.py`` and
+``sample.py`` without stages. One 4-rank and one 2-rank launch hold all the runs; the
+references and the tools run in this process.
 """
 
 from __future__ import annotations
@@ -140,6 +140,8 @@ def runs(tmp_path_factory) -> Path:
                 for f, m in fams.items()
             },
             "pp2_text": [*gpt, *PP2, *TEXT],
+            # every schedule offered trains on gloo: GPipe too
+            "pp2_gpipe_gpt": [*gpt, *PP2, "sharding.pp_schedule=gpipe"],
         },
     )
     return root
@@ -152,6 +154,7 @@ def test_pipeline_matches_one_rank(runs):
         assert len(set(ref.values())) == 4, ref  # it trains: every loss differs
         for layout in ("pp2", "interleaved_fsdp2", "pp2_tp2"):
             assert_close(losses(runs / f"{layout}_{family}"), ref, range(1, 5))
+    assert_close(losses(runs / "pp2_gpipe_gpt"), losses(runs / "one_gpt"), range(1, 5))
 
 
 @pytest.mark.slow
