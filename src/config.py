@@ -43,7 +43,7 @@ from src.checkpoint.dcp import resolve_resume, run_checkpoints
 from src.cli_help import CONF_DIR, is_schema_option, user_groups, user_options
 from src.data.sources import DATA_SOURCES, DataConfig
 from src.data.tokenizer import cache_path
-from src.errors import ConfigError, RunError, keyed
+from src.errors import ConfigError, RunError, keyed, not_writable
 from src.models import ModelSpec, families, get_spec
 from src.models.hf import remote_code_dir
 from src.observe.loggers import LOGGERS, LoggerConfig, logs_to_wandb, wandb_dirs
@@ -806,15 +806,20 @@ def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
     )
 
 
-def written_dirs(cfg: DictConfig) -> list[tuple[str, str, str]]:
+def written_dirs(cfg: DictConfig, wandb: bool = True) -> list[tuple[str, str, str]]:
     """Every directory outside its run dir a training run of ``cfg`` writes to: (the
-    key or environment variable that moves it, the directory, what writes there)."""
+    key or environment variable that moves it, the directory, what writes there);
+    wandb's only with ``wandb`` (a command that logs as the run did). The token cache
+    only where it does not exist yet: an existing one (perhaps shared, read-only) is
+    written only when an entry must be built, and checked there (``build_lock``)."""
     if OmegaConf.select(cfg, "trainer.plan_only", default=False):
         return []  # reads no data, starts no rank
     dirs = []
     if OmegaConf.select(cfg, "data.cache_dir", default=None) is not None:
-        dirs.append(("data.cache_dir", cache_path(cfg.data), "the token cache"))
-    if logs_to_wandb(cfg):
+        cache = cache_path(cfg.data)
+        if not os.path.isdir(os.path.expanduser(cache)):
+            dirs.append(("data.cache_dir", cache, "the token cache"))
+    if wandb and logs_to_wandb(cfg):
         dirs += [(var, path, "wandb") for var, path in wandb_dirs()]
     if OmegaConf.select(cfg, "sharding.compile", default=False):
         dirs.append((*compile_cache_dir(), "torch.compile (sharding.compile=true)"))
@@ -825,22 +830,27 @@ def written_dirs(cfg: DictConfig) -> list[tuple[str, str, str]]:
 
 
 def check_writable(
-    cfg: DictConfig, first: tuple[str, str, str] | None = None, others: bool = True
+    cfg: DictConfig,
+    first: tuple[str, str, str] | None = None,
+    others: bool = True,
+    wandb: bool = True,
 ) -> None:
     """ConfigError naming the key (or environment variable) to change, if a
     directory the command writes to cannot be written: ``first`` (the key, the
     directory, what writes there: the run dir) and, with ``others``, the
-    :func:`written_dirs` of ``cfg``."""
-    dirs = ([first] if first else []) + (written_dirs(cfg) if others else [])
+    :func:`written_dirs` of ``cfg`` (wandb's with ``wandb``)."""
+    dirs = ([first] if first else []) + (written_dirs(cfg, wandb) if others else [])
     home = os.path.expanduser("~")
     for key, path, what in dirs:
         problem = unwritable(os.path.expanduser(path))
         if problem is None:
             continue
-        fix = f"set {key} to a writable directory"
+        err = not_writable(key, path, what, problem)
         if key not in os.environ and "." not in key and path.startswith(home + os.sep):
-            fix += f" (or HOME, {home}: it is there by default)"
-        raise ConfigError(key, f"{what} writes to {path}: {problem}; {fix}")
+            err = ConfigError(
+                key, f"{err.message} (or HOME, {home}: it is there by default)"
+            )
+        raise err
 
 
 class WritableDirs(Callback):
@@ -1013,16 +1023,18 @@ def open_run(
     the config the checkpoint was saved with (else the run's record) typed by today's
     schema (:func:`compose_run`), changed by
     ``changes(config)``, validated and prepared as train.py prepares it (the keys its
-    user set stay theirs). Before anything is prepared, the dirs that config writes to
-    are checked (:func:`check_writable`; the run dir too where the command writes
-    ``record`` there). A problem is a ConfigError naming the key."""
+    user set stay theirs). Before anything is prepared, the dirs the command writes
+    to are checked (:func:`check_writable`): with ``record`` (a file it writes in the
+    run dir, and logs to wandb as the run did: eval.py) the run dir and wandb's too.
+    A problem is a ConfigError naming the key."""
     run_dir, checkpoint = find_run(run)
     cfg, overrides = run_config(run_dir)
     saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
     cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)
     cfg = with_changes(cfg, changes(cfg))
     resolved = validate(cfg)
-    check_writable(cfg, ("run", str(run_dir), record) if record else None)
+    first = ("run", str(run_dir), record) if record else None
+    check_writable(cfg, first, wandb=record is not None)
     cfg, resolved = prepare(cfg, resolved, override_keys(overrides))
     return run_dir, checkpoint, cfg, resolved
 

@@ -18,7 +18,16 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
-        self.key = key
+        self.key, self.message = key, message
+
+
+def not_writable(key: str, path: str, what: str, problem: str) -> ConfigError:
+    """The one-line error for a directory ``what`` writes to that cannot be written
+    (``problem``: :func:`src.util.unwritable`'s reason), naming the ``key`` (or
+    environment variable) that moves it."""
+    return ConfigError(
+        key, f"{what} writes to {path}: {problem}; set {key} to a writable directory"
+    )
 
 
 def keyed(key: str, fn: Any, *args: Any) -> Any:

@@ -511,6 +511,10 @@ def test_the_search_proposes_bf16_where_it_is_the_cheapest_fit():
     )
     # Every constant says where it comes from.
     assert est.notes["runtime"] == "cuda: assumed: not calibrated on a GPU yet"
+    # The name is read as the budget reads it: any case, the GPU's plan on any machine.
+    upper = planner._with(cfg, {"trainer.mem_budget_gib": " H100_80GB"})
+    assert planner.device_type(upper) == "cuda"
+    assert planner.accelerator_name(upper) == "h100_80gb"
 
 
 def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):

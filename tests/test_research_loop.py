@@ -309,20 +309,21 @@ def test_eval_on_other_files_reads_them_with_the_runs_tokenizer(gpt_run):
     assert entry["perplexity"] == pytest.approx(math.exp(entry["loss"]))
 
 
-def test_eval_py_refuses_an_unwritable_cache_dir_in_one_line(gpt_run, tmp_path):
-    """eval.py checks the dirs it writes to (the token cache for other data, the run
-    dir for eval.json) before any rank starts: one line naming the key, exit 2, and
-    the run's eval history untouched."""
+@pytest.mark.parametrize("cache", ["{tmp}/file/cache", "/proc"])
+def test_eval_py_refuses_an_unwritable_cache_dir_in_one_line(gpt_run, tmp_path, cache):
+    """eval.py on other data must build their token cache: a cache dir that cannot be
+    made (under a regular file) is refused before anything is prepared, one that
+    exists but takes no file (/proc; as a shared read-only cache) where the entry
+    would be built. One line naming the key, exit 2, the eval history untouched."""
     (tmp_path / "file").write_text("")
     paths = f"{sysconfig.get_paths()['stdlib']}/json/*.py"
-    cache = tmp_path / "file" / "cache"
     history = gpt_run / EVAL_FILE
     before = history.read_bytes() if history.is_file() else None
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
             "eval",
             [f"run={gpt_run}", "data=files", f"data.paths='{paths}'"]
-            + [f"data.cache_dir={cache}"],
+            + [f"data.cache_dir={cache.format(tmp=tmp_path)}"],
         )
     with pytest.raises(SystemExit) as exit_:
         eval_py.evaluate_run(cfg)
@@ -331,6 +332,21 @@ def test_eval_py_refuses_an_unwritable_cache_dir_in_one_line(gpt_run, tmp_path):
     assert line.startswith("config error: data.cache_dir: the token cache writes to ")
     assert line.endswith("set data.cache_dir to a writable directory"), line
     assert (history.read_bytes() if history.is_file() else None) == before
+
+
+def test_only_the_dirs_a_command_writes_are_checked(tmp_path, monkeypatch):
+    """sample.py writes no wandb files and no existing token cache (open_run checks
+    wandb's dirs only for eval.py, which logs as the run did): an unwritable
+    WANDB_DATA_DIR does not stop it; an existing cache dir is checked where an entry
+    is built, not before."""
+    from src.config import check_writable
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "file" / "wandb"))
+    cfg = make_cfg(*GPT_RUN, "logger=wandb", "data.cache_dir=/proc")
+    check_writable(cfg, wandb=False)
+    with pytest.raises(ConfigError, match=r"^WANDB_DATA_DIR: wandb writes to "):
+        check_writable(cfg)
 
 
 @pytest.mark.parametrize("n_tokens", [65, 100, 1000, 4097])

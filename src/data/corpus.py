@@ -23,7 +23,8 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from src.errors import ConfigError
+from src.errors import ConfigError, not_writable
+from src.util import unwritable
 
 #: How a file holds its documents.
 DATA_FORMATS = ("text", "jsonl", "parquet")
@@ -270,8 +271,12 @@ def digest(obj: object) -> str:
 def build_lock(path: str) -> Iterator[None]:
     """An exclusive lock on ``<path>.lock``: of the processes that find an entry
     missing (the local ranks under torchrun, jobs of a sweep), one builds it and the
-    others wait here, then find it built."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    others wait here, then find it built. A cache dir that cannot be written (a shared
+    read-only cache lacking this entry) is a one-line error naming data.cache_dir."""
+    cache = os.path.dirname(path)
+    problem = unwritable(cache)
+    if problem is not None:
+        raise not_writable("data.cache_dir", cache, "the token cache", problem)
     with open(f"{path}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:

@@ -672,22 +672,29 @@ def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> in
     return process_bytes(device, imports)
 
 
-def accelerator_name(cfg: DictConfig) -> str:
-    """The accelerator the estimate is for: the one ``trainer.mem_budget_gib`` names,
-    else this machine's GPU; empty on a CPU."""
+def _named_accelerator(cfg: DictConfig) -> str | None:
+    """The accelerator ``trainer.mem_budget_gib`` names (as budget_bytes reads it)."""
     budget = OmegaConf.select(cfg, "trainer.mem_budget_gib", default=None)
     if isinstance(budget, str) and budget.strip().lower() in ACCELERATORS_GIB:
         return budget.strip().lower()
+    return None
+
+
+def accelerator_name(cfg: DictConfig) -> str:
+    """The accelerator the estimate is for: the one ``trainer.mem_budget_gib`` names,
+    else this machine's GPU; empty on a CPU."""
+    named = _named_accelerator(cfg)
+    if named:
+        return named
     return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
 
 
 def device_type(cfg: DictConfig) -> str:
     """The device the estimate is for: a named accelerator budget means CUDA;
     otherwise this machine's."""
-    budget = OmegaConf.select(cfg, "trainer.mem_budget_gib", default=None)
-    if isinstance(budget, str) and budget in ACCELERATORS_GIB:
+    if _named_accelerator(cfg) or torch.cuda.is_available():
         return "cuda"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu"
 
 
 def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
