@@ -41,6 +41,20 @@ def global_call(module: str, name: str, arg: str) -> bytes:
     return b"\x80\x04" + _text(module) + _text(name) + b"\x93" + _text(arg) + b"\x85R."
 
 
+def build_on_class(module: str, cls: str, attribute: str) -> bytes:
+    """A protocol-4 pickle whose BUILD sets ``attribute`` on the class
+    ``module``.``cls`` itself (a slot state: ``setattr(cls, attribute, 1)``), which
+    would last for the rest of the process."""
+    return (
+        b"\x80\x04"
+        + _text(module)
+        + _text(cls)
+        + b"\x93N}"  # the class; no dict state; the slot state:
+        + _text(attribute)
+        + b"K\x01s\x86b."  # {attribute: 1}, (None, {...}), BUILD
+    )
+
+
 # ------------------------------------------------------------------ mutations
 
 

@@ -7,6 +7,7 @@ never pass as intact. docs/reliability.md reports the counts."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 import sys
@@ -96,6 +97,7 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
         ("scheduler", "x"),
         ("model_objects", []),
         ("extra", None),
+        ("extra", {"max_steps": 4, "step": -5}),  # load's {"step": ..., **extra}
         ("checksums", {}),
         ("checksums", []),
     ]:
@@ -132,6 +134,18 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
     cases["meta.json: deeper than the parser"] = (
         "forged",
         lambda c: _write_sealed(c, "[" * 100000 + "]" * 100000),
+    )
+    cases["meta.json: a section nested 900 deep"] = (
+        "forged",
+        forge.edit_meta(
+            lambda m: m["extra"].__setitem__("x", json.loads("[" * 900 + "]" * 900))
+        ),
+    )
+    cases["meta.json: a tuple tag holding a number"] = (
+        "forged",
+        forge.edit_meta(
+            lambda m: m["scheduler"].__setitem__("base_lrs", {"__tuple__": 1})
+        ),
     )
     cases["meta.json: NaN"] = ("forged", lambda c: _write_sealed(c, '{"step": NaN}'))
     cases["meta.json: invalid UTF-8"] = ("forged", lambda c: _write_sealed(c, b"\xff{"))
@@ -190,6 +204,10 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
         "forged",
         forge.index_bytes(lambda c: pickle.dumps(forge.Payload(marker))),
     )
+    cases["index pickle: BUILD sets an attribute of an allowed class"] = (
+        "forged",
+        forge.index_bytes(lambda c: forge.build_on_class(*CLASS_ATTRIBUTE)),
+    )
     cases["index: a bytes entry (torch.load, weights_only=False)"] = (
         "forged",
         forge.bytes_entry(marker),
@@ -233,6 +251,10 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
         ),
     )
     return cases
+
+
+#: What the BUILD case would set: (module, class, attribute); never set.
+CLASS_ATTRIBUTE = ("torch.distributed.checkpoint.metadata", "Metadata", "forged")
 
 
 def _write_sealed(ckpt: Path, text: str | bytes) -> None:
@@ -290,6 +312,8 @@ def test_fuzz_checkpoints(checkpoint, tmp_path):
         _check_refused(ckpt, name, kind)
         assert not marker.exists(), f"{name}: the payload ran"
         counts[kind] = counts.get(kind, 0) + 1
+    module, cls, attribute = CLASS_ATTRIBUTE
+    assert not hasattr(getattr(sys.modules[module], cls), attribute)
     assert sum(counts.values()) == len(cases) >= 90
     print(f"checkpoint mutations: {counts}")
 
@@ -536,6 +560,7 @@ def test_fuzz_metrics_jsonl_rows_on_resume(tmp_path, caplog):
     import logging
 
     from src.observe.loggers import METRICS_FILE, FileSink
+    from src.runs.resume import run_progress
 
     rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)]
     damages = {
@@ -551,6 +576,8 @@ def test_fuzz_metrics_jsonl_rows_on_resume(tmp_path, caplog):
         run_dir.mkdir()
         original = "".join(rows[:2]).encode() + bad + "".join(rows[2:]).encode()
         (run_dir / METRICS_FILE).write_bytes(original + b'{"step": 7, "lo')
+        progress = run_progress(run_dir)  # what a fresh start or resume reads first
+        assert progress is not None and progress.last_row == 6, name
         sink = FileSink(run_dir)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="src.observe.loggers"):
@@ -613,6 +640,7 @@ SAFETENSORS_MUTATIONS = {
         lambda h: [_first_tensor(h).__setitem__("shape", "x"), h][1]
     ),
     "entry not an object": _header_edit(lambda h: {**h, "evil": 1}),
+    "a FIFO": lambda f: [f.unlink(), os.mkfifo(f)],  # reading it would block
 }
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
 import math
 import os
@@ -287,6 +288,10 @@ def _check_meta(meta: Any, step: int | None) -> dict:
     ):
         if type(meta.get(key)) not in types:
             raise _bad_value(f"{META}: {key}", meta.get(key), want)
+    for key in ("model_objects", "optim_objects", "scheduler", "extra"):
+        _check_section(meta[key], f"{META}: {key}")
+    if "step" in meta["extra"]:  # load returns {"step": step, **extra}
+        raise _bad_value(f"{META}: extra.step", meta["extra"]["step"], "absent")
     for name, entry in meta[CHECKSUMS].items():
         if not _member_name(name):
             raise _bad_value(
@@ -308,6 +313,27 @@ def _check_meta(meta: Any, step: int | None) -> dict:
     if missing:
         raise _Damaged(f"{META} has no checksum of {missing[0]}")
     return meta
+
+
+#: How deep a JSON section of meta.json may nest (a run's own is at most 6 deep).
+_MAX_DEPTH = 32
+
+
+def _check_section(section: Any, where: str) -> None:
+    """_Damaged unless ``section`` nests at most :data:`_MAX_DEPTH` deep (deeper ones
+    would reach Python's recursion limit where they are read) and every tuple tag
+    (``{"__tuple__": ...}``, :func:`_to_json`) holds a list."""
+    todo = [(section, 0)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > _MAX_DEPTH:
+            raise _Damaged(f"{where} nests deeper than {_MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            if value.keys() == {"__tuple__"} and type(value["__tuple__"]) is not list:
+                raise _bad_value(f"{where}: a tuple", value["__tuple__"], "a list")
+            todo.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            todo.extend((v, depth + 1) for v in value)
 
 
 def read_checkpoint_meta(path: str | Path) -> dict:
@@ -379,12 +405,15 @@ def _stray_files(root: Path, names: list[str]) -> str | None:
     return f"{missing[0]} is missing" if missing else None
 
 
-class _IndexUnpickler(pickle.Unpickler):
+class _IndexUnpickler(pickle._Unpickler):  # the Python one: its BUILD is ours
     """Unpickler for DCP's ``.metadata`` index that builds DCP's own records and
     nothing else: exact (module, name) pairs, so no dotted name (protocol 4 resolves
     ``a.b`` attribute by attribute) and no other member of an allowed module passes.
     A bytes entry (``BytesStorageMetadata``, loaded by DCP with full pickle) is not
-    among them: this project's checkpoints hold tensors only."""
+    among them: this project's checkpoints hold tensors only. BUILD (set an object's
+    state) applies only to an instance of an allowed class, with a dict of attribute
+    names or the class's own ``__setstate__``: on a class itself it would set the
+    class's attributes (``PosixPath.__truediv__``) for the rest of the process."""
 
     _ALLOWED = frozenset(
         [
@@ -422,6 +451,23 @@ class _IndexUnpickler(pickle.Unpickler):
         ]
     )
 
+    _BUILDABLE: frozenset[type] = frozenset()  # the classes of _ALLOWED, below
+
+    def _load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if type(inst) not in self._BUILDABLE:
+            raise pickle.UnpicklingError(
+                f"it sets the state of {type(inst).__name__} {inst!r:.40}"
+            )
+        if getattr(type(inst), "__setstate__", None) is None:
+            if type(state) is not dict or not all(type(k) is str for k in state):
+                raise pickle.UnpicklingError(
+                    f"it sets {type(inst).__name__}'s state to {state!r:.40}"
+                )
+        pickle._Unpickler.load_build(self)
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: _load_build}
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"it names {module}.{name}")
@@ -429,6 +475,19 @@ class _IndexUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("it holds a persistent id")
+
+
+def _allowed_classes() -> frozenset[type]:
+    found = set()
+    for module, name in _IndexUnpickler._ALLOWED:
+        with contextlib.suppress(ImportError):
+            value = getattr(importlib.import_module(module), name, None)
+            if isinstance(value, type):
+                found.add(value)
+    return frozenset(found)
+
+
+_IndexUnpickler._BUILDABLE = _allowed_classes()
 
 
 def _size(value: Any, where: str) -> tuple[int, ...]:
@@ -981,7 +1040,7 @@ class Checkpointer:
                 "states not restored (random streams will differ from the original run)",
                 stacklevel=2,
             )
-        return {"step": meta["step"], **_from_json(meta["extra"])}
+        return {**_from_json(meta["extra"]), "step": meta["step"]}
 
     def load_model(
         self, path: str | Path, model: nn.Module, verify: bool = True
@@ -1003,7 +1062,7 @@ class Checkpointer:
         _read_tensors(path, index, wanted)
         model_tensors.update(objects)
         set_model_state_dict(model, model_tensors, options=_DSD_OPTIONS)
-        return {"step": meta["step"], **_from_json(meta["extra"])}
+        return {**_from_json(meta["extra"]), "step": meta["step"]}
 
     def _meta(self, path: Path, verify: bool) -> dict:
         """``meta.json`` of a complete checkpoint, checked; after :meth:`verify` if

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,10 @@ def safetensors_damage(path: str | Path) -> str | None:
     without reading the tensors), or None: a header that is not JSON, a tensor of an
     unknown dtype, whose bytes do not match its shape or lie outside the file, or a
     file longer or shorter than its tensors."""
-    size = os.path.getsize(path)
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read below for ever
+        return "is not a regular file"
+    size = info.st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:

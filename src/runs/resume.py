@@ -113,12 +113,12 @@ def run_progress(run_dir: str | Path) -> RunProgress | None:
     last_row = None
     metrics = Path(run_dir) / METRICS_FILE
     if metrics.is_file():
-        for line in metrics.read_text().splitlines():
+        for line in metrics.read_bytes().splitlines():
             try:
                 step = json.loads(line).get("step")
-            except (ValueError, AttributeError):
-                continue  # a row cut short by a crash
-            if isinstance(step, int):
+            except (ValueError, AttributeError, RecursionError):
+                continue  # a row cut short by a crash, or damaged (not UTF-8 JSON)
+            if type(step) is int:
                 last_row = step if last_row is None else max(last_row, step)
     if not checkpoints and last_row is None:
         return None
