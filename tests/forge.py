@@ -173,6 +173,25 @@ def _append_payload(ckpt: Path, marker: Path) -> _StorageInfo:
     return _StorageInfo(shard.name, offset, len(buf.getvalue()))
 
 
+def rng_scalar(name: str, value: object) -> Callable[[Path], None]:
+    """Rank 0's RNG file with the JSON scalar ``name`` set to ``value``, resealed."""
+
+    def forge(ckpt: Path) -> None:
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        file = ckpt / "rng" / "rank_00000.safetensors"
+        with safe_open(file, "pt") as f:
+            scalars = json.loads(f.metadata()["scalars"])
+        tensors = load_file(file)
+        save_file(
+            tensors, file, metadata={"scalars": json.dumps({**scalars, name: value})}
+        )
+        reseal(ckpt)
+
+    return forge
+
+
 def bytes_entry(marker: Path) -> Callable[[Path], None]:
     """The 0-d optimizer ``step`` entry turned into a bytes entry whose bytes are a
     pickle (DCP would hand them to torch.load(weights_only=False))."""

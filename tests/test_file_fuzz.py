@@ -174,6 +174,14 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
         "load",
         forge.edit_meta(lambda m: [m["optim_objects"].popitem(), m][1]),
     )
+    cases["rng: numpy's state of another generator"] = (
+        "load",
+        forge.rng_scalar("numpy_name", "PCG64"),
+    )
+    cases["rng: Python's state of another version"] = (
+        "load",
+        forge.rng_scalar("python_version", 2),
+    )
     cases["scheduler last_epoch a string"] = (
         "load",
         forge.edit_meta(lambda m: m["scheduler"].__setitem__("last_epoch", "x")),

@@ -1194,6 +1194,13 @@ def _read_rng(file: Path, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             raise _bad_value(f"{rel}: {name}", scalars.get(name), types[0].__name__)
     if not 0 <= scalars["numpy_pos"] <= 624:
         raise _bad_value(f"{rel}: numpy_pos", scalars["numpy_pos"], "0..624")
+    # what random.setstate and np.random.set_state take (they raise otherwise, after
+    # the model and optimizer are set)
+    if scalars["python_version"] != 3 or scalars["numpy_name"] != "MT19937":
+        raise _Damaged(f"{rel}: not the Mersenne Twister states of Python and numpy")
+    state = tensors["python_state"]
+    if state.min() < 0 or state[:-1].max() >= 1 << 32 or state[-1] > 624:
+        raise _Damaged(f"{rel}: python_state is not a Mersenne Twister state")
     return tensors, scalars
 
 
