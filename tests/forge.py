@@ -232,6 +232,16 @@ def chunk_outside(md, ckpt: Path) -> None:
     entry.chunks[0].sizes = torch.Size([d + 1 for d in entry.size])
 
 
+def chunks_gap(md, ckpt: Path) -> None:
+    """A tensor's chunks that leave part of it uncovered (DCP would keep the model's)."""
+    entry = next(v for v in md.state_dict_metadata.values() if v.size[0] > 1)
+    entry.chunks[0].sizes = torch.Size([entry.size[0] - 1, *entry.size[1:]])
+
+
+def chunks_none(md, ckpt: Path) -> None:
+    next(v for v in md.state_dict_metadata.values() if len(v.size)).chunks.clear()
+
+
 def copy_of(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst

@@ -250,6 +250,14 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
         "forged",
         forge.edit_index(forge.chunk_outside),
     )
+    cases["index: chunks leaving a gap"] = (
+        "forged",
+        forge.edit_index(forge.chunks_gap),
+    )
+    cases["index: a tensor with no chunks"] = (
+        "forged",
+        forge.edit_index(forge.chunks_none),
+    )
     cases["index: an extra tensor"] = (
         "forged",
         forge.edit_index(

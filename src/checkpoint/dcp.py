@@ -496,6 +496,25 @@ def _size(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _tiles(shape: tuple[int, ...], chunks: list[ChunkStorageMetadata]) -> bool:
+    """The chunks (each inside the tensor) cover ``shape`` once: their volumes add up
+    to the tensor's and no two overlap (sorted by first offset, a chunk is compared
+    only with those that start before it ends along dim 0: linear for row shards)."""
+    boxes = sorted(
+        (tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes) > 0
+    )
+    if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
+        return False
+    for i, (o1, n1) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1 :]:
+            if shape and o2[0] >= o1[0] + n1[0]:
+                break
+            spans = zip(o1, n1, o2, n2, strict=True)
+            if all(b < a + m and a < b + k for a, m, b, k in spans):
+                return False
+    return True
+
+
 def _check_index(md: Any, sizes: dict[str, int]) -> Metadata:
     """``md`` if it is a DCP index of tensors only, every chunk inside its tensor
     and stored in a listed ``.distcp`` file of the checkpoint within its size
@@ -532,6 +551,9 @@ def _check_index(md: Any, sizes: dict[str, int]) -> Metadata:
                 raise _Damaged(f"{where}: a chunk of {key} lies outside its tensor")
             if MetadataIndex(key, offsets) not in storage:
                 raise _Damaged(f"{where}: a chunk of {key} is stored nowhere")
+        if not _tiles(shape, entry.chunks):
+            # DCP leaves what no chunk covers as the model has it: silently unloaded
+            raise _Damaged(f"{where}: the chunks of {key} do not cover it exactly")
     data_files = {
         n: b for n, b in sizes.items() if "/" not in n and n.endswith(".distcp")
     }
