@@ -44,7 +44,10 @@ def evaluate_run(cfg: DictConfig) -> dict:
     with exit_on_config_error():
         validate_eval(cfg)
         run_dir, checkpoint, run_cfg, resolved = open_run(
-            cfg.run, lambda run_cfg: eval_changes(cfg, run_cfg), EVAL_FILE
+            cfg.run,
+            lambda run_cfg: eval_changes(cfg, run_cfg),
+            EVAL_FILE,
+            cfg.trust_remote_code,
         )
     split = eval_split(cfg)
     opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}

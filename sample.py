@@ -41,7 +41,9 @@ def main(cfg: DictConfig) -> list[str]:
 
     with exit_on_config_error():
         validate_sample(cfg)
-        _, checkpoint, run_cfg, resolved = open_run(cfg.run, changes)
+        _, checkpoint, run_cfg, resolved = open_run(
+            cfg.run, changes, trust_remote_code=cfg.trust_remote_code
+        )
         run_tokenizer(run_cfg)  # a run without one is refused before any rank starts
     opts = {
         key: cfg[key]

@@ -52,7 +52,7 @@ from src.planner.planner import GRAD_SYNC, budget_bytes
 from src.registry import described, or_list
 from src.resolved import Resolved, resolve, resolve_devices, tensor_parallel_plan
 from src.runs.evaluation import EVAL_SPLITS
-from src.runs.from_run import find_run, run_config, with_changes
+from src.runs.from_run import RUN_CONFIG, find_run, run_config, with_changes
 from src.runs.resume import (
     RECORD,
     adopt_attempt,
@@ -281,6 +281,7 @@ class SampleConfig:
     seed: int = MISSING
     devices: Any = MISSING  # ranks: an int >= 1 or auto
     kv_cache: bool = MISSING  # native families: decode with a KV cache
+    trust_remote_code: bool = MISSING  # run the code the run's config names
 
 
 @dataclass
@@ -293,6 +294,7 @@ class EvalConfig:
     batches: Any = MISSING  # null: the run's trainer.val_batches; an int; or all
     batch_size: int | None = MISSING  # sequences per batch; null: the run's micro-batch
     devices: Any = MISSING  # ranks: an int >= 1 or auto
+    trust_remote_code: bool = MISSING  # run the code the run's config names
 
 
 _store.store(name="base_sample", node=SampleConfig)
@@ -883,6 +885,23 @@ class WritableDirs(Callback):
             hydra.cfg = before
 
 
+def refuse_recorded_code(cfg: DictConfig, where: str, key: str, given: bool) -> None:
+    """A recorded config (a checkpoint's meta.json, a run's ``.hydra/config.yaml``)
+    is data: code it names in a directory (``model.trust_remote_code=true``: the HF
+    config dir's own classes) runs only when this command line says so (``given``:
+    ``key``=true on it). ConfigError naming ``key``, and the directory, otherwise;
+    checked before anything reads the model's config, which would run that code."""
+    if given or not OmegaConf.select(cfg, "model.trust_remote_code", default=False):
+        return
+    directory = OmegaConf.select(cfg, "model.config", default=None)
+    raise ConfigError(
+        key,
+        f"{where} records model.trust_remote_code=true, which runs the Python code "
+        f"in {directory}; a recorded config is data and runs no code on its own "
+        f"word: give {key}=true on the command line to run it",
+    )
+
+
 def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """A saved run's config (``<run dir>/.hydra/config.yaml``) typed by today's
     schema: conf/ composed with the run's command-line ``overrides``, the saved values
@@ -973,8 +992,14 @@ def resume_config(
         cfg, list(overrides), dict(choices), record.choices if record else {}
     )
     changes["trainer.resume"] = cfg.trainer.resume
-    new = resumed_with(base, changes)
     where = f"checkpoint {checkpoint}" if saved is not None else f"{run_dir}/{RECORD}"
+    refuse_recorded_code(
+        base,
+        where,
+        "model.trust_remote_code",
+        changes.get("model.trust_remote_code") is True,
+    )
+    new = resumed_with(base, changes)
     changed = differences(base, new)
     for key, before, after in changed if checkpoint is not None else ():
         reason = refusal(key)
@@ -1018,6 +1043,7 @@ def open_run(
     run: str,
     changes: Callable[[DictConfig], Mapping[str, Any]],
     record: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[Path, Path, DictConfig, Resolved]:
     """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
     the config the checkpoint was saved with (else the run's record) typed by today's
@@ -1026,11 +1052,15 @@ def open_run(
     user set stay theirs). Before anything is prepared, the dirs the command writes
     to are checked (:func:`check_writable`): with ``record`` (a file it writes in the
     run dir, and logs to wandb as the run did: eval.py) the run dir and wandb's too.
-    A problem is a ConfigError naming the key."""
+    The code the run's config names runs only with ``trust_remote_code`` (the
+    command's own key: :func:`refuse_recorded_code`). A problem is a ConfigError
+    naming the key."""
     run_dir, checkpoint = find_run(run)
     cfg, overrides = run_config(run_dir)
     saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
     cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)
+    where = f"checkpoint {checkpoint}" if saved else f"{run_dir}/{RUN_CONFIG}"
+    refuse_recorded_code(cfg, where, "trust_remote_code", trust_remote_code)
     cfg = with_changes(cfg, changes(cfg))
     resolved = validate(cfg)
     first = ("run", str(run_dir), record) if record else None

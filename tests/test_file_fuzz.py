@@ -338,11 +338,13 @@ def test_fuzz_checkpoints(checkpoint, tmp_path):
 
 
 def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
-    """A run's checkpoint forged three ways (an index pickle reaching os.system
-    through a dotted name, the same through ``planner``, a bytes entry whose bytes
-    are a pickle, a tensor's bytes that are a pickle), each resealed:
+    """A run's checkpoint forged (an index pickle reaching os.system through a
+    dotted name, the same through ``planner``, a bytes entry whose bytes are a
+    pickle, a tensor's bytes that are a pickle; a recorded config naming a directory
+    of code with model.trust_remote_code=true), each resealed:
     ``train.py trainer.resume=auto``, ``sample.py`` and ``eval.py`` refuse it in one
     line and the payload never runs."""
+    from tests.test_hf_inputs import custom_code_dir
     from tests.test_research_loop import train_run
     from tests.test_train import run_cmd
 
@@ -362,6 +364,14 @@ def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
     train_run(good, *run)
     marker = tmp_path / "MARKER"
     touch = f"touch {marker}"
+    code = custom_code_dir(tmp_path / "code", "tiny_custom_34")  # leaves code/ran
+    hf = {"name": "hf", "family": "hf", "config": str(code), "block_size": 64}
+    remote_code = forge.edit_meta(
+        lambda m: m["extra"]["config"].__setitem__(
+            "model", {**hf, "trust_remote_code": True, "vocab_size": None}
+        )
+    )
+    index = ("is not a DCP index of tensors", "torch.load(weights_only=True) refuses")
     forgeries = [
         (
             "train",
@@ -383,8 +393,14 @@ def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
         ),
         ("eval", forge.bytes_entry(marker)),
         ("eval", forge.shard_payload(marker)),  # passes verify; the rank refuses it
+        *((command, remote_code) for command in ("train", "sample", "eval")),
     ]
     for i, (command, forged) in enumerate(forgeries):
+        said = (
+            ("records model.trust_remote_code=true",)
+            if forged is remote_code
+            else index
+        )
         run_dir = tmp_path / f"{command}{i}"
         shutil.copytree(good, run_dir)
         forged(run_dir / "checkpoints" / "step_00000002")
@@ -399,11 +415,9 @@ def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
         text = out.stdout + out.stderr
         assert out.returncode != 0 and "Traceback" not in text, text
         lines = [ln for ln in text.splitlines() if "step_00000002" in ln]
-        assert len(lines) == 1 and (
-            "is not a DCP index of tensors" in lines[0]
-            or "torch.load(weights_only=True) refuses" in lines[0]
-        ), text
+        assert len(lines) == 1 and any(s in lines[0] for s in said), text
         assert not marker.exists(), f"{command}: the payload ran"
+        assert not (code / "ran").exists(), f"{command}: the recorded code ran"
 
 
 def test_checked_extra_refuses_wrong_kinds(checkpoint):

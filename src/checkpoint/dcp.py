@@ -763,8 +763,7 @@ def _newest_good(
         if on_skip is not None and len(found) > 1:
             on_skip(path, reason)
     raise CheckpointError(
-        f"no usable checkpoint in {found[0].parent} ({'; '.join(reasons)}); "
-        "set trainer.resume=null to start over"
+        f"no usable checkpoint in {found[0].parent} ({'; '.join(reasons)})"
     )
 
 

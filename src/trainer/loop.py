@@ -200,7 +200,10 @@ def resume(
     if wanted == "auto":
         for skipped, reason in incomplete_checkpoints(ckpt.directory):
             log.info("skipping checkpoint dir %s: %s", skipped, reason)
-    path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
+    try:
+        path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
+    except CheckpointError as err:  # not resume=null: the dir holds a run
+        raise CheckpointError(f"{err}; start over in another hydra.run.dir") from None
     if restarted:
         found = "resuming from the newest good checkpoint"
         log.info(f"{restarted}; {found if path else 'no checkpoint yet: from step 0'}")
