@@ -471,6 +471,23 @@ def cache_cases() -> dict[str, object]:
         ("meta_crc32", None),
     ]:
         cases[f"meta.json: {key}={value!r}"] = meta_field(key, value)
+
+    def out_of_vocab(entry: Path) -> None:
+        """A token id above max_id (the ranks' vocabulary check takes max_id: past
+        the vocabulary, an IndexError in a rank), the CRC-32 and the seal recomputed."""
+        meta = json.loads((entry / "meta.json").read_text())
+        tokens = np.fromfile(entry / "train.bin", meta["dtype"])
+        top = min(meta["vocab_size"], np.iinfo(tokens.dtype).max)
+        assert top > meta["max_id"]
+        tokens[len(tokens) // 2] = top
+        tokens.tofile(entry / "train.bin")
+        meta["train_crc32"] = f"{zlib.crc32(tokens.tobytes()):08x}"
+        del meta["meta_crc32"]
+        text = json.dumps(meta, sort_keys=True).encode()
+        meta["meta_crc32"] = f"{zlib.crc32(text):08x}"
+        (entry / "meta.json").write_text(json.dumps(meta))
+
+    cases["train.bin: an id above max_id, resealed"] = out_of_vocab
     cases["meta.json: a list"] = lambda e: (e / "meta.json").write_text("[]")
     cases["meta.json: deeper than the parser"] = lambda e: (e / "meta.json").write_text(
         "[" * 100000 + "]" * 100000

@@ -15,7 +15,8 @@ entry's lock (:func:`remove_interrupted_builds`).
 An entry is checked before it is reused: ``meta.json`` strict JSON with every field of
 its type and range, sealed by its own CRC-32, and matching the tokenizer (vocabulary, end-of-document id,
 dtype), each ``.bin`` a regular file of exactly the recorded number of tokens and, in
-the launcher (``check_contents``), of the recorded CRC-32. A damaged entry is rebuilt,
+the launcher (``check_contents``), of the recorded CRC-32 and no token id above the
+recorded ``max_id`` (which the ranks take for the vocabulary check). A damaged entry is rebuilt,
 with a line saying why.
 
 The launcher builds the entry before the ranks start; under torchrun the first rank to
@@ -43,7 +44,7 @@ from tqdm import tqdm
 
 from src.data.corpus import EOD, Corpus, build_lock, digest
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
-from src.util import file_crc32, read_json
+from src.util import read_json
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +221,28 @@ def _read_entry(
                 None,
                 f"{split}.bin has {info.st_size:,} bytes, {want:,} were written",
             )
-        if check_contents and f"{file_crc32(file)[1]:08x}" != meta[f"{split}_crc32"]:
+        if not check_contents:
+            continue
+        crc, top = _crc32_and_max(file, dtype)
+        if f"{crc:08x}" != meta[f"{split}_crc32"]:
             return None, f"{split}.bin fails its checksum (corrupted)"
+        if top > meta["max_id"]:  # the ranks take max_id for the vocabulary check
+            return (
+                None,
+                f"{split}.bin holds token id {top}, above max_id {meta['max_id']}",
+            )
     return CacheEntry(path, meta), None
+
+
+def _crc32_and_max(file: str, dtype: np.dtype) -> tuple[int, int]:
+    """CRC-32 and largest token id of a ``.bin`` (-1 if empty), in one read of 16 MiB
+    blocks (a whole number of tokens each)."""
+    crc, top = 0, -1
+    with open(file, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+            top = max(top, int(np.frombuffer(block, dtype).max()))
+    return crc, top
 
 
 def _seal(meta: dict) -> str:
