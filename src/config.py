@@ -68,7 +68,7 @@ from src.runs.resume import (
     with_changes as resumed_with,
 )
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
-from src.sharding.pipeline import SCHEDULES, split_blocks
+from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
 from src.sharding.policies import POLICIES
 from src.sharding.transforms import compile_cache_dir
 from src.trainer.faults import FULL_ERROR_ENV
@@ -698,6 +698,8 @@ def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
         "sharding.pp_microbatches",
         f"got {s.pp_microbatches}, expected at least the {pp} pipeline stages",
     )
+    problem = microbatches_problem(s.pp_schedule, pp, s.pp_microbatches)
+    _require(not problem, "sharding.pp_microbatches", f"{s.pp_microbatches}: {problem}")
 
 
 def _check_batches(cfg: DictConfig, world_size: int) -> None:

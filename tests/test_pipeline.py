@@ -226,6 +226,20 @@ def test_pipeline_checkpoint_resumes_across_layouts(runs):
             "pipeline_parallel",
             "4 stages",
         ),
+        # torch's Interleaved1F1B splits M into max(1, M // P) equal rounds and
+        # raised on the ranks (a traceback per rank) for M=5 over P=2
+        (
+            [
+                "model=tiny",
+                "model.n_layer=4",
+                "trainer.devices=2",
+                "trainer.batch_size=10",
+                *INTERLEAVED,
+                "sharding.pp_microbatches=5",
+            ],
+            "pp_microbatches",
+            "multiple of 2",
+        ),
     ],
 )
 def test_bad_pipeline_configs_fail_in_one_line(overrides, key, says):

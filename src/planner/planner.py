@@ -62,6 +62,7 @@ from src.sharding.pipeline import (
     SCHEDULES,
     bubble_fraction,
     local_stages,
+    microbatches_problem,
     schedule_order,
 )
 
@@ -1489,6 +1490,8 @@ def search(
             if point.get("trainer.grad_sync", base.grad_sync) != base.grad_sync:
                 continue  # no effect: each schedule reduces at its end
             m = max(cur_m, pp)
+            if microbatches_problem(schedule, pp, m):
+                continue  # the schedule cannot split m micro-batches over pp ranks
             if (mp, pp) not in staged:
                 at = {"sharding.min_params": mp, PP_KEY: pp, PP_MICRO_KEY: m}
                 staged[mp, pp] = stage_plans(_with(cfg, at), resolved)

@@ -115,6 +115,23 @@ def schedule_order(
     return order + [("B", backward(op)) for op in range(total, total + warmup)]
 
 
+def microbatches_problem(schedule: str, pp: int, microbatches: int) -> str | None:
+    """Why torch's ``schedule`` cannot run ``microbatches`` micro-batches over ``pp``
+    ranks (None: it can). Interleaved1F1B runs them in ``max(1, M // P)`` rounds of
+    equal size, and raises on the ranks (in the schedule's constructor) otherwise:
+    P=2, M=5 is 2 rounds of 2.5."""
+    if SCHEDULES[schedule].stages_per_rank == 1:
+        return None
+    rounds = max(1, microbatches // pp)
+    if microbatches % rounds == 0:
+        return None
+    return (
+        f"{schedule} runs the micro-batches in rounds of equal size (here "
+        f"{microbatches} // {pp} stages = {rounds} rounds), so {microbatches} must be a "
+        f"multiple of {rounds}: e.g. {pp * rounds}"
+    )
+
+
 def bubble_fraction(schedule: str, pp: int, microbatches: int) -> float:
     """The idle share of a step in theory: ``(P - 1) / (M + P - 1)`` for GPipe and
     1F1B; with V stages per rank (interleaved) ``(P - 1) / (V M + P - 1)``."""
