@@ -28,22 +28,23 @@ import eval as eval_py
 import sample as sample_py
 from src.build import build_model, make_backend
 from src.checkpoint.export import load_consolidated
-from src.config import open_run
+from src.config import open_run, validate
 from src.harness import CONF_DIR
 from src.runs.from_run import load_model, with_changes
-from src.trainer.launch import run_ranks
+from src.trainer.launch import run_rank, run_ranks
 from src.trainer.sampling import SAMPLING_CHANGES
 from tests.distributed import run_distributed
 from tests.test_config import assert_fails_naming
 from tests.test_tensor_parallel import (
     CKPT,
+    RUN,
     _train_runs,
     assert_close,
     losses,
     one_rank,
     resume_from,
 )
-from tests.test_train import read_rows
+from tests.test_train import make_cfg, read_rows
 
 HF_TINY_LLAMA = Path(__file__).resolve().parents[1] / "conf/hf_configs/tiny_llama"
 
@@ -87,6 +88,14 @@ TEXT = [
     "trainer.export=hf",
 ]
 
+# A Hugging Face model sampling while it trains (its own generate(), no validation).
+HF_TEXT = [
+    "data=text",
+    "data.max_bytes=100000",
+    "trainer.sample_every=2",
+    "trainer.sample_tokens=8",
+]
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
@@ -99,6 +108,12 @@ def runs(tmp_path_factory) -> Path:
     # from one_gpt's export, with grad_accum=2 (its micro-steps draw other rows)
     from_export = [f"model.pretrained={root / 'one_gpt' / 'hf'}", *ACCUM]
     one_rank(root, "one_gpt_accum", *gpt, *from_export)
+    # as one_rank, RUN's synthetic data keys left out (as _train_runs does)
+    own_data = [o for o in RUN if not o.startswith("data")]
+    hf_text = make_cfg(
+        *own_data, "sharding=none", "trainer.devices=1", *fams["hf"], *HF_TEXT
+    )
+    run_rank(hf_text, str(root / "one_hf_text"), validate(hf_text))
     tp_runs = {f"pp2_tp2_{f}": [*m, *PP2, *TP2] for f, m in fams.items()}
     tp_runs["pp2_tp2_gpt"].append("trainer.export=true")  # gathered across TP too
     run_distributed(
@@ -140,6 +155,8 @@ def runs(tmp_path_factory) -> Path:
                 for f, m in fams.items()
             },
             "pp2_text": [*gpt, *PP2, *TEXT],
+            # transformers' generate() on the model gathered from the stages
+            "pp2_hf_text": [*fams["hf"], *PP2, *HF_TEXT],
             # every schedule offered trains on gloo: GPipe too
             "pp2_gpipe_gpt": [*gpt, *PP2, "sharding.pp_schedule=gpipe"],
         },
@@ -316,3 +333,22 @@ def test_eval_and_sample_open_a_pipeline_run(runs):
     assert entry["step"] == 4 and abs(entry["loss"] - val[4]) < 1e-5, (entry, val)
     assert abs(hsdp_entry["loss"] - hsdp_val) < 1e-5, (hsdp_entry, hsdp_val)
     assert texts == [samples[4]]
+
+
+@pytest.mark.slow
+def test_hf_model_samples_while_it_trains_under_pipelining(runs):
+    """trainer.sample_every for a Hugging Face model under PP2: generate() on the
+    model gathered from the stages (an FSDP2 root never run forward, its embeddings
+    and head sharded: transformers calls past the root's hooks) gives one rank's
+    greedy text; it failed on every rank with a DTensor AssertionError."""
+
+    def samples(name):
+        return {
+            r["step"]: r["sample_0"] for r in read_rows(runs / name) if "sample_0" in r
+        }
+
+    assert_close(
+        losses(runs / "pp2_hf_text"), losses(runs / "one_hf_text"), range(1, 5)
+    )
+    want = samples("one_hf_text")
+    assert sorted(want) == [2, 4] and samples("pp2_hf_text") == want

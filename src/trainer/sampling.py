@@ -10,11 +10,14 @@ recomputing the window each step (src/models/generate.py).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
@@ -59,6 +62,23 @@ def sampling_changes(spec: ModelSpec, devices: Any) -> tuple[dict[str, Any], str
     return {**changes, **WHOLE_MODEL}, note
 
 
+@contextlib.contextmanager
+def _root_gathered(model: nn.Module) -> Iterator[None]:
+    """An FSDP2 root's own parameters (embeddings, final norm, head) gathered for
+    the duration: transformers' ``generate()`` calls the model's inner modules, past
+    the root unit's forward hooks, which would otherwise leave them sharded (a
+    DTensor error on every rank, unless a forward without backward, such as
+    validation, had just gathered them). A collective, as every decoding step is."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def _broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(tokens, src=0)
@@ -90,7 +110,7 @@ def sample_texts(
         ids = tokenizer.encode_text(prompt) or [tokenizer.eos_id]
         idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
         if spec.generate is not None:
-            with torch.random.fork_rng():
+            with torch.random.fork_rng(), _root_gathered(model):
                 torch.manual_seed(seed)
                 tokens = spec.generate(
                     model, idx, max_new_tokens, temperature, top_k, tokenizer.vocab_size
