@@ -650,6 +650,12 @@ def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
     _choice(cfg, "sharding.pp_schedule", tuple(SCHEDULES))
     _positive_int(cfg, "sharding.pp_microbatches")
     if pp == 1:
+        _require(
+            not s.pp_split,
+            "sharding.pp_split",
+            f"{list(s.pp_split)} cuts pipeline stages, but sharding.pipeline_parallel"
+            "=1 (no pipeline); set sharding.pipeline_parallel or sharding.pp_split=[]",
+        )
         return
     _require(
         BACKENDS[s.backend].pipeline_parallel,

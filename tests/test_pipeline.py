@@ -227,6 +227,7 @@ def test_pipeline_checkpoint_resumes_across_layouts(runs):
             "gloo",
         ),
         (["trainer.devices=4", *PP2, "sharding.pp_split=[1,2]"], "pp_split", "summing"),
+        (["trainer.devices=2", "sharding.pp_split=[1,1]"], "pp_split", "no pipeline"),
         (["trainer.devices=3", *PP2], "pipeline_parallel", "3 devices"),
         (
             ["model=hf", "model.config=tiny_gpt2", "trainer.devices=2", *PP2],

@@ -32,6 +32,7 @@ SHARDED_ONLY = {
     "sharding.replicate": 1,
     "sharding.tensor_parallel": 1,
     "sharding.pipeline_parallel": 1,
+    "sharding.pp_split": [],
     "sharding.sequence_parallel": None,
 }
 # What sample.py changes in the run's config: decoding is not training.
