@@ -2,8 +2,10 @@
 
 The commands are read from the Markdown itself: each line of a ```bash block (``\\``
 continuations joined, ``&&`` chains split, comments dropped), each ``$ `` line of an
-unlabelled block, with the lines shown after it as its output, and each backticked
-``python X.py ...`` in running text that is not a template (``...``, ``<config>``).
+unlabelled block, with the lines shown after it as its output (in an unlabelled
+block without ``$ `` lines, each line that starts with ``python`` or ``torchrun``),
+and each backticked ``python X.py ...`` in running text that is not a template
+(``...``, ``<config>``).
 A command someone adds to the docs is checked without touching this file:
 
 - ``python train.py ...`` (also after ``torchrun``), each point of a sweep
@@ -55,13 +57,18 @@ SKIPPED = {
     ("pip", "install"): "installs packages from the network",
     ("python", "-m", "pytest"): "the test suite itself",
     ("wandb", "sync"): "uploads runs to wandb over the network",
+    ("python", "-c"): "a Python one-liner: makes or reads files for the commands "
+    "beside it (docs/models.md's tiny Mixtral; tests/test_hf_inputs.py runs that "
+    "round trip)",
     ("python", "-m", "src.runs.compare"): "reads earlier runs' dirs (run by "
     "tests/test_research_loop.py on two trained runs)",
 }
 #: Commands that read a run dir the user names (a placeholder such as <date>).
 USER_RUN_DIR = re.compile(r"<date>|<time>|<run dir>")
-#: Keys holding a path the user supplies (~/corpus, ~/ckpt/my-llama): such a
-#: command is composed and validated, but its validation may stop at that path.
+#: Keys holding a path the user supplies (~/corpus, ~/ckpt/my-llama), or that an
+#: earlier command of the same doc writes (a ``python -c`` saving a model to
+#: /tmp/tiny_mixtral): such a command is composed and validated, but its validation
+#: may stop at that path.
 USER_PATH_KEYS = ("model.pretrained", "data.paths", "data.tokenizer", "model.config")
 
 
@@ -139,6 +146,8 @@ def doc_commands() -> list[Command]:
                         commands.append(Command(f"{name}:{number}", tuple(argv)))
             elif block.group(1) in ("", "console"):
                 commands.extend(_shown_commands(name, lines))
+                if not any(line.startswith("$ ") for _, line in lines):
+                    commands.extend(_plain_commands(name, lines))
         prose = fence.sub(lambda m: "\n" * m.group(0).count("\n"), text)
         commands.extend(_inline_commands(name, prose))
     return commands
@@ -157,6 +166,23 @@ def _inline_commands(name: str, text: str) -> list[Command]:
         for span in INLINE.findall(line):
             if not TEMPLATE.search(span):
                 out.extend(Command(f"{name}:{number}", tuple(a)) for a in _split(span))
+    return out
+
+
+#: The programs a line of an unlabelled block starts with when it is a command.
+PROGRAMS = ("python ", "torchrun ")
+
+
+def _plain_commands(name: str, lines: list[tuple[int, str]]) -> list[Command]:
+    """The commands of an unlabelled block without ``$ `` lines (a shell session
+    shown bare, as docs/models.md's tiny Mixtral round trip): each line that starts
+    with a program (:data:`PROGRAMS`) and is not a template (docs/architecture.md's
+    ``python train.py k=v ...`` above its call tree). The other lines are output or
+    a diagram."""
+    out = []
+    for number, line in _logical_lines(lines):
+        if line.startswith(PROGRAMS) and not TEMPLATE.search(line):
+            out.extend(Command(f"{name}:{number}", tuple(a)) for a in _split(line))
     return out
 
 
@@ -281,7 +307,7 @@ def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
         except CONFIG_ERRORS as err:
             print(f"config error: {one_line(err)}")
             key = str(err).split(":")[0]
-            if not ("~" in command.text and key in USER_PATH_KEYS):
+            if not (key in USER_PATH_KEYS and user_path(command, point, key)):
                 outcome.error = f"config error: {one_line(err)}"
         except Exception as err:  # noqa: BLE001 - reported with the command
             outcome.error = f"{type(err).__name__}: {one_line(err)}"
@@ -289,6 +315,21 @@ def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
             HydraConfig.instance().cfg = None  # later tests see no Hydra job
     outcome.lines = out.getvalue().splitlines()
     return outcome
+
+
+def user_path(command: Command, point: list[str], key: str) -> bool:
+    """Whether ``key``'s value in ``point`` is a path the user supplies (``~``) or
+    one that an earlier command of the same doc writes (so it may not exist here)."""
+    if "~" in command.text:
+        return True
+    value = next((p.split("=", 1)[1] for p in point if p.startswith(f"{key}=")), "")
+    doc, line = command.where.rsplit(":", 1)
+    return bool(value) and any(
+        c.where.rsplit(":", 1)[0] == doc
+        and int(c.where.rsplit(":", 1)[1]) < int(line)
+        and value in c.text
+        for c in COMMANDS
+    )
 
 
 def shown_mismatches(shown: tuple[str, ...], printed: list[str]) -> list[str]:
@@ -384,6 +425,10 @@ def test_the_docs_show_commands():
     assert "python train.py model=llama_tiny" in texts
     assert any(c.output for c in COMMANDS)
     assert "python train.py --cfg job" in texts
+    # an unlabelled block's bare commands (docs/models.md), not its diagrams' lines
+    mixtral = "python train.py model=hf model.pretrained=/tmp/tiny_mixtral"
+    assert any(t.startswith(mixtral) for t in texts)
+    assert not any(t.startswith("python train.py k=v") for t in texts)
     for prefix in SKIPPED:
         assert any(c.argv[: len(prefix)] == prefix for c in COMMANDS), prefix
 
