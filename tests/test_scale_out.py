@@ -170,7 +170,12 @@ def layouts(root, torchrun_run) -> dict:
         _train_runs,
         2,
         str(root),
-        {"two": FULL, "two_from_hsdp": resume_from(root, "hsdp")},
+        {
+            "two": FULL,
+            "two_from_hsdp": resume_from(root, "hsdp"),
+            # FSDP1 with every rank a replica (a shard group of one rank)
+            "two_fsdp1_replicas": ["sharding=fsdp1", *HSDP, "trainer.ckpt_every=0"],
+        },
     )
     one_rank(root, "one_from_hsdp", *resume_from(root, "hsdp"))
     return {"facts": facts, "ref": losses(root / "one")}
@@ -186,7 +191,7 @@ def assert_close(got: dict[int, float], want: dict[int, float], steps) -> None:
 def test_hsdp_matches_one_rank_and_full_sharding(root, layouts):
     ref = layouts["ref"]
     assert len(ref) == 4 and len(set(ref.values())) == 4
-    for name in ("two", "hsdp", "full4", "hsdp_fsdp1"):
+    for name in ("two", "hsdp", "full4", "hsdp_fsdp1", "two_fsdp1_replicas"):
         assert_close(losses(root / name), ref, range(1, 5))
     facts = layouts["facts"]
     # FSDP2: a 2-D (replicate, shard) mesh, parameters replicated over dim 0 and

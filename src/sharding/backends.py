@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
@@ -133,12 +134,14 @@ def fsdp1_wrapper(
     reshard_after_forward: bool | int = True,
     mp_policy: Precision | None = None,
     device_mesh: DeviceMesh | None = None,
+    no_shard: bool = False,
     **kwargs: Any,
 ) -> FSDP1:
     """``FullyShardedDataParallel`` taking FSDP2's argument names, so the same
     ``wrap(..., reshard_after_forward=False)`` annotation works on both backends.
     A 2-D ``device_mesh`` selects the hybrid strategies (shard within a group,
-    replicate across groups), as a 2-D mesh does for FSDP2."""
+    replicate across groups), as a 2-D mesh does for FSDP2; ``no_shard``: every rank
+    a replica (``NO_SHARD`` over the default group: gradients all-reduced over it)."""
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(
             f"reshard_after_forward={reshard_after_forward!r}: FSDP1 takes true or "
@@ -151,12 +154,17 @@ def fsdp1_wrapper(
         (True, True): ShardingStrategy.HYBRID_SHARD,
         (True, False): ShardingStrategy._HYBRID_SHARD_ZERO2,
     }[hybrid, reshard_after_forward]
+    if no_shard:
+        strategy, hybrid = ShardingStrategy.NO_SHARD, False
     if hybrid:
         kwargs["device_mesh"] = device_mesh
     kwargs.setdefault("use_orig_params", True)
     if mp_policy is not None:
         kwargs.setdefault("mixed_precision", mp_policy.fsdp1_policy())
-    return FSDP1(module, sharding_strategy=strategy, **kwargs)
+    with warnings.catch_warnings():
+        # NO_SHARD's deprecation notice: here it is what replicate = world size means
+        warnings.filterwarnings("ignore", "The `NO_SHARD`", FutureWarning)
+        return FSDP1(module, sharding_strategy=strategy, **kwargs)
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -540,7 +548,12 @@ class FSDP1Backend(_FSDPBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.replicate > 1:
+        # replicate = world size: a shard group of one rank, where torch's FSDP1
+        # switches HYBRID_SHARD to NO_SHARD within that group and so never reduces
+        # gradients across the replicas (each rank trained on its own batch). Every
+        # rank a replica is NO_SHARD over all ranks (the same memory, reduced).
+        self.no_shard = self.replicate > 1 and self.replicate == self.world_size
+        if self.replicate > 1 and not self.no_shard:
             self.mesh = device_mesh(self.device.type, self.world_size, self.replicate)
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
@@ -550,6 +563,7 @@ class FSDP1Backend(_FSDPBackend):
             "mp_policy": self.precision,
             "device_id": self.device,
             "device_mesh": self.mesh,
+            "no_shard": self.no_shard,
         }
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
