@@ -12,11 +12,13 @@ warns and goes on), ``no config``), then the counts and the refused types.
 
 from __future__ import annotations
 
+import argparse
 import warnings
 from collections import defaultdict
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

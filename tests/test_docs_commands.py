@@ -4,7 +4,8 @@ The commands are read from the Markdown itself: each line of a ```bash block (``
 continuations joined, ``&&`` chains split, comments dropped), each ``$ `` line of an
 unlabelled block, with the lines shown after it as its output (in an unlabelled
 block without ``$ `` lines, each line that starts with ``python`` or ``torchrun``),
-and each backticked ``python X.py ...`` in running text that is not a template
+and each backticked ``python X.py ...`` or ``python -m pkg.mod ...`` in running text
+that is not a template
 (``...``, ``<config>``).
 A command someone adds to the docs is checked without touching this file:
 
@@ -22,6 +23,8 @@ A command someone adds to the docs is checked without touching this file:
   (``...`` stands for any text), plan-only, a config error or a training.
 - another Hydra entry point (``python X.py``, ``python -m pkg.mod``): composed with its
   own config.
+- ``python -m bench.<name> ...``: its arguments parsed by the benchmark's own parser
+  (its ``main``, stopped once they parse: nothing is measured).
 - anything else must be in :data:`SKIPPED` with the reason it cannot run here; an
   unknown program fails the test, naming the doc and line.
 """
@@ -153,9 +156,9 @@ def doc_commands() -> list[Command]:
     return commands
 
 
-#: A ``python X.py ...`` command in running text (a backticked span), unless it is a
+#: A ``python X.py ...`` or ``python -m pkg.mod ...`` command in running text (a backticked span), unless it is a
 #: template (``...``, ``<config>``, ``[overrides]``).
-INLINE = re.compile(r"`(python [\w/.-]+\.py(?: [^`]*)?)`")
+INLINE = re.compile(r"`(python (?:-m [\w.]+|[\w/.-]+\.py)(?: [^`]*)?)`")
 TEMPLATE = re.compile(r"\.\.\.|<\w[^>]*>|\[overrides\]")
 
 
@@ -402,6 +405,48 @@ def check_hydra_app(path: Path, args: list[str]) -> None:
         compose(found["config_name"].group(1), overrides=overrides)
 
 
+class _Parsed(Exception):
+    """Raised by the patched ``parse_args`` once a benchmark's arguments parse."""
+
+
+def bench_args(argv: tuple[str, ...]) -> tuple[str, list[str]] | None:
+    """``python -m bench.<name> args``: the module and its arguments."""
+    if argv[:2] == ("python", "-m") and len(argv) > 2 and argv[2].startswith("bench."):
+        return argv[2], list(argv[3:])
+    return None
+
+
+def check_bench_args(module: str, args: list[str]) -> None:
+    """The benchmark's ``main`` parses ``args`` with its own parser and is stopped
+    there (nothing measured); an argument it refuses raises, with argparse's line."""
+    import argparse
+    import importlib
+    import inspect
+    import sys
+    from unittest import mock
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, *a, **kw):
+        raise _Parsed(parse(self, *a, **kw))
+
+    main = importlib.import_module(module).main
+    takes_argv = bool(inspect.signature(main).parameters)
+    err = io.StringIO()
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop),
+        mock.patch.object(sys, "argv", [module, *args]),
+        contextlib.redirect_stderr(err),
+    ):
+        try:
+            main(args) if takes_argv else main()
+        except _Parsed:
+            return
+        except SystemExit:
+            raise ValueError(err.getvalue().strip().splitlines()[-1]) from None
+    raise AssertionError(f"{module}.main() returned without parsing its arguments")
+
+
 def skip_reason(command: Command) -> str | None:
     for prefix, why in SKIPPED.items():
         if command.argv[: len(prefix)] == prefix:
@@ -425,6 +470,7 @@ def test_the_docs_show_commands():
     assert "python train.py model=llama_tiny" in texts
     assert any(c.output for c in COMMANDS)
     assert "python train.py --cfg job" in texts
+    assert "python -m bench.pipeline --steps 8 --microbatches 8" in texts
     # an unlabelled block's bare commands (docs/models.md), not its diagrams' lines
     mixtral = "python train.py model=hf model.pretrained=/tmp/tiny_mixtral"
     assert any(t.startswith(mixtral) for t in texts)
@@ -446,13 +492,17 @@ def test_train_command_goes_as_far_as_prepare(command, prepared):
 
 
 def test_other_docs_commands_compose_or_are_skipped_with_a_reason():
-    """Every other command is composed with its own app's config or skipped for a
-    stated reason."""
+    """Every other command is composed with its own app's config, parsed by its
+    benchmark's parser, or skipped for a stated reason."""
     problems = []
     for command in COMMANDS:
         if skip_reason(command) or train_args(command.argv) is not None:
             continue
         try:
+            bench = bench_args(command.argv)
+            if bench is not None:
+                check_bench_args(*bench)
+                continue
             app = hydra_app(command.argv)
             if app is not None:
                 check_hydra_app(*app)
