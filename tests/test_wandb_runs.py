@@ -140,6 +140,7 @@ class _Run:
 
     def log(self, row: dict, step: int) -> None:
         self.rows.append((step, row))
+        self.summary.update(row)  # wandb's summary: each key's last logged value
 
     def finish(self, exit_code: int) -> None:
         self.exit_code = exit_code
@@ -162,16 +163,26 @@ def test_wandb_sink_starts_at_begin_and_resumes_only_a_resumed_run(tmp_path):
     first = WandbSink(start, tmp_path)
     first.log({"num_params": 10}, step=0)  # kept until begin, then replayed
     first.begin(resumed=False)
-    first.log({"loss": 2.0, "val_loss": 2.5}, step=1)
+    first.log({"loss": 2.0, "val_loss": 2.5, "mfu": 0.4, "sample_0": "text"}, step=1)
+    # the summary is ours: no mfu (the last window had none) and no val_loss here
     first.log_summary({"loss": 2.0, "steps": 1})
     first.finish(exit_code=0)
     run = started[-1]
     assert run.resume is None and run.exit_code == 0
     assert run.rows == [
         (0, {"train/num_params": 10}),
-        (1, {"train/loss": 2.0, "val/val_loss": 2.5}),
+        (
+            1,
+            {
+                "train/loss": 2.0,
+                "val/val_loss": 2.5,
+                "train/mfu": 0.4,
+                "train/sample_0": "text",
+            },
+        ),
     ]
-    assert run.summary == {"train/loss": 2.0, "train/steps": 1}
+    summary = {"train/loss": 2.0, "train/steps": 1, "train/sample_0": "text"}
+    assert run.summary == summary
     saved = json.loads((tmp_path / "wandb" / RUN_ID_FILE).read_text())
     assert saved == {"id": "new-id", "name": "train:x"}
 

@@ -187,6 +187,7 @@ class WandbSink(Sink):
         self.id_file = Path(run_dir) / "wandb" / RUN_ID_FILE
         self.run = None
         self._pending: list[tuple[str, tuple]] = []
+        self._figures: set[str] = set()  # the numbers rows logged (wandb keys)
 
     def begin(self, resumed: bool = False) -> None:
         if self.run is not None:
@@ -213,11 +214,23 @@ class WandbSink(Sink):
 
     def log(self, row: dict, step: int) -> None:
         if not self._later("log", row, step):
-            self.run.log({wandb_key(k): v for k, v in row.items()}, step=step)
+            row = {wandb_key(k): v for k, v in row.items()}
+            self.run.log(row, step=step)
+            numbers = (int, float)  # rows hold plain scalars; texts (samples) stay
+            self._figures.update(k for k, v in row.items() if isinstance(v, numbers))
 
     def log_summary(self, summary: dict) -> None:
-        if not self._later("log_summary", summary):
-            self.run.summary.update({wandb_key(k): v for k, v in summary.items()})
+        """The run's summary is ours: wandb's own keeps each logged number's last
+        value, so a figure our summary leaves out (an omitted MFU: the last window
+        had none) is removed rather than shown from an older window."""
+        if self._later("log_summary", summary):
+            return
+        summary = {wandb_key(k): v for k, v in summary.items()}
+        self.run.summary.update(summary)
+        present = set(self.run.summary.keys())
+        for key in sorted(self._figures - summary.keys()):
+            if key in present:
+                del self.run.summary[key]
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         if self._later("log_table", name, rows, step):
