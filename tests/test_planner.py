@@ -188,6 +188,40 @@ def test_moe_blocks_are_traced_in_fp32_without_errors(caplog):
         assert traced.saved + traced.head == pytest.approx(real, rel=0.01), name
 
 
+def test_moe_in_low_precision_on_cpu_is_planned_as_a_lower_bound():
+    """A model that routes tokens to experts, in bf16 on a CPU, grows with every new
+    routed shape (oneDNN's memory; docs/planner.md): its estimate says it is a lower
+    bound, and the fit search never proposes that precision for it. fp32, a dense
+    model and a GPU plan carry no caveat."""
+    moe = ("model=hf", "model.config=tiny_mixtral", "model.block_size=64")
+    cfg = _compose(*moe, "precision=bf16_mixed")
+    _, est = planner.estimate_cfg(cfg, resolve(cfg), 2)
+    assert "oneDNN" in est.caveat and "a lower bound: " in est.table()
+    for quiet in (
+        _compose(*moe),
+        _compose("model=hf", "model.config=tiny_llama", "precision=bf16_mixed"),
+    ):
+        assert planner.estimate_cfg(quiet, resolve(quiet), 2)[1].caveat == ""
+    resolved = resolve(cfg)
+    assert planner.lower_bound_reason(resolved, "cuda", "bf16_mixed") == ""
+    fp32 = _compose(*moe)
+    options = planner._options(fp32, resolve(fp32), [planner.PRECISION_KEY], 2, 64)
+    assert options[planner.PRECISION_KEY] == ["fp32"]
+
+
+def test_compile_adds_its_measured_resident_size_on_cpu():
+    """sharding.compile=true: inductor and the compiled block graphs add
+    IMPORT_BYTES['torch.compile'] to the process baseline, whatever the model."""
+    for model in ("model=tiny", "model=llama_tiny"):
+        plain = _compose(model)
+        compiled = _compose(model, "sharding.compile=true")
+        a = planner.estimate_cfg(plain, resolve(plain), 2)[1]
+        b = planner.estimate_cfg(compiled, resolve(compiled), 2)[1]
+        added = planner.IMPORT_BYTES["torch.compile"]
+        assert b.parts["process"] - a.parts["process"] == added, model
+        assert b.total - a.total == added, model
+
+
 def test_tensor_parallel_blocks_are_traced_on_one_ranks_shapes():
     """Under TP2, a Hugging Face block is traced as one rank computes it: half the
     heads (q, k, v) and half the MLP width, the residual stream whole. That is what

@@ -193,6 +193,16 @@ def _auto_map(path: Path) -> dict | None:
     return raw.get("auto_map") if isinstance(raw, dict) else None
 
 
+#: The config keys transformers' MoE architectures give their expert count under.
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def routed_experts(hf_config) -> int:
+    """How many experts the text model routes each token among (0: a dense model)."""
+    text = hf_config.get_text_config()
+    return max((getattr(text, k, None) or 0 for k in EXPERT_KEYS), default=0)
+
+
 def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
     """ValueError (one line, ``model.config``) for an encoder-decoder config, or a
     model that lets later input tokens change earlier positions' outputs."""
@@ -581,5 +591,6 @@ register(
         ),
         tp_plan=tp_plan,
         pipeline=pipeline_layout,
+        routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
     )
 )

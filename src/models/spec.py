@@ -128,6 +128,10 @@ class ModelSpec:
     # hidden states as ``idx``) and returns the last stage's logits, the others'
     # hidden states. None: no pipeline parallelism.
     pipeline: Callable[[Any], Any] | None = None
+    # Optional: whether a config routes each token to some of its experts (MoE), so
+    # the experts' matmul shapes change with every batch (the planner says what that
+    # costs where it cannot count it).
+    routes_tokens: Callable[[Any], bool] | None = None
     # Modules the family imports beyond torch (the planner's process baseline grows
     # by their resident size: planner.IMPORT_BYTES).
     imports: tuple[str, ...] = ()

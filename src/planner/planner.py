@@ -130,8 +130,15 @@ PROCESS_BYTES: dict[str, int] = {"cpu": 316 * MIB, "cuda": 600 * MIB}
 #: (``LoggerOption.imports``, rank 0) add to the process baseline, CPU resident set
 #: (measured in the same ``--ordinary`` runs): transformers with its model classes
 #: (an ``hf`` rank's baseline against a GPT rank's), wandb with its offline run (rank 0 against rank 1 at the peak,
-#: rank 0 alone logs).
-IMPORT_BYTES: dict[str, int] = {"transformers": 80 * MIB, "wandb": 25 * MIB}
+#: rank 0 alone logs), and ``sharding.compile=true``'s inductor with its compiled
+#: block graphs (regional: one graph per block class, whatever the width: GPT 4x256
+#: and Llama dim 256 runs against the same runs uncompiled, +70 and +51 MiB at the
+#: peak; a bare process: importing inductor ~45 MiB, the first compiled step ~52).
+IMPORT_BYTES: dict[str, int] = {
+    "transformers": 80 * MIB,
+    "wandb": 25 * MIB,
+    "torch.compile": 60 * MIB,
+}
 #: Where each device's constants come from, said beside them in every estimate.
 CONSTANTS_SOURCE: dict[str, str] = {
     "cpu": "CPU-measured, docs/benchmarks.md",
@@ -252,6 +259,7 @@ class Estimate:
     phase: str
     shape: RunShape
     notes: dict[str, str] = field(default_factory=dict)
+    caveat: str = ""  # why the run's peak may exceed the estimate (lower_bound_reason)
     stage: str = ""  # a pipeline-parallel run: which pp rank's stages, how run
     pp_rank: int | None = None  # ... and that pp rank
 
@@ -291,6 +299,8 @@ class Estimate:
             note = f"  ({self.notes[k]})" if k in self.notes else ""
             lines.append(f"  {_LABELS[k]:<38} {_gib(self.parts[k]):>12}{note}")
         lines.append(f"  {'total':<38} {_gib(self.total):>12}")
+        if self.caveat:
+            lines.append(f"  a lower bound: {self.caveat}")
         return "\n".join(lines)
 
 
@@ -666,10 +676,13 @@ _TRACED: dict[tuple[str, str, int], Callable[..., ActivationBytes]] = {}
 
 
 def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> int:
-    """The process baseline of a run of ``cfg``: its model family's imports and its
-    logger's (rank 0 holds the sinks; the peak is the max over ranks)."""
+    """The process baseline of a run of ``cfg``: its model family's imports, its
+    logger's (rank 0 holds the sinks; the peak is the max over ranks) and
+    torch.compile's with ``sharding.compile=true``."""
     option = LOGGERS.get(logger_kind(cfg))
     imports = resolved.spec.imports + (option.imports if option else ())
+    if OmegaConf.select(cfg, "sharding.compile", default=False):
+        imports += ("torch.compile",)
     return process_bytes(device, imports)
 
 
@@ -733,23 +746,43 @@ def estimate_cfg(
     ``world`` ranks (``model``: a meta model of ``cfg`` already built, reused across
     rank counts). A pipeline-parallel run: its worst stage's (:func:`worst_stage`)."""
     if _pp(cfg) > 1:
-        return worst_stage(pipeline_estimates(cfg, resolved, world))
-    model = model if model is not None else build_meta_model(cfg, resolved)
-    plan = plan_of(cfg, model, world)
-    shape = run_shape(cfg, resolved, world)
-    acts = run_activation_fn(cfg, resolved)(
-        shape.micro_batch,
-        shape.seq_len,
-        shape.param_bytes,
-        shape.checkpointing,
-        shape.ac_every,
-    )
-    acts = tp_activations(cfg, resolved, shape, acts, model)
-    process = family_process_bytes(cfg, resolved, shape.device)
-    est = estimate(plan, shape, acts, process)
-    if resolved.spec.activation_bytes is None:
-        est.notes["activations"] = "traced: one block per block class, fake tensors"
+        plan, est = worst_stage(pipeline_estimates(cfg, resolved, world))
+    else:
+        model = model if model is not None else build_meta_model(cfg, resolved)
+        plan = plan_of(cfg, model, world)
+        shape = run_shape(cfg, resolved, world)
+        acts = run_activation_fn(cfg, resolved)(
+            shape.micro_batch,
+            shape.seq_len,
+            shape.param_bytes,
+            shape.checkpointing,
+            shape.ac_every,
+        )
+        acts = tp_activations(cfg, resolved, shape, acts, model)
+        process = family_process_bytes(cfg, resolved, shape.device)
+        est = estimate(plan, shape, acts, process)
+        if resolved.spec.activation_bytes is None:
+            est.notes["activations"] = "traced: one block per block class, fake tensors"
+    est.caveat = lower_bound_reason(resolved, est.shape.device, str(cfg.precision.name))
     return plan, est
+
+
+def lower_bound_reason(resolved: Resolved, device: str, precision: str) -> str:
+    """Why a run's peak grows past any fixed estimate ('' where it does not): a model
+    that routes tokens to experts, in a low precision on a CPU, where oneDNN keeps
+    memory for every new token-count shape of the experts' matmuls (fp32 does not;
+    measured +31% to +76% over 4 to 20 steps, growing: docs/planner.md). The fit
+    search does not propose such a precision."""
+    routes = resolved.spec.routes_tokens
+    if device != "cpu" or routes is None or not routes(resolved.model_config):
+        return ""
+    if get_precision(precision).param_dtype == torch.float32:
+        return ""
+    return (
+        f"experts in {precision} on a CPU: oneDNN keeps memory for each token-count "
+        "shape routing gives the experts' matmuls, growing with the steps (not "
+        "counted; precision=fp32 does not)"
+    )
 
 
 def planned_peak_gib(est: Estimate) -> float:
@@ -1409,7 +1442,12 @@ def _options(
             vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
         elif key == PRECISION_KEY:
             device = (device_type(cfg), accelerator_name(cfg))
-            vals = [p for p in PRECISIONS if precision_cost(p, *device) < math.inf]
+            vals = [
+                p
+                for p in PRECISIONS
+                if precision_cost(p, *device) < math.inf
+                and not lower_bound_reason(resolved, device[0], p)
+            ]
         elif key == PP_KEY:
             vals = pipeline_options(cfg, resolved, world)
         else:

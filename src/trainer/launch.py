@@ -137,6 +137,8 @@ def prepare(
     # Rank 0 logs it beside what it measures: planned once, by rank 0.
     world = _world_from_env() or resolved.world_size
     est = _planned(cfg, resolved, world)
+    if est is not None and est.caveat:
+        log.warning("planner: the estimate is a lower bound: %s", est.caveat)
     return cfg, replace(
         resolved,
         planned_peak_gib=planned_peak_gib(est) if est else None,
