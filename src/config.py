@@ -987,7 +987,7 @@ def resume_config(
         checkpoint = resolve_resume(wanted, run_checkpoints(run_dir))
     except FileNotFoundError as err:
         raise ConfigError("trainer.resume", str(err).partition(": ")[2]) from None
-    record = None if attempt == RECORD else run_record(run_dir)
+    record = None if attempt == RECORD else keyed("hydra.run.dir", run_record, run_dir)
     saved = checkpoint_config(checkpoint) if checkpoint is not None else None
     if saved is None and (record is None or progress is None):
         # Nothing recorded to continue from: this command line is the run's config.

@@ -112,6 +112,30 @@ def read_json(path: str | os.PathLike) -> Any:
         return parse_json(f.read())
 
 
+def read_yaml(path: str | os.PathLike, kind: str = "mapping") -> Any:
+    """The YAML in the regular file ``path`` (OmegaConf's loader, yaml's safe one:
+    data, never code) if it is a ``kind``: ``mapping`` (a DictConfig) or ``list``
+    (of strings: a ListConfig); ValueError naming the file in one line otherwise."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing or not a regular file")
+    try:
+        data = OmegaConf.load(path)
+    except Exception as exc:  # yaml's, OmegaConf's and decoding errors alike
+        what = " ".join(str(exc).split())
+        raise ValueError(f"{path} is damaged ({type(exc).__name__}: {what})") from None
+    if kind == "list":
+        ok = isinstance(data, ListConfig) and all(isinstance(v, str) for v in data)
+    else:
+        ok = isinstance(data, DictConfig)
+    if not ok:
+        raise ValueError(
+            f"{path} is damaged (not a YAML {kind}{' of strings' * (kind == 'list')})"
+        )
+    return data
+
+
 def keep_aside(path: str | os.PathLike, copy: bool = False) -> Path:
     """Move (or ``copy``) the damaged file ``path`` to ``<name>.damaged-<n>`` next to
     it, a name not taken yet, so a record is never lost to its rewrite; returns it."""

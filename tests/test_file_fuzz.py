@@ -796,3 +796,69 @@ def test_fuzz_summary_lock_and_tokenizer_config(tmp_path, caplog):
                 load_path_tokenizer(str(tokenizer_dir))
             line = str(info.value)
             assert line.startswith("data.tokenizer: ") and "\n" not in line, line
+
+
+# ------------------------------------------------- a run's record: .hydra/*.yaml
+
+
+def test_fuzz_run_record_yaml(tmp_path):
+    """A run's record (``.hydra/config.yaml``, ``overrides.yaml``, ``hydra.yaml``),
+    read by a resume, sample.py, eval.py and sweep summaries: each damaged file is
+    either still a record of the right shape or refused in one line naming it
+    (ValueError; a ConfigError on ``run`` for sample.py and eval.py), never a
+    traceback of yaml's, and a ``!!python`` tag never runs (yaml's safe loader)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from src.errors import ConfigError
+    from src.runs.from_run import run_config
+    from src.runs.resume import run_record
+    from src.trainer.sweep import collect_dirs
+
+    marker = tmp_path / "MARKER"
+    files = {
+        "config.yaml": {"model": {"name": "tiny"}, "trainer": {"max_steps": 4}},
+        "overrides.yaml": ["model=tiny", "trainer.max_steps=4"],
+        "hydra.yaml": {"hydra": {"runtime": {"choices": {"model": "tiny"}}}},
+    }
+    yaml_cases = {
+        **forge.RAW,
+        "a code tag": lambda f: f.write_text(
+            f'x: !!python/object/apply:os.system ["touch {marker}"]\n'
+        ),
+        "a list": lambda f: f.write_text("- a\n- b\n"),
+        "a mapping": lambda f: f.write_text("a: 1\n"),
+        "a list of numbers": lambda f: f.write_text("[1, 2]\n"),
+        "unclosed": lambda f: f.write_text("model: {name: [\n"),
+        "invalid UTF-8": lambda f: f.write_bytes(b"model: \xff\xfe\n"),
+        "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
+        "a directory": lambda f: [f.unlink(), f.mkdir()],
+        "-> /dev/zero": lambda f: [f.unlink(), f.symlink_to("/dev/zero")],
+    }
+    refused = 0
+    for file in files:
+        for i, (name, mutate) in enumerate(yaml_cases.items()):
+            run_dir = tmp_path / f"{file}-{i}"
+            (run_dir / ".hydra").mkdir(parents=True)
+            for other, content in files.items():
+                OmegaConf.save(OmegaConf.create(content), run_dir / ".hydra" / other)
+            mutate(run_dir / ".hydra" / file)
+            for read in (run_record, run_config):
+                try:
+                    out = read(run_dir)
+                except (ValueError, ConfigError) as err:
+                    line = str(err)
+                    assert "\n" not in line and file in line, (file, name, line)
+                    refused += read is run_record
+                    continue
+                if out is None:  # run_record: no config.yaml, no record
+                    assert file == "config.yaml" and name == "delete", name
+                    continue
+                config = out.config if read is run_record else out[0]
+                overrides = out.overrides if read is run_record else out[1]
+                assert isinstance(config, DictConfig), (file, name)
+                assert all(isinstance(o, str) for o in overrides), (file, name)
+            _, rows, _ = collect_dirs([run_dir])  # a sweep summary: a row, no raise
+            assert len(rows) == 1, (file, name)
+            assert not marker.exists(), f"{file}: {name}: the tag ran"
+    assert refused >= 30, refused
+    print(f"run record mutations: {3 * len(yaml_cases)}, refused {refused}")

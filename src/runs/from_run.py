@@ -34,11 +34,12 @@ from src.checkpoint.dcp import (
 )
 from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
-from src.errors import ConfigError
+from src.errors import ConfigError, keyed
 from src.resolved import Resolved
 from src.sharding import Backend
 from src.trainer.launch import run_ranks
 from src.trainer.sampling import sample_texts
+from src.util import read_yaml
 
 RUN_CONFIG = Path(".hydra") / "config.yaml"
 RUN_OVERRIDES = Path(".hydra") / "overrides.yaml"
@@ -79,10 +80,10 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
 def run_config(run_dir: Path) -> tuple[DictConfig, list[str]]:
     """The run's composed config and its command line's overrides (whose keys
     ``launch.override_keys`` gives)."""
-    cfg = OmegaConf.load(run_dir / RUN_CONFIG)
+    cfg = keyed("run", read_yaml, run_dir / RUN_CONFIG)
     overrides = run_dir / RUN_OVERRIDES
-    user = OmegaConf.load(overrides) if overrides.is_file() else []
-    return cfg, [str(o) for o in user]
+    user = keyed("run", read_yaml, overrides, "list") if overrides.exists() else []
+    return cfg, list(user)
 
 
 def with_changes(cfg: DictConfig, changes: Mapping[str, Any]) -> DictConfig:

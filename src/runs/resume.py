@@ -32,6 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from src.checkpoint.dcp import META, complete_checkpoints, run_checkpoints
 from src.observe.loggers import METRICS_FILE
 from src.trainer.faults import LOCK_FILE
+from src.util import read_yaml
 
 RECORD = ".hydra"
 ATTEMPTS = f"{RECORD}/attempts"
@@ -63,19 +64,22 @@ class RunRecord:
 
 
 def run_record(run_dir: str | Path) -> RunRecord | None:
-    """The record in ``run_dir`` (None if there is none)."""
+    """The record in ``run_dir`` (None if there is none); ValueError naming a file
+    of it that is damaged (:func:`read_yaml`)."""
     hydra_dir = Path(run_dir) / RECORD
-    if not (hydra_dir / "config.yaml").is_file():
+    if not os.path.lexists(hydra_dir / "config.yaml"):
         return None
     overrides = hydra_dir / "overrides.yaml"
     choices: dict[str, str] = {}
-    if (hydra_dir / "hydra.yaml").is_file():
-        saved = OmegaConf.load(hydra_dir / "hydra.yaml")
-        found = OmegaConf.select(saved, "hydra.runtime.choices")
+    if os.path.lexists(hydra_dir / "hydra.yaml"):
+        saved = read_yaml(hydra_dir / "hydra.yaml")
+        found = OmegaConf.select(saved, "hydra.runtime.choices", default=None)
+        if not isinstance(found, DictConfig | None):
+            raise ValueError(f"{hydra_dir / 'hydra.yaml'} is damaged (its choices)")
         choices = {str(k): str(v) for k, v in (found or {}).items()}
     return RunRecord(
-        OmegaConf.load(hydra_dir / "config.yaml"),
-        [str(o) for o in OmegaConf.load(overrides)] if overrides.is_file() else [],
+        read_yaml(hydra_dir / "config.yaml"),
+        list(read_yaml(overrides, "list")) if os.path.lexists(overrides) else [],
         choices,
     )
 

@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.observe.metrics import CONTENDED, contended
 from src.trainer.faults import stopped_by_signal
-from src.util import markdown_table, read_json, write_json_atomic
+from src.util import markdown_table, read_json, read_yaml, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -253,11 +253,10 @@ def job_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
 
 
 def _overrides(job_dir: Path) -> dict[str, str]:
-    items = OmegaConf.to_container(
-        OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
-    )
+    """The job's command-line overrides; ValueError naming the file if damaged."""
+    items = read_yaml(job_dir / ".hydra" / "overrides.yaml", "list")
     out: dict[str, str] = {}
-    for item in items or []:
+    for item in items:
         key, sep, value = str(item).partition("=")
         out[key] = value if sep else ""
     return out
@@ -273,8 +272,8 @@ def swept_keys(overrides: Sequence[dict[str, str]]) -> list[str]:
 
 def _job_config(job_dir: Path) -> DictConfig:
     try:
-        return OmegaConf.load(job_dir / ".hydra" / "config.yaml")
-    except OSError:
+        return read_yaml(job_dir / ".hydra" / "config.yaml")
+    except ValueError:  # missing or damaged: the job's row says what it can
         return OmegaConf.create()
 
 
@@ -298,7 +297,13 @@ def collect_dirs(
 ) -> tuple[list[str], list[dict], tuple[str, str]]:
     """:func:`collect` of the run dirs ``dirs`` (one sweep's jobs, or runs compared by
     src/runs/compare.py); ``names``: each row's ``job`` (default: the job number)."""
-    overrides = [_overrides(d) for d in dirs]
+    overrides, damaged = [], {}
+    for d in dirs:
+        try:
+            overrides.append(_overrides(d))
+        except ValueError as err:  # the row says so; the other rows stand
+            overrides.append({})
+            damaged[d] = str(err)
     keys = swept_keys(overrides)
     rows = []
     for i, (job_dir, ovr) in enumerate(zip(dirs, overrides, strict=True)):
@@ -320,7 +325,7 @@ def collect_dirs(
             "status": status,
             **{m: summary.get(m) for m in METRICS},
             "best": False,
-            "error": record.get("error", ""),
+            "error": damaged.get(job_dir) or record.get("error", ""),
             "job_dir": str(job_dir),
         }
         rows.append(row)
