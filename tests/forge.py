@@ -104,6 +104,13 @@ RAW = {
     "0xff": fill(0xFF),
 }
 
+#: Damage any file format meets: nesting past a parser, and a file that is not one.
+NOT_DATA = {
+    "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
+    "a directory": lambda f: [f.unlink(), f.mkdir()],
+    "-> /dev/zero": lambda f: [f.unlink(), f.symlink_to("/dev/zero")],
+}
+
 
 # -------------------------------------------------------------------- forging
 

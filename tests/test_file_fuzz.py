@@ -558,9 +558,7 @@ RECORD_MUTATIONS = {
     "NaN": lambda f: f.write_text('[{"loss": NaN}]'),
     "1e400": lambda f: f.write_text('[{"loss": 1e400}]'),
     "invalid UTF-8": lambda f: f.write_bytes(b'[{"loss": "\xff"}]'),
-    "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
-    "a directory": lambda f: [f.unlink(), f.mkdir()],
-    "-> /dev/zero": lambda f: [f.unlink(), f.symlink_to("/dev/zero")],
+    **forge.NOT_DATA,
 }
 
 
@@ -830,9 +828,7 @@ def test_fuzz_run_record_yaml(tmp_path):
         "a list of numbers": lambda f: f.write_text("[1, 2]\n"),
         "unclosed": lambda f: f.write_text("model: {name: [\n"),
         "invalid UTF-8": lambda f: f.write_bytes(b"model: \xff\xfe\n"),
-        "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
-        "a directory": lambda f: [f.unlink(), f.mkdir()],
-        "-> /dev/zero": lambda f: [f.unlink(), f.symlink_to("/dev/zero")],
+        **forge.NOT_DATA,
     }
     refused = 0
     for file in files:
