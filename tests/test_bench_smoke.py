@@ -86,7 +86,8 @@ def test_mfu_tiny(docs_untouched):
     assert row["tokens/step"] == 64
     assert float(row["tokens/s"]) > 0
     assert float(row["achieved GFLOP/s"]) > 0
-    assert 0 < float(row["MFU (median step)"].rstrip("%")) < 100
+    median = row["MFU (median step)"]  # n/a where a busy machine's probe read low
+    assert median.startswith("n/a (above") or 0 < float(median.rstrip("%")) <= 100
 
 
 def test_plan_vs_measured_ordinary_compares_the_closing_lines_figures(

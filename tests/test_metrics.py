@@ -193,6 +193,9 @@ def test_mfu_above_one_is_omitted_with_one_line(caplog, monkeypatch):
     assert first["tokens_per_s"] == pytest.approx(1000.0)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("MFU omitted")
+    # the one rule, also bench.mfu's: a fraction, or none above the peak
+    assert metrics.model_flops_utilization(3.0, 6.0) == 0.5
+    assert metrics.model_flops_utilization(6e6, 1e6) is None
 
 
 def test_interval_line_says_mfu_na_when_the_window_has_none():

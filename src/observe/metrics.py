@@ -267,6 +267,14 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def model_flops_utilization(achieved: float, peak: float) -> float | None:
+    """MFU: ``achieved`` FLOP/s over the ``peak``; None above 1, where the peak is
+    wrong (a probe measured while the machine was busy, a wrong
+    ``trainer.peak_tflops``): no figure rather than a false one."""
+    mfu = achieved / peak
+    return mfu if mfu <= 1.0 else None
+
+
 class ThroughputMeter:
     """Tokens/s, step time and MFU over the window between two log points.
 
@@ -332,8 +340,10 @@ class ThroughputMeter:
             self._contended(waited, mark[0] + 1, step)
         if self.peak_flops_per_rank is None:
             return row
-        mfu = per_rank * self.flops_per_token / self.peak_flops_per_rank
-        if mfu <= 1.0:
+        mfu = model_flops_utilization(
+            per_rank * self.flops_per_token, self.peak_flops_per_rank
+        )
+        if mfu is not None:
             row["mfu"] = mfu
         else:
             self._omit_mfu(per_rank * self.flops_per_token)
