@@ -324,6 +324,7 @@ def test_speed_of_a_run_on_a_busy_machine_is_marked(tmp_path):
     busy[1][1]["cpu_wait_max"] = 0.6  # a window waited 60% of its thread time
     busy[2][1]["probe_cpu_wait"] = 0.3  # the MFU probe did
     busy[3][1].update(cpu_wait_max=0.02, probe_cpu_wait=0.01)  # an idle machine
+    del busy[0][1]["mfu"]  # omitted (above its probe's peak): n/a, and why
     _fake_sweep(sweep, busy, {})
     rows = summarise(sweep, log_wandb=False, make_plot=False)
     md = markdown_rows(sweep / "sweep_summary.md")
@@ -331,15 +332,16 @@ def test_speed_of_a_run_on_a_busy_machine_is_marked(tmp_path):
     header = [c.strip() for c in header.strip("|").split("|")]
     speed = [[row[header.index(h)] for h in ("tokens/s", "MFU")] for row in md]
     assert speed == [
-        ["900", "10.00%"],
+        ["900", "n/a"],
         ["800 \\*", "10.00% \\*"],
         ["700 \\*", "10.00% \\*"],
         ["2,000", "10.00%"],
     ]
-    note = (sweep / "sweep_summary.md").read_text().split("\n\n")[1]
+    note, na = (sweep / "sweep_summary.md").read_text().split("\n\n")[1:3]
     assert note.startswith(
         "\\* measured while other processes held the machine's cores"
     )
+    assert na.startswith("MFU n/a: the run logged none")
     assert [r["cpu_wait_max"] for r in rows] == [None, 0.6, None, 0.02]
     _fake_sweep(tmp_path / "idle", LR_SWEEP[:1], {})
     summarise(tmp_path / "idle", log_wandb=False, make_plot=False)

@@ -84,6 +84,11 @@ CONTENDED_NOTE = (
     "cpu_wait_max, probe_cpu_wait): tokens/s and MFU move with that load; compare "
     "them with runs measured under the same load"
 )
+MFU_NA_NOTE = (
+    "MFU n/a: the run logged none (its achieved FLOP/s exceeded the peak its probe "
+    "measured, a probe taken on a busy machine, or trainer.peak_tflops set too low; "
+    "or no peak is known for its device)"
+)
 
 # ---------------------------------------------------------------- one job
 
@@ -373,19 +378,21 @@ def summary_table(keys: list[str], rows: list[dict], goal: str = "val_loss") -> 
     """The summary as a Markdown table; the best row's ``goal`` (the objective) is in
     bold."""
     with_error = any(r["error"] for r in rows)
-    table, marked = [], False
+    table, marked, no_mfu = [], False, False
     for r in rows:
         cells = {"job": r["job"], **{k: r[k] for k in keys}, "status": r["status"]}
         for m, (header, _) in _MD_FORMAT.items():
             text = _cell(m, r[m])
+            if m == "mfu" and not text and r.get("tokens_per_s") is not None:
+                text, no_mfu = "n/a", True  # measured speed, no MFU: say why below
             cells[header] = f"**{text}**" if m == goal and r["best"] and text else text
             if m in SPEED and text and contended(r):
                 cells[header], marked = f"{cells[header]} \\*", True
         if with_error:
             cells["error"] = r["error"]
         table.append(cells)
-    note = f"\n\n{CONTENDED_NOTE}" if marked else ""
-    return markdown_table(table) + note + "\n"
+    notes = [CONTENDED_NOTE] * marked + [MFU_NA_NOTE] * no_mfu
+    return markdown_table(table) + "".join(f"\n\n{n}" for n in notes) + "\n"
 
 
 def _short(value: str) -> str:
