@@ -115,7 +115,8 @@ def read_json(path: str | os.PathLike) -> Any:
 def read_yaml(path: str | os.PathLike, kind: str = "mapping") -> Any:
     """The YAML in the regular file ``path`` (OmegaConf's loader, yaml's safe one:
     data, never code) if it is a ``kind``: ``mapping`` (a DictConfig) or ``list``
-    (of strings: a ListConfig); ValueError naming the file in one line otherwise."""
+    (of strings: a plain list, ``${...}`` left as written); ValueError naming the
+    file in one line otherwise."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if not os.path.isfile(path):
@@ -126,7 +127,11 @@ def read_yaml(path: str | os.PathLike, kind: str = "mapping") -> Any:
         what = " ".join(str(exc).split())
         raise ValueError(f"{path} is damaged ({type(exc).__name__}: {what})") from None
     if kind == "list":
-        ok = isinstance(data, ListConfig) and all(isinstance(v, str) for v in data)
+        # unresolved: Hydra records an override's ${...} as given (a ListConfig
+        # would resolve it against the list itself and fail)
+        if isinstance(data, ListConfig):
+            data = OmegaConf.to_container(data, resolve=False)
+        ok = isinstance(data, list) and all(isinstance(v, str) for v in data)
     else:
         ok = isinstance(data, DictConfig)
     if not ok:

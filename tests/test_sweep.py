@@ -411,6 +411,24 @@ def test_swept_keys_are_the_overrides_that_vary():
     assert swept_keys(jobs[:1]) == ["model", "a", "b"]
 
 
+def test_recorded_overrides_keep_their_interpolations(tmp_path):
+    """Hydra records an override's ``${...}`` as given: the record reads it as
+    written (a ListConfig resolved it against the list itself and failed, so a
+    sweep row lost its overrides, and sample.py, eval.py and a resume stopped)."""
+    from src.runs.from_run import run_config
+    from src.runs.resume import run_record
+    from src.trainer.sweep import _overrides
+
+    record = tmp_path / ".hydra"
+    record.mkdir()
+    given = ["trainer.max_steps=2", "trainer.log_every=${trainer.max_steps}"]
+    OmegaConf.save(OmegaConf.create(given), record / "overrides.yaml")
+    OmegaConf.save(OmegaConf.create({"a": 1}), record / "config.yaml")
+    assert _overrides(tmp_path)["trainer.log_every"] == "${trainer.max_steps}"
+    assert run_record(tmp_path).overrides == given
+    assert run_config(tmp_path)[1] == given
+
+
 def test_run_job_outside_a_multirun_lets_failures_through(tmp_path):
     (tmp_path / "summary.json").write_text('{"tokens_per_s": 5.0, "val_loss": 2.0}')
     cfg = OmegaConf.create({})
