@@ -189,6 +189,15 @@ def test_wandb_sink_starts_at_begin_and_resumes_only_a_resumed_run(tmp_path):
     again = WandbSink(start, tmp_path)
     again.begin(resumed=True)  # from a checkpoint of this run dir: the same run
     assert started[-1].resume == saved
+    # wandb gives a resumed run its summary back: an old MFU must not outlive it
+    started[-1].summary.update({"train/mfu": 0.4, "train/loss": 2.0, "eval/loss": 3.0})
+    again.log({"loss": 1.5}, step=2)
+    again.log_summary({"loss": 1.5, "steps": 2})
+    assert started[-1].summary == {
+        "train/loss": 1.5,
+        "train/steps": 2,
+        "eval/loss": 3.0,  # eval.py's record in the same run stays
+    }
     fresh = WandbSink(start, tmp_path)
     fresh.begin(resumed=False)  # a new training in a used run dir: a new run
     assert started[-1].resume is None and len(started) == 3

@@ -193,10 +193,6 @@ def _auto_map(path: Path) -> dict | None:
     return raw.get("auto_map") if isinstance(raw, dict) else None
 
 
-#: The config keys transformers' MoE architectures give their expert count under.
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
 def routed_experts(hf_config) -> int:
     """How many experts the text model routes each token among (0: a dense model)."""
     text = hf_config.get_text_config()
@@ -233,6 +229,10 @@ def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
         )
 
 
+#: The config keys transformers' MoE architectures give their expert count under.
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 # A probe model: the config at these sizes (those it has), per-layer lists cut to its
 # layers. Widths first; the config's own widths (layers cut) if it is small enough.
 _PROBE_SIZES = {
@@ -246,9 +246,7 @@ _PROBE_SIZES = {
     # MoE
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
+    **dict.fromkeys(EXPERT_KEYS, 4),
     "num_experts_per_tok": 2,
     "n_group": 1,
     "topk_group": 1,

@@ -157,6 +157,11 @@ class FileSink(Sink):
         self._jsonl.close()
 
 
+#: The wandb sections of a training run's rows (:func:`wandb_key`); eval.py's
+#: ``eval/`` records in the same run are not the trainer's.
+TRAINING_SECTIONS = ("train/", "val/")
+
+
 def wandb_key(name: str) -> str:
     """A metric's name in wandb: in the ``val/`` section if it is a validation figure
     (``val_loss`` -> ``val/val_loss``), else in ``train/`` (``loss`` ->
@@ -164,7 +169,8 @@ def wandb_key(name: str) -> str:
     summary.json keep the plain names."""
     if "/" in name:
         return name
-    return f"val/{name}" if name.startswith("val_") else f"train/{name}"
+    train, val = TRAINING_SECTIONS
+    return f"{val}{name}" if name.startswith("val_") else f"{train}{name}"
 
 
 RUN_ID_FILE = "run_id.json"  # in <run dir>/wandb/: the run's wandb id and name
@@ -187,7 +193,6 @@ class WandbSink(Sink):
         self.id_file = Path(run_dir) / "wandb" / RUN_ID_FILE
         self.run = None
         self._pending: list[tuple[str, tuple]] = []
-        self._figures: set[str] = set()  # the numbers rows logged (wandb keys)
 
     def begin(self, resumed: bool = False) -> None:
         if self.run is not None:
@@ -214,22 +219,21 @@ class WandbSink(Sink):
 
     def log(self, row: dict, step: int) -> None:
         if not self._later("log", row, step):
-            row = {wandb_key(k): v for k, v in row.items()}
-            self.run.log(row, step=step)
-            numbers = (int, float)  # rows hold plain scalars; texts (samples) stay
-            self._figures.update(k for k, v in row.items() if isinstance(v, numbers))
+            self.run.log({wandb_key(k): v for k, v in row.items()}, step=step)
 
     def log_summary(self, summary: dict) -> None:
         """The run's summary is ours: wandb's own keeps each logged number's last
-        value, so a figure our summary leaves out (an omitted MFU: the last window
-        had none) is removed rather than shown from an older window."""
+        value (a resumed run's from before the resume too), so a figure of the
+        training sections that our summary leaves out (an omitted MFU: the last
+        window had none) is removed rather than shown from an older window; texts
+        (samples) and other sections (eval.py's) stay."""
         if self._later("log_summary", summary):
             return
         summary = {wandb_key(k): v for k, v in summary.items()}
         self.run.summary.update(summary)
-        present = set(self.run.summary.keys())
-        for key in sorted(self._figures - summary.keys()):
-            if key in present:
+        for key in sorted(set(self.run.summary.keys()) - summary.keys()):
+            value = self.run.summary.get(key)
+            if key.startswith(TRAINING_SECTIONS) and isinstance(value, int | float):
                 del self.run.summary[key]
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
