@@ -36,13 +36,13 @@ from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError, keyed
 from src.resolved import Resolved
+from src.runs.resume import RECORD, recorded_config
 from src.sharding import Backend
 from src.trainer.launch import run_ranks
 from src.trainer.sampling import sample_texts
-from src.util import read_yaml
 
-RUN_CONFIG = Path(".hydra") / "config.yaml"
-RUN_OVERRIDES = Path(".hydra") / "overrides.yaml"
+RUN_CONFIG = Path(RECORD) / "config.yaml"
+RUN_OVERRIDES = Path(RECORD) / "overrides.yaml"
 
 
 def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
@@ -80,10 +80,7 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
 def run_config(run_dir: Path) -> tuple[DictConfig, list[str]]:
     """The run's composed config and its command line's overrides (whose keys
     ``launch.override_keys`` gives)."""
-    cfg = keyed("run", read_yaml, run_dir / RUN_CONFIG)
-    overrides = run_dir / RUN_OVERRIDES
-    user = keyed("run", read_yaml, overrides, "list") if overrides.exists() else []
-    return cfg, list(user)
+    return keyed("run", recorded_config, run_dir)
 
 
 def with_changes(cfg: DictConfig, changes: Mapping[str, Any]) -> DictConfig:

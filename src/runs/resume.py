@@ -63,13 +63,24 @@ class RunRecord:
     choices: dict[str, str]
 
 
+def recorded_config(run_dir: str | Path) -> tuple[DictConfig, list[str]]:
+    """The record's composed config and its command line's overrides (none if
+    ``overrides.yaml`` is absent); ValueError naming a file of it that is missing or
+    damaged (:func:`read_yaml`)."""
+    hydra_dir = Path(run_dir) / RECORD
+    overrides = hydra_dir / "overrides.yaml"
+    return (
+        read_yaml(hydra_dir / "config.yaml"),
+        list(read_yaml(overrides, "list")) if os.path.lexists(overrides) else [],
+    )
+
+
 def run_record(run_dir: str | Path) -> RunRecord | None:
     """The record in ``run_dir`` (None if there is none); ValueError naming a file
     of it that is damaged (:func:`read_yaml`)."""
     hydra_dir = Path(run_dir) / RECORD
     if not os.path.lexists(hydra_dir / "config.yaml"):
         return None
-    overrides = hydra_dir / "overrides.yaml"
     choices: dict[str, str] = {}
     if os.path.lexists(hydra_dir / "hydra.yaml"):
         saved = read_yaml(hydra_dir / "hydra.yaml")
@@ -77,11 +88,7 @@ def run_record(run_dir: str | Path) -> RunRecord | None:
         if not isinstance(found, DictConfig | None):
             raise ValueError(f"{hydra_dir / 'hydra.yaml'} is damaged (its choices)")
         choices = {str(k): str(v) for k, v in (found or {}).items()}
-    return RunRecord(
-        read_yaml(hydra_dir / "config.yaml"),
-        list(read_yaml(overrides, "list")) if os.path.lexists(overrides) else [],
-        choices,
-    )
+    return RunRecord(*recorded_config(run_dir), choices)
 
 
 def adopt_attempt(run_dir: str | Path, attempt: str) -> None:
