@@ -193,6 +193,10 @@ def _auto_map(path: Path) -> dict | None:
     return raw.get("auto_map") if isinstance(raw, dict) else None
 
 
+#: The config keys transformers' MoE architectures give their expert count under.
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 def routed_experts(hf_config) -> int:
     """How many experts the text model routes each token among (0: a dense model)."""
     text = hf_config.get_text_config()
@@ -227,10 +231,6 @@ def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
             "later tokens change earlier positions' logits, so next-token training "
             "would see the future; give a causal (decoder) config"
         )
-
-
-#: The config keys transformers' MoE architectures give their expert count under.
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 # A probe model: the config at these sizes (those it has), per-layer lists cut to its
