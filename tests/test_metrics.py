@@ -38,7 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 # --- throughput and MFU ---------------------------------------------------------------
 
 
-def test_throughput_meter_excludes_warmup_and_measures_windows():
+def test_throughput_meter_excludes_warmup_and_measures_windows(monkeypatch):
+    # No thread clock: the real one ticks between calls on a busy machine and adds
+    # a cpu_wait figure (tested below with its own clock).
+    monkeypatch.setattr(metrics, "thread_times", lambda: None)
     times = iter([10.0, 11.0, 13.0, 20.0, 20.5])
     meter = ThroughputMeter(
         tokens_per_step=1000,
