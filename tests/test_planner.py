@@ -207,6 +207,14 @@ def test_moe_in_low_precision_on_cpu_is_planned_as_a_lower_bound():
     fp32 = _compose(*moe)
     options = planner._options(fp32, resolve(fp32), [planner.PRECISION_KEY], 2, 64)
     assert options[planner.PRECISION_KEY] == ["fp32"]
+    # The expert count where a family keeps it: top level, or a sub-config (DBRX).
+    from transformers import DbrxConfig, LlamaConfig, MixtralConfig
+
+    from src.models.hf import routed_experts
+
+    assert routed_experts(MixtralConfig(num_local_experts=8)) == 8
+    assert routed_experts(DbrxConfig(ffn_config={"moe_num_experts": 6})) == 6
+    assert routed_experts(LlamaConfig()) == 0
 
 
 def test_compile_adds_its_measured_resident_size_on_cpu():

@@ -194,13 +194,24 @@ def _auto_map(path: Path) -> dict | None:
 
 
 #: The config keys transformers' MoE architectures give their expert count under.
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_KEYS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+)
 
 
 def routed_experts(hf_config) -> int:
-    """How many experts the text model routes each token among (0: a dense model)."""
+    """How many experts the text model routes each token among (0: a dense model).
+    Read from the text config and from its sub-configs (DBRX keeps the count in
+    ``ffn_config``)."""
+    from transformers import PretrainedConfig
+
     text = hf_config.get_text_config()
-    return max((getattr(text, k, None) or 0 for k in EXPERT_KEYS), default=0)
+    found = [text, *(v for v in vars(text).values() if isinstance(v, PretrainedConfig))]
+    counts = (getattr(c, k, None) for c in found for k in EXPERT_KEYS)
+    return max((n for n in counts if isinstance(n, int)), default=0)
 
 
 def _check_causal(hf_config, path: Path, trust_remote_code: bool) -> None:
