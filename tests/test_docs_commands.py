@@ -425,16 +425,36 @@ def check_bench_args(module: str, args: list[str]) -> None:
     import sys
     from unittest import mock
 
-    parse = argparse.ArgumentParser.parse_args
+    originals = {
+        name: getattr(argparse.ArgumentParser, name)
+        for name in ("parse_args", "parse_known_args")
+    }
+    depth = 0  # parse_args calls parse_known_args, as do subparsers: stop outermost
 
-    def parse_then_stop(self, *a, **kw):
-        raise _Parsed(parse(self, *a, **kw))
+    def stopping(name):
+        def parse_then_stop(self, *a, **kw):
+            nonlocal depth
+            depth += 1
+            try:
+                parsed = originals[name](self, *a, **kw)
+            finally:
+                depth -= 1
+            if depth:
+                return parsed
+            raise _Parsed(parsed)
+
+        return parse_then_stop
 
     main = importlib.import_module(module).main
     takes_argv = bool(inspect.signature(main).parameters)
     err = io.StringIO()
     with (
-        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop),
+        mock.patch.object(
+            argparse.ArgumentParser, "parse_args", stopping("parse_args")
+        ),
+        mock.patch.object(
+            argparse.ArgumentParser, "parse_known_args", stopping("parse_known_args")
+        ),
         mock.patch.object(sys, "argv", [module, *args]),
         contextlib.redirect_stderr(err),
     ):
@@ -664,3 +684,20 @@ def test_python_blocks_import_what_exists_and_md_files_named_exist():
             if not any((base / target).is_file() for base in (doc.parent, ROOT)):
                 problems.append(f"{name}: names {target}, which does not exist")
     assert problems == []
+
+
+def test_bench_args_are_parsed_and_stopped_whichever_parse_call(tmp_path, monkeypatch):
+    """check_bench_args stops a benchmark after parsing, whether its main calls
+    parse_args or parse_known_args (which would otherwise run it for real)."""
+    (tmp_path / "fake_bench.py").write_text(
+        "import argparse\n"
+        "def main(argv=None):\n"
+        "    p = argparse.ArgumentParser()\n"
+        "    p.add_argument('--steps', type=int)\n"
+        "    p.parse_known_args(argv)\n"
+        "    raise RuntimeError('ran for real')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_bench_args("fake_bench", ["--steps", "3"])
+    with pytest.raises(ValueError, match="invalid int value"):
+        check_bench_args("fake_bench", ["--steps", "three"])
