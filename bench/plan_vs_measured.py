@@ -24,7 +24,7 @@ launcher computes it) against ``peak_mem_gib`` (the max over ranks of VmHWM from
 model's build on, the process included).
 
     python -m bench.plan_vs_measured [--steps 3] [--configs NAME ...] [--append-docs]
-    python -m bench.plan_vs_measured --ordinary [--holdout] [--configs NAME ...] [--measured FILE]
+    python -m bench.plan_vs_measured --ordinary [--holdout | --audit] [--configs NAME ...] [--measured FILE]
 """
 
 from __future__ import annotations
@@ -176,6 +176,112 @@ HOLDOUT: dict[str, list[str]] = {
 }  # fmt: skip
 
 
+_LLAMA256 = ["model=llama_tiny", "model.dim=256"]
+_GPT8X512 = ["model.n_layer=8", "model.n_embd=512"]
+_TINYLM = ["model=custom", "model._target_=tests.test_models.TinyLM"]
+# An audit for --ordinary --audit: configurations as a user types them, in none of
+# the tables above, measured once to check the planner outside what it was built
+# on (docs/benchmarks.md, "The planner on 43 more configurations"). A row may set
+# its own steps and validation (its overrides come after the defaults).
+AUDIT: dict[str, list[str]] = {
+    "gpt 4x256, HSDP 2x2": ["model.n_embd=256", "trainer.devices=4",
+                            "sharding.replicate=2"],
+    "gpt seq 256 batch 8, accum 2 last": ["model.n_embd=256", "model.block_size=256",
+                                          "trainer.batch_size=8", "trainer.grad_accum=2",
+                                          "trainer.grad_sync=last"],
+    "gpt 4x320, accum 4 every": ["model.n_embd=320", "trainer.grad_accum=4",
+                                 "trainer.grad_sync=every"],
+    "gpt 6x256, no reshard": ["model.n_layer=6", "model.n_embd=256",
+                              "sharding.reshard_after_forward=false"],
+    "gpt 4x384, fsdp1 AC full": ["model.n_embd=384", "model.block_size=256",
+                                 "sharding=fsdp1",
+                                 "sharding.activation_checkpointing=full"],
+    "gpt TP2 + SP, 2 ranks": ["model.n_embd=256", "model.block_size=256",
+                              "sharding.tensor_parallel=2"],
+    "llama TP2 + SP, 4 ranks": [*_LLAMA256, "trainer.devices=4",
+                                "sharding.tensor_parallel=2"],
+    "llama TP2 + SP + AC full, 4 ranks": [*_LLAMA256, "model.max_seq_len=256",
+                                          "trainer.devices=4",
+                                          "sharding.tensor_parallel=2",
+                                          "sharding.activation_checkpointing=full"],
+    "gpt PP2 interleaved": ["model.n_embd=256", "model.block_size=256",
+                            "sharding.pipeline_parallel=2",
+                            "sharding.pp_schedule=interleaved_1f1b",
+                            "sharding.pp_microbatches=4"],
+    "llama PP2 GPipe M=8": [*_LLAMA256, "model.max_seq_len=256",
+                            "sharding.pipeline_parallel=2",
+                            "sharding.pp_schedule=gpipe", "sharding.pp_microbatches=8"],
+    "gpt PP2 1F1B x FSDP2, 4 ranks": ["model.n_layer=6", "model.n_embd=256",
+                                      "trainer.devices=4",
+                                      "sharding.pipeline_parallel=2"],
+    "llama PP2 1F1B, accum 2": [*_LLAMA256, "sharding.pipeline_parallel=2",
+                                "sharding.pp_microbatches=4", "trainer.grad_accum=2"],
+    "gpt seq 512 bf16": ["model.n_embd=256", "model.block_size=512",
+                         "precision=bf16_mixed"],
+    "llama seq 256 bf16": [*_LLAMA256, "model.max_seq_len=256", "precision=bf16_mixed"],
+    "gpt no bias fp16": ["model.n_embd=256", "model.bias=false", "precision=fp16_mixed"],
+    "gpt 6x256 fsdp1 no reshard bf16": ["model.n_layer=6", "model.n_embd=256",
+                                        "sharding=fsdp1",
+                                        "sharding.reshard_after_forward=false",
+                                        "precision=bf16_mixed"],
+    "gpt block bf16 accum 4 every": ["model.n_embd=384", "model.block_size=256",
+                                     "sharding.policy=block", "precision=bf16_mixed",
+                                     "trainer.grad_accum=4", "trainer.grad_sync=every"],
+    "gpt seq 1024 bf16, 1 rank": ["model.n_embd=256", "model.block_size=1024",
+                                  "trainer.devices=1", "trainer.batch_size=8",
+                                  "precision=bf16_mixed"],
+    "llama seq 1024 bf16 AC selective, 4 ranks": [
+        "model=llama_tiny", "model.max_seq_len=1024", "precision=bf16_mixed",
+        "sharding.activation_checkpointing=selective", "sharding.policy=block",
+        "trainer.devices=4"],
+    "TinyLM 6x384": [*_TINYLM, "+model.args.dim=384", "+model.args.depth=6"],
+    "TinyLM 6x256 AC full, 4 ranks": [*_TINYLM, "+model.args.dim=256",
+                                      "+model.args.depth=6", "model.block_size=256",
+                                      "sharding.policy=block",
+                                      "sharding.activation_checkpointing=full",
+                                      "trainer.devices=4"],
+    "hf gpt-neox AC selective": ["model=hf", f"model.config={HF}/gpt_neox_4x256",
+                                 "sharding.policy=block",
+                                 "sharding.activation_checkpointing=selective"],
+    "hf gemma2, 4 ranks": ["model=hf", f"model.config={HF}/gemma2_4x256",
+                           "trainer.devices=4"],
+    "hf mistral fsdp1": ["model=hf", f"model.config={HF}/mistral_4x256",
+                         "sharding=fsdp1"],
+    "hf tiny gpt2 (dropout)": ["model=hf", "model.config=conf/hf_configs/tiny_gpt2"],
+    "gpt vocab 8192": ["model.n_embd=256", "model.vocab_size=8192"],
+    "gpt2 2 layers, vocab 50304": ["model=gpt2", "model.n_layer=2",
+                                   "model.block_size=256", "trainer.batch_size=8",
+                                   "trainer.max_steps=4"],
+    "llama vocab 4096 tied": [*_LLAMA256, "model.vocab_size=4096",
+                              "model.tie_embeddings=true"],
+    "llama vocab 32000 bf16": ["model=llama_tiny", "model.vocab_size=32000",
+                               "precision=bf16_mixed"],
+    "gpt sharding=none, 1 rank": ["model.n_embd=256", "sharding=none",
+                                  "trainer.devices=1"],
+    "llama ddp bf16": [*_LLAMA256, "sharding=ddp", "precision=bf16_mixed"],
+    "gpt ddp fp16": ["model.n_embd=256", "sharding=ddp", "precision=fp16_mixed"],
+    "gpt 4x384 HSDP 2x2, accum 2 last": ["model.n_embd=384", "trainer.devices=4",
+                                         "sharding.replicate=2", "trainer.grad_accum=2",
+                                         "trainer.grad_sync=last"],
+    "gpt fsdp1 HSDP 2x2": ["model.n_embd=256", "sharding=fsdp1", "trainer.devices=4",
+                           "sharding.replicate=2"],
+    "gpt batch 64, prefetch 2": ["model.n_embd=256", "trainer.batch_size=64",
+                                 "sharding.backward_prefetch=2"],
+    "gpt seq 1024 accum 2 bf16 (a fit proposal)": [
+        "model.n_embd=256", "model.block_size=1024", "trainer.grad_accum=2",
+        "precision=bf16_mixed"],
+    "gpt 8x512": _GPT8X512,
+    "gpt 8x512, async checkpoint": [*_GPT8X512, "trainer.max_steps=6",
+                                    "trainer.ckpt_every=3", "trainer.ckpt_async=true"],
+    "gpt 8x512, export": [*_GPT8X512, "trainer.export=true"],
+    "gpt 8x512, validation": [*_GPT8X512, "trainer.max_steps=6", "trainer.val_every=3"],
+    "gpt 8x512, sample": [*_GPT8X512, "trainer.sample_every=5"],
+    "gpt dropout 0.1": ["model.n_embd=256", "model.dropout=0.1"],
+    "gpt seq 512 dropout 0.1": ["model.n_embd=256", "model.block_size=512",
+                                "model.dropout=0.1"],
+}  # fmt: skip
+
+
 def make_cfg(overrides: list[str]):
     return compose_config(*_BASE, *overrides)
 
@@ -309,8 +415,9 @@ def run_ordinary(overrides: list[str], steps: int) -> float:
     """``peak_mem_gib`` of ``python train.py <overrides>`` run for ``steps`` steps."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as run_dir:
-        args = [*overrides, f"trainer.max_steps={steps}", "trainer.val_every=0",
-                "trainer.progress=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
+        # the defaults first: a row may set its own steps or validation
+        args = [f"trainer.max_steps={steps}", "trainer.val_every=0",
+                "trainer.progress=false", *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
         subprocess.run([sys.executable, "train.py", *args], cwd=root, check=True)
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     return summary["peak_mem_gib"]
@@ -321,7 +428,7 @@ def ordinary(args) -> list[dict]:
     store = Path(args.measured) if args.measured else None
     known = json.loads(store.read_text()) if store and store.exists() else {}
     rows = []
-    table = HOLDOUT if args.holdout else ORDINARY
+    table = HOLDOUT if args.holdout else AUDIT if args.audit else ORDINARY
     for name in args.configs or list(table):
         key = json.dumps(["ordinary", name, table[name], args.steps])
         if key not in known:
@@ -353,7 +460,7 @@ def ordinary(args) -> list[dict]:
     publish(
         rows,
         "Planner in ordinary runs: the closing line's planned against measured peak"
-        + (", holdout" if args.holdout else ""),
+        + (", holdout" if args.holdout else ", audit" if args.audit else ""),
         "Each row is `python train.py <overrides> trainer.max_steps="
         f"{args.steps} trainer.val_every=0` with no allocator environment (the "
         "ranks set glibc's mmap threshold themselves, trainer.malloc_mmap_threshold_kib"
@@ -372,7 +479,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from src.resolved import resolve
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", choices=[*CONFIGS, *ORDINARY, *HOLDOUT])
+    p.add_argument(
+        "--configs", nargs="+", choices=[*CONFIGS, *ORDINARY, *HOLDOUT, *AUDIT]
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument(
         "--ordinary",
@@ -383,6 +492,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--holdout",
         action="store_true",
         help="with --ordinary: the HOLDOUT configurations instead of ORDINARY",
+    )
+    p.add_argument(
+        "--audit",
+        action="store_true",
+        help="with --ordinary: the AUDIT configurations instead of ORDINARY",
     )
     p.add_argument("--append-docs", action="store_true")
     p.add_argument(

@@ -115,3 +115,10 @@ def test_plan_vs_measured_ordinary_compares_the_closing_lines_figures(
     argv = ["--ordinary", "--holdout", "--configs", name, "--measured", str(store)]
     (row,) = b.main(argv)
     assert row["measured GiB"] == "0.450" and float(row["planned GiB"]) > 0
+    # --audit: configurations as users type them, a row with its own steps included
+    name = "gpt 8x512, validation"
+    key = json.dumps(["ordinary", name, b.AUDIT[name], 3])
+    store.write_text(json.dumps({key: 0.8}))
+    argv = ["--ordinary", "--audit", "--configs", name, "--measured", str(store)]
+    (row,) = b.main(argv)
+    assert row["measured GiB"] == "0.800" and float(row["planned GiB"]) > 0

@@ -342,22 +342,26 @@ def activation_bytes(
     are then alive once); with ``every=k`` only blocks 0, k, 2k, ... are checkpointed.
     ``selective`` (every block) keeps the outputs of the matmuls and attention (input,
     q/k/v, attention out, its projection, MLP hidden, MLP out: 11 n d) and recomputes
-    the norms and GELU. Dropout > 0 adds one byte per element for each dropout mask.
+    the norms and GELU.
+
+    Without dropout only (the spec's ``formula_covers``): a config with
+    ``dropout > 0`` is traced (src/planner/trace.py), since what dropout keeps
+    depends on the kernels: on a CPU each dropout saves a mask as wide as its input
+    and attention with dropout takes the math kernel, which keeps the T x T
+    probabilities (tests/test_planner.py).
     """
     s, d, L = act_bytes, config.n_embd, config.n_layer
     n = micro_batch * seq_len
-    masks = 2 * n * d if config.dropout > 0 else 0  # two residual dropouts per block
-    block = s * (16 * n * d + 4 * n) + 4 * n * config.n_head + masks
+    block = s * (16 * n * d + 4 * n) + 4 * n * config.n_head
     kept = {
         "full": s * n * d,
-        "selective": s * 11 * n * d + 4 * n * config.n_head + masks,
+        "selective": s * 11 * n * d + 4 * n * config.n_head,
     }
     head = (
         s * (2 * n * d + 2 * n)
         + 4 * n * config.vocab_size
         + 8 * (2 * n + seq_len)
         + 4  # the loss's total weight (a 0-d fp32)
-        + (n * d if config.dropout > 0 else 0)
     )
     loss = 8 * n * config.vocab_size
     return block_activations(
@@ -471,6 +475,8 @@ register(
         flops_per_token=flops_per_token,
         init_tensor=init_tensor,
         activation_bytes=activation_bytes,
+        # dropout is traced: its masks and attention kernel depend on the device
+        formula_covers=lambda config: config.dropout == 0,
         kv_cache=True,
         tp_plan=tp_plan,
         pipeline=lambda config: PipelineLayout(

@@ -109,6 +109,10 @@ class ModelSpec:
     # Optional, for the planner (src/planner/planner.py): (config, micro_batch,
     # seq_len, act_bytes, checkpointing, every) -> ActivationBytes (src/models/memory.py).
     activation_bytes: Callable[..., ActivationBytes] | None = None
+    # Optional: (config) -> whether ``activation_bytes`` covers this config; where it
+    # does not, the planner traces the model's activations as for a family without a
+    # formula (src/planner/trace.py). None: the formula covers every config.
+    formula_covers: Callable[[Any], bool] | None = None
     # Decoding (sample.py, trainer.sample_every; src/models/generate.py): the model's
     # forward takes ``cache=KVCache`` (only the new tokens each step); without it
     # each step recomputes the window.

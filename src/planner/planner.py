@@ -613,7 +613,7 @@ def tp_activations(
     checkpointed = (
         0 if shape.checkpointing != "full" else math.ceil(blocks / max(1, every))
     )
-    if traced_locally(spec, tpp):
+    if traced_locally(resolved, tpp):
         # traced on one rank's local shapes (run_activation_fn): heads and width split
         saved, work = acts.saved, acts.block_transient
     else:
@@ -628,16 +628,26 @@ def tp_activations(
     )
 
 
+def has_formula(resolved: Resolved) -> bool:
+    """Whether the model family's activation formula covers the run's model config
+    (its spec's ``activation_bytes`` and ``formula_covers``); else it is traced."""
+    spec = resolved.spec
+    if spec.activation_bytes is None:
+        return False
+    return spec.formula_covers is None or spec.formula_covers(resolved.model_config)
+
+
 def activation_fn(
     resolved: Resolved, tp: int = 1, tp_plan: Any = None, trace: bool = False
 ) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
-    to the run's model config; for a family without one (``hf``, ``custom``), or with
-    ``trace``, the activations traced on fake tensors (src/planner/trace.py), cached
-    per model config and tensor-parallel degree: with ``tp > 1`` the blocks are traced
-    as one rank of ``tp_plan`` computes them (:func:`~src.planner.trace.tp_local`)."""
+    to the run's model config; for a family without one (``hf``, ``custom``) or a
+    config it does not cover (:func:`has_formula`), or with ``trace``, the
+    activations traced on fake tensors (src/planner/trace.py), cached per model
+    config and tensor-parallel degree: with ``tp > 1`` the blocks are traced as one
+    rank of ``tp_plan`` computes them (:func:`~src.planner.trace.tp_local`)."""
     spec, config = resolved.spec, resolved.model_config
-    if spec.activation_bytes is not None and not trace:
+    if has_formula(resolved) and not trace:
         return functools.partial(spec.activation_bytes, config)
     tp = tp if tp_plan is not None else 1
     key = (spec.name, repr(config), tp)
@@ -651,12 +661,12 @@ def activation_fn(
     return _TRACED[key]
 
 
-def traced_locally(spec: Any, tp_plan: Any) -> bool:
+def traced_locally(resolved: Resolved, tp_plan: Any) -> bool:
     """Whether a run's activations under tensor parallelism are traced on one rank's
-    local shapes: a family without a formula always; one with a formula without
-    sequence parallelism (its formula knows only the sequence split; the heads and
-    MLP width split as the plan's Linears do)."""
-    return spec.activation_bytes is None or not tp_plan.sequence_parallel
+    local shapes: a model without a formula (:func:`has_formula`) always; one with a
+    formula without sequence parallelism (its formula knows only the sequence split;
+    the heads and MLP width split as the plan's Linears do)."""
+    return not has_formula(resolved) or not tp_plan.sequence_parallel
 
 
 def run_activation_fn(
@@ -667,7 +677,7 @@ def run_activation_fn(
     if tp == 1:
         return activation_fn(resolved)
     plan = tensor_parallel_plan(cfg, resolved.spec, resolved.model_config)
-    if not traced_locally(resolved.spec, plan):
+    if not traced_locally(resolved, plan):
         return activation_fn(resolved)
     return activation_fn(resolved, tp, plan, trace=True)
 
@@ -761,7 +771,7 @@ def estimate_cfg(
         acts = tp_activations(cfg, resolved, shape, acts, model)
         process = family_process_bytes(cfg, resolved, shape.device)
         est = estimate(plan, shape, acts, process)
-        if resolved.spec.activation_bytes is None:
+        if not has_formula(resolved):
             est.notes["activations"] = "traced: one block per block class, fake tensors"
     est.caveat = lower_bound_reason(resolved, est.shape.device, str(cfg.precision.name))
     return plan, est
