@@ -52,8 +52,9 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
         if not cfg.trainer.plan_only:  # a resume: the run's config, with changes
             cfg, user_keys = continue_run(cfg, run_dir)
         cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
-        if not cfg.trainer.plan_only:
-            preflight(run_dir)  # the run dir is writable
+        if cfg.trainer.plan_only:  # no rank starts: its errors are the config's
+            return launch(cfg, run_dir, resolved)
+        preflight(run_dir)  # the run dir is writable
     return launch(cfg, run_dir, resolved)
 
 

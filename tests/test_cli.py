@@ -173,8 +173,13 @@ def test_help_lists_options_not_schemas_and_describes_every_key():
 def test_big_presets_default_to_one_unit_per_block(model, policy):
     """The default min_params (1.5e5, one unit per block of the CPU models) would cut
     a big model's blocks into one unit per Linear; such a model gets the block policy
-    unless the user chose the policy or the threshold."""
-    cfg = make_cfg(f"model={model}", "trainer.plan_only=true")
+    unless the user chose the policy or the threshold. Selective checkpointing (which
+    needs whole blocks) does not stop that choice."""
+    cfg = make_cfg(
+        f"model={model}",
+        "trainer.plan_only=true",
+        "sharding.activation_checkpointing=selective",
+    )
     resolved = resolve(cfg)
     out, out_resolved, line = default_policy(cfg, resolved, set())
     assert out.sharding.policy == policy

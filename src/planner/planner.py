@@ -25,12 +25,13 @@ calibrated (bench/plan_vs_measured.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,6 +66,7 @@ from src.sharding.pipeline import (
     microbatches_problem,
     schedule_order,
 )
+from src.sharding.transforms import SplitBlockError
 
 log = logging.getLogger(__name__)
 
@@ -552,13 +554,34 @@ def _get(cfg: DictConfig, key: str) -> Any:
 def build_meta_model(cfg: DictConfig, resolved: Resolved) -> torch.nn.Module:
     """The model of ``cfg`` (its family and config: ``resolved``'s) on the meta device,
     units recorded by the ``plan`` backend (nothing is allocated)."""
-    if _get(cfg, AC_KEY) == "auto":  # not chosen yet: the units are alike
-        cfg = _with(cfg, {AC_KEY: "none"})
     from src.build import build_model
 
+    cfg = _ac_chosen(cfg)
+    with _plan_backend(cfg) as backend:
+        return build_model(cfg, backend, resolved, init_device="meta")
+
+
+def _ac_chosen(cfg: DictConfig) -> DictConfig:
+    if _get(cfg, AC_KEY) == "auto":  # not chosen yet: the units are alike
+        return _with(cfg, {AC_KEY: "none"})
+    return cfg
+
+
+@contextlib.contextmanager
+def _plan_backend(cfg: DictConfig) -> Iterator[Any]:
+    """The ``plan`` backend the meta builds record units with; selective checkpointing
+    of a block the policy splits is a config error here, before any rank starts."""
     backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
     try:
-        return build_model(cfg, backend, resolved, init_device="meta")
+        yield backend
+    except SplitBlockError as err:
+        raise ConfigError(
+            AC_KEY,
+            f"selective needs each {err.block} to be one sharding unit, and "
+            f"sharding.policy={cfg.sharding.policy} splits it: set "
+            "sharding.policy=block or a larger sharding.min_params, or "
+            f"{AC_KEY}=full",
+        ) from None
     finally:
         backend.close()  # tensor parallelism's fake process group, if any
 
@@ -909,13 +932,11 @@ def stage_plans(
     rank's, built under its own block indices)."""
     from src.build import build_stages, rank_stages
 
-    if _get(cfg, AC_KEY) == "auto":  # not chosen yet: the units are alike
-        cfg = _with(cfg, {AC_KEY: "none"})
+    cfg = _ac_chosen(cfg)
     pp, s = _pp(cfg), cfg.sharding
-    backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
     ranks, built = [], {}
     used: set[int] = set()  # modules already built from the skeleton
-    try:
+    with _plan_backend(cfg) as backend:
         cut = rank_stages(cfg, resolved, pp, 0 if only is None else only)
         for r in range(pp) if only is None else [only]:
             ids = local_stages(r, pp, SCHEDULES[s.pp_schedule].stages_per_rank)
@@ -944,8 +965,6 @@ def stage_plans(
                     mine = rank_stages(cfg, resolved, pp, r)
                 used |= modules
                 built[sig] = build_stages(cfg, backend, resolved, mine)
-    finally:
-        backend.close()
     return StagePlans(ranks, built, sum(len(r) for r in cut.ranges))
 
 
@@ -1542,6 +1561,7 @@ def search(
                 continue  # the schedule cannot split m micro-batches over pp ranks
             if (mp, pp) not in staged:
                 at = {"sharding.min_params": mp, PP_KEY: pp, PP_MICRO_KEY: m}
+                at[AC_KEY] = "none"  # its units (selective is checked on them below)
                 staged[mp, pp] = stage_plans(_with(cfg, at), resolved)
             if (mp, pp, w) not in staged_plans:
                 staged_plans[mp, pp, w] = staged[mp, pp].plans(cfg, w)
@@ -1583,8 +1603,8 @@ def search(
             if needed(est, margin) <= budget and (best is None or cost < best.cost):
                 best = cand
             continue
-        if mp not in models:
-            with_mp = _with(cfg, {"sharding.min_params": mp})
+        if mp not in models:  # its units (selective is checked on them below)
+            with_mp = _with(cfg, {"sharding.min_params": mp, AC_KEY: "none"})
             models[mp] = build_meta_model(with_mp, resolved)
         if (mp, w) not in plans:
             plans[mp, w] = plan_of(cfg, models[mp], w)
@@ -1746,10 +1766,12 @@ def default_policy(
         or not backend_class(s.backend).shards_parameters
     ):
         return cfg, resolved, ""
+    units = _with(cfg, {AC_KEY: "none"})  # the units do not depend on it
     if _pp(cfg) > 1:  # the first stage's blocks tell (never the whole model)
-        plan = stage_plans(cfg, resolved, only=0).plans(cfg, resolved.world_size)[0][1]
+        plan = stage_plans(units, resolved, only=0).plans(units, resolved.world_size)
+        plan = plan[0][1]
     else:
-        plan = plan_of(cfg, build_meta_model(cfg, resolved), resolved.world_size)
+        plan = plan_of(units, build_meta_model(units, resolved), resolved.world_size)
     if not _nested(plan):
         return cfg, resolved, ""
     inside = sum(1 for u in plan.units if u.path)

@@ -74,6 +74,18 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
+class SplitBlockError(ValueError):
+    """Selective checkpointing of a block that holds smaller sharding units."""
+
+    def __init__(self, block: str) -> None:
+        super().__init__(
+            f"selective activation checkpointing: a {block} holds smaller sharding "
+            "units; make each one unit (a larger size threshold or the block policy) "
+            "or use full checkpointing"
+        )
+        self.block = block
+
+
 @dataclass
 class UnitTransform:
     """Checkpoint and/or compile each target module once, before it is sharded.
@@ -130,11 +142,7 @@ class UnitTransform:
             # Their sharding hooks would run inside the region, differently in the
             # recomputation (measured: FSDP2 on one rank), which selective
             # checkpointing rejects.
-            raise ValueError(
-                f"selective activation checkpointing: a {type(module).__name__} holds "
-                "smaller sharding units; make each one unit (a larger size threshold "
-                "or the block policy) or use full checkpointing"
-            )
+            raise SplitBlockError(type(module).__name__)
         if selective or (self.checkpointing == "full" and index % self.every == 0):
             forward = checkpointed(forward, selective)
         if self.compile:

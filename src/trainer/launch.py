@@ -152,6 +152,8 @@ def _planned(cfg: DictConfig, resolved: Resolved, world: int) -> Estimate | None
     on it."""
     try:
         return plan_run(cfg, resolved, world)
+    except ConfigError:  # a config every rank would fail on: said before they start
+        raise
     except Exception as err:  # e.g. a custom model the meta device cannot build
         log.warning(
             "planner: no estimate for this run (%s: %s)", type(err).__name__, err
