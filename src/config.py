@@ -75,7 +75,7 @@ from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.launch import override_keys, prepare
 from src.trainer.loop import RESUME_SCHEDULES, restart_reason, schedule_refusal
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
-from src.util import unwritable
+from src.util import planted_file, unwritable
 
 log = logging.getLogger(__name__)
 
@@ -850,6 +850,13 @@ def check_writable(
     directory, what writes there: the run dir) and, with ``others``, the
     :func:`written_dirs` of ``cfg`` (wandb's with ``wandb``)."""
     dirs = ([first] if first else []) + (written_dirs(cfg, wandb) if others else [])
+    if first and (planted := planted_file(os.path.expanduser(first[1]))):
+        key, path, what = first
+        raise ConfigError(
+            key,
+            f"{what} writes to {path}: {planted}; it writes only to its own regular "
+            f"files there: remove it (or set {key} to another directory)",
+        )
     home = os.path.expanduser("~")
     for key, path, what in dirs:
         problem = unwritable(os.path.expanduser(path))

@@ -29,7 +29,12 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from src.checkpoint.dcp import META, complete_checkpoints, run_checkpoints
+from src.checkpoint.dcp import (
+    CheckpointError,
+    complete_checkpoints,
+    read_checkpoint_meta,
+    run_checkpoints,
+)
 from src.observe.loggers import METRICS_FILE
 from src.trainer.faults import LOCK_FILE
 from src.util import read_yaml
@@ -140,7 +145,9 @@ def in_use(run_dir: str | Path) -> bool:
     """A live run holds ``run_dir`` (its lock, src/trainer/faults.py); the launcher
     refuses this one, naming it."""
     try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+        # not through a link; a FIFO would block an open for reading
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(Path(run_dir) / LOCK_FILE, flags)
     except OSError:
         return False
     try:
@@ -154,12 +161,16 @@ def in_use(run_dir: str | Path) -> bool:
 
 def checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
     """The config ``checkpoint`` was saved with (None for a checkpoint that predates
-    it, or an unreadable meta.json: the ranks' verification reports that one)."""
+    it, or a damaged meta.json: the ranks' verification reports that one). Read as
+    the ranks read it (:func:`read_checkpoint_meta`): a regular file of bounded size,
+    sealed by the marker, strict JSON, its fields checked (a FIFO there blocked the
+    resume before any rank started; NaN, or nesting past the parser, passed or was
+    a traceback)."""
     try:
-        meta = json.loads((checkpoint / META).read_text())
-    except (OSError, ValueError):
+        meta = read_checkpoint_meta(checkpoint)
+    except (CheckpointError, OSError):
         return None
-    extra = meta.get("extra") if isinstance(meta, dict) else None
+    extra = meta.get("extra")
     config = extra.get("config") if isinstance(extra, dict) else None
     return config if isinstance(config, dict) else None
 
