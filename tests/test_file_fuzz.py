@@ -716,6 +716,22 @@ def _first_tensor(header: dict) -> dict:
     return next(v for k, v in header.items() if k != "__metadata__")
 
 
+def _overlapping(header: dict) -> dict:
+    """The last tensor of the first one's byte length moved onto its bytes (the file
+    keeps its length: only safetensors' own reader sees it)."""
+    first = _first_tensor(header)
+    begin, stop = first["data_offsets"]
+    same = [
+        v
+        for k, v in header.items()
+        if k != "__metadata__"
+        and v is not first
+        and v["data_offsets"][1] - v["data_offsets"][0] == stop - begin
+    ]
+    same[-1]["data_offsets"] = [begin, stop]
+    return header
+
+
 SAFETENSORS_MUTATIONS = {
     "empty": forge.truncate(0),
     "half": forge.truncate(0.5),
@@ -746,6 +762,13 @@ SAFETENSORS_MUTATIONS = {
     ),
     "entry not an object": _header_edit(lambda h: {**h, "evil": 1}),
     "a FIFO": lambda f: [f.unlink(), os.mkfifo(f)],  # reading it would block
+    # a sparse file whose header says 3 GiB: read whole, it took 6 GB and 39 s
+    "header of 3 GiB in a sparse file": lambda f: [
+        f.write_bytes((3 << 30).to_bytes(8, "little")),
+        os.truncate(f, 8 + (3 << 30) + 16),
+    ],
+    "two tensors on the same bytes": _header_edit(_overlapping),
+    "__metadata__ a number": _header_edit(lambda h: {**h, "__metadata__": {"x": 1}}),
 }
 
 
@@ -791,6 +814,33 @@ def test_fuzz_pretrained_safetensors_and_hf_config(tmp_path):
             continue
         line = refused(f"model.config={directory}")
         assert line.startswith(f"model.config: {key} is {value!r}"), line
+    # attn_implementation naming a Hub repository: transformers would fetch that
+    # kernel's code through the `kernels` package (here: no network, a ValueError
+    # from kernels; with one, the code ran), in config.json or a sub-config
+    for i, change in enumerate(
+        [
+            {"attn_implementation": "kernels-community/flash-attn"},
+            {"text_config": {"_attn_implementation": "evil/kernel:fn"}},
+        ]
+    ):
+        directory = shutil.copytree(good, tmp_path / f"kernel{i}")
+        raw = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**raw, **change}))
+        line = refused(f"model.config={directory}")
+        assert line.startswith("model.trust_remote_code: ") and "Hub" in line, line
+    directory = shutil.copytree(good, tmp_path / "fifo")
+    (directory / "config.json").unlink()
+    os.mkfifo(directory / "config.json")  # reading it would block for ever
+    assert "config.json" in refused(f"model.config={directory}")
+    # a value transformers takes but cannot build a model of (a rank's failure)
+    from src.models.hf import _from_config, load_hf_config
+
+    directory = shutil.copytree(good, tmp_path / "rope")
+    raw = json.loads((directory / "config.json").read_text())
+    junk = {"rope_scaling": {"type": "junk", "factor": 2.0}}
+    (directory / "config.json").write_text(json.dumps({**raw, **junk}))
+    with pytest.raises(ValueError, match="transformers cannot build the model of"):
+        _from_config(load_hf_config(str(directory)))
 
 
 # ------------------------------------- summary.json, the run lock, tokenizer config
