@@ -104,12 +104,20 @@ def parse_json(data: bytes) -> Any:
         raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+#: The largest JSON file :func:`read_json` reads (the project's own are KiBs to a
+#: few MiB); a larger one is refused by its size, before it is read into memory.
+MAX_JSON = 256 << 20
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    """The strict JSON (:func:`parse_json`) in the regular file ``path``; OSError or
-    ValueError in one line otherwise."""
+    """The strict JSON (:func:`parse_json`) in the regular file ``path`` of at most
+    :data:`MAX_JSON` bytes; OSError or ValueError in one line otherwise."""
     if not os.path.isfile(path):
         raise OSError(f"{path} is missing or not a regular file")
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_JSON:  # a sparse file of 100 GB is free to plant
+            raise ValueError(f"{size:,} bytes, over the {MAX_JSON:,} read")
         return parse_json(f.read())
 
 

@@ -853,6 +853,8 @@ SMALL_JSON_MUTATIONS = {
     "invalid UTF-8": lambda f: f.write_bytes(b'{"x": "\xff"}'),
     "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
     "a directory": lambda f: [f.unlink(), f.mkdir()],
+    # refused by its size: read whole, it would fill memory (free to plant)
+    "a sparse file of 1 GiB": lambda f: os.truncate(f, 1 << 30),
 }
 
 
