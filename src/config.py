@@ -850,16 +850,18 @@ def check_writable(
     directory, what writes there: the run dir) and, with ``others``, the
     :func:`written_dirs` of ``cfg`` (wandb's with ``wandb``)."""
     dirs = ([first] if first else []) + (written_dirs(cfg, wandb) if others else [])
-    if first and (planted := planted_file(os.path.expanduser(first[1]))):
-        key, path, what = first
-        raise ConfigError(
-            key,
-            f"{what} writes to {path}: {planted}; it writes only to its own regular "
-            f"files there: remove it (or set {key} to another directory)",
-        )
     home = os.path.expanduser("~")
     for key, path, what in dirs:
         problem = unwritable(os.path.expanduser(path))
+        if problem is None and first is not None and key == first[0]:
+            planted = planted_file(os.path.expanduser(path))
+            if planted:
+                raise ConfigError(
+                    key,
+                    f"{what} writes to {path}: {planted}; it writes only to its own "
+                    f"regular files there: remove it (or set {key} to another "
+                    "directory)",
+                )
         if problem is None:
             continue
         err = not_writable(key, path, what, problem)

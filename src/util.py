@@ -170,13 +170,18 @@ def keep_aside(path: str | os.PathLike, copy: bool = False) -> Path:
 _RUN_FILES_IN = (".hydra", "ranks")
 
 
+#: Devices a run's file may link to: what is written there is discarded, or
+#: refused as on a full disk (tests/test_faults.py's full-disk run writes there).
+_SINKS = ("/dev/null", "/dev/full")
+
+
 def planted_file(run_dir: str | os.PathLike) -> str | None:
     """Why a file the run would open in place in ``run_dir`` (``run.lock``,
     ``train.log``, ``metrics.jsonl`` appended to, an error report) could be another
     file, or None: a symbolic link (the run would truncate or append to what it
     points to, outside the run dir) or a FIFO, device or socket (the run would block
     on it). A directory that is a link (``checkpoints`` on another disk) is not
-    one."""
+    one, nor a link to ``/dev/null`` or ``/dev/full``."""
 
     def problem(path: str) -> str | None:
         try:
@@ -185,7 +190,7 @@ def planted_file(run_dir: str | os.PathLike) -> str | None:
             return None
         rel = os.path.relpath(path, run_dir)
         if stat.S_ISLNK(mode):
-            if os.path.isdir(path):
+            if os.path.isdir(path) or os.path.realpath(path) in _SINKS:
                 return None
             return f"{rel} is a symbolic link (to {os.readlink(path)})"
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):

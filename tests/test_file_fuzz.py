@@ -1014,6 +1014,7 @@ def test_planted_run_dir_files_refused_before_anything_writes(tmp_path):
     (fine / "wandb").mkdir(parents=True)
     (fine / "wandb" / "latest-run").symlink_to(tmp_path)
     (fine / "checkpoints").symlink_to(tmp_path)  # on another disk
+    (fine / "metrics.jsonl").symlink_to("/dev/full")  # test_faults' full disk
     check_writable(cfg, ("hydra.run.dir", str(fine), "the run"), others=False)
     # the lock alone (torchrun's rank 0 takes it too)
     with pytest.raises(RunError, match="run.lock cannot be the run's lock"):
@@ -1026,12 +1027,12 @@ def test_planted_run_dir_files_refused_before_anything_writes(tmp_path):
     assert victim.read_text() == "precious\n"
 
 
-def test_recorded_config_read_as_the_ranks_read_meta(checkpoint, tmp_path):
+def test_recorded_config_read_from_meta_json_as_data(checkpoint, tmp_path):
     """checkpoint_config (the config a resume, sample.py and eval.py start from)
-    reads meta.json as verification does: a FIFO (which blocked the resume before
-    any rank started), a link, NaN, nesting past the parser, a marker that does not
-    seal it: None (the ranks' verification names the damage), never a hang or a
-    traceback."""
+    reads meta.json as data: a FIFO (which blocked the resume before any rank
+    started), a link, NaN, nesting past the parser (a RecursionError traceback), a
+    sparse 1 GiB file: None (the ranks' verification names the damage), never a
+    hang or a traceback."""
     from src.runs.resume import checkpoint_config
 
     damages = {
@@ -1042,12 +1043,11 @@ def test_recorded_config_read_as_the_ranks_read_meta(checkpoint, tmp_path):
         ],
         "NaN": lambda c: _write_sealed(c, '{"step": NaN}'),
         "nested too deep": lambda c: _write_sealed(c, "[" * 100000 + "]" * 100000),
-        "unsealed": forge.flip(0.5),
+        "a sparse file of 1 GiB": lambda c: os.truncate(c / "meta.json", 1 << 30),
     }
     for i, (name, damage) in enumerate(damages.items()):
         ckpt = forge.copy_of(checkpoint, tmp_path / f"case{i}" / checkpoint.name)
-        target = ckpt if name not in ("unsealed",) else ckpt / "meta.json"
-        damage(target)
+        damage(ckpt)
         assert checkpoint_config(ckpt) is None, name
 
 

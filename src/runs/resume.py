@@ -29,15 +29,10 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from src.checkpoint.dcp import (
-    CheckpointError,
-    complete_checkpoints,
-    read_checkpoint_meta,
-    run_checkpoints,
-)
+from src.checkpoint.dcp import META, complete_checkpoints, run_checkpoints
 from src.observe.loggers import METRICS_FILE
 from src.trainer.faults import LOCK_FILE
-from src.util import read_yaml
+from src.util import read_json, read_yaml
 
 RECORD = ".hydra"
 ATTEMPTS = f"{RECORD}/attempts"
@@ -162,15 +157,17 @@ def in_use(run_dir: str | Path) -> bool:
 def checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
     """The config ``checkpoint`` was saved with (None for a checkpoint that predates
     it, or a damaged meta.json: the ranks' verification reports that one). Read as
-    the ranks read it (:func:`read_checkpoint_meta`): a regular file of bounded size,
-    sealed by the marker, strict JSON, its fields checked (a FIFO there blocked the
-    resume before any rank started; NaN, or nesting past the parser, passed or was
-    a traceback)."""
-    try:
-        meta = read_checkpoint_meta(checkpoint)
-    except (CheckpointError, OSError):
+    data (:func:`read_json`): a regular file, not a link, of bounded size, strict
+    JSON (a FIFO there blocked the resume before any rank started; NaN passed, and
+    nesting past the parser was a traceback)."""
+    file = checkpoint / META
+    if file.is_symlink():
         return None
-    extra = meta.get("extra")
+    try:
+        meta = read_json(file)
+    except (OSError, ValueError):
+        return None
+    extra = meta.get("extra") if isinstance(meta, dict) else None
     config = extra.get("config") if isinstance(extra, dict) else None
     return config if isinstance(config, dict) else None
 
