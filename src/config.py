@@ -75,7 +75,7 @@ from src.trainer.faults import FULL_ERROR_ENV
 from src.trainer.launch import override_keys, prepare
 from src.trainer.loop import RESUME_SCHEDULES, restart_reason, schedule_refusal
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
-from src.util import unwritable
+from src.util import planted_file, unwritable
 
 log = logging.getLogger(__name__)
 
@@ -853,6 +853,15 @@ def check_writable(
     home = os.path.expanduser("~")
     for key, path, what in dirs:
         problem = unwritable(os.path.expanduser(path))
+        if problem is None and first is not None and key == first[0]:
+            planted = planted_file(os.path.expanduser(path))
+            if planted:
+                raise ConfigError(
+                    key,
+                    f"{what} writes to {path}: {planted}; it writes only to its own "
+                    f"regular files there: remove it (or set {key} to another "
+                    "directory)",
+                )
         if problem is None:
             continue
         err = not_writable(key, path, what, problem)

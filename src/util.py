@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -103,12 +104,20 @@ def parse_json(data: bytes) -> Any:
         raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+#: The largest JSON file :func:`read_json` reads (the project's own are KiBs to a
+#: few MiB); a larger one is refused by its size, before it is read into memory.
+MAX_JSON = 256 << 20
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    """The strict JSON (:func:`parse_json`) in the regular file ``path``; OSError or
-    ValueError in one line otherwise."""
+    """The strict JSON (:func:`parse_json`) in the regular file ``path`` of at most
+    :data:`MAX_JSON` bytes; OSError or ValueError in one line otherwise."""
     if not os.path.isfile(path):
         raise OSError(f"{path} is missing or not a regular file")
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_JSON:  # a sparse file of 100 GB is free to plant
+            raise ValueError(f"{size:,} bytes, over the {MAX_JSON:,} read")
         return parse_json(f.read())
 
 
@@ -153,6 +162,57 @@ def keep_aside(path: str | os.PathLike, copy: bool = False) -> Path:
     else:
         path.rename(aside)
     return aside
+
+
+#: Where a run dir's own files are: its top level, Hydra's record and the ranks'
+#: reports (``checkpoints/`` is verified file by file; ``wandb/`` is wandb's, which
+#: links its latest run).
+_RUN_FILES_IN = (".hydra", "ranks")
+
+
+#: Devices a run's file may link to: what is written there is discarded, or
+#: refused as on a full disk (tests/test_faults.py's full-disk run writes there).
+_SINKS = ("/dev/null", "/dev/full")
+
+
+def planted_file(run_dir: str | os.PathLike) -> str | None:
+    """Why a file the run would open in place in ``run_dir`` (``run.lock``,
+    ``train.log``, ``metrics.jsonl`` appended to, an error report) could be another
+    file, or None: a symbolic link (the run would truncate or append to what it
+    points to, outside the run dir) or a FIFO, device or socket (the run would block
+    on it). A directory that is a link (``checkpoints`` on another disk) is not
+    one, nor a link to ``/dev/null`` or ``/dev/full``."""
+
+    def problem(path: str) -> str | None:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return None
+        rel = os.path.relpath(path, run_dir)
+        if stat.S_ISLNK(mode):
+            if os.path.isdir(path) or os.path.realpath(path) in _SINKS:
+                return None
+            return f"{rel} is a symbolic link (to {os.readlink(path)})"
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            return f"{rel} is not a regular file"
+        return None
+
+    if not os.path.isdir(run_dir):
+        return None
+    with os.scandir(run_dir) as entries:
+        top = sorted(e.path for e in entries)
+    for path in top:
+        if reason := problem(path):
+            return reason
+    for sub in _RUN_FILES_IN:
+        root = os.path.join(run_dir, sub)
+        if os.path.islink(root) or not os.path.isdir(root):
+            continue
+        for dirpath, dirs, files in os.walk(root):
+            for name in sorted(dirs + files):
+                if reason := problem(os.path.join(dirpath, name)):
+                    return reason
+    return None
 
 
 def file_crc32(path: str | os.PathLike) -> tuple[int, int]:

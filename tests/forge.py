@@ -252,3 +252,59 @@ def chunks_none(md, ckpt: Path) -> None:
 def copy_of(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
+
+
+# ------------------------------------------------- work bombs (bounded reading)
+
+
+def self_sharing(levels: int = 60) -> list:
+    """A list holding itself twice per level (memo references: a few bytes a level
+    pickled, 2**levels items to ``repr``, compare or hash)."""
+    value: list = []
+    for _ in range(levels):
+        value = [value, value]
+    return value
+
+
+def shared_tuple_key(levels: int = 60) -> bytes:
+    """A protocol-4 pickle of a dict whose key is a tuple holding itself twice per
+    level: hashing it (SETITEM) takes 2**levels steps."""
+    body = b"".join(
+        b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94" for i in range(levels)
+    )  # BINGET i twice, TUPLE2, MEMOIZE
+    return b"\x80\x04)\x94" + body + b"}h" + bytes([levels]) + b"Ns."
+
+
+def build_on_self_sharing(levels: int = 60) -> bytes:
+    """BUILD on a self-sharing list (the refusal once showed it with ``repr``)."""
+    return pickle.dumps(self_sharing(levels), 4)[:-1] + b"}b."
+
+
+def huge_length(opcode: bytes) -> bytes:
+    """A protocol-5 pickle whose first value declares 32 TiB (BINBYTES8,
+    BINUNICODE8, BYTEARRAY8)."""
+    return b"\x80\x05" + opcode + (1 << 45).to_bytes(8, "little") + b"x."
+
+
+def many_chunks(md, ckpt: Path) -> None:
+    """A 2-D tensor split into one column chunk per column, each stored: more
+    chunks than the save had ranks (a million made the overlap check quadratic)."""
+    key, entry = next(
+        (k, v) for k, v in md.state_dict_metadata.items() if len(v.size) == 2
+    )
+    rows, cols = entry.size
+    first = next(i for i in md.storage_data if i.fqn == key)
+    info = md.storage_data[first]
+    entry.chunks = [
+        type(entry.chunks[0])(torch.Size([0, c]), torch.Size([rows, 1]))
+        for c in range(cols)
+    ]
+    for c in range(cols):
+        md.storage_data[MetadataIndex(key, torch.Size([0, c]))] = info
+
+
+def linked_dir(ckpt: Path) -> None:
+    """The checkpoint dir moved aside and linked in its place."""
+    aside = ckpt.parent / f"aside-{ckpt.name}"
+    ckpt.rename(aside)
+    ckpt.symlink_to(aside)

@@ -258,6 +258,66 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
         "forged",
         forge.edit_index(forge.chunks_none),
     )
+    # Work bombs: a few bytes that cost 2**60 steps to show, hash or compare, or
+    # declare a value of 32 TiB; each refused in bounded time and memory.
+    for name, data in [
+        ("a dict key sharing itself 60 levels down", forge.shared_tuple_key),
+        ("BUILD on a list sharing itself", forge.build_on_self_sharing),
+        ("BINBYTES8 of 32 TiB", lambda: forge.huge_length(b"\x8e")),
+        ("BINUNICODE8 of 32 TiB", lambda: forge.huge_length(b"\x8d")),
+        ("BYTEARRAY8 of 32 TiB", lambda: forge.huge_length(b"\x96")),
+        ("an out-of-band buffer", lambda: b"\x80\x05\x97."),
+        ("a 20 MiB line (protocol 0)", lambda: b"S'" + b"a" * (20 << 20)),
+        ("a list nested 200,000 deep", lambda: b"]" * 200000 + b"a" * 199999 + b"."),
+    ]:
+        cases[f"index pickle: {name}"] = (
+            "forged",
+            forge.index_bytes(lambda c, d=data: d()),
+        )
+
+    def first_storage(**fields):
+        def change(md, ckpt):
+            key = next(iter(md.storage_data))
+            for f, v in fields.items():
+                setattr(md.storage_data[key], f, v)
+
+        return forge.edit_index(change)
+
+    shared = forge.self_sharing
+    for name, change in [
+        ("planner_data", lambda md, c: setattr(md, "planner_data", shared())),
+        ("storage_meta", lambda md, c: setattr(md, "storage_meta", shared())),
+        (
+            "a chunk",
+            lambda md, c: next(
+                iter(md.state_dict_metadata.values())
+            ).chunks.__setitem__(0, shared()),
+        ),
+    ]:
+        cases[f"index: {name} a list sharing itself 60 levels down"] = (
+            "forged",
+            forge.edit_index(change),
+        )
+    cases["index: a file name that is a list (unhashable)"] = (
+        "forged",
+        first_storage(relative_path=["__0_0.distcp"]),
+    )
+    cases["index: transforms sharing themselves"] = (
+        "forged",
+        first_storage(transform_descriptors=shared()),
+    )
+    cases["index: more chunks than ranks (one per column)"] = (
+        "forged",
+        forge.edit_index(forge.many_chunks),
+    )
+    cases["the checkpoint dir a link to a copy elsewhere"] = (
+        "damaged",
+        forge.linked_dir,
+    )
+    cases["meta.json: a sparse file of 1 GiB"] = (
+        "damaged",
+        lambda c: os.truncate(c / "meta.json", 1 << 30),
+    )
     cases["index: an extra tensor"] = (
         "forged",
         forge.edit_index(
@@ -656,6 +716,22 @@ def _first_tensor(header: dict) -> dict:
     return next(v for k, v in header.items() if k != "__metadata__")
 
 
+def _overlapping(header: dict) -> dict:
+    """The last tensor of the first one's byte length moved onto its bytes (the file
+    keeps its length: only safetensors' own reader sees it)."""
+    first = _first_tensor(header)
+    begin, stop = first["data_offsets"]
+    same = [
+        v
+        for k, v in header.items()
+        if k != "__metadata__"
+        and v is not first
+        and v["data_offsets"][1] - v["data_offsets"][0] == stop - begin
+    ]
+    same[-1]["data_offsets"] = [begin, stop]
+    return header
+
+
 SAFETENSORS_MUTATIONS = {
     "empty": forge.truncate(0),
     "half": forge.truncate(0.5),
@@ -686,6 +762,13 @@ SAFETENSORS_MUTATIONS = {
     ),
     "entry not an object": _header_edit(lambda h: {**h, "evil": 1}),
     "a FIFO": lambda f: [f.unlink(), os.mkfifo(f)],  # reading it would block
+    # a sparse file whose header says 3 GiB: read whole, it took 6 GB and 39 s
+    "header of 3 GiB in a sparse file": lambda f: [
+        f.write_bytes((3 << 30).to_bytes(8, "little")),
+        os.truncate(f, 8 + (3 << 30) + 16),
+    ],
+    "two tensors on the same bytes": _header_edit(_overlapping),
+    "__metadata__ a number": _header_edit(lambda h: {**h, "__metadata__": {"x": 1}}),
 }
 
 
@@ -731,6 +814,33 @@ def test_fuzz_pretrained_safetensors_and_hf_config(tmp_path):
             continue
         line = refused(f"model.config={directory}")
         assert line.startswith(f"model.config: {key} is {value!r}"), line
+    # attn_implementation naming a Hub repository: transformers would fetch that
+    # kernel's code through the `kernels` package (here: no network, a ValueError
+    # from kernels; with one, the code ran), in config.json or a sub-config
+    for i, change in enumerate(
+        [
+            {"attn_implementation": "kernels-community/flash-attn"},
+            {"text_config": {"_attn_implementation": "evil/kernel:fn"}},
+        ]
+    ):
+        directory = shutil.copytree(good, tmp_path / f"kernel{i}")
+        raw = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**raw, **change}))
+        line = refused(f"model.config={directory}")
+        assert line.startswith("model.trust_remote_code: ") and "Hub" in line, line
+    directory = shutil.copytree(good, tmp_path / "fifo")
+    (directory / "config.json").unlink()
+    os.mkfifo(directory / "config.json")  # reading it would block for ever
+    assert "config.json" in refused(f"model.config={directory}")
+    # a value transformers takes but cannot build a model of (a rank's failure)
+    from src.models.hf import _from_config, load_hf_config
+
+    directory = shutil.copytree(good, tmp_path / "rope")
+    raw = json.loads((directory / "config.json").read_text())
+    junk = {"rope_scaling": {"type": "junk", "factor": 2.0}}
+    (directory / "config.json").write_text(json.dumps({**raw, **junk}))
+    with pytest.raises(ValueError, match="transformers cannot build the model of"):
+        _from_config(load_hf_config(str(directory)))
 
 
 # ------------------------------------- summary.json, the run lock, tokenizer config
@@ -743,6 +853,8 @@ SMALL_JSON_MUTATIONS = {
     "invalid UTF-8": lambda f: f.write_bytes(b'{"x": "\xff"}'),
     "nested too deep": lambda f: f.write_text("[" * 100000 + "]" * 100000),
     "a directory": lambda f: [f.unlink(), f.mkdir()],
+    # refused by its size: read whole, it would fill memory (free to plant)
+    "a sparse file of 1 GiB": lambda f: os.truncate(f, 1 << 30),
 }
 
 
@@ -858,3 +970,97 @@ def test_fuzz_run_record_yaml(tmp_path):
             assert not marker.exists(), f"{file}: {name}: the tag ran"
     assert refused >= 30, refused
     print(f"run record mutations: {3 * len(yaml_cases)}, refused {refused}")
+
+
+# ------------------------------------------------ files planted in a run dir
+
+
+def test_planted_run_dir_files_refused_before_anything_writes(tmp_path):
+    """A run dir whose own files are links (to a file outside it, which the run
+    would truncate or append to: run.lock, train.log, metrics.jsonl, an error
+    report) or FIFOs (which block an open) is refused in one line naming the key and
+    the file, before Hydra's logging opens train.log; the file pointed to is never
+    touched. A linked directory (checkpoints on another disk) and wandb's own links
+    are not refused. The run's lock itself never opens through a link."""
+    from src.config import check_writable
+    from src.errors import ConfigError, RunError
+    from src.harness import compose_config
+    from src.trainer.faults import run_dir_lock
+
+    cfg = compose_config("model=tiny", "logger=none")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    cases = {
+        "run.lock": lambda p: p.symlink_to(victim),
+        "train.log": lambda p: p.symlink_to(victim),
+        "metrics.jsonl": lambda p: p.symlink_to(victim),
+        "metrics.csv": lambda p: p.symlink_to(tmp_path / "dangling"),
+        "eval.json": lambda p: os.mkfifo(p),
+        "ranks/rank0_error.txt": lambda p: p.symlink_to(victim),
+        ".hydra/config.yaml": lambda p: p.symlink_to(victim),
+    }
+    for i, (name, plant) in enumerate(cases.items()):
+        run_dir = tmp_path / f"run{i}"
+        (run_dir / "ranks").mkdir(parents=True)
+        (run_dir / ".hydra").mkdir()
+        plant(run_dir / name)
+        first = ("hydra.run.dir", str(run_dir), "the run")
+        with pytest.raises(ConfigError) as err:
+            check_writable(cfg, first, others=False)
+        line = str(err.value)
+        assert line.startswith("hydra.run.dir: ") and name in line, line
+        assert "\n" not in line
+    fine = tmp_path / "fine"
+    (fine / "wandb").mkdir(parents=True)
+    (fine / "wandb" / "latest-run").symlink_to(tmp_path)
+    (fine / "checkpoints").symlink_to(tmp_path)  # on another disk
+    (fine / "metrics.jsonl").symlink_to("/dev/full")  # test_faults' full disk
+    check_writable(cfg, ("hydra.run.dir", str(fine), "the run"), others=False)
+    # the lock alone (torchrun's rank 0 takes it too)
+    with pytest.raises(RunError, match="run.lock cannot be the run's lock"):
+        with run_dir_lock(tmp_path / "run0"):
+            pass
+    os.mkfifo(fine / "run.lock")
+    with pytest.raises(RunError, match="not a regular file"):
+        with run_dir_lock(fine):
+            pass
+    assert victim.read_text() == "precious\n"
+
+
+def test_recorded_config_read_from_meta_json_as_data(checkpoint, tmp_path):
+    """checkpoint_config (the config a resume, sample.py and eval.py start from)
+    reads meta.json as data: a FIFO (which blocked the resume before any rank
+    started), a link, NaN, nesting past the parser (a RecursionError traceback), a
+    sparse 1 GiB file: None (the ranks' verification names the damage), never a
+    hang or a traceback."""
+    from src.runs.resume import checkpoint_config
+
+    damages = {
+        "a FIFO": lambda c: [(c / "meta.json").unlink(), os.mkfifo(c / "meta.json")],
+        "a link": lambda c: [
+            (c / "meta.json").rename(tmp_path / "m.json"),
+            (c / "meta.json").symlink_to(tmp_path / "m.json"),
+        ],
+        "NaN": lambda c: _write_sealed(c, '{"step": NaN}'),
+        "nested too deep": lambda c: _write_sealed(c, "[" * 100000 + "]" * 100000),
+        "a sparse file of 1 GiB": lambda c: os.truncate(c / "meta.json", 1 << 30),
+    }
+    for i, (name, damage) in enumerate(damages.items()):
+        ckpt = forge.copy_of(checkpoint, tmp_path / f"case{i}" / checkpoint.name)
+        damage(ckpt)
+        assert checkpoint_config(ckpt) is None, name
+
+
+def test_prune_removes_a_linked_checkpoint_dir_not_its_target(tmp_path):
+    """keep_last pruning a step_N that is a link removes the link alone: the
+    checkpoint it points to keeps its marker and files."""
+    model, optimizer, scheduler = _model()
+    root = tmp_path / "checkpoints"
+    saved = Checkpointer(root).save(1, model, optimizer, scheduler, {})
+    aside = tmp_path / "elsewhere" / saved.name
+    aside.parent.mkdir()
+    saved.rename(aside)
+    saved.symlink_to(aside)
+    Checkpointer(root, keep_last=1).save(2, model, optimizer, scheduler, {})
+    assert not os.path.lexists(saved)
+    assert (aside / "COMPLETE").is_file() and (aside / "meta.json").is_file()

@@ -39,9 +39,11 @@ can recompute it, which is why the reading above is safe without it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import importlib
+import itertools
 import json
 import math
 import os
@@ -239,8 +241,38 @@ class _Damaged(ValueError):
     """What is wrong with one file of a checkpoint (a reason, without the path)."""
 
 
+def _shown(value: Any, depth: int = 2) -> str:
+    """``value`` for a one-line message, in bounded work whatever it is: a forged
+    index can hold a list nested 100,000 deep or one that shares itself 60 levels
+    down (2**60 items to ``repr``), a 16 MiB string or an integer of 100M bits."""
+    kind = type(value)
+    if value is None or kind in (bool, float, torch.dtype):
+        return repr(value)
+    if kind is int:
+        bits = value.bit_length()
+        return repr(value) if bits <= 64 else f"an integer of {bits} bits"
+    if kind is str:
+        return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."
+    if kind in (list, tuple, torch.Size, dict) and depth > 0:
+        if kind is dict:
+            items = [
+                f"{_shown(k, 0)}: {_shown(v, depth - 1)}"
+                for k, v in itertools.islice(value.items(), 4)
+            ]
+        else:
+            items = [_shown(v, depth - 1) for v in value[:4]]
+        items += ["..."] * (len(value) > 4)
+        inner = ", ".join(items)
+        if kind is torch.Size:
+            return f"torch.Size([{inner}])"
+        if kind is tuple:
+            return f"({inner}{',' * (len(value) == 1)})"
+        return f"{{{inner}}}" if kind is dict else f"[{inner}]"
+    return f"a {kind.__name__}"
+
+
 def _bad_value(where: str, value: Any, want: str) -> _Damaged:
-    shown = repr(value)
+    shown = _shown(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return _Damaged(f"{where} is {shown}, not {want}")
 
@@ -348,10 +380,25 @@ def read_checkpoint_meta(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from None
 
 
+#: The largest meta.json read (a run's own: tens of KiB, a few MiB for a model of
+#: thousands of tensors); a larger one is refused before it is read into memory.
+_MAX_META = 256 << 20
+
+
 def _read_meta(path: Path) -> dict:
+    if path.is_symlink():
+        # its files lie elsewhere, and pruning it would unmark them there
+        raise _Damaged(
+            f"the checkpoint dir is a symbolic link (to {os.readlink(path)})"
+        )
     file = path / META
     if file.is_symlink() or not file.is_file():
         raise _Damaged(f"{META} is missing or not a regular file")
+    if file.stat().st_size > _MAX_META:
+        raise _Damaged(
+            f"{META} has {file.stat().st_size:,} bytes, over {_MAX_META:,} (not one "
+            "this project writes)"
+        )
     marker = path / MARKER
     if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 64:
         raise _Damaged(f"{MARKER} is missing or not a marker")
@@ -456,17 +503,61 @@ class _IndexUnpickler(pickle._Unpickler):  # the Python one: its BUILD is ours
     def _load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
         if type(inst) not in self._BUILDABLE:
-            raise pickle.UnpicklingError(
-                f"it sets the state of {type(inst).__name__} {inst!r:.40}"
-            )
+            raise pickle.UnpicklingError(f"it sets the state of {_shown(inst):.40}")
         if getattr(type(inst), "__setstate__", None) is None:
             if type(state) is not dict or not all(type(k) is str for k in state):
                 raise pickle.UnpicklingError(
-                    f"it sets {type(inst).__name__}'s state to {state!r:.40}"
+                    f"it sets {type(inst).__name__}'s state to {_shown(state):.40}"
                 )
         pickle._Unpickler.load_build(self)
 
-    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: _load_build}
+    def _keyed(handler: Callable[[Any], None], keys: Callable[[Any], Any]) -> Any:
+        """``handler`` (an opcode that hashes ``keys(self)``: a dict's keys, a set's
+        items) once each key is plain (:func:`_plain_key`): hashing a tuple that
+        shares itself 60 levels down takes 2**60 steps."""
+
+        def load(self: Any) -> None:
+            for key in keys(self):
+                if not _plain_key(key):
+                    raise pickle.UnpicklingError(f"it uses {_shown(key):.40} as a key")
+            handler(self)
+
+        return load
+
+    def _load_reduce(self) -> None:
+        func, args = self.stack[-2], self.stack[-1]
+        if func is collections.OrderedDict and args != ():
+            # hashes its argument's keys; pickle itself gives them by SETITEMS
+            raise pickle.UnpicklingError("it builds an OrderedDict from arguments")
+        pickle._Unpickler.load_reduce(self)
+
+    def _refused(what: str) -> Any:
+        def load(self: Any) -> None:
+            raise pickle.UnpicklingError(f"it holds {what}")
+
+        return load
+
+    dispatch = {
+        **pickle._Unpickler.dispatch,
+        pickle.BUILD[0]: _load_build,
+        pickle.REDUCE[0]: _load_reduce,
+        pickle.SETITEM[0]: _keyed(
+            pickle._Unpickler.load_setitem, lambda u: [u.stack[-2]]
+        ),
+        pickle.SETITEMS[0]: _keyed(
+            pickle._Unpickler.load_setitems, lambda u: u.stack[::2]
+        ),
+        pickle.DICT[0]: _keyed(pickle._Unpickler.load_dict, lambda u: u.stack[::2]),
+        pickle.ADDITEMS[0]: _keyed(pickle._Unpickler.load_additems, lambda u: u.stack),
+        pickle.FROZENSET[0]: _keyed(
+            pickle._Unpickler.load_frozenset, lambda u: u.stack
+        ),
+        # protocol 5: a bytearray is allocated at its declared size before it is
+        # read; out-of-band buffers are never given. DCP's index holds neither.
+        pickle.BYTEARRAY8[0]: _refused("a bytearray"),
+        pickle.NEXT_BUFFER[0]: _refused("an out-of-band buffer"),
+        pickle.READONLY_BUFFER[0]: _refused("an out-of-band buffer"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._ALLOWED:
@@ -475,6 +566,59 @@ class _IndexUnpickler(pickle._Unpickler):  # the Python one: its BUILD is ours
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("it holds a persistent id")
+
+
+#: How many values a dict key or set item of the index may hold, all nested ones
+#: counted (DCP's keys: a name, or a MetadataIndex of a name, an offset and an int).
+_KEY_VALUES = 256
+
+
+def _plain_key(key: Any) -> bool:
+    """``key`` is a name, a number, a dtype, a shape, or a tuple, frozenset or
+    MetadataIndex of such, holding at most :data:`_KEY_VALUES` values in all: its
+    hash takes bounded work (checked in bounded work)."""
+    todo, seen = [key], 0
+    while todo:
+        value = todo.pop()
+        seen += 1
+        if seen > _KEY_VALUES:
+            return False
+        kind = type(value)
+        if value is None or kind in (str, int, bool, float, bytes, torch.dtype):
+            continue
+        if kind in (tuple, frozenset, torch.Size):
+            if len(value) > _KEY_VALUES:
+                return False
+            todo.extend(value)
+        elif kind is MetadataIndex:
+            todo.extend(vars(value).values())
+        else:
+            return False
+    return True
+
+
+class _BoundedReads:
+    """The index file for :class:`_IndexUnpickler`: no read (a string's, a frame's,
+    a line's) of more than :data:`_MAX_READ` bytes, so a forged length or a huge
+    file without a newline cannot fill memory before the pickle is refused."""
+
+    def __init__(self, file: Any):
+        self._file = file
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0 or size > _MAX_READ:
+            raise pickle.UnpicklingError(f"it declares a value of {size:,} bytes")
+        return self._file.read(size)
+
+    def readline(self) -> bytes:
+        line = self._file.readline(_MAX_READ + 1)
+        if len(line) > _MAX_READ:
+            raise pickle.UnpicklingError(f"it holds a line over {_MAX_READ:,} bytes")
+        return line
+
+
+#: The longest single read of the index (DCP's strings are names and paths).
+_MAX_READ = 16 << 20
 
 
 def _allowed_classes() -> frozenset[type]:
@@ -491,23 +635,33 @@ _IndexUnpickler._BUILDABLE = _allowed_classes()
 
 
 def _size(value: Any, where: str) -> tuple[int, ...]:
-    if type(value) is not torch.Size or not all(_is_int(d) for d in value):
+    """A shape of at most 64 dims, each below 2**62 (a forged 100M-bit size made
+    every product of sizes take minutes)."""
+    if (
+        type(value) is not torch.Size
+        or len(value) > 64
+        or not all(_is_int(d) and d < 1 << 62 for d in value)
+    ):
         raise _bad_value(where, value, "a shape")
     return tuple(value)
 
 
 def _tiles(shape: tuple[int, ...], chunks: list[ChunkStorageMetadata]) -> bool:
     """The chunks (each inside the tensor) cover ``shape`` once: their volumes add up
-    to the tensor's and no two overlap (sorted by first offset, a chunk is compared
-    only with those that start before it ends along dim 0: linear for row shards)."""
-    boxes = sorted(
+    to the tensor's and no two overlap (sorted by their offset along the dim where
+    they start at the most places, a chunk is compared only with those that start
+    before it ends there: linear for row or column shards)."""
+    boxes = [
         (tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes) > 0
-    )
+    ]
     if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
         return False
+    if shape:  # sweep along the dim where the chunks start at the most places
+        dim = max(range(len(shape)), key=lambda d: len({o[d] for o, _ in boxes}))
+        boxes.sort(key=lambda box: box[0][dim])
     for i, (o1, n1) in enumerate(boxes):
         for o2, n2 in boxes[i + 1 :]:
-            if shape and o2[0] >= o1[0] + n1[0]:
+            if shape and o2[dim] >= o1[dim] + n1[dim]:
                 break
             spans = zip(o1, n1, o2, n2, strict=True)
             if all(b < a + m and a < b + k for a, m, b, k in spans):
@@ -515,7 +669,7 @@ def _tiles(shape: tuple[int, ...], chunks: list[ChunkStorageMetadata]) -> bool:
     return True
 
 
-def _check_index(md: Any, sizes: dict[str, int]) -> Metadata:
+def _check_index(md: Any, sizes: dict[str, int], world_size: int) -> Metadata:
     """``md`` if it is a DCP index of tensors only, every chunk inside its tensor
     and stored in a listed ``.distcp`` file of the checkpoint within its size
     (``sizes``: recorded bytes), with no stream transform; _Damaged otherwise."""
@@ -526,8 +680,20 @@ def _check_index(md: Any, sizes: dict[str, int]) -> Metadata:
     if type(entries) is not dict or type(storage) is not dict:
         raise _Damaged(f"{where} has no tensor table or no storage table")
     for key, entry in entries.items():
-        if type(key) is not str:
-            raise _bad_value(f"{where}: a key", key, "a string")
+        if type(key) is not str or len(key) > 4096:
+            raise _bad_value(
+                f"{where}: a key", key, "a name of at most 4096 characters"
+            )
+        if type(entry) is TensorStorageMetadata and (
+            type(entry.chunks) is list and len(entry.chunks) > world_size
+        ):
+            # each rank saves at most one chunk of a tensor: more would only make
+            # the overlap check below quadratic
+            raise _bad_value(
+                f"{where}: {key}'s chunks",
+                f"{len(entry.chunks):,} chunks",
+                f"at most one per rank of the save ({world_size})",
+            )
         if type(entry) is not TensorStorageMetadata:
             raise _bad_value(f"{where}: {key}", type(entry).__name__, "a tensor entry")
         props = entry.properties
@@ -560,7 +726,11 @@ def _check_index(md: Any, sizes: dict[str, int]) -> Metadata:
     for index, info in storage.items():
         if type(index) is not MetadataIndex or index.fqn not in entries:
             raise _bad_value(f"{where}: a storage key", index, "a tensor's chunk")
-        if type(info) is not _StorageInfo or info.relative_path not in data_files:
+        if (
+            type(info) is not _StorageInfo
+            or type(info.relative_path) is not str
+            or info.relative_path not in data_files
+        ):
             raise _bad_value(
                 f"{where}: {index.fqn}'s file",
                 getattr(info, "relative_path", info),
@@ -595,13 +765,21 @@ def _read_index(path: Path, meta: dict) -> Metadata:
     checked by :func:`_check_index`; _Damaged saying what is wrong otherwise."""
     try:
         with open(path / INDEX, "rb") as f:
-            md = _IndexUnpickler(f).load()
+            md = _IndexUnpickler(_BoundedReads(f)).load()
     except Exception as exc:  # pickle's own errors are of many types
         raise _Damaged(
             f"{INDEX} is not a DCP index of tensors ({_one_line(exc)})"
         ) from None
     sizes = {n: e["bytes"] for n, e in meta[CHECKSUMS].items()}
-    return _check_index(md, sizes)
+    try:
+        return _check_index(md, sizes, meta["world_size"])
+    except _Damaged:
+        raise
+    except Exception as exc:  # an attribute of a forged type the checks missed
+        raise _Damaged(
+            f"{INDEX} is not a DCP index of tensors ({type(exc).__name__}: "
+            f"{_one_line(exc)})"
+        ) from None
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -955,6 +1133,9 @@ class Checkpointer:
         drop_partial(self.directory)
         if self.keep_last:
             for path in complete_checkpoints(self.directory)[: -self.keep_last]:
+                if path.is_symlink():  # the link goes, never what it points to
+                    path.unlink()
+                    continue
                 # Unmark first so a crash mid-delete leaves an ignored dir.
                 (path / MARKER).unlink()
                 shutil.rmtree(path)

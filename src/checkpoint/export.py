@@ -123,6 +123,10 @@ _ST_BYTES = {
 }
 
 
+#: safetensors' own limit on a header (MAX_HEADER_SIZE in its Rust reader).
+_ST_MAX_HEADER = 100_000_000
+
+
 def safetensors_damage(path: str | Path) -> str | None:
     """What is wrong with the safetensors file ``path`` (from its header and size,
     without reading the tensors), or None: a header that is not JSON, a tensor of an
@@ -137,6 +141,10 @@ def safetensors_damage(path: str | Path) -> str | None:
         if len(head) < 8:
             return f"has {size} bytes, no safetensors header"
         n = int.from_bytes(head, "little")
+        if n > _ST_MAX_HEADER:  # read whole below: a sparse file's 3 GiB took 6 GB
+            return (
+                f"declares a header of {n:,} bytes, over safetensors' limit of 100 MB"
+            )
         if n > size - 8:
             return f"is cut short: its header needs {n} bytes, the file has {size}"
         try:

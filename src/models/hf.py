@@ -32,6 +32,7 @@ import contextlib
 import copy
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,12 +124,22 @@ def load_hf_config(config: str | None, trust_remote_code: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = config_dir(config)
+    file = path / "config.json"
+    if os.path.lexists(file) and not file.is_file():  # a FIFO blocked the read
+        raise ValueError(f"model.config: {file} is not a regular file")
     auto_map = _auto_map(path)
     if auto_map and not trust_remote_code:
         raise ValueError(
             f"model.trust_remote_code: {str(path)!r} names its own code (auto_map: "
             f"{', '.join(sorted(auto_map))}), which runs only with "
             "model.trust_remote_code=true"
+        )
+    kernel = _hub_kernel(path)
+    if kernel and not trust_remote_code:
+        raise ValueError(
+            f"model.trust_remote_code: {str(path)!r} sets attn_implementation "
+            f"{kernel!r}, a kernel from the Hugging Face Hub (its code, fetched and "
+            "run by transformers), which runs only with model.trust_remote_code=true"
         )
     _check_sizes(path)  # before transformers warns about them
     try:
@@ -187,10 +198,31 @@ def _check_sizes(path: Path) -> None:
 def _auto_map(path: Path) -> dict | None:
     """The ``auto_map`` of ``path``'s config.json (classes in the directory's code)."""
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = read_json(path / "config.json")
     except (OSError, ValueError):
         return None  # AutoConfig says what is wrong
     return raw.get("auto_map") if isinstance(raw, dict) else None
+
+
+def _hub_kernel(path: Path) -> str | None:
+    """An ``attn_implementation`` in ``path``'s config.json (or a sub-config of it)
+    that names a Hub repository (``org/repo[:function]``): transformers loads that
+    attention kernel's code from the Hub through the ``kernels`` package."""
+    try:
+        todo = [read_json(path / "config.json")]
+    except (OSError, ValueError):
+        return None
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key in ("attn_implementation", "_attn_implementation"):
+                value = node.get(key)
+                if isinstance(value, str) and "/" in value:
+                    return value
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return None
 
 
 #: The config keys transformers' MoE architectures give their expert count under.
@@ -362,9 +394,17 @@ def _from_config(hf_config, trust_remote_code: bool = False) -> nn.Module:
     dtype (the backend casts from float32 master weights)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(
-        hf_config, trust_remote_code=trust_remote_code, dtype=torch.float32
-    )
+    try:
+        return AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=trust_remote_code, dtype=torch.float32
+        )
+    except Exception as err:  # a config.json value it cannot build: name the file
+        where = getattr(hf_config, "_name_or_path", "") or hf_config.model_type
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(
+            f"model.config: transformers cannot build the model of {str(where)!r} "
+            f"({type(err).__name__}: {first}): a value in its config.json"
+        ) from None
 
 
 class HFCausalLM(nn.Module):

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from src.checkpoint.dcp import META, complete_checkpoints, run_checkpoints
 from src.observe.loggers import METRICS_FILE
 from src.trainer.faults import LOCK_FILE
-from src.util import read_yaml
+from src.util import read_json, read_yaml
 
 RECORD = ".hydra"
 ATTEMPTS = f"{RECORD}/attempts"
@@ -140,7 +140,9 @@ def in_use(run_dir: str | Path) -> bool:
     """A live run holds ``run_dir`` (its lock, src/trainer/faults.py); the launcher
     refuses this one, naming it."""
     try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+        # not through a link; a FIFO would block an open for reading
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(Path(run_dir) / LOCK_FILE, flags)
     except OSError:
         return False
     try:
@@ -154,9 +156,15 @@ def in_use(run_dir: str | Path) -> bool:
 
 def checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
     """The config ``checkpoint`` was saved with (None for a checkpoint that predates
-    it, or an unreadable meta.json: the ranks' verification reports that one)."""
+    it, or a damaged meta.json: the ranks' verification reports that one). Read as
+    data (:func:`read_json`): a regular file, not a link, of bounded size, strict
+    JSON (a FIFO there blocked the resume before any rank started; NaN passed, and
+    nesting past the parser was a traceback)."""
+    file = checkpoint / META
+    if file.is_symlink():
+        return None
     try:
-        meta = json.loads((checkpoint / META).read_text())
+        meta = read_json(file)
     except (OSError, ValueError):
         return None
     extra = meta.get("extra") if isinstance(meta, dict) else None

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,7 +104,15 @@ def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
     holder. An elastic restart or SLURM requeue of the same job runs after its
     predecessor died, so it takes the lock over like any stale one."""
     path = Path(run_dir) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link: it would truncate the file it points to
+        fd = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644
+        )
+    except OSError as err:
+        raise RunError(f"{path} cannot be the run's lock: {err.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunError(f"{path} cannot be the run's lock: not a regular file")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
