@@ -87,8 +87,12 @@ class Command:
 
 
 def _split(line: str) -> list[list[str]]:
-    """A shell line as its commands (``&&``/``;`` chains split, comments dropped)."""
-    tokens = shlex.split(line, comments=True)
+    """A shell line as its commands (``&&``/``;`` chains split, comments dropped).
+    The shell's operators are tokens of their own also where they touch a word
+    (``for v in a b; do cmd $v; done``: ``shlex.split`` reads ``b;`` as one word)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    tokens = list(lexer)
     commands, current = [], []
     for token in tokens:
         if token in ("&&", ";", "||"):
@@ -477,6 +481,33 @@ def test_the_docs_show_commands():
     assert not any(t.startswith("python train.py k=v") for t in texts)
     for prefix in SKIPPED:
         assert any(c.argv[: len(prefix)] == prefix for c in COMMANDS), prefix
+    # a one-line loop (docs/benchmarks.md: ``for lg in wandb none; do ...; done``)
+    # is its commands; ``b;`` read as one word once made it none, unseen
+    loop = "for v in a b; do python train.py x=$v; done  # c"
+    assert _split(loop) == [["python", "train.py", f"x={v}"] for v in "ab"]
+    where = {c.where for c in COMMANDS}
+    silent = [
+        f"{name}:{number}: {line}"
+        for name, number, line in _shell_lines()
+        if f"{name}:{number}" not in where and not line.lstrip().startswith("#")
+    ]
+    assert silent == [], "shell lines that yield no command"
+
+
+def _shell_lines():
+    """``(doc, line number, logical line)`` of each ```bash block line."""
+    fence = re.compile(r"^```(?:bash|sh|shell)[^\n]*\n(.*?)^```", re.M | re.S)
+    for doc in DOCS:
+        text = doc.read_text()
+        for block in fence.finditer(text):
+            first = text.count("\n", 0, block.start(1)) + 1
+            lines = [
+                (first + i, line)
+                for i, line in enumerate(block.group(1).splitlines())
+                if line.strip()
+            ]
+            for number, line in _logical_lines(lines):
+                yield doc.relative_to(ROOT).as_posix(), number, line
 
 
 @pytest.mark.parametrize("command", train_commands(COMMANDS), ids=lambda c: c.where)
