@@ -551,6 +551,7 @@ def test_other_docs_commands_compose_or_are_skipped_with_a_reason():
 #: peak per rank, GiB) on at most this many ranks, shortened to STEPS steps (and the
 #: rest of :data:`SHORTEN`) that its config allows.
 SHORT_GIB, SHORT_WORLD, STEPS = 0.5, 4, 2
+README_PP2 = ("python", "train.py", "trainer.devices=4", "sharding.pipeline_parallel=2")
 SHORTEN = [
     f"trainer.max_steps={STEPS}",
     "trainer.val_batches=1",
@@ -641,7 +642,18 @@ def test_short_docs_commands_really_run(real_runs):
         "train.py model=tiny trainer.devices=4 sharding.replicate=2",
         "train.py model=tiny trainer.devices=1 sharding=none trainer.max_steps=50",
         "train.py model=llama_tiny",
+        "train.py trainer.devices=4 sharding.pipeline_parallel=2",
     } <= ran, ran
+    # README's PP2 x FSDP2 says so: its wrap plan is one stage's (it read "world
+    # size 2" for a 4-rank run), its run line names the schedule
+    pp = real_runs[README_PP2][1]
+    assert any(
+        "(world size 4: pp 2 x 2 rank(s) per stage; the plan of" in x for x in pp
+    )
+    assert any(
+        x.startswith("run: ") and ", PP2 1f1b x 2 micro-batches (units: " in x
+        for x in pp
+    ), pp
     for argv, (summary, lines) in real_runs.items():
         assert summary["steps"] == STEPS and 0 < summary["loss"] < 10, argv
         assert summary["tokens_per_s"] > 0, argv
