@@ -409,3 +409,22 @@ def test_sample_and_eval_open_a_run_on_ranks_its_batch_does_not_split_over(gpt_r
         assert err.value.key == key and "give batch_size= a multiple of 3" in str(
             err.value
         )
+
+
+def test_a_one_process_run_opens_on_several_ranks(tmp_path):
+    """A ``sharding=none`` run, sampled or evaluated with ``devices=2``: its model is
+    sharded over the ranks (FSDP2; DCP loads any layout). Both were refused with
+    train.py's keys: ``trainer.devices: sharding=none trains one process, got 2
+    devices; use trainer.devices=1 or sharding=fsdp2/fsdp1/ddp``."""
+    from src.runs.evaluation import eval_changes
+
+    run_dir = tmp_path / "none"
+    train_run(run_dir, *GPT_RUN, "sharding=none", "trainer.max_steps=2")
+    changes, _ = sampling_changes(get_spec("gpt"), 2, "none")
+    _, cfg, resolved = opened(run_dir, changes)
+    assert resolved.world_size == 2 and cfg.sharding.backend == "fsdp2"
+    want = OmegaConf.create({"devices": 2, "batch_size": None, "data": None})
+    _, _, cfg, resolved = open_run(str(run_dir), lambda run: eval_changes(want, run))
+    assert resolved.world_size == 2 and cfg.sharding.backend == "fsdp2"
+    one, _ = sampling_changes(get_spec("gpt"), 1, "none")  # one rank: as it trained
+    assert opened(run_dir, one)[1].sharding.backend == "none"

@@ -29,7 +29,7 @@ from src.errors import ConfigError
 from src.resolved import Resolved, world_size
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.loop import evaluate
-from src.trainer.sampling import SHARDED_ONLY
+from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.util import keep_aside, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
     # batch_size= given is the run's for the check (it checked the run's own
     # trainer.batch_size, naming that key: devices=3 batch_size=6 was refused)
     ranks, t = world_size(eval_cfg.devices), run_cfg.trainer
+    changes.update(spread_over(run_cfg.sharding.backend, ranks))
     batch = eval_cfg.batch_size
     if batch is not None:
         changes.update({"trainer.batch_size": batch, "trainer.grad_accum": 1})

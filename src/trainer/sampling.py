@@ -48,9 +48,19 @@ SAMPLING_CHANGES = {
 WHOLE_MODEL = {"trainer.devices": 1, "sharding.backend": "none"}
 
 
-def sampling_changes(spec: ModelSpec, devices: Any) -> tuple[dict[str, Any], str]:
+def spread_over(backend: str, ranks: int) -> dict[str, Any]:
+    """A one-process run (``sharding=none``) opened on several ranks (sample.py's
+    and eval.py's ``devices``): its model sharded over them with FSDP2, which loads
+    any checkpoint (DCP reshards). It was refused naming train.py's keys."""
+    return {"sharding.backend": "fsdp2"} if backend == "none" and ranks > 1 else {}
+
+
+def sampling_changes(
+    spec: ModelSpec, devices: Any, backend: str = "fsdp2"
+) -> tuple[dict[str, Any], str]:
     """The changes to the run's config for sampling on ``devices`` ranks, and a note
-    (empty, or why the ranks differ from the ones asked for). Decoding reads no
+    (empty, or why the ranks differ from the ones asked for); ``backend``: the
+    run's (:func:`spread_over`). Decoding reads no
     training batch: the run's ``trainer.batch_size`` becomes one row per rank (no
     accumulation), so any number of ranks passes the batch's check (it refused
     ``devices=3`` for a run of 16 sequences, naming a key sample.py has not)."""
@@ -60,6 +70,7 @@ def sampling_changes(spec: ModelSpec, devices: Any) -> tuple[dict[str, Any], str
         "trainer.devices": devices,
         "trainer.batch_size": ranks,
         "trainer.grad_accum": 1,
+        **spread_over(backend, ranks),
     }
     if spec.generate is None:
         return changes, ""
