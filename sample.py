@@ -34,7 +34,9 @@ log = logging.getLogger("sample")
 @hydra.main(config_path="conf", config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> list[str]:
     def changes(run_cfg: DictConfig) -> dict:
-        changes, note = sampling_changes(model_spec(run_cfg), cfg.devices)
+        changes, note = sampling_changes(
+            model_spec(run_cfg), cfg.devices, run_cfg.sharding.backend
+        )
         if note:
             log.warning(note)
         return changes

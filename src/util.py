@@ -229,10 +229,28 @@ def json_default(value: Any) -> Any:
     return str(value)
 
 
+def finite_json(data: Any) -> Any:
+    """``data`` with every float that is NaN or infinite as None (JSON's null): what
+    :func:`parse_json` reads back (Python's ``json`` writes them as ``NaN`` and
+    ``Infinity``, which are not JSON)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, Mapping):
+        return {k: finite_json(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite_json(v) for v in data]
+    return data
+
+
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write ``data`` as indented JSON, atomically (see :func:`atomic_path`)."""
+    """Write ``data`` as indented, strict JSON (a NaN or infinite float as null:
+    :func:`finite_json`), atomically (see :func:`atomic_path`), so that
+    :func:`read_json` reads it back."""
+    text = json.dumps(
+        finite_json(data), indent=2, default=json_default, allow_nan=False
+    )
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, default=json_default))
+        tmp.write_text(text)
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -87,8 +87,12 @@ class Command:
 
 
 def _split(line: str) -> list[list[str]]:
-    """A shell line as its commands (``&&``/``;`` chains split, comments dropped)."""
-    tokens = shlex.split(line, comments=True)
+    """A shell line as its commands (``&&``/``;`` chains split, comments dropped).
+    The shell's operators are tokens of their own also where they touch a word
+    (``for v in a b; do cmd $v; done``: ``shlex.split`` reads ``b;`` as one word)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    tokens = list(lexer)
     commands, current = [], []
     for token in tokens:
         if token in ("&&", ";", "||"):
@@ -497,6 +501,33 @@ def test_the_docs_show_commands():
     assert not any(t.startswith("python train.py k=v") for t in texts)
     for prefix in SKIPPED:
         assert any(c.argv[: len(prefix)] == prefix for c in COMMANDS), prefix
+    # a one-line loop (docs/benchmarks.md: ``for lg in wandb none; do ...; done``)
+    # is its commands; ``b;`` read as one word once made it none, unseen
+    loop = "for v in a b; do python train.py x=$v; done  # c"
+    assert _split(loop) == [["python", "train.py", f"x={v}"] for v in "ab"]
+    where = {c.where for c in COMMANDS}
+    silent = [
+        f"{name}:{number}: {line}"
+        for name, number, line in _shell_lines()
+        if f"{name}:{number}" not in where and not line.lstrip().startswith("#")
+    ]
+    assert silent == [], "shell lines that yield no command"
+
+
+def _shell_lines():
+    """``(doc, line number, logical line)`` of each ```bash block line."""
+    fence = re.compile(r"^```(?:bash|sh|shell)[^\n]*\n(.*?)^```", re.M | re.S)
+    for doc in DOCS:
+        text = doc.read_text()
+        for block in fence.finditer(text):
+            first = text.count("\n", 0, block.start(1)) + 1
+            lines = [
+                (first + i, line)
+                for i, line in enumerate(block.group(1).splitlines())
+                if line.strip()
+            ]
+            for number, line in _logical_lines(lines):
+                yield doc.relative_to(ROOT).as_posix(), number, line
 
 
 @pytest.mark.parametrize("command", train_commands(COMMANDS), ids=lambda c: c.where)
@@ -540,6 +571,7 @@ def test_other_docs_commands_compose_or_are_skipped_with_a_reason():
 #: peak per rank, GiB) on at most this many ranks, shortened to STEPS steps (and the
 #: rest of :data:`SHORTEN`) that its config allows.
 SHORT_GIB, SHORT_WORLD, STEPS = 0.5, 4, 2
+README_PP2 = ("python", "train.py", "trainer.devices=4", "sharding.pipeline_parallel=2")
 SHORTEN = [
     f"trainer.max_steps={STEPS}",
     "trainer.val_batches=1",
@@ -630,7 +662,18 @@ def test_short_docs_commands_really_run(real_runs):
         "train.py model=tiny trainer.devices=4 sharding.replicate=2",
         "train.py model=tiny trainer.devices=1 sharding=none trainer.max_steps=50",
         "train.py model=llama_tiny",
+        "train.py trainer.devices=4 sharding.pipeline_parallel=2",
     } <= ran, ran
+    # README's PP2 x FSDP2 says so: its wrap plan is one stage's (it read "world
+    # size 2" for a 4-rank run), its run line names the schedule
+    pp = real_runs[README_PP2][1]
+    assert any(
+        "(world size 4: pp 2 x 2 rank(s) per stage; the plan of" in x for x in pp
+    )
+    assert any(
+        x.startswith("run: ") and ", PP2 1f1b x 2 micro-batches (units: " in x
+        for x in pp
+    ), pp
     for argv, (summary, lines) in real_runs.items():
         assert summary["steps"] == STEPS and 0 < summary["loss"] < 10, argv
         assert summary["tokens_per_s"] > 0, argv

@@ -858,6 +858,12 @@ def test_fit_search_plans_pipelined_points_as_the_stages_are_planned(capsys, tmp
     out = capsys.readouterr().out
     assert "pipeline stages (1f1b, 2 micro-batches per micro-step, bubble " in out
     assert "worst stage: pp rank 0" in out
+    # the wrap plan printed is the worst pp rank's stage, on its 2 of the 4 ranks
+    # (it read "world size 2", the whole run's size to a reader)
+    assert (
+        "of parameters per rank (world size 4: pp 2 x 2 rank(s) per stage; the plan "
+        "of pp rank 0's stage 0 of 2)" in out
+    ), out
     assert (
         "cheapest change that fits: trainer.grad_accum=2 sharding.pipeline_parallel=1"
         in out

@@ -381,3 +381,50 @@ def test_compare_two_runs_table_and_plot(gpt_run, llama_run, tmp_path):
         assert f"{summary['val_loss']:.4f}" in table
     assert sum(r["best"] == "True" for r in rows) == 1  # by val_loss, the default
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+def test_sample_and_eval_open_a_run_on_ranks_its_batch_does_not_split_over(gpt_run):
+    """A run of 8 sequences per batch opened on 3 ranks: sample.py reads no batch
+    and starts (it was refused, ``trainer.batch_size: 8 must split ... over 3
+    data-parallel rank(s)``, a key sample.py has not: ``python sample.py run=<a PP2 x
+    TP2 run> devices=3``); eval.py's batch is its ``batch_size=`` (devices=3
+    batch_size=6 was refused the same way), and one that does not split is refused
+    naming eval.py's own key."""
+    from src.runs.evaluation import eval_changes
+
+    changes, _ = sampling_changes(get_spec("gpt"), 3)
+    assert opened(gpt_run, changes)[2].world_size == 3
+
+    def eval_on(devices: int, batch_size: int | None):
+        want = {"devices": devices, "batch_size": batch_size, "data": None}
+        return open_run(
+            str(gpt_run), lambda run: eval_changes(OmegaConf.create(want), run)
+        )
+
+    _, _, cfg, resolved = eval_on(3, 6)
+    assert resolved.world_size == 3 and cfg.trainer.batch_size == 6
+    for batch_size, key in ((None, "devices"), (4, "batch_size")):
+        with pytest.raises(ConfigError) as err:
+            eval_on(3, batch_size)
+        assert err.value.key == key and "give batch_size= a multiple of 3" in str(
+            err.value
+        )
+
+
+def test_a_one_process_run_opens_on_several_ranks(tmp_path):
+    """A ``sharding=none`` run, sampled or evaluated with ``devices=2``: its model is
+    sharded over the ranks (FSDP2; DCP loads any layout). Both were refused with
+    train.py's keys: ``trainer.devices: sharding=none trains one process, got 2
+    devices; use trainer.devices=1 or sharding=fsdp2/fsdp1/ddp``."""
+    from src.runs.evaluation import eval_changes
+
+    run_dir = tmp_path / "none"
+    train_run(run_dir, *GPT_RUN, "sharding=none", "trainer.max_steps=2")
+    changes, _ = sampling_changes(get_spec("gpt"), 2, "none")
+    _, cfg, resolved = opened(run_dir, changes)
+    assert resolved.world_size == 2 and cfg.sharding.backend == "fsdp2"
+    want = OmegaConf.create({"devices": 2, "batch_size": None, "data": None})
+    _, _, cfg, resolved = open_run(str(run_dir), lambda run: eval_changes(want, run))
+    assert resolved.world_size == 2 and cfg.sharding.backend == "fsdp2"
+    one, _ = sampling_changes(get_spec("gpt"), 1, "none")  # one rank: as it trained
+    assert opened(run_dir, one)[1].sharding.backend == "none"

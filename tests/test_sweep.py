@@ -438,3 +438,24 @@ def test_run_job_outside_a_multirun_lets_failures_through(tmp_path):
     with pytest.raises(SystemExit, match="rank 0 failed"):
         run_job(cfg, str(tmp_path), lambda: sys.exit("rank 0 failed"))
     assert not (tmp_path / STATUS_FILE).exists()  # records are for multiruns
+
+
+def test_a_job_without_its_objective_records_strict_json(tmp_path, monkeypatch, caplog):
+    """A multirun job that completed without ``val_loss`` (``trainer.val_every=0``, a
+    plan-only point) scores +inf; its job_status.json was written as ``Infinity``,
+    which the summary's strict reader called damaged and left out, one warning per
+    job (``python train.py -m model=tiny trainer.plan_only=true
+    trainer.devices=2,4``). The record is JSON: the objective null, the row
+    completed."""
+    import src.trainer.sweep as sweep
+    from src.util import read_json
+
+    monkeypatch.setattr(sweep, "is_multirun", lambda: True)
+    _fake_sweep(tmp_path, [({"trainer.devices": 2}, {"loss": 5.0})], {})
+    job = tmp_path / "0"
+    assert run_job(OmegaConf.create({}), str(job), lambda: None) == math.inf
+    assert read_json(job / STATUS_FILE)["objective"] is None
+    with caplog.at_level("WARNING"):
+        _, rows, _ = collect(tmp_path)
+    assert "damaged" not in caplog.text
+    assert rows[0]["status"] == "completed" and rows[0]["loss"] == 5.0

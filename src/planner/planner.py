@@ -1920,7 +1920,8 @@ def plan_only(
         estimates = pipeline_estimates(cfg, resolved, world)
         plan, est = worst_stage(estimates)
         # the worst rank's own blocks (alike ranks share one build)
-        plan = stage_plans(cfg, resolved, only=est.pp_rank).plans(cfg, world)[0][1]
+        rank, plan = stage_plans(cfg, resolved, only=est.pp_rank).plans(cfg, world)[0]
+        plan = replace(plan, pp=rank.pp, stages=rank.stages, num_stages=rank.n_stages)
         log.info(plan.tree())
         log.info(pipeline_report(cfg, estimates))
         log.info(est.table())

@@ -25,10 +25,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.data.sources import GlobalBatches, TokenStream, load_splits
 from src.data.token_cache import SPLITS
-from src.resolved import Resolved
+from src.errors import ConfigError
+from src.resolved import Resolved, world_size
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.loop import evaluate
-from src.trainer.sampling import SHARDED_ONLY
+from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.util import keep_aside, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,25 @@ def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
         "trainer.plan_only": False,
         **SHARDED_ONLY,  # any number of ranks, whatever the run's layout
     }
+    # each batch (batch_size=, else the run's micro-batch) splits over the ranks: a
+    # batch_size= given is the run's for the check (it checked the run's own
+    # trainer.batch_size, naming that key: devices=3 batch_size=6 was refused)
+    ranks, t = world_size(eval_cfg.devices), run_cfg.trainer
+    changes.update(spread_over(run_cfg.sharding.backend, ranks))
+    batch = eval_cfg.batch_size
+    if batch is not None:
+        changes.update({"trainer.batch_size": batch, "trainer.grad_accum": 1})
+    elif isinstance(t.grad_accum, int) and t.batch_size % t.grad_accum == 0:
+        batch = t.batch_size // t.grad_accum
+    if batch is not None and batch % ranks:
+        given = eval_cfg.batch_size is not None
+        what = "batch_size" if given else "the run's micro-batch"
+        raise ConfigError(
+            "batch_size" if given else "devices",
+            f"batches of {batch} sequences ({what}) do not split over "
+            f"devices={eval_cfg.devices} ({ranks} ranks); give batch_size= a "
+            f"multiple of {ranks}",
+        )
     if eval_cfg.data is not None:
         data = OmegaConf.to_container(eval_cfg.data)
         tokenizer = run_tokenizer(run_cfg)

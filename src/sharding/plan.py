@@ -45,13 +45,33 @@ class WrapPlan:
     tensor_parallel: int = 1  # ranks of the tp mesh dimension
     #: (module path, style) of each tensor-parallelised module
     tp_modules: list[tuple[str, str]] = field(default_factory=list)
+    #: pipeline parallelism: the plan is one pp rank's stages (``stages`` of
+    #: ``num_stages``), on ``world_size`` ranks of the run's ``pp * world_size``
+    pp: int = 1
+    stages: tuple[int, ...] = ()
+    num_stages: int = 0
 
     @property
     def shard_size(self) -> int:
         return self.world_size // (self.replicate * self.tensor_parallel)
 
     def layout(self) -> str:
-        """How the ranks hold the parameters, e.g. ``2 x 2 mesh (replicate x shard)``."""
+        """How the ranks hold the parameters, e.g. ``2 x 2 mesh (replicate x shard)``;
+        under pipeline parallelism, also which stage(s) the plan is."""
+        stage = self._stage_layout()
+        if self.pp == 1:
+            return stage
+        which = ", ".join(map(str, self.stages))
+        text = (
+            f"world size {self.world_size * self.pp}: pp {self.pp} x "
+            f"{self.world_size} rank(s) per stage; the plan of pp rank "
+            f"{self.stages[0] % self.pp if self.stages else 0}'s "
+            f"stage{'s' * (len(self.stages) > 1)} {which} of {self.num_stages}"
+        )
+        within = stage.removeprefix(f"world size {self.world_size}").lstrip(": ")
+        return f"{text}, on a {within}" if within else text
+
+    def _stage_layout(self) -> str:
         if self.tensor_parallel > 1:
             dims = [("replicate", self.replicate)] if self.replicate > 1 else []
             dims += [("shard", self.shard_size), ("tp", self.tensor_parallel)]

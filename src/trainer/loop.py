@@ -468,6 +468,11 @@ class Trainer:
             self.backend.replicate,
             self.backend.tp,
         )
+        if self.pipeline is not None:  # the plan is this rank's stages
+            roles = self.pipeline.roles
+            self.plan.pp = self.backend.pp
+            self.plan.stages = tuple(r.index for r in roles)
+            self.plan.num_stages = roles[0].num_stages
         log_wrap_plan(self.plan, self.logger, self.rank)
         self.num_params = sum(u.numel for u in self.plan.units) or sum(
             p.numel() for p in self.model.parameters()
@@ -545,6 +550,13 @@ class Trainer:
         cfg, t, s = self.cfg, self.cfg.trainer, self.cfg.sharding
         units = f", {len(self.plan.units)} units" if self.plan.units else ""
         hsdp = f", {s.replicate} replicas" if s.replicate > 1 else ""
+        if s.tensor_parallel > 1:
+            hsdp += f", TP{s.tensor_parallel}"
+        if s.pipeline_parallel > 1:
+            hsdp += (
+                f", PP{s.pipeline_parallel} {s.pp_schedule} x "
+                f"{s.pp_microbatches} micro-batches (units: pp rank 0's stages)"
+            )
         tokens = self.meter.tokens_per_step
         return (
             f"run: {self.num_params / 1e6:.2f}M params | {s.backend}{units}{hsdp} | "

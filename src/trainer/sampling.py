@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
 from src.models.generate import generate
-from src.resolved import Resolved
+from src.resolved import Resolved, world_size
 
 # A trained run opened again (sample.py, eval.py, a PP run's whole model): sharded
 # over its ranks only (the checkpoint, DCP, loads on any layout; an HSDP, TP or PP
@@ -48,10 +48,30 @@ SAMPLING_CHANGES = {
 WHOLE_MODEL = {"trainer.devices": 1, "sharding.backend": "none"}
 
 
-def sampling_changes(spec: ModelSpec, devices: Any) -> tuple[dict[str, Any], str]:
+def spread_over(backend: str, ranks: int) -> dict[str, Any]:
+    """A one-process run (``sharding=none``) opened on several ranks (sample.py's
+    and eval.py's ``devices``): its model sharded over them with FSDP2, which loads
+    any checkpoint (DCP reshards). It was refused naming train.py's keys."""
+    return {"sharding.backend": "fsdp2"} if backend == "none" and ranks > 1 else {}
+
+
+def sampling_changes(
+    spec: ModelSpec, devices: Any, backend: str = "fsdp2"
+) -> tuple[dict[str, Any], str]:
     """The changes to the run's config for sampling on ``devices`` ranks, and a note
-    (empty, or why the ranks differ from the ones asked for)."""
-    changes = {**SAMPLING_CHANGES, "trainer.devices": devices}
+    (empty, or why the ranks differ from the ones asked for); ``backend``: the
+    run's (:func:`spread_over`). Decoding reads no
+    training batch: the run's ``trainer.batch_size`` becomes one row per rank (no
+    accumulation), so any number of ranks passes the batch's check (it refused
+    ``devices=3`` for a run of 16 sequences, naming a key sample.py has not)."""
+    ranks = world_size(devices)
+    changes = {
+        **SAMPLING_CHANGES,
+        "trainer.devices": devices,
+        "trainer.batch_size": ranks,
+        "trainer.grad_accum": 1,
+        **spread_over(backend, ranks),
+    }
     if spec.generate is None:
         return changes, ""
     note = ""
