@@ -26,7 +26,7 @@ import torch
 
 from src.checkpoint.dcp import Checkpointer, resolve_resume
 from src.models.gpt import GPT, GPTConfig
-from tests.distributed import free_port
+from tests.distributed import HANG_S, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
@@ -207,7 +207,7 @@ def test_max_restarts_restarts_the_ranks_and_they_resume(tmp_path):
     )
     read_until(proc, "checkpoint saved to")
     os.kill(worker_pids(proc.pid)[-1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 0, out[-3000:]
     # The restarted ranks name the failure and say truthfully what they resume from.
     assert re.search(
@@ -235,7 +235,7 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_pat
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert run.returncode != 0
     assert "non-finite loss" in run.stdout + run.stderr
@@ -364,7 +364,7 @@ def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
     line = one_line_error(second.stdout + second.stderr)
     assert f"is in use by another run (PID {proc.pid} on" in line
 
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "Traceback" not in out
     last = out.strip().splitlines()[-1]
