@@ -192,10 +192,11 @@ def test_rank_killed_mid_step_ends_the_job_with_an_error(tmp_path):
     assert len(victims) == 2, victims
     killed_at = time.monotonic()
     os.kill(victims[-1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=timeout_s + 30)
+    # Timed to the line that says so, not to the exit of every process.
+    read_until(proc, "failed (exit code -9)")
     elapsed = time.monotonic() - killed_at
+    proc.communicate(timeout=HANG_S)
     assert proc.returncode != 0
-    assert "failed (exit code -9)" in out, out[-2000:]
     assert elapsed < timeout_s, f"took {elapsed:.0f}s to notice the dead rank"
 
 
@@ -554,10 +555,13 @@ def test_stopped_rank_is_named_within_the_timeout(tmp_path):
     victim = worker_pids(proc.pid)[-1]
     stopped_at = time.monotonic()
     os.kill(victim, signal.SIGSTOP)
-    out, _ = proc.communicate(timeout=timeout_s + 120)
+    # Timed to the line that names it, not to the exit of every process (a busy
+    # machine's teardown is not what trainer.timeout_s bounds).
+    named = read_until(proc, "stopped responding")
     elapsed = time.monotonic() - stopped_at
+    rest, _ = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 1
-    line = one_line_error(out)
+    line = one_line_error("".join(named) + rest)
     assert f"rank 1 (PID {victim} on " in line and "stopped responding" in line
     assert elapsed < timeout_s + 20, f"took {elapsed:.0f}s to name the stopped rank"
 
