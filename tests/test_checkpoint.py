@@ -32,7 +32,7 @@ from src.checkpoint.dcp import (
     resolve_resume,
 )
 from src.checkpoint.export import export_consolidated, load_consolidated
-from tests.distributed import run_distributed
+from tests.distributed import HANG_S, run_distributed
 
 D_IN, D_OUT, VOCAB = 8, 4, 32
 
@@ -459,7 +459,7 @@ def test_crash_with_a_background_write_in_flight_keeps_the_previous(tmp_path):
         [sys.executable, "-c", _CRASH_IN_FLIGHT, str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         cwd=Path(__file__).resolve().parents[1],
     )
     assert out.returncode == 3, out.stderr

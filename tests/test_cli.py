@@ -15,6 +15,7 @@ from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
 from src.data.corpus import resolve_files
 from src.planner.planner import default_policy
 from src.resolved import resolve
+from tests.distributed import HANG_S
 from tests.test_config import CONF, ROOT, make_cfg
 
 
@@ -73,7 +74,7 @@ def test_home_path_reaches_the_check_that_names_it(tmp_path, monkeypatch):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
@@ -144,7 +145,7 @@ def test_help_lists_options_not_schemas_and_describes_every_key():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert out.returncode == 0, out.stderr
     text = out.stdout

@@ -22,6 +22,7 @@ from src.config import (
 from src.harness import compose_config
 from src.resolved import resolve_devices
 from src.sharding.policies import policy_names
+from tests.distributed import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -197,7 +198,7 @@ def test_wrong_type_message_says_what_is_allowed():
     assert "expected an integer >= 1 or 'auto'" in config_error("trainer.devices=0")
 
 
-def run_train(*args: str, timeout: float = 60, cwd: Path = ROOT):
+def run_train(*args: str, timeout: float = HANG_S, cwd: Path = ROOT):
     env = {**os.environ, "WANDB_MODE": "offline"}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(

@@ -27,6 +27,7 @@ from src.checkpoint.dcp import (
     resolve_resume,
 )
 from tests import forge
+from tests.distributed import HANG_S
 
 # ------------------------------------------------------------------ checkpoints
 
@@ -471,7 +472,7 @@ def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
             args.append(f"hydra.run.dir={run_dir}")
         else:
             args = [f"{command}.py", f"run={run_dir}"]
-        out = run_cmd([sys.executable, *args], timeout=300)
+        out = run_cmd([sys.executable, *args], timeout=HANG_S)
         text = out.stdout + out.stderr
         assert out.returncode != 0 and "Traceback" not in text, text
         lines = [ln for ln in text.splitlines() if "step_00000002" in ln]

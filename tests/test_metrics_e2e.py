@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import HANG_S
 from tests.wandb_offline import read_wandb_offline_history, read_wandb_offline_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,7 @@ def test_two_rank_run_logs_plausible_metrics_to_offline_wandb(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 

@@ -18,6 +18,7 @@ from src.harness import compose_config
 from src.observe import metrics
 from src.planner.planner import PARTS
 from src.resolved import model_config, model_spec, resolve
+from tests.distributed import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -92,7 +93,7 @@ def test_plan_only_13b_subprocess_allocates_nothing(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

@@ -30,6 +30,7 @@ from src.resolved import resolve
 from src.sharding import BACKENDS, Backend, Unit, WrapPlan
 from src.sharding.backends import FSDP1Backend
 from src.sharding.ddp import DDPBackend
+from tests.distributed import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -676,7 +677,7 @@ def test_sweep_records_the_point_that_cannot_fit_as_skipped(tmp_path):
         + ["trainer.mem_budget_gib=0.551", f"hydra.sweep.dir={sweep}"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         cwd=ROOT,
         env=env,
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import HANG_S
 from tests.wandb_offline import read_wandb_offline_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def test_profile_window_traces_memory_table_artifact_and_train_log(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=HANG_S,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     prof = tmp_path / "profile"

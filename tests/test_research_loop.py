@@ -37,6 +37,7 @@ from src.runs.from_run import (
 from src.trainer.launch import prepare, run_rank, run_ranks
 from src.trainer.loop import lr_lambda
 from src.trainer.sampling import SAMPLING_CHANGES, sample_texts, sampling_changes
+from tests.distributed import HANG_S
 from tests.test_train import ROOT, make_cfg, read_rows, run_cmd
 
 # A tiny model on 2 MB of the stdlib's sources (byte-level), one rank in this process.
@@ -241,7 +242,9 @@ def test_hf_model_samples_through_generate(tmp_path):
 
 def sample_cli(run: Path, *overrides: str) -> tuple[str, list[str]]:
     """``python sample.py run=<run> ...``: its console output and the samples."""
-    out = run_cmd([sys.executable, "sample.py", f"run={run}", *overrides], timeout=300)
+    out = run_cmd(
+        [sys.executable, "sample.py", f"run={run}", *overrides], timeout=HANG_S
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout + out.stderr
     samples = text.split(" samples from ", 1)[1].split("\n", 1)[1]
@@ -273,7 +276,7 @@ def test_eval_py_on_two_ranks_reproduces_the_runs_val_loss(gpt_run):
     """eval.py on the run's own validation split, 2 ranks (the run trained on 1):
     the loss is the run's last val_loss (fp32, within 1e-5), appended to eval.json."""
     out = run_cmd(
-        [sys.executable, "eval.py", f"run={gpt_run}", "devices=2"], timeout=300
+        [sys.executable, "eval.py", f"run={gpt_run}", "devices=2"], timeout=HANG_S
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     val_loss = json.loads((gpt_run / "summary.json").read_text())["val_loss"]

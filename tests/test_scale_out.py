@@ -26,7 +26,7 @@ from src.resolved import resolve
 from src.sharding import build_backend, build_sharded_model, wrap, wrap_plan
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
-from tests.distributed import free_port, run_distributed
+from tests.distributed import HANG_S, free_port, run_distributed
 from tests.test_train import ROOT, make_cfg, read_rows
 
 # 4 steps of model=tiny on 8 sequences a step; checkpoints at steps 2 and 4.
@@ -150,7 +150,7 @@ def torchrun_run(root) -> list[str]:
     outputs = []
     try:
         for agent in agents:
-            outputs.append(agent.communicate(timeout=240)[0])
+            outputs.append(agent.communicate(timeout=HANG_S)[0])
     finally:
         for agent in agents:
             if agent.poll() is None:

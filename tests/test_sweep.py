@@ -29,6 +29,7 @@ from src.trainer.sweep import (
     summarise,
     swept_keys,
 )
+from tests.distributed import HANG_S
 from tests.wandb_offline import read_wandb_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ TINY = [
 ]
 
 
-def multirun(sweep_dir: Path, *overrides: str, timeout: float = 240):
+def multirun(sweep_dir: Path, *overrides: str, timeout: float = HANG_S):
     env = {**os.environ, "WANDB_MODE": "offline"}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(

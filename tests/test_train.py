@@ -19,7 +19,7 @@ from src.planner.planner import plan_only
 from src.resolved import resolve
 from src.trainer.launch import cpu_threads
 from src.trainer.loop import build_optimizer, lr_lambda, train
-from tests.distributed import run_distributed
+from tests.distributed import HANG_S, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 # A short fp32 run on model=tiny: several wrap units, two micro-batches per step.
@@ -119,7 +119,7 @@ def test_losses_same_on_one_and_two_ranks(tmp_path):
     assert losses[-1] < losses[0]
 
 
-def run_cmd(args: list[str], cwd: Path = ROOT, timeout: float = 120):
+def run_cmd(args: list[str], cwd: Path = ROOT, timeout: float = HANG_S):
     env = {**os.environ, "WANDB_MODE": "offline"}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(

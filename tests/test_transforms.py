@@ -16,7 +16,7 @@ from src.sharding import (
     build_policy,
     build_sharded_model,
 )
-from tests.distributed import run_distributed
+from tests.distributed import HANG_S, run_distributed
 from tests.test_config import config_error
 from tests.test_train import SMALL_RUN, read_rows, run_cmd
 
@@ -213,7 +213,7 @@ def test_train_py_checkpointing_and_compile_match_the_plain_run(tmp_path):
         run_dir = tmp_path / name
         out = run_cmd(
             [sys.executable, "train.py", *common, *extra, f"hydra.run.dir={run_dir}"],
-            timeout=400,
+            timeout=HANG_S,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         rows[name] = [r for r in read_rows(run_dir) if "loss" in r]

@@ -80,17 +80,22 @@ def lookup_gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None
     return None
 
 
-def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
+def _time_matmul(
+    a: torch.Tensor, b: torch.Tensor, clock: Callable[[], float] = time.perf_counter
+) -> float:
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     sync()
-    t0 = time.perf_counter()
+    t0 = clock()
     torch.mm(a, b)
     sync()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def measure_matmul_flops(
-    device: torch.device, dtype: torch.dtype, seconds: float = 0.3
+    device: torch.device,
+    dtype: torch.dtype,
+    seconds: float = 0.3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Best achieved FLOP/s of square ``dtype`` matmuls on ``device`` within ``seconds``.
 
@@ -98,6 +103,8 @@ def measure_matmul_flops(
     so a slow dtype (bf16 on a CPU without bf16 units) still finishes in time and a fast
     one is measured on a size big enough to reach its peak. Best-of-repeats keeps the
     figure an upper bound, as a datasheet peak is. Uses the threads torch already has.
+    ``clock``: wall time; ``time.thread_time`` (one intra-op thread on CPU) times the
+    matmuls by the CPU time they got, which other processes' load does not stretch.
     The operands come from a private generator: the probe runs after a resume restored
     the training RNG, and drawing from it would change every later dropout mask.
     """
@@ -107,15 +114,15 @@ def measure_matmul_flops(
         a = torch.randn(n, n, device=device, generator=gen).to(dtype)
         b = torch.randn(n, n, device=device, generator=gen).to(dtype)
         # Two tries per size: the very first matmul also starts the thread pool.
-        best = min(_time_matmul(a, b), _time_matmul(a, b))
+        best = min(_time_matmul(a, b, clock), _time_matmul(a, b, clock))
         if best > seconds / 16 or n >= max_n:
             break
         n *= 2
-    deadline = time.perf_counter() + seconds
+    deadline = clock() + seconds
     for repeat in range(64):
-        if repeat >= 3 and time.perf_counter() > deadline:
+        if repeat >= 3 and clock() > deadline:
             break
-        best = min(best, _time_matmul(a, b))
+        best = min(best, _time_matmul(a, b, clock))
     return 2.0 * n**3 / best
 
 

@@ -312,7 +312,10 @@ def signal_point(name: str, step: int | None = None) -> None:
     rank 1 (the launcher for ``prepare``) sends the signal the variable names, once:
     to its whole process group, as a Ctrl-C in the terminal does; to itself; or to
     the launcher, then waits until the launcher has told the ranks, so the stop lands
-    in this step. Nothing happens unless the variable names this point."""
+    in this step. Nothing happens unless the variable names this point, nor in ranks
+    an elastic restart started (once per run: they pass the point again)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return
     for item in os.environ.get(SIGNAL_AT_ENV, "").split(","):
         point, target, signame = (item.split(":") + ["", ""])[:3]
         if point not in (name, f"{name}{step}") or item in _signalled:
