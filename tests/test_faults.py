@@ -38,6 +38,9 @@ BASE = [
     "trainer.log_every=1",
     "trainer.val_every=0",
     "trainer.batch_size=8",
+    # No CPU matmul probe: under load it took seconds, which a rank waits out at
+    # its first collective (the hang tests' timeouts are a few seconds).
+    "trainer.peak_tflops=1",
 ]
 
 pytestmark = pytest.mark.slow
