@@ -311,10 +311,6 @@ def checkpoint_cases(marker: Path) -> dict[str, tuple[str, object]]:
         "forged",
         forge.edit_index(forge.many_chunks),
     )
-    cases["the checkpoint dir a link to a copy elsewhere"] = (
-        "damaged",
-        forge.linked_dir,
-    )
     cases["meta.json: a sparse file of 1 GiB"] = (
         "damaged",
         lambda c: os.truncate(c / "meta.json", 1 << 30),
@@ -1065,3 +1061,16 @@ def test_prune_removes_a_linked_checkpoint_dir_not_its_target(tmp_path):
     Checkpointer(root, keep_last=1).save(2, model, optimizer, scheduler, {})
     assert not os.path.lexists(saved)
     assert (aside / "COMPLETE").is_file() and (aside / "meta.json").is_file()
+
+
+def test_a_linked_checkpoint_dir_is_verified_and_loaded(checkpoint, tmp_path):
+    """A step_N dir that is a link (a checkpoint moved to another disk and linked
+    back) is a checkpoint: its files are verified where they are, and resume=auto
+    takes it (it was refused as damage, a run that resumed before could not)."""
+    ckpt = forge.copy_of(checkpoint, tmp_path / "run" / checkpoint.name)
+    forge.linked_dir(ckpt)
+    checkpointer = Checkpointer(ckpt.parent)
+    assert checkpointer.verify(ckpt) is None
+    assert resolve_resume("auto", ckpt.parent, checkpointer.verify) == ckpt
+    model, optimizer, scheduler = _model()
+    assert checkpointer.load(ckpt, model, optimizer, scheduler)["step"] == 1

@@ -386,11 +386,6 @@ _MAX_META = 256 << 20
 
 
 def _read_meta(path: Path) -> dict:
-    if path.is_symlink():
-        # its files lie elsewhere, and pruning it would unmark them there
-        raise _Damaged(
-            f"the checkpoint dir is a symbolic link (to {os.readlink(path)})"
-        )
     file = path / META
     if file.is_symlink() or not file.is_file():
         raise _Damaged(f"{META} is missing or not a regular file")
