@@ -856,11 +856,14 @@ def check_writable(
         if problem is None and first is not None and key == first[0]:
             planted = planted_file(os.path.expanduser(path))
             if planted:
+                # eval.py's run= names the run it reads: no other directory will do
+                elsewhere = (
+                    "" if key == "run" else f" (or set {key} to another directory)"
+                )
                 raise ConfigError(
                     key,
                     f"{what} writes to {path}: {planted}; it writes only to its own "
-                    f"regular files there: remove it (or set {key} to another "
-                    "directory)",
+                    f"regular files there: remove it{elsewhere}",
                 )
         if problem is None:
             continue

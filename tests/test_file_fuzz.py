@@ -1006,7 +1006,11 @@ def test_planted_run_dir_files_refused_before_anything_writes(tmp_path):
             check_writable(cfg, first, others=False)
         line = str(err.value)
         assert line.startswith("hydra.run.dir: ") and name in line, line
-        assert "\n" not in line
+        assert "\n" not in line and line.endswith("to another directory)")
+    # eval.py's run= is the run it evaluates: no other directory to suggest
+    with pytest.raises(ConfigError) as err:
+        check_writable(cfg, ("run", str(run_dir), "eval.json"), others=False)
+    assert str(err.value).startswith("run: ") and str(err.value).endswith("remove it")
     fine = tmp_path / "fine"
     (fine / "wandb").mkdir(parents=True)
     (fine / "wandb" / "latest-run").symlink_to(tmp_path)

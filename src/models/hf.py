@@ -398,7 +398,9 @@ def _from_config(hf_config, trust_remote_code: bool = False) -> nn.Module:
         return AutoModelForCausalLM.from_config(
             hf_config, trust_remote_code=trust_remote_code, dtype=torch.float32
         )
-    except Exception as err:  # a config.json value it cannot build: name the file
+    # A config.json value it cannot build: name the file. Other failures (a missing
+    # package, out of memory) keep their own type and traceback.
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as err:
         where = getattr(hf_config, "_name_or_path", "") or hf_config.model_type
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ValueError(
