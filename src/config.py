@@ -71,7 +71,7 @@ from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
 from src.sharding.policies import POLICIES
 from src.sharding.transforms import compile_cache_dir
-from src.trainer.faults import FULL_ERROR_ENV
+from src.trainer.faults import FULL_ERROR_ENV, RANK_REPORTS
 from src.trainer.launch import override_keys, prepare
 from src.trainer.loop import RESUME_SCHEDULES, restart_reason, schedule_refusal
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
@@ -854,7 +854,9 @@ def check_writable(
     for key, path, what in dirs:
         problem = unwritable(os.path.expanduser(path))
         if problem is None and first is not None and key == first[0]:
-            planted = planted_file(os.path.expanduser(path))
+            # its own files: the top level, Hydra's record and the ranks' reports
+            # (checkpoints/ is verified file by file; wandb/ is wandb's own links)
+            planted = planted_file(os.path.expanduser(path), (RECORD, RANK_REPORTS))
             if planted:
                 # eval.py's run= names the run it reads: no other directory will do
                 elsewhere = (

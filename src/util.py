@@ -164,24 +164,19 @@ def keep_aside(path: str | os.PathLike, copy: bool = False) -> Path:
     return aside
 
 
-#: Where a run dir's own files are: its top level, Hydra's record and the ranks'
-#: reports (``checkpoints/`` is verified file by file; ``wandb/`` is wandb's, which
-#: links its latest run).
-_RUN_FILES_IN = (".hydra", "ranks")
-
-
 #: Devices a run's file may link to: what is written there is discarded, or
 #: refused as on a full disk (tests/test_faults.py's full-disk run writes there).
 _SINKS = ("/dev/null", "/dev/full")
 
 
-def planted_file(run_dir: str | os.PathLike) -> str | None:
+def planted_file(run_dir: str | os.PathLike, subdirs: Sequence[str]) -> str | None:
     """Why a file the run would open in place in ``run_dir`` (``run.lock``,
     ``train.log``, ``metrics.jsonl`` appended to, an error report) could be another
     file, or None: a symbolic link (the run would truncate or append to what it
     points to, outside the run dir) or a FIFO, device or socket (the run would block
-    on it). A directory that is a link (``checkpoints`` on another disk) is not
-    one, nor a link to ``/dev/null`` or ``/dev/full``."""
+    on it), at its top level or under ``subdirs``. A directory that is a link
+    (``checkpoints`` on another disk) is not one, nor a link to ``/dev/null`` or
+    ``/dev/full``."""
 
     def problem(path: str) -> str | None:
         try:
@@ -204,7 +199,7 @@ def planted_file(run_dir: str | os.PathLike) -> str | None:
     for path in top:
         if reason := problem(path):
             return reason
-    for sub in _RUN_FILES_IN:
+    for sub in subdirs:
         root = os.path.join(run_dir, sub)
         if os.path.islink(root) or not os.path.isdir(root):
             continue

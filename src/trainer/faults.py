@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 # one line.
 FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 LOCK_FILE = "run.lock"
+RANK_REPORTS = "ranks"  # in the run dir: torchrun's logs and each rank's error report
 #: Set by the launcher for ranks it restarts after a failure (elastic restart): the
 #: failure's one-line report, which the restarted ranks say.
 RESTART_CAUSE_ENV = "SHARDWRAP_RESTART_CAUSE"

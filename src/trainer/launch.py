@@ -65,6 +65,7 @@ from src.planner.planner import (
 )
 from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
+    RANK_REPORTS,
     RESTART_CAUSE_ENV,
     STOP_SIGNALS,
     Heartbeat,
@@ -245,7 +246,7 @@ def _launch_local(
         return summary
     # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console (at
     # debug every rank does, each line prefixed [rank N]).
-    log_dir = None if debug_on() else os.path.join(run_dir, "ranks")
+    log_dir = None if debug_on() else os.path.join(run_dir, RANK_REPORTS)
     config = local_launch_config(nprocs, cfg.trainer.max_restarts, log_dir)
     _quiet_launcher_logs()
     # The ranks are new processes: they re-create this process's console and
@@ -382,7 +383,7 @@ def _restart_cause(run_dir: str):
     def monitored(self, worker_group):
         result = monitor(self, worker_group)
         if result.is_failed():
-            failed = ChildFailedError("ranks", result.failures)
+            failed = ChildFailedError(RANK_REPORTS, result.failures)
             os.environ[RESTART_CAUSE_ENV] = _failure_report(failed, run_dir)
         return result
 
@@ -521,7 +522,7 @@ def _in_process_failure(err: Exception, run_dir: str, rank: int = 0) -> str:
     """The failure of the rank in this process (one rank, or one under torchrun) as
     the launcher reports a rank's (:func:`_failure_report`): one line, the traceback
     in a file under ``<run dir>/ranks``."""
-    error_file: Any = Path(run_dir) / "ranks" / f"rank{rank}_error.txt"
+    error_file: Any = Path(run_dir) / RANK_REPORTS / f"rank{rank}_error.txt"
     try:
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_file.write_text("".join(traceback.format_exception(err)))
