@@ -108,17 +108,15 @@ def test_plan_vs_measured_ordinary_compares_the_closing_lines_figures(
     assert row["measured GiB"] == "0.500"
     error = float(row["measured vs planned"].rstrip("%")) / 100
     assert error == pytest.approx(0.5 / planned - 1, abs=0.002)
-    # --holdout: the configurations kept out of the benchmark, the same comparison
-    name = "gpt 4x384 TP2 no SP, 4 ranks"
-    key = json.dumps(["ordinary", name, b.HOLDOUT[name], 3])
-    store.write_text(json.dumps({key: 0.45}))
-    argv = ["--ordinary", "--holdout", "--configs", name, "--measured", str(store)]
-    (row,) = b.main(argv)
-    assert row["measured GiB"] == "0.450" and float(row["planned GiB"]) > 0
+    # --holdout: the configurations kept out of the benchmark, the same comparison;
     # --audit: configurations as users type them, a row with its own steps included
-    name = "gpt 8x512, validation"
-    key = json.dumps(["ordinary", name, b.AUDIT[name], 3])
-    store.write_text(json.dumps({key: 0.8}))
-    argv = ["--ordinary", "--audit", "--configs", name, "--measured", str(store)]
-    (row,) = b.main(argv)
-    assert row["measured GiB"] == "0.800" and float(row["planned GiB"]) > 0
+    for flag, table, name, measured in (
+        ("--holdout", b.HOLDOUT, "gpt 4x384 TP2 no SP, 4 ranks", 0.45),
+        ("--audit", b.AUDIT, "gpt 8x512, validation", 0.8),
+    ):
+        key = json.dumps(["ordinary", name, table[name], 3])
+        store.write_text(json.dumps({key: measured}))
+        argv = ["--ordinary", flag, "--configs", name, "--measured", str(store)]
+        (row,) = b.main(argv)
+        assert row["measured GiB"] == f"{measured:.3f}", flag
+        assert float(row["planned GiB"]) > 0, flag

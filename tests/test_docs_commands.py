@@ -36,6 +36,7 @@ import io
 import itertools
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,28 +135,38 @@ def _logical_lines(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return out
 
 
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+SHELLS = ("bash", "sh", "shell")
+
+
+def _code_blocks(text: str) -> Iterator[tuple[str, list[tuple[int, str]]]]:
+    """Each fenced block of ``text``: its language and its non-blank lines, numbered
+    as in the file."""
+    for block in FENCE.finditer(text):
+        first = text.count("\n", 0, block.start(2)) + 1
+        lines = [
+            (first + i, line)
+            for i, line in enumerate(block.group(2).splitlines())
+            if line.strip()
+        ]
+        yield block.group(1), lines
+
+
 def doc_commands() -> list[Command]:
     commands = []
-    fence = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
     for doc in DOCS:
         text = doc.read_text()
         name = doc.relative_to(ROOT).as_posix()
-        for block in fence.finditer(text):
-            first = text.count("\n", 0, block.start(2)) + 1
-            lines = [
-                (first + i, line)
-                for i, line in enumerate(block.group(2).splitlines())
-                if line.strip()
-            ]
-            if block.group(1) in ("bash", "sh", "shell"):
+        for lang, lines in _code_blocks(text):
+            if lang in SHELLS:
                 for number, line in _logical_lines(lines):
                     for argv in _split(line):
                         commands.append(Command(f"{name}:{number}", tuple(argv)))
-            elif block.group(1) in ("", "console"):
+            elif lang in ("", "console"):
                 commands.extend(_shown_commands(name, lines))
                 if not any(line.startswith("$ ") for _, line in lines):
                     commands.extend(_plain_commands(name, lines))
-        prose = fence.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
         commands.extend(_inline_commands(name, prose))
     return commands
 
@@ -516,18 +527,11 @@ def test_the_docs_show_commands():
 
 def _shell_lines():
     """``(doc, line number, logical line)`` of each ```bash block line."""
-    fence = re.compile(r"^```(?:bash|sh|shell)[^\n]*\n(.*?)^```", re.M | re.S)
     for doc in DOCS:
-        text = doc.read_text()
-        for block in fence.finditer(text):
-            first = text.count("\n", 0, block.start(1)) + 1
-            lines = [
-                (first + i, line)
-                for i, line in enumerate(block.group(1).splitlines())
-                if line.strip()
-            ]
-            for number, line in _logical_lines(lines):
-                yield doc.relative_to(ROOT).as_posix(), number, line
+        for lang, lines in _code_blocks(doc.read_text()):
+            if lang in SHELLS:
+                for number, line in _logical_lines(lines):
+                    yield doc.relative_to(ROOT).as_posix(), number, line
 
 
 @pytest.mark.parametrize("command", train_commands(COMMANDS), ids=lambda c: c.where)
