@@ -85,7 +85,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src.errors import RunError
-from src.util import collective_device, file_crc32, parse_json
+from src.util import MAX_JSON, collective_device, file_crc32, parse_json
 
 MARKER = "COMPLETE"
 META = "meta.json"
@@ -380,19 +380,15 @@ def read_checkpoint_meta(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from None
 
 
-#: The largest meta.json read (a run's own: tens of KiB, a few MiB for a model of
-#: thousands of tensors); a larger one is refused before it is read into memory.
-_MAX_META = 256 << 20
-
-
 def _read_meta(path: Path) -> dict:
     file = path / META
     if file.is_symlink() or not file.is_file():
         raise _Damaged(f"{META} is missing or not a regular file")
-    if file.stat().st_size > _MAX_META:
+    size = file.stat().st_size  # a run's own: tens of KiB, MiBs for huge models
+    if size > MAX_JSON:  # refused before it is read into memory
         raise _Damaged(
-            f"{META} has {file.stat().st_size:,} bytes, over {_MAX_META:,} (not one "
-            "this project writes)"
+            f"{META} has {size:,} bytes, over {MAX_JSON:,} (not one this project "
+            "writes)"
         )
     marker = path / MARKER
     if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 64:
@@ -679,16 +675,6 @@ def _check_index(md: Any, sizes: dict[str, int], world_size: int) -> Metadata:
             raise _bad_value(
                 f"{where}: a key", key, "a name of at most 4096 characters"
             )
-        if type(entry) is TensorStorageMetadata and (
-            type(entry.chunks) is list and len(entry.chunks) > world_size
-        ):
-            # each rank saves at most one chunk of a tensor: more would only make
-            # the overlap check below quadratic
-            raise _bad_value(
-                f"{where}: {key}'s chunks",
-                f"{len(entry.chunks):,} chunks",
-                f"at most one per rank of the save ({world_size})",
-            )
         if type(entry) is not TensorStorageMetadata:
             raise _bad_value(f"{where}: {key}", type(entry).__name__, "a tensor entry")
         props = entry.properties
@@ -697,6 +683,14 @@ def _check_index(md: Any, sizes: dict[str, int], world_size: int) -> Metadata:
         shape = _size(entry.size, f"{where}: {key}'s size")
         if type(entry.chunks) is not list:
             raise _bad_value(f"{where}: {key}'s chunks", entry.chunks, "a list")
+        if len(entry.chunks) > world_size:
+            # each rank saves at most one chunk of a tensor: more would only make
+            # the overlap check below quadratic
+            raise _bad_value(
+                f"{where}: {key}'s chunks",
+                f"{len(entry.chunks):,} chunks",
+                f"at most one per rank of the save ({world_size})",
+            )
         for chunk in entry.chunks:
             if type(chunk) is not ChunkStorageMetadata:
                 raise _bad_value(f"{where}: {key}'s chunk", chunk, "a chunk")

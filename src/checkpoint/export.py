@@ -143,7 +143,8 @@ def safetensors_damage(path: str | Path) -> str | None:
         n = int.from_bytes(head, "little")
         if n > _ST_MAX_HEADER:  # read whole below: a sparse file's 3 GiB took 6 GB
             return (
-                f"declares a header of {n:,} bytes, over safetensors' limit of 100 MB"
+                f"declares a header of {n:,} bytes, over safetensors' limit of "
+                f"{_ST_MAX_HEADER:,}"
             )
         if n > size - 8:
             return f"is cut short: its header needs {n} bytes, the file has {size}"
