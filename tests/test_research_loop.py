@@ -230,7 +230,7 @@ def test_hf_model_samples_through_generate(tmp_path):
     so); its greedy text is the one the plain window-recomputing loop gives."""
     run_dir = tmp_path / "hf"
     train_run(run_dir, *HF_RUN)
-    changes, note = sampling_changes(get_spec("hf"), 2)
+    changes, note = sampling_changes(get_spec("hf"), 2, "fsdp2")
     assert "generate()" in note and "1 rank" in note
     checkpoint, cfg, resolved = opened(run_dir, changes)
     assert resolved.world_size == 1 and cfg.sharding.backend == "none"
@@ -395,7 +395,7 @@ def test_sample_and_eval_open_a_run_on_ranks_its_batch_does_not_split_over(gpt_r
     naming eval.py's own key."""
     from src.runs.evaluation import eval_changes
 
-    changes, _ = sampling_changes(get_spec("gpt"), 3)
+    changes, _ = sampling_changes(get_spec("gpt"), 3, "fsdp2")
     assert opened(gpt_run, changes)[2].world_size == 3
 
     def eval_on(devices: int, batch_size: int | None):

@@ -56,7 +56,7 @@ def spread_over(backend: str, ranks: int) -> dict[str, Any]:
 
 
 def sampling_changes(
-    spec: ModelSpec, devices: Any, backend: str = "fsdp2"
+    spec: ModelSpec, devices: Any, backend: str
 ) -> tuple[dict[str, Any], str]:
     """The changes to the run's config for sampling on ``devices`` ranks, and a note
     (empty, or why the ranks differ from the ones asked for); ``backend``: the
