@@ -36,6 +36,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -127,21 +128,25 @@ def load_hf_config(config: str | None, trust_remote_code: bool = False):
     file = path / "config.json"
     if os.path.lexists(file) and not file.is_file():  # a FIFO blocked the read
         raise ValueError(f"model.config: {file} is not a regular file")
-    auto_map = _auto_map(path)
+    try:  # read once, as data, for the checks below
+        raw = read_json(file)
+    except (OSError, ValueError):
+        raw = None  # AutoConfig says what is wrong
+    auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
     if auto_map and not trust_remote_code:
         raise ValueError(
             f"model.trust_remote_code: {str(path)!r} names its own code (auto_map: "
             f"{', '.join(sorted(auto_map))}), which runs only with "
             "model.trust_remote_code=true"
         )
-    kernel = _hub_kernel(path)
+    kernel = _hub_kernel(raw)
     if kernel and not trust_remote_code:
         raise ValueError(
             f"model.trust_remote_code: {str(path)!r} sets attn_implementation "
             f"{kernel!r}, a kernel from the Hugging Face Hub (its code, fetched and "
             "run by transformers), which runs only with model.trust_remote_code=true"
         )
-    _check_sizes(path)  # before transformers warns about them
+    _check_sizes(raw, path)  # before transformers warns about them
     try:
         hf_config = AutoConfig.from_pretrained(
             path, trust_remote_code=trust_remote_code
@@ -178,13 +183,9 @@ def load_hf_config(config: str | None, trust_remote_code: bool = False):
     return hf_config
 
 
-def _check_sizes(path: Path) -> None:
-    """ValueError naming the first of :data:`_POSITIVE` that config.json (or its
-    ``text_config``) sets to anything but an integer >= 1."""
-    try:
-        raw = read_json(path / "config.json")
-    except (OSError, ValueError):
-        return  # AutoConfig says what is wrong
+def _check_sizes(raw: Any, path: Path) -> None:
+    """ValueError naming the first of :data:`_POSITIVE` that ``path``'s config.json
+    (``raw``, as read) or its ``text_config`` sets to anything but an integer >= 1."""
     for node in (raw, raw.get("text_config") if isinstance(raw, dict) else None):
         for key in _POSITIVE if isinstance(node, dict) else ():
             value = node.get(key)
@@ -195,23 +196,11 @@ def _check_sizes(path: Path) -> None:
                 )
 
 
-def _auto_map(path: Path) -> dict | None:
-    """The ``auto_map`` of ``path``'s config.json (classes in the directory's code)."""
-    try:
-        raw = read_json(path / "config.json")
-    except (OSError, ValueError):
-        return None  # AutoConfig says what is wrong
-    return raw.get("auto_map") if isinstance(raw, dict) else None
-
-
-def _hub_kernel(path: Path) -> str | None:
-    """An ``attn_implementation`` in ``path``'s config.json (or a sub-config of it)
-    that names a Hub repository (``org/repo[:function]``): transformers loads that
+def _hub_kernel(raw: Any) -> str | None:
+    """An ``attn_implementation`` in config.json (``raw``, as read) or a sub-config of
+    it that names a Hub repository (``org/repo[:function]``): transformers loads that
     attention kernel's code from the Hub through the ``kernels`` package."""
-    try:
-        todo = [read_json(path / "config.json")]
-    except (OSError, ValueError):
-        return None
+    todo = [raw]
     while todo:
         node = todo.pop()
         if isinstance(node, dict):
