@@ -32,6 +32,7 @@ from src.sharding import (
     set_prefetch,
     wrap,
 )
+from src.sharding.layout import ParallelLayout
 from src.sharding.pipeline import (
     SCHEDULES,
     Pipeline,
@@ -45,16 +46,17 @@ from src.sharding.pipeline import (
 log = logging.getLogger(__name__)
 
 
-def make_backend(cfg: DictConfig, device: torch.device) -> Backend:
-    """The backend of ``cfg.sharding`` and ``cfg.precision`` on ``device``."""
+def make_backend(
+    cfg: DictConfig, device: torch.device, layout: ParallelLayout
+) -> Backend:
+    """The backend of ``cfg.sharding`` and ``cfg.precision`` on ``device``, on
+    ``layout`` (the run's: ``Resolved.layout``)."""
     return build_backend(
         cfg.sharding.backend,
         cfg.precision.name,
         device,
         cfg.sharding.reshard_after_forward,
-        replicate=cfg.sharding.replicate,
-        tensor_parallel=cfg.sharding.tensor_parallel,
-        pipeline_parallel=cfg.sharding.pipeline_parallel,
+        layout,
     )
 
 
@@ -127,18 +129,18 @@ def build_stages(
 
 
 def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pipeline:
-    """This rank's pipeline stages (``sharding.pipeline_parallel > 1``): the family's
+    """This rank's pipeline stages (the layout's ``pp`` > 1): the family's
     model built whole on the meta device (nothing allocated), cut by its
     ``PipelineLayout`` (:func:`rank_stages`), each stage built by
     :func:`build_stages`, and the schedule."""
-    s = cfg.sharding
-    cut = rank_stages(cfg, resolved, backend.pp, backend.pp_mesh.get_local_rank())
+    s, pp_mesh = cfg.sharding, backend.parallel.pp
+    cut = rank_stages(cfg, resolved, backend.layout.pp, pp_mesh.get_local_rank())
     stages = build_stages(cfg, backend, resolved, cut)
     return Pipeline(
         stages,
         s.pp_schedule,
         s.pp_microbatches,
-        backend.pp_mesh,
+        pp_mesh,
         backend.device,
         lm_loss,
         cut.holder(stages),
@@ -207,7 +209,7 @@ def build_model(
             init_device,
             init_fn,
             transform=transform,
-            tp_plan=tensor_parallel_plan(cfg, spec, config),
+            tp_plan=tensor_parallel_plan(cfg, spec, config, backend.layout),
         )
     set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
     if pretrained:

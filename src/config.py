@@ -630,7 +630,7 @@ def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
         "sharding.sequence_parallel",
         "true needs sharding.tensor_parallel > 1 (it shards along the tp ranks)",
     )
-    tensor_parallel_plan(cfg, resolved.spec, resolved.model_config)
+    tensor_parallel_plan(cfg, resolved.spec, resolved.model_config, resolved.layout)
 
 
 #: What a pipeline-parallel run does not do yet: the key, the value that is

@@ -1,5 +1,6 @@
-"""What a run resolves from its config, once: the world size, the model family's spec
-and config, and the wrap policy's names and classes.
+"""What a run resolves from its config, once: its parallel layout (the world size and
+the degree of each mesh dimension), the model family's spec and config, and the wrap
+policy's names and classes.
 
 ``src/config.py``'s ``validate`` calls :func:`resolve` before any rank starts (a bad
 value is a :class:`ConfigError` naming its key, which the command line prints as one
@@ -12,18 +13,20 @@ and :func:`model_config`: what runs after it reads ``spec`` and ``model_config``
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec, get_spec
 from src.models.spec import import_module_class
+from src.sharding.layout import LayoutError, ParallelLayout
 from src.sharding.policies import policy_names
 
 
@@ -31,7 +34,8 @@ from src.sharding.policies import policy_names
 class Resolved:
     """The objects a run needs from its config (picklable: the ranks get it)."""
 
-    world_size: int
+    #: the run's parallel layout: its world size and the degree of each mesh dimension
+    layout: ParallelLayout
     spec: ModelSpec
     model_config: Any  # an instance of ``spec.config_cls``
     policies: tuple[str, ...]
@@ -47,13 +51,18 @@ class Resolved:
     # continues from (src/runs/resume.py). None outside train.py's launcher.
     run_config: dict | None = None
 
+    @property
+    def world_size(self) -> int:
+        """The run's ranks."""
+        return self.layout.world_size
+
 
 def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> Resolved:
     """Resolve ``cfg`` (:class:`ConfigError` naming the key at the first bad value)."""
     s = cfg.sharding
     return Resolved(
         planned_peak_gib=planned_peak_gib,
-        world_size=world_size(cfg.trainer.devices),
+        layout=parallel_layout(cfg, world_size(cfg.trainer.devices)),
         spec=model_spec(cfg),
         model_config=model_config(cfg),
         policies=resolve_policies(s.policy),
@@ -64,6 +73,35 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> Resolved:
             s.force_leaf_modules, "sharding.force_leaf_modules"
         ),
     )
+
+
+#: The config key of each degree of :class:`ParallelLayout` that a config sets (the
+#: others stay 1): the one place the layout meets its keys, where it is made from
+#: them and where a :class:`LayoutError` is named by them.
+LAYOUT_KEYS = {
+    "pp": "sharding.pipeline_parallel",
+    "dp_replicate": "sharding.replicate",
+    "tp": "sharding.tensor_parallel",
+}
+
+
+def parallel_layout(cfg: DictConfig, world_size: int) -> ParallelLayout:
+    """``cfg.sharding``'s degrees on ``world_size`` ranks (ConfigError naming the
+    key of a degree that does not fit)."""
+    degrees = {dim: OmegaConf.select(cfg, key) for dim, key in LAYOUT_KEYS.items()}
+    with layout_errors_named():
+        return ParallelLayout(world_size, **degrees)
+
+
+@contextlib.contextmanager
+def layout_errors_named() -> Iterator[None]:
+    """A :class:`LayoutError` raised inside as a ConfigError naming its key."""
+    try:
+        yield
+    except LayoutError as err:
+        raise ConfigError(
+            LAYOUT_KEYS.get(err.dim, "trainer.devices"), str(err)
+        ) from None
 
 
 def resolve_policies(policy: Any) -> tuple[str, ...]:
@@ -102,22 +140,23 @@ def import_classes(paths: Sequence[str], key: str) -> tuple[type[nn.Module], ...
     )
 
 
-def tensor_parallel_plan(cfg: DictConfig, spec: ModelSpec, config: Any) -> Any:
-    """The family's tensor-parallel plan for ``sharding.tensor_parallel`` and
-    ``sharding.sequence_parallel`` (None for tensor_parallel=1); ConfigError naming
-    the key when the family has no plan or the shape does not split."""
-    s = cfg.sharding
-    tp = s.tensor_parallel
+def tensor_parallel_plan(
+    cfg: DictConfig, spec: ModelSpec, config: Any, layout: ParallelLayout
+) -> Any:
+    """The family's tensor-parallel plan for the layout's ``tp`` degree and
+    ``sharding.sequence_parallel`` (None without tensor parallelism); ConfigError
+    naming the key when the family has no plan or the shape does not split."""
+    tp = layout.tp
     if tp <= 1:
         return None
     if spec.tp_plan is None:
         raise ConfigError(
-            "sharding.tensor_parallel",
+            LAYOUT_KEYS["tp"],
             f"model family {spec.name!r} has no tensor-parallel plan; use 1",
         )
-    plan = keyed("sharding.tensor_parallel", spec.tp_plan, config, tp, None)
-    sp = s.sequence_parallel
-    if sp is None and s.pipeline_parallel > 1:
+    plan = keyed(LAYOUT_KEYS["tp"], spec.tp_plan, config, tp, None)
+    sp = cfg.sharding.sequence_parallel
+    if sp is None and layout.pp > 1:
         sp = False  # stages pass whole sequences (a stage cannot know their length)
     if sp is None or sp == plan.sequence_parallel:
         return plan

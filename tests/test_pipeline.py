@@ -286,7 +286,9 @@ def _trained_and_exported(device, cfg, resolved, checkpoint, run_dir) -> dict:
     trained = model.state_dict()
     if (run_dir / "hf").is_dir():
         cfg = with_changes(cfg, {"model.pretrained": str(run_dir / "hf")})
-        exported = build_model(cfg, make_backend(cfg, device), resolved).state_dict()
+        exported = build_model(
+            cfg, make_backend(cfg, device, resolved.layout), resolved
+        ).state_dict()
     else:
         exported = load_consolidated(run_dir / "model.safetensors")
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}

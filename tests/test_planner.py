@@ -263,7 +263,7 @@ def test_tensor_parallel_blocks_are_traced_on_one_ranks_shapes():
     classes = block_classes(config)
     with torch.device("meta"):
         meta = build(config, 0)
-    plan = planner.tensor_parallel_plan(cfg, resolved.spec, config)
+    plan = planner.tensor_parallel_plan(cfg, resolved.spec, config, resolved.layout)
     local = tp_local(meta, classes, plan, 2)
     traced = traced_activation_bytes(local, classes, eager_on_fake_tensors)(2, 64, 4)
     # A real model with one rank's share of each colwise / rowwise weight (the
@@ -344,7 +344,7 @@ PLAN = WrapPlan(
         Unit("h.0", "Block", 300, 600),
         Unit("h.1", "Block", 300, 600),
     ],
-    world_size=2,
+    layout=2,
     total_numel=1600,
 )
 ACTS = ActivationBytes(
@@ -380,7 +380,7 @@ def test_a_one_unit_model_runs_its_blocks_backward_with_every_activation():
     """A model that is one unit: its blocks' backward runs with every activation and a
     block's working set alive (no unit gradients yet), and it reduces the whole
     model's gradients afterwards, with no activation left (a moment of its own)."""
-    one = WrapPlan(units=[Unit("", "Net", 1600, 3200)], world_size=2, total_numel=1600)
+    one = WrapPlan(units=[Unit("", "Net", 1600, 3200)], layout=2, total_numel=1600)
     acts = replace(ACTS, head=0, loss_transient=0, block_transient=7_000)
     est = estimate(one, SHAPE, acts)
     assert est.phase == "block backward"
@@ -396,7 +396,7 @@ def test_the_last_all_gather_output_lives_to_the_end_of_forward():
     it is alive beside every activation. A model that is one unit keeps the whole
     model's (bench/plan_vs_measured: a one-unit GPT measured 15% above a plan
     without it); FSDP1 gathers in place, one shard gathers nothing."""
-    one = WrapPlan(units=[Unit("", "Net", 1600, 3200)], world_size=2, total_numel=1600)
+    one = WrapPlan(units=[Unit("", "Net", 1600, 3200)], layout=2, total_numel=1600)
     acts = replace(ACTS, head=1_000, loss_transient=0, block_transient=5_000)
     est = estimate(one, SHAPE, acts)
     assert est.phase == "loss forward"
@@ -405,7 +405,7 @@ def test_the_last_all_gather_output_lives_to_the_end_of_forward():
     assert est.parts["transient"] == 1600 * 4  # the all-gather's flat output
     fsdp1 = estimate(one, replace(SHAPE, backend="fsdp1"), acts)
     assert fsdp1.phase == "block backward"
-    alone = WrapPlan(units=one.units, world_size=1, total_numel=1600)
+    alone = WrapPlan(units=one.units, layout=1, total_numel=1600)
     assert estimate(alone, replace(SHAPE, world=1), acts).phase == "block backward"
 
 

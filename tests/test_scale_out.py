@@ -75,7 +75,8 @@ def _layout_facts(rank: int, world: int) -> dict:
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
     facts = {}
     for name in ("fsdp2", "fsdp1"):
-        backend = build_backend(name, "fp32", "cpu", replicate=2)
+        layout = ParallelLayout(world, dp_replicate=2)
+        backend = build_backend(name, "fp32", "cpu", layout=layout)
         model = build_sharded_model(lambda: wrap(GPT(cfg)), backend, None)
         if name == "fsdp2":
             weight = model.lm_head.weight
@@ -85,7 +86,7 @@ def _layout_facts(rank: int, world: int) -> dict:
             facts["local_bytes"] = sum(
                 p.to_local().numel() * p.element_size() for p in model.parameters()
             )
-            facts["plan_bytes"] = wrap_plan(model, world, 2).bytes_per_rank()
+            facts["plan_bytes"] = wrap_plan(model, layout).bytes_per_rank()
             facts["all_dtensor"] = all(
                 isinstance(p, DTensor) for p in model.parameters()
             )
@@ -196,7 +197,7 @@ def test_hsdp_matches_one_rank_and_full_sharding(root, layouts):
     facts = layouts["facts"]
     # FSDP2: a 2-D (replicate, shard) mesh, parameters replicated over dim 0 and
     # sharded over dim 1; FSDP1: the hybrid strategy on every unit.
-    assert facts["mesh"] == ("replicate", "shard") and facts["mesh_shape"] == (2, 2)
+    assert facts["mesh"] == ("dp_replicate", "dp_shard") and facts["mesh_shape"] == (2, 2)
     assert tuple(facts["placements"]) == (Replicate(), Shard(0))
     assert facts["all_dtensor"]
     assert facts["fsdp1_strategies"] == {ShardingStrategy.HYBRID_SHARD}

@@ -380,7 +380,7 @@ def test_plan_on_meta_allocates_nothing_and_reports_bytes_per_rank():
         init_device="meta",
     )
     assert all(p.is_meta for p in model.parameters())
-    plan = wrap_plan(model, world_size=4)
+    plan = wrap_plan(model, 4)
     block = next(u for u in plan.units if u.path == "h.0")
     assert block.numel == 2 * 16 * 64 and block.cls == "Block"
     assert block.bytes_per_rank == block.numel * 4 // 4

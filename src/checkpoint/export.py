@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from src.checkpoint.dcp import (
@@ -45,6 +44,7 @@ from src.checkpoint.dcp import (
 from src.checkpoint.hf_layout import HFLayout
 from src.data.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
 from src.sharding import canonical_name
+from src.sharding.layout import flat_mesh
 from src.util import atomic_path, collective_device, parse_json
 
 # -------------------------------------------------------------------- export
@@ -267,7 +267,7 @@ def _world_spread() -> Callable[[torch.Tensor], torch.Tensor]:
     if not dist.is_available() or not dist.is_initialized():
         return lambda t: t
     device = collective_device()
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = flat_mesh(device.type, dist.get_world_size())
 
     def spread(t: torch.Tensor) -> torch.Tensor:
         placements = [Shard(0) if t.dim() else Replicate()]

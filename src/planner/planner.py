@@ -52,6 +52,7 @@ from src.sharding import (
     GIB,
     MIB,
     PRECISIONS,
+    ParallelLayout,
     Unit,
     WrapPlan,
     backend_class,
@@ -571,7 +572,10 @@ def _ac_chosen(cfg: DictConfig) -> DictConfig:
 def _plan_backend(cfg: DictConfig) -> Iterator[Any]:
     """The ``plan`` backend the meta builds record units with; selective checkpointing
     of a block the policy splits is a config error here, before any rank starts."""
-    backend = build_backend("plan", cfg.precision.name, "cpu", tensor_parallel=_tp(cfg))
+    tp = _tp(cfg)
+    backend = build_backend(
+        "plan", cfg.precision.name, "cpu", layout=ParallelLayout(tp, tp=tp)
+    )
     try:
         yield backend
     except SplitBlockError as err:
@@ -590,10 +594,17 @@ def _tp(cfg: DictConfig) -> int:
     return int(_get(cfg, "sharding.tensor_parallel"))
 
 
+def _tp_layout(cfg: DictConfig) -> ParallelLayout:
+    """A layout with ``cfg``'s tp and pp degrees (what a tensor-parallel plan reads)."""
+    tp, pp = _tp(cfg), _pp(cfg)
+    return ParallelLayout(tp * pp, pp=pp, tp=tp)
+
+
 def plan_of(cfg: DictConfig, model: torch.nn.Module, world: int) -> WrapPlan:
     """The wrap plan of ``model`` (built by :func:`build_meta_model`) on ``world``
     ranks, with ``cfg``'s HSDP replicas and tensor-parallel degree."""
-    return wrap_plan(model, world, int(cfg.sharding.replicate), _tp(cfg))
+    replicate = int(cfg.sharding.replicate)
+    return wrap_plan(model, ParallelLayout(world, dp_replicate=replicate, tp=_tp(cfg)))
 
 
 def tp_activations(
@@ -620,7 +631,7 @@ def tp_activations(
     if tp == 1:
         return acts
     spec, config = resolved.spec, resolved.model_config
-    tpp = tensor_parallel_plan(cfg, spec, config)
+    tpp = tensor_parallel_plan(cfg, spec, config, _tp_layout(cfg))
     full = activation_fn(resolved)(
         shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
     )
@@ -699,7 +710,9 @@ def run_activation_fn(
     tp = _tp(cfg)
     if tp == 1:
         return activation_fn(resolved)
-    plan = tensor_parallel_plan(cfg, resolved.spec, resolved.model_config)
+    plan = tensor_parallel_plan(
+        cfg, resolved.spec, resolved.model_config, _tp_layout(cfg)
+    )
     if not traced_locally(resolved, plan):
         return activation_fn(resolved)
     return activation_fn(resolved, tp, plan, trace=True)
@@ -1921,7 +1934,12 @@ def plan_only(
         plan, est = worst_stage(estimates)
         # the worst rank's own blocks (alike ranks share one build)
         rank, plan = stage_plans(cfg, resolved, only=est.pp_rank).plans(cfg, world)[0]
-        plan = replace(plan, pp=rank.pp, stages=rank.stages, num_stages=rank.n_stages)
+        plan = replace(
+            plan,
+            layout=replace(plan.layout, world_size=world, pp=rank.pp),
+            stages=rank.stages,
+            num_stages=rank.n_stages,
+        )
         log.info(plan.tree())
         log.info(pipeline_report(cfg, estimates))
         log.info(est.table())
@@ -1946,8 +1964,8 @@ def plan_only(
     logger.log_summary(
         {
             "world_size": world,
-            "replicate": plan.replicate,
-            "tensor_parallel": plan.tensor_parallel,
+            "replicate": plan.layout.dp_replicate,
+            "tensor_parallel": plan.layout.tp,
             "shard_size": plan.shard_size,
             "wrap_units": len(plan.units),
             "peak_phase": est.phase,

@@ -112,7 +112,7 @@ def load_model(
     """This rank's part of the run's model with ``checkpoint``'s weights, its backend
     and the checkpoint's step. ``cfg``: as ``launch.prepare`` returned it."""
     cfg = with_changes(cfg, {"model.pretrained": None})  # the checkpoint has them
-    backend = make_backend(cfg, device)
+    backend = make_backend(cfg, device, resolved.layout)
     model = build_model(cfg, backend, resolved)
     state = Checkpointer(checkpoint.parent).load_model(checkpoint, model, verify=False)
     model.eval()

@@ -1,5 +1,5 @@
 """Sharding API: shard-as-you-build (``enable_wrap``/``wrap``/``auto_wrap``) on FSDP2 and
-FSDP1, wrap policies, backends, mixed precision, per-unit transforms (activation
+FSDP1, wrap policies, the run's parallel layout and its device mesh, backends, mixed precision, per-unit transforms (activation
 checkpointing, torch.compile) and the wrap plan."""
 
 # The backends in their own files add themselves to BACKENDS on import (in this
@@ -17,6 +17,7 @@ from .backends import (
     set_prefetch,
     with_capability,
 )
+from .layout import LayoutError, ParallelLayout, ParallelMesh
 from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
     BlockPolicy,
@@ -46,11 +47,14 @@ __all__ = [
     "DEFAULT_EXCLUDE_WRAP_MODULES",
     "DEFAULT_FORCE_LEAF_MODULES",
     "GIB",
+    "LayoutError",
     "MIB",
     "PRECISIONS",
     "Backend",
     "BlockPolicy",
     "ComposedPolicy",
+    "ParallelLayout",
+    "ParallelMesh",
     "Precision",
     "SizePolicy",
     "TiedParametersWarning",

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, ShardingStrategy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -39,93 +39,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.registry import Registry
 
+from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
 from .tensor_parallel import TPPlan, tensor_parallelize
 from .wrap import enable_wrap, make_unit
-
-MESH_DIMS = ("replicate", "shard")
-
-
-def shard_group_size(world_size: int, replicate: int) -> int:
-    """Ranks each parameter is sharded over when ``replicate`` groups hold a replica
-    (with tensor parallelism: ``replicate * tensor_parallel`` ranks hold one shard)."""
-    if replicate < 1 or world_size % replicate:
-        raise ValueError(
-            f"replicate={replicate} must be >= 1 and divide the world size {world_size}"
-        )
-    return world_size // replicate
-
-
-def device_mesh(
-    device_type: str,
-    world_size: int,
-    replicate: int = 1,
-    tensor_parallel: int = 1,
-    pipeline_parallel: int = 1,
-) -> DeviceMesh:
-    """The mesh of the run: 1-D over all ranks, 2-D ``(replicate, shard)`` for HSDP,
-    where ranks ``[r * S, (r + 1) * S)`` form shard group ``r`` (on GPUs, consecutive
-    ranks share a node, so all-gathers stay inside it), and with ``tensor_parallel=T
-    > 1`` a last ``tp`` dimension of T consecutive ranks: ``(shard, tp)`` or
-    ``(replicate, shard, tp)``. Units are sharded on the data-parallel dimensions
-    (:func:`data_parallel_mesh`). With ``pipeline_parallel=P > 1`` a first ``pp``
-    dimension of P stages, outermost: ``(pp, [replicate,] shard[, tp])``, each stage's
-    ranks a consecutive block of ``world_size / P``."""
-    if pipeline_parallel > 1:
-        return _pipeline_mesh(
-            device_type, world_size, replicate, tensor_parallel, pipeline_parallel
-        )
-    shard = shard_group_size(world_size, replicate * tensor_parallel)
-    if tensor_parallel > 1:
-        dims = (
-            (replicate, shard, tensor_parallel)
-            if replicate > 1
-            else (shard, tensor_parallel)
-        )
-        names = (*MESH_DIMS, "tp") if replicate > 1 else ("shard", "tp")
-        mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
-        # A reduction over several dimensions (the gradient norm) is then one
-        # collective rather than one per dimension.
-        mesh[names]._flatten("all")
-        if replicate > 1:
-            mesh["shard", "tp"]._flatten("shard_tp")
-        return mesh
-    if replicate == 1:
-        return init_device_mesh(device_type, (world_size,))
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIMS)
-
-
-def _pipeline_mesh(
-    device_type: str, world_size: int, replicate: int, tp: int, pp: int
-) -> DeviceMesh:
-    if world_size % (pp * replicate * tp):
-        raise ValueError(
-            f"pipeline_parallel={pp} x replicate={replicate} x tensor_parallel={tp} "
-            f"does not divide the world size {world_size}"
-        )
-    shard = world_size // (pp * replicate * tp)
-    dims = [("pp", pp)] + [("replicate", replicate)] * (replicate > 1)
-    dims += [("shard", shard)] + [("tp", tp)] * (tp > 1)
-    names = tuple(n for n, _ in dims)
-    mesh = init_device_mesh(
-        device_type, tuple(d for _, d in dims), mesh_dim_names=names
-    )
-    if replicate > 1 and tp > 1:
-        mesh["shard", "tp"]._flatten("shard_tp")
-    if len(names) > 2:  # a stage's ranks: one collective for its gradient norm
-        mesh[names[1:]]._flatten("stage")
-    return mesh
-
-
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The dimensions of ``mesh`` that units are sharded (and replicated) on: all but
-    ``pp`` and ``tp``."""
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names and "pp" not in names:
-        return mesh
-    dp = tuple(n for n in names if n not in ("tp", "pp"))
-    return mesh[dp[0]] if len(dp) == 1 else mesh[dp]
 
 
 def fsdp1_wrapper(
@@ -261,37 +179,12 @@ class Backend:
         precision: Precision,
         device: torch.device,
         reshard_after_forward: bool | int = True,
-        replicate: int = 1,
-        tensor_parallel: int = 1,
-        pipeline_parallel: int = 1,
+        layout: ParallelLayout | None = None,
     ) -> None:
-        if replicate != 1 and not self.hybrid:
-            raise ValueError(
-                f"replicate={replicate}: hybrid sharding needs "
-                f"{' or '.join(with_capability('hybrid'))}"
-            )
-        if tensor_parallel != 1 and not type(self).tensor_parallel:
-            raise ValueError(
-                f"tensor_parallel={tensor_parallel}: tensor parallelism needs "
-                f"{' or '.join(with_capability('tensor_parallel'))}"
-            )
-        if pipeline_parallel != 1 and not type(self).pipeline_parallel:
-            raise ValueError(
-                f"pipeline_parallel={pipeline_parallel}: pipeline parallelism needs "
-                f"{' or '.join(with_capability('pipeline_parallel'))}"
-            )
         self.precision, self.device = precision, device
         #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
         self.reshard_after_forward = reshard_after_forward
-        self.replicate = replicate  # HSDP: replica groups, each sharding over N / R
-        self.tp = tensor_parallel  # ranks splitting each block's matmuls (tp mesh dim)
-        self.pp = pipeline_parallel  # pipeline stages (pp mesh dim, outermost)
-        self.pp_mesh: DeviceMesh | None = None
         self.world_size, self.rank = 1, 0
-        self.mesh: DeviceMesh | None = None  # the data-parallel mesh units shard on
-        self.tp_mesh: DeviceMesh | None = None
-        #: the model's plan, set by build_sharded_model (None: no tensor parallelism)
-        self.tp_plan: TPPlan | None = None
         if self.distributed:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -299,6 +192,46 @@ class Backend:
                     "process group (backend 'none' runs without one)"
                 )
             self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        #: the run's parallel layout (default: every rank shards, nothing else)
+        self.layout = layout or ParallelLayout(self.world_size)
+        self.check_layout(self.layout)
+        if self.distributed and self.layout.world_size != self.world_size:
+            raise ValueError(
+                f"a layout of {self.layout.world_size} ranks on a process group of "
+                f"{self.world_size}"
+            )
+        #: the layout's device mesh and groups (built by the backends that use one)
+        self.parallel: ParallelMesh | None = None
+        self.mesh: DeviceMesh | None = None  # the data-parallel mesh units shard on
+        self.tp_mesh: DeviceMesh | None = None
+        #: the model's plan, set by build_sharded_model (None: no tensor parallelism)
+        self.tp_plan: TPPlan | None = None
+
+    @classmethod
+    def check_layout(cls, layout: ParallelLayout) -> None:
+        """:class:`LayoutError` (naming the dimension) for a degree above 1 that this
+        backend cannot take: the one place capabilities are read against degrees."""
+        needs = (
+            ("dp_replicate", "hybrid", "hybrid sharding"),
+            ("tp", "tensor_parallel", "tensor parallelism"),
+            ("pp", "pipeline_parallel", "pipeline parallelism"),
+        )
+        for dim, capability, what in needs:
+            if layout.size(dim) > 1 and not getattr(cls, capability):
+                raise LayoutError(
+                    dim,
+                    f"{what} needs sharding="
+                    f"{' or sharding='.join(with_capability(capability))}, "
+                    f"not sharding={cls.name}",
+                )
+        for dim, what in (("cp", "context"), ("ep", "expert")):
+            if layout.size(dim) > 1:
+                raise LayoutError(dim, f"{what} parallelism is not built yet")
+
+    def _build_mesh(self) -> None:
+        """Build the layout's mesh and take the groups units shard on (and tp)."""
+        self.parallel = self.layout.build_mesh(self.device.type)
+        self.mesh, self.tp_mesh = self.parallel.fsdp, self.parallel.tp
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision.name}, {self.device})"
@@ -309,16 +242,13 @@ class Backend:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index: the ``tp`` ranks of a group (consecutive
-        ranks) read the same rows of the batch, and so do the ``pp`` stages (blocks
-        of ``world_size / pp`` ranks)."""
-        return self.rank % (self.world_size // self.pp) // self.tp
+        """This rank's data-parallel index (the rows of the batch it reads)."""
+        return self.layout.dp_rank(self.rank)
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the world size over ``tensor_parallel`` and
-        ``pipeline_parallel``."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel ranks: each reads its own rows of the batch."""
+        return self.layout.dp
 
     def close(self) -> None:
         """Release what the backend made for itself (the plan backend's fake process
@@ -501,14 +431,7 @@ class FSDP2Backend(_FSDPBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.world_mesh = device_mesh(
-            self.device.type, self.world_size, self.replicate, self.tp, self.pp
-        )
-        self.mesh = data_parallel_mesh(self.world_mesh)
-        if self.tp > 1:
-            self.tp_mesh = self.world_mesh["tp"]
-        if self.pp > 1:
-            self.pp_mesh = self.world_mesh["pp"]
+        self._build_mesh()
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return fully_shard, {
@@ -552,9 +475,10 @@ class FSDP1Backend(_FSDPBackend):
         # switches HYBRID_SHARD to NO_SHARD within that group and so never reduces
         # gradients across the replicas (each rank trained on its own batch). Every
         # rank a replica is NO_SHARD over all ranks (the same memory, reduced).
-        self.no_shard = self.replicate > 1 and self.replicate == self.world_size
-        if self.replicate > 1 and not self.no_shard:
-            self.mesh = device_mesh(self.device.type, self.world_size, self.replicate)
+        replicate = self.layout.dp_replicate
+        self.no_shard = replicate > 1 and replicate == self.world_size
+        if replicate > 1 and not self.no_shard:
+            self._build_mesh()
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         # FSDP1 needs device_id even on CPU, where it cannot infer one.
@@ -588,7 +512,8 @@ class PlanBackend(_FSDPBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fake_group = False
-        if self.tp > 1:
+        tp = self.layout.tp
+        if tp > 1:
             # The plan needs the tp-local shapes: the model is tensor-parallelised on
             # meta for real, over a process group that communicates nothing (torch's
             # fake backend), alive until finish_build.
@@ -601,11 +526,9 @@ class PlanBackend(_FSDPBackend):
                 )
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
-            dist.init_process_group(
-                "fake", store=FakeStore(), rank=0, world_size=self.tp
-            )
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
             self._fake_group = True
-            self.tp_mesh = init_device_mesh("cpu", (self.tp,), mesh_dim_names=("tp",))
+            self.tp_mesh = tp_mesh("cpu", tp)
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return record_unit, {}
@@ -646,29 +569,17 @@ def build_backend(
     precision: str | Precision = "fp32",
     device: torch.device | str | None = None,
     reshard_after_forward: bool | int = True,
-    replicate: int = 1,
-    tensor_parallel: int = 1,
-    pipeline_parallel: int = 1,
+    layout: ParallelLayout | None = None,
 ) -> Backend:
     """The backend ``name`` (one of :data:`BACKENDS`, or ``plan``) for this process;
-    distributed ones need an initialised process group. ``replicate=R > 1`` (fsdp2,
-    fsdp1, and ``plan`` for its estimate) is hybrid sharding: R replica groups, each
-    sharding over ``world_size / R`` ranks. ``tensor_parallel=T > 1`` (fsdp2) adds a
-    ``tp`` mesh dimension of T consecutive ranks: units shard over
-    ``world_size / (R * T)`` ranks and each block's matmuls are split T ways.
-    ``pipeline_parallel=P > 1`` (fsdp2) adds an outer ``pp`` mesh dimension: P
-    blocks of ``world_size / P`` ranks, each holding one pipeline stage."""
+    distributed ones need an initialised process group. ``layout`` (default: every
+    rank shards the units, nothing else) is the run's :class:`ParallelLayout`: HSDP
+    replicas (fsdp2, fsdp1), tensor and pipeline parallelism (fsdp2); the ``plan``
+    backend takes the layout of the run it plans."""
     cls = backend_class(name)
     prec = get_precision(precision) if isinstance(precision, str) else precision
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return cls(
-        prec,
-        device,
-        reshard_after_forward,
-        replicate,
-        tensor_parallel,
-        pipeline_parallel,
-    )
+    return cls(prec, device, reshard_after_forward, layout)
 
 
 def build_sharded_model(
@@ -695,11 +606,10 @@ def build_sharded_model(
     order: TP, activation checkpointing, compile, FSDP).
     """
     init_device = torch.device(init_device)
-    if backend.tp > 1 and tp_plan is None:
-        raise ValueError(
-            f"tensor parallelism over {backend.tp} ranks needs the model's plan"
-        )
-    backend.tp_plan = tp_plan if backend.tp > 1 else None
+    tp = backend.layout.tp
+    if tp > 1 and tp_plan is None:
+        raise ValueError(f"tensor parallelism over {tp} ranks needs the model's plan")
+    backend.tp_plan = tp_plan if tp > 1 else None
     if init_device.type == "meta" and not backend.meta_init:
         raise ValueError(
             f"meta-device init is not supported with backend {backend.name!r} "

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from .backends import canonical_name, shard_group_size
+from .backends import canonical_name
+from .layout import ParallelLayout
 from .tensor_parallel import tp_modules
 from .wrap import UnitInfo, is_wrapped
 
@@ -39,52 +40,62 @@ class Unit:
 @dataclass
 class WrapPlan:
     units: list[Unit]
-    world_size: int
+    #: the run's parallel layout (an int: that many ranks, sharding only)
+    layout: ParallelLayout | int
     total_numel: int
-    replicate: int = 1  # HSDP replica groups; parameters shard over shard_size ranks
-    tensor_parallel: int = 1  # ranks of the tp mesh dimension
     #: (module path, style) of each tensor-parallelised module
     tp_modules: list[tuple[str, str]] = field(default_factory=list)
     #: pipeline parallelism: the plan is one pp rank's stages (``stages`` of
-    #: ``num_stages``), on ``world_size`` ranks of the run's ``pp * world_size``
-    pp: int = 1
+    #: ``num_stages``)
     stages: tuple[int, ...] = ()
     num_stages: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.layout, int):
+            self.layout = ParallelLayout(self.layout)
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the plan's units live on: one pipeline stage's (the world's
+        without pipeline parallelism)."""
+        return self.layout.stage_size
+
     @property
     def shard_size(self) -> int:
-        return self.world_size // (self.replicate * self.tensor_parallel)
+        return self.layout.fsdp_shard
 
-    def layout(self) -> str:
+    def describe_layout(self) -> str:
         """How the ranks hold the parameters, e.g. ``2 x 2 mesh (replicate x shard)``;
         under pipeline parallelism, also which stage(s) the plan is."""
         stage = self._stage_layout()
-        if self.pp == 1:
+        pp = self.layout.pp
+        if pp == 1:
             return stage
         which = ", ".join(map(str, self.stages))
         text = (
-            f"world size {self.world_size * self.pp}: pp {self.pp} x "
+            f"world size {self.layout.world_size}: pp {pp} x "
             f"{self.world_size} rank(s) per stage; the plan of pp rank "
-            f"{self.stages[0] % self.pp if self.stages else 0}'s "
+            f"{self.stages[0] % pp if self.stages else 0}'s "
             f"stage{'s' * (len(self.stages) > 1)} {which} of {self.num_stages}"
         )
         within = stage.removeprefix(f"world size {self.world_size}").lstrip(": ")
         return f"{text}, on a {within}" if within else text
 
     def _stage_layout(self) -> str:
-        if self.tensor_parallel > 1:
-            dims = [("replicate", self.replicate)] if self.replicate > 1 else []
-            dims += [("shard", self.shard_size), ("tp", self.tensor_parallel)]
+        replicate, tp = self.layout.dp_replicate, self.layout.tp
+        if tp > 1:
+            dims = [("replicate", replicate)] if replicate > 1 else []
+            dims += [("shard", self.shard_size), ("tp", tp)]
             return (
                 f"world size {self.world_size}: "
                 f"{' x '.join(str(n) for _, n in dims)} mesh "
                 f"({' x '.join(d for d, _ in dims)}), units sharded {self.shard_size} "
-                f"ways, tensor-parallel {self.tensor_parallel} ways"
+                f"ways, tensor-parallel {tp} ways"
             )
-        if self.replicate == 1:
+        if replicate == 1:
             return f"world size {self.world_size}"
         return (
-            f"world size {self.world_size}: {self.replicate} x {self.shard_size} mesh "
+            f"world size {self.world_size}: {replicate} x {self.shard_size} mesh "
             f"(replicate x shard), each replica sharded {self.shard_size} ways"
         )
 
@@ -115,7 +126,7 @@ class WrapPlan:
         lines = [
             f"wrap plan: {len(self.units)} units, {_count(self.total_numel)} params, "
             f"{_bytes(self.bytes_per_rank())} of parameters per rank "
-            f"({self.layout()})"
+            f"({self.describe_layout()})"
         ]
         shown = units if len(units) <= max_units else units[: max_units - 1]
         for u in shown:
@@ -128,7 +139,7 @@ class WrapPlan:
             lines.append(f"  ... {len(units) - len(shown)} more units")
         if self.tp_modules:
             lines.append(
-                f"  tensor-parallel ({self.tensor_parallel} ways): {self.tp_summary()}"
+                f"  tensor-parallel ({self.layout.tp} ways): {self.tp_summary()}"
             )
         return "\n".join(lines)
 
@@ -136,36 +147,27 @@ class WrapPlan:
         return sum(u.bytes_per_rank for u in self.units)
 
 
-def wrap_plan(
-    model: nn.Module, world_size: int = 1, replicate: int = 1, tensor_parallel: int = 1
-) -> WrapPlan:
+def wrap_plan(model: nn.Module, layout: ParallelLayout | int = 1) -> WrapPlan:
     """The units of a wrapped (or ``plan``-backend) model, in module order; bytes per
-    rank are for ``world_size / (replicate * tensor_parallel)``-way sharding (HSDP with
-    ``replicate > 1``) of what each tp rank holds."""
-    shard_size = shard_group_size(world_size, replicate * tensor_parallel)
-    units = []
+    rank are for the layout's sharding (``layout.fsdp_shard`` ways, within each HSDP
+    replica) of what each tp rank holds. An int ``layout``: that many ranks, each
+    sharding."""
+    plan = WrapPlan([], layout, 0, tp_modules=tp_modules(model))
     for name, module in model.named_modules(remove_duplicate=True):
         info: UnitInfo | None = module.__dict__.get("_sharding_unit_info")
         if info is None or not is_wrapped(module):
             continue
-        units.append(
+        plan.units.append(
             Unit(
                 path=canonical_name(name, model),
                 cls=_class_name(module),
                 numel=info.numel,
-                bytes_per_rank=info.bytes_per_rank(shard_size),
+                bytes_per_rank=info.bytes_per_rank(plan.shard_size),
                 local_numel=sum(rows * row for rows, row, _ in info.shapes),
             )
         )
-    total = sum(u.numel for u in units)
-    return WrapPlan(
-        units,
-        world_size,
-        total,
-        replicate=replicate,
-        tensor_parallel=tensor_parallel,
-        tp_modules=tp_modules(model),
-    )
+    plan.total_numel = sum(u.numel for u in plan.units)
+    return plan
 
 
 def _class_name(module: nn.Module) -> str:

@@ -400,7 +400,7 @@ class Trainer:
         cfg, t, rank = self.cfg, self.cfg.trainer, self.rank
         torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
         self._start_time = time.perf_counter()
-        self.backend = make_backend(cfg, self.device)
+        self.backend = make_backend(cfg, self.device, self.resolved.layout)
         # Before the model's memory phase starts: rank 0's CPU peak-FLOP/s probe
         # allocates matrices that are no part of training's peak.
         self.meter = self._throughput_meter()
@@ -456,21 +456,15 @@ class Trainer:
         reset_peak_memory(self.device)
         self.pipeline = None  # sharding.pipeline_parallel > 1: this rank's stages
         self._whole: nn.Module | None = None  # ... and the model without them
-        if self.backend.pp > 1:
+        if self.backend.layout.pp > 1:
             self.pipeline = build_pipeline(self.cfg, self.backend, self.resolved)
             self.model = self.pipeline.model
         else:
             self.model = build_model(self.cfg, self.backend, self.resolved)
         self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
-        self.plan = wrap_plan(
-            self.model,
-            self.world // self.backend.pp,
-            self.backend.replicate,
-            self.backend.tp,
-        )
+        self.plan = wrap_plan(self.model, self.backend.layout)
         if self.pipeline is not None:  # the plan is this rank's stages
             roles = self.pipeline.roles
-            self.plan.pp = self.backend.pp
             self.plan.stages = tuple(r.index for r in roles)
             self.plan.num_stages = roles[0].num_stages
         log_wrap_plan(self.plan, self.logger, self.rank)
@@ -549,12 +543,11 @@ class Trainer:
         checkpointing, compile, devices, batch and tokens per step."""
         cfg, t, s = self.cfg, self.cfg.trainer, self.cfg.sharding
         units = f", {len(self.plan.units)} units" if self.plan.units else ""
-        hsdp = f", {s.replicate} replicas" if s.replicate > 1 else ""
-        if s.tensor_parallel > 1:
-            hsdp += f", TP{s.tensor_parallel}"
-        if s.pipeline_parallel > 1:
+        layout = self.backend.layout
+        hsdp = layout.describe()
+        if layout.pp > 1:
             hsdp += (
-                f", PP{s.pipeline_parallel} {s.pp_schedule} x "
+                f", PP{layout.pp} {s.pp_schedule} x "
                 f"{s.pp_microbatches} micro-batches (units: pp rank 0's stages)"
             )
         tokens = self.meter.tokens_per_step

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.build import build_model, make_backend
 from src.data.sources import GlobalBatches
 from src.resolved import Resolved
-from src.sharding import Backend
+from src.sharding import Backend, ParallelLayout
 from src.sharding.pipeline import Pipeline
 from src.trainer.sampling import SAMPLING_CHANGES
 
@@ -87,5 +87,10 @@ def unpipelined_model(
     cfg = copy.deepcopy(cfg)
     for key, value in SAMPLING_CHANGES.items():
         OmegaConf.update(cfg, key, value, force_add=True)
-    model = build_model(cfg, make_backend(cfg, device), resolved, "meta")
+    model = build_model(
+        cfg,
+        make_backend(cfg, device, ParallelLayout(resolved.world_size)),
+        resolved,
+        "meta",
+    )
     return model.eval()

@@ -22,16 +22,14 @@ from torch.distributed.fsdp import FSDPModule
 from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
 from src.models.generate import generate
-from src.resolved import Resolved, world_size
+from src.resolved import LAYOUT_KEYS, Resolved, world_size
 
 # A trained run opened again (sample.py, eval.py, a PP run's whole model): sharded
 # over its ranks only (the checkpoint, DCP, loads on any layout; an HSDP, TP or PP
 # run's on any number of ranks), and decoding one token at a time has no sequence to
 # split over tensor-parallel ranks.
 SHARDED_ONLY = {
-    "sharding.replicate": 1,
-    "sharding.tensor_parallel": 1,
-    "sharding.pipeline_parallel": 1,
+    **dict.fromkeys(LAYOUT_KEYS.values(), 1),
     "sharding.pp_split": [],
     "sharding.sequence_parallel": None,
 }

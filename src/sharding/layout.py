@@ -1,0 +1,208 @@
+"""The run's parallel layout: one object for the degree of every mesh dimension.
+
+A run's ranks form one device mesh. Its dimensions, outermost first, are
+:data:`MESH_DIMS`: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP replica groups),
+``dp_shard`` (the ranks FSDP shards one replica over), ``cp`` (context parallelism:
+each sequence split over these ranks) and ``tp`` (tensor parallelism: each block's
+matmuls split over them). Consecutive ranks share the innermost dimensions, so on
+GPUs the chattiest groups (tp, then cp and the shard group) stay inside a node.
+Expert parallelism is no dimension of its own: as in torchtitan, its ``ep`` ranks
+are borrowed from ``dp_shard x cp`` (they hold the same dense weights anyway), so
+``ep`` must divide that product.
+
+:class:`ParallelLayout` holds the degrees and is checked once, when it is made: a
+degree that does not fit raises :class:`LayoutError` naming the dimension (the config
+layer names its key). It is plain data, so a launcher hands it to its ranks; each rank
+builds the mesh once (:meth:`ParallelLayout.build_mesh`) and takes its named groups
+from the :class:`ParallelMesh`: the ranks FSDP shards over, the tp and pp groups, and
+the data-parallel index the data loader reads its rows by. This module is the only
+one in src/ that calls ``init_device_mesh``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+#: The mesh dimensions, outermost first (the order ranks are laid out in).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+#: The degrees a layout is made of (``dp_shard`` is what the world size leaves).
+DEGREES = ("pp", "dp_replicate", "cp", "tp", "ep")
+
+
+class LayoutError(ValueError):
+    """A degree that does not fit the world size (``dim``: which one, from
+    :data:`DEGREES`)."""
+
+    def __init__(self, dim: str, message: str) -> None:
+        super().__init__(message)
+        self.dim = dim
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a run's ``world_size`` ranks are split over the mesh dimensions."""
+
+    world_size: int = 1
+    pp: int = 1  # pipeline stages
+    dp_replicate: int = 1  # HSDP replica groups
+    cp: int = 1  # ranks each sequence is split over
+    tp: int = 1  # ranks each block's matmuls are split over
+    ep: int = 1  # ranks the experts are split over (taken from dp_shard x cp)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(f.name, f"got {value!r}, expected an integer >= 1")
+        world, r = self.world_size, self.dp_replicate
+        if world % r:
+            raise LayoutError(
+                "dp_replicate",
+                f"{r} does not divide the {world} devices (each replica group "
+                "shards over devices / replicate ranks)",
+            )
+        if (world // r) % self.tp:
+            raise LayoutError(
+                "tp",
+                f"{self.tp} does not divide the {world // r} ranks of each replica "
+                f"group ({world} devices / {r} replicas)",
+            )
+        if world % (r * self.tp * self.cp):
+            raise LayoutError(
+                "cp",
+                f"{self.cp} x {r} replicas x tp {self.tp} do not divide the "
+                f"{world} devices",
+            )
+        if world % (self.pp * r * self.cp * self.tp):
+            raise LayoutError(
+                "pp",
+                f"{self.pp} stages x {r} replicas x tp {self.tp}"
+                + (f" x cp {self.cp}" if self.cp > 1 else "")
+                + f" do not divide the {world} devices",
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise LayoutError(
+                "ep",
+                f"{self.ep} does not divide the {self.dp_shard * self.cp} ranks "
+                "experts can be split over (shard x cp)",
+            )
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks FSDP shards one replica over (what the other degrees leave)."""
+        return self.world_size // (self.pp * self.dp_replicate * self.cp * self.tp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads its own rows of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks each parameter is sharded over (cp ranks hold the same weights, so
+        FSDP shards over them too)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks that hold one pipeline stage (the whole world without pp)."""
+        return self.world_size // self.pp
+
+    def size(self, dim: str) -> int:
+        """The degree of mesh dimension ``dim`` (one of :data:`MESH_DIMS`)."""
+        return getattr(self, dim)
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank``: the ranks of a tp (and cp)
+        group read the same rows of the batch, and so do the pp stages."""
+        return rank % self.stage_size // (self.cp * self.tp)
+
+    def stage(self) -> ParallelLayout:
+        """The layout of one pipeline stage's ranks (``pp`` = 1)."""
+        return ParallelLayout(
+            self.stage_size, 1, self.dp_replicate, self.cp, self.tp, self.ep
+        )
+
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The mesh's (name, size) dimensions: ``dp_shard`` always, the others where
+        their degree is above 1."""
+        return tuple(
+            (name, self.size(name))
+            for name in MESH_DIMS
+            if name == "dp_shard" or self.size(name) > 1
+        )
+
+    def flattened(self) -> dict[str, tuple[str, ...]]:
+        """The groups of several mesh dimensions that get one process group each
+        (``DeviceMesh._flatten``): the FSDP mesh's shard dimension over ``dp_shard
+        x cp``, and each stage's (or the world's) ranks, so a reduction over them
+        (the gradient norm) is one collective rather than one per dimension."""
+        names = [n for n, _ in self.mesh_dims()]
+        inner = tuple(n for n in names if n != "pp")
+        groups: dict[str, tuple[str, ...]] = {}
+        if "cp" in names:
+            groups["dp_shard_cp"] = ("dp_shard", "cp")
+        if "tp" in names and "dp_replicate" in names:
+            groups["shard_tp"] = tuple(n for n in inner if n != "dp_replicate")
+        if "pp" in names and len(inner) > 1:
+            groups["stage"] = inner
+        elif "pp" not in names and ("tp" in names or "cp" in names):
+            groups["all"] = inner
+        return groups
+
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """The device mesh of this layout over the initialised process group."""
+        return ParallelMesh(self, device_type)
+
+    def describe(self) -> str:
+        """The data, context, tensor and expert degrees above 1, for the run's
+        start-up line: ``", 2 replicas, TP2"`` (``""`` when there are none)."""
+        parts = [f", {self.dp_replicate} replicas"] if self.dp_replicate > 1 else []
+        parts += [f", {d.upper()}{self.size(d)}" for d in ("cp", "tp", "ep")]
+        return "".join(p for p in parts if "replicas" in p or not p.endswith("P1"))
+
+
+class ParallelMesh:
+    """A layout's device mesh, built once, and the named groups taken from it."""
+
+    def __init__(self, layout: ParallelLayout, device_type: str) -> None:
+        self.layout = layout
+        dims = layout.mesh_dims()
+        names = tuple(n for n, _ in dims)
+        #: the whole mesh, one dimension per name of ``layout.mesh_dims()``
+        self.world: DeviceMesh = init_device_mesh(
+            device_type, tuple(n for _, n in dims), mesh_dim_names=names
+        )
+        #: the groups of several dimensions, each one process group
+        self.flat: dict[str, DeviceMesh] = {
+            flat: self.world[over]._flatten(flat)
+            for flat, over in layout.flattened().items()
+        }
+        #: the mesh FSDP shards (and replicates) units on: ``dp_shard`` (x ``cp``),
+        #: behind ``dp_replicate`` for HSDP
+        self.fsdp: DeviceMesh = self._fsdp_mesh(names)
+        self.tp: DeviceMesh | None = self.world["tp"] if "tp" in names else None
+        self.pp: DeviceMesh | None = self.world["pp"] if "pp" in names else None
+        self.cp: DeviceMesh | None = self.world["cp"] if "cp" in names else None
+
+    def _fsdp_mesh(self, names: tuple[str, ...]) -> DeviceMesh:
+        shard = "dp_shard_cp" if "cp" in names else "dp_shard"
+        if names == ("dp_shard",):
+            return self.world
+        if "dp_replicate" in names:
+            return self.world["dp_replicate", shard]
+        return self.flat[shard] if shard in self.flat else self.world[shard]
+
+
+def flat_mesh(device_type: str, world_size: int) -> DeviceMesh:
+    """A 1-D mesh over all ``world_size`` ranks (reading or writing a whole tensor
+    as each rank's slice of it, whatever the run's layout)."""
+    return ParallelLayout(world_size).build_mesh(device_type).world
+
+
+def tp_mesh(device_type: str, tp: int) -> DeviceMesh:
+    """A 1-D ``tp`` mesh over a process group of ``tp`` ranks (the planner's fake
+    one: a model tensor-parallelised on meta)."""
+    return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
