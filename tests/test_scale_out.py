@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from src.config import validate
 from src.models import GPT, GPTConfig
-from src.planner.planner import plan_only
+from src.planner.report import plan_only
 from src.resolved import resolve
 from src.sharding import build_backend, build_sharded_model, wrap, wrap_plan
 from src.trainer.launch import run_rank

@@ -55,14 +55,10 @@ from src.observe.logs import (
     set_log_level,
 )
 from src.observe.metrics import set_malloc_mmap_threshold
-from src.planner.planner import (
-    Estimate,
-    default_policy,
-    plan_only,
-    plan_run,
-    planned_peak_gib,
-    resolve_auto,
-)
+from src.planner.auto import default_policy, resolve_auto
+from src.planner.estimate import Estimate, planned_peak_gib
+from src.planner.report import plan_only
+from src.planner.run_estimate import estimate_cfg
 from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
     RANK_REPORTS,
@@ -152,7 +148,7 @@ def _planned(cfg: DictConfig, resolved: Resolved, world: int) -> Estimate | None
     (said in one line) if the planner cannot estimate it: training does not depend
     on it."""
     try:
-        return plan_run(cfg, resolved, world)
+        return estimate_cfg(cfg, resolved, world)[1]
     except ConfigError:  # a config every rank would fail on: said before they start
         raise
     except Exception as err:  # e.g. a custom model the meta device cannot build
