@@ -27,7 +27,7 @@ from src.planner.constants import (
     budget_bytes,
 )
 from src.planner.costs import precision_cost
-from src.planner.estimate import RunShape, estimate, needed
+from src.planner.estimate import RunShape, estimate, needed, planned_peak_gib
 from src.planner.inputs import lower_bound_reason
 from src.planner.pipeline import (
     PipelineRank,
@@ -37,7 +37,7 @@ from src.planner.pipeline import (
     worst_stage,
 )
 from src.planner.report import fit_report, plan_only, uneven_batch
-from src.planner.run import budget_check
+from src.planner.run import budget_check, plan_run
 from src.planner.run_estimate import estimate_cfg
 from src.planner.search import _options, search
 from src.planner.settings import (
@@ -536,6 +536,25 @@ def test_auto_choices_are_deterministic_and_fit(capsys):
     one = with_values(first, {"trainer.grad_accum": 1})
     _, whole = estimate_cfg(one, resolved, 2)
     assert (first.trainer.grad_accum == 1) == (whole.total <= budget * GIB)
+
+
+def test_plan_run_answers_a_run_in_one_call():
+    """What prepare asks before the ranks start, in one call: the choices (each said
+    as it is made), the config they make and that config's estimate, as the planner's
+    parts answer them one by one."""
+    cfg = _compose(
+        "model=tiny", "trainer.grad_accum=auto", "trainer.mem_budget_gib=0.3"
+    )
+    resolved = resolve(cfg)
+    said: list[str] = []
+    run = plan_run(cfg, resolved, set(), 2, say=said.append)
+    chosen, reasons = resolve_auto(cfg, resolved, 2)
+    assert said == list(run.reasons) == reasons and reasons
+    assert run.cfg.trainer.grad_accum == chosen.trainer.grad_accum
+    _, est = estimate_cfg(chosen, resolved, 2)
+    assert run.estimate is not None and run.estimate.parts == est.parts
+    assert run.planned_peak_gib == planned_peak_gib(est) and run.lower_bound == ""
+    assert plan_run(cfg, resolved, set(), 2, estimate=False).estimate is None
 
 
 def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
