@@ -18,7 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from src.config import continue_run, exit_on_config_error, run_cli, validate
-from src.planner.planner import budget_check, default_policy, run_budget_bytes
+from src.planner.auto import default_policy
+from src.planner.run import budget_check
+from src.planner.settings import run_budget_bytes
 from src.trainer.faults import stop_before_start
 from src.trainer.launch import job_user_keys, launch, preflight, prepare
 from src.trainer.sweep import run_job

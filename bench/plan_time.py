@@ -23,7 +23,7 @@ import torch
 from bench.common import publish
 from src.config import validate
 from src.harness import compose_config
-from src.planner.planner import plan_only
+from src.planner.report import plan_only
 
 
 def cpu_seconds(fn) -> float:

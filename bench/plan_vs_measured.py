@@ -1,6 +1,6 @@
 """The planner's training-peak estimate against the measured peak, config by config.
 
-For each configuration the planner (src/planner/planner.py) predicts the per-rank peak
+For each configuration the planner (src/planner/) predicts the per-rank peak
 above the process baseline (``Estimate.training``: every part but ``process``), and
 ``world`` real ranks run the trainer's own code (``build_model``, ``build_optimizer``,
 ``train_step`` from src/trainer/loop.py) for a few steps on synthetic tokens:
@@ -475,7 +475,8 @@ def ordinary(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from src.planner.planner import estimate_cfg, resolve_auto
+    from src.planner.auto import resolve_auto
+    from src.planner.run_estimate import estimate_cfg
     from src.resolved import resolve
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -531,7 +532,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows,
         "Planner: estimated against measured training peak per rank",
         "All figures MiB per rank, above the process baseline. Estimate: "
-        "`Estimate.training` of src/planner/planner.py (every part but the "
+        "`Estimate.training` of src/planner/estimate.py (every part but the "
         "process baseline; parts shown: sharded fp32 parameters + AdamW "
         "states, all-gathered units, gradients held at the peak, saved "
         "activations + head/loss (GPT and Llama: their formulas; hf: traced on "

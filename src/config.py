@@ -48,7 +48,8 @@ from src.models import ModelSpec, families, get_spec
 from src.models.hf import remote_code_dir
 from src.observe.loggers import LOGGERS, LoggerConfig, logs_to_wandb, wandb_dirs
 from src.observe.logs import LOG_LEVELS, error_line
-from src.planner.planner import GRAD_SYNC, budget_bytes
+from src.planner.constants import budget_bytes
+from src.planner.settings import GRAD_SYNC
 from src.registry import described, or_list
 from src.resolved import Resolved, resolve, resolve_devices, tensor_parallel_plan
 from src.runs.evaluation import EVAL_SPLITS
@@ -95,7 +96,7 @@ class ShardingConfig:
     policy: Any = described(
         lambda: f"which modules become units: {', '.join(POLICIES)} or a list"
     )
-    # a number, or "auto" (src/planner/planner.py chooses)
+    # a number, or "auto" (src/planner/auto.py chooses)
     min_params: Any = described(
         "size policy: parameters that make a unit (1e8), or auto"
     )

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from src.cli_help import described_keys, is_schema_option, user_options
 from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
 from src.data.corpus import resolve_files
-from src.planner.planner import default_policy
+from src.planner.auto import default_policy
 from src.resolved import resolve
 from tests.distributed import HANG_S
 from tests.test_config import CONF, ROOT, make_cfg

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import src.config  # noqa: F401  (registers the base_config schema for compose)
 from src.harness import compose_config
 from src.observe import metrics
-from src.planner.planner import PARTS
+from src.planner.estimate import PARTS
 from src.resolved import model_config, model_spec, resolve
 from tests.distributed import HANG_S
 
@@ -134,7 +134,7 @@ def test_plan_only_13b_subprocess_allocates_nothing(tmp_path):
     ("model", "world"), [("llama3_8b", 8), ("gpt_70b", 64), ("small", 2)]
 )
 def test_plan_only_in_process(tmp_path, capsys, model, world):
-    from src.planner.planner import plan_only
+    from src.planner.report import plan_only
 
     cfg = _compose(
         "trainer.plan_only=true",
@@ -165,7 +165,7 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
 def test_trainer_threshold_is_not_truncated(tmp_path):
     """``sharding.min_params`` reaches auto_wrap as a number: half a parameter above a
     block's size, no block is a unit (``int()`` truncation used to make them units)."""
-    from src.planner.planner import plan_only
+    from src.planner.report import plan_only
 
     def units(min_params: float) -> dict[str, int]:
         cfg = _compose("trainer.plan_only=true", "model=small", "logger=none")
@@ -182,7 +182,7 @@ def test_plan_only_pipeline_plans_each_stage_allocating_nothing(tmp_path, capsys
     """PP8 x TP8 x FSDP8 of llama3_70b on 512 ranks: each pp rank's stages planned
     (no whole-model build), the worst named in the output and the summary; the peak
     grows by far less than one stage's parameters (8.8B on each pp rank)."""
-    from src.planner.planner import plan_only
+    from src.planner.report import plan_only
     from tests.test_planner import LLAMA_PP
 
     cfg = _compose("trainer.plan_only=true", *LLAMA_PP)

@@ -21,9 +21,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from src.config import validate
 from src.models import GPT, GPTConfig
-from src.planner.planner import plan_only
+from src.planner.report import plan_only
 from src.resolved import resolve
-from src.sharding import build_backend, build_sharded_model, wrap, wrap_plan
+from src.sharding import (
+    ParallelLayout,
+    build_backend,
+    build_sharded_model,
+    wrap,
+    wrap_plan,
+)
 from src.trainer.launch import run_rank
 from src.trainer.loop import train
 from tests.distributed import HANG_S, free_port, run_distributed
@@ -197,7 +203,10 @@ def test_hsdp_matches_one_rank_and_full_sharding(root, layouts):
     facts = layouts["facts"]
     # FSDP2: a 2-D (replicate, shard) mesh, parameters replicated over dim 0 and
     # sharded over dim 1; FSDP1: the hybrid strategy on every unit.
-    assert facts["mesh"] == ("dp_replicate", "dp_shard") and facts["mesh_shape"] == (2, 2)
+    assert facts["mesh"] == ("dp_replicate", "dp_shard") and facts["mesh_shape"] == (
+        2,
+        2,
+    )
     assert tuple(facts["placements"]) == (Replicate(), Shard(0))
     assert facts["all_dtensor"]
     assert facts["fsdp1_strategies"] == {ShardingStrategy.HYBRID_SHARD}

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import eval as eval_py
 from src.config import validate
 from src.harness import CONF_DIR
-from src.planner.planner import plan_only
+from src.planner.report import plan_only
 from src.resolved import resolve
 from src.runs.from_run import RUN_CONFIG, RUN_OVERRIDES
 from src.trainer.launch import run_rank

@@ -15,7 +15,7 @@ import torch
 
 from src.harness import compose_config
 from src.models import GPT, get_spec
-from src.planner.planner import plan_only
+from src.planner.report import plan_only
 from src.resolved import resolve
 from src.trainer.launch import cpu_threads
 from src.trainer.loop import build_optimizer, lr_lambda, train

@@ -1,4 +1,4 @@
-"""What a model family tells the planner about its activations (see src/planner/planner.py).
+"""What a model family tells the planner about its activations (see src/planner/activations.py).
 
 Each family has a function ``(config, micro_batch, seq_len, act_bytes, checkpointing,
 every) -> ActivationBytes`` next to its FLOPs formula: the bytes autograd keeps for one

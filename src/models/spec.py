@@ -106,7 +106,7 @@ class ModelSpec:
     vocab_key: str | None = "vocab_size"
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: HFAdapter | None = None
-    # Optional, for the planner (src/planner/planner.py): (config, micro_batch,
+    # Optional, for the planner (src/planner/activations.py): (config, micro_batch,
     # seq_len, act_bytes, checkpointing, every) -> ActivationBytes (src/models/memory.py).
     activation_bytes: Callable[..., ActivationBytes] | None = None
     # Optional: (config) -> whether ``activation_bytes`` covers this config; where it

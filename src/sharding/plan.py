@@ -2,7 +2,7 @@
 
 The "small visualization" asked for in the original auto-wrap design: a list of units
 (module path, class, parameter count, bytes per rank) that prints as a tree; the
-planner (src/planner/planner.py) estimates the training peak from it. It reads the tags that ``make_unit`` leaves on each unit,
+planner (src/planner/estimate.py) estimates the training peak from it. It reads the tags that ``make_unit`` leaves on each unit,
 so it works on a sharded model and on one built on the meta device with the ``plan``
 backend (which shards nothing and allocates nothing).
 """

@@ -55,14 +55,8 @@ from src.observe.logs import (
     set_log_level,
 )
 from src.observe.metrics import set_malloc_mmap_threshold
-from src.planner.planner import (
-    Estimate,
-    default_policy,
-    plan_only,
-    plan_run,
-    planned_peak_gib,
-    resolve_auto,
-)
+from src.planner.report import plan_only
+from src.planner.run import plan_run
 from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
     RANK_REPORTS,
@@ -124,42 +118,29 @@ def prepare(
             # The model is final now: its run object is built from it, once.
             resolved = resolve(cfg)
     # The planner reads that object (the model's spec and config); the block policy,
-    # when chosen, is in both the config and the object it returns.
-    cfg, resolved, policy = default_policy(cfg, resolved, user_keys)
-    cfg, reasons = resolve_auto(cfg, resolved, _world_from_env())
-    reasons = [policy, *reasons] if policy else reasons
-    resolved = replace(resolved, run_config=composed)
-    if not _is_rank0():
+    # when chosen, is in both the config and the object it returns. Rank 0 says its
+    # choices and logs its estimate beside what it measures: planned once, by rank 0.
+    rank0 = _is_rank0()
+    run = plan_run(
+        cfg,
+        resolved,
+        user_keys,
+        _world_from_env(),
+        estimate=rank0 and not cfg.trainer.plan_only,
+        say=log.info if rank0 else None,
+    )
+    cfg, resolved = run.cfg, replace(run.resolved, run_config=composed)
+    if not rank0 or cfg.trainer.plan_only:
         return cfg, resolved
-    for line in reasons:
-        log.info(line)
-    if cfg.trainer.plan_only:
-        return cfg, resolved
-    # Rank 0 logs it beside what it measures: planned once, by rank 0.
-    world = _world_from_env() or resolved.world_size
-    est = _planned(cfg, resolved, world)
-    if est is not None and est.caveat:
-        log.warning("planner: the estimate is a lower bound: %s", est.caveat)
+    if run.unplanned:  # training does not depend on it
+        log.warning("planner: no estimate for this run (%s)", run.unplanned)
+    if run.lower_bound:
+        log.warning("planner: the estimate is a lower bound: %s", run.lower_bound)
     return cfg, replace(
         resolved,
-        planned_peak_gib=planned_peak_gib(est) if est else None,
-        planned_peak_pp_rank=est.pp_rank if est else None,
+        planned_peak_gib=run.planned_peak_gib,
+        planned_peak_pp_rank=run.planned_peak_pp_rank,
     )
-
-
-def _planned(cfg: DictConfig, resolved: Resolved, world: int) -> Estimate | None:
-    """The planner's estimate of this run (a pipeline: its worst stage's); None
-    (said in one line) if the planner cannot estimate it: training does not depend
-    on it."""
-    try:
-        return plan_run(cfg, resolved, world)
-    except ConfigError:  # a config every rank would fail on: said before they start
-        raise
-    except Exception as err:  # e.g. a custom model the meta device cannot build
-        log.warning(
-            "planner: no estimate for this run (%s: %s)", type(err).__name__, err
-        )
-        return None
 
 
 def _world_from_env() -> int | None:

@@ -1,0 +1,132 @@
+"""A run's activations per micro-batch: the model family's formula, or the blocks traced
+on fake tensors (src/planner/trace.py), and what tensor parallelism makes of them."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from src.models.memory import ActivationBytes
+from src.planner.estimate import RunShape
+from src.planner.settings import tp_layout
+from src.planner.trace import tp_local, traced_activation_bytes
+from src.resolved import Resolved, tensor_parallel_plan
+
+
+def tp_activations(
+    cfg: DictConfig,
+    resolved: Resolved,
+    shape: RunShape,
+    acts: ActivationBytes,
+    model: torch.nn.Module | int,
+) -> ActivationBytes:
+    """One rank's activations under tensor parallelism of degree T (unchanged for
+    T = 1). With sequence parallelism every saved activation is split T ways (the
+    residual stream and norms over the sequence, attention over heads, the MLP over
+    its width), but the colwise matmuls save their all-gathered, full-sequence input
+    (two per block: attention and MLP; one block input each, what full checkpointing
+    keeps) in the blocks that are not checkpointed. Without sequence parallelism only
+    the heads and MLP width split: the blocks are traced on one rank's local shapes
+    (:func:`run_activation_fn`, a family with a formula too; :func:`traced_locally`).
+    A vocabulary-sharded output layer (``loss_parallel``) splits the logits and the
+    loss's buffers T ways. The backward working set of one block adds
+    its gathered inputs and the all-gather / reduce-scatter buffers (four block
+    inputs: the TP collectives' working set). ``model``: the model, or its number of
+    blocks."""
+    tp = resolved.layout.tp
+    if tp == 1:
+        return acts
+    spec, config = resolved.spec, resolved.model_config
+    tpp = tensor_parallel_plan(cfg, spec, config, tp_layout(cfg, resolved))
+    full = activation_fn(resolved)(
+        shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
+    )
+    classes = spec.block_classes(config)
+    blocks = (
+        model
+        if isinstance(model, int)
+        else sum(isinstance(m, classes) for m in model.modules())
+    )
+    blocks = max(1, blocks)
+    block_input = full.saved // blocks  # one block's input, full sequence
+    every = shape.ac_every if shape.checkpointing == "full" else 1
+    checkpointed = (
+        0 if shape.checkpointing != "full" else math.ceil(blocks / max(1, every))
+    )
+    if traced_locally(resolved, tpp):
+        # traced on one rank's local shapes (run_activation_fn): heads and width split
+        saved, work = acts.saved, acts.block_transient
+    else:
+        gathered = 2 * block_input * (blocks - checkpointed)
+        saved, work = acts.saved // tp + gathered, acts.block_transient // tp
+    split = tp if tpp.loss_parallel else 1
+    return ActivationBytes(
+        saved=saved,
+        head=acts.head // split,
+        loss_transient=acts.loss_transient // split,
+        block_transient=work + 4 * block_input,
+    )
+
+
+def has_formula(resolved: Resolved) -> bool:
+    """Whether the model family's activation formula covers the run's model config
+    (its spec's ``activation_bytes`` and ``formula_covers``); else it is traced."""
+    spec = resolved.spec
+    if spec.activation_bytes is None:
+        return False
+    return spec.formula_covers is None or spec.formula_covers(resolved.model_config)
+
+
+def activation_fn(
+    resolved: Resolved, tp: int = 1, tp_plan: Any = None, trace: bool = False
+) -> Callable[..., ActivationBytes]:
+    """The model family's activation formula (its spec's ``activation_bytes``), bound
+    to the run's model config; for a family without one (``hf``, ``custom``) or a
+    config it does not cover (:func:`has_formula`), or with ``trace``, the
+    activations traced on fake tensors (src/planner/trace.py), cached per model
+    config and tensor-parallel degree: with ``tp > 1`` the blocks are traced as one
+    rank of ``tp_plan`` computes them (:func:`~src.planner.trace.tp_local`)."""
+    spec, config = resolved.spec, resolved.model_config
+    if has_formula(resolved) and not trace:
+        return functools.partial(spec.activation_bytes, config)
+    tp = tp if tp_plan is not None else 1
+    key = (spec.name, repr(config), tp)
+    if key not in _TRACED:
+        classes = spec.block_classes(config)
+        with torch.device("meta"):
+            model = spec.build(config, 0)
+        if tp > 1:
+            model = tp_local(model, classes, tp_plan, tp)
+        _TRACED[key] = traced_activation_bytes(model, classes, spec.trace_context)
+    return _TRACED[key]
+
+
+def traced_locally(resolved: Resolved, tp_plan: Any) -> bool:
+    """Whether a run's activations under tensor parallelism are traced on one rank's
+    local shapes: a model without a formula (:func:`has_formula`) always; one with a
+    formula without sequence parallelism (its formula knows only the sequence split;
+    the heads and MLP width split as the plan's Linears do)."""
+    return not has_formula(resolved) or not tp_plan.sequence_parallel
+
+
+def run_activation_fn(
+    cfg: DictConfig, resolved: Resolved
+) -> Callable[..., ActivationBytes]:
+    """:func:`activation_fn` for ``cfg``'s tensor-parallel degree and plan."""
+    tp = resolved.layout.tp
+    if tp == 1:
+        return activation_fn(resolved)
+    plan = tensor_parallel_plan(
+        cfg, resolved.spec, resolved.model_config, tp_layout(cfg, resolved)
+    )
+    if not traced_locally(resolved, plan):
+        return activation_fn(resolved)
+    return activation_fn(resolved, tp, plan, trace=True)
+
+
+_TRACED: dict[tuple[str, str, int], Callable[..., ActivationBytes]] = {}

@@ -1,0 +1,123 @@
+"""What the planner knows of machines: the memory of the accelerators a budget can name,
+the calibrated runtime and process constants (bench/plan_vs_measured.py,
+docs/benchmarks.md) and a budget in bytes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from src.errors import ConfigError
+from src.sharding import GIB, MIB
+
+#: Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
+#: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
+ACCELERATORS_GIB: dict[str, float] = {
+    "a100_40gb": 39.4,
+    "a100_80gb": 79.2,
+    "h100_80gb": 79.1,
+    "h100_94gb": 93.1,
+    "h200": 139.8,
+    "b200": 178.4,
+    "l40s": 44.4,
+    "a10g": 22.0,
+    "mi300x": 191.5,
+}
+
+
+def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
+    """``trainer.mem_budget_gib`` in bytes: GiB per rank, or a named accelerator from
+    :data:`ACCELERATORS_GIB`; None when unset."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in ACCELERATORS_GIB:
+            return int(ACCELERATORS_GIB[name] * GIB)
+        try:
+            value = float(name)
+        except ValueError:
+            raise ConfigError(
+                key,
+                f"got {value!r}, expected GiB per rank (> 0) or one of: "
+                + ", ".join(ACCELERATORS_GIB),
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(key, f"got {value!r}, expected GiB per rank > 0")
+    return int(value * GIB)
+
+
+def machine_budget_bytes(world: int) -> int:
+    """Memory one rank may use on this machine: the GPU's, else available RAM / ranks."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 * GIB
+    return avail // max(1, world)
+
+
+#: What training adds above the parts the estimate counts (code and kernels first
+#: touched by backward and the optimizer, gloo buffers, autograd bookkeeping), per
+#: device type and compute-dtype width. CPU: measured, fitted to
+#: bench/plan_vs_measured.py (the mean residual of its configurations; peak RSS above
+#: the process baseline, glibc retention removed, the model's classes built once on
+#: meta before the baseline); bf16 on CPU adds ~12 MiB whatever the model size
+#: (oneDNN's bf16 kernels and their scratch buffers). CUDA: assumed, not calibrated
+#: yet (no GPU in the calibration runs): a margin for the allocator's cached blocks
+#: and workspaces.
+RUNTIME_BYTES: dict[str, dict[int, int]] = {
+    "cpu": {4: 21 * MIB, 2: 33 * MIB},
+    "cuda": {4: 512 * MIB, 2: 512 * MIB},
+}
+
+
+def runtime_bytes(device: str, param_bytes: int) -> int:
+    """The calibrated runtime constant (:data:`RUNTIME_BYTES`)."""
+    table = RUNTIME_BYTES.get(device, RUNTIME_BYTES["cuda"])
+    return table.get(param_bytes, table[4])
+
+
+#: The process itself before the model exists: Python + torch + the process group
+#: + the model's code. CPU (measured): a train.py rank's resident set just before its
+#: model is built (Hydra, the sinks' files, the data and logging set-up), its allocator
+#: set as ranks set it (``trainer.malloc_mmap_threshold_kib``): 297 MiB, plus
+#: ``torch._dynamo``, which the first step imports (~20 MiB): 316 MiB, the ranks
+#: without the logger of bench/plan_vs_measured.py's ``--ordinary`` runs
+#: (docs/benchmarks.md). CUDA (assumed): the context, outside the allocator's counters.
+PROCESS_BYTES: dict[str, int] = {"cpu": 316 * MIB, "cuda": 600 * MIB}
+
+
+#: What a model family's own imports (its spec's ``imports``) and the logger's
+#: (``LoggerOption.imports``, rank 0) add to the process baseline, CPU resident set
+#: (measured in the same ``--ordinary`` runs): transformers with its model classes
+#: (an ``hf`` rank's baseline against a GPT rank's), wandb with its offline run (rank 0 against rank 1 at the peak,
+#: rank 0 alone logs), and ``sharding.compile=true``'s inductor with its compiled
+#: block graphs (regional: one graph per block class, whatever the width: GPT 4x256
+#: and Llama dim 256 runs against the same runs uncompiled, +70 and +51 MiB at the
+#: peak; a bare process: importing inductor ~45 MiB, the first compiled step ~52).
+IMPORT_BYTES: dict[str, int] = {
+    "transformers": 80 * MIB,
+    "wandb": 25 * MIB,
+    "torch.compile": 60 * MIB,
+}
+
+
+#: Where each device's constants come from, said beside them in every estimate.
+CONSTANTS_SOURCE: dict[str, str] = {
+    "cpu": "CPU-measured, docs/benchmarks.md",
+    "cuda": "assumed: not calibrated on a GPU yet",
+}
+
+
+def process_bytes(device: str, imports: Iterable[str] = ()) -> int:
+    """The process baseline on ``device`` with the modules ``imports`` loaded (host
+    memory: on CUDA only the context counts, outside the allocator)."""
+    base = PROCESS_BYTES.get(device, PROCESS_BYTES["cuda"])
+    return base + (
+        sum(IMPORT_BYTES.get(m, 0) for m in imports) if device == "cpu" else 0
+    )

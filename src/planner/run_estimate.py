@@ -1,0 +1,51 @@
+"""The estimate of a config: the whole run's, or a pipeline's worst stage."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from src.planner.activations import has_formula, run_activation_fn, tp_activations
+from src.planner.estimate import Estimate, estimate
+from src.planner.inputs import (
+    build_meta_model,
+    family_process_bytes,
+    lower_bound_reason,
+    plan_of,
+    run_shape,
+)
+from src.planner.pipeline import pipeline_estimates, worst_stage
+from src.planner.settings import pipeline_stages
+from src.resolved import Resolved
+from src.sharding import WrapPlan
+
+
+def estimate_cfg(
+    cfg: DictConfig,
+    resolved: Resolved,
+    world: int,
+    model: torch.nn.Module | None = None,
+) -> tuple[WrapPlan, Estimate]:
+    """The wrap plan and the estimate of ``cfg`` (its model: ``resolved``'s) on
+    ``world`` ranks (``model``: a meta model of ``cfg`` already built, reused across
+    rank counts). A pipeline-parallel run: its worst stage's (:func:`worst_stage`)."""
+    if pipeline_stages(cfg) > 1:
+        plan, est = worst_stage(pipeline_estimates(cfg, resolved, world))
+    else:
+        model = model if model is not None else build_meta_model(cfg, resolved)
+        plan = plan_of(resolved, model, world)
+        shape = run_shape(cfg, resolved, world)
+        acts = run_activation_fn(cfg, resolved)(
+            shape.micro_batch,
+            shape.seq_len,
+            shape.param_bytes,
+            shape.checkpointing,
+            shape.ac_every,
+        )
+        acts = tp_activations(cfg, resolved, shape, acts, model)
+        process = family_process_bytes(cfg, resolved, shape.device)
+        est = estimate(plan, shape, acts, process)
+        if not has_formula(resolved):
+            est.notes["activations"] = "traced: one block per block class, fake tensors"
+    est.caveat = lower_bound_reason(resolved, est.shape.device, str(cfg.precision.name))
+    return plan, est

@@ -1,0 +1,396 @@
+"""The fit search: every point of the searched keys' values, its estimate and cost;
+the cheapest point that fits a budget and the one with the smallest estimate."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src.models.memory import ActivationBytes
+from src.planner.activations import run_activation_fn, tp_activations
+from src.planner.costs import Checkpointing, change_cost, pipeline_cost, precision_cost
+from src.planner.estimate import Estimate, RunShape, estimate, needed
+from src.planner.inputs import (
+    build_meta_model,
+    family_process_bytes,
+    lower_bound_reason,
+    plan_of,
+    run_shape,
+)
+from src.planner.pipeline import StagePlans, stage_plans, whole_activations, worst_rank
+from src.planner.settings import (
+    AC_EVERY_KEY,
+    AC_KEY,
+    GRAD_SYNC,
+    PP_KEY,
+    PP_MICRO_KEY,
+    PRECISION_KEY,
+    accelerator_name,
+    device_type,
+    mem_margin,
+    pipeline_stages,
+    setting,
+    with_values,
+)
+from src.resolved import Resolved
+from src.sharding import PRECISIONS, WrapPlan, backend_class, get_precision
+from src.sharding.pipeline import SCHEDULES, microbatches_problem
+
+MIN_PARAMS_CANDIDATES = (1e5, 1e6, 1e7, 1e8, 1e9)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: overrides of ``cfg``, its estimate and its cost."""
+
+    overrides: dict[str, Any]
+    estimate: Estimate
+    cost: float
+
+    def describe(self) -> str:
+        shown = {
+            k: v
+            for k, v in self.settings().items()
+            if not (k == AC_EVERY_KEY and v == 1)  # the default: every block
+        }
+        # the precision is a config group: picked as precision=<name>
+        shown = {
+            ("precision" if k == PRECISION_KEY else k): v for k, v in shown.items()
+        }
+        return " ".join(f"{k}={fmt_value(v)}" for k, v in shown.items()) or "as is"
+
+    def settings(self) -> dict[str, Any]:
+        """The overrides as config keys (checkpointing: its mode and every k)."""
+        out: dict[str, Any] = {}
+        for k, v in self.overrides.items():
+            out.update(v.overrides() if isinstance(v, Checkpointing) else {k: v})
+        return out
+
+
+def fmt_value(v: Any) -> str:
+    """A value as a command line writes it (``1e+08``: ``1e8``)."""
+    if isinstance(v, float):
+        return f"{v:g}".replace("e+0", "e").replace("e+", "e")
+    return str(v)
+
+
+def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
+    """The checkpointing the search tries, ``(mode, every)`` first: none, selective
+    and ``full`` every k-th block for each distinct number of blocks it recomputes."""
+    from src.models.memory import checkpointed_blocks
+
+    def point(m: str, k: int) -> Checkpointing:
+        return Checkpointing(m, k, sum(checkpointed_blocks(blocks, m, k)), blocks)
+
+    everies = sorted(
+        {math.ceil(blocks / n) for n in range(1, blocks + 1)}, reverse=True
+    )
+    out = [point(mode, every if mode == "full" else 1), point("none", 1)]
+    out += [point("full", k) for k in everies] + [point("selective", 1)]
+    return list(dict.fromkeys(out))  # the first of equal points
+
+
+def _n_blocks(resolved: Resolved) -> int:
+    """How many blocks the checkpointing transform targets in the run's model."""
+    from src.planner.trace import block_order
+
+    spec, config = resolved.spec, resolved.model_config
+    with torch.device("meta"):
+        model = spec.build(config, 0)
+    return len(block_order(model, spec.block_classes(config)))
+
+
+def _options(
+    cfg: DictConfig,
+    resolved: Resolved,
+    keys: Iterable[str],
+    world: int,
+    max_world: int,
+):
+    """The values the search tries for each key (the current one first)."""
+    t = cfg.trainer
+    out: dict[str, list] = {}
+    for key in keys:
+        if key == "trainer.devices":
+            cur = world
+        elif key == PP_KEY:
+            cur = pipeline_stages(cfg)
+        else:
+            cur = setting(cfg, key)
+        if key == "sharding.min_params":
+            vals = list(MIN_PARAMS_CANDIDATES)
+        elif key == "trainer.grad_accum":
+            vals = [a for a in range(1, t.batch_size + 1) if t.batch_size % a == 0]
+        elif key == "trainer.grad_sync":
+            vals = list(GRAD_SYNC)
+        elif key == AC_KEY:
+            every = int(setting(cfg, AC_EVERY_KEY))
+            out[key] = ac_options(str(cur), every, _n_blocks(resolved))
+            continue
+        elif key == "trainer.devices":
+            vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
+        elif key == PRECISION_KEY:
+            device = (device_type(cfg), accelerator_name(cfg))
+            vals = [
+                p
+                for p in PRECISIONS
+                if precision_cost(p, *device) < math.inf
+                and not lower_bound_reason(resolved, device[0], p)
+            ]
+        elif key == PP_KEY:
+            vals = pipeline_options(cfg, resolved, world)
+        else:
+            continue
+        out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
+    return out
+
+
+def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
+    """The stage counts the fit search tries on ``world`` ranks: none (1), and 2, 4,
+    8, 16 where they divide the ranks with the run's tp and replica groups and leave each stage a
+    block, where the backend and the model family can pipeline (none with
+    ``sharding.pp_split`` or sequence parallelism set: they fix the layout)."""
+    s, spec = cfg.sharding, resolved.spec
+    if (
+        not getattr(backend_class(s.backend), "pipeline_parallel", False)
+        or spec.pipeline is None
+        or spec.init_tensor is None
+        or s.pp_split
+        or OmegaConf.select(cfg, "sharding.sequence_parallel") is True
+    ):
+        return []
+    per_rank = SCHEDULES[str(s.pp_schedule)].stages_per_rank
+    blocks = _n_blocks(resolved)
+    layout = resolved.layout
+    group = layout.tp * layout.cp * layout.dp_replicate
+    return [1] + [
+        2**i
+        for i in range(1, 5)
+        if world % (2**i * group) == 0 and 2**i * per_rank <= blocks
+    ]
+
+
+def search(
+    cfg: DictConfig,
+    resolved: Resolved,
+    keys: Iterable[str],
+    budget: int,
+    world: int,
+    max_world: int | None = None,
+) -> tuple[Candidate | None, Candidate]:
+    """The cheapest point that fits ``budget`` over ``keys`` (None if none does) and
+    the point with the smallest estimate. Deterministic: equal costs keep the order
+    in which :func:`_options` lists the values (the current value first). One meta
+    model per ``sharding.min_params`` value; everything else is arithmetic. The
+    search varies sharding and trainer keys, never the model: ``resolved`` serves
+    every point."""
+    options = _options(cfg, resolved, keys, world, max_world or world)
+    margin = mem_margin(cfg)
+    points = _Points.of(cfg, resolved, options, world)
+    best: Candidate | None = None
+    smallest: Candidate | None = None
+    for point in _product(options):
+        cand = points.candidate(point)
+        if cand is None:
+            continue
+        if smallest is None or cand.estimate.total < smallest.estimate.total:
+            smallest = cand
+        fits = needed(cand.estimate, margin) <= budget
+        if fits and (best is None or cand.cost < best.cost):
+            best = cand
+    assert smallest is not None
+    return best, smallest
+
+
+@dataclass
+class _Points:
+    """What the points of one search share: the run as it is set (its shape,
+    activations, process baseline and the values the search starts from) and what
+    is built once for many points (meta models, wrap and stage plans, a pipeline's
+    whole-model activations)."""
+
+    cfg: DictConfig
+    resolved: Resolved
+    options: dict[str, list]
+    currents: dict[str, Any]  # the values the search starts from (each key's first)
+    world: int
+    batch: int
+    base: RunShape
+    device: tuple[str, str]  # the estimate's device and accelerator
+    acts: Callable[..., ActivationBytes]
+    process: int
+    tp: int
+    cur_mp: float
+    cur_pp: int
+    cur_m: int
+    schedule: str
+    models: dict[float, torch.nn.Module] = field(default_factory=dict)
+    plans: dict[tuple[float, int], WrapPlan] = field(default_factory=dict)
+    staged: dict[tuple[float, int], StagePlans] = field(default_factory=dict)
+    staged_plans: dict[tuple[float, int, int], list] = field(default_factory=dict)
+    wholes: dict[tuple[int, int], tuple] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, cfg: DictConfig, resolved: Resolved, options: dict[str, list], world: int
+    ) -> _Points:
+        base = run_shape(cfg, resolved, world)
+        device = (base.device, accelerator_name(cfg))
+        acts = run_activation_fn(cfg, resolved)
+        process = family_process_bytes(cfg, resolved, base.device)
+        return cls(
+            cfg,
+            resolved,
+            options,
+            {k: values[0] for k, values in options.items()},
+            world,
+            int(cfg.trainer.batch_size),
+            base,
+            device,
+            acts,
+            process,
+            tp=resolved.layout.tp,
+            cur_mp=float(cfg.sharding.min_params),
+            cur_pp=pipeline_stages(cfg),
+            cur_m=int(setting(cfg, PP_MICRO_KEY)),
+            schedule=str(setting(cfg, "sharding.pp_schedule")),
+        )
+
+    def candidate(self, point: dict[str, Any]) -> Candidate | None:
+        """``point``'s estimate and cost; None for a point the search skips."""
+        mp = float(point.get("sharding.min_params", self.cur_mp))
+        w = int(point.get("trainer.devices", self.world))
+        accum = int(point.get("trainer.grad_accum", self.base.grad_accum))
+        pp = int(point.get(PP_KEY, self.cur_pp))
+        if self.batch % accum:
+            return None
+        if pp > 1:
+            return self._pipelined(point, mp, w, accum, pp)
+        return self._unpipelined(point, mp, w, accum)
+
+    def _changed(self, point: dict[str, Any]) -> dict[str, Any]:
+        """The point's values that differ from the run's (its overrides)."""
+        return {k: v for k, v in point.items() if v != self.options[k][0]}
+
+    def _shape(self, point: dict[str, Any], **changes: Any) -> RunShape:
+        """The run's shape in ``point``'s precision and checkpointing, ``changes``
+        made."""
+        prec = get_precision(point.get(PRECISION_KEY, self.cfg.precision.name))
+        ac = point.get(AC_KEY)
+        return replace(
+            self.base,
+            param_bytes=prec.param_dtype.itemsize,
+            reduce_bytes=prec.reduce_dtype.itemsize,
+            **changes,
+            checkpointing=ac.mode if ac else self.base.checkpointing,
+            ac_every=ac.every if ac else self.base.ac_every,
+        )
+
+    def _unpipelined(
+        self, point: dict[str, Any], mp: float, w: int, accum: int
+    ) -> Candidate | None:
+        cfg, resolved, base, tp = self.cfg, self.resolved, self.base, self.tp
+        if mp not in self.models:  # its units (selective is checked on them below)
+            with_mp = with_values(cfg, {"sharding.min_params": mp, AC_KEY: "none"})
+            self.models[mp] = build_meta_model(with_mp, resolved)
+        if (mp, w) not in self.plans:
+            self.plans[mp, w] = plan_of(resolved, self.models[mp], w)
+        plan, ac = self.plans[mp, w], point.get(AC_KEY)
+        if ac is not None and ac.mode == "selective" and splits_blocks(plan):
+            return None  # selective needs each block a unit of its own (transforms.py)
+        shape = self._shape(
+            point,
+            world=w,
+            grad_accum=accum,
+            micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // tp))),
+            grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
+        )
+        a = self.acts(
+            shape.micro_batch,
+            shape.seq_len,
+            shape.param_bytes,
+            shape.checkpointing,
+            shape.ac_every,
+        )
+        if tp > 1:
+            a = tp_activations(cfg, resolved, shape, a, self.models[mp])
+        est = estimate(plan, shape, a, self.process)
+        changed = self._changed(point)
+        cost = change_cost(self.currents, changed, self.device)
+        cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)
+        return Candidate(changed, est, cost)
+
+    def _pipelined(
+        self, point: dict[str, Any], mp: float, w: int, accum: int, pp: int
+    ) -> Candidate | None:
+        base, schedule = self.base, self.schedule
+        if mp != self.cur_mp or (pp != self.cur_pp and w != self.world):
+            return None  # other stage counts: at the current ranks; units as set
+        if point.get("trainer.grad_sync", base.grad_sync) != base.grad_sync:
+            return None  # no effect: each schedule reduces at its end
+        m = max(self.cur_m, pp)
+        if microbatches_problem(schedule, pp, m):
+            return None  # the schedule cannot split m micro-batches over pp ranks
+        ranks = self._stage_ranks(mp, pp, m, w)
+        ac = point.get(AC_KEY)
+        if ac is not None and ac.mode == "selective":
+            if any(splits_blocks(plan) for _, plan in ranks):
+                return None
+        prec = get_precision(point.get(PRECISION_KEY, self.cfg.precision.name))
+        if prec.name == "fp16_mixed":
+            return None  # its gradient scaler does not pipeline yet (config.py)
+        rows = self.batch / accum / max(1, w // (self.tp * pp)) / m
+        shape = self._shape(
+            point,
+            world=w // pp,
+            grad_accum=accum,
+            micro_batch=max(1, math.ceil(rows)),
+            pipelined=True,
+        )
+        n_blocks = self.staged[mp, pp].n_blocks
+        at = (shape.micro_batch, shape.param_bytes)
+        if at not in self.wholes:
+            self.wholes[at] = whole_activations(
+                self.cfg, self.resolved, shape, n_blocks
+            )
+        whole, boundary = self.wholes[at]
+        est = worst_rank(ranks, shape, whole, n_blocks, boundary, self.process)
+        changed = self._changed(point)
+        if m != self.cur_m:
+            changed[PP_MICRO_KEY] = m
+        cost = change_cost(self.currents, changed, self.device) * (
+            pipeline_cost(schedule, pp, m)
+            / pipeline_cost(schedule, self.cur_pp, self.cur_m)
+        )
+        return Candidate(changed, est, cost)
+
+    def _stage_ranks(self, mp: float, pp: int, m: int, w: int) -> list:
+        """Each pp rank's plan with ``pp`` stages of ``mp``'s units on ``w`` ranks
+        (built once per ``(mp, pp)``, planned once per rank count)."""
+        if (mp, pp) not in self.staged:
+            at = {"sharding.min_params": mp, PP_KEY: pp, PP_MICRO_KEY: m}
+            at[AC_KEY] = "none"  # its units (selective is checked on them below)
+            self.staged[mp, pp] = stage_plans(with_values(self.cfg, at), self.resolved)
+        if (mp, pp, w) not in self.staged_plans:
+            self.staged_plans[mp, pp, w] = self.staged[mp, pp].plans(self.resolved, w)
+        return self.staged_plans[mp, pp, w]
+
+
+def splits_blocks(plan: WrapPlan) -> bool:
+    """Whether a unit sits inside a block (a path going on past a list index, such as
+    ``h.0.attn.c_attn``): selective checkpointing needs whole blocks."""
+    return any(
+        any(part.isdigit() for part in u.path.split(".")[:-1]) for u in plan.units
+    )
+
+
+def _product(options: dict[str, list]) -> Iterable[dict[str, Any]]:
+    points: list[dict[str, Any]] = [{}]
+    for key, values in options.items():
+        points = [{**p, key: v} for p in points for v in values]
+    return points
