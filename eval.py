@@ -19,12 +19,9 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from src.config import (
-    exit_on_config_error,
-    open_run,
-    run_cli,
-    validate_eval,
-)
+from src.config.cli import exit_on_config_error, run_cli
+from src.config.validate import validate_eval
+from src.runs.compose import open_run
 from src.runs.evaluation import (
     EVAL_FILE,
     eval_changes,

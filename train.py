@@ -1,8 +1,8 @@
 """Train a model with sharded data parallelism: ``python train.py [key=value ...]``.
 
-Hydra composes and validates the config (conf/ + the schema in src/config.py) in this
-process, then the ranks start (see src/trainer/launch.py). A config error is one line
-on stderr naming the key, and exits with status 2 before any rank starts. In a
+Hydra composes and validates the config (conf/ + the schema in src/config/schema.py)
+in this process, then the ranks start (see src/trainer/launch.py). A config error is
+one line on stderr naming the key, and exits with status 2 before any rank starts. In a
 multirun (``-m``) a failed job is recorded instead and the other jobs still run
 (docs/sweeps.md).
 """
@@ -17,10 +17,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from src.config import continue_run, exit_on_config_error, run_cli, validate
+from src.config.cli import exit_on_config_error, run_cli
+from src.config.validate import validate
 from src.planner.auto import default_policy
 from src.planner.run import budget_check
 from src.planner.settings import run_budget_bytes
+from src.runs.compose import continue_run
 from src.trainer.faults import stop_before_start
 from src.trainer.launch import job_user_keys, launch, preflight, prepare
 from src.trainer.sweep import run_job

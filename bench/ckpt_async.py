@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, cfg, out_dir: str) ->
 def measure(args: argparse.Namespace, cfg, out_dir: str) -> dict:
     from src.build import build_model
     from src.checkpoint.dcp import Checkpointer
-    from src.config import validate
+    from src.config.validate import validate
     from src.data.sources import GlobalBatches, load_splits
     from src.sharding import build_backend
     from src.trainer.loop import build_optimizer, lr_lambda, train_step

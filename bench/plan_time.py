@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench.common import publish
-from src.config import validate
+from src.config.validate import validate
 from src.harness import compose_config
 from src.planner.report import plan_only
 

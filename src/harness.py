@@ -30,14 +30,14 @@ from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 #: What the rank server imports before it forks a rank: what train.py's ranks import.
-RANK_MODULES = ["src.config", "src.trainer.launch"]
+RANK_MODULES = ["src.runs.compose", "src.trainer.launch"]
 
 
 def compose_config(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
-    """conf/config.yaml composed with ``overrides``, typed by src/config.py's schema."""
+    """conf/config.yaml composed with ``overrides``, typed by src/config/schema.py."""
     from hydra import compose, initialize_config_dir
 
-    import src.config  # noqa: F401  (registers the schema)
+    import src.config.schema  # noqa: F401  (registers the schema)
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(

@@ -2,10 +2,10 @@
 the degree of each mesh dimension), the model family's spec and config, and the wrap
 policy's names and classes.
 
-``src/config.py``'s ``validate`` calls :func:`resolve` before any rank starts (a bad
-value is a :class:`ConfigError` naming its key, which the command line prints as one
-line) and hands the :class:`Resolved` result to the launcher, which gives it to every
-rank: the trainer reads these from it, never from ``src/config.py``. The launcher's
+``validate`` (src/config/validate.py) calls :func:`resolve` before any rank starts (a
+bad value is a :class:`ConfigError` naming its key, which the command line prints as
+one line) and hands the :class:`Resolved` result to the launcher, which gives it to
+every rank: the trainer reads these from it, never from ``src/config/``. The launcher's
 ``prepare`` resolves again only when the model's vocabulary followed the tokenizer; the
 planner reads the same object. In src/ only :func:`resolve` calls :func:`model_spec`
 and :func:`model_config`: what runs after it reads ``spec`` and ``model_config``.

@@ -741,7 +741,7 @@ def test_trainer_async_checkpoints_publish_and_resume_exactly(tmp_path):
     """The loop with ``trainer.ckpt_async=true`` (one FSDP2 rank, run in this process
     as train.py runs it): every checkpoint is published by the end of the run, and a
     run resumed from one continues bit for bit."""
-    from src.config import validate
+    from src.config.validate import validate
     from src.trainer.launch import run_rank
     from tests.test_train import make_cfg, read_rows
 

@@ -11,7 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from src.cli_help import described_keys, is_schema_option, user_options
-from src.config import CONFIG_ERRORS, one_line, quote_paths, validate
+from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
+from src.config.validate import validate
 from src.data.corpus import resolve_files
 from src.planner.auto import default_policy
 from src.resolved import resolve
@@ -117,7 +118,7 @@ def test_every_key_of_every_option_has_a_description():
 def test_help_lines_that_list_names_read_the_registries(monkeypatch):
     """A new backend, precision, policy, logger, data source or model family shows
     in --help by itself: those lines are made from the registries when shown."""
-    from src.config import PrecisionConfig, ShardingConfig
+    from src.config.schema import PrecisionConfig, ShardingConfig
     from src.data.sources import DATA_SOURCES, DataConfig
     from src.models import get_spec
     from src.models.spec import _REGISTRY

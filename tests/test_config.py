@@ -12,13 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from src.config import (
-    CONFIG_ERRORS,
-    one_line,
-    refuse_null_groups,
-    reject_non_finite,
-    validate,
-)
+from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.validate import refuse_null_groups, reject_non_finite, validate
 from src.harness import compose_config
 from src.resolved import resolve_devices
 from src.sharding.policies import policy_names
@@ -345,7 +340,7 @@ def test_a_group_set_to_null_is_one_line(monkeypatch, capsys):
     traceback: one line naming the group and its options, exit status 2, before
     Hydra runs anything."""
     from src.cli_help import user_groups
-    from src.config import run_cli
+    from src.config.cli import run_cli
 
     def main() -> None:
         raise AssertionError("must not run")

@@ -774,7 +774,8 @@ def test_fuzz_pretrained_safetensors_and_hf_config(tmp_path):
     ``model.config`` with sizes of zero or the wrong type: one line naming the key,
     before any rank starts (the file headers and sizes are checked, no tensor is
     read); the intact directory passes."""
-    from src.config import CONFIG_ERRORS, one_line, validate
+    from src.config.cli import CONFIG_ERRORS, one_line
+    from src.config.validate import validate
     from src.harness import compose_config
     from tests.test_pretrained import save_tiny
 
@@ -861,7 +862,7 @@ def test_fuzz_summary_lock_and_tokenizer_config(tmp_path, caplog):
     lock still works; tokenizer_config.json: one line naming data.tokenizer."""
     import logging
 
-    from src.config import CONFIG_ERRORS
+    from src.config.cli import CONFIG_ERRORS
     from src.data.tokenizer import byte_level_hf, load_path_tokenizer
     from src.trainer.faults import run_dir_lock
     from src.trainer.sweep import _read_json
@@ -979,9 +980,9 @@ def test_planted_run_dir_files_refused_before_anything_writes(tmp_path):
     the file, before Hydra's logging opens train.log; the file pointed to is never
     touched. A linked directory (checkpoints on another disk) and wandb's own links
     are not refused. The run's lock itself never opens through a link."""
-    from src.config import check_writable
     from src.errors import ConfigError, RunError
     from src.harness import compose_config
+    from src.runs.writable import check_writable
     from src.trainer.faults import run_dir_lock
 
     cfg = compose_config("model=tiny", "logger=none")

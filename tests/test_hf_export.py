@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from src.build import build_model
 from src.checkpoint.export import export_model_hf
-from src.config import CONFIG_ERRORS, one_line, validate
+from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.validate import validate
 from src.data.sources import tokenizer_of
 from src.data.tokenizer import BPE_EOS, byte_tokenizer
 from src.resolved import resolve

@@ -25,8 +25,8 @@ LAYERS: list[set[str]] = [
     {"build"},
     {"planner"},
     {"trainer"},
-    {"runs"},
     {"config"},
+    {"runs"},
     {"harness"},
 ]
 FLOOR = {layer: i for i, floor in enumerate(LAYERS) for layer in floor}

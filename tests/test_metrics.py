@@ -429,7 +429,7 @@ def test_logger_none_writes_files_but_no_wandb(tmp_path, wandb_env):
 def test_csv_logger_option_composes_validates_and_resumes(tmp_path):
     """logger=csv (one file plus its YAML): composed and checked like any option, a
     wider header when a key first appears, and a resumed run continues the file."""
-    from src.config import validate
+    from src.config.validate import validate
     from tests.test_config import config_error, make_cfg
 
     cfg = make_cfg("logger=csv", "data=synthetic")

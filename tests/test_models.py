@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from src.cli_help import is_schema_option, user_options
-from src.config import validate
+from src.config.validate import validate
 from src.harness import compose_config
 from src.models import families, get_spec
 from src.resolved import model_config, model_spec, resolve

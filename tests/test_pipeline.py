@@ -28,8 +28,9 @@ import eval as eval_py
 import sample as sample_py
 from src.build import build_model, make_backend
 from src.checkpoint.export import load_consolidated
-from src.config import open_run, validate
+from src.config.validate import validate
 from src.harness import CONF_DIR
+from src.runs.compose import open_run
 from src.runs.from_run import load_model, with_changes
 from src.trainer.launch import run_rank, run_ranks
 from src.trainer.sampling import SAMPLING_CHANGES

@@ -13,8 +13,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from src.checkpoint.dcp import drop_partial
-from src.config import ConfigError
-from src.errors import RunDirBusy
+from src.errors import ConfigError, RunDirBusy
 from src.observe.loggers import METRICS_FILE, Logger
 from src.trainer.faults import (
     StopNow,

@@ -22,13 +22,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import eval as eval_py
-from src.config import open_run, validate
+from src.config.validate import validate
 from src.data.sources import GlobalBatches, TokenStream
 from src.errors import ConfigError
 from src.models import get_spec
 from src.models.generate import KVCache, generate
 from src.resolved import Resolved
 from src.runs.compare import main as compare_main
+from src.runs.compose import open_run
 from src.runs.evaluation import EVAL_FILE
 from src.runs.from_run import (
     load_model,
@@ -342,7 +343,7 @@ def test_only_the_dirs_a_command_writes_are_checked(tmp_path, monkeypatch):
     wandb's dirs only for eval.py, which logs as the run did): an unwritable
     WANDB_DATA_DIR does not stop it; an existing cache dir is checked where an entry
     is built, not before."""
-    from src.config import check_writable
+    from src.runs.writable import check_writable
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "file" / "wandb"))

@@ -20,10 +20,10 @@ import torch
 from omegaconf import OmegaConf
 
 from src.checkpoint.dcp import META, incomplete_checkpoints
-from src.config import resume_config
 from src.errors import ConfigError
 from src.harness import compose_config
 from src.observe.loggers import FileSink
+from src.runs.compose import resume_config
 from src.runs.resume import RECORD, attempt_subdir
 from src.trainer.loop import apply_hyperparameters, lr_lambda
 
@@ -302,7 +302,7 @@ def test_eval_says_its_split_and_scores_all_of_given_data():
     ``all`` is accepted, anything else is one line naming the key."""
     from hydra import compose, initialize_config_dir
 
-    from src.config import validate_eval
+    from src.config.validate import validate_eval
     from src.runs.evaluation import eval_split
 
     def eval_cfg(*overrides: str):
@@ -332,7 +332,7 @@ def _start(monkeypatch, tmp_path: Path, *args: str) -> tuple[int, str]:
     run. (exit status, stderr)."""
     import hydra
 
-    from src.config import run_cli
+    from src.config.cli import run_cli
 
     @hydra.main(
         config_path=str(ROOT / "conf"), config_name="config", version_base="1.3"
@@ -397,7 +397,8 @@ def test_dirs_that_can_be_written_pass_and_a_resume_checks_its_own(tmp_path):
     """No false alarm: writable dirs (missing ones are created, as their writers
     would). A resume is checked against the config it resumes (``continue_run``),
     not the command line's defaults."""
-    from src.config import check_writable, continue_run
+    from src.runs.compose import continue_run
+    from src.runs.writable import check_writable
 
     cfg = compose_config(*RUN, "data=text", f"data.cache_dir={tmp_path}/a/cache")
     check_writable(cfg, ("hydra.run.dir", str(tmp_path / "b" / "run"), "the run"))

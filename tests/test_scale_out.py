@@ -19,7 +19,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from src.config import validate
+from src.config.validate import validate
 from src.models import GPT, GPTConfig
 from src.planner.report import plan_only
 from src.resolved import resolve

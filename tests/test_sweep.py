@@ -16,7 +16,8 @@ import yaml
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from src.config import ConfigError, exit_on_config_error
+from src.config.cli import exit_on_config_error
+from src.errors import ConfigError
 from src.harness import compose_config
 from src.trainer.sweep import (
     STATUS_FILE,
@@ -373,7 +374,7 @@ def test_plot_shows_loss_and_colours_points_by_the_swept_keys(tmp_path):
 
 
 def test_bad_objective_is_one_line():
-    from src.config import validate
+    from src.config.validate import validate
 
     for override, key in (
         ("sweep.objective=mfu", "sweep.objective"),

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import eval as eval_py
-from src.config import validate
+from src.config.validate import validate
 from src.harness import CONF_DIR
 from src.planner.report import plan_only
 from src.resolved import resolve

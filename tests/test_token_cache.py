@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from src.config import CONFIG_ERRORS, one_line, validate
+from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.validate import validate
 from src.data.sources import follow_tokenizer_vocab, load_splits, prepare_data
 from src.data.tokenizer import BPE_EOS, load_path_tokenizer
 from src.harness import compose_config

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from src.config import validate
+from src.config.validate import validate
 from src.errors import ConfigError
 from src.observe.loggers import RUN_ID_FILE, wandb_key
 from src.resolved import resolve

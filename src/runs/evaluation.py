@@ -24,7 +24,6 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from src.data.sources import GlobalBatches, TokenStream, load_splits
-from src.data.token_cache import SPLITS
 from src.errors import ConfigError
 from src.resolved import Resolved, world_size
 from src.runs.from_run import load_model, run_tokenizer
@@ -35,8 +34,6 @@ from src.util import keep_aside, read_json, write_json_atomic
 log = logging.getLogger(__name__)
 
 EVAL_FILE = "eval.json"
-#: eval.py's ``split``: the data's train or val split, or every token of it (``all``).
-EVAL_SPLITS = (*SPLITS, "all")
 
 
 def eval_split(eval_cfg: DictConfig) -> str:

@@ -104,7 +104,7 @@ def error_line(err: BaseException) -> str:
         notes = getattr(err, "__notes__", None)
         if isinstance(err.code, str):
             text = err.code
-        elif notes:  # a config error's one line (src/config.py exit_on_config_error)
+        elif notes:  # a config error's one line (src/config/cli.py)
             text = notes[0]
         elif err.__context__ is not None:  # sys.exit(n) inside an ``except``
             ctx = err.__context__

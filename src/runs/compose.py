@@ -1,0 +1,228 @@
+"""A run's config, composed for the command that continues or reads its run dir:
+train.py's resume (:func:`continue_run`, :func:`resume_config`) and the start of
+sample.py and eval.py (:func:`open_run`), typed by today's schema
+(:func:`compose_run`). The code a recorded config names runs only on the command
+line's word (:func:`refuse_recorded_code`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from src.checkpoint.dcp import resolve_resume, run_checkpoints
+from src.cli_help import CONF_DIR
+from src.config.validate import validate
+from src.errors import ConfigError, keyed
+from src.resolved import Resolved
+from src.runs.from_run import RUN_CONFIG, find_run, run_config, with_changes
+from src.runs.resume import (
+    RECORD,
+    adopt_attempt,
+    checkpoint_config,
+    differences,
+    in_use,
+    refusal,
+    requested_changes,
+    run_progress,
+    run_record,
+)
+from src.runs.resume import (
+    with_changes as resumed_with,
+)
+from src.runs.writable import check_writable
+from src.trainer.launch import override_keys, prepare
+from src.trainer.loop import restart_reason, schedule_refusal
+
+log = logging.getLogger(__name__)
+
+
+def refuse_recorded_code(cfg: DictConfig, where: str, key: str, given: bool) -> None:
+    """A recorded config (a checkpoint's meta.json, a run's ``.hydra/config.yaml``)
+    is data: code it names in a directory (``model.trust_remote_code=true``: the HF
+    config dir's own classes) runs only when this command line says so (``given``:
+    ``key``=true on it). ConfigError naming ``key``, and the directory, otherwise;
+    checked before anything reads the model's config, which would run that code."""
+    if given or not OmegaConf.select(cfg, "model.trust_remote_code", default=False):
+        return
+    directory = OmegaConf.select(cfg, "model.config", default=None)
+    raise ConfigError(
+        key,
+        f"{where} records model.trust_remote_code=true, which runs the Python code "
+        f"in {directory}; a recorded config is data and runs no code on its own "
+        f"word: give {key}=true on the command line to run it",
+    )
+
+
+def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """A saved run's config (``<run dir>/.hydra/config.yaml``) typed by today's
+    schema: conf/ composed with the run's command-line ``overrides``, the saved values
+    merged over it, so keys the run predates get today's defaults. If that fails (an
+    option removed since), the saved config as it is."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside sample.py's, eval.py's
+            base = compose("config", overrides=list(overrides))
+        else:
+            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+                base = compose("config", overrides=list(overrides))
+        return OmegaConf.merge(base, saved)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return saved
+
+
+def continue_run(cfg: DictConfig, run_dir: str) -> tuple[DictConfig, set[str] | None]:
+    """train.py's config in ``run_dir`` (this Hydra job's) and the keys its user set
+    (None: this command line's), decided before any rank starts; see
+    :func:`resume_config`. The directories that config writes to are checked
+    (:func:`check_writable`: a resume's are those of the config it resumes, a
+    sweep job's its own)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        hydra = HydraConfig.get()
+    except ValueError:  # not a Hydra job: the config is the run's as it is
+        cfg, user_keys = cfg, None
+    else:
+        cfg, user_keys = resume_config(
+            cfg,
+            run_dir,
+            [str(o) for o in hydra.overrides.task],
+            dict(hydra.runtime.choices),
+            hydra.output_subdir,
+        )
+    check_writable(cfg)
+    return cfg, user_keys
+
+
+def resume_config(
+    cfg: DictConfig,
+    run_dir: str,
+    overrides: Sequence[str],
+    choices: Mapping[str, str],
+    attempt: str | None,
+) -> tuple[DictConfig, set[str] | None]:
+    """A run dir is a run (src/runs/resume.py). A fresh start (``trainer.resume=null``)
+    in a dir that holds a run is refused. A resume starts from the config its
+    checkpoint was saved with (before there is one, the run's record): the command
+    line's ``overrides`` (``cfg`` composed from them, ``choices`` its groups' options)
+    are changes to it, each said in one line; one the checkpoint cannot take is
+    refused naming the key and the recorded value. ``attempt``: where Hydra wrote
+    this attempt's files (``.hydra`` for the run's first). Returns the config and the
+    keys its user set (None: the command line's)."""
+    if _rank0() and in_use(run_dir):
+        return cfg, None  # the launcher refuses it, naming the live run
+    progress = run_progress(run_dir)
+    wanted = "auto" if restart_reason(cfg) else cfg.trainer.resume
+    if wanted is None:
+        if progress is not None:
+            raise ConfigError(
+                "trainer.resume",
+                f"null, but {run_dir} holds a run ({progress.describe()}); resume it "
+                f"with `python train.py hydra.run.dir={run_dir} trainer.resume=auto` "
+                "(changes after it), or start over in another hydra.run.dir (or "
+                "after deleting this one)",
+            )
+        _adopt(run_dir, attempt)  # the record's attempt never trained
+        return cfg, None
+    try:
+        checkpoint = resolve_resume(wanted, run_checkpoints(run_dir))
+    except FileNotFoundError as err:
+        raise ConfigError("trainer.resume", str(err).partition(": ")[2]) from None
+    record = None if attempt == RECORD else keyed("hydra.run.dir", run_record, run_dir)
+    saved = checkpoint_config(checkpoint) if checkpoint is not None else None
+    if saved is None and (record is None or progress is None):
+        # Nothing recorded to continue from: this command line is the run's config.
+        _adopt(run_dir, attempt)
+        return cfg, None
+    base = OmegaConf.create(saved) if saved is not None else record.config
+    base_overrides = record.overrides if record is not None else list(overrides)
+    base = compose_run(base, base_overrides)
+    changes = requested_changes(
+        cfg, list(overrides), dict(choices), record.choices if record else {}
+    )
+    changes["trainer.resume"] = cfg.trainer.resume
+    where = f"checkpoint {checkpoint}" if saved is not None else f"{run_dir}/{RECORD}"
+    refuse_recorded_code(
+        base,
+        where,
+        "model.trust_remote_code",
+        changes.get("model.trust_remote_code") is True,
+    )
+    new = resumed_with(base, changes)
+    changed = differences(base, new)
+    for key, before, after in changed if checkpoint is not None else ():
+        reason = refusal(key)
+        if reason:
+            raise ConfigError(
+                key,
+                f"{before!r} was recorded by {where}, got {after!r}: {reason} "
+                "(train another in a new hydra.run.dir)",
+            )
+        if key == "trainer.max_steps" and new.trainer.resume_schedule != "extend":
+            raise schedule_refusal(after, before, checkpoint)
+    if changed:
+        source = "its checkpoint's" if saved is not None else "its recorded"
+        log.info(
+            "resuming %s with %d change(s) to %s config:",
+            run_dir,
+            len(changed),
+            source,
+        )
+    for key, before, after in changed:
+        log.info("  %s: %r -> %r", key, before, after)
+    if attempt == RECORD:  # this attempt's own record: the config it trains with
+        OmegaConf.save(new, Path(run_dir) / RECORD / "config.yaml")
+    return new, override_keys(base_overrides) | set(changes)
+
+
+def _adopt(run_dir: str, attempt: str | None) -> None:
+    """This attempt's Hydra files become the record of a run dir whose record's
+    attempt never trained (by rank 0 alone under torchrun)."""
+    if attempt not in (None, RECORD) and _rank0():
+        adopt_attempt(run_dir, attempt)
+
+
+def _rank0() -> bool:
+    """This process is rank 0 (under torchrun every rank runs train.py; the others
+    read the same run dir and never hold its lock)."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def open_run(
+    run: str,
+    changes: Callable[[DictConfig], Mapping[str, Any]],
+    record: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Path, Path, DictConfig, Resolved]:
+    """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
+    the config the checkpoint was saved with (else the run's record) typed by today's
+    schema (:func:`compose_run`), changed by
+    ``changes(config)``, validated and prepared as train.py prepares it (the keys its
+    user set stay theirs). Before anything is prepared, the dirs the command writes
+    to are checked (:func:`check_writable`): with ``record`` (a file it writes in the
+    run dir, and logs to wandb as the run did: eval.py) the run dir and wandb's too.
+    The code the run's config names runs only with ``trust_remote_code`` (the
+    command's own key: :func:`refuse_recorded_code`). A problem is a ConfigError
+    naming the key."""
+    run_dir, checkpoint = find_run(run)
+    cfg, overrides = run_config(run_dir)
+    saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
+    cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)
+    where = f"checkpoint {checkpoint}" if saved else f"{run_dir}/{RUN_CONFIG}"
+    refuse_recorded_code(cfg, where, "trust_remote_code", trust_remote_code)
+    cfg = with_changes(cfg, changes(cfg))
+    resolved = validate(cfg)
+    first = ("run", str(run_dir), record) if record else None
+    check_writable(cfg, first, wandb=record is not None)
+    cfg, resolved = prepare(cfg, resolved, override_keys(overrides))
+    return run_dir, checkpoint, cfg, resolved

@@ -1,0 +1,114 @@
+"""The directories a command writes to, checked before it writes there: the run (or
+sweep) dir and those outside it (the token cache, wandb's, torch.compile's, the
+remote-code cache). One that cannot be written is a ConfigError naming the key (or
+environment variable) to change; :class:`WritableDirs` checks them as Hydra starts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from src.config.cli import exit_on_config_error
+from src.data.tokenizer import cache_path
+from src.errors import ConfigError, not_writable
+from src.models.hf import remote_code_dir
+from src.observe.loggers import logs_to_wandb, wandb_dirs
+from src.runs.resume import RECORD
+from src.sharding.transforms import compile_cache_dir
+from src.trainer.faults import RANK_REPORTS
+from src.util import planted_file, unwritable
+
+
+def written_dirs(cfg: DictConfig, wandb: bool = True) -> list[tuple[str, str, str]]:
+    """Every directory outside its run dir a training run of ``cfg`` writes to: (the
+    key or environment variable that moves it, the directory, what writes there);
+    wandb's only with ``wandb`` (a command that logs as the run did). The token cache
+    only where it does not exist yet: an existing one (perhaps shared, read-only) is
+    written only when an entry must be built, and checked there (``build_lock``)."""
+    if OmegaConf.select(cfg, "trainer.plan_only", default=False):
+        return []  # reads no data, starts no rank
+    dirs = []
+    if OmegaConf.select(cfg, "data.cache_dir", default=None) is not None:
+        cache = cache_path(cfg.data)
+        if not os.path.isdir(os.path.expanduser(cache)):
+            dirs.append(("data.cache_dir", cache, "the token cache"))
+    if wandb and logs_to_wandb(cfg):
+        dirs += [(var, path, "wandb") for var, path in wandb_dirs()]
+    if OmegaConf.select(cfg, "sharding.compile", default=False):
+        dirs.append((*compile_cache_dir(), "torch.compile (sharding.compile=true)"))
+    if OmegaConf.select(cfg, "model.trust_remote_code", default=False):
+        what = "transformers (model.trust_remote_code=true)"
+        dirs.append((*remote_code_dir(), what))
+    return dirs
+
+
+def check_writable(
+    cfg: DictConfig,
+    first: tuple[str, str, str] | None = None,
+    others: bool = True,
+    wandb: bool = True,
+) -> None:
+    """ConfigError naming the key (or environment variable) to change, if a
+    directory the command writes to cannot be written: ``first`` (the key, the
+    directory, what writes there: the run dir) and, with ``others``, the
+    :func:`written_dirs` of ``cfg`` (wandb's with ``wandb``)."""
+    dirs = ([first] if first else []) + (written_dirs(cfg, wandb) if others else [])
+    home = os.path.expanduser("~")
+    for key, path, what in dirs:
+        problem = unwritable(os.path.expanduser(path))
+        if problem is None and first is not None and key == first[0]:
+            # its own files: the top level, Hydra's record and the ranks' reports
+            # (checkpoints/ is verified file by file; wandb/ is wandb's own links)
+            planted = planted_file(os.path.expanduser(path), (RECORD, RANK_REPORTS))
+            if planted:
+                # eval.py's run= names the run it reads: no other directory will do
+                elsewhere = (
+                    "" if key == "run" else f" (or set {key} to another directory)"
+                )
+                raise ConfigError(
+                    key,
+                    f"{what} writes to {path}: {planted}; it writes only to its own "
+                    f"regular files there: remove it{elsewhere}",
+                )
+        if problem is None:
+            continue
+        err = not_writable(key, path, what, problem)
+        if key not in os.environ and "." not in key and path.startswith(home + os.sep):
+            err = ConfigError(
+                key, f"{err.message} (or HOME, {home}: it is there by default)"
+            )
+        raise err
+
+
+class WritableDirs(Callback):
+    """Hydra callback (conf/config.yaml): before Hydra creates the run dir and starts
+    its job logging (which writes ``train.log`` there), the run (or sweep) dir and
+    the other directories the run writes to are checked (:func:`check_writable`);
+    one that cannot be written ends the command in one line naming the key (exit 2)
+    instead of Hydra's logging set-up failing over 50 lines. A resume's own dirs are
+    its recorded config's: :func:`continue_run` checks them."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra, before = HydraConfig.instance(), HydraConfig.instance().cfg
+        hydra.set_config(config)  # for ${hydra:...} in the dir, as Hydra's run_job
+        try:
+            what = "the sweep" if key == "hydra.sweep.dir" else "the run"
+            first = (key, str(OmegaConf.select(config, key)), what)
+            resume = OmegaConf.select(config, "trainer.resume", default=None)
+            # sys.exit inside: Hydra turns a callback's exception into a warning
+            with exit_on_config_error():
+                check_writable(config, first, others=resume in (None, "none"))
+        finally:
+            hydra.cfg = before
