@@ -39,7 +39,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.checkpoint.dcp import resolve_resume, run_checkpoints
+from src.checkpoint.layout import resolve_resume, run_checkpoints
 from src.cli_help import CONF_DIR, is_schema_option, user_groups, user_options
 from src.data.sources import DATA_SOURCES, DataConfig
 from src.data.tokenizer import cache_path

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from src.checkpoint.dcp import drop_partial
+from src.checkpoint.layout import drop_partial
 from src.config import ConfigError
 from src.errors import RunDirBusy
 from src.observe.loggers import METRICS_FILE, Logger

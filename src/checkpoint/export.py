@@ -36,13 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from src.checkpoint.dcp import (
-    all_agree,
-    dcp_errors,
-    quiet_single_process,
-    this_rank,
-)
+from src.checkpoint.dcp import dcp_errors, quiet_single_process
 from src.checkpoint.hf_layout import HFLayout
+from src.checkpoint.ranks import all_agree, this_rank
 from src.data.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
 from src.sharding import canonical_name
 from src.util import atomic_path, collective_device, parse_json
