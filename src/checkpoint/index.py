@@ -254,77 +254,14 @@ def _check_index(md: Any, sizes: dict[str, int], world_size: int) -> Metadata:
     """``md`` if it is a DCP index of tensors only, every chunk inside its tensor
     and stored in a listed ``.distcp`` file of the checkpoint within its size
     (``sizes``: recorded bytes), with no stream transform; _Damaged otherwise."""
-    where = INDEX
     if type(md) is not Metadata:
-        raise _bad_value(where, type(md).__name__, "a DCP Metadata")
+        raise _bad_value(INDEX, type(md).__name__, "a DCP Metadata")
     entries, storage = md.state_dict_metadata, md.storage_data
     if type(entries) is not dict or type(storage) is not dict:
-        raise _Damaged(f"{where} has no tensor table or no storage table")
+        raise _Damaged(f"{INDEX} has no tensor table or no storage table")
     for key, entry in entries.items():
-        if type(key) is not str or len(key) > 4096:
-            raise _bad_value(
-                f"{where}: a key", key, "a name of at most 4096 characters"
-            )
-        if type(entry) is not TensorStorageMetadata:
-            raise _bad_value(f"{where}: {key}", type(entry).__name__, "a tensor entry")
-        props = entry.properties
-        if type(props) is not TensorProperties or type(props.dtype) is not torch.dtype:
-            raise _bad_value(f"{where}: {key}'s properties", props, "a dtype")
-        shape = _size(entry.size, f"{where}: {key}'s size")
-        if type(entry.chunks) is not list:
-            raise _bad_value(f"{where}: {key}'s chunks", entry.chunks, "a list")
-        if len(entry.chunks) > world_size:
-            # each rank saves at most one chunk of a tensor: more would only make
-            # the overlap check below quadratic
-            raise _bad_value(
-                f"{where}: {key}'s chunks",
-                f"{len(entry.chunks):,} chunks",
-                f"at most one per rank of the save ({world_size})",
-            )
-        for chunk in entry.chunks:
-            if type(chunk) is not ChunkStorageMetadata:
-                raise _bad_value(f"{where}: {key}'s chunk", chunk, "a chunk")
-            offsets = _size(chunk.offsets, f"{where}: {key}'s chunk offsets")
-            lengths = _size(chunk.sizes, f"{where}: {key}'s chunk sizes")
-            if (
-                len(offsets) != len(shape)
-                or len(lengths) != len(shape)
-                or any(
-                    o + n > d for o, n, d in zip(offsets, lengths, shape, strict=True)
-                )
-            ):
-                raise _Damaged(f"{where}: a chunk of {key} lies outside its tensor")
-            if MetadataIndex(key, offsets) not in storage:
-                raise _Damaged(f"{where}: a chunk of {key} is stored nowhere")
-        if not _tiles(shape, entry.chunks):
-            # DCP leaves what no chunk covers as the model has it: silently unloaded
-            raise _Damaged(f"{where}: the chunks of {key} do not cover it exactly")
-    data_files = {
-        n: b for n, b in sizes.items() if "/" not in n and n.endswith(".distcp")
-    }
-    for index, info in storage.items():
-        if type(index) is not MetadataIndex or index.fqn not in entries:
-            raise _bad_value(f"{where}: a storage key", index, "a tensor's chunk")
-        if (
-            type(info) is not _StorageInfo
-            or type(info.relative_path) is not str
-            or info.relative_path not in data_files
-        ):
-            raise _bad_value(
-                f"{where}: {index.fqn}'s file",
-                getattr(info, "relative_path", info),
-                "a .distcp file of the checkpoint",
-            )
-        if not (_is_int(info.offset) and _is_int(info.length)) or (
-            info.offset + info.length > data_files[info.relative_path]
-        ):
-            raise _Damaged(f"{where}: {index.fqn} lies outside {info.relative_path}")
-        if info.transform_descriptors:
-            raise _bad_value(
-                f"{where}: {index.fqn}'s transforms",
-                info.transform_descriptors,
-                "none",
-            )
+        _check_entry(key, entry, storage, world_size)
+    _check_storage(storage, entries, sizes)
     planner = md.planner_data
     if planner is not None and (
         type(planner) is not dict
@@ -333,10 +270,88 @@ def _check_index(md: Any, sizes: dict[str, int], world_size: int) -> Metadata:
             for k, v in planner.items()
         )
     ):
-        raise _bad_value(f"{where}: planner_data", planner, "key paths")
+        raise _bad_value(f"{INDEX}: planner_data", planner, "key paths")
     if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
-        raise _bad_value(f"{where}: storage_meta", md.storage_meta, "a StorageMeta")
+        raise _bad_value(f"{INDEX}: storage_meta", md.storage_meta, "a StorageMeta")
     return md
+
+
+def _check_entry(key: Any, entry: Any, storage: dict, world_size: int) -> None:
+    """_Damaged unless ``key`` is a name and ``entry`` a tensor's: a dtype, a shape,
+    at most one chunk per rank of the save, each checked by :func:`_check_chunk`,
+    together covering the tensor exactly once."""
+    if type(key) is not str or len(key) > 4096:
+        raise _bad_value(f"{INDEX}: a key", key, "a name of at most 4096 characters")
+    if type(entry) is not TensorStorageMetadata:
+        raise _bad_value(f"{INDEX}: {key}", type(entry).__name__, "a tensor entry")
+    props = entry.properties
+    if type(props) is not TensorProperties or type(props.dtype) is not torch.dtype:
+        raise _bad_value(f"{INDEX}: {key}'s properties", props, "a dtype")
+    shape = _size(entry.size, f"{INDEX}: {key}'s size")
+    if type(entry.chunks) is not list:
+        raise _bad_value(f"{INDEX}: {key}'s chunks", entry.chunks, "a list")
+    if len(entry.chunks) > world_size:
+        # each rank saves at most one chunk of a tensor: more would only make
+        # the overlap check below quadratic
+        raise _bad_value(
+            f"{INDEX}: {key}'s chunks",
+            f"{len(entry.chunks):,} chunks",
+            f"at most one per rank of the save ({world_size})",
+        )
+    for chunk in entry.chunks:
+        _check_chunk(key, chunk, shape, storage)
+    if not _tiles(shape, entry.chunks):
+        # DCP leaves what no chunk covers as the model has it: silently unloaded
+        raise _Damaged(f"{INDEX}: the chunks of {key} do not cover it exactly")
+
+
+def _check_chunk(key: str, chunk: Any, shape: tuple[int, ...], storage: dict) -> None:
+    """_Damaged unless ``chunk`` of tensor ``key`` (of ``shape``) lies inside it and
+    has an entry in ``storage``."""
+    if type(chunk) is not ChunkStorageMetadata:
+        raise _bad_value(f"{INDEX}: {key}'s chunk", chunk, "a chunk")
+    offsets = _size(chunk.offsets, f"{INDEX}: {key}'s chunk offsets")
+    lengths = _size(chunk.sizes, f"{INDEX}: {key}'s chunk sizes")
+    if (
+        len(offsets) != len(shape)
+        or len(lengths) != len(shape)
+        or any(o + n > d for o, n, d in zip(offsets, lengths, shape, strict=True))
+    ):
+        raise _Damaged(f"{INDEX}: a chunk of {key} lies outside its tensor")
+    if MetadataIndex(key, offsets) not in storage:
+        raise _Damaged(f"{INDEX}: a chunk of {key} is stored nowhere")
+
+
+def _check_storage(storage: dict, entries: dict, sizes: dict[str, int]) -> None:
+    """_Damaged unless every entry of ``storage`` is a chunk of a tensor of
+    ``entries`` stored within the recorded size (``sizes``) of a ``.distcp`` file
+    of the checkpoint, with no stream transform."""
+    data_files = {
+        n: b for n, b in sizes.items() if "/" not in n and n.endswith(".distcp")
+    }
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or index.fqn not in entries:
+            raise _bad_value(f"{INDEX}: a storage key", index, "a tensor's chunk")
+        if (
+            type(info) is not _StorageInfo
+            or type(info.relative_path) is not str
+            or info.relative_path not in data_files
+        ):
+            raise _bad_value(
+                f"{INDEX}: {index.fqn}'s file",
+                getattr(info, "relative_path", info),
+                "a .distcp file of the checkpoint",
+            )
+        if not (_is_int(info.offset) and _is_int(info.length)) or (
+            info.offset + info.length > data_files[info.relative_path]
+        ):
+            raise _Damaged(f"{INDEX}: {index.fqn} lies outside {info.relative_path}")
+        if info.transform_descriptors:
+            raise _bad_value(
+                f"{INDEX}: {index.fqn}'s transforms",
+                info.transform_descriptors,
+                "none",
+            )
 
 
 def _read_index(path: Path, meta: dict) -> Metadata:
