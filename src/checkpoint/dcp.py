@@ -24,7 +24,6 @@ import os
 import pickle
 import shutil
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,20 +50,19 @@ from src.checkpoint.layout import (
     _OLD_PREFIX,
     _TMP_PREFIX,
     MARKER,
-    META,
     complete_checkpoints,
     drop_partial,
     is_complete,
 )
 from src.checkpoint.meta import (
     CHECKSUMS,
-    FORMAT_VERSION,
     _digests,
     _files_of,
     _fsync_dir,
+    _new_meta,
     _read_meta,
+    _seal,
     _stray_files,
-    _write_synced,
     read_checkpoint_meta,
 )
 from src.checkpoint.ranks import (
@@ -76,7 +74,7 @@ from src.checkpoint.ranks import (
     this_rank,
 )
 from src.checkpoint.rng import RNG_DIR, _read_rng, _rng_file, _rng_state, _set_rng_state
-from src.checkpoint.values import _from_json, _split, _to_json, json_like
+from src.checkpoint.values import _from_json, _split, json_like
 
 # Flat optimizer keys ("state.<fqn>.exp_avg") reshard by name, like the model's.
 _DSD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -188,7 +186,6 @@ class Checkpointer:
                 "checkpoint extra must not hold 'step': save(step=...) sets it"
             )
         self.wait()
-        rank, world_size = this_rank(), _world_size()
         final = self.path_for(step)
         tmp = self.directory / f"{_TMP_PREFIX}{final.name}"
 
@@ -198,20 +195,21 @@ class Checkpointer:
         optim_tensors, optim_objects = _split(optim_sd)
         # every rank's (pipeline stages each hold their own parameters' entries)
         model_objects, optim_objects = _union(model_objects), _union(optim_objects)
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "world_size": world_size,
-            "torch_version": torch.__version__,
-            "model_objects": _to_json(model_objects),
-            "optim_objects": _to_json(optim_objects),
-            "scheduler": None
-            if scheduler is None
-            else _to_json(scheduler.state_dict()),
-            "extra": _to_json(dict(extra or {})),
-        }
-        json.dumps(meta)  # fails here, on every rank, if not JSON
+        meta = _new_meta(step, model_objects, optim_objects, scheduler, extra)
+        self._start(step, tmp, rng_tensors, rng_scalars)
+        state = {"model": model_tensors, "optim": optim_tensors}
+        return self._write(state, tmp, final, meta)
 
+    def _start(
+        self,
+        step: int,
+        tmp: Path,
+        rng_tensors: dict[str, torch.Tensor],
+        rng_scalars: dict[str, Any],
+    ) -> None:
+        """Rank 0 makes ``tmp`` afresh, then every rank writes its RNG states there
+        and calls ``writing``. Collectives; each raises on every rank if any failed."""
+        rank = this_rank()
         error = None
         if rank == 0:
             try:
@@ -234,7 +232,11 @@ class Checkpointer:
         if self._writing is not None:
             self._writing(step)
 
-        state = {"model": model_tensors, "optim": optim_tensors}
+    def _write(
+        self, state: dict[str, dict], tmp: Path, final: Path, meta: dict
+    ) -> Path:
+        """DCP writes ``state`` into ``tmp``, published as ``final`` (with ``meta``)
+        before this returns, or from the background with ``async_save``."""
         writer = dcp.FileSystemWriter(tmp)
         with quiet_single_process(), dcp_errors(f"save to {tmp}"):
             if not self.async_save:
@@ -282,9 +284,7 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, meta_text: str) -> None:
         """Marker last, then one rename: readers see all of a checkpoint or none of it."""
-        _write_synced(tmp / META, meta_text)
-        crc = zlib.crc32(meta_text.encode())
-        _write_synced(tmp / MARKER, f"{META} crc32 {crc:08x}\n")
+        _seal(tmp, meta_text)
         _fsync_dir(tmp)
         if final.exists():  # saving a step again (e.g. after a resume): replace it
             old = final.with_name(f"{_OLD_PREFIX}{final.name}")
@@ -370,22 +370,10 @@ class Checkpointer:
             "optim_objects": set(_all_ranks(list(optim_objects))),
         }
         with _as_error(path):
-            model_objects = json_like(
-                _ours(meta, "model_objects", model_objects, held),
-                model_objects,
-                "model_objects",
-            )
-            optim_objects = json_like(
-                _ours(meta, "optim_objects", optim_objects, held),
-                optim_objects,
-                "optim_objects",
-            )
+            model_objects = _saved_objects(meta, "model_objects", model_objects, held)
+            optim_objects = _saved_objects(meta, "optim_objects", optim_objects, held)
             if scheduler is not None:
-                if meta["scheduler"] is None:
-                    raise _Damaged("it holds no scheduler state")
-                live = scheduler.state_dict()
-                saved = {k: v for k, v in meta["scheduler"].items() if k in live}
-                scheduler_state = json_like(saved, live, "scheduler", partial=True)
+                scheduler_state = _saved_scheduler(meta, scheduler)
             rng = None
             if meta["world_size"] == _world_size():
                 rng = _read_rng(_rng_file(path, this_rank()), path)
@@ -504,6 +492,22 @@ def _check_same_tensors(
                 f"checkpoint {path} does not match this run: {problem} "
                 "(resume with the model config it was saved with)"
             )
+
+
+def _saved_objects(meta: dict, section: str, live: dict, held: dict[str, set]) -> dict:
+    """This rank's part of a saved section of ``meta`` (:func:`_ours`), as Python
+    values of the kinds ``live`` has (:func:`json_like`); _Damaged otherwise."""
+    return json_like(_ours(meta, section, live, held), live, section)
+
+
+def _saved_scheduler(meta: dict, scheduler: Any) -> dict:
+    """The saved scheduler state: the entries ``scheduler``'s own state has, as
+    Python values of the same kinds; _Damaged otherwise."""
+    if meta["scheduler"] is None:
+        raise _Damaged("it holds no scheduler state")
+    live = scheduler.state_dict()
+    saved = {k: v for k, v in meta["scheduler"].items() if k in live}
+    return json_like(saved, live, "scheduler", partial=True)
 
 
 def _ours(meta: dict, section: str, live: dict, held: dict[str, set]) -> Any:

@@ -10,6 +10,7 @@ is checked as data without it (src/checkpoint/index.py for DCP's index).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -17,6 +18,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from src.checkpoint.damage import (
@@ -29,6 +31,7 @@ from src.checkpoint.damage import (
 from src.checkpoint.layout import INDEX, MARKER, META, step_of
 from src.checkpoint.ranks import _distributed, _world_size, this_rank
 from src.checkpoint.rng import _rng_file
+from src.checkpoint.values import _to_json
 from src.util import MAX_JSON, file_crc32, parse_json
 
 # 2: meta.json holds per-file checksums; 3: the marker holds meta.json's CRC-32
@@ -231,6 +234,38 @@ def _digests(
     if errors:
         return {}, CheckpointError(errors[0])
     return {k: v for m, _ in parts for k, v in m.items()}, None
+
+
+def _new_meta(
+    step: int,
+    model_objects: dict[str, Any],
+    optim_objects: dict[str, Any],
+    scheduler: Any,
+    extra: dict | None,
+) -> dict:
+    """meta.json of a save of ``step`` but its checksums (added once every file is
+    written): the non-tensor state of every rank, as JSON. Fails on every rank if a
+    value is not JSON."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": _world_size(),
+        "torch_version": torch.__version__,
+        "model_objects": _to_json(model_objects),
+        "optim_objects": _to_json(optim_objects),
+        "scheduler": None if scheduler is None else _to_json(scheduler.state_dict()),
+        "extra": _to_json(dict(extra or {})),
+    }
+    json.dumps(meta)  # fails here, on every rank, if not JSON
+    return meta
+
+
+def _seal(directory: Path, meta_text: str) -> None:
+    """Write meta.json, then the marker holding its CRC-32 (:data:`_MARKER_TEXT`),
+    each synced to disk."""
+    _write_synced(directory / META, meta_text)
+    crc = zlib.crc32(meta_text.encode())
+    _write_synced(directory / MARKER, f"{META} crc32 {crc:08x}\n")
 
 
 def _write_synced(path: Path, text: str) -> None:
