@@ -11,8 +11,9 @@ checkpoint and the model do not both have, or have with different shapes, is a
 :class:`CheckpointError` naming the first one; every file is checked against the size
 and checksum recorded at save (the work split over the ranks; a file no checksum
 covers, a link or a device is damage), and ``resume=auto`` skips a checkpoint that
-fails, saying why, for the newest one that passes. CRC-32 (zlib) rather than a
-cryptographic hash: it detects torn writes and flipped bytes at memory speed; a forger
+fails, saying why, for the newest one that passes (CRC-32, and why it is enough:
+src/checkpoint/meta.py; what is read checked as data: meta.py, index.py, values.py,
+rng.py).
 """
 
 from __future__ import annotations
