@@ -25,13 +25,10 @@ from safetensors import safe_open
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from src.checkpoint.dcp import (
-    Checkpointer,
-    CheckpointError,
-    complete_checkpoints,
-    resolve_resume,
-)
+from src.checkpoint.damage import CheckpointError
+from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.export import export_consolidated, load_consolidated
+from src.checkpoint.folders import complete_checkpoints, resolve_resume
 from tests.distributed import HANG_S, run_distributed
 
 D_IN, D_OUT, VOCAB = 8, 4, 32

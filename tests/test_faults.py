@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.checkpoint.dcp import Checkpointer, resolve_resume
+from src.checkpoint.dcp import Checkpointer
+from src.checkpoint.folders import resolve_resume
 from src.models.gpt import GPT, GPTConfig
 from tests.distributed import HANG_S, free_port
 

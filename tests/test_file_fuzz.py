@@ -19,13 +19,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from src.checkpoint.dcp import (
-    Checkpointer,
-    CheckpointError,
-    checked_extra,
-    read_checkpoint_meta,
-    resolve_resume,
-)
+from src.checkpoint.damage import CheckpointError
+from src.checkpoint.dcp import Checkpointer
+from src.checkpoint.folders import resolve_resume
+from src.checkpoint.meta import read_checkpoint_meta
+from src.checkpoint.values import checked_extra
 from tests import forge
 from tests.distributed import HANG_S
 

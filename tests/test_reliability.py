@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from src.checkpoint.dcp import drop_partial
+from src.checkpoint.folders import drop_partial
 from src.errors import ConfigError, RunDirBusy
 from src.observe.loggers import METRICS_FILE, Logger
 from src.trainer.faults import (

@@ -19,7 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.checkpoint.dcp import META, incomplete_checkpoints
+from src.checkpoint.folders import META, incomplete_checkpoints
 from src.errors import ConfigError
 from src.harness import compose_config
 from src.observe.loggers import FileSink

@@ -35,13 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from src.checkpoint.dcp import (
-    all_agree,
-    dcp_errors,
-    quiet_single_process,
-    this_rank,
-)
+from src.checkpoint.dcp import dcp_errors, quiet_single_process
 from src.checkpoint.hf_layout import HFLayout
+from src.checkpoint.ranks import all_agree, this_rank
 from src.data.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
 from src.sharding import canonical_name
 from src.sharding.layout import flat_mesh

@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from src.checkpoint.dcp import resolve_resume, run_checkpoints
+from src.checkpoint.folders import resolve_resume, run_checkpoints
 from src.cli_help import CONF_DIR
 from src.config.validate import validate
 from src.errors import ConfigError, keyed

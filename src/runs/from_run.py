@@ -26,12 +26,9 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from src.build import build_model, make_backend
-from src.checkpoint.dcp import (
-    Checkpointer,
-    CheckpointError,
-    resolve_resume,
-    run_checkpoints,
-)
+from src.checkpoint.damage import CheckpointError
+from src.checkpoint.dcp import Checkpointer
+from src.checkpoint.folders import resolve_resume, run_checkpoints
 from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError, keyed

@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from src.checkpoint.dcp import META, complete_checkpoints, run_checkpoints
+from src.checkpoint.folders import META, complete_checkpoints, run_checkpoints
 from src.observe.loggers import METRICS_FILE
 from src.trainer.faults import LOCK_FILE
 from src.util import read_json, read_yaml

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.checkpoint.dcp import (
+from src.checkpoint.folders import (
     complete_checkpoints,
     drop_partial,
     run_checkpoints,

@@ -42,7 +42,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.multiprocessing.spawn import ProcessContext
 
-from src.checkpoint.dcp import Checkpointer, run_checkpoints, step_of
+from src.checkpoint.dcp import Checkpointer
+from src.checkpoint.folders import run_checkpoints, step_of
 from src.data.sources import follow_tokenizer_vocab, prepare_data
 from src.entry import rank_start_method, stop_rank_server
 from src.errors import ConfigError, RunDirBusy, RunError, Stopped

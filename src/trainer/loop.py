@@ -26,15 +26,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.build import build_model, build_pipeline, make_backend
-from src.checkpoint.dcp import (
-    Checkpointer,
-    CheckpointError,
-    checked_extra,
+from src.checkpoint.damage import CheckpointError
+from src.checkpoint.dcp import Checkpointer
+from src.checkpoint.export import export_consolidated, export_model_hf
+from src.checkpoint.folders import (
     incomplete_checkpoints,
     resolve_resume,
     run_checkpoints,
 )
-from src.checkpoint.export import export_consolidated, export_model_hf
+from src.checkpoint.values import checked_extra
 from src.data.sources import GlobalBatches, load_splits, tokenizer_of
 from src.errors import ConfigError, RunError, Stopped
 from src.observe.loggers import Logger, build_logger

@@ -1,0 +1,160 @@
+"""Where checkpoints live and which of them count.
+
+Layout of a checkpoint directory (``trainer.ckpt_every`` writes one per save)::
+
+    checkpoints/
+      step_00000200/          published: renamed into place only once complete
+        .metadata, __0_0.distcp, __1_0.distcp, ...   torch.distributed.checkpoint (DCP)
+        rng/rank_00000.safetensors                    per-rank RNG states (tensors + JSON)
+        meta.json                                     step, world size, scheduler, extra,
+                                                      size and CRC-32 of every file above
+        COMPLETE                                      completion marker, written last;
+                                                      holds the CRC-32 of meta.json
+      .tmp.step_00000300/     a save in progress (or one that crashed): never loaded
+
+A ``step_N`` dir being replaced by a save of the same step is ``.old.step_N`` while
+the new one takes its place (:func:`drop_partial` puts it back if the save stopped).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from src.checkpoint.damage import CheckpointError
+
+MARKER = "COMPLETE"
+META = "meta.json"
+INDEX = ".metadata"  # DCP's index of tensors, chunks and file offsets (a pickle)
+_STEP_DIR = re.compile(r"step_(\d+)")
+_TMP_PREFIX = ".tmp."
+_OLD_PREFIX = ".old."
+
+
+def run_checkpoints(run_dir: str | Path) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a ``step_N`` checkpoint dir (None for any other name)."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: str | Path) -> bool:
+    """A published checkpoint: a ``step_N`` dir holding the completion marker (its
+    other files, meta.json included, are checked by :meth:`Checkpointer.verify`)."""
+    path = Path(path)
+    marker = path / MARKER
+    return step_of(path) is not None and (marker.exists() or marker.is_symlink())
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints under ``directory``, oldest step first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=step_of)
+
+
+def drop_partial(directory: str | Path) -> list[Path]:
+    """Remove what interrupted saves left in ``directory`` (call it while no rank
+    writes there): ``.tmp.step_N`` dirs go, and a ``step_N`` being replaced when the
+    save stopped gets its old copy back (an old copy already replaced goes). Returns
+    the dirs removed (:func:`saving_step` gives a save's step)."""
+    directory, removed = Path(directory), []
+    if not directory.is_dir():
+        return removed
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith(_OLD_PREFIX):
+            final = directory / path.name.removeprefix(_OLD_PREFIX)
+            if final.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            else:  # the new copy never took its place: the old one is the checkpoint
+                os.rename(path, final)
+        elif path.name.startswith(_TMP_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def saving_step(path: Path) -> int | None:
+    """The step whose save ``path`` (a ``.tmp.step_N`` dir) was writing, else None."""
+    if not path.name.startswith(_TMP_PREFIX):
+        return None
+    return step_of(Path(path.name.removeprefix(_TMP_PREFIX)))
+
+
+def incomplete_checkpoints(directory: str | Path) -> list[tuple[Path, str]]:
+    """The ``step_N`` dirs under ``directory`` without the completion marker, each
+    with why (never loaded; a resume names them)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return [
+        (path, f"no {MARKER} marker (a save that did not finish)")
+        for path in sorted(directory.iterdir())
+        if step_of(path) is not None and path.is_dir() and not is_complete(path)
+    ]
+
+
+def resolve_resume(
+    resume: str | Path | None,
+    directory: str | Path,
+    verify: Callable[[Path], str | None] | None = None,
+    on_skip: Callable[[Path, str], None] | None = None,
+) -> Path | None:
+    """The checkpoint a run continues from, given ``trainer.resume``.
+
+    ``None`` (or ``"none"``) starts fresh; ``"auto"`` takes the newest complete checkpoint
+    in ``directory`` if there is one, else starts fresh; anything else is a path to a
+    checkpoint, or to a directory of checkpoints (or a run dir with ``checkpoints/``)
+    whose newest is taken. A path that holds no complete checkpoint is an error: a typo
+    must not silently restart training from step 0.
+
+    With ``verify`` (``Checkpointer.verify``: the reason a checkpoint is damaged, or
+    None), a damaged checkpoint among several is skipped (``on_skip(path, reason)``) for
+    the next newest; a named checkpoint, or all of them, damaged is a CheckpointError.
+    """
+    if resume is None or str(resume).strip().lower() in ("", "none", "null"):
+        return None
+    if str(resume).strip().lower() == "auto":
+        return _newest_good(complete_checkpoints(directory), verify, on_skip)
+    path = Path(resume).expanduser()
+    if is_complete(path):
+        return _newest_good([path], verify, on_skip)
+    for candidates in (path, run_checkpoints(path)):
+        found = complete_checkpoints(candidates)
+        if found:
+            return _newest_good(found, verify, on_skip)
+    raise FileNotFoundError(
+        f"trainer.resume={resume!r}: not a complete checkpoint (a step_N directory "
+        f"with a {MARKER} marker) nor a directory holding one"
+    )
+
+
+def _newest_good(
+    found: list[Path],
+    verify: Callable[[Path], str | None] | None,
+    on_skip: Callable[[Path, str], None] | None,
+) -> Path | None:
+    """The newest of ``found`` (oldest first) that passes ``verify``."""
+    if not found or verify is None:
+        return found[-1] if found else None
+    reasons = []
+    for path in reversed(found):
+        reason = verify(path)
+        if reason is None:
+            return path
+        reasons.append(f"{path.name}: {reason}")
+        if on_skip is not None and len(found) > 1:
+            on_skip(path, reason)
+    raise CheckpointError(
+        f"no usable checkpoint in {found[0].parent} ({'; '.join(reasons)})"
+    )
