@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src.checkpoint.damage import CheckpointError, _as_error, _Damaged, _one_line
-from src.checkpoint.index import _read_index
 from src.checkpoint.folders import (
     _OLD_PREFIX,
     _TMP_PREFIX,
@@ -55,6 +54,7 @@ from src.checkpoint.folders import (
     drop_partial,
     is_complete,
 )
+from src.checkpoint.index import _read_index
 from src.checkpoint.meta import (
     CHECKSUMS,
     _digests,
