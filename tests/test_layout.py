@@ -141,9 +141,34 @@ def test_the_mesh_is_built_once_with_named_groups(fake_world):
         assert layout.dp_rank(5) == dp_index
 
 
-def _reads(path: Path, attrs: set[str]) -> bool:
+def _is_sharding(node: ast.AST, aliases: set[str]) -> bool:
+    """``<...>.sharding``, or a name bound to one."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "sharding"
+    return isinstance(node, ast.Name) and node.id in aliases
+
+
+def _reads(path: Path, keys: set[str]) -> bool:
+    """Whether ``path`` reads one of the ``sharding`` group's ``keys`` as an
+    attribute: ``cfg.sharding.<key>``, or ``s.<key>`` after ``s = cfg.sharding``."""
     tree = ast.parse(path.read_text())
-    return any(isinstance(n, ast.Attribute) and n.attr in attrs for n in ast.walk(tree))
+    aliases: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            pairs = [(node.targets[0], node.value)]
+            if isinstance(node.value, ast.Tuple) and isinstance(
+                node.targets[0], ast.Tuple
+            ):
+                pairs = list(zip(node.targets[0].elts, node.value.elts, strict=False))
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and _is_sharding(value, set()):
+                    aliases.add(target.id)
+    return any(
+        isinstance(n, ast.Attribute)
+        and n.attr in keys
+        and _is_sharding(n.value, aliases)
+        for n in ast.walk(tree)
+    )
 
 
 def test_only_the_layout_builds_a_mesh_and_only_validation_reads_degree_keys():
@@ -161,5 +186,6 @@ def test_only_the_layout_builds_a_mesh_and_only_validation_reads_degree_keys():
     assert readers <= VALIDATION, readers - VALIDATION
 
 
-#: Where the config's layout keys may be read as attributes: its validation.
-VALIDATION = {"config.py", "resolved.py"}
+#: Where the config's layout keys may be read as attributes: its validation
+#: (validate.py, and the resolve() it calls, which makes the layout from them).
+VALIDATION = {"config/validate.py", "resolved.py"}

@@ -26,8 +26,21 @@ from src.observe.loggers import LOGGERS
 from src.observe.logs import LOG_LEVELS
 from src.planner.constants import budget_bytes
 from src.planner.settings import GRAD_SYNC
-from src.resolved import Resolved, resolve, resolve_devices, tensor_parallel_plan
-from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
+from src.resolved import (
+    LAYOUT_KEYS,
+    Resolved,
+    layout_errors_named,
+    resolve,
+    resolve_devices,
+    tensor_parallel_plan,
+)
+from src.sharding import (
+    BACKENDS,
+    CHECKPOINTING,
+    PRECISIONS,
+    ParallelLayout,
+    with_capability,
+)
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
 from src.trainer.loop import RESUME_SCHEDULES
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
@@ -262,10 +275,10 @@ def validate(cfg: DictConfig) -> Resolved:
     resolved = resolve(cfg)
     check_pretrained(cfg, resolved)
     _check_init(cfg, resolved.spec)
-    _check_sharding(cfg, resolved.world_size)
+    _check_sharding(cfg, resolved.layout)
     _check_tensor_parallel(cfg, resolved)
     _check_pipeline(cfg, resolved)
-    _check_batches(cfg, resolved.world_size)
+    _check_batches(cfg, resolved.layout)
     _check_trainer(cfg, resolved)
     # The chosen data source and logger check their own keys.
     _choice(cfg, "data.name", DATA_SOURCES)
@@ -298,8 +311,9 @@ def _check_init(cfg: DictConfig, spec: ModelSpec) -> None:
     )
 
 
-def _check_sharding(cfg: DictConfig, world_size: int) -> None:
-    """The ``sharding`` and ``precision`` keys, against what the backend can do."""
+def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """The ``sharding`` and ``precision`` keys, and the run's parallel layout (its
+    degrees already fit the world size), against what the backend can do."""
     s = cfg.sharding
     backend = BACKENDS[s.backend]
     _require(
@@ -310,58 +324,30 @@ def _check_sharding(cfg: DictConfig, world_size: int) -> None:
     _choice(cfg, "sharding.activation_checkpointing", (*CHECKPOINTING, "auto"))
     _positive_int(cfg, "sharding.activation_checkpointing_every")
     _choice(cfg, "precision.name", PRECISIONS)
+    with layout_errors_named():
+        backend.check_layout(layout)
+    _check_fsdp2_knobs(s, layout.fsdp_shard)
     _require(
-        s.replicate >= 1, "sharding.replicate", f"got {s.replicate}, expected >= 1"
-    )
-    _require(
-        s.replicate == 1 or backend.hybrid,
-        "sharding.replicate",
-        f"hybrid sharding (replicate={s.replicate}) needs sharding="
-        f"{' or '.join(with_capability('hybrid'))}, not sharding={s.backend}",
-    )
-    _require(
-        world_size % s.replicate == 0,
-        "sharding.replicate",
-        f"{s.replicate} does not divide the {world_size} devices "
-        "(each replica group shards over devices / replicate ranks)",
-    )
-    tp = s.tensor_parallel if s.tensor_parallel >= 1 else 1
-    _check_fsdp2_knobs(s, world_size // s.replicate // tp)
-    _require(
-        backend.distributed or world_size == 1,
+        backend.distributed or layout.world_size == 1,
         "trainer.devices",
-        f"sharding={s.backend} trains one process, got {world_size} devices; "
+        f"sharding={s.backend} trains one process, got {layout.world_size} devices; "
         f"use trainer.devices=1 or sharding={'/'.join(with_capability('distributed'))}",
     )
 
 
 def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
-    """``sharding.tensor_parallel`` and ``sharding.sequence_parallel``: the backend,
-    the mesh (T divides each replica group) and the family's plan for the shape."""
-    s, world_size = cfg.sharding, resolved.world_size
-    backend = BACKENDS[s.backend]
-    tp = s.tensor_parallel
-    _require(tp >= 1, "sharding.tensor_parallel", f"got {tp}, expected >= 1")
+    """``sharding.sequence_parallel`` and the family's tensor-parallel plan for the
+    shape (the tp degree itself is checked with the layout)."""
+    sp = cfg.sharding.sequence_parallel
     _require(
-        tp == 1 or backend.tensor_parallel,
-        "sharding.tensor_parallel",
-        f"tensor parallelism needs sharding="
-        f"{' or sharding='.join(with_capability('tensor_parallel'))}, "
-        f"not sharding={s.backend}",
-    )
-    _require(
-        (world_size // s.replicate) % tp == 0,
-        "sharding.tensor_parallel",
-        f"{tp} does not divide the {world_size // s.replicate} ranks of each replica "
-        f"group ({world_size} devices / replicate={s.replicate})",
-    )
-    _require(
-        s.sequence_parallel is None or tp > 1 or not s.sequence_parallel,
+        sp is None or resolved.layout.tp > 1 or not sp,
         "sharding.sequence_parallel",
-        "true needs sharding.tensor_parallel > 1 (it shards along the tp ranks)",
+        f"true needs {LAYOUT_KEYS['tp']} > 1 (it shards along the tp ranks)",
     )
     tensor_parallel_plan(cfg, resolved.spec, resolved.model_config, resolved.layout)
 
+
+PP_KEY = LAYOUT_KEYS["pp"]
 
 #: What a pipeline-parallel run does not do yet: the key, the value that is
 #: refused, and why.
@@ -374,56 +360,39 @@ PP_UNSUPPORTED = (
 def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
     """``sharding.pipeline_parallel`` and the ``sharding.pp_*`` keys: the backend,
     the mesh, the schedule, the family's layout and the stage cut."""
-    s, spec, world_size = cfg.sharding, resolved.spec, resolved.world_size
-    pp = s.pipeline_parallel
-    _require(pp >= 1, "sharding.pipeline_parallel", f"got {pp}, expected >= 1")
+    s, spec, pp = cfg.sharding, resolved.spec, resolved.layout.pp
     _choice(cfg, "sharding.pp_schedule", tuple(SCHEDULES))
     _positive_int(cfg, "sharding.pp_microbatches")
     if pp == 1:
         _require(
             not s.pp_split,
             "sharding.pp_split",
-            f"{list(s.pp_split)} cuts pipeline stages, but sharding.pipeline_parallel"
-            "=1 (no pipeline); set sharding.pipeline_parallel or sharding.pp_split=[]",
+            f"{list(s.pp_split)} cuts pipeline stages, but {PP_KEY}=1 (no "
+            f"pipeline); set {PP_KEY} or sharding.pp_split=[]",
         )
         return
-    _require(
-        BACKENDS[s.backend].pipeline_parallel,
-        "sharding.pipeline_parallel",
-        f"pipeline parallelism needs sharding="
-        f"{' or sharding='.join(with_capability('pipeline_parallel'))}, "
-        f"not sharding={s.backend}",
-    )
     refused = SCHEDULES[s.pp_schedule].refused
     _require(not refused, "sharding.pp_schedule", f"{s.pp_schedule}: {refused}")
-    per_group = s.replicate * s.tensor_parallel
-    _require(
-        world_size % (pp * per_group) == 0,
-        "sharding.pipeline_parallel",
-        f"{pp} stages x replicate={s.replicate} x tensor_parallel="
-        f"{s.tensor_parallel} do not divide the {world_size} devices",
-    )
     _require(
         spec.pipeline is not None and spec.init_tensor is not None,
-        "sharding.pipeline_parallel",
+        PP_KEY,
         f"model family {spec.name!r} has no pipeline layout (ModelSpec.pipeline) "
         "and per-parameter init",
     )
-    layout = keyed("sharding.pipeline_parallel", spec.pipeline, resolved.model_config)
+    layout = keyed(PP_KEY, spec.pipeline, resolved.model_config)
     for key, refuses, what in PP_UNSUPPORTED:
         value = OmegaConf.select(cfg, key)
         _require(
             not refuses(value),
             key,
-            f"{value!r}: {what} with sharding.pipeline_parallel > 1 is not supported "
-            "yet",
+            f"{value!r}: {what} with {PP_KEY} > 1 is not supported yet",
         )
     with torch.device("meta"):
         model = spec.build(resolved.model_config, 0)
     blocks = len(model.get_submodule(layout.blocks))
     stages = pp * SCHEDULES[s.pp_schedule].stages_per_rank
     keyed(
-        "sharding.pp_split" if s.pp_split else "sharding.pipeline_parallel",
+        "sharding.pp_split" if s.pp_split else PP_KEY,
         split_blocks,
         blocks,
         stages,
@@ -438,7 +407,7 @@ def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
     _require(not problem, "sharding.pp_microbatches", f"{s.pp_microbatches}: {problem}")
 
 
-def _check_batches(cfg: DictConfig, world_size: int) -> None:
+def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
     """The step counts, gradient accumulation, the memory budget, and a batch that
     splits into micro-batches over the ranks."""
     t = cfg.trainer
@@ -483,8 +452,7 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     )
     accum = 1 if accum == "auto" else int(accum)
     micro = t.batch_size // accum
-    # the ranks of a tp group, and the stages of a pipeline, read the same rows
-    dp = world_size // (cfg.sharding.tensor_parallel * cfg.sharding.pipeline_parallel)
+    dp = layout.dp  # the ranks of a tp group, and the pp stages, read the same rows
     _require(
         t.plan_only or (t.batch_size % accum == 0 and micro % dp == 0),
         "trainer.batch_size",
@@ -493,9 +461,7 @@ def _check_batches(cfg: DictConfig, world_size: int) -> None:
     )
     m = cfg.sharding.pp_microbatches
     _require(
-        t.plan_only
-        or cfg.sharding.pipeline_parallel == 1
-        or (micro // max(1, dp)) % m == 0,
+        t.plan_only or layout.pp == 1 or (micro // max(1, dp)) % m == 0,
         "sharding.pp_microbatches",
         f"{m} does not divide each rank's {micro // max(1, dp)} rows per micro-step "
         f"(trainer.batch_size={t.batch_size} / grad_accum / {dp} data-parallel ranks)",

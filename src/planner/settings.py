@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.planner.constants import ACCELERATORS_GIB, budget_bytes
-from src.resolved import Resolved
+from src.resolved import LAYOUT_KEYS, Resolved
 from src.sharding import ParallelLayout
 
 GRAD_SYNC = ("last", "every")
@@ -19,7 +19,7 @@ AC_KEY = "sharding.activation_checkpointing"
 AC_EVERY_KEY = "sharding.activation_checkpointing_every"
 PREFETCH_KEY = "sharding.backward_prefetch"
 PRECISION_KEY = "precision.name"
-PP_KEY = "sharding.pipeline_parallel"
+PP_KEY = LAYOUT_KEYS["pp"]
 PP_MICRO_KEY = "sharding.pp_microbatches"
 MARGIN_KEY = "trainer.mem_margin"
 
