@@ -319,7 +319,7 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
         cfg.precision.name,
         device,
         cfg.sharding.reshard_after_forward,
-        cfg.sharding.replicate,
+        resolved.layout,
     )
     train_split, _ = load_splits(cfg.data, spec.vocab_size(config), t.seed)
     batches = GlobalBatches(
