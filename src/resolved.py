@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
@@ -115,10 +116,15 @@ def under_torchrun() -> bool:
 
 
 def world_size(devices: Any) -> int:
-    """The run's ranks: torchrun's world under torchrun (whatever ``trainer.devices``
-    says, once it is valid), else :func:`resolve_devices`."""
+    """The run's ranks: torchrun's world under torchrun, the process group's when
+    one is initialised (a rank resolving its own config; whatever
+    ``trainer.devices`` says, once it is valid), else :func:`resolve_devices`."""
     ranks = resolve_devices(devices)
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else ranks
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake":
+        return dist.get_world_size()
+    return ranks
 
 
 def resolve_devices(devices: Any) -> int:
