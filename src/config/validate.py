@@ -29,7 +29,7 @@ from src.planner.settings import GRAD_SYNC
 from src.resolved import Resolved, resolve, resolve_devices, tensor_parallel_plan
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
-from src.trainer.loop import RESUME_SCHEDULES
+from src.trainer.resume import RESUME_SCHEDULES
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
 
 
