@@ -1,12 +1,12 @@
 """Step time around a checkpoint: synchronous vs asynchronous writes (``trainer.ckpt_async``).
 
 2 gloo ranks (1 thread each) train with the trainer's own pieces (``build_model``,
-``build_optimizer``, ``train_step`` from src.trainer.loop; FSDP2, synthetic tokens) and
-save with the trainer's ``Checkpointer``. Every ``--every``-th step ends with a
-checkpoint, alternately synchronous and asynchronous (one checkpointer per mode, each
-in its own dir), so both modes are measured in the same run, under the same machine
-load. Before a synchronous checkpoint the asynchronous one in flight (if any) is
-waited for, untimed, so the two never overlap.
+``build_optimizer``, ``train_step``: src/build.py, src/trainer/optimizer.py and
+step.py; FSDP2, synthetic tokens) and save with the trainer's ``Checkpointer``. Every
+``--every``-th step ends with a checkpoint, alternately synchronous and asynchronous
+(one checkpointer per mode, each in its own dir), so both modes are measured in the
+same run, under the same machine load. Before a synchronous checkpoint the
+asynchronous one in flight (if any) is waited for, untimed, so the two never overlap.
 
 Per checkpoint, on rank 0: the saving step (compute + ``save``), the ``save`` call alone,
 and the ``--after`` steps that follow (which share the CPU with a background write).
@@ -59,7 +59,8 @@ def measure(args: argparse.Namespace, cfg, out_dir: str) -> dict:
     from src.config.validate import validate
     from src.data.sources import GlobalBatches, load_splits
     from src.sharding import build_backend
-    from src.trainer.loop import build_optimizer, lr_lambda, train_step
+    from src.trainer.optimizer import build_optimizer, lr_lambda
+    from src.trainer.step import train_step
 
     resolved = validate(cfg)
     backend = build_backend("fsdp2", "fp32", "cpu")

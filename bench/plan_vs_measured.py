@@ -3,7 +3,8 @@
 For each configuration the planner (src/planner/) predicts the per-rank peak
 above the process baseline (``Estimate.training``: every part but ``process``), and
 ``world`` real ranks run the trainer's own code (``build_model``, ``build_optimizer``,
-``train_step`` from src/trainer/loop.py) for a few steps on synthetic tokens:
+``train_step``: src/build.py, src/trainer/optimizer.py and step.py) for a few steps
+on synthetic tokens:
 
 - CPU: each rank's baseline is its resident set after the imports, the gloo process
   group, the FSDP mesh and the data, just before the model is built; the peak is VmHWM
@@ -306,7 +307,8 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
     from src.data.sources import GlobalBatches, load_splits
     from src.observe.metrics import _reset_cpu_peak_rss
     from src.sharding import build_backend
-    from src.trainer.loop import build_optimizer, train_step
+    from src.trainer.optimizer import build_optimizer
+    from src.trainer.step import train_step
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

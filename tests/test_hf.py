@@ -14,7 +14,7 @@ from src.config.validate import validate
 from src.harness import compose_config
 from src.resolved import model_config, model_spec, resolve
 from src.sharding import build_backend, wrap_plan
-from src.trainer.loop import build_optimizer
+from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed
 
 FAMILIES = ["tiny_gpt2", "tiny_llama", "tiny_qwen2", "tiny_gpt_neox"]

@@ -16,7 +16,7 @@ from src.config.cli import CONFIG_ERRORS, one_line
 from src.config.validate import validate
 from src.resolved import resolve
 from src.sharding import build_backend
-from src.trainer.loop import build_optimizer
+from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed
 from tests.test_pretrained import (
     logits_of_transformers,

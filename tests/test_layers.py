@@ -3,6 +3,8 @@
 Every ``import`` in src/ is read, those inside functions included: a layer (a folder of
 src/, or a top-level module) may import its own modules and those of lower floors,
 never a floor above or a neighbour on its own floor, so no two layers import each other.
+No file of src/ and no function in it is longer than its limit (MAX_FILE_LINES,
+MAX_FUNCTION_LINES).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ LAYERS: list[set[str]] = [
     {"harness"},
 ]
 FLOOR = {layer: i for i, floor in enumerate(LAYERS) for layer in floor}
+
+# The longest a .py file of src/ and a function in it (methods and nested functions
+# included, decorators not) may be, in lines.
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 80
 
 
 def _layer(module: str) -> str | None:
@@ -123,3 +130,29 @@ def test_no_layer_holds_more_than_a_third_of_src() -> None:
         per_layer[layer] = per_layer.get(layer, 0) + n
     biggest = max(per_layer, key=per_layer.get)
     assert per_layer[biggest] <= total / 3, (biggest, per_layer[biggest], total)
+
+
+def oversized(src: Path = SRC) -> list[str]:
+    """Each file of src/ over MAX_FILE_LINES and each function over
+    MAX_FUNCTION_LINES, as ``path:line ... (n lines)``."""
+    bad = []
+    for path in sorted(src.rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(src.parent)
+        lines = len(text.splitlines())
+        if lines > MAX_FILE_LINES:
+            bad.append(f"{rel}: {lines} lines (over {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    bad.append(
+                        f"{rel}:{node.lineno} {node.name}: {n} lines "
+                        f"(over {MAX_FUNCTION_LINES})"
+                    )
+    return bad
+
+
+def test_no_file_or_function_in_src_is_too_long() -> None:
+    found = oversized()
+    assert found == [], "too long:\n" + "\n".join(found)

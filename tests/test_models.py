@@ -18,7 +18,8 @@ from src.harness import compose_config
 from src.models import families, get_spec
 from src.resolved import model_config, model_spec, resolve
 from src.sharding import wrap
-from src.trainer.loop import build_optimizer, train
+from src.trainer.loop import train
+from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

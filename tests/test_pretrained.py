@@ -15,7 +15,8 @@ from src.config.validate import validate
 from src.harness import compose_config
 from src.resolved import model_config, model_spec, resolve
 from src.sharding import build_backend
-from src.trainer.loop import build_optimizer, train
+from src.trainer.loop import train
+from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

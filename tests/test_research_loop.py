@@ -36,7 +36,7 @@ from src.runs.from_run import (
     run_tokenizer,
 )
 from src.trainer.launch import prepare, run_rank, run_ranks
-from src.trainer.loop import lr_lambda
+from src.trainer.optimizer import lr_lambda
 from src.trainer.sampling import SAMPLING_CHANGES, sample_texts, sampling_changes
 from tests.distributed import HANG_S
 from tests.test_train import ROOT, make_cfg, read_rows, run_cmd

@@ -25,7 +25,7 @@ from src.harness import compose_config
 from src.observe.loggers import FileSink
 from src.runs.compose import resume_config
 from src.runs.resume import RECORD, attempt_subdir
-from src.trainer.loop import apply_hyperparameters, lr_lambda
+from src.trainer.optimizer import apply_hyperparameters, lr_lambda
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["model=tiny", "data=synthetic", "logger=none", "trainer.max_steps=6"]

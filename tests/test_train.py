@@ -18,7 +18,8 @@ from src.models import GPT, get_spec
 from src.planner.report import plan_only
 from src.resolved import resolve
 from src.trainer.launch import cpu_threads
-from src.trainer.loop import build_optimizer, lr_lambda, train
+from src.trainer.loop import train
+from src.trainer.optimizer import build_optimizer, lr_lambda
 from tests.distributed import HANG_S, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

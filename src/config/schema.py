@@ -136,7 +136,7 @@ class TrainerConfig:
     resume: str | None = described(
         "null, auto (newest in the run dir) or a checkpoint path"
     )
-    # src.trainer.loop.RESUME_SCHEDULES
+    # src.trainer.resume.RESUME_SCHEDULES
     resume_schedule: str = described(
         "resuming with another max_steps: keep (refuse) or extend"
     )

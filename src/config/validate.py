@@ -42,7 +42,7 @@ from src.sharding import (
     with_capability,
 )
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
-from src.trainer.loop import RESUME_SCHEDULES
+from src.trainer.resume import RESUME_SCHEDULES
 from src.trainer.sweep import DIRECTIONS, OBJECTIVES
 
 

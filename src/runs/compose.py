@@ -39,7 +39,7 @@ from src.runs.resume import (
 )
 from src.runs.writable import check_writable
 from src.trainer.launch import override_keys, prepare
-from src.trainer.loop import restart_reason, schedule_refusal
+from src.trainer.resume import restart_reason, schedule_refusal
 
 log = logging.getLogger(__name__)
 

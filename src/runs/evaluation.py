@@ -3,7 +3,7 @@
 The run's model and tokenizer (src/runs/from_run.py), the data of the run or of
 ``data=...`` read with the run's tokenizer, on every rank: each rank evaluates its
 rows of the same fixed batches the trainer validates on (``GlobalBatches.val_batches``,
-windows evenly spaced over the split) and ``loop.evaluate`` averages over ranks, so on
+windows evenly spaced over the split) and ``step.evaluate`` averages over ranks, so on
 the run's own validation split with its ``trainer.val_batches`` the loss is the
 run's ``val_loss`` at that step. Rank 0's result goes to ``<run dir>/eval.json`` (a
 list, one record per evaluation) and to the run's wandb run.
@@ -27,8 +27,8 @@ from src.data.sources import GlobalBatches, TokenStream, load_splits
 from src.errors import ConfigError
 from src.resolved import Resolved, world_size
 from src.runs.from_run import load_model, run_tokenizer
-from src.trainer.loop import evaluate
 from src.trainer.sampling import SHARDED_ONLY, spread_over
+from src.trainer.step import evaluate
 from src.util import keep_aside, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)

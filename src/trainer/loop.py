@@ -10,10 +10,8 @@ ranks give the same losses.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -26,17 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.build import build_model, build_pipeline, make_backend
-from src.checkpoint.damage import CheckpointError
 from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.export import export_consolidated, export_model_hf
-from src.checkpoint.folders import (
-    incomplete_checkpoints,
-    resolve_resume,
-    run_checkpoints,
-)
-from src.checkpoint.values import checked_extra
+from src.checkpoint.folders import run_checkpoints
 from src.data.sources import GlobalBatches, load_splits, tokenizer_of
-from src.errors import ConfigError, RunError, Stopped
+from src.errors import Stopped
 from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
 from src.observe.metrics import (
@@ -55,308 +47,19 @@ from src.observe.profiling import (
     watch_cuda_oom,
 )
 from src.resolved import Resolved
-from src.sharding import (
-    Backend,
-    WrapPlan,
-    canonical_name,
-    wrap_plan,
-)
-from src.trainer.faults import RESTART_CAUSE_ENV, signal_point, stop_signal
+from src.sharding import WrapPlan, canonical_name, wrap_plan
+from src.trainer.faults import signal_point, stop_signal
+from src.trainer.optimizer import build_optimizer, lr_lambda
 from src.trainer.pipelined import (
     pipeline_evaluate,
     pipeline_train_step,
     unpipelined_model,
 )
+from src.trainer.resume import resume
 from src.trainer.sampling import sample_texts
+from src.trainer.step import check_finite, evaluate, global_mean, train_step
 
 log = logging.getLogger(__name__)
-
-
-def build_optimizer(
-    model: nn.Module, cfg: DictConfig, resolved: Resolved
-) -> torch.optim.AdamW:
-    """AdamW with weight decay except where the family's no-decay rule says (biases
-    and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
-    views, so the live tensors cannot tell)."""
-    no_decay_name = resolved.spec.no_decay
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            is_nd = no_decay_name(canonical_name(name, model))
-            (no_decay if is_nd else decay).append(p)
-    t = cfg.trainer
-    groups = [
-        {"params": params, "weight_decay": wd}
-        for params, wd in zip((decay, no_decay), _weight_decays(t), strict=True)
-    ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas))
-
-
-def _weight_decays(t: DictConfig) -> tuple[float, float]:
-    """The weight decay of :func:`build_optimizer`'s two groups."""
-    return t.weight_decay, 0.0
-
-
-def lr_lambda(cfg: DictConfig):
-    """LR multiplier per step: linear warmup to 1, then cosine down to min_lr / lr."""
-    t = cfg.trainer
-    floor = t.min_lr / t.lr
-
-    def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def global_mean(value: torch.Tensor) -> float:
-    """Mean of a per-rank scalar over all ranks (each rank holds an equal share)."""
-    value = value.detach().clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value.item() / dist.get_world_size()
-
-
-def train_step(
-    model: nn.Module,
-    batches: GlobalBatches,
-    step: int,
-    backend: Backend,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    cfg: DictConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns this rank's share
-    of the loss and the global gradient norm (before clipping)."""
-    t = cfg.trainer
-    # The ranks of a tensor-parallel group read the same rows.
-    rank, world = backend.dp_rank, backend.dp_size
-    model.train()
-    loss_sum = torch.zeros((), device=backend.device)
-    for micro in range(t.grad_accum):
-        x, y = batches.get(step, micro, rank, world)
-        x, y = x.to(backend.device), y.to(backend.device)
-        # trainer.grad_sync=last: gradients are reduced across ranks only on the
-        # last micro-step (unsharded ones are held until then); every: each time.
-        sync = micro == t.grad_accum - 1 or t.grad_sync == "every"
-        # loss_context: tensor parallelism's loss_parallel, forward and backward.
-        with (
-            contextlib.nullcontext() if sync else backend.no_sync(model),
-            backend.loss_context(),
-        ):
-            with backend.autocast():
-                loss = model(x, y)[1]  # the logits are not kept through backward
-            loss = loss / t.grad_accum
-            (scaler.scale(loss) if scaler else loss).backward()
-        loss_sum += loss.detach()
-    if scaler:
-        scaler.unscale_(optimizer)
-    grad_norm = backend.clip_grad_norm_(model, t.grad_clip or math.inf)
-    if scaler:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
-    """Mean loss over the fixed validation batches (the same in every run)."""
-    model.eval()
-    total = torch.zeros((), device=backend.device)
-    for x, y in batches:
-        with backend.autocast(), backend.loss_context():
-            _, loss = model(x.to(backend.device), y.to(backend.device))
-        total += loss.float()
-    return global_mean(total / max(1, len(batches)))
-
-
-def resume(
-    cfg: DictConfig,
-    ckpt: Checkpointer,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    rank: int,
-    scaler: torch.amp.GradScaler | None = None,
-) -> tuple[int, dict[str, Any] | None]:
-    """Restore the checkpoint named by ``trainer.resume``; returns its step (0 if none)
-    and, when the schedule was extended, what ``summary.json`` records about it.
-
-    After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
-    resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
-    says. The optimizer's hyperparameters are this run's (:func:`apply_hyperparameters`:
-    a resume that changed them applies them). The schedule depends on
-    ``trainer.max_steps``: with ``trainer.resume_schedule=keep`` a checkpoint resumes
-    only with the ``max_steps`` it was written with (ConfigError otherwise); with
-    ``extend`` the learning rate follows the schedule of the new ``max_steps`` from
-    the resumed step on.
-    """
-    restarted = restart_reason(cfg)
-    wanted = "auto" if restarted else cfg.trainer.resume
-    if wanted == "auto":
-        for skipped, reason in incomplete_checkpoints(ckpt.directory):
-            log.info("skipping checkpoint dir %s: %s", skipped, reason)
-    try:
-        path = resolve_resume(wanted, ckpt.directory, ckpt.verify, _report_skip(rank))
-    except CheckpointError as err:  # not resume=null: the dir holds a run
-        raise CheckpointError(f"{err}; start over in another hydra.run.dir") from None
-    if restarted:
-        found = "resuming from the newest good checkpoint"
-        log.info(f"{restarted}; {found if path else 'no checkpoint yet: from step 0'}")
-    if path is None:
-        if wanted == "auto" and not restarted:
-            log.info(
-                "trainer.resume=auto: no checkpoint in %s; starting at step 1",
-                ckpt.directory,
-            )
-        return 0, None
-    state = ckpt.load(path, model, optimizer, scheduler, verify=False)
-    step = state["step"]
-    saved_max = checked_extra(
-        path, {"max_steps": cfg.trainer.max_steps, **state}, "max_steps", 1
-    )
-    if saved_max < 1:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: meta.json: extra.max_steps is "
-            f"{saved_max}, not an integer >= 1"
-        )
-    if saved_max != cfg.trainer.max_steps and cfg.trainer.resume_schedule != "extend":
-        raise schedule_refusal(cfg.trainer.max_steps, saved_max, path)
-    before = scheduler.get_last_lr()[0]
-    apply_hyperparameters(optimizer, scheduler, cfg)
-    after = scheduler.get_last_lr()[0]
-    extended = None
-    if saved_max != cfg.trainer.max_steps:
-        extended = _extended(cfg, path, step, saved_max, before, after)
-    elif after != before:
-        log.info(
-            "from step %d the learning rate follows this run's trainer.lr, min_lr "
-            "and warmup_steps (lr %.3g -> %.3g)",
-            step,
-            before,
-            after,
-        )
-    if scaler is not None and state.get("scaler"):  # fp16 resume stays exact
-        scaler.load_state_dict(
-            checked_extra(path, state, "scaler", scaler.state_dict())
-        )
-    log.info("resumed from %s (step %d)", path, step)
-    return step, extended
-
-
-#: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does.
-RESUME_SCHEDULES = ("keep", "extend")
-
-
-def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:
-    """A resume with another ``trainer.max_steps`` under ``resume_schedule=keep``."""
-    return ConfigError(
-        "trainer.max_steps",
-        f"got {max_steps}, but {path} belongs to a run of {saved_max} steps and "
-        f"the learning-rate schedule depends on it; resume with "
-        f"trainer.max_steps={saved_max}, or add trainer.resume_schedule=extend to "
-        f"continue on the schedule of {max_steps} steps",
-    )
-
-
-def apply_hyperparameters(
-    optimizer: torch.optim.Optimizer, scheduler: Any, cfg: DictConfig
-) -> None:
-    """This run's learning rate, schedule, weight decay and betas in the restored
-    optimizer and scheduler (a checkpoint brings back its own; a resume that changed
-    them trains with the new ones). The learning rate of the resumed step is the
-    scheduler's formula with this run's numbers, so an unchanged resume keeps it bit
-    for bit."""
-    t = cfg.trainer
-    for group, decay in zip(optimizer.param_groups, _weight_decays(t), strict=True):
-        group.update(weight_decay=decay, betas=tuple(t.betas), initial_lr=t.lr)
-    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
-    for group, base, factor in zip(
-        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
-    ):
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-def _extended(
-    cfg: DictConfig, path: Path, step: int, saved_max: int, before: float, after: float
-) -> dict[str, Any]:
-    """``trainer.max_steps`` changed on resume with ``resume_schedule=extend``: the
-    learning rate follows the schedule of the new ``max_steps`` (the scheduler is
-    built with it); said, and recorded in the summary."""
-    t = cfg.trainer
-    log.info(
-        f"trainer.resume_schedule=extend: max_steps {saved_max} -> {t.max_steps}; "
-        f"from step {step} the learning rate follows the schedule of "
-        f"{t.max_steps} steps (lr {before:.3g} -> {after:.3g})"
-    )
-    return {
-        "schedule": "extend",
-        "from_step": step,
-        "checkpoint": str(path),
-        "max_steps_before": saved_max,
-        "max_steps": t.max_steps,
-        "lr_before": before,
-        "lr_after": after,
-    }
-
-
-def restart_reason(cfg: DictConfig) -> str | None:
-    """An elastic restart or a SLURM requeue, in words (None otherwise): the ranks
-    then resume from the newest good checkpoint, whatever ``trainer.resume`` says."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restart:
-        # The launcher names the failure (torchrun does not: "a rank failed").
-        cause = os.environ.get(RESTART_CAUSE_ENV, "a rank failed").removeprefix(
-            "error: "
-        )
-        return f"elastic restart {restart} of {cfg.trainer.max_restarts} after {cause}"
-    requeue = int(os.environ.get("SLURM_RESTART_COUNT", 0))
-    if requeue:
-        job = os.environ.get("SLURM_JOB_ID", "?")
-        return f"SLURM job {job} requeued ({requeue}x)"
-    return None
-
-
-def _report_skip(rank: int):
-    def report(path: Path, reason: str) -> None:
-        log.info("skipping checkpoint %s: %s", path, reason)
-
-    return report
-
-
-class NonFiniteLossError(RunError):
-    """The loss or the gradient norm became NaN or inf."""
-
-
-def check_finite(
-    loss: float,
-    grad_norm: torch.Tensor,
-    step: int,
-    scaler: torch.amp.GradScaler | None,
-    ckpt: Checkpointer,
-) -> int:
-    """Stop on a NaN/inf loss, naming the step; with the fp16 scaler, overflowing
-    gradients only skip the step (the scaler did not apply it). Returns 1 if skipped.
-
-    The run stops before any later checkpoint is written, so the last good checkpoint
-    stays intact and ``trainer.resume=auto`` continues from it.
-    """
-    norm = float(grad_norm)
-    if math.isfinite(loss) and math.isfinite(norm):
-        return 0
-    if scaler is not None and math.isfinite(loss):
-        return 1
-    last = ckpt.latest()
-    where = f"last good checkpoint: {last}" if last else "no checkpoint was written"
-    raise NonFiniteLossError(
-        f"non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; "
-        f"stopping ({where})"
-    )
 
 
 def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:

@@ -1,5 +1,5 @@
 """The training step and validation of a pipeline-parallel run
-(``sharding.pipeline_parallel > 1``): what ``loop.train_step`` and ``loop.evaluate``
+(``sharding.pipeline_parallel > 1``): what ``step.train_step`` and ``step.evaluate``
 do, through the pipeline's schedule (src/sharding/pipeline.py).
 
 The loss is the same as without pipelining: each of the ``trainer.grad_accum``
@@ -63,7 +63,7 @@ def pipeline_evaluate(
     pipeline: Pipeline, batches: list, backend: Backend
 ) -> torch.Tensor:
     """Mean loss over the fixed validation batches, through the pipeline (forward
-    only), on every stage; its ``loop.global_mean`` is the loss without pipelining."""
+    only), on every stage; its ``step.global_mean`` is the loss without pipelining."""
     for m in pipeline.modules:
         m.eval()
     total = torch.zeros((), device=backend.device)

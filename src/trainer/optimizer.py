@@ -1,0 +1,73 @@
+"""The optimizer and the learning-rate schedule: AdamW in two weight-decay groups, the
+warmup-then-cosine multiplier, and this run's hyperparameters put back into a restored
+optimizer and scheduler."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from src.resolved import Resolved
+from src.sharding import canonical_name
+
+
+def build_optimizer(
+    model: nn.Module, cfg: DictConfig, resolved: Resolved
+) -> torch.optim.AdamW:
+    """AdamW with weight decay except where the family's no-decay rule says (biases
+    and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
+    views, so the live tensors cannot tell)."""
+    no_decay_name = resolved.spec.no_decay
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            is_nd = no_decay_name(canonical_name(name, model))
+            (no_decay if is_nd else decay).append(p)
+    t = cfg.trainer
+    groups = [
+        {"params": params, "weight_decay": wd}
+        for params, wd in zip((decay, no_decay), _weight_decays(t), strict=True)
+    ]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas))
+
+
+def _weight_decays(t: DictConfig) -> tuple[float, float]:
+    """The weight decay of :func:`build_optimizer`'s two groups."""
+    return t.weight_decay, 0.0
+
+
+def lr_lambda(cfg: DictConfig):
+    """LR multiplier per step: linear warmup to 1, then cosine down to min_lr / lr."""
+    t = cfg.trainer
+    floor = t.min_lr / t.lr
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: Any, cfg: DictConfig
+) -> None:
+    """This run's learning rate, schedule, weight decay and betas in the restored
+    optimizer and scheduler (a checkpoint brings back its own; a resume that changed
+    them trains with the new ones). The learning rate of the resumed step is the
+    scheduler's formula with this run's numbers, so an unchanged resume keeps it bit
+    for bit."""
+    t = cfg.trainer
+    for group, decay in zip(optimizer.param_groups, _weight_decays(t), strict=True):
+        group.update(weight_decay=decay, betas=tuple(t.betas), initial_lr=t.lr)
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
