@@ -38,6 +38,9 @@ GRAD_SYNC = ("last", "every")
 OBJECTIVES = {"val_loss": "min", "loss": "min", "tokens_per_s": "max"}
 DIRECTIONS = ("min", "max")
 EXPORTS = (False, True, "hf")
+#: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does (refuse
+#: it, or extend the schedule; src/trainer/loop.py).
+RESUME_SCHEDULES = ("keep", "extend")
 
 # The groups' schemas below type every key and hold its one-line --help text
 # (``described``); its value has one home, the group's YAML in conf/, so a field
@@ -146,7 +149,7 @@ class TrainerConfig:
     resume: str | None = described(
         "null, auto (newest in the run dir) or a checkpoint path"
     )
-    # src.trainer.loop.RESUME_SCHEDULES
+    # one of RESUME_SCHEDULES
     resume_schedule: str = described(
         "resuming with another max_steps: keep (refuse) or extend"
     )

@@ -32,10 +32,10 @@ from src.schema import (
     GRAD_SYNC,
     INIT_DEVICES,
     OBJECTIVES,
+    RESUME_SCHEDULES,
 )
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS, with_capability
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
-from src.trainer.loop import RESUME_SCHEDULES
 
 
 def _require(ok: bool, key: str, message: str) -> None:
