@@ -1,6 +1,6 @@
 """Train a model with sharded data parallelism: ``python train.py [key=value ...]``.
 
-Hydra composes and validates the config (conf/ + the schema in src/config/schema.py)
+Hydra composes and validates the config (conf/ + the schema in src/schema.py)
 in this process, then the ranks start (see src/trainer/launch.py). A config error is
 one line on stderr naming the key, and exits with status 2 before any rank starts. In a
 multirun (``-m``) a failed job is recorded instead and the other jobs still run

@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"resolved"},
     {"data", "observe"},
+    {"schema"},
     {"checkpoint"},
     {"build"},
     {"planner"},

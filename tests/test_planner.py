@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import src.config.schema  # noqa: F401  (registers the base_config schema for compose)
+import src.schema  # noqa: F401  (registers the base_config schema for compose)
 from src.harness import compose_config
 from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes

@@ -26,10 +26,10 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.config.schema import Config
 from src.config.validate import refuse_null_groups
 from src.errors import ConfigError, RunError
 from src.observe.logs import error_line
+from src.schema import Config
 from src.trainer.faults import FULL_ERROR_ENV
 
 log = logging.getLogger(__name__)

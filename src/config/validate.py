@@ -18,14 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from src.cli_help import is_schema_option, user_groups, user_options
-from src.config.schema import EVAL_SPLITS, EXPORTS, INIT_DEVICES
 from src.data.sources import DATA_SOURCES
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec
 from src.observe.loggers import LOGGERS
 from src.observe.logs import LOG_LEVELS
 from src.planner.constants import budget_bytes
-from src.planner.settings import GRAD_SYNC
 from src.resolved import (
     LAYOUT_KEYS,
     Resolved,
@@ -33,6 +31,15 @@ from src.resolved import (
     resolve,
     resolve_devices,
     tensor_parallel_plan,
+)
+from src.schema import (
+    DIRECTIONS,
+    EVAL_SPLITS,
+    EXPORTS,
+    GRAD_SYNC,
+    INIT_DEVICES,
+    OBJECTIVES,
+    RESUME_SCHEDULES,
 )
 from src.sharding import (
     BACKENDS,
@@ -42,8 +49,6 @@ from src.sharding import (
     with_capability,
 )
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
-from src.trainer.resume import RESUME_SCHEDULES
-from src.trainer.sweep import DIRECTIONS, OBJECTIVES
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -134,7 +139,7 @@ def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
 
 def refuse_schemas(cfg: DictConfig) -> None:
     """``model=schema/<family>``, ``data=base_<source>`` and ``logger=schema/<name>``
-    are the types of a group's options (registered by src/config/schema.py), not
+    are the types of a group's options (registered by src/schema.py), not
     options: picked on the command line they give a node without a preset's values
     (an 8B-parameter default Llama, ``data.name`` unset). Refused, naming the options
     of conf/."""

@@ -28,7 +28,6 @@ from src.planner.pipeline import (
 from src.planner.run_estimate import estimate_cfg
 from src.planner.search import Candidate, search
 from src.planner.settings import (
-    GRAD_SYNC,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -40,6 +39,7 @@ from src.planner.settings import (
     with_values,
 )
 from src.resolved import Resolved, resolve_devices
+from src.schema import GRAD_SYNC
 from src.sharding import GIB, WrapPlan, get_precision
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ from src.planner.pipeline import StagePlans, stage_plans, whole_activations, wor
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
-    GRAD_SYNC,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -38,6 +37,7 @@ from src.planner.settings import (
     with_values,
 )
 from src.resolved import Resolved
+from src.schema import GRAD_SYNC
 from src.sharding import PRECISIONS, WrapPlan, backend_class, get_precision
 from src.sharding.pipeline import SCHEDULES, microbatches_problem
 

@@ -14,7 +14,6 @@ from src.planner.constants import ACCELERATORS_GIB, budget_bytes
 from src.resolved import LAYOUT_KEYS, Resolved
 from src.sharding import ParallelLayout
 
-GRAD_SYNC = ("last", "every")
 AC_KEY = "sharding.activation_checkpointing"
 AC_EVERY_KEY = "sharding.activation_checkpointing_every"
 PREFETCH_KEY = "sharding.backward_prefetch"

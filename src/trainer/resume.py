@@ -98,10 +98,6 @@ def resume(
     return step, extended
 
 
-#: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does.
-RESUME_SCHEDULES = ("keep", "extend")
-
-
 def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:
     """A resume with another ``trainer.max_steps`` under ``resume_schedule=keep``."""
     return ConfigError(

@@ -40,6 +40,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.observe.metrics import CONTENDED, contended
+from src.schema import OBJECTIVES
 from src.trainer.faults import stopped_by_signal
 from src.util import markdown_table, read_json, read_yaml, write_json_atomic
 
@@ -119,11 +120,6 @@ def error_line(err: BaseException) -> str:
     if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
         return f"{lines[0].rstrip(':')}: {lines[-1]}"
     return lines[0]
-
-
-#: ``sweep.objective`` -> its own direction (``sweep.direction=null``).
-OBJECTIVES = {"val_loss": "min", "loss": "min", "tokens_per_s": "max"}
-DIRECTIONS = ("min", "max")
 
 
 def objective_of(cfg: DictConfig | None) -> tuple[str, str]:

@@ -4,7 +4,9 @@ The dataclasses below are registered in Hydra's ConfigStore as ``base_config``, 
 first entry of ``conf/config.yaml``'s defaults list, so every group file and every
 command-line override is merged into a typed node: an unknown key or a value of the
 wrong type fails while Hydra composes. Facts a type cannot express are checked by
-src/config/validate.py. Importing this module registers the schema.
+src/config/validate.py. Importing this module registers the schema. It sits low in the
+import order (just above src/data/ and src/observe/, tests/test_layers.py): it imports
+no planner, trainer or validation, and holds the allowed values they import.
 """
 
 from __future__ import annotations
@@ -19,19 +21,30 @@ from src.data.sources import DATA_SOURCES, DataConfig
 from src.data.token_cache import SPLITS
 from src.models import families, get_spec
 from src.observe.loggers import LOGGERS, LoggerConfig
-from src.planner.settings import GRAD_SYNC
 from src.registry import described, or_list
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
 from src.sharding.pipeline import SCHEDULES
 from src.sharding.policies import POLICIES
-from src.trainer.sweep import DIRECTIONS, OBJECTIVES
 
+# The allowed values of keys that a type cannot restrict, named here (the --help texts
+# below) and checked by src/config/validate.py; the code that acts on them imports them
+# from here.
 INIT_DEVICES = ("cpu", "cuda", "meta")
+#: ``trainer.grad_sync`` (besides auto): reduce gradients on the last micro-batch only
+#: or on every one (src/planner/ searches them, src/trainer/loop.py acts on them).
+GRAD_SYNC = ("last", "every")
+#: ``sweep.objective`` -> its own direction (``sweep.direction=null``); read by
+#: src/trainer/sweep.py.
+OBJECTIVES = {"val_loss": "min", "loss": "min", "tokens_per_s": "max"}
+DIRECTIONS = ("min", "max")
+EXPORTS = (False, True, "hf")
+#: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does (refuse
+#: it, or extend the schedule; src/trainer/loop.py).
+RESUME_SCHEDULES = ("keep", "extend")
 
 # The groups' schemas below type every key and hold its one-line --help text
 # (``described``); its value has one home, the group's YAML in conf/, so a field
 # without a default is MISSING.
-EXPORTS = (False, True, "hf")
 
 
 @dataclass
@@ -42,7 +55,7 @@ class ShardingConfig:
     policy: Any = described(
         lambda: f"which modules become units: {', '.join(POLICIES)} or a list"
     )
-    # a number, or "auto" (src/planner/planner.py chooses)
+    # a number, or "auto" (src/planner/auto.py chooses)
     min_params: Any = described(
         "size policy: parameters that make a unit (1e8), or auto"
     )
@@ -136,7 +149,7 @@ class TrainerConfig:
     resume: str | None = described(
         "null, auto (newest in the run dir) or a checkpoint path"
     )
-    # src.trainer.resume.RESUME_SCHEDULES
+    # one of RESUME_SCHEDULES
     resume_schedule: str = described(
         "resuming with another max_steps: keep (refuse) or extend"
     )
