@@ -55,6 +55,10 @@ def test_degrees_multiply_to_the_world_and_ranks_are_laid_out_row_major():
         assert layout.stage().world_size == layout.stage_size
         assert layout.stage().dp_rank(0) == 0
     assert seen > 20
+    # the start-up line names the degrees above 1
+    assert ParallelLayout(16, dp_replicate=2, tp=2).describe() == ", 2 replicas, TP2"
+    assert ParallelLayout(44, tp=11).describe() == ", TP11"
+    assert ParallelLayout(2).describe() == ""
 
 
 @pytest.mark.parametrize(

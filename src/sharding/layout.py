@@ -160,8 +160,12 @@ class ParallelLayout:
         """The data, context, tensor and expert degrees above 1, for the run's
         start-up line: ``", 2 replicas, TP2"`` (``""`` when there are none)."""
         parts = [f", {self.dp_replicate} replicas"] if self.dp_replicate > 1 else []
-        parts += [f", {d.upper()}{self.size(d)}" for d in ("cp", "tp", "ep")]
-        return "".join(p for p in parts if "replicas" in p or not p.endswith("P1"))
+        parts += [
+            f", {d.upper()}{self.size(d)}"
+            for d in ("cp", "tp", "ep")
+            if self.size(d) > 1
+        ]
+        return "".join(parts)
 
 
 class ParallelMesh:
