@@ -40,13 +40,14 @@ def evaluate_run(cfg: DictConfig) -> dict:
     """Everything ``eval.py`` does for ``cfg`` (conf/eval.yaml); returns the record."""
     with exit_on_config_error():
         validate_eval(cfg)
+        split = eval_split(cfg)
         run_dir, checkpoint, run_cfg, resolved = open_run(
             cfg.run,
             lambda run_cfg: eval_changes(cfg, run_cfg),
             EVAL_FILE,
             cfg.trust_remote_code,
+            (split,),
         )
-    split = eval_split(cfg)
     opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}
     with exit_on_config_error():  # a rank's failure: one line
         result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)

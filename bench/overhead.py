@@ -51,6 +51,7 @@ from omegaconf import OmegaConf
 
 from bench.common import publish
 from src.harness import compose_config, run_distributed
+from src.trainer.optimizer import final_lr
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -73,7 +74,7 @@ def load_settings(args: argparse.Namespace) -> dict:
         "log_every": args.log_every,
         "seed": int(trainer.seed),
         "lr": float(trainer.lr),
-        "min_lr": float(trainer.min_lr),
+        "min_lr": float(final_lr(trainer)),
         "warmup_steps": int(trainer.warmup_steps),
         "weight_decay": float(trainer.weight_decay),
         "betas": tuple(float(b) for b in trainer.betas),

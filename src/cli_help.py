@@ -36,6 +36,21 @@ def user_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def option_keys(group: str, option: str) -> set[str]:
+    """The top-level keys an option's YAML sets (conf/<group>/<option>.yaml), those of
+    the options it extends in its defaults list included."""
+    try:
+        node = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return set()
+    node = node if isinstance(node, dict) else {}
+    keys = set(node) - {"defaults"}
+    for parent in node.get("defaults") or ():
+        if isinstance(parent, str) and parent in user_options(group):
+            keys |= option_keys(group, parent)
+    return keys
+
+
 def user_groups() -> list[str]:
     return sorted(
         p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in NOT_GROUPS

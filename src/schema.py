@@ -41,6 +41,10 @@ EXPORTS = (False, True, "hf")
 #: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does (refuse
 #: it, or extend the schedule; src/trainer/loop.py).
 RESUME_SCHEDULES = ("keep", "extend")
+#: ``trainer.min_lr=null`` (the default): the cosine ends at ``trainer.lr`` times this,
+#: so the schedule follows the learning rate a sweep or a command line sets
+#: (src/trainer/optimizer.py ``final_lr``).
+MIN_LR_RATIO = 0.1
 
 # The groups' schemas below type every key and hold its one-line --help text
 # (``described``); its value has one home, the group's YAML in conf/, so a field
@@ -87,7 +91,12 @@ class ShardingConfig:
     pipeline_parallel: int = described(
         "fsdp2: P pipeline stages (pp mesh dim, outermost); 1 = off"
     )
-    pp_schedule: str = described(lambda: f"pipeline schedule: {or_list(SCHEDULES)}")
+    pp_schedule: str = described(
+        lambda: (
+            "pipeline schedule: "
+            + or_list(n for n, s in SCHEDULES.items() if not s.refused)
+        )
+    )
     pp_microbatches: int = described(
         "pipeline micro-batches per micro-step (each rank's rows split M ways)"
     )
@@ -133,7 +142,9 @@ class TrainerConfig:
     )
     sample_tokens: int = described("new tokens per trainer.sample_every sample")
     lr: float = described("peak learning rate (AdamW)")
-    min_lr: float = described("learning rate at the end of the cosine decay")
+    min_lr: float | None = described(
+        f"learning rate at the end of the cosine decay (null: lr x {MIN_LR_RATIO})"
+    )
     warmup_steps: int = described("steps of linear warmup")
     weight_decay: float = described("AdamW weight decay (2-D weights only)")
     betas: list[float] = described("AdamW betas")

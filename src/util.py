@@ -248,6 +248,11 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
         tmp.write_text(text)
 
 
+def plural(n: int, word: str) -> str:
+    """``1 unit``, ``5 units``: a count and its noun."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Rows of ``{column: cell}`` (the first row's keys are the columns) as a Markdown
     table; a ``|`` inside a cell is escaped."""

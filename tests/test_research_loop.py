@@ -36,7 +36,7 @@ from src.runs.from_run import (
     run_tokenizer,
 )
 from src.trainer.launch import prepare, run_rank, run_ranks
-from src.trainer.optimizer import lr_lambda
+from src.trainer.optimizer import final_lr, lr_lambda
 from src.trainer.sampling import SAMPLING_CHANGES, sample_texts, sampling_changes
 from tests.distributed import HANG_S
 from tests.test_train import ROOT, make_cfg, read_rows, run_cmd
@@ -105,7 +105,7 @@ def test_resume_schedule_extend_continues_and_keep_refuses(gpt_run, tmp_path):
     assert resume["schedule"] == "extend" and resume["from_step"] == 20
     assert (resume["max_steps_before"], resume["max_steps"]) == (20, 40)
     assert resume["lr_after"] == pytest.approx(cfg.trainer.lr * new(20))
-    assert resume["lr_before"] == pytest.approx(cfg.trainer.min_lr)  # the old end
+    assert resume["lr_before"] == pytest.approx(final_lr(cfg.trainer))  # the old end
 
 
 # ------------------------------------------------------------------- sampling

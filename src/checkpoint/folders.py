@@ -133,10 +133,13 @@ def resolve_resume(
         found = complete_checkpoints(candidates)
         if found:
             return _newest_good(found, verify, on_skip)
-    raise FileNotFoundError(
-        f"trainer.resume={resume!r}: not a complete checkpoint (a step_N directory "
-        f"with a {MARKER} marker) nor a directory holding one"
+    what = (
+        f"not a complete checkpoint (a step_N directory with a {MARKER} marker) nor "
+        "a directory holding one"
+        if path.exists()
+        else "no such file or directory"
     )
+    raise FileNotFoundError(f"trainer.resume: {str(path)!r}: {what}")
 
 
 def _newest_good(

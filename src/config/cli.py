@@ -26,6 +26,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from src.cli_help import is_schema_option, option_keys, user_groups, user_options
 from src.config.validate import refuse_null_groups
 from src.errors import ConfigError, RunError
 from src.observe.logs import error_line
@@ -47,6 +48,26 @@ def _allowed_keys(cause: OmegaConfBaseException) -> list[str]:
     return list(node.keys()) if isinstance(node, DictConfig) else []
 
 
+def _unchosen_group(key: str) -> str | None:
+    """For a key of a group that no option was chosen for (eval.py's ``data`` is
+    null: the run's own), what to add: the options whose YAML has that key."""
+    group, _, rest = key.partition(".")
+    if not rest or group not in user_groups():
+        return None
+    name = rest.split(".")[0]
+    holders = [
+        o
+        for o in user_options(group)
+        if not is_schema_option(o) and name in option_keys(group, o)
+    ]
+    if not holders:
+        return None
+    return (
+        f"no {group}= option is chosen to hold it: add {group}={holders[0]} (the "
+        f"{group}= options with this key: {', '.join(holders)})"
+    )
+
+
 def one_line(err: BaseException) -> str:
     """A config error as one line that starts with the key (Hydra's and OmegaConf's
     messages run over several lines and end with a hint about HYDRA_FULL_ERROR)."""
@@ -55,9 +76,8 @@ def one_line(err: BaseException) -> str:
     if isinstance(err, MissingConfigException) and err.options:
         group = (err.missing_cfg_file or "").rpartition("/")[0] or "config"
         wanted = (err.missing_cfg_file or "").rpartition("/")[2]
-        return (
-            f"{group}: no option {wanted!r}, expected one of: {', '.join(err.options)}"
-        )
+        options = [o for o in err.options if not is_schema_option(o)]
+        return f"{group}: no option {wanted!r}, expected one of: {', '.join(options)}"
     if isinstance(err, OverrideParseException):
         return f"{err.override}: {err.message.splitlines()[0]}"
     cause = err if isinstance(err, OmegaConfBaseException) else err.__cause__
@@ -67,6 +87,8 @@ def one_line(err: BaseException) -> str:
             allowed = _allowed_keys(cause)
             if allowed:
                 msg = f"unknown key, expected one of: {', '.join(allowed)}"
+            else:
+                msg = _unchosen_group(cause.full_key) or msg
         return f"{cause.full_key}: {msg}"
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
@@ -152,5 +174,7 @@ def run_cli(main: Callable[[], Any]) -> None:
         try:
             main()
         except OSError as err:  # e.g. Hydra cannot create the run dir
+            if isinstance(err, CONFIG_ERRORS):  # Hydra's missing option is an IOError
+                raise
             error_line(log, f"error: {err}")
             sys.exit(1)

@@ -38,6 +38,7 @@ from src.schema import (
     EXPORTS,
     GRAD_SYNC,
     INIT_DEVICES,
+    MIN_LR_RATIO,
     OBJECTIVES,
     RESUME_SCHEDULES,
 )
@@ -490,7 +491,10 @@ def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
         keyed("trainer.export", spec.hf.hf_config, resolved.model_config)
     _require(t.lr > 0, "trainer.lr", f"got {t.lr}, expected > 0")
     _require(
-        0 <= t.min_lr <= t.lr, "trainer.min_lr", f"got {t.min_lr}, expected [0, lr]"
+        t.min_lr is None or 0 <= t.min_lr <= t.lr,
+        "trainer.min_lr",
+        f"got {t.min_lr}, expected a number in [0, trainer.lr={t.lr:g}], or null "
+        f"(the default: trainer.lr x {MIN_LR_RATIO})",
     )
     _require(
         len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),

@@ -105,8 +105,11 @@ class Corpus:
         if max_bytes is not None and max_bytes <= 0:
             raise CorpusError(f"data.max_bytes={max_bytes} must be positive or null")
         val_fraction = cfg.val_fraction
-        if not 0.0 < val_fraction < 1.0:
-            raise CorpusError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+        if not 0.0 <= val_fraction < 1.0:
+            raise CorpusError(
+                f"data.val_fraction: got {val_fraction}, expected a fraction in "
+                "[0, 1) (0: no validation split)"
+            )
         return cls(
             files=resolve_files(cfg.paths),
             format=fmt,
@@ -231,8 +234,11 @@ class Corpus:
         return self._total
 
     def split_at(self) -> int:
-        """The byte where validation starts: the last ``val_fraction`` of the stream."""
+        """The byte where validation starts: the last ``val_fraction`` of the stream
+        (the end of it for ``val_fraction=0``: no validation split)."""
         total = self.num_bytes()
+        if self.val_fraction == 0:
+            return total
         if total < 2:
             raise CorpusError(
                 f"data.max_bytes: {total} byte(s), too few to split into train and "

@@ -143,6 +143,55 @@ def prepare_data(
     return meta
 
 
+def training_splits(trainer: Any, meta: dict | None) -> tuple[str, ...]:
+    """The splits a training run reads (``trainer``: its ``trainer`` node; ``meta``:
+    the token cache's): the training split, and the validation split when validation
+    runs and there is one (``data.val_fraction=0`` leaves none: no validation)."""
+    validates = trainer.val_every and trainer.val_batches
+    return (
+        ("train", "val") if validates and (meta or {}).get("val_tokens") else ("train",)
+    )
+
+
+def check_split_sizes(
+    data_cfg: Any, meta: dict | None, seq_len: int, splits: tuple[str, ...]
+) -> None:
+    """Each of ``splits`` (``train``, ``val`` or ``all``, from the token cache's
+    ``meta``) holds one window of ``seq_len + 1`` tokens; else a ``ConfigError``
+    naming the key that sizes it (before any rank starts: a rank would stop in
+    :class:`GlobalBatches`). Nothing to check for the sources without a cache."""
+    if meta is None:
+        return
+    window = seq_len + 1
+    fraction = data_cfg.val_fraction
+    for split in splits:
+        have = meta["train_tokens"] + meta["val_tokens"]
+        if split != "all":
+            have = meta[f"{split}_tokens"]
+        if have >= window:
+            continue
+        sized = f"a window is the model's sequence length + 1 = {window} tokens"
+        if split == "val" and fraction == 0:
+            raise ConfigError(
+                "data.val_fraction",
+                "0: there is no validation split to read; read split=train or all, "
+                "or train with data.val_fraction > 0",
+            )
+        if split == "val":
+            enough = fraction * window / max(have, 1)
+            raise ConfigError(
+                "data.val_fraction",
+                f"{fraction} gives a validation split of {have} tokens, fewer than "
+                f"one window ({sized}); raise it to about {enough:.2g} or more, or "
+                "set data.val_fraction=0 to train without a validation split",
+            )
+        key = "data.max_bytes" if data_cfg.max_bytes is not None else "data.paths"
+        what = "the training split" if split == "train" else "the corpus"
+        raise ConfigError(
+            key, f"{what} has {have} tokens, fewer than one window ({sized})"
+        )
+
+
 def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     """The tokenizer the run's text was tokenized with (``data.tokenizer``; a BPE from
     its cache), or None for the sources without one (``synthetic``, ``tokens``)."""

@@ -64,7 +64,9 @@ class CacheEntry:
     def dtype(self) -> np.dtype:
         return np.dtype(self.meta["dtype"])
 
-    def tokens(self, split: str) -> np.memmap:
+    def tokens(self, split: str) -> np.ndarray:
+        if self.meta[f"{split}_tokens"] == 0:  # data.val_fraction=0: no val split
+            return np.zeros(0, self.dtype)  # (an empty file cannot be mapped)
         return np.memmap(
             os.path.join(self.path, f"{split}.bin"), dtype=self.dtype, mode="r"
         )

@@ -196,9 +196,19 @@ def bpe_tokenizer(
             with atomic_path(path) as tmp:  # a reader never sees half a file
                 hf.save(str(tmp))
             verb = f"trained in {time.perf_counter() - start:.1f}s, saved to {path}"
+    size = hf.get_vocab_size()
     if verbose:
-        log.info("bpe tokenizer (%d tokens): %s", hf.get_vocab_size(), verb)
-    tokenizer = _from_hf(hf, f"bpe-{vocab_size}", BPE_EOS, None)
+        log.info("bpe tokenizer (%d tokens): %s", size, verb)
+    if verbose and size < vocab_size:
+        log.warning(
+            "data.bpe_vocab_size=%d: the training split yields only %d tokens (the "
+            "BPE ran out of pairs to merge); the tokenizer has %d",
+            vocab_size,
+            size,
+            size,
+        )
+    # Named by its real size (the cache's line, data.json, the export's).
+    tokenizer = _from_hf(hf, f"bpe-{size}", BPE_EOS, None)
     tokenizer.path = path
     return tokenizer
 

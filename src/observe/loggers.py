@@ -188,8 +188,11 @@ class WandbSink(Sink):
     another; a fresh start there is a new run (and its id replaces the file's).
     """
 
-    def __init__(self, start: Callable[[dict | None], Any], run_dir: Path) -> None:
+    def __init__(
+        self, start: Callable[[dict | None], Any], run_dir: Path, x_axis: str = "step"
+    ) -> None:
         self._start = start
+        self.x_axis = x_axis  # logger.x_axis
         self.id_file = Path(run_dir) / "wandb" / RUN_ID_FILE
         self.run = None
         self._pending: list[tuple[str, tuple]] = []
@@ -204,6 +207,11 @@ class WandbSink(Sink):
             except (OSError, ValueError):
                 resume = None
         self.run = self._start(resume)
+        if self.x_axis != "step":  # the training sections' charts over tokens seen
+            axis = wandb_key(self.x_axis)
+            self.run.define_metric(axis)
+            for section in TRAINING_SECTIONS:
+                self.run.define_metric(f"{section}*", step_metric=axis)
         if resume is None:
             self.id_file.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.id_file, {"id": self.run.id, "name": self.run.name})
@@ -272,6 +280,7 @@ PLAN_DRIFT = 0.15
 _CLOSING_FIGURES = (
     ("loss", "loss", "{:.4f}"),
     ("val_loss", "val_loss", "{:.4f}"),
+    ("tokens_seen", "tokens seen", "{:,}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("mfu", "MFU", "{:.1%}"),
     ("peak_mem_gib", "peak memory/rank", "{:.3f} GiB"),
@@ -301,6 +310,8 @@ class ConsoleSink(Sink):
             if isinstance(s.get(key), int | float)
             and not (key == "peak_mem_gib" and s.get("planned_peak_gib"))
         )
+        if isinstance(s.get("validation"), str):  # e.g. no validation split
+            figures += f", validation {s['validation']}"
         planned, measured = s.get("planned_peak_gib"), s.get("peak_mem_gib")
         drift = None
         if planned and isinstance(measured, int | float):
@@ -547,7 +558,9 @@ def _wandb_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
             allow_val_change=True,  # trainer.resume, max_steps... may differ
         )
 
-    return [ConsoleSink(run_dir, sync), WandbSink(start, run_dir)]
+    # (a config recorded before the key: wandb's step)
+    x_axis = OmegaConf.select(cfg, "logger.x_axis", default="step")
+    return [ConsoleSink(run_dir, sync), WandbSink(start, run_dir, x_axis)]
 
 
 # ------------------------------------------------------------- the logger options
@@ -555,6 +568,9 @@ def _wandb_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
 
 #: ``logger.mode`` of the wandb logger (wandb's own modes).
 WANDB_MODES = ("offline", "online", "disabled")
+#: ``logger.x_axis``: the wandb charts' x-axis, wandb's step (the optimizer step) or
+#: the ``tokens_seen`` figure (tokens trained on, across resumes).
+WANDB_X_AXES = ("step", "tokens_seen")
 
 
 @dataclass
@@ -573,6 +589,7 @@ class WandbLoggerConfig(LoggerConfig):
     tags: list[str] = described("wandb tags ([a,b])")
     name: str | None = described("wandb run name (null = wandb's default)")
     system_stats: bool = described("wandb's CPU/GPU sampling (probes cloud metadata)")
+    x_axis: str = described(f"wandb charts' x-axis: {or_list(WANDB_X_AXES)}")
 
 
 def _check_wandb(logger: DictConfig) -> None:
@@ -580,6 +597,11 @@ def _check_wandb(logger: DictConfig) -> None:
         raise ConfigError(
             "logger.mode",
             f"got {logger.mode!r}, expected one of: {', '.join(WANDB_MODES)}",
+        )
+    if logger.x_axis not in WANDB_X_AXES:
+        raise ConfigError(
+            "logger.x_axis",
+            f"got {logger.x_axis!r}, expected one of: {', '.join(WANDB_X_AXES)}",
         )
 
 

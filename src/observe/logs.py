@@ -25,7 +25,9 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NoReturn
 
 from tqdm import tqdm
@@ -72,12 +74,36 @@ class RankFilter(logging.Filter):
         return True
 
 
+_SRC = Path(__file__).resolve().parents[1]  # the project's code: src/
+_python_format = warnings.formatwarning
+
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning the project's own code raises (a checkpoint resharded onto another
+    number of ranks, ...) is a notice: its message alone, as the project's other
+    lines; a library's keeps Python's form (file, line, category)."""
+    try:
+        ours = Path(filename).resolve().is_relative_to(_SRC)
+    except (OSError, ValueError):
+        ours = False
+    if ours:
+        return str(message)
+    return _python_format(message, category, filename, lineno, line)
+
+
+def capture_warnings() -> None:
+    """Python warnings become log records (console and train.log), the project's
+    own as one plain line (:func:`format_warning`)."""
+    logging.captureWarnings(True)
+    warnings.formatwarning = format_warning
+
+
 def set_log_level(level: str) -> None:
     """``trainer.log_level``: the project loggers' level, or debug where
     ``hydra.verbose`` asks for it (``true``, or ``src``). Set for each job, so a
     multirun job does not inherit the previous one's. Python warnings become log
     records too, so ``train.log`` holds them as the console shows them."""
-    logging.captureWarnings(True)
+    capture_warnings()
     wanted = getattr(logging, level.upper())
     if _hydra_verbose():
         wanted = logging.DEBUG
@@ -155,7 +181,7 @@ def rank_logging(spec: LogSpec | None, rank: int, world: int) -> Iterator[None]:
         if spec.root_level <= logging.DEBUG:
             root.setLevel(logging.DEBUG)
         project.setLevel(spec.project_level)
-    logging.captureWarnings(True)
+    capture_warnings()
     gate = RankFilter(rank, world, debug_on())
     for h in root.handlers:
         h.addFilter(gate)

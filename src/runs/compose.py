@@ -203,6 +203,7 @@ def open_run(
     changes: Callable[[DictConfig], Mapping[str, Any]],
     record: str | None = None,
     trust_remote_code: bool = False,
+    splits: tuple[str, ...] = (),
 ) -> tuple[Path, Path, DictConfig, Resolved]:
     """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
     the config the checkpoint was saved with (else the run's record) typed by today's
@@ -212,8 +213,9 @@ def open_run(
     to are checked (:func:`check_writable`): with ``record`` (a file it writes in the
     run dir, and logs to wandb as the run did: eval.py) the run dir and wandb's too.
     The code the run's config names runs only with ``trust_remote_code`` (the
-    command's own key: :func:`refuse_recorded_code`). A problem is a ConfigError
-    naming the key."""
+    command's own key: :func:`refuse_recorded_code`). ``splits``: the data's splits
+    the command reads (each must hold a window). A problem is a ConfigError naming
+    the key."""
     run_dir, checkpoint = find_run(run)
     cfg, overrides = run_config(run_dir)
     saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
@@ -224,5 +226,5 @@ def open_run(
     resolved = validate(cfg)
     first = ("run", str(run_dir), record) if record else None
     check_writable(cfg, first, wandb=record is not None)
-    cfg, resolved = prepare(cfg, resolved, override_keys(overrides))
+    cfg, resolved = prepare(cfg, resolved, override_keys(overrides), splits=splits)
     return run_dir, checkpoint, cfg, resolved

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from src.util import plural
+
 from .backends import canonical_name
 from .layout import ParallelLayout
 from .tensor_parallel import tp_modules
@@ -124,7 +126,8 @@ class WrapPlan:
         """The units as an indented tree (parents before children), with sizes."""
         units = sorted(self.units, key=lambda u: _sort_key(u.path))
         lines = [
-            f"wrap plan: {len(self.units)} units, {_count(self.total_numel)} params, "
+            f"wrap plan: {plural(len(self.units), 'unit')}, "
+            f"{_count(self.total_numel)} params, "
             f"{_bytes(self.bytes_per_rank())} of parameters per rank "
             f"({self.describe_layout()})"
         ]

@@ -44,7 +44,12 @@ from torch.multiprocessing.spawn import ProcessContext
 
 from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import run_checkpoints, step_of
-from src.data.sources import follow_tokenizer_vocab, prepare_data
+from src.data.sources import (
+    check_split_sizes,
+    follow_tokenizer_vocab,
+    prepare_data,
+    training_splits,
+)
 from src.entry import rank_start_method, stop_rank_server
 from src.errors import ConfigError, RunDirBusy, RunError, Stopped
 from src.observe.logs import (
@@ -92,6 +97,7 @@ def prepare(
     resolved: Resolved,
     user_keys: set[str] | None = None,
     run_dir: str | None = None,
+    splits: tuple[str, ...] | None = None,
 ) -> tuple[DictConfig, Resolved]:
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
@@ -100,8 +106,9 @@ def prepare(
     (what ``validate()`` resolved from ``cfg`` as composed), built again only when
     the model's vocabulary followed the tokenizer, then read by the planner.
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
-    ``run_dir``: where to record what the data was made from (``data.json``). Bad
-    input is a ``ConfigError``."""
+    ``run_dir``: where to record what the data was made from (``data.json``);
+    ``splits``: the data's splits the command reads, each checked to hold a window
+    (default: training's, :func:`training_splits`). Bad input is a ``ConfigError``."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
@@ -118,6 +125,9 @@ def prepare(
         if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
             # The model is final now: its run object is built from it, once.
             resolved = resolve(cfg)
+        seq_len = resolved.spec.seq_len(resolved.model_config)
+        wanted = training_splits(cfg.trainer, meta) if splits is None else splits
+        check_split_sizes(cfg.data, meta, seq_len, wanted)
     # The planner reads that object (the model's spec and config); the block policy,
     # when chosen, is in both the config and the object it returns. Rank 0 says its
     # choices and logs its estimate beside what it measures: planned once, by rank 0.

@@ -58,8 +58,12 @@ from src.trainer.pipelined import (
 from src.trainer.resume import resume
 from src.trainer.sampling import sample_texts
 from src.trainer.step import check_finite, evaluate, global_mean, train_step
+from src.util import plural
 
 log = logging.getLogger(__name__)
+
+#: ``summary.json``'s ``validation`` of a run without a validation split.
+NO_VAL_SPLIT = "none: data.val_fraction=0"
 
 
 def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
@@ -148,7 +152,10 @@ class Trainer:
         self.batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
         self.tokenizer = tokenizer_of(self.cfg.data) if t.sample_every else None
         self.val_set = []
-        if t.val_every and t.val_batches:
+        self.no_val_split = len(val_split) == 0  # data.val_fraction=0
+        if self.no_val_split and t.val_every and t.val_batches:
+            log.info("training without a validation split (data.val_fraction=0)")
+        elif t.val_every and t.val_batches:
             self.val_set = GlobalBatches(
                 val_split, micro_batch, block_size, t.seed
             ).val_batches(t.val_batches, self.backend.dp_rank, self.backend.dp_size)
@@ -186,7 +193,7 @@ class Trainer:
             async_save=t.ckpt_async,
             writing=lambda step: signal_point("checkpoint", step),
         )
-        self.start_step, self.extended = resume(
+        self.start_step, self.extended, tokens = resume(
             self.cfg,
             self.ckpt,
             self.model,
@@ -195,6 +202,10 @@ class Trainer:
             self.rank,
             self.scaler,
         )
+        # Tokens trained on, across resumes (a resume may change the batch); a
+        # checkpoint from before they were recorded: its steps at this batch.
+        per_step = self.meter.tokens_per_step
+        self.tokens_seen = self.start_step * per_step if tokens is None else tokens
         if self.start_step < t.max_steps:
             # Only now, with a resume accepted and steps to train, does the wandb run
             # start (the same one again on a resume): a refused start or "nothing to
@@ -245,7 +256,7 @@ class Trainer:
         """What runs, in one line: model size, backend and units, precision,
         checkpointing, compile, devices, batch and tokens per step."""
         cfg, t, s = self.cfg, self.cfg.trainer, self.cfg.sharding
-        units = f", {len(self.plan.units)} units" if self.plan.units else ""
+        units = f", {plural(len(self.plan.units), 'unit')}" if self.plan.units else ""
         layout = self.backend.layout
         hsdp = layout.describe()
         if layout.pp > 1:
@@ -354,12 +365,14 @@ class Trainer:
             self.loss, grad_norm, step, self.scaler, self.ckpt
         )
         self.bar.update(1)
+        self.tokens_seen += self.meter.tokens_per_step
         log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
         speed = self.meter.step(step, log=log_now)  # None before the first full window
         if not log_now:
             return None
         metrics = {
             "loss": self.loss,
+            "tokens_seen": self.tokens_seen,
             "lr": lr,
             "grad_norm": float(grad_norm),
             **(speed or {}),
@@ -389,7 +402,7 @@ class Trainer:
             )
         else:
             val_loss = evaluate(self.model, self.val_set, self.backend)
-        self.logger.log({"val_loss": val_loss}, step=step)
+        self.logger.log({"val_loss": val_loss, "tokens_seen": self.tokens_seen}, step)
         self.summary["val_loss"] = val_loss
         log.info("step %d: val_loss %.4f", step, val_loss)
         self.meter.restart(step)  # validation time is not training throughput
@@ -441,7 +454,11 @@ class Trainer:
         ``trainer.ckpt_async``)."""
         # The config it was saved with: a resume continues from it (src/runs/resume.py).
         config = self.resolved.run_config or OmegaConf.to_container(self.cfg)
-        extra = {"max_steps": self.cfg.trainer.max_steps, "config": config}
+        extra = {
+            "max_steps": self.cfg.trainer.max_steps,
+            "config": config,
+            "tokens_seen": self.tokens_seen,
+        }
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         path = self.ckpt.save(
@@ -480,6 +497,8 @@ class Trainer:
             log.info("exported %s to %s", what, export_path)
         if self.extended:
             self.summary["resume"] = self.extended
+        if self.no_val_split:
+            self.summary["validation"] = NO_VAL_SPLIT
         self.summary.update(
             steps=t.max_steps,
             world_size=self.world,

@@ -12,6 +12,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.resolved import Resolved
+from src.schema import MIN_LR_RATIO
 from src.sharding import canonical_name
 
 
@@ -40,10 +41,17 @@ def _weight_decays(t: DictConfig) -> tuple[float, float]:
     return t.weight_decay, 0.0
 
 
+def final_lr(t: DictConfig) -> float:
+    """Where the cosine ends: ``trainer.min_lr``, or when null (the default)
+    ``trainer.lr`` x :data:`MIN_LR_RATIO`, so it follows the learning rate."""
+    return t.lr * MIN_LR_RATIO if t.min_lr is None else t.min_lr
+
+
 def lr_lambda(cfg: DictConfig):
-    """LR multiplier per step: linear warmup to 1, then cosine down to min_lr / lr."""
+    """LR multiplier per step: linear warmup to 1, then cosine down to
+    :func:`final_lr` / lr."""
     t = cfg.trainer
-    floor = t.min_lr / t.lr
+    floor = final_lr(t) / t.lr
 
     def factor(step: int) -> float:
         if step < t.warmup_steps:

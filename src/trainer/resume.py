@@ -32,9 +32,10 @@ def resume(
     scheduler: Any,
     rank: int,
     scaler: torch.amp.GradScaler | None = None,
-) -> tuple[int, dict[str, Any] | None]:
-    """Restore the checkpoint named by ``trainer.resume``; returns its step (0 if none)
-    and, when the schedule was extended, what ``summary.json`` records about it.
+) -> tuple[int, dict[str, Any] | None, int | None]:
+    """Restore the checkpoint named by ``trainer.resume``; returns its step (0 if none),
+    when the schedule was extended what ``summary.json`` records about it, and the
+    tokens trained on up to it (None: a checkpoint from before they were recorded).
 
     After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
     resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
@@ -63,7 +64,7 @@ def resume(
                 "trainer.resume=auto: no checkpoint in %s; starting at step 1",
                 ckpt.directory,
             )
-        return 0, None
+        return 0, None, None
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
     saved_max = checked_extra(
@@ -95,7 +96,10 @@ def resume(
             checked_extra(path, state, "scaler", scaler.state_dict())
         )
     log.info("resumed from %s (step %d)", path, step)
-    return step, extended
+    tokens = state.get("tokens_seen")
+    if tokens is not None:
+        tokens = checked_extra(path, state, "tokens_seen", 0)
+    return step, extended, tokens
 
 
 def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:

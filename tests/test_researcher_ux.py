@@ -1,0 +1,212 @@
+"""What a researcher ran in issue 49 and got wrong or too late: data checks before
+any rank starts (a validation split too small, none at all, a BPE smaller than
+asked), mistyped options and paths in one line, a learning rate without its
+``min_lr``, notices without file paths, the docs' lists, and ``tokens_seen``
+across a resume (metrics.jsonl, the closing line, wandb's x-axis)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from src.cli_help import is_schema_option, user_options
+from src.config.validate import validate
+from src.data.sources import prepare_data, tokenizer_of
+from src.observe.logs import capture_warnings
+from src.registry import key_help
+from src.schema import MIN_LR_RATIO, ShardingConfig
+from src.trainer.optimizer import final_lr, lr_lambda
+from tests.distributed import HANG_S
+from tests.test_config import assert_fails_naming, make_cfg
+from tests.test_token_cache import cfg_for, write_corpus
+from tests.wandb_offline import offline_run_files, read_wandb_offline_records
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON_CORPUS = "data.paths=<stdlib>/json/*.py"  # 48 KB: 24 tokens at 0.0005
+ONE_RANK = [
+    "model=tiny",
+    "trainer.devices=1",
+    "sharding=none",
+    "trainer.progress=false",
+]
+
+
+def run(script: str, *args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "SHARDWRAP_CACHE": str(cache)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def one_config_error(out: subprocess.CompletedProcess) -> str:
+    """The one line a refused command prints (exit status 2)."""
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr + out.stdout
+    assert len(lines) == 1 and lines[0].startswith("config error: "), out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    return lines[0].removeprefix("config error: ")
+
+
+@pytest.mark.slow
+def test_mistakes_are_one_line_naming_the_key_and_the_fix(tmp_path):
+    cache = tmp_path / "cache"
+    line = one_config_error(run("train.py", "model=tinyy", cache=cache))
+    real = [o for o in user_options("model") if not is_schema_option(o)]
+    assert line == f"model: no option 'tinyy', expected one of: {', '.join(real)}"
+    assert "base_gpt" not in line and "llama3_1b" in line
+
+    line = one_config_error(
+        run("eval.py", f"run={tmp_path}", "data.paths=/x/*.txt", cache=cache)
+    )
+    assert line.startswith("data.paths: no data= option is chosen to hold it: add ")
+    assert "data=files" in line
+
+    missing = tmp_path / "no" / "such" / "step_00000100"
+    args = [f"hydra.run.dir={tmp_path}/a", f"trainer.resume={missing}"]
+    line = one_config_error(run("train.py", *args, cache=cache))
+    assert line == f"trainer.resume: '{missing}': no such file or directory"
+
+    # Too small a validation split: named before any rank starts (it was a
+    # ValueError inside a rank naming neither the split nor the key).
+    args = ["model=tiny", "trainer.progress=false", "data=files", JSON_CORPUS]
+    args.append("data.val_fraction=0.0005")
+    out = run("train.py", *args, f"hydra.run.dir={tmp_path}/b", cache=cache)
+    line = one_config_error(out)
+    assert line.startswith(
+        "data.val_fraction: 0.0005 gives a validation split of 24 tokens, fewer "
+        "than one window (a window is the model's sequence length + 1 = 65 tokens)"
+    )
+    assert "data.val_fraction=0 to train without a validation split" in line
+    assert not (tmp_path / "b" / "ranks").exists()  # no rank started
+
+
+@pytest.mark.slow
+def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
+    """``data.val_fraction=0`` trains without validation, said at the start and in
+    the summary; ``tokens_seen`` counts every step's tokens across a resume that
+    halves the batch (metrics.jsonl, summary, closing line, wandb's x-axis); eval.py
+    of that run's missing val split is one line naming data.val_fraction."""
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    first = run(
+        "train.py",
+        *ONE_RANK,
+        "data=files",
+        JSON_CORPUS,
+        "data.val_fraction=0",
+        "trainer.max_steps=4",
+        "trainer.log_every=2",
+        "trainer.val_every=2",
+        "logger.x_axis=tokens_seen",
+        f"hydra.run.dir={run_dir}",
+        cache=cache,
+    )
+    assert first.returncode == 0, first.stderr
+    assert "training without a validation split (data.val_fraction=0)" in first.stdout
+    assert "validation none: data.val_fraction=0" in first.stdout  # closing line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["validation"] == "none: data.val_fraction=0"
+    assert "val_loss" not in summary and summary["tokens_seen"] == 4 * 16 * 64
+
+    again = run(
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        "trainer.resume=auto",
+        "trainer.max_steps=6",
+        "trainer.resume_schedule=extend",
+        "trainer.batch_size=8",
+        cache=cache,
+    )
+    assert again.returncode == 0, again.stderr
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seen = {r["step"]: r["tokens_seen"] for r in rows if "tokens_seen" in r}
+    assert seen == {1: 1024, 2: 2048, 4: 4096, 6: 4096 + 2 * 8 * 64}
+    assert json.loads((run_dir / "summary.json").read_text())["tokens_seen"] == 5120
+    assert "tokens seen 5,120" in again.stdout
+    for run_file in offline_run_files(run_dir):  # each attempt's wandb records
+        records = read_wandb_offline_records(run_dir, run_file)
+        axes = {
+            r["metric"].get("glob_name"): r["metric"].get("step_metric")
+            for r in records
+            if r.get("type") == "metric"
+        }
+        assert axes["train/*"] == axes["val/*"] == "train/tokens_seen"
+    history = [r["history"]["item"] for r in records if r.get("type") == "history"]
+    assert history[-1]["train/tokens_seen"] == 5120
+
+    line = one_config_error(run("eval.py", f"run={run_dir}", cache=cache))
+    assert line.startswith("data.val_fraction: 0: there is no validation split")
+
+
+def test_a_bpe_smaller_than_asked_says_so_and_is_named_by_its_size(tmp_path, caplog):
+    cfg = cfg_for(
+        tmp_path,
+        write_corpus(tmp_path, "text"),
+        "data.tokenizer=bpe",
+        "data.bpe_vocab_size=2048",
+    )
+    with caplog.at_level(logging.INFO, logger="src"):
+        meta = prepare_data(cfg.data, verbose=True, progress=False)
+    size = meta["vocab_size"]
+    assert size < 2048
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        f"data.bpe_vocab_size=2048: the training split yields only {size} tokens "
+        f"(the BPE ran out of pairs to merge); the tokenizer has {size}"
+    ]
+    cached = [
+        r.getMessage() for r in caplog.records if "token cache:" in r.getMessage()
+    ]
+    assert f"bpe-{size}, vocab {size}" in cached[0]
+    assert tokenizer_of(cfg.data).name == f"bpe-{size}"  # the export's name too
+
+
+def test_min_lr_follows_lr_unless_set():
+    for lr in (1e-4, 3e-4, 3e-3):  # 1e-4 failed on min_lr, 3e-4 was flat
+        cfg = make_cfg(f"trainer.lr={lr}")
+        validate(cfg)
+        assert final_lr(cfg.trainer) == pytest.approx(lr * MIN_LR_RATIO)
+        end = lr_lambda(cfg)(cfg.trainer.max_steps)
+        assert end == pytest.approx(MIN_LR_RATIO)  # a cosine, not a flat line
+    set_ = make_cfg("trainer.lr=1e-3", "trainer.min_lr=0")
+    assert lr_lambda(set_)(set_.trainer.max_steps) == 0
+    assert_fails_naming(
+        ["trainer.lr=1e-4", "trainer.min_lr=3e-4"],
+        "trainer.min_lr",
+        "expected a number in [0, trainer.lr=0.0001], or null",
+    )
+
+
+def test_the_projects_warnings_are_plain_lines(caplog):
+    """A warning raised by src/ (the reshard notice of a checkpoint loaded on another
+    number of ranks) is its message alone; a library's keeps Python's form."""
+    capture_warnings()
+    notice = "checkpoint step_00000004 was written by 2 ranks and is loaded on 1"
+    ours = str(ROOT / "src" / "checkpoint" / "dcp.py")
+    with caplog.at_level(logging.WARNING, logger="py.warnings"):
+        warnings.warn_explicit(notice, UserWarning, ours, 396)
+        warnings.warn_explicit("old", FutureWarning, "/lib/torch/x.py", 7)
+    assert caplog.records[0].getMessage() == notice
+    assert caplog.records[1].getMessage().startswith("/lib/torch/x.py:7: FutureWarning")
+    logging.captureWarnings(False)
+
+
+def test_docs_and_help_list_what_runs():
+    readme = (ROOT / "README.md").read_text()
+    for option in user_options("model"):
+        if not is_schema_option(option):
+            assert f"`{option}`" in readme, option
+    schedules = key_help(ShardingConfig, "pp_schedule")
+    assert "zbv" not in schedules and "1f1b" in schedules  # zbv is refused
