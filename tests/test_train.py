@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from src.harness import compose_config
 from src.models import GPT, get_spec
@@ -21,6 +22,7 @@ from src.trainer.launch import cpu_threads
 from src.trainer.loop import train
 from src.trainer.optimizer import build_optimizer, lr_lambda
 from tests.distributed import HANG_S, run_distributed
+from tests.test_models import TinyLM
 
 ROOT = Path(__file__).resolve().parents[1]
 # A short fp32 run on model=tiny: several wrap units, two micro-batches per step.
@@ -154,30 +156,42 @@ def test_train_py_on_two_ranks_writes_metrics(tmp_path):
     assert closing[1] == f"outputs: {run_dir}"
 
 
+class FailingLM(TinyLM):
+    """Raises on a real batch (the planner's fake tensors pass): every rank fails in
+    its first step, with an error no check before the ranks can see."""
+
+    def forward(self, idx, targets=None):
+        if not is_fake(idx):
+            raise ValueError(FAILURE)
+        return super().forward(idx, targets)
+
+
+FAILURE = "FailingLM: this rank's own error"
+FAILING = ["model=custom", "model._target_=tests.test_train.FailingLM", *SMALL_RUN[1:]]
+
+
 @pytest.mark.slow
 def test_failing_rank_fails_the_command_and_shows_its_error_once(tmp_path):
-    # 50 bytes of text cannot fill one model=tiny window: every rank raises.
     out = run_cmd(
-        [sys.executable, "train.py", *SMALL_RUN, "data.max_bytes=50"]
-        + [f"hydra.run.dir={tmp_path}/run"]
+        [sys.executable, "train.py", *FAILING, f"hydra.run.dir={tmp_path}/run"]
     )
     assert out.returncode != 0
     text = out.stdout + out.stderr
-    assert text.count("fewer than model.block_size") == 1, text
+    assert text.count(FAILURE) == 1, text
     assert "failed (exit code 1)" in out.stderr
     # One rank runs in the launching process: the same one line, not a traceback.
     out = run_cmd(
-        [sys.executable, "train.py", *SMALL_RUN, "data.max_bytes=50"]
+        [sys.executable, "train.py", *FAILING]
         + ["trainer.devices=1", f"hydra.run.dir={tmp_path}/one"]
     )
     assert out.returncode == 1
     error_file = tmp_path / "one" / "ranks" / "rank0_error.txt"
     assert out.stderr.strip().splitlines()[-1] == (
-        f"rank 0 on {socket.gethostname()} failed: ValueError: data.paths: split has "
-        f"48 tokens, fewer than model.block_size + 1 = 65 (traceback: {error_file})"
+        f"rank 0 on {socket.gethostname()} failed: ValueError: {FAILURE} "
+        f"(traceback: {error_file})"
     )
     assert "Traceback" not in out.stdout + out.stderr
-    assert "fewer than model.block_size" in error_file.read_text()
+    assert FAILURE in error_file.read_text()
 
 
 @pytest.mark.slow
