@@ -612,14 +612,14 @@ def test_full_disk_says_no_space_left_and_where(tmp_path):
     (tmp_path / "checkpoints" / ".tmp.step_00000002").mkdir(parents=True)
     writer = subprocess.Popen(["true"])  # a writer that is gone
     writer.wait()
-    (tmp_path / f"summary.json.tmp-{writer.pid}").write_text("{")
+    (tmp_path / f"summary.json.tmp-shardwrap-{writer.pid}").write_text("{")
     run = run_train(tmp_path, "trainer.max_steps=2")
     assert run.returncode == 1
     line = one_line_error(run.stdout + run.stderr)
     assert f"no space left on device writing to {tmp_path}" in line
     assert (
         f"left in {tmp_path}: checkpoints/.tmp.step_00000002, "
-        f"summary.json.tmp-{writer.pid}\n" in run.stderr
+        f"summary.json.tmp-shardwrap-{writer.pid}\n" in run.stderr
     )
     assert not list(tmp_path.glob("**/*.tmp*"))
 

@@ -165,3 +165,20 @@ def test_rows_past_the_resumed_step_are_dropped(tmp_path):
     logger.finish(0)
     steps = [json.loads(r)["step"] for r in (tmp_path / METRICS_FILE).open()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_full_disk_at_start_up_is_one_line_with_the_free_space(tmp_path, monkeypatch):
+    """Issue 48 item 3: creating an empty file succeeds on a full disk, so the
+    writability probe writes and syncs; ENOSPC there is said with the free space
+    (the full disk itself: tests/test_faults.py's /dev/full run)."""
+    import errno
+
+    from src import util
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(util.os, "fsync", full)
+    assert util.unwritable(tmp_path) == (
+        f"no space left on device ({util.free_space(tmp_path)} free)"
+    )

@@ -56,7 +56,8 @@ from src.errors import (
     RunError,
     Stopped,
 )
-from src.util import atomic_path, interrupted_writes, parse_json
+from src.observe.profiling import PROFILE_DIR
+from src.util import atomic_path, free_space, interrupted_writes, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -247,17 +248,24 @@ def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
         os.close(fd)  # releases the flock
 
 
+#: Where in a run dir the run's own writers use :func:`atomic_path` (the top level:
+#: metrics, summary, data.json, eval.json; wandb's run id; the profiler's files).
+#: Nothing else is looked into: the rest may be the user's.
+_ATOMIC_DIRS = ("", "wandb", PROFILE_DIR)
+
+
 def remove_interrupted_writes(run_dir: str | os.PathLike) -> list[Path]:
     """Remove what writes that did not finish (a full disk, a killed run) left in
     ``run_dir``: interrupted checkpoint saves (:func:`drop_partial`) and the temporary
-    files of :func:`atomic_path` anywhere below the run dir; one line names them.
+    files of :func:`atomic_path` (their marker, a dead writer's PID) in the dirs the
+    run writes them to (:data:`_ATOMIC_DIRS`, never a link); one line names them.
     Call it holding the run dir (:func:`run_dir_lock`): no other run writes there."""
     run_dir = Path(run_dir)
-    checkpoints = run_checkpoints(run_dir)
-    removed = drop_partial(checkpoints)
-    for directory, subdirs, _ in os.walk(run_dir):
-        subdirs[:] = [d for d in subdirs if Path(directory, d) != checkpoints]
-        for path in interrupted_writes(directory):
+    removed = drop_partial(run_checkpoints(run_dir))
+    for sub in _ATOMIC_DIRS:
+        if sub and (run_dir / sub).is_symlink():
+            continue
+        for path in interrupted_writes(run_dir / sub):
             path.unlink(missing_ok=True)
             removed.append(path)
     if removed:
@@ -584,7 +592,7 @@ def named_failures(
         if _no_space(err):
             raise DiskFull(
                 f"no space left on device writing to {run_dir} "
-                f"({_free(run_dir)} free): {_first_line(err)}"
+                f"({free_space(run_dir)} free): {_first_line(err)}"
             ) from err
         if heartbeat is not None and isinstance(err, RuntimeError):
             closed = _peer_closed(err)
@@ -630,14 +638,6 @@ def _no_space(err: BaseException) -> bool:
     return False
 
 
-def _free(path: str) -> str:
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return "unknown space"
-    return f"{free / 2**20:.1f} MiB"
-
-
 def disk_full(run_dir: str) -> str | None:
     """A one-line 'no space left' report if the run dir's filesystem is (nearly) full."""
     try:
@@ -645,7 +645,7 @@ def disk_full(run_dir: str) -> str | None:
     except OSError:
         return None
     return (
-        f"no space left on device in {run_dir} ({_free(run_dir)} free)"
+        f"no space left on device in {run_dir} ({free_space(run_dir)} free)"
         if full
         else None
     )
