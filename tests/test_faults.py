@@ -221,6 +221,33 @@ def test_ranks_die_with_their_launcher_and_the_run_then_resumes(tmp_path):
     assert sorted(losses(tmp_path)) == list(range(1, 9))
 
 
+def test_an_export_killed_midway_leaves_no_half_export_and_a_resume_finishes_it(
+    tmp_path,
+):
+    """Issue 48 item 6: ``trainer.export=hf`` is written beside ``hf/`` and renamed
+    into place; SIGKILL to every process once the weights are written (rank 1, at
+    the export's hook) leaves no ``hf/``; the resume removes the half export, says
+    the run's export is missing and writes it ("nothing to train" alone, before)."""
+    steps = ["trainer.max_steps=2", "trainer.export=hf"]
+    proc = start(tmp_path, *steps, signal_at="export:group:SIGKILL")
+    out, _ = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    assert "checkpoint saved to" in out and "exported" not in out, out[-3000:]
+    half = tmp_path / "hf.tmp-shardwrap-dir"
+    assert list(half.glob("*.safetensors")) and not (tmp_path / "hf").exists()
+
+    resumed = run_train(tmp_path, *steps, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "hf.tmp-shardwrap-dir" in resumed.stderr  # removed, in one line
+    assert "nothing to train" in resumed.stdout
+    assert f"trainer.export=hf: {tmp_path / 'hf'} is missing: exporting" in (
+        resumed.stdout
+    )
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    assert "sharded" not in names and not half.exists()
+
+
 def test_rank_killed_mid_step_ends_the_job_with_an_error(tmp_path):
     timeout_s = 60
     proc = start(tmp_path, "trainer.max_steps=100000", f"trainer.timeout_s={timeout_s}")

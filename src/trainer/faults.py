@@ -41,9 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from src.checkpoint.export import HF_EXPORT_DIR
 from src.checkpoint.folders import (
     complete_checkpoints,
     drop_partial,
+    drop_unpublished,
     run_checkpoints,
     saving_step,
 )
@@ -256,12 +258,14 @@ _ATOMIC_DIRS = ("", "wandb", PROFILE_DIR)
 
 def remove_interrupted_writes(run_dir: str | os.PathLike) -> list[Path]:
     """Remove what writes that did not finish (a full disk, a killed run) left in
-    ``run_dir``: interrupted checkpoint saves (:func:`drop_partial`) and the temporary
+    ``run_dir``: interrupted checkpoint saves (:func:`drop_partial`), an export
+    being written (:func:`drop_unpublished`) and the temporary
     files of :func:`atomic_path` (their marker, a dead writer's PID) in the dirs the
     run writes them to (:data:`_ATOMIC_DIRS`, never a link); one line names them.
     Call it holding the run dir (:func:`run_dir_lock`): no other run writes there."""
     run_dir = Path(run_dir)
     removed = drop_partial(run_checkpoints(run_dir))
+    removed += drop_unpublished(run_dir / HF_EXPORT_DIR)
     for sub in _ATOMIC_DIRS:
         if sub and (run_dir / sub).is_symlink():
             continue
