@@ -24,7 +24,13 @@ from src.planner.run import budget_check
 from src.planner.settings import run_budget_bytes
 from src.runs.compose import continue_run
 from src.trainer.faults import stop_before_start
-from src.trainer.launch import job_user_keys, launch, preflight, prepare
+from src.trainer.launch import (
+    job_user_keys,
+    launch,
+    own_run_dir,
+    preflight,
+    prepare,
+)
 from src.trainer.sweep import run_job
 
 
@@ -50,16 +56,19 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
 
 
 def _run(cfg: DictConfig, run_dir: str) -> dict | None:
-    """The run's summary (None for plan-only)."""
-    with exit_on_config_error():  # one line, before any rank starts
-        user_keys = None
-        if not cfg.trainer.plan_only:  # a resume: the run's config, with changes
-            cfg, user_keys = continue_run(cfg, run_dir)
-        cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
-        if cfg.trainer.plan_only:  # no rank starts: its errors are the config's
+    """The run's summary (None for plan-only). A run holds its run dir from before
+    it reads the run's config or writes anything there (data.json, a resume's
+    record) until its ranks end: a second command there is refused untouched."""
+    if cfg.trainer.plan_only:  # no rank starts: its errors are the config's
+        with exit_on_config_error():
+            cfg, resolved = prepare(cfg, validate(cfg), None, run_dir=run_dir)
             return launch(cfg, run_dir, resolved)
-        preflight(run_dir)  # the run dir is writable
-    return launch(cfg, run_dir, resolved)
+    with own_run_dir(run_dir):
+        with exit_on_config_error():  # one line, before any rank starts
+            cfg, user_keys = continue_run(cfg, run_dir)  # a resume: the run's config
+            cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
+            preflight(run_dir)  # the run dir is writable
+        return launch(cfg, run_dir, resolved)
 
 
 if __name__ == "__main__":

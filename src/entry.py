@@ -8,6 +8,7 @@ rank after them. This module imports nothing heavy."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -19,6 +20,54 @@ from typing import Any
 #: starts with them blocked until its own handler is in place.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 _rank_server = False  # start_rank_server() ran in this process
+#: Set only while the rank server starts, to the launcher's PID: the server ties its
+#: life to that process (:func:`_die_with_parent`) as it imports this module.
+_SERVER_OF_ENV = "SHARDWRAP_RANK_SERVER_OF"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """This process is SIGKILLed by the kernel when ``parent``, its parent, ends
+    (Linux's ``PR_SET_PDEATHSIG``, through ctypes; elsewhere nothing is asked); if
+    it has ended already, this process ends now."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the kernel was asked
+        os._exit(1)
+
+
+def die_with_launcher() -> None:
+    """In a local rank (a process multiprocessing started: forked from the rank
+    server, or spawned): end with the launcher, whatever ends it (``kill -9``, the
+    OOM killer), instead of training on as an orphan. Two ways, either enough: the
+    kernel kills this rank when its parent ends (the rank server, which the kernel
+    kills when the launcher ends; or the launcher itself for a spawned rank); and a
+    thread watches the pipe the launcher holds open to this rank
+    (``multiprocessing.parent_process()``'s sentinel, at end of file once the
+    launcher is gone, also if it was gone before this line ran) and kills this rank
+    then. Nothing in a process multiprocessing did not start (the launcher's own
+    rank, a torchrun rank)."""
+    import threading
+
+    launcher = multiprocessing.parent_process()
+    if launcher is None:
+        return
+    _die_with_parent(os.getppid())
+
+    def watch() -> None:
+        launcher.join()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+if os.environ.get(_SERVER_OF_ENV) == str(os.getppid()):
+    # This process is the rank server, importing what its ranks need.
+    _die_with_parent(int(os.environ.pop(_SERVER_OF_ENV)))
 
 
 def _stop_while_starting(signum: int, frame: Any) -> None:
@@ -47,7 +96,9 @@ def start_rank_server() -> None:
     had (about 4 s of CPU per rank, all ranks at once); forked from this server a
     rank starts with them imported, and a sweep's jobs share the one server. It has
     run nothing but imports, so nothing is forked mid-way (no threads, no OpenMP
-    pool). It starts with :data:`STOP_SIGNALS` blocked, which every rank inherits as
+    pool). The kernel kills it when this process ends (:func:`_die_with_parent`),
+    and its ranks die with it (:func:`die_with_launcher`). It starts with
+    :data:`STOP_SIGNALS` blocked, which every rank inherits as
     a spawned rank inherited the launcher's mask (src/trainer/faults.py unblocks
     them once a rank's handler is in place). Not under torchrun, whose ranks are
     this command itself. :func:`stop_rank_server` ends it when no rank will start
@@ -60,9 +111,11 @@ def start_rank_server() -> None:
     # Started first: starting it unblocks SIGINT and SIGTERM in this thread.
     resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    os.environ[_SERVER_OF_ENV] = str(os.getpid())  # the server dies with this process
     try:
         forkserver.ensure_running()
     finally:
+        del os.environ[_SERVER_OF_ENV]
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     atexit.register(stop_rank_server)
 

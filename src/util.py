@@ -5,6 +5,7 @@ needs."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -20,8 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: The temporary name :func:`atomic_path` writes ``<name>`` under: ``<name>.tmp-<PID>``.
-_ATOMIC_TMP = re.compile(r".+\.tmp-(\d+)")
+#: The temporary name :func:`atomic_path` writes ``<name>`` under:
+#: ``<name>.tmp-shardwrap-<PID>``, a marker only this project's writers use, so a
+#: clean-up never takes a user's own ``notes.txt.tmp-20240101`` for one.
+ATOMIC_MARK = ".tmp-shardwrap-"
+_ATOMIC_TMP = re.compile(r".+" + re.escape(ATOMIC_MARK) + r"(\d+)")
 
 
 @contextlib.contextmanager
@@ -30,7 +34,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     the block succeeds (readers never see half a file), removed when it fails (a
     killed writer's stays: :func:`interrupted_writes` finds it)."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per writer
+    tmp = path.with_name(f"{path.name}{ATOMIC_MARK}{os.getpid()}")  # one per writer
     try:
         yield tmp
         tmp.replace(path)
@@ -77,10 +81,28 @@ def unwritable(directory: str | os.PathLike) -> str | None:
             return f"{above} is not a directory"
         return f"cannot create {err.filename or directory} ({err.strerror})"
     try:
-        with tempfile.TemporaryFile(dir=directory):
+        with tempfile.TemporaryFile(dir=directory) as probe:
+            # Creating a file needs no free block: a full disk is found by writing.
+            probe.write(b"\0" * _PROBE_BYTES)
+            probe.flush()
+            os.fsync(probe.fileno())
             return None
     except OSError as err:
+        if err.errno == errno.ENOSPC:
+            return f"no space left on device ({free_space(directory)} free)"
         return f"cannot create a file in it ({err.strerror})"
+
+
+_PROBE_BYTES = 64 << 10  # what unwritable() writes to find a full disk
+
+
+def free_space(path: str | os.PathLike) -> str:
+    """The free space of ``path``'s file system, for a message ("12.5 MiB")."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "unknown space"
+    return f"{free / 2**20:.1f} MiB"
 
 
 def parse_json(data: bytes) -> Any:
@@ -164,6 +186,18 @@ def keep_aside(path: str | os.PathLike, copy: bool = False) -> Path:
     return aside
 
 
+#: The files a run opens at its run dir's top level (and ``<command>.log``, Hydra's
+#: job log): each a regular file, never a directory.
+_RUN_FILES = (
+    "run.lock",
+    "metrics.jsonl",
+    "metrics.csv",
+    "summary.json",
+    "eval.json",
+    "data.json",
+    "job_status.json",
+)
+
 #: Devices a run's file may link to: what is written there is discarded, or
 #: refused as on a full disk (tests/test_faults.py's full-disk run writes there).
 _SINKS = ("/dev/null", "/dev/full")
@@ -199,6 +233,9 @@ def planted_file(run_dir: str | os.PathLike, subdirs: Sequence[str]) -> str | No
     for path in top:
         if reason := problem(path):
             return reason
+        name = os.path.basename(path)
+        if (name in _RUN_FILES or name.endswith(".log")) and os.path.isdir(path):
+            return f"{name} is a directory, not the file the run writes there"
     for sub in subdirs:
         root = os.path.join(run_dir, sub)
         if os.path.islink(root) or not os.path.isdir(root):

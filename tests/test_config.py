@@ -141,6 +141,11 @@ def test_devices_auto_is_gpu_count_or_one():
         (["model.family=mamba"], "model.family: unknown model family"),
         (["model=custom"], "model._target_"),
         (["model=custom", "model._target_=no.such.Model"], "model._target_"),
+        # relative paths (a TypeError in importlib: 62 lines; issue 48)
+        (["model=custom", "model._target_=.evil.Model"], "model._target_"),
+        (["model=custom", "model._target_=..evil.Model"], "model._target_"),
+        (["model=custom", "model._target_=Model"], "model._target_"),
+        (["sharding.exclude_wrap_modules=[.evil.Block]"], "sharding.exclude_wrap"),
         (["model=custom", "model.n_layer=2"], "model.n_layer"),
         (
             [

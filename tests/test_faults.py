@@ -27,6 +27,7 @@ import torch
 from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import resolve_resume
 from src.models.gpt import GPT, GPTConfig
+from src.trainer.faults import start_time
 from tests.distributed import HANG_S, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,6 +187,65 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
     assert max(got) == 12
     # Every step logged by either attempt equals the uninterrupted run, bit for bit.
     assert {s: expected[s] for s in got} == got
+
+
+def test_ranks_die_with_their_launcher_and_the_run_then_resumes(tmp_path):
+    """Issue 48 item 4: ``kill -9`` of the launcher alone (the OOM killer, a user)
+    ends its ranks and the rank server within seconds, instead of leaving them
+    training; the lock recorded the ranks (PID, start time) while they ran; the
+    documented resume then takes the lock over and finishes the run. Rank 1 sends
+    the SIGKILL during step 5 (after the step-4 checkpoint), then waits for the
+    launcher to tell it to stop, which it never does: only its death with the
+    launcher ends it."""
+    steps = ["trainer.max_steps=8", "trainer.ckpt_every=2"]
+    proc = start(tmp_path, *steps, signal_at="step5:launcher:SIGKILL")
+    read_until(proc, "step 1:")
+    ranks = worker_pids(proc.pid)
+    servers = [p for p, cmd in children(proc.pid).items() if "forkserver" in cmd]
+    assert len(ranks) == 2 and len(servers) == 1, (ranks, servers)
+    lines = (tmp_path / "run.lock").read_text().splitlines()
+    recorded = sorted(json.loads(line)["pid"] for line in lines[1:])
+    assert recorded == ranks, lines
+    out, _ = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    deadline = time.monotonic() + 20  # SIGKILLs, by the kernel: milliseconds
+    while living := [p for p in ranks + servers if start_time(p) is not None]:
+        assert time.monotonic() < deadline, f"outlived their launcher: {living}"
+        time.sleep(0.05)
+    assert "step 6:" not in out and max(losses(tmp_path)) <= 5
+
+    resumed = run_train(tmp_path, *steps, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"run dir lock of PID {proc.pid} on" in resumed.stdout
+    assert "resumed from" in resumed.stdout
+    assert sorted(losses(tmp_path)) == list(range(1, 9))
+
+
+def test_an_export_killed_midway_leaves_no_half_export_and_a_resume_finishes_it(
+    tmp_path,
+):
+    """Issue 48 item 6: ``trainer.export=hf`` is written beside ``hf/`` and renamed
+    into place; SIGKILL to every process once the weights are written (rank 1, at
+    the export's hook) leaves no ``hf/``; the resume removes the half export, says
+    the run's export is missing and writes it ("nothing to train" alone, before)."""
+    steps = ["trainer.max_steps=2", "trainer.export=hf"]
+    proc = start(tmp_path, *steps, signal_at="export:group:SIGKILL")
+    out, _ = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    assert "checkpoint saved to" in out and "exported" not in out, out[-3000:]
+    half = tmp_path / "hf.tmp-shardwrap-dir"
+    assert list(half.glob("*.safetensors")) and not (tmp_path / "hf").exists()
+
+    resumed = run_train(tmp_path, *steps, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "hf.tmp-shardwrap-dir" in resumed.stderr  # removed, in one line
+    assert "nothing to train" in resumed.stdout
+    assert f"trainer.export=hf: {tmp_path / 'hf'} is missing: exporting" in (
+        resumed.stdout
+    )
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    assert "sharded" not in names and not half.exists()
 
 
 def test_rank_killed_mid_step_ends_the_job_with_an_error(tmp_path):
@@ -579,14 +639,14 @@ def test_full_disk_says_no_space_left_and_where(tmp_path):
     (tmp_path / "checkpoints" / ".tmp.step_00000002").mkdir(parents=True)
     writer = subprocess.Popen(["true"])  # a writer that is gone
     writer.wait()
-    (tmp_path / f"summary.json.tmp-{writer.pid}").write_text("{")
+    (tmp_path / f"summary.json.tmp-shardwrap-{writer.pid}").write_text("{")
     run = run_train(tmp_path, "trainer.max_steps=2")
     assert run.returncode == 1
     line = one_line_error(run.stdout + run.stderr)
     assert f"no space left on device writing to {tmp_path}" in line
     assert (
         f"left in {tmp_path}: checkpoints/.tmp.step_00000002, "
-        f"summary.json.tmp-{writer.pid}\n" in run.stderr
+        f"summary.json.tmp-shardwrap-{writer.pid}\n" in run.stderr
     )
     assert not list(tmp_path.glob("**/*.tmp*"))
 

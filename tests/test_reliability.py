@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from src.trainer.faults import (
     StopRequest,
     requested,
     run_dir_lock,
+    start_time,
     stop_signal,
     stopped_at_once,
 )
@@ -41,6 +43,39 @@ def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path)
     with run_dir_lock(tmp_path) as stale:
         assert stale == {"host": "h", "pid": 1, "job": None}
         assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_lock_is_not_taken_over_while_a_rank_of_its_run_lives(tmp_path, monkeypatch):
+    """Issue 48 item 4: the launcher died (its flock is gone) but a rank it recorded
+    in run.lock still runs (here: this very process, its PID and start time): the
+    run dir is in use, for a start (one line naming the PID) and for a resume's
+    check; a recorded rank that is not that process any more (another start time:
+    its PID reused) does not count, nor a damaged line."""
+    from src.runs.resume import in_use
+    from src.trainer import faults
+
+    monkeypatch.setattr(faults, "ORPHAN_GRACE_S", 0.0)
+    me = os.getpid()
+    with faults.run_dir_lock(tmp_path):
+        faults.record_rank(tmp_path)
+        assert faults.live_ranks(tmp_path)[0]["pid"] == me
+        assert not in_use(tmp_path)  # this process holds it
+    holder = {"host": "h", "pid": 1, "job": None}
+    rank = {**holder, "host": socket.gethostname(), "rank": 1, "pid": me}
+    lock = tmp_path / "run.lock"
+    lock.write_text(
+        "\n".join(json.dumps(x) for x in [holder, {**rank, "start": start_time(me)}])
+    )
+    assert in_use(tmp_path)
+    with pytest.raises(RunDirBusy, match=f"launcher is gone but rank.*PID {me} on"):
+        with run_dir_lock(tmp_path):
+            pass
+    assert json.loads(lock.read_text().splitlines()[0]) == holder  # untouched
+    reused = {**rank, "start": start_time(me) - 1}
+    lock.write_text(f"{json.dumps(holder)}\n{json.dumps(reused)}\n{{not json\n")
+    assert not in_use(tmp_path)
+    with run_dir_lock(tmp_path) as stale:
+        assert stale == holder
 
 
 def test_first_stop_signal_is_remembered_and_handlers_restored():
@@ -130,3 +165,20 @@ def test_rows_past_the_resumed_step_are_dropped(tmp_path):
     logger.finish(0)
     steps = [json.loads(r)["step"] for r in (tmp_path / METRICS_FILE).open()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_full_disk_at_start_up_is_one_line_with_the_free_space(tmp_path, monkeypatch):
+    """Issue 48 item 3: creating an empty file succeeds on a full disk, so the
+    writability probe writes and syncs; ENOSPC there is said with the free space
+    (the full disk itself: tests/test_faults.py's /dev/full run)."""
+    import errno
+
+    from src import util
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(util.os, "fsync", full)
+    assert util.unwritable(tmp_path) == (
+        f"no space left on device ({util.free_space(tmp_path)} free)"
+    )

@@ -426,6 +426,7 @@ def test_a_start_removes_what_interrupted_writes_left_and_nothing_else(
     from src.trainer.faults import remove_interrupted_writes
 
     dead, alive = _dead_pid(), os.getpid()
+    mark = f".tmp-shardwrap-{dead}"  # atomic_path's marker (src/util.py)
     ckpts = tmp_path / "checkpoints"
     for name in (".tmp.step_00000006", "step_00000004", ".old.step_00000004"):
         (ckpts / name).mkdir(parents=True)
@@ -433,25 +434,32 @@ def test_a_start_removes_what_interrupted_writes_left_and_nothing_else(
     left = [
         "checkpoints/.tmp.step_00000006",
         "checkpoints/.old.step_00000004",  # its step_N was replaced: an old copy
-        f"metrics.jsonl.tmp-{dead}",
-        f"summary.json.tmp-{dead}",
-        f"wandb/run_id.json.tmp-{dead}",
-        f"profile/rank0.memory_timeline.json.tmp-{dead}",
+        f"metrics.jsonl{mark}",
+        f"summary.json{mark}",
+        f"wandb/run_id.json{mark}",
+        f"profile/rank0.memory_timeline.json{mark}",
     ]
     kept = [
         "checkpoints/step_00000004/meta.json",
-        f"eval.json.tmp-{alive}",  # eval.py writing it now
+        f"eval.json.tmp-shardwrap-{alive}",  # eval.py writing it now
         "notes.tmp",
         "summary.json.tmp-x1",
-        f"data.json.tmp-{dead}.bak",
+        f"data.json{mark}.bak",
         ".hydra/config.yaml",
-        f"checkpoints/step_00000004/meta.json.tmp-{dead}",  # not a run-dir writer's
+        f"checkpoints/step_00000004/meta.json{mark}",  # not a run-dir writer's
+        # The user's own files (issue 48): another tool's temporary names, and
+        # anything in a folder of theirs, marker or not, is never looked at.
+        "notes.txt.tmp-20240101",
+        f"summary.json.tmp-{dead}",
+        "src/model.py.tmp-424242",
+        f"src/model.py{mark}",
+        f".hydra/config.yaml{mark}",
     ]
     for name in left[2:] + kept[1:]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    (tmp_path / f"dir.tmp-{dead}").mkdir()  # atomic_path writes files, not dirs
-    kept.append(f"dir.tmp-{dead}")
+    (tmp_path / f"dir{mark}").mkdir()  # atomic_path writes files, not dirs
+    kept.append(f"dir{mark}")
     with caplog.at_level(logging.WARNING, logger="src.trainer.faults"):
         removed = remove_interrupted_writes(tmp_path)
     assert sorted(str(p.relative_to(tmp_path)) for p in removed) == sorted(left)
@@ -482,7 +490,7 @@ def test_the_token_cache_removes_what_killed_builds_left(tmp_path, caplog):
     cache = tmp_path / "cache"
     cache.mkdir()
     left = [
-        "bpe-0a1b.json.tmp-4321",
+        "bpe-0a1b.json.tmp-shardwrap-4321",
         "tokens-0a1b.tmp-1234abcd",
         "tokens-0a1b.tmp-damaged-5678abcd",
     ]
@@ -503,4 +511,73 @@ def test_the_token_cache_removes_what_killed_builds_left(tmp_path, caplog):
     assert line == (
         "token cache: removed what interrupted builds (killed, or a full disk) left "
         f"in {cache}: {', '.join(left[1:])}, {left[0]}"
+    )
+
+
+def _files(directory: Path) -> dict[str, bytes | None]:
+    """Every path under ``directory`` and its bytes (None: a directory)."""
+    return {
+        str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+@pytest.mark.slow
+def test_a_command_writes_nothing_into_a_run_it_does_not_own(tmp_path):
+    """Issue 48 item 3: a run dir is written only once its lock is held, and never
+    inside another run. A resume, and a fresh start with other data, of a run dir
+    in use are refused in one line with nothing in the run dir written (data.json
+    was, by prepare, before the refusal), no corpus tokenized; a run dir inside a
+    run's checkpoints (a checkpoint, or a new name there) or its record is refused
+    before Hydra creates it; a train.log that is a directory is one line, not a
+    traceback of Hydra's logging set-up."""
+    from src.trainer.faults import run_dir_lock
+
+    victim = tmp_path / "victim"
+    step = victim / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (step / META).write_text("{}")
+    (victim / "data.json").write_text('{"paths": "the run\'s own"}')
+    (victim / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("other data\n" * 50)
+    other = ["data=text", f"data.paths={corpus}", f"data.cache_dir={tmp_path}/c"]
+    with run_dir_lock(victim):
+        before = _files(victim)
+        for extra in (["trainer.resume=auto"], [*other, "trainer.resume=auto"], other):
+            run = _train(*RUN, f"hydra.run.dir={victim}", *extra)
+            assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+            assert "Traceback" not in run.stdout + run.stderr
+            (line,) = [x for x in run.stderr.splitlines() if x.startswith("error:")]
+            assert f"run dir {victim} is in use by another run (PID " in line
+            after = _files(victim)
+            # Hydra's own files of the attempt (docs/reliability.md, Limits) and
+            # its log; nothing of the run's, nothing changed
+            new = {k for k in after if k not in before}
+            assert all(k.startswith((".hydra", "train.log")) for k in new), new
+            assert {k: after[k] for k in before} == before
+        assert not list(tmp_path.glob("c/*"))  # nothing tokenized (the dir checked)
+
+    for inside, where in (
+        (step, f"is inside the checkpoint {step}"),
+        (victim / "checkpoints" / "new", f"is inside the run {victim} (its "),
+        (step / "rng", f"is inside the checkpoint {step}"),
+        (victim / ".hydra" / "x", f"is inside the run {victim} (its .hydra/x)"),
+    ):
+        before = _files(victim)
+        run = _train(*RUN, f"hydra.run.dir={inside}")
+        assert run.returncode == 2 and run.stdout == "", run.stderr
+        assert run.stderr.startswith(f"config error: hydra.run.dir: {inside} {where}")
+        assert len(run.stderr.splitlines()) == 1, run.stderr
+        assert _files(victim) == before
+
+    (tmp_path / "b" / "train.log").mkdir(parents=True)
+    run = _train(*RUN, f"hydra.run.dir={tmp_path / 'b'}")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr == (
+        f"config error: hydra.run.dir: the run writes to {tmp_path / 'b'}: train.log "
+        "is a directory, not the file the run writes there; it writes only to its "
+        "own regular files there: remove it (or set hydra.run.dir to another "
+        "directory)\n"
     )

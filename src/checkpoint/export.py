@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from src.checkpoint.dcp import dcp_errors, quiet_single_process
+from src.checkpoint.folders import aside, publish
 from src.checkpoint.hf_layout import HFLayout
 from src.checkpoint.ranks import all_agree, this_rank
 from src.data.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
@@ -44,6 +45,11 @@ from src.sharding.layout import flat_mesh
 from src.util import atomic_path, collective_device, parse_json
 
 # -------------------------------------------------------------------- export
+
+#: Where ``trainer.export`` writes in the run dir: ``hf`` (a directory, published
+#: whole) and the consolidated safetensors file (``true``).
+HF_EXPORT_DIR = "hf"
+CONSOLIDATED_FILE = "model.safetensors"
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -363,6 +369,7 @@ def export_hf(
     skeleton: nn.Module | None = None,
     transposed: Callable[[str], bool] | None = None,
     tokenizer: Tokenizer | None = None,
+    written: Callable[[], None] | None = None,
 ) -> None:
     """Write ``directory`` with ``config.json`` and safetensors in the layout
     ``save_pretrained`` writes (``skeleton``'s conversion reverted: one tensor per MoE
@@ -370,13 +377,17 @@ def export_hf(
     ``AutoModelForCausalLM.from_pretrained`` opens. A collective: every rank writes
     its shards (a converted group is gathered, converted, and each rank writes its
     slice of the result), rank 0 consolidates them (tensor by tensor) and removes the
-    per-rank files.
+    per-rank files. It is all written beside ``directory`` (:func:`aside`) and
+    renamed into place at the end (:func:`publish`): a kill midway leaves no half
+    export under its final name. ``written``: called on every rank once the weights
+    are written, before anything is published (a test's kill: tests/test_faults.py).
 
     With the run's ``tokenizer`` (rank 0's is enough), rank 0 also writes its
     ``tokenizer.json`` / ``tokenizer_config.json`` (``AutoTokenizer`` opens them) and
     sets the config's ``eos_token_id`` (what the tokenizer ends documents with),
     ``bos_token_id`` and ``pad_token_id`` (the tokenizer's own, else None)."""
     directory = Path(directory)
+    final, directory = directory, aside(directory)  # renamed into place at the end
     state, hf_names = _hf_named_state(model, to_hf_name, transposed)
     layout, ours = _layout(state, hf_names, skeleton)
     out = {d: state[ours[m]] for m, d in layout.renames.items()}
@@ -389,6 +400,9 @@ def export_hf(
     )
     with quiet_single_process(), dcp_errors(f"export to {directory}"):
         dcp.save(out, storage_writer=writer)
+    if written is not None:
+        written()
+    all_agree(None, "export")  # every rank is past the hook before rank 0 publishes
     error = None
     if this_rank() == 0:
         try:
@@ -398,6 +412,7 @@ def export_hf(
                 save_hf_tokenizer(tokenizer, directory)
             hf_config.save_pretrained(directory)
             shutil.rmtree(directory / "sharded", ignore_errors=True)
+            publish(final)
         except Exception as exc:
             error = exc
     all_agree(error, "export")
@@ -409,6 +424,7 @@ def export_model_hf(
     adapter: Any,
     config: Any,
     tokenizer: Tokenizer | None = None,
+    written: Callable[[], None] | None = None,
 ) -> None:
     """:func:`export_hf` of a model family's ``model`` (of config ``config``) through
     its Hugging Face ``adapter`` (``spec.hf``): its names, config, conversion and
@@ -421,4 +437,5 @@ def export_model_hf(
         adapter.converting_model(config),
         adapter.transposed,
         tokenizer,
+        written,
     )

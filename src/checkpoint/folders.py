@@ -161,3 +161,47 @@ def _newest_good(
     raise CheckpointError(
         f"no usable checkpoint in {found[0].parent} ({'; '.join(reasons)})"
     )
+
+
+# ------------------------------------------------ directories published whole
+#: Where a directory published whole (the ``hf/`` export) is written before its
+#: rename, and where the copy it replaces waits until the new one is in place: names
+#: only this project gives (src/util.py's marker), found and undone at the next
+#: start (:func:`drop_unpublished`).
+_ASIDE = ".tmp-shardwrap-dir"
+_REPLACED = ".old-shardwrap-dir"
+
+
+def aside(final: str | Path) -> Path:
+    """Where ``final`` is written before :func:`publish` renames it into place."""
+    final = Path(final)
+    return final.with_name(final.name + _ASIDE)
+
+
+def publish(final: str | Path) -> None:
+    """Rename :func:`aside` onto ``final`` (a copy there is replaced): a reader, or
+    a kill at any moment, never finds half a directory under the final name."""
+    final = Path(final)
+    old = final.with_name(final.name + _REPLACED)
+    if os.path.lexists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(aside(final), final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def drop_unpublished(final: str | Path) -> list[Path]:
+    """Undo what an interrupted :func:`publish` of ``final`` left (call it while
+    nothing writes there): the copy being written goes; a replaced copy goes if the
+    new one is in place, else it is put back. Returns the paths removed."""
+    final, removed = Path(final), []
+    old = final.with_name(final.name + _REPLACED)
+    for path in (aside(final), old):
+        if not os.path.lexists(path) or os.path.islink(path):
+            continue
+        if path == old and not os.path.lexists(final):
+            os.rename(old, final)  # the new copy never took its place
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

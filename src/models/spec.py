@@ -204,13 +204,17 @@ def import_module_class(path: str) -> type[nn.Module]:
     """The ``nn.Module`` subclass at the dotted ``path`` (``torch.nn.LayerNorm``);
     ``ValueError`` if there is none."""
     module_name, _, cls_name = str(path).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError, ValueError):
-        cls = None
+    cls, why = None, ""
+    if module_name and not module_name.startswith("."):  # relative: no package
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError, ValueError):
+            cls = None
+        except Exception as err:  # the module itself failed as it was imported
+            why = f" (importing {module_name} raised {type(err).__name__}: {err})"
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(
-            f"cannot import an nn.Module class from {path!r}; "
+            f"cannot import an nn.Module class from {path!r}{why}; "
             "give a dotted class path such as torch.nn.LayerNorm"
         )
     return cls

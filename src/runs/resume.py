@@ -31,7 +31,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from src.checkpoint.folders import META, complete_checkpoints, run_checkpoints
 from src.observe.loggers import METRICS_FILE
-from src.trainer.faults import LOCK_FILE
+from src.trainer.faults import LOCK_FILE, holds, live_ranks
 from src.util import read_json, read_yaml
 
 RECORD = ".hydra"
@@ -137,8 +137,13 @@ def run_progress(run_dir: str | Path) -> RunProgress | None:
 
 
 def in_use(run_dir: str | Path) -> bool:
-    """A live run holds ``run_dir`` (its lock, src/trainer/faults.py); the launcher
-    refuses this one, naming it."""
+    """A live run holds ``run_dir`` (its lock, or ranks of a run whose launcher
+    died: src/trainer/faults.py), and not this process; the launcher refuses this
+    one, naming it."""
+    if holds(run_dir):
+        return False
+    if live_ranks(run_dir):
+        return True
     try:
         # not through a link; a FIFO would block an open for reading
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK

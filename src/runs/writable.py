@@ -7,11 +7,13 @@ environment variable) to change; :class:`WritableDirs` checks them as Hydra star
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoint.folders import META, is_complete, run_checkpoints
 from src.config.cli import exit_on_config_error
 from src.data.tokenizer import cache_path
 from src.errors import ConfigError, not_writable
@@ -19,7 +21,7 @@ from src.models.hf import remote_code_dir
 from src.observe.loggers import logs_to_wandb, wandb_dirs
 from src.runs.resume import RECORD
 from src.sharding.transforms import compile_cache_dir
-from src.trainer.faults import RANK_REPORTS
+from src.trainer.faults import LOCK_FILE, RANK_REPORTS
 from src.util import planted_file, unwritable
 
 
@@ -44,6 +46,35 @@ def written_dirs(cfg: DictConfig, wandb: bool = True) -> list[tuple[str, str, st
         what = "transformers (model.trust_remote_code=true)"
         dirs.append((*remote_code_dir(), what))
     return dirs
+
+
+#: What marks a directory as a run dir (one of them is enough).
+_RUN_FILES = (LOCK_FILE, f"{RECORD}/config.yaml", "metrics.jsonl")
+
+
+def _is_run(directory: Path) -> bool:
+    return any(os.path.lexists(directory / name) for name in _RUN_FILES)
+
+
+def inside_a_run(directory: str) -> str | None:
+    """Why ``directory`` (a run or sweep dir to be) lies inside another run's own
+    files, or None: in a run's ``checkpoints/`` (any ``step_N`` in it), its record
+    ``.hydra/`` or its ``ranks/``, or inside a checkpoint anywhere (a ``step_N``
+    dir holding a checkpoint's files). A run written there would be written into
+    that run (a checkpoint holding other files is damaged). Links are followed: a
+    link into a run is inside it. A directory merely below a run dir is not."""
+    path = Path(os.path.realpath(os.path.expanduser(directory)))
+    for above in [path, *path.parents]:
+        run = above.parent
+        own = above.name in (run_checkpoints(run).name, RECORD, RANK_REPORTS)
+        if own and _is_run(run):
+            inner = path.relative_to(run)
+            return f"{directory} is inside the run {run} (its {inner})"
+        if is_complete(above) or (
+            above.name.startswith("step_") and (above / META).exists()
+        ):
+            return f"{directory} is inside the checkpoint {above}"
+    return None
 
 
 def check_writable(
@@ -86,7 +117,8 @@ def check_writable(
 
 class WritableDirs(Callback):
     """Hydra callback (conf/config.yaml): before Hydra creates the run dir and starts
-    its job logging (which writes ``train.log`` there), the run (or sweep) dir and
+    its job logging (which writes ``train.log`` there), a run (or sweep) dir inside
+    another run's own files is refused (:func:`inside_a_run`), and the run dir and
     the other directories the run writes to are checked (:func:`check_writable`);
     one that cannot be written ends the command in one line naming the key (exit 2)
     instead of Hydra's logging set-up failing over 50 lines. A resume's own dirs are
@@ -109,6 +141,13 @@ class WritableDirs(Callback):
             resume = OmegaConf.select(config, "trainer.resume", default=None)
             # sys.exit inside: Hydra turns a callback's exception into a warning
             with exit_on_config_error():
+                nested = inside_a_run(first[1])
+                if nested:
+                    raise ConfigError(
+                        key,
+                        f"{nested}; {what} writes only into a directory of its "
+                        f"own: set {key} to one outside it",
+                    )
                 check_writable(config, first, others=resume in (None, "none"))
         finally:
             hydra.cfg = before

@@ -2,7 +2,9 @@
 
 - :func:`run_dir_lock`: one run per run dir. An exclusive ``flock`` on
   ``<run dir>/run.lock`` (the kernel drops it when the holder dies, so a stale lock
-  is simply taken over); the file records the holder's host and PID for the message.
+  is taken over); the file records the holder's host and PID for the message, and
+  each rank's PID and start time (:func:`record_rank`): a lock whose launcher died
+  is not taken over while one of its ranks lives.
 - :class:`StopRequest`: SIGTERM, SIGINT, SIGHUP (and SIGUSR2, SLURM's advance warning)
   sent to any process of the run ask it to stop after the current step, with a
   checkpoint; a second signal stops at once (:class:`StopNow`).
@@ -39,9 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from src.checkpoint.export import HF_EXPORT_DIR
 from src.checkpoint.folders import (
     complete_checkpoints,
     drop_partial,
+    drop_unpublished,
     run_checkpoints,
     saving_step,
 )
@@ -54,7 +58,8 @@ from src.errors import (
     RunError,
     Stopped,
 )
-from src.util import atomic_path, interrupted_writes, parse_json
+from src.observe.profiling import PROFILE_DIR
+from src.util import atomic_path, free_space, interrupted_writes, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +94,128 @@ def describe_holder(holder: dict[str, Any]) -> str:
     return where + (f", job {holder['job']}" if holder.get("job") else "")
 
 
-def _read_holder(fd: int) -> dict[str, Any] | None:
+#: At most this much of ``run.lock`` is read: the holder's line and one line per
+#: rank started under it (:func:`record_rank`).
+_LOCK_READ = 1 << 20
+#: How long a start waits for the ranks of a run whose launcher died to end (they
+#: end with it: src/entry.py, ``die_with_launcher``) before it refuses the run dir.
+ORPHAN_GRACE_S = 5.0
+_held: set[str] = set()  # the run dirs this process holds (run_dir_lock)
+
+
+def _lock_lines(data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of a lock file's lines (a damaged line is left out)."""
+    out = []
+    for line in data.splitlines():
+        try:
+            item = parse_json(line) if line.strip() else None
+        except (ValueError, RecursionError):  # damaged: nothing to name
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+def _read_lock(fd: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The holder a lock file names (its first line) and the ranks it records."""
     try:
-        data = os.pread(fd, 4096, 0)
-        holder = parse_json(data) if data.strip() else None
-    except (OSError, ValueError):  # damaged: no holder to name
+        data = os.pread(fd, _LOCK_READ, 0)
+    except OSError:
+        return None, []
+    first, _, rest = data.partition(b"\n")
+    holder = _lock_lines(first)
+    return (holder[0] if holder else None), [
+        r for r in _lock_lines(rest) if "rank" in r
+    ]
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+    return _read_lock(fd)[0]
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` of this host started (clock ticks since boot, from
+    ``/proc``), so a PID reused by another process is told apart; None if it is no
+    live process (ended, or a zombie) or this system has no ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
         return None
-    return holder if isinstance(holder, dict) else None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _lives(entry: dict[str, Any]) -> bool:
+    """Whether the process a lock line records is still that process, on this host
+    (another host's cannot be told: not counted)."""
+    pid, started = entry.get("pid"), entry.get("start")
+    if entry.get("host") != socket.gethostname() or type(pid) is not int or pid < 1:
+        return False
+    return started is not None and start_time(pid) == started
+
+
+def live_ranks(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The ranks ``run.lock`` records that still run on this host: a run whose
+    launcher is gone still lives while they do (its lock is free: the launcher held
+    it)."""
+    try:  # not through a link; a FIFO would block an open for reading
+        fd = os.open(
+            Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+        )
+    except OSError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        return [r for r in _read_lock(fd)[1] if _lives(r)]
+    finally:
+        os.close(fd)
+
+
+def holds(run_dir: str | os.PathLike) -> bool:
+    """Whether this process holds ``run_dir`` (:func:`run_dir_lock`)."""
+    return os.path.realpath(run_dir) in _held
+
+
+def record_rank(run_dir: str | os.PathLike) -> None:
+    """Add this rank (its PID and start time) to ``run.lock``, which its launcher
+    holds: should the launcher die first, the lock is free, and these lines keep a
+    later start from taking the run dir over while the rank lives. Appended, one
+    line per rank (each a single write); nothing is created."""
+    me = os.getpid()
+    line = {**_holder(), "rank": int(os.environ.get("RANK", 0)), "pid": me}
+    line["start"] = start_time(me)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+    with contextlib.suppress(OSError):  # no lock file to write: nothing to record
+        fd = os.open(Path(run_dir) / LOCK_FILE, flags)
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.write(fd, (json.dumps(line) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def _orphans(fd: int, run_dir: str | os.PathLike) -> None:
+    """RunDirBusy if ranks of the run that held the lock still live after
+    :data:`ORPHAN_GRACE_S` (they die with their launcher; this waits for that)."""
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while alive := [r for r in _read_lock(fd)[1] if _lives(r)]:
+        if time.monotonic() > deadline:
+            pids = ", ".join(str(r["pid"]) for r in alive)
+            raise RunDirBusy(
+                f"run dir {run_dir} is in use: its launcher is gone but rank(s) of "
+                f"its run still run (PID {pids} on {socket.gethostname()}); wait "
+                f"for them to end or end them (kill {pids.replace(',', '')}), then "
+                "start again"
+            )
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager
 def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
     """Hold ``run_dir`` for this run; yields the previous holder if it died holding it
     (its lock is taken over), else None. Raises :class:`RunDirBusy` naming a live
-    holder. An elastic restart or SLURM requeue of the same job runs after its
+    holder, or the live ranks of a run whose launcher died (:func:`record_rank`:
+    a lock is never taken over while a process of its run lives). An elastic restart or SLURM requeue of the same job runs after its
     predecessor died, so it takes the lock over like any stale one."""
     path = Path(run_dir) / LOCK_FILE
     try:  # never through a link: it would truncate the file it points to
@@ -123,28 +236,40 @@ def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
                 f"run dir {run_dir} is in use by another run ({describe_holder(holder)}); "
                 "wait for it or stop it, or pick another hydra.run.dir"
             ) from None
+        _orphans(fd, run_dir)
         stale = _read_holder(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+        os.pwrite(fd, (json.dumps(_holder()) + "\n").encode(), 0)
+        _held.add(os.path.realpath(run_dir))
         try:
             yield stale
         finally:
+            _held.discard(os.path.realpath(run_dir))
             os.ftruncate(fd, 0)  # empty: released by a run that ended (even failed)
     finally:
         os.close(fd)  # releases the flock
 
 
+#: Where in a run dir the run's own writers use :func:`atomic_path` (the top level:
+#: metrics, summary, data.json, eval.json; wandb's run id; the profiler's files).
+#: Nothing else is looked into: the rest may be the user's.
+_ATOMIC_DIRS = ("", "wandb", PROFILE_DIR)
+
+
 def remove_interrupted_writes(run_dir: str | os.PathLike) -> list[Path]:
     """Remove what writes that did not finish (a full disk, a killed run) left in
-    ``run_dir``: interrupted checkpoint saves (:func:`drop_partial`) and the temporary
-    files of :func:`atomic_path` anywhere below the run dir; one line names them.
+    ``run_dir``: interrupted checkpoint saves (:func:`drop_partial`), an export
+    being written (:func:`drop_unpublished`) and the temporary
+    files of :func:`atomic_path` (their marker, a dead writer's PID) in the dirs the
+    run writes them to (:data:`_ATOMIC_DIRS`, never a link); one line names them.
     Call it holding the run dir (:func:`run_dir_lock`): no other run writes there."""
     run_dir = Path(run_dir)
-    checkpoints = run_checkpoints(run_dir)
-    removed = drop_partial(checkpoints)
-    for directory, subdirs, _ in os.walk(run_dir):
-        subdirs[:] = [d for d in subdirs if Path(directory, d) != checkpoints]
-        for path in interrupted_writes(directory):
+    removed = drop_partial(run_checkpoints(run_dir))
+    removed += drop_unpublished(run_dir / HF_EXPORT_DIR)
+    for sub in _ATOMIC_DIRS:
+        if sub and (run_dir / sub).is_symlink():
+            continue
+        for path in interrupted_writes(run_dir / sub):
             path.unlink(missing_ok=True)
             removed.append(path)
     if removed:
@@ -471,7 +596,7 @@ def named_failures(
         if _no_space(err):
             raise DiskFull(
                 f"no space left on device writing to {run_dir} "
-                f"({_free(run_dir)} free): {_first_line(err)}"
+                f"({free_space(run_dir)} free): {_first_line(err)}"
             ) from err
         if heartbeat is not None and isinstance(err, RuntimeError):
             closed = _peer_closed(err)
@@ -517,14 +642,6 @@ def _no_space(err: BaseException) -> bool:
     return False
 
 
-def _free(path: str) -> str:
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return "unknown space"
-    return f"{free / 2**20:.1f} MiB"
-
-
 def disk_full(run_dir: str) -> str | None:
     """A one-line 'no space left' report if the run dir's filesystem is (nearly) full."""
     try:
@@ -532,7 +649,7 @@ def disk_full(run_dir: str) -> str | None:
     except OSError:
         return None
     return (
-        f"no space left on device in {run_dir} ({_free(run_dir)} free)"
+        f"no space left on device in {run_dir} ({free_space(run_dir)} free)"
         if full
         else None
     )

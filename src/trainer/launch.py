@@ -23,7 +23,7 @@ import sys
 import traceback
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -50,7 +50,7 @@ from src.data.sources import (
     prepare_data,
     training_splits,
 )
-from src.entry import rank_start_method, stop_rank_server
+from src.entry import die_with_launcher, rank_start_method, stop_rank_server
 from src.errors import ConfigError, RunDirBusy, RunError, Stopped
 from src.observe.logs import (
     LogSpec,
@@ -74,8 +74,10 @@ from src.trainer.faults import (
     describe_holder,
     disk_full,
     full_errors,
+    holds,
     named_failures,
     ranks_start_blocked,
+    record_rank,
     remove_interrupted_writes,
     requested,
     resume_hint,
@@ -176,9 +178,7 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
         # Rank 0 holds the run dir (it is rank 0's; a restart finds the lock free).
         rank0 = _is_rank0()
         try:
-            with run_dir_lock(run_dir) if rank0 else contextlib.nullcontext():
-                if rank0:
-                    remove_interrupted_writes(run_dir)
+            with own_run_dir(run_dir):
                 return (record(run_rank) if full_errors() else run_rank)(
                     cfg, run_dir, resolved
                 )
@@ -193,18 +193,39 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
                 raise
             exit_with_error(log, _in_process_failure(err, run_dir, _rank_from_env()))
     try:
-        with run_dir_lock(run_dir) as stale:
-            if stale:
-                log.info(
-                    "run dir lock of %s taken over (that run is no longer running)",
-                    describe_holder(stale),
-                )
-            remove_interrupted_writes(run_dir)
+        with own_run_dir(run_dir):
             return _launch_local(cfg, run_dir, resolved)
     except RunError as err:
         if full_errors():
             raise
         exit_with_error(log, f"error: {err}")
+
+
+@contextlib.contextmanager
+def own_run_dir(run_dir: str) -> Iterator[None]:
+    """Hold ``run_dir`` (its lock: src/trainer/faults.py) for what follows, taken
+    before the command writes anything there (``train.py`` holds it from before it
+    reads the run's config until its ranks end; :func:`launch` takes it if it is not
+    held yet); then remove what interrupted writes left there. A run dir in use is
+    ``error: run dir ... is in use ...`` (exit 1), nothing written. Under torchrun
+    rank 0 alone holds it."""
+    if holds(run_dir) or (under_torchrun() and not _is_rank0()):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            stale = stack.enter_context(run_dir_lock(run_dir))
+        except RunError as err:
+            if full_errors():
+                raise
+            exit_with_error(log, f"error: {err}")
+        if stale:
+            log.info(
+                "run dir lock of %s taken over (that run is no longer running)",
+                describe_holder(stale),
+            )
+        remove_interrupted_writes(run_dir)
+        yield
 
 
 def preflight(run_dir: str) -> None:
@@ -470,6 +491,8 @@ def _rank_entry(
     cfg: DictConfig, run_dir: str, resolved: Resolved, spec: LogSpec
 ) -> dict[str, Any]:
     # Module level so the spawned ranks can unpickle it.
+    die_with_launcher()  # first: a rank never outlives its launcher
+    record_rank(run_dir)  # nor is its run dir taken over while it lives
     signal_point("rank_start")
     try:
         return run_rank(cfg, run_dir, resolved, spec)
@@ -618,6 +641,7 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, timeout_s: float, *args: Any)
 
 def _call_on_rank(fn: Callable[..., Any], timeout_s: float, *args: Any) -> Any:
     # Module level so the spawned ranks can unpickle it.
+    die_with_launcher()  # a started rank (in this process: nothing)
     device, heartbeat = init_distributed(timeout_s)
     try:
         if dist.get_rank() != 0:

@@ -25,7 +25,12 @@ from tqdm import tqdm
 
 from src.build import build_model, build_pipeline, make_backend
 from src.checkpoint.dcp import Checkpointer
-from src.checkpoint.export import export_consolidated, export_model_hf
+from src.checkpoint.export import (
+    CONSOLIDATED_FILE,
+    HF_EXPORT_DIR,
+    export_consolidated,
+    export_model_hf,
+)
 from src.checkpoint.folders import run_checkpoints
 from src.data.sources import GlobalBatches, load_splits, tokenizer_of
 from src.errors import Stopped
@@ -476,25 +481,7 @@ class Trainer:
         self.ckpt.wait()  # the last background save is published before the run ends
         self.bar.close()
         if t.export:
-            if t.export == "hf":
-                export_path = Path(self.run_dir) / "hf"
-                # The run's tokenizer goes next to the weights (rank 0 writes).
-                tokenizer = tokenizer_of(self.cfg.data) if self.rank == 0 else None
-                export_model_hf(
-                    self.whole_model(),
-                    export_path,
-                    self.resolved.spec.hf,
-                    self.resolved.model_config,
-                    tokenizer,
-                )
-                what = "weights, config.json" + (
-                    f" and the {tokenizer.name} tokenizer" if tokenizer else ""
-                )
-            else:
-                export_path = Path(self.run_dir) / "model.safetensors"
-                export_consolidated(self.whole_model(), export_path)
-                what = "consolidated weights"
-            log.info("exported %s to %s", what, export_path)
+            self.export()
         if self.extended:
             self.summary["resume"] = self.extended
         if self.no_val_split:
@@ -512,6 +499,33 @@ class Trainer:
         self.logger.log_summary(self.summary)
         return self.summary
 
+    def export_path(self) -> Path:
+        """Where ``trainer.export`` writes (``hf/``, or the consolidated file)."""
+        name = HF_EXPORT_DIR if self.cfg.trainer.export == "hf" else CONSOLIDATED_FILE
+        return Path(self.run_dir) / name
+
+    def export(self) -> None:
+        """Write the model as ``trainer.export`` asks (a collective)."""
+        export_path = self.export_path()
+        if self.cfg.trainer.export == "hf":
+            # The run's tokenizer goes next to the weights (rank 0 writes).
+            tokenizer = tokenizer_of(self.cfg.data) if self.rank == 0 else None
+            export_model_hf(
+                self.whole_model(),
+                export_path,
+                self.resolved.spec.hf,
+                self.resolved.model_config,
+                tokenizer,
+                written=lambda: signal_point("export"),  # a test's kill
+            )
+            what = "weights, config.json" + (
+                f" and the {tokenizer.name} tokenizer" if tokenizer else ""
+            )
+        else:
+            export_consolidated(self.whole_model(), export_path)
+            what = "consolidated weights"
+        log.info("exported %s to %s", what, export_path)
+
     def fit(self) -> dict[str, Any]:
         """Build, then every step with validation and checkpoints when due, finish."""
         t = self.cfg.trainer
@@ -524,6 +538,14 @@ class Trainer:
                 self.start_step,
                 t.max_steps,
             )
+            if t.export and not self.export_path().exists():
+                # A run killed while it exported: its export is finished now.
+                log.info(
+                    "trainer.export=%s: %s is missing: exporting it now",
+                    t.export,
+                    self.export_path(),
+                )
+                self.export()
             return {}
         for step in range(self.start_step + 1, t.max_steps + 1):
             self.step(step)
