@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from src.checkpoint.export import load_hf_weights
 from src.models.spec import lm_loss
-from src.resolved import Resolved, tensor_parallel_plan
+from src.resolved import Resolved, float8_linears, tensor_parallel_plan
 from src.sharding import (
     Backend,
     TiedParametersWarning,
@@ -57,6 +57,7 @@ def make_backend(
         device,
         cfg.sharding.reshard_after_forward,
         layout,
+        float8_linears(cfg),
     )
 
 
@@ -191,13 +192,14 @@ def build_model(
                 return torch.empty(t.shape)  # loaded below; buffers are computed
             return spec.init_tensor(name, t.shape, config, seed)
 
-    # Checkpointing and compile apply to the model's blocks, whatever units the policy
-    # chooses (a block unit, or a block inside a larger unit).
+    # Float8, checkpointing and compile apply to the model's blocks, whatever units
+    # the policy chooses (a block unit, or a block inside a larger unit).
     transform = UnitTransform(
         s.activation_checkpointing,
         s.activation_checkpointing_every,
         s.compile,
         targets=spec.block_classes(config),
+        float8=backend.float8_linears,
     )
     with _ties_as_one_line(backend.rank):
         model = build_sharded_model(

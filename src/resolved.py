@@ -27,8 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec, get_spec
 from src.models.spec import import_module_class
+from src.sharding.backends import backend_class
+from src.sharding.float8 import ALL_GATHER_RECIPES, Float8
 from src.sharding.layout import LayoutError, ParallelLayout
 from src.sharding.policies import policy_names
+from src.sharding.precision import get_precision
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,33 @@ def import_classes(paths: Sequence[str], key: str) -> tuple[type[nn.Module], ...
     """Dotted ``nn.Module`` class paths (``sharding.exclude_wrap_modules``, ...)."""
     return tuple(
         keyed(f"{key}[{i}]", import_module_class, p) for i, p in enumerate(paths)
+    )
+
+
+#: precision=float8's keys, null under another precision
+FLOAT8_KEYS = (
+    "precision.recipe",
+    "precision.float8_skip",
+    "precision.float8_all_gather",
+)
+
+
+def float8_linears(cfg: DictConfig) -> Float8 | None:
+    """The float8 linear layers of ``cfg``'s precision (None: not a float8 one):
+    ``precision.recipe``, ``precision.float8_skip``, and the FSDP2 float8 all-gather
+    (``precision.float8_all_gather``; null: on where it applies, a recipe that takes
+    it on a backend that shards parameters)."""
+    p = cfg.precision
+    if not get_precision(p.name).float8:
+        return None
+    all_gather = p.float8_all_gather
+    if all_gather is None:
+        all_gather = (
+            p.recipe in ALL_GATHER_RECIPES
+            and backend_class(cfg.sharding.backend).shards_parameters
+        )
+    return keyed(
+        "precision.recipe", Float8, p.recipe, tuple(p.float8_skip or ()), all_gather
     )
 
 

@@ -23,6 +23,7 @@ from src.models import families, get_spec
 from src.observe.loggers import LOGGERS, LoggerConfig
 from src.registry import described, or_list
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
+from src.sharding.float8 import RECIPES as FLOAT8_RECIPES
 from src.sharding.pipeline import SCHEDULES
 from src.sharding.policies import POLICIES
 
@@ -108,6 +109,16 @@ class ShardingConfig:
 @dataclass
 class PrecisionConfig:
     name: str = described(lambda: f"{or_list(PRECISIONS)} (pick with precision=...)")
+    # precision=float8's own keys (conf/precision/float8.yaml); null elsewhere
+    recipe: str | None = described(
+        f"float8: {or_list(FLOAT8_RECIPES)} scaling (torchao)", None
+    )
+    float8_skip: list[str] | None = described(
+        "float8: linear layers kept in bf16 (names, dotted suffixes or patterns)", None
+    )
+    float8_all_gather: bool | None = described(
+        "float8: FSDP2 all-gathers weights in float8 (null: where it applies)", None
+    )
 
 
 @dataclass

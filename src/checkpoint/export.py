@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from src.checkpoint.dcp import dcp_errors, quiet_single_process
 from src.checkpoint.folders import aside, publish
@@ -87,7 +88,9 @@ def export_consolidated(model: nn.Module, path: str | Path) -> None:
         try:
             aliases = {a: k for a, k in _tied_aliases(model).items() if a in state}
             tensors = {
-                name: (t.float() if t.is_floating_point() else t).contiguous()
+                name: plain_tensor(
+                    t.float() if t.is_floating_point() else t
+                ).contiguous()
                 for name, t in state.items()
                 if name not in aliases
             }
@@ -227,10 +230,31 @@ def _hf_named_state(
     sharded tensor of its own; each rank keeps only its slice), and canonical name ->
     transformers name."""
     params = {canonical_name(n, model) for n, _ in model.named_parameters()}
-    state = {k: v for k, v in get_model_state_dict(model).items() if k in params}
+    state = {
+        k: plain_tensor(v)
+        for k, v in get_model_state_dict(model).items()
+        if k in params
+    }
     if transposed is not None:
         state = {k: _transposed(v) if transposed(k) else v for k, v in state.items()}
     return state, {k: to_hf_name(k) for k in state}
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its values in a plain tensor where a wrapper subclass holds them
+    (torchao's float8 all-gather weights): safetensors needs the storage (a DTensor
+    stays one, over a plain local tensor)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if not is_traceable_wrapper_subclass(local):
+        return t
+    data = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+    data.copy_(local)
+    if not isinstance(t, DTensor):
+        return data
+    return DTensor.from_local(
+        data, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+        stride=t.stride(),
+    )  # fmt: skip
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:

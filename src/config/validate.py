@@ -25,8 +25,10 @@ from src.observe.loggers import LOGGERS
 from src.observe.logs import LOG_LEVELS
 from src.planner.constants import budget_bytes
 from src.resolved import (
+    FLOAT8_KEYS,
     LAYOUT_KEYS,
     Resolved,
+    float8_linears,
     layout_errors_named,
     resolve,
     resolve_devices,
@@ -49,6 +51,7 @@ from src.sharding import (
     ParallelLayout,
     with_capability,
 )
+from src.sharding.float8 import ALL_GATHER_RECIPES, RECIPES, device_problem
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
 
 
@@ -282,6 +285,7 @@ def validate(cfg: DictConfig) -> Resolved:
     check_pretrained(cfg, resolved)
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.layout)
+    _check_float8(cfg, resolved.layout)
     _check_tensor_parallel(cfg, resolved)
     _check_pipeline(cfg, resolved)
     _check_batches(cfg, resolved.layout)
@@ -339,6 +343,46 @@ def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
         f"sharding={s.backend} trains one process, got {layout.world_size} devices; "
         f"use trainer.devices=1 or sharding={'/'.join(with_capability('distributed'))}",
     )
+
+
+def _check_float8(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """precision=float8's keys (null under another precision), the backend, the
+    layout and the GPU it needs (sm89+)."""
+    p, backend = cfg.precision, BACKENDS[cfg.sharding.backend]
+    if not PRECISIONS[p.name].float8:
+        for key in FLOAT8_KEYS:
+            value = OmegaConf.select(cfg, key)
+            _require(value is None, key, f"{value!r}: read by precision=float8 only")
+        return
+    _choice(cfg, "precision.recipe", RECIPES)
+    _require(
+        backend.float8,
+        "precision.name",
+        f"float8 needs sharding={' or sharding='.join(with_capability('float8'))}, "
+        f"not sharding={cfg.sharding.backend}",
+    )
+    _require(
+        layout.tp == 1,
+        "precision.name",
+        f"float8 with {LAYOUT_KEYS['tp']} > 1 is not supported yet (torchao's float8 "
+        "tensor-parallel styles are not wired in)",
+    )
+    if p.float8_all_gather:
+        _require(
+            p.recipe in ALL_GATHER_RECIPES,
+            "precision.float8_all_gather",
+            f"true needs precision.recipe={' or '.join(ALL_GATHER_RECIPES)}, not "
+            f"{p.recipe} (torchao casts whole weights for the all-gather)",
+        )
+        _require(
+            backend.shards_parameters,
+            "precision.float8_all_gather",
+            f"true needs a backend that shards parameters, not sharding={backend.name}",
+        )
+    if torch.cuda.is_available():
+        problem = device_problem(torch.device("cuda", 0))
+        _require(problem is None, "precision.name", f"float8: {problem}")
+    float8_linears(cfg)
 
 
 def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:

@@ -25,7 +25,7 @@ from src.planner.settings import (
     stage_layout,
     with_values,
 )
-from src.resolved import Resolved
+from src.resolved import Resolved, float8_linears
 from src.sharding import (
     ParallelLayout,
     WrapPlan,
@@ -58,7 +58,9 @@ def plan_backend(cfg: DictConfig, resolved: Resolved) -> Iterator[Any]:
     of a block the policy splits is a config error here, before any rank starts."""
     tp = resolved.layout.tp  # the model is tensor-parallelised on meta for real
     layout = ParallelLayout(tp, tp=tp)
-    backend = build_backend("plan", cfg.precision.name, "cpu", layout=layout)
+    backend = build_backend(
+        "plan", cfg.precision.name, "cpu", layout=layout, float8=float8_linears(cfg)
+    )
     try:
         yield backend
     except SplitBlockError as err:

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.registry import Registry
 
+from .float8 import Float8, byte_all_gather
 from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
@@ -150,6 +151,7 @@ class Backend:
     # a unit's all-gather output is copied into its parameters' own unsharded
     # tensors (both alive at once while it is gathered)
     gather_copy_out: ClassVar[bool]
+    float8: ClassVar[bool]  # takes float8 linear layers (precision=float8)
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "distributed",
         "wraps_units",
@@ -163,6 +165,7 @@ class Backend:
         "tensor_parallel",
         "pipeline_parallel",
         "gather_copy_out",
+        "float8",
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -180,8 +183,11 @@ class Backend:
         device: torch.device,
         reshard_after_forward: bool | int = True,
         layout: ParallelLayout | None = None,
+        float8: Float8 | None = None,
     ) -> None:
         self.precision, self.device = precision, device
+        #: float8 linear layers (precision=float8): which, the recipe, the all-gather
+        self.float8_linears = float8
         #: as FSDP2 takes it: True, False, or the (smaller) group size to reshard to
         self.reshard_after_forward = reshard_after_forward
         self.world_size, self.rank = 1, 0
@@ -345,6 +351,11 @@ class Backend:
         """Skip the gradient reduction (inner gradient-accumulation steps)."""
         return contextlib.nullcontext()
 
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """After each optimizer step: float8 all-gather's scales for the next step."""
+        if self.float8_linears is not None:
+            self.float8_linears.after_optimizer_step(model)
+
 
 def _by_mesh(params: Iterable[nn.Parameter]) -> dict[Any, list[nn.Parameter]]:
     """The parameters with a gradient, by the mesh of their gradient (None: plain)."""
@@ -404,6 +415,7 @@ class _FSDPBackend(Backend):
     tensor_parallel = False
     pipeline_parallel = False
     gather_copy_out = False  # FSDP1: the flat parameter is the all-gather's output
+    float8 = True
 
     def place(self, model: nn.Module) -> nn.Module:
         return model
@@ -434,7 +446,11 @@ class FSDP2Backend(_FSDPBackend):
         self._build_mesh()
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
-        return fully_shard, {
+        f8 = self.float8_linears
+        wrapper = fully_shard
+        if f8 is not None and f8.all_gather and self.device.type == "cpu":
+            wrapper = _with_byte_all_gather  # gloo has no float8 type
+        return wrapper, {
             "mesh": self.mesh,
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": self.precision.fsdp2_policy(),
@@ -465,6 +481,7 @@ class FSDP1Backend(_FSDPBackend):
     """``fsdp1``: ``FullyShardedDataParallel`` per unit (``HYBRID_SHARD`` for HSDP)."""
 
     name = "fsdp1"
+    float8 = False  # its flat parameters: no float8 all-gather, untested with torchao
     meta_init = False
     partial_reshard = False
     explicit_prefetch = False
@@ -549,6 +566,13 @@ class PlanBackend(_FSDPBackend):
             self._fake_group = False
 
 
+def _with_byte_all_gather(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """``fully_shard`` whose all-gather moves float8 weights as bytes (gloo)."""
+    unit = fully_shard(module, **kwargs)
+    byte_all_gather(unit)
+    return unit
+
+
 def backend_class(name: str) -> type[Backend]:
     """The class of backend ``name`` (one of :data:`BACKENDS`, or ``plan``)."""
     cls = PlanBackend if name == "plan" else BACKENDS.get(name)
@@ -570,16 +594,22 @@ def build_backend(
     device: torch.device | str | None = None,
     reshard_after_forward: bool | int = True,
     layout: ParallelLayout | None = None,
+    float8: Float8 | None = None,
 ) -> Backend:
     """The backend ``name`` (one of :data:`BACKENDS`, or ``plan``) for this process;
     distributed ones need an initialised process group. ``layout`` (default: every
     rank shards the units, nothing else) is the run's :class:`ParallelLayout`: HSDP
     replicas (fsdp2, fsdp1), tensor and pipeline parallelism (fsdp2); the ``plan``
-    backend takes the layout of the run it plans."""
+    backend takes the layout of the run it plans. ``float8``: the float8 linear
+    layers of a float8 precision (``precision.float8``; None: its defaults)."""
     cls = backend_class(name)
     prec = get_precision(precision) if isinstance(precision, str) else precision
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return cls(prec, device, reshard_after_forward, layout)
+    if prec.float8 and float8 is None:
+        float8 = Float8()
+    return cls(
+        prec, device, reshard_after_forward, layout, float8 if prec.float8 else None
+    )
 
 
 def build_sharded_model(

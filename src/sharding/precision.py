@@ -2,7 +2,9 @@
 
 ``bf16_mixed``: parameters are all-gathered and computed in bf16, gradients are reduced
 in fp32 and the sharded master weights (and the optimizer) stay fp32. ``fp16_mixed`` is
-the same in fp16 and needs a gradient scaler (sharded for FSDP). FSDP casts only
+the same in fp16 and needs a gradient scaler (sharded for FSDP). ``float8`` is
+``bf16_mixed`` whose blocks' linear layers compute in float8 (``float8.Float8``,
+applied per block by the unit transform). FSDP casts only
 floating-point forward inputs, so integer token ids pass through untouched.
 """
 
@@ -24,6 +26,8 @@ class Precision:
     needs_grad_scaler: bool
     # What choosing it changes besides memory (the planner says it with a proposal).
     effects: str = ""
+    #: the blocks' linear layers compute in float8 (torchao; src/sharding/float8.py)
+    float8: bool = False
 
     @property
     def is_mixed(self) -> bool:
@@ -70,12 +74,23 @@ for _precision in (
         "forward and backward in fp16 with a gradient scaler (steps whose gradients "
         "overflow are skipped), fp32 master weights and optimizer",
     ),
+    Precision(
+        "float8",
+        torch.bfloat16,
+        torch.float32,
+        False,
+        "bf16_mixed with the blocks' linear layers in float8 (torchao: inputs, "
+        "weights and output gradients cast with dynamic scales; losses differ from "
+        "bf16's in the 2nd-3rd digit), fp32 master weights and optimizer; matmuls at "
+        "the float8 rate on sm89+ GPUs",
+        float8=True,
+    ),
 ):
     PRECISIONS.add(_precision.name, _precision)
 
 
 def get_precision(name: str) -> Precision:
-    """The precision policy called ``name`` (``fp32``, ``bf16_mixed``, ``fp16_mixed``)."""
+    """The precision policy called ``name`` (one of :data:`PRECISIONS`)."""
     try:
         return PRECISIONS[name]
     except KeyError:

@@ -23,3 +23,4 @@ class SingleProcessBackend(Backend):
     tensor_parallel = False
     pipeline_parallel = False
     gather_copy_out = False
+    float8 = True

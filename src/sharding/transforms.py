@@ -1,8 +1,11 @@
-"""Per-unit transforms: activation checkpointing and ``torch.compile``, applied to a
-module right before the unit holding it is sharded (torchtitan's order: checkpoint,
-then compile, then shard).
+"""Per-unit transforms: float8 linear layers, activation checkpointing and
+``torch.compile``, applied to a module right before the unit holding it is sharded
+(torchtitan's order: float8, checkpoint, compile, shard).
 
-Both replace the module's ``forward`` on the instance and nothing else, so the module
+Float8 (``float8.Float8``) swaps the module's ``nn.Linear`` layers for torchao's
+``Float8Linear`` (a subclass keeping the same parameters under the same names).
+Checkpointing and compile replace the module's ``forward`` on the instance and nothing
+else, so the module
 tree and every parameter name stay as they are (no ``_checkpoint_wrapped_module.`` or
 ``_orig_mod.`` segment reaches checkpoints, export or the optimizer's no-decay rule),
 and the sharding wrapper's hooks (all-gather before forward, reshard after) stay
@@ -36,6 +39,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from .float8 import Float8
 from .wrap import is_wrapped
 
 CHECKPOINTING = ("none", "full", "selective")
@@ -57,6 +61,7 @@ SAVED_OPS = _ops(
     "addmm",
     "bmm",
     "baddbmm",
+    "_scaled_mm",  # float8 linear layers' matmuls
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
@@ -88,7 +93,8 @@ class SplitBlockError(ValueError):
 
 @dataclass
 class UnitTransform:
-    """Checkpoint and/or compile each target module once, before it is sharded.
+    """Convert to float8, checkpoint and/or compile each target module once, before
+    it is sharded.
 
     Called by the wrap context with each module about to become a unit: every
     not-yet-transformed target in the unit (the unit itself or a module inside it,
@@ -100,6 +106,7 @@ class UnitTransform:
     every: int = 1
     compile: bool = False
     targets: tuple[type[nn.Module], ...] = ()
+    float8: Float8 | None = None
     #: targets transformed so far (for ``every``), in build order
     seen: int = field(default=0, init=False)
 
@@ -119,7 +126,7 @@ class UnitTransform:
 
     @property
     def active(self) -> bool:
-        return self.checkpointing != "none" or self.compile
+        return self.checkpointing != "none" or self.compile or self.float8 is not None
 
     def __call__(self, unit: nn.Module) -> None:
         if not self.active:
@@ -134,8 +141,10 @@ class UnitTransform:
             self.apply(module)
 
     def apply(self, module: nn.Module) -> None:
-        """Checkpoint then compile ``module`` in place (its ``forward`` only)."""
+        """Float8, then checkpoint, then compile ``module`` in place."""
         index, self.seen = self.seen, self.seen + 1
+        if self.float8 is not None:
+            self.float8.convert(module)
         forward = module.forward
         selective = self.checkpointing == "selective"
         if selective and any(is_wrapped(m) for m in module.modules()):

@@ -52,7 +52,8 @@ from src.observe.profiling import (
     watch_cuda_oom,
 )
 from src.resolved import Resolved
-from src.sharding import WrapPlan, canonical_name, wrap_plan
+from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
+from src.sharding.float8 import is_float8_linear
 from src.trainer.faults import signal_point, stop_signal
 from src.trainer.optimizer import build_optimizer, lr_lambda
 from src.trainer.pipelined import (
@@ -75,6 +76,25 @@ def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
     if plan.units:  # ddp and none have no units
         log.info(plan.tree())
     logger.log_table("wrap_plan", plan.rows())
+
+
+def log_float8(model: nn.Module, backend: Backend) -> None:
+    """Once per run: how many linear layers compute in float8, and on a CPU that
+    they run at CPU speed (there for correctness)."""
+    f8 = backend.float8_linears
+    n = sum(is_float8_linear(m) for m in model.modules())
+    where = (
+        "; on CPU the float8 matmuls run at CPU speed (for correctness, not speed)"
+        if backend.device.type == "cpu"
+        else ""
+    )
+    log.info(
+        "float8: %d linear layers (%s, all-gather in float8 %s)%s",
+        n,
+        f8.recipe,
+        "on" if f8.all_gather else "off",
+        where,
+    )
 
 
 class Trainer:
@@ -183,6 +203,8 @@ class Trainer:
             self.plan.stages = tuple(r.index for r in roles)
             self.plan.num_stages = roles[0].num_stages
         log_wrap_plan(self.plan, self.logger, self.rank)
+        if self.backend.float8_linears is not None and self.rank == 0:
+            log_float8(self.model, self.backend)
         self.num_params = sum(u.numel for u in self.plan.units) or sum(
             p.numel() for p in self.model.parameters()
         )

@@ -55,6 +55,8 @@ def pipeline_train_step(
     grad_norm = pipeline.clip_grad_norm_(t.grad_clip or math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    for m in pipeline.modules:
+        backend.after_optimizer_step(m)  # float8 all-gather's scales
     return pipeline.share(loss_sum), grad_norm
 
 

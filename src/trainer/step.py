@@ -66,6 +66,7 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    backend.after_optimizer_step(model)  # float8 all-gather's scales
     return loss_sum, grad_norm
 
 

@@ -1,0 +1,157 @@
+"""precision=float8 (torchao float8 training of the blocks' linear layers, on CPU for
+real: torch._scaled_mm's CPU kernel).
+
+- which layers convert (the skip list, dimensions not a multiple of 16) and that
+  names and high-precision weights stay as in the plain model;
+- a wrong float8 config fails in one line naming the key, before any rank starts;
+- float8 tracks bf16_mixed on a short run (one process);
+- one 2-rank launch: FSDP2 with the float8 all-gather over gloo (the float8 bytes
+  moved as uint8) equals float8 on one process, for GPT and Llama, and the sharded
+  state dict a checkpoint saves holds the fp32 weights under the plain names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from src.checkpoint.export import load_consolidated
+from src.config.cli import one_line
+from src.config.validate import validate
+from src.errors import ConfigError
+from src.harness import compose_config
+from src.models.gpt import GPT, GPTConfig
+from src.models.llama import Llama, LlamaConfig
+from src.sharding import UnitTransform, build_backend, build_policy, build_sharded_model
+from src.sharding.float8 import Float8, is_float8_linear
+from tests.distributed import run_distributed
+
+GPT_CFG = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=32)
+LLAMA_CFG = LlamaConfig(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
+    max_seq_len=32,
+)  # fmt: skip
+MODELS = {
+    "gpt": (lambda: GPT(GPT_CFG, seed=0), GPT.block_cls),
+    "llama": (lambda: Llama(LLAMA_CFG, seed=0), Llama.block_cls),
+}
+BATCH = 8
+
+
+def batches(steps: int, seq: int = 32):
+    """A few sequences drawn again and again: the loss falls fast, so a short run
+    shows whether float8 learns as bf16 does."""
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (4, seq + 1), generator=gen)
+    for _ in range(steps):
+        rows = pool[torch.randint(0, 4, (BATCH,), generator=gen)]
+        yield rows[:, :-1], rows[:, 1:]
+
+
+def train(family, precision, steps, backend_name="none", float8=None, rank=0, world=1):
+    """Losses (global mean) of ``steps`` AdamW steps and the trained model."""
+    make, block = MODELS[family]
+    backend = build_backend(backend_name, precision, "cpu", float8=float8)
+    policy = build_policy("block", block_cls=block) if backend.wraps_units else None
+    transform = UnitTransform(targets=(block,), float8=backend.float8_linears)
+    model = build_sharded_model(make, backend, policy, transform=transform)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for x, y in batches(steps):
+        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        with backend.autocast():
+            _, loss = model(x[rows], y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        backend.after_optimizer_step(model)
+        loss = loss.detach().float()
+        if world > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_convert_keeps_names_weights_and_skips():
+    block = GPT(GPT_CFG, seed=0).h[0]
+    names = {k: v.dtype for k, v in block.state_dict().items()}
+    converted = Float8(skip=("attn.c_proj",)).convert(block)
+    assert converted == ["attn.c_attn", "mlp.c_fc", "mlp.c_proj"]
+    assert not is_float8_linear(block.attn.c_proj)
+    assert is_float8_linear(block.mlp.c_fc)
+    assert {k: v.dtype for k, v in block.state_dict().items()} == names
+    odd = torch.nn.Sequential(torch.nn.Linear(64, 24), torch.nn.Linear(24, 64))
+    assert Float8().convert(odd) == []  # 24 is no multiple of 16: kernels refuse it
+    assert Float8(skip=("*.c_*",)).convert(GPT(GPT_CFG, seed=0).h[0]) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["sharding=fsdp1"], "precision.name"),
+        (["precision.recipe=columnwise"], "precision.recipe"),
+        (
+            ["precision.recipe=rowwise", "precision.float8_all_gather=true"],
+            "precision.float8_all_gather",
+        ),
+        (["sharding=ddp", "precision.float8_all_gather=true"], "precision.float8_all_gather"),
+        (["precision=bf16_mixed", "precision.recipe=rowwise"], "precision.recipe"),
+    ],
+)  # fmt: skip
+def test_float8_config_errors_name_the_key(overrides, key):
+    cfg = compose_config("precision=float8", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == key
+    assert "\n" not in one_line(err.value)
+
+
+def test_float8_tracks_bf16_mixed():
+    """12 steps of a 2-block GPT: every step's loss within 2% of bf16_mixed's.
+
+    float8 e4m3 keeps 3 mantissa bits (a rounding error up to 2^-4 per element,
+    bf16's is 2^-8), averaged over 64-128 products per dot product and scaled per
+    tensor: measured at most 0.8% apart over 30 steps (loss 5.6 -> 1.4), llama 2.0%
+    (docs/benchmarks.md has 200 steps). 2% is the band: a wrong scale or a layer
+    computing garbage moves the loss by far more within these steps."""
+    bf16, _ = train("gpt", "bf16_mixed", 12)
+    f8, model = train("gpt", "float8", 12)
+    assert sum(is_float8_linear(m) for m in model.modules()) == 8
+    assert f8[-1] < 0.8 * f8[0]  # it learns
+    for step, (a, b) in enumerate(zip(bf16, f8, strict=True)):
+        assert abs(a - b) <= 0.02 * a, (step, a, b)
+
+
+def _sharded_float8(rank, world, export_dir):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from src.checkpoint.export import export_consolidated
+
+    out = {}
+    f8 = Float8("tensorwise", all_gather=True)  # gloo: the float8 bytes as uint8
+    for family in MODELS:
+        losses, model = train(family, "float8", 4, "fsdp2", f8, rank, world)
+        state = get_model_state_dict(model)  # what a DCP checkpoint saves
+        export_consolidated(model, f"{export_dir}/{family}.safetensors")
+        out[family] = (losses, {k: v.dtype for k, v in state.items()})
+    return out
+
+
+def test_float8_fsdp2_two_ranks_equals_one(tmp_path):
+    """FSDP2 on 2 gloo ranks, float8 all-gather on, equals one process within 1%
+    per step: the ranks scale their own half of the batch's activations (tensorwise
+    scales are per tensor) and cast the fp32 shards to float8 where one process casts
+    its bf16 copy, each a float8 rounding (2^-4) averaged over a dot product.
+    The checkpointed state and trainer.export's file hold the fp32 weights under the
+    plain model's names."""
+    results = run_distributed(_sharded_float8, 2, str(tmp_path))
+    for family in MODELS:
+        one, model = train(family, "float8", 4)
+        plain = {k: v.dtype for k, v in MODELS[family][0]().state_dict().items()}
+        exported = load_consolidated(tmp_path / f"{family}.safetensors")
+        assert {k: v.dtype for k, v in exported.items()} == plain
+        for losses, dtypes in (r[family] for r in results):
+            assert dtypes == plain  # names and fp32 weights, as the plain model's
+            for a, b in zip(one, losses, strict=True):
+                assert abs(a - b) <= 0.01 * a, (family, one, losses)
