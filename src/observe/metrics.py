@@ -598,23 +598,29 @@ def contended(summary: dict) -> bool:
     return any(isinstance(v, int | float) and v > CONTENDED for v in figures)
 
 
-#: glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD).
+#: glibc's mallopt parameter numbers (malloc.h: M_MMAP_THRESHOLD, M_ARENA_MAX).
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def set_malloc_mmap_threshold(kib: int | None) -> bool:
     """Serve every heap block of ``kib`` KiB or more with its own mmap, so freeing it
     returns its pages to the OS at once (glibc's ``mallopt(M_MMAP_THRESHOLD)``; fixing
     it also stops glibc's dynamic threshold, which otherwise rises after the first
-    large frees and keeps later tensors on the heap). A rank's peak resident set is
-    then the memory it uses, which the planner predicts, and not what glibc happened
-    to keep. ``None``: glibc's defaults. False when not applied (no glibc)."""
+    large frees and keeps later tensors on the heap), and keep one heap for all the
+    rank's threads (``M_ARENA_MAX=1``: gloo's threads' blocks do not hold arenas of
+    their own). A rank's peak resident set then follows the memory it uses, which the
+    planner predicts (its constants measured so), rather than what glibc happened to
+    keep: the big blocks leave the resident set when freed, the smaller ones reuse the
+    heap without a page fault. ``None``: glibc's defaults. False when not applied (no
+    glibc)."""
     if kib is None:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl without it)
         return False
+    mallopt(_M_ARENA_MAX, 1)
     return bool(mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024))
 
 
