@@ -8,10 +8,10 @@ on synthetic tokens:
 
 - CPU: each rank's baseline is its resident set after the imports, the gloo process
   group, the FSDP mesh and the data, just before the model is built; the peak is VmHWM
-  (reset at that point) after the steps. Each rank sets glibc's mmap threshold first,
-  as train.py's ranks do (``trainer.malloc_mmap_threshold_kib``, 64 KiB), so a freed
-  tensor leaves the resident set at once: the figure is memory in use, not what
-  glibc keeps after frees.
+  (reset at that point) after the steps. Each rank sets glibc's allocator first, as
+  train.py's ranks do (``trainer.malloc_mmap_threshold_kib``, default 4 MiB, one
+  arena), so a big freed tensor leaves the resident set at once: the figure follows
+  memory in use (what the heap keeps of smaller blocks is in the calibrated constants).
 - CUDA (run unchanged on a GPU machine): ``torch.cuda.max_memory_allocated`` above
   ``memory_allocated`` at the same point, NCCL.
 
@@ -465,8 +465,8 @@ def ordinary(args) -> list[dict]:
         + (", holdout" if args.holdout else ", audit" if args.audit else ""),
         "Each row is `python train.py <overrides> trainer.max_steps="
         f"{args.steps} trainer.val_every=0` with no allocator environment (the "
-        "ranks set glibc's mmap threshold themselves, trainer.malloc_mmap_threshold_kib"
-        "=64); planned: the launcher's planned_peak_gib; measured: peak_mem_gib, the max "
+        "ranks set glibc's allocator themselves, trainer.malloc_mmap_threshold_kib"
+        "'s default); planned: the launcher's planned_peak_gib; measured: peak_mem_gib, the max "
         "over ranks of VmHWM from the model's build on (the process included), the two "
         f"figures of the run's closing line. {summary}.",
         bench="plan_vs_measured",

@@ -139,7 +139,8 @@ class TrainerConfig:
         "the planner's safety margin: a fit needs estimate x (1 + m)"
     )
     malloc_mmap_threshold_kib: int | None = described(
-        "CPU ranks: heap blocks >= this (KiB) are freed to the OS at once (null: glibc)"
+        "CPU ranks: heap blocks >= this (KiB) are freed to the OS at once; default "
+        "4096: the peak follows memory in use at glibc's speed (null: glibc's own)"
     )
     seed: int = described("seed of the model init and the batches")
     log_every: int = described("steps between logged rows (metrics.jsonl, wandb)")

@@ -262,10 +262,159 @@ def test_contended_windows_are_logged_said_once_and_summarised(monkeypatch, capl
     assert [r["cpu_wait"] for r in rows[1:]] == pytest.approx([0.5, 0.75])
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and said[0].startswith("steps 2-2: this rank's threads")
-    assert meter.contention() == pytest.approx({"cpu_wait_max": 0.75})
+    # without a run to read (rank > 0, not Linux) the whole wait counts as others'
+    assert meter.contention() == pytest.approx(
+        {"cpu_wait_max": 0.75, "cpu_wait_others_max": 0.75}
+    )
     assert metrics.contended(meter.contention())
     assert not metrics.contended({"cpu_wait_max": 0.05, "probe_cpu_wait": 0.02})
     assert metrics.contended({"probe_cpu_wait": 0.3})
+
+
+def test_split_cpu_wait_tells_the_runs_own_threads_from_other_processes():
+    split = metrics.split_cpu_wait
+    # An idle default run: 2 ranks, the launcher and a loader on 2 cores over 10 s.
+    # The run ran 19.0 core-s and waited 4.5 thread-s; it wanted 23.5 thread-s of
+    # 20 (3.5 beyond the cores); other processes ran 0.2 core-s (busy 19.2), so at
+    # most 0.2 of the run's waiting is theirs: of rank 0's 19%, 0.2 / 4.5.
+    own, others = split(0.19, 10.0, 2, 19.2, 19.0, 4.5)
+    assert others == pytest.approx(0.19 * 0.2 / 4.5)  # 0.8%: no line
+    assert own == pytest.approx(0.19 - others)
+    assert others < CONTENDED
+    # The same run beside two busy processes: they ran 10 core-s of the 20, the run
+    # 10 and waited 10.5 (0.5 beyond the cores): 10 of its 10.5 waiting is theirs.
+    own, others = split(0.5, 10.0, 2, 20.0, 10.0, 10.5)
+    assert others == pytest.approx(0.5 * 10 / 10.5)
+    assert own == pytest.approx(0.5 * 0.5 / 10.5)
+    # Oversubscribed by itself: 2 ranks x 2 threads on 2 cores, nothing else runs:
+    # it wanted 40 thread-s of 20, every waiting second its own.
+    assert split(0.5, 10.0, 2, 20.0, 20.0, 20.0) == pytest.approx((0.5, 0.0))
+    # Both: the run wants 30 of 20 (10 beyond) and waits 16, others ran 6 core-s.
+    assert split(0.4, 10.0, 2, 20.0, 14.0, 16.0) == pytest.approx(
+        (0.4 * 10 / 16, 0.4 * 6 / 16)
+    )
+    assert split(0.0, 10.0, 2, 20.0, 20.0, 0.0) == (0.0, 0.0)  # no wait at all
+
+
+def _reading(wall, busy, ran, waited, cores=2):
+    # The run's threads as one thread (ns), as core_reading returns them.
+    return metrics.CoreReading(wall, cores, busy, {"1": (ran * 10**9, waited * 10**9)})
+
+
+def test_windows_say_whose_threads_held_the_cores_once_each(monkeypatch, caplog):
+    # Rank 0's threads: 50% of their time waiting (warm-up), then 40% per window.
+    waits = iter([(0, 0), (50, 50), (110, 90), (170, 130), (230, 170)])
+    monkeypatch.setattr(metrics, "thread_times", lambda: {"1": next(waits)})
+    readings = iter(
+        [
+            _reading(0, 0, 0, 0),
+            _reading(10, 20, 20, 20),  # warm-up window
+            _reading(20, 40, 40, 40),  # 2 ranks x 2 threads, alone: all its own
+            _reading(30, 60, 50, 50.5),  # others ran 10 of 20 core-s: theirs
+            _reading(40, 80, 60, 61),  # the same again: said once
+        ]
+    )
+    monkeypatch.setattr(metrics, "core_reading", lambda root: next(readings))
+    monkeypatch.setattr(metrics.torch, "get_num_threads", lambda: 2)
+    times = iter([0.0, 1.0, 2.0, 3.0, 4.0])
+    meter = ThroughputMeter(
+        1000, 6000.0, 1e9, 1, clock=lambda: next(times), run_root=1, compute_threads=4
+    )
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        rows = [meter.step(step, log=True) for step in (1, 2, 3, 4)]
+    assert rows[0] is None
+    own = [r["cpu_wait_own"] for r in rows[1:]]
+    others = [r["cpu_wait_others"] for r in rows[1:]]
+    assert own == pytest.approx([0.4, 0.4 * 0.5 / 10.5, 0.4 * 0.5 / 10.5])
+    assert others == pytest.approx([0.0, 0.4 * 10 / 10.5, 0.4 * 10 / 10.5])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2
+    assert (
+        "for the run's own threads: 2 ranks x 2 threads per rank on 2 cores"
+        in (said[0])
+    )
+    assert "OMP_NUM_THREADS=1" in said[0] and "trainer.devices" in said[0]
+    assert said[1].startswith("steps 3-3: ") and "other processes held" in said[1]
+    summary = meter.contention()
+    assert summary["cpu_wait_own_max"] == pytest.approx(0.4)
+    assert summary["cpu_wait_others_max"] == pytest.approx(0.4 * 10 / 10.5)
+    assert metrics.contended(summary)
+    # Only its own waiting (the idle default run): neither line, not contended.
+    assert not metrics.contended({"cpu_wait_max": 0.19, "cpu_wait_others_max": 0.01})
+    assert interval_line(
+        5, {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "step_time_s": 1.0,
+            "cpu_wait": 0.19, "cpu_wait_others": 0.01}
+    ).count("cpu wait") == 0  # fmt: skip
+
+
+def test_an_own_wait_with_threads_that_fit_the_cores_says_nothing(monkeypatch, caplog):
+    # 2 ranks x 1 thread on 2 cores: the launcher's and loader's wake-ups are the
+    # run's own wait (cpu_wait_own) but nothing to change: no line.
+    waits = iter([(0, 0), (80, 20), (160, 40)])
+    monkeypatch.setattr(metrics, "thread_times", lambda: {"1": next(waits)})
+    readings = iter([_reading(0, 0, 0, 0), _reading(10, 19, 19, 4.5),
+                     _reading(20, 38, 38, 9)])  # fmt: skip
+    monkeypatch.setattr(metrics, "core_reading", lambda root: next(readings))
+    monkeypatch.setattr(metrics.torch, "get_num_threads", lambda: 1)
+    times = iter([0.0, 1.0, 2.0])
+    meter = ThroughputMeter(
+        1000, 6000.0, 1e9, 1, clock=lambda: next(times), run_root=1, compute_threads=2
+    )
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        row = [meter.step(step, log=True) for step in (1, 2)][1]
+    assert row["cpu_wait_own"] == pytest.approx(0.2) and row["cpu_wait_others"] == 0
+    assert caplog.records == []
+
+
+def _orphan_busy_loop() -> int:
+    # Not a descendant of this process: the shell that starts it exits at once.
+    out = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(out.stdout)
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_real_busy_processes_count_as_others_and_own_children_as_the_runs():
+    """This process is the run (its root); two busy loops outside it are others',
+    four busy children of it are its own."""
+    import os
+    import signal
+
+    if metrics.core_reading(os.getpid()) is None:
+        pytest.skip("no /proc figures")
+    cores = metrics.core_reading(os.getpid()).cores
+
+    def window(seconds=1.5):
+        before, since = metrics.core_reading(os.getpid()), metrics.thread_times()
+        _spin(seconds)
+        waited = metrics.cpu_wait(since, metrics.thread_times())
+        return metrics.split_between(waited, before, metrics.core_reading(os.getpid()))
+
+    others = [_orphan_busy_loop() for _ in range(2 * cores)]
+    try:
+        own, theirs = window()
+    finally:
+        for pid in others:
+            os.kill(pid, signal.SIGKILL)
+    assert theirs > CONTENDED and theirs > own
+    busy = "import time; end = time.monotonic() + 4\nwhile time.monotonic() < end: pass"
+    children = [subprocess.Popen([sys.executable, "-c", busy])
+                for _ in range(2 * cores)]  # fmt: skip
+    try:
+        time.sleep(0.5)  # started
+        own, theirs = window()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert own > CONTENDED
 
 
 # --- memory ---------------------------------------------------------------------------

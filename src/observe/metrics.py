@@ -269,6 +269,143 @@ def cpu_wait(
     return waited / (ran + waited) if ran + waited > 0 else None
 
 
+#: Set by the launcher for its ranks: its pid. The run's processes are that process
+#: and its descendants (ranks, the rank server, data-loader workers).
+RUN_ROOT_ENV = "SHARDWRAP_RUN_PID"
+_PROC = "/proc"
+
+
+def run_root() -> int:
+    """The pid whose process tree is this run: the launcher's (:data:`RUN_ROOT_ENV`),
+    else this process's parent (torchrun's agent), else this process."""
+    value = os.environ.get(RUN_ROOT_ENV, "")
+    return int(value) if value.isdigit() else os.getppid() or os.getpid()
+
+
+def _cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class CoreReading:
+    """What the cores did up to one moment: ``busy_s``, the core-seconds any process
+    ran on this process's cores (``/proc/stat``); ``run``, per thread of the run's
+    processes (:func:`run_root` and its descendants), (ns on a core, ns runnable but
+    waiting), from ``schedstat`` as :func:`thread_times`; ``wall_s``, a monotonic
+    clock; ``cores``, how many cores."""
+
+    wall_s: float
+    cores: int
+    busy_s: float
+    run: dict[str, tuple[int, int]]
+
+
+def _busy_seconds(cores: list[int]) -> float | None:
+    # /proc/stat cpuN: user nice system idle iowait irq softirq steal ... (ticks)
+    wanted, busy = {f"cpu{c}" for c in cores}, 0
+    try:
+        with open(f"{_PROC}/stat") as f:
+            for line in f:
+                name, *ticks = line.split()
+                if name in wanted:
+                    t = [int(x) for x in ticks[:8]]
+                    busy += t[0] + t[1] + t[2] + t[5] + t[6] + t[7]
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _run_threads(root: int) -> dict[str, tuple[int, int]]:
+    out, todo, seen = {}, [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            tids = os.listdir(f"{_PROC}/{pid}/task")
+        except OSError:
+            continue  # it ended meanwhile
+        for tid in tids:
+            task = f"{_PROC}/{pid}/task/{tid}"
+            try:
+                with open(f"{task}/schedstat") as f:
+                    ran, waited = f.read().split()[:2]
+                out[tid] = (int(ran), int(waited))
+                with open(f"{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def core_reading(root: int | None) -> CoreReading | None:
+    """A :class:`CoreReading` of the run under ``root``; None without the figures
+    (not Linux, or no ``root``)."""
+    if root is None:
+        return None
+    cores = _cores()
+    busy = _busy_seconds(cores)
+    run = _run_threads(root)
+    if busy is None or not run:
+        return None
+    return CoreReading(time.monotonic(), len(cores), busy, run)
+
+
+def split_cpu_wait(
+    waited: float,
+    wall_s: float,
+    cores: int,
+    busy_s: float,
+    run_ran_s: float,
+    run_waited_s: float,
+) -> tuple[float, float]:
+    """``(own, others)``: a rank's share of thread time spent waiting for a core
+    (``waited``, :func:`cpu_wait`) split by whose threads held the cores over a
+    window of ``wall_s`` seconds on ``cores`` cores, in which every process on them
+    ran ``busy_s`` core-seconds and the run's own threads (all its processes) ran
+    ``run_ran_s`` and waited ``run_waited_s`` thread-seconds.
+
+    The run's own: the thread-seconds its threads wanted beyond what the cores give
+    (``run_ran + run_waited - cores x wall``), which it waits whatever else runs,
+    and the wait while other processes held no core (waking up, handing a core
+    between the run's threads). Others': the rest of the run's waiting, at most the
+    core-seconds other processes ran (``busy - run_ran``): each of those could have
+    run one of the run's waiting threads. The rank's ``waited`` is split in the run's
+    proportion."""
+    if run_waited_s <= 0 or waited <= 0:
+        return max(waited, 0.0), 0.0
+    beyond = max(0.0, run_ran_s + run_waited_s - cores * wall_s)
+    others_ran = max(0.0, busy_s - run_ran_s)
+    by_others = min(max(0.0, run_waited_s - beyond), others_ran)
+    share = by_others / run_waited_s
+    return waited * (1 - share), waited * share
+
+
+def split_between(
+    waited: float | None, since: CoreReading | None, now: CoreReading | None
+) -> tuple[float, float] | None:
+    """:func:`split_cpu_wait` of ``waited`` between two :func:`core_reading`;
+    None without them."""
+    if waited is None or since is None or now is None or now.wall_s <= since.wall_s:
+        return None
+    ran = wait = 0
+    for tid, (r, w) in now.run.items():
+        r0, w0 = since.run.get(tid, (0, 0))
+        ran, wait = ran + r - r0, wait + w - w0
+    return split_cpu_wait(
+        waited,
+        now.wall_s - since.wall_s,
+        now.cores,
+        now.busy_s - since.busy_s,
+        max(0, ran) / 1e9,
+        max(0, wait) / 1e9,
+    )
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -299,6 +436,9 @@ class ThroughputMeter:
         world_size: int,
         clock: Callable[[], float] = time.perf_counter,
         probe_cpu_wait: float | None = None,
+        probe_cpu_wait_others: float | None = None,
+        run_root: int | None = None,
+        compute_threads: int | None = None,
     ) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -307,9 +447,17 @@ class ThroughputMeter:
         self.clock = clock
         self._mark: tuple[int, float] | None = None
         self._threads = thread_times()  # the window's start, for cpu_wait
+        # Whose threads held the cores (split_cpu_wait): read where run_root is given
+        # (rank 0); compute_threads: the run's ranks on this machine x threads each.
+        self.run_root, self.compute_threads = run_root, compute_threads
+        self._cores = core_reading(run_root)
         self._mfu_dropped = False  # the MFU-above-100% line is said once
+        self._own_said = False  # the oversubscribed-run line is said once
         self.cpu_wait_max: float | None = None  # the most contended window's
+        self.cpu_wait_others_max: float | None = None  # of it, other processes'
+        self.cpu_wait_own_max: float | None = None  # the run's own threads'
         self.probe_cpu_wait = probe_cpu_wait  # the peak probe's (Peak.cpu_wait)
+        self.probe_cpu_wait_others = probe_cpu_wait_others  # of it, others'
 
     def _now(self) -> float:
         _synchronize()  # GPU work is asynchronous: time it when it has finished
@@ -322,6 +470,7 @@ class ThroughputMeter:
         if self._mark is not None:
             self._mark = (step, self._now())
             self._threads = thread_times()
+            self._cores = core_reading(self.run_root)
 
     def step(self, step: int, log: bool) -> dict | None:
         """Call after every optimizer step; at log points returns the window's figures
@@ -331,6 +480,7 @@ class ThroughputMeter:
         now = self._now()
         mark, self._mark = self._mark, (step, now)
         threads, self._threads = self._threads, thread_times()
+        cores, self._cores = self._cores, core_reading(self.run_root)
         if mark is None or step <= mark[0] or now <= mark[1]:
             return None
         steps, seconds = step - mark[0], now - mark[1]
@@ -344,7 +494,13 @@ class ThroughputMeter:
         waited = cpu_wait(threads, self._threads)
         if waited is not None:
             row["cpu_wait"] = waited
-            self._contended(waited, mark[0] + 1, step)
+            split = split_between(waited, cores, self._cores)
+            if split is not None:
+                row["cpu_wait_own"], row["cpu_wait_others"] = split
+                self._oversubscribed(split[0], mark[0] + 1, step)
+            # without the split (other ranks, not Linux) the wait is taken as others'
+            others = waited if split is None else split[1]
+            self._contended(waited, others, mark[0] + 1, step)
         if self.peak_flops_per_rank is None:
             return row
         mfu = model_flops_utilization(
@@ -359,29 +515,62 @@ class ThroughputMeter:
     def contention(self) -> dict[str, float]:
         """For the run's summary: the most contended window's ``cpu_wait`` and the
         peak probe's (where measured); :func:`contended` reads them back."""
-        out = {"cpu_wait_max": self.cpu_wait_max, "probe_cpu_wait": self.probe_cpu_wait}
+        out = {
+            "cpu_wait_max": self.cpu_wait_max,
+            "cpu_wait_others_max": self.cpu_wait_others_max,
+            "cpu_wait_own_max": self.cpu_wait_own_max,
+            "probe_cpu_wait": self.probe_cpu_wait,
+            "probe_cpu_wait_others": self.probe_cpu_wait_others,
+        }
         return {k: v for k, v in out.items() if v is not None}
 
-    def _contended(self, waited: float, first: int, last: int) -> None:
+    def _contended(self, waited: float, others: float, first: int, last: int) -> None:
         # Said once, at the first window where other processes held the cores.
-        said = self.cpu_wait_max is not None and self.cpu_wait_max > CONTENDED
+        said = (self.cpu_wait_others_max or 0.0) > CONTENDED
         self.cpu_wait_max = max(waited, self.cpu_wait_max or 0.0)
-        if waited > CONTENDED and not said:
+        self.cpu_wait_others_max = max(others, self.cpu_wait_others_max or 0.0)
+        if others > CONTENDED and not said:
             threads = torch.get_num_threads()
             log.warning(
                 "steps %d-%d: this rank's threads waited for a core %.0f%% of the "
-                "time (other processes are using this machine's cores): tokens/s "
-                "and MFU are below what this run gets alone and move with the load "
-                "(cpu_wait in metrics.jsonl); compare runs measured under the same "
-                "load%s",
+                "time, %.0f%% of it while other processes held the machine's cores: "
+                "tokens/s and MFU are below what this run gets alone and move with "
+                "the load (cpu_wait, cpu_wait_others in metrics.jsonl); compare runs "
+                "measured under the same load%s",
                 first,
                 last,
                 100 * waited,
+                100 * others / waited,
                 f"; {threads} threads per rank wait for each other on a busy "
                 "machine: OMP_NUM_THREADS=1 runs faster there"
                 if threads > 1
                 else "",
             )
+
+    def _oversubscribed(self, own: float, first: int, last: int) -> None:
+        # Said once: the run's own threads wanted more cores than there are, as
+        # configured (ranks x threads per rank); a launcher's or loader's brief
+        # wake-ups are in cpu_wait_own but say nothing a user can change.
+        self.cpu_wait_own_max = max(own, self.cpu_wait_own_max or 0.0)
+        cores = self._cores.cores if self._cores else len(_cores())
+        threads = self.compute_threads
+        if own <= CONTENDED or self._own_said or not threads or threads <= cores:
+            return
+        self._own_said = True
+        per_rank = torch.get_num_threads()
+        log.warning(
+            "steps %d-%d: this rank's threads waited for a core %.0f%% of the time "
+            "for the run's own threads: %d ranks x %d threads per rank on %d cores "
+            "(cpu_wait_own in metrics.jsonl); set OMP_NUM_THREADS=%d (fewer threads "
+            "per rank) or fewer ranks (trainer.devices) for a faster run",
+            first,
+            last,
+            100 * own,
+            threads // per_rank,
+            per_rank,
+            cores,
+            max(1, cores // max(1, threads // per_rank)),
+        )
 
     def _omit_mfu(self, achieved: float) -> None:
         # Above 100% the denominator is wrong (a probe measured on a busy machine, a
@@ -399,29 +588,39 @@ class ThroughputMeter:
 
 def contended(summary: dict) -> bool:
     """Whether a run's speed figures (tokens/s, MFU) were measured while other
-    processes held its cores: a window or the peak probe waited for a core more
-    than :data:`CONTENDED` of the time (:meth:`ThroughputMeter.contention`)."""
-    figures = (summary.get("cpu_wait_max"), summary.get("probe_cpu_wait"))
+    processes held its cores: a window or the peak probe waited for a core while
+    they held them more than :data:`CONTENDED` of the time
+    (:meth:`ThroughputMeter.contention`; a summary written before the wait was
+    split: its whole ``cpu_wait_max``, ``probe_cpu_wait``)."""
+    windows = summary.get("cpu_wait_others_max", summary.get("cpu_wait_max"))
+    probe = summary.get("probe_cpu_wait_others", summary.get("probe_cpu_wait"))
+    figures = (windows, probe)
     return any(isinstance(v, int | float) and v > CONTENDED for v in figures)
 
 
-#: glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD).
+#: glibc's mallopt parameter numbers (malloc.h: M_MMAP_THRESHOLD, M_ARENA_MAX).
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def set_malloc_mmap_threshold(kib: int | None) -> bool:
     """Serve every heap block of ``kib`` KiB or more with its own mmap, so freeing it
     returns its pages to the OS at once (glibc's ``mallopt(M_MMAP_THRESHOLD)``; fixing
     it also stops glibc's dynamic threshold, which otherwise rises after the first
-    large frees and keeps later tensors on the heap). A rank's peak resident set is
-    then the memory it uses, which the planner predicts, and not what glibc happened
-    to keep. ``None``: glibc's defaults. False when not applied (no glibc)."""
+    large frees and keeps later tensors on the heap), and keep one heap for all the
+    rank's threads (``M_ARENA_MAX=1``: gloo's threads' blocks do not hold arenas of
+    their own). A rank's peak resident set then follows the memory it uses, which the
+    planner predicts (its constants measured so), rather than what glibc happened to
+    keep: the big blocks leave the resident set when freed, the smaller ones reuse the
+    heap without a page fault. ``None``: glibc's defaults. False when not applied (no
+    glibc)."""
     if kib is None:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl without it)
         return False
+    mallopt(_M_ARENA_MAX, 1)
     return bool(mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024))
 
 
@@ -522,7 +721,7 @@ def interval_line(step: int, row: dict) -> str:
             f"{row['step_time_s'] * 1e3:.1f} ms/step",
             "mfu n/a" if mfu is None else f"mfu {mfu:.2%}",
         ]
-        if row.get("cpu_wait", 0.0) > CONTENDED:
+        if row.get("cpu_wait_others", row.get("cpu_wait", 0.0)) > CONTENDED:
             parts.append(f"cpu wait {row['cpu_wait']:.0%}")
     if "peak_mem_gib" in row:
         parts.append(f"mem {row['peak_mem_gib']:.3f} GiB")

@@ -60,7 +60,7 @@ from src.observe.logs import (
     rank_logging,
     set_log_level,
 )
-from src.observe.metrics import set_malloc_mmap_threshold
+from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.report import plan_only
 from src.planner.run import plan_run
 from src.resolved import Resolved, resolve, under_torchrun
@@ -241,6 +241,8 @@ def _launch_local(
 ) -> dict[str, Any] | None:
     """The ranks on this machine: in this process (1) or under the elastic agent."""
     nprocs = resolved.world_size
+    # the run's processes are this one and its descendants (metrics.run_root)
+    os.environ[RUN_ROOT_ENV] = str(os.getpid())
     if nprocs == 1:
         try:
             summary = run_rank(cfg, run_dir, resolved)

@@ -39,11 +39,14 @@ from src.observe.logs import FILE_ONLY
 from src.observe.metrics import (
     CONTENDED,
     ThroughputMeter,
+    core_reading,
     interval_line,
     memory_metrics,
     peak_flops_per_rank,
     reduce_max_min,
     reset_peak_memory,
+    run_root,
+    split_between,
 )
 from src.observe.profiling import (
     ProfileOptions,
@@ -256,27 +259,36 @@ class Trainer:
         t = self.cfg.trainer
         spec, model_cfg = self.resolved.spec, self.resolved.model_config
         block_size = spec.seq_len(model_cfg)
-        peak = waited = None
+        peak = waited = others = root = None
         if self.rank == 0:
+            # rank 0 says whose threads held the cores (the run's or others')
+            root = run_root()
+            before = core_reading(root)
             found = peak_flops_per_rank(
                 self.device, self.backend.param_dtype, t.peak_tflops
             )
             if found.warning:
                 log.warning("precision=%s: %s", self.cfg.precision.name, found.warning)
             peak, waited = found.flops, found.cpu_wait
-            if waited is not None and waited > CONTENDED:
+            split = split_between(waited, before, core_reading(root))
+            others = waited if split is None else split[1]
+            if others is not None and others > CONTENDED:
                 log.warning(
-                    "MFU: the peak probe waited for a core %.0f%% of the time (other "
-                    "processes are using this machine's cores): its peak reads low "
+                    "MFU: the peak probe waited for a core %.0f%% of the time while "
+                    "other processes held this machine's cores: its peak reads low "
                     "and MFU high; set trainer.peak_tflops for a fixed peak",
-                    100 * waited,
+                    100 * others,
                 )
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         return ThroughputMeter(
             tokens_per_step=t.batch_size * block_size,
             flops_per_token=spec.flops_per_token(model_cfg, block_size),
             peak_flops_per_rank=peak,
             world_size=self.world,
             probe_cpu_wait=waited,
+            probe_cpu_wait_others=others,
+            run_root=root,
+            compute_threads=local * torch.get_num_threads(),
         )
 
     def startup_line(self) -> str:
