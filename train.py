@@ -22,7 +22,8 @@ from src.config.validate import validate
 from src.planner.auto import default_policy
 from src.planner.run import budget_check
 from src.planner.settings import run_budget_bytes
-from src.runs.compose import continue_run
+from src.runs.branches import Completed
+from src.runs.compose import continue_run, take_branch
 from src.trainer.faults import stop_before_start
 from src.trainer.launch import (
     job_user_keys,
@@ -65,9 +66,13 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
             return launch(cfg, run_dir, resolved)
     with own_run_dir(run_dir):
         with exit_on_config_error():  # one line, before any rank starts
-            cfg, user_keys = continue_run(cfg, run_dir)  # a resume: the run's config
+            try:
+                cfg, user_keys = continue_run(cfg, run_dir)  # a resume: its config
+            except Completed:  # said; its records stay as they are
+                return None
             cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
             preflight(run_dir)  # the run dir is writable
+            take_branch(cfg, run_dir)  # from an older point: the rest set aside
         return launch(cfg, run_dir, resolved)
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from src.checkpoint.folders import META, incomplete_checkpoints
 from src.errors import ConfigError
 from src.harness import compose_config
 from src.observe.loggers import FileSink
-from src.runs.compose import resume_config
+from src.runs.compose import resume_config, take_branch
 from src.runs.resume import RECORD, attempt_subdir
 from src.trainer.optimizer import apply_hyperparameters, lr_lambda
 
@@ -65,7 +66,10 @@ def run_dir(tmp_path: Path) -> Path:
 def _resume(run_dir: Path, *overrides: str):
     """resume_config for a later attempt in ``run_dir`` with this command line."""
     cfg, overrides, choices = _composed(*overrides)
-    return resume_config(cfg, str(run_dir), overrides, choices, f"{RECORD}/attempts/x")
+    attempt = f"{RECORD}/attempts/x"
+    cfg, user_keys = resume_config(cfg, str(run_dir), overrides, choices, attempt)
+    take_branch(cfg, str(run_dir))  # as train.py does, once the config is accepted
+    return cfg, user_keys
 
 
 def test_a_resume_from_the_run_dir_alone_takes_the_checkpoints_config(run_dir, caplog):
@@ -581,3 +585,278 @@ def test_a_command_writes_nothing_into_a_run_it_does_not_own(tmp_path):
         "own regular files there: remove it (or set hydra.run.dir to another "
         "directory)\n"
     )
+
+
+def _timeline(run_dir: Path, steps: int, logged: int) -> None:
+    """The fixture's run with checkpoints step_1..``steps`` (each recording the
+    fixture's config), metrics rows 0..``logged`` (and a row cut short) in
+    metrics.jsonl and metrics.csv, and an export."""
+    meta = json.loads((run_dir / "checkpoints" / "step_00000004" / META).read_text())
+    for step in range(1, steps + 1):
+        path = run_dir / "checkpoints" / f"step_{step:08d}"
+        path.mkdir(exist_ok=True)
+        (path / META).write_text(json.dumps({**meta, "step": step}))
+        (path / "COMPLETE").write_text("")
+    rows = [json.dumps({"step": s, "loss": 9.0 - s}) for s in range(logged + 1)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + '\n{"st')
+    csv = "step,loss\n" + "".join(f"{s},{9.0 - s}\n" for s in range(logged + 1))
+    (run_dir / "metrics.csv").write_text(csv)
+    (run_dir / "hf").mkdir()
+
+
+def _steps(path: Path) -> list:
+    """The step of each row of a metrics.jsonl (None: a row cut short)."""
+    rows = path.read_text().splitlines()
+    return [json.loads(r)["step"] if r.endswith("}") else None for r in rows]
+
+
+def test_a_resume_before_the_newest_checkpoint_sets_the_newer_timeline_aside(
+    run_dir, caplog
+):
+    """Issue 48 item 2: a resume of an older checkpoint of the run is a branch, said
+    in one line: the newer checkpoints, the rows past it (metrics.jsonl and the
+    CSV), summary.json and the export move to branches/<time>_after_step_N/ (not
+    deleted, not mixed), so pruning and resume=auto see the branch alone; a
+    set-aside cut short by a kill is finished by the next command there."""
+    from src.runs.branches import BRANCH_RECORD, BRANCHES
+
+    _timeline(run_dir, steps=4, logged=4)
+    (run_dir / "summary.json").write_text('{"steps": 6, "loss": 1.0}')
+    old = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    ckpts = run_dir / "checkpoints"
+    before = _files(run_dir)
+    with pytest.raises(ConfigError, match="model.n_layer: 2 was recorded"):
+        _resume(run_dir, f"trainer.resume={ckpts}/step_00000002", "model.n_layer=1")
+    assert _files(run_dir) == before  # a refused branch moves nothing
+    with caplog.at_level(logging.INFO):
+        cfg, _ = _resume(run_dir, f"trainer.resume={ckpts}/step_00000002", "logger=csv")
+    assert cfg.trainer.resume.endswith("step_00000002")
+    (branch,) = (run_dir / BRANCHES).iterdir()
+    assert branch.name.endswith("_after_step_2")
+    (line,) = [r.getMessage() for r in caplog.records if "branch" in r.getMessage()]
+    assert line == (
+        "trainer.resume: a branch from step 2 (step_00000002, while the run's "
+        "newest checkpoint is step_00000004): what the run dir held after it (2 "
+        "checkpoints step_00000003..step_00000004, metrics.jsonl: 3 rows, "
+        f"summary.json, metrics.csv: 2 rows, hf) is moved to {branch}; "
+        "trainer.keep_last and trainer.resume=auto see only this branch"
+    )
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in (branch / "checkpoints").iterdir()) == [
+        "step_00000003",
+        "step_00000004",
+    ]
+    # every row is in one place, byte for byte: up to the branch point here
+    kept = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert kept == old[:3] and (branch / "metrics.jsonl").read_text() == "".join(
+        old[3:]
+    )
+    assert (run_dir / "metrics.csv").read_text().splitlines()[-1] == "2,7.0"
+    assert (branch / "metrics.csv").read_text().splitlines() == [
+        "step,loss",
+        "3,6.0",
+        "4,5.0",
+    ]
+    assert (branch / "summary.json").read_text() == '{"steps": 6, "loss": 1.0}'
+    assert (branch / "hf").is_dir() and not (run_dir / "hf").exists()
+    assert not (run_dir / "summary.json").exists()
+    assert json.loads((branch / BRANCH_RECORD).read_text())["complete"] is True
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # the branch's own newest: no branch
+        _resume(run_dir, "trainer.resume=auto")
+    assert "branch" not in caplog.text and len(list(branch.parent.iterdir())) == 1
+
+    # A set-aside at step 1 killed after its record: the next command finishes it
+    # before it looks at the run (resume=auto then takes step_1).
+    cut = run_dir / BRANCHES / "x_after_step_1"
+    cut.mkdir()
+    (cut / BRANCH_RECORD).write_text('{"after_step": 1, "complete": false}')
+    cfg, _ = _resume(run_dir, "trainer.resume=auto")
+    assert [p.name for p in ckpts.iterdir()] == ["step_00000001"]
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == ["step_00000002"]
+    assert _steps(run_dir / "metrics.jsonl") == [0, 1]
+    assert _steps(cut / "metrics.jsonl") == [2]
+    assert json.loads((cut / BRANCH_RECORD).read_text())["complete"] is True
+
+
+def test_another_runs_checkpoint_into_a_dir_holding_a_run_is_refused(
+    run_dir, tmp_path_factory
+):
+    """Issue 48 item 2: nothing in the run dir moves; into an empty dir it is a
+    resume (and a retry of that resume, cut short before its first checkpoint, is
+    one too)."""
+    other = tmp_path_factory.mktemp("other")
+    step = other / "checkpoints" / "step_00000006"
+    step.mkdir(parents=True)
+    meta = json.loads((run_dir / "checkpoints" / "step_00000004" / META).read_text())
+    (step / META).write_text(json.dumps({**meta, "step": 6}))
+    (step / "COMPLETE").write_text("")
+    before = _files(run_dir)
+    with pytest.raises(ConfigError) as err:
+        _resume(run_dir, f"trainer.resume={step}")
+    line = str(err.value)
+    assert line.startswith(
+        f"trainer.resume: {step} is not a checkpoint of this run "
+        f"({run_dir / 'checkpoints'}) but another's, and {run_dir} holds a run "
+        "(checkpoint step_00000004 and metrics.jsonl up to step 4)"
+    )
+    assert "resume it into a new dir" in line and "\n" not in line
+    assert _files(run_dir) == before
+
+    fresh = tmp_path_factory.mktemp("fresh")
+    cfg, overrides, choices = _composed(*RUN, f"trainer.resume={step}")
+    (fresh / RECORD).mkdir()  # Hydra's, of the first attempt
+    cfg, _ = resume_config(cfg, str(fresh), overrides, choices, RECORD)
+    assert cfg.trainer.resume == str(step)
+    # the attempt logged rows and was killed before its first checkpoint
+    (fresh / "metrics.jsonl").write_text('{"step": 6}\n{"step": 7}\n')
+    assert _resume(fresh, f"trainer.resume={step}")[0].trainer.resume == str(step)
+
+
+def test_a_completed_run_says_so_and_a_longer_one_branches_at_its_checkpoint(
+    run_dir, caplog
+):
+    """Issue 48 item 2: a run that completed its 6 steps with its newest checkpoint
+    at step 4 (trainer.ckpt_final=false): resume=auto trains nothing and touches
+    nothing (it retrained from the checkpoint, or from step 1 without one, and
+    replaced metrics.jsonl and summary.json); more steps are a branch from step 4."""
+    from src.runs.branches import BRANCHES, Completed
+
+    _timeline(run_dir, steps=4, logged=6)
+    (run_dir / "summary.json").write_text('{"steps": 6, "loss": 1.0}')
+    before = _files(run_dir)
+    with caplog.at_level(logging.INFO), pytest.raises(Completed):
+        _resume(run_dir, "trainer.resume=auto")
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .startswith(
+            f"nothing to train: {run_dir} completed its 6 steps (summary.json; its "
+            "newest checkpoint: step_00000004, trainer.ckpt_final=false); its records "
+            "are kept"
+        )
+    )
+    assert _files(run_dir) == before
+    hidden = run_dir.parent / f"{run_dir.name}-checkpoints"
+    (run_dir / "checkpoints").rename(hidden)  # none at all: the same
+    with pytest.raises(Completed, match="its newest checkpoint: none"):
+        _resume(run_dir, "trainer.resume=auto")
+    (run_dir / "summary.json").write_text('{"steps": 6, "stopped": {"step": 6}}')
+    _resume(run_dir, "trainer.resume=auto")  # a stopped run is no completed one
+
+    hidden.rename(run_dir / "checkpoints")
+    shutil.rmtree(run_dir / "hf")
+    _timeline(run_dir, steps=4, logged=6)
+    (run_dir / "summary.json").write_text('{"steps": 6, "loss": 1.0}')
+    cfg, _ = _resume(
+        run_dir,
+        "trainer.resume=auto",
+        "trainer.max_steps=8",
+        "trainer.resume_schedule=extend",
+    )
+    assert cfg.trainer.max_steps == 8
+    (branch,) = (run_dir / BRANCHES).iterdir()
+    assert branch.name.endswith("_after_step_4")
+    assert _steps(run_dir / "metrics.jsonl") == [0, 1, 2, 3, 4]
+    assert _steps(branch / "metrics.jsonl") == [5, 6, None]  # and the torn row
+    assert (branch / "summary.json").is_file()
+    assert not (branch / "checkpoints").exists()
+
+
+# train.py, its process SIGKILLed as step N begins (one rank: the launching process)
+_KILLED_AT = """
+import os, runpy, signal, sys
+from src.trainer.loop import Trainer
+step = Trainer.step
+def killed(self, s):
+    if s == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(self, s)
+Trainer.step = killed
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def _run_files(run_dir: Path) -> dict[str, bytes | None]:
+    """:func:`_files` but for what any command adds (Hydra's attempt, its log)."""
+    skip = (".hydra", "train.log", "run.lock")
+    return {k: v for k, v in _files(run_dir).items() if not k.startswith(skip)}
+
+
+@pytest.mark.slow
+def test_a_run_dir_holds_one_timeline(tmp_path):
+    """Issue 48 item 2's repros, one rank each: a run to step 6 (a checkpoint each
+    step); a resume of its step 2 with keep_last=1 killed in step 4 sets steps 3-6
+    aside, and resume=auto then goes on with the branch (keep_last had kept the
+    old step_6 and deleted the branch's own, and auto said "nothing to train");
+    another run's checkpoint into a dir holding a run is refused untouched; a
+    completed run without its last checkpoint says it completed."""
+    run = tmp_path / "A"
+    base = [*RUN, "trainer.devices=1", "trainer.progress=false"]
+    base += ["trainer.log_every=1", "trainer.peak_tflops=1"]
+    first = _train(
+        *base, "trainer.ckpt_every=1", "trainer.keep_last=10", f"hydra.run.dir={run}"
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    rows = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]
+    shutil.copytree(run, tmp_path / "B")
+    shutil.copytree(run, tmp_path / "C")
+    for step in (5, 6):  # C: a completed run whose newest checkpoint is step 4
+        shutil.rmtree(tmp_path / "C" / "checkpoints" / f"step_{step:08d}")
+
+    ckpts = run / "checkpoints"
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT, f"hydra.run.dir={run}"]
+        + [f"trainer.resume={ckpts}/step_00000002", "trainer.keep_last=1"],
+        cwd=ROOT,
+        env={**os.environ, "KILL_AT": "4", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    (line,) = [x for x in killed.stdout.splitlines() if "branch" in x]
+    (branch,) = (run / "branches").iterdir()
+    assert line.startswith(
+        "trainer.resume: a branch from step 2 (step_00000002, while the run's newest "
+        "checkpoint is step_00000006): what the run dir held after it (4 "
+        "checkpoints step_00000003..step_00000006, metrics.jsonl: 4 rows, "
+        f"summary.json) is moved to {branch};"
+    )
+    assert [p.name for p in ckpts.iterdir()] == ["step_00000003"]  # keep_last=1
+    moved = sorted(p.name for p in (branch / "checkpoints").iterdir())
+    assert moved == [f"step_{s:08d}" for s in (3, 4, 5, 6)]
+    assert (branch / "metrics.jsonl").read_text() == "".join(rows[3:])
+    aside = _files(branch)
+
+    auto = _train(f"hydra.run.dir={run}", "trainer.resume=auto")
+    out = auto.stdout + auto.stderr
+    assert auto.returncode == 0, out[-2000:]
+    assert "branch" not in out and "dropped" not in out and "nothing" not in out
+    assert "resumed from" in out and "step_00000003 (step 3)" in out
+    assert [p.name for p in ckpts.iterdir()] == ["step_00000006"]
+    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]
+    assert (run / "metrics.jsonl").read_text().startswith("".join(rows[:2]))
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+    assert _files(branch) == aside
+
+    other = tmp_path / "B"
+    before = _run_files(other)
+    foreign = _train(f"hydra.run.dir={other}", f"trainer.resume={ckpts}/step_00000006")
+    assert foreign.returncode == 2, foreign.stderr[-2000:]
+    assert foreign.stderr.startswith(
+        f"config error: trainer.resume: {ckpts}/step_00000006 is not a checkpoint of "
+        f"this run ({other}/checkpoints) but another's, and {other} holds a run"
+    )
+    assert len(foreign.stderr.splitlines()) == 1
+    assert "resume it into a new dir" in foreign.stderr
+    assert _run_files(other) == before
+
+    done = tmp_path / "C"
+    before = _run_files(done)
+    again = _train(f"hydra.run.dir={done}", "trainer.resume=auto")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.startswith(f"nothing to train: {done} completed its 6 steps")
+    assert _run_files(done) == before

@@ -25,7 +25,7 @@ from src.observe.loggers import (
     Sink,
 )
 from src.registry import described
-from src.util import atomic_path
+from src.util import atomic_path, plural
 
 
 @dataclass
@@ -77,6 +77,17 @@ class CsvSink(Sink):
         if dropped:
             self._rewrite()
         return dropped
+
+    def set_aside_after(self, step: int, directory: Path) -> list[str]:
+        later = [r for r in self.rows if _step(r) > step]
+        if not later:
+            return []
+        aside = CsvSink(directory / self.path.name)  # the branch's copy first
+        aside.rows, aside.columns = later, self.columns
+        aside._rewrite()
+        self.rows = [r for r in self.rows if _step(r) <= step]
+        self._rewrite()
+        return [f"{self.path.name}: {plural(len(later), 'row')}"]
 
     def _rewrite(self) -> None:
         with atomic_path(self.path) as tmp:

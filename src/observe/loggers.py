@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.errors import ConfigError
 from src.observe.metrics import contended
 from src.registry import Registry, described, no_check, or_list
-from src.util import atomic_path, json_default, keep_aside, write_json_atomic
+from src.util import atomic_path, json_default, keep_aside, plural, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,13 @@ class Sink:
     def drop_rows_after(self, step: int) -> int:
         """Forget rows logged past ``step``, if the sink can; returns how many."""
         return 0
+
+    def set_aside_after(self, step: int, directory: Path) -> list[str]:
+        """Move what this sink keeps in the run dir of the steps past ``step`` (rows,
+        the summary of their end) to files of the same names in ``directory``: a
+        resume that branches at ``step`` (src/runs/branches.py). Returns what moved,
+        in words (``metrics.jsonl: 4 rows``)."""
+        return []
 
 
 class FileSink(Sink):
@@ -148,6 +155,26 @@ class FileSink(Sink):
                 offset,
             )
         return len(lines) - len(kept)
+
+    def set_aside_after(self, step: int, directory: Path) -> list[str]:
+        # The branch's copy first: a kill before the rewrite leaves the rows in both
+        # places (the next set-aside writes the same copy again), never in neither.
+        path, moved = self.run_dir / METRICS_FILE, []
+        lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+        later = [line for line in lines if _row_step(line) > step]
+        if later:
+            with atomic_path(directory / METRICS_FILE) as tmp:
+                tmp.write_bytes(b"".join(later))
+            self._jsonl.close()
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(b"".join(x for x in lines if _row_step(x) <= step))
+            self._jsonl, self._last = open(path, "a"), None
+            moved.append(f"{METRICS_FILE}: {plural(len(later), 'row')}")
+        summary = self.run_dir / SUMMARY_FILE
+        if summary.is_file():
+            os.replace(summary, directory / SUMMARY_FILE)
+            moved.append(SUMMARY_FILE)
+        return moved
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         safe = re.sub(r"[^\w.-]+", "_", name)
@@ -372,6 +399,11 @@ class Logger:
         """Before a resume from ``step``: drop the rows the interrupted run logged
         past it, where a sink can (metrics.jsonl); returns how many."""
         return sum(sink.drop_rows_after(step) for sink in self.sinks)
+
+    def set_aside_after(self, step: int, directory: str | os.PathLike) -> list[str]:
+        """A resume branches at ``step``: each sink's rows past it (and the summary)
+        move to ``directory`` (:meth:`Sink.set_aside_after`); returns what moved."""
+        return [m for s in self.sinks for m in s.set_aside_after(step, Path(directory))]
 
     def log_summary(self, d: dict) -> None:
         """Final figures (val_loss, totals), merged into the run's summary."""

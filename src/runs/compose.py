@@ -22,6 +22,14 @@ from src.cli_help import CONF_DIR
 from src.config.validate import validate
 from src.errors import ConfigError, keyed
 from src.resolved import Resolved
+from src.runs.branches import (
+    Completed,
+    branch_point,
+    finish_set_asides,
+    is_own,
+    refuse_foreign,
+    set_aside,
+)
 from src.runs.from_run import RUN_CONFIG, find_run, run_config, with_changes
 from src.runs.resume import (
     RECORD,
@@ -121,6 +129,8 @@ def resume_config(
     keys its user set (None: the command line's)."""
     if _rank0() and in_use(run_dir):
         return cfg, None  # the launcher refuses it, naming the live run
+    if _rank0():
+        finish_set_asides(cfg, run_dir)  # of a branch whose start was killed
     progress = run_progress(run_dir)
     wanted = "auto" if restart_reason(cfg) else cfg.trainer.resume
     if wanted is None:
@@ -139,6 +149,9 @@ def resume_config(
     except FileNotFoundError as err:
         raise ConfigError("trainer.resume", str(err).partition(": ")[2]) from None
     record = None if attempt == RECORD else keyed("hydra.run.dir", run_record, run_dir)
+    if checkpoint is not None:
+        held = progress.describe() if progress else None
+        refuse_foreign(run_dir, checkpoint, held, _origin(record, progress, run_dir))
     saved = checkpoint_config(checkpoint) if checkpoint is not None else None
     if saved is None and (record is None or progress is None):
         # Nothing recorded to continue from: this command line is the run's config.
@@ -160,16 +173,9 @@ def resume_config(
     )
     new = resumed_with(base, changes)
     changed = differences(base, new)
-    for key, before, after in changed if checkpoint is not None else ():
-        reason = refusal(key)
-        if reason:
-            raise ConfigError(
-                key,
-                f"{before!r} was recorded by {where}, got {after!r}: {reason} "
-                "(train another in a new hydra.run.dir)",
-            )
-        if key == "trainer.max_steps" and new.trainer.resume_schedule != "extend":
-            raise schedule_refusal(after, before, checkpoint)
+    if checkpoint is not None:
+        _refuse_changes(changed, new, checkpoint, where)
+    _timeline(new, run_dir, checkpoint)  # Completed: nothing to train
     if changed:
         source = "its checkpoint's" if saved is not None else "its recorded"
         log.info(
@@ -183,6 +189,68 @@ def resume_config(
     if attempt == RECORD:  # this attempt's own record: the config it trains with
         OmegaConf.save(new, Path(run_dir) / RECORD / "config.yaml")
     return new, override_keys(base_overrides) | set(changes)
+
+
+def _refuse_changes(
+    changed: list[tuple[str, Any, Any]], new: DictConfig, checkpoint: Path, where: str
+) -> None:
+    """ConfigError for the first of ``changed`` that ``checkpoint`` cannot take."""
+    for key, before, after in changed:
+        reason = refusal(key)
+        if reason:
+            raise ConfigError(
+                key,
+                f"{before!r} was recorded by {where}, got {after!r}: {reason} "
+                "(train another in a new hydra.run.dir)",
+            )
+        if key == "trainer.max_steps" and new.trainer.resume_schedule != "extend":
+            raise schedule_refusal(after, before, checkpoint)
+
+
+def _origin(record, progress, run_dir: str) -> Path | None:
+    """The checkpoint this run's record resumed (None: none, or the run has
+    checkpoints of its own): an attempt cut short before it saved one is retried."""
+    if record is None or (progress is not None and progress.checkpoints):
+        return None
+    value = OmegaConf.select(record.config, "trainer.resume", default=None)
+    if not isinstance(value, str):
+        return None
+    try:
+        return resolve_resume(value, run_checkpoints(run_dir))
+    except (OSError, ValueError):
+        return None
+
+
+def _timeline(
+    cfg: DictConfig, run_dir: str, checkpoint: Path | None
+) -> tuple[int, str] | None:
+    """Where a resume of ``checkpoint`` starts in this run's timeline: ``(step, why)``
+    when it is a branch (src/runs/branches.py), None when it continues the run or
+    the checkpoint is another run's (:func:`refuse_foreign` let it in: the dir holds
+    no run). Completed, said, when the run completed and no step is asked of it."""
+    if checkpoint is not None and not is_own(run_dir, checkpoint):
+        return None
+    try:
+        return branch_point(run_dir, checkpoint, cfg.trainer.max_steps)
+    except Completed as done:
+        log.info("%s", done)  # the caller ends the command (exit 0)
+        raise
+
+
+def take_branch(cfg: DictConfig, run_dir: str) -> None:
+    """Once the resume's config is accepted (train.py, after every check, before
+    any rank starts): a resume from before the run's newest point sets what came
+    after it aside, said in one line (src/runs/branches.py). A refused command has
+    moved nothing."""
+    wanted = "auto" if restart_reason(cfg) else cfg.trainer.resume
+    if wanted is None or not _rank0():
+        return
+    checkpoint = resolve_resume(wanted, run_checkpoints(run_dir))
+    point = _timeline(cfg, run_dir, checkpoint)
+    if point is not None:
+        step, why = point
+        origin = f"{checkpoint.name}, while {why}" if checkpoint else why
+        log.info("trainer.resume: %s", set_aside(cfg, run_dir, step, origin))
 
 
 def _adopt(run_dir: str, attempt: str | None) -> None:

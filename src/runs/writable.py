@@ -19,6 +19,7 @@ from src.data.tokenizer import cache_path
 from src.errors import ConfigError, not_writable
 from src.models.hf import remote_code_dir
 from src.observe.loggers import logs_to_wandb, wandb_dirs
+from src.runs.branches import BRANCHES
 from src.runs.resume import RECORD
 from src.sharding.transforms import compile_cache_dir
 from src.trainer.faults import LOCK_FILE, RANK_REPORTS
@@ -59,14 +60,14 @@ def _is_run(directory: Path) -> bool:
 def inside_a_run(directory: str) -> str | None:
     """Why ``directory`` (a run or sweep dir to be) lies inside another run's own
     files, or None: in a run's ``checkpoints/`` (any ``step_N`` in it), its record
-    ``.hydra/`` or its ``ranks/``, or inside a checkpoint anywhere (a ``step_N``
+    ``.hydra/``, its ``ranks/`` or its ``branches/`` (timelines set aside), or inside a checkpoint anywhere (a ``step_N``
     dir holding a checkpoint's files). A run written there would be written into
     that run (a checkpoint holding other files is damaged). Links are followed: a
     link into a run is inside it. A directory merely below a run dir is not."""
     path = Path(os.path.realpath(os.path.expanduser(directory)))
     for above in [path, *path.parents]:
         run = above.parent
-        own = above.name in (run_checkpoints(run).name, RECORD, RANK_REPORTS)
+        own = above.name in (run_checkpoints(run).name, RECORD, RANK_REPORTS, BRANCHES)
         if own and _is_run(run):
             inner = path.relative_to(run)
             return f"{directory} is inside the run {run} (its {inner})"
