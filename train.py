@@ -31,6 +31,7 @@ from src.trainer.launch import (
     preflight,
     prepare,
 )
+from src.trainer.resume import check_init_from
 from src.trainer.sweep import run_job
 
 
@@ -68,6 +69,7 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
             cfg, user_keys = continue_run(cfg, run_dir)  # a resume: the run's config
             cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
             preflight(run_dir)  # the run dir is writable
+            check_init_from(cfg, resolved, run_dir)  # its checkpoint fits the model
         return launch(cfg, run_dir, resolved)
 
 
