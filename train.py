@@ -32,6 +32,7 @@ from src.trainer.launch import (
     preflight,
     prepare,
 )
+from src.trainer.resume import check_init_from
 from src.trainer.sweep import run_job
 
 
@@ -72,6 +73,7 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
                 return None
             cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
             preflight(run_dir)  # the run dir is writable
+            check_init_from(cfg, resolved, run_dir)  # its checkpoint fits the model
             take_branch(cfg, run_dir)  # from an older point: the rest set aside
         return launch(cfg, run_dir, resolved)
 

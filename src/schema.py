@@ -172,6 +172,9 @@ class TrainerConfig:
     resume: str | None = described(
         "null, auto (newest in the run dir) or a checkpoint path"
     )
+    init_from: str | None = described(
+        "a new run starts from this checkpoint or run dir's weights (step 0)"
+    )
     # one of RESUME_SCHEDULES
     resume_schedule: str = described(
         "resuming with another max_steps: keep (refuse) or extend"

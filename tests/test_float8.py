@@ -155,3 +155,109 @@ def test_float8_fsdp2_two_ranks_equals_one(tmp_path):
             assert dtypes == plain  # names and fp32 weights, as the plain model's
             for a, b in zip(one, losses, strict=True):
                 assert abs(a - b) <= 0.01 * a, (family, one, losses)
+
+
+# ------------------------------------------------------------- trainer.init_from
+INIT_RUN = [
+    "model=tiny",
+    "logger=none",
+    "data=synthetic",
+    "data.num_tokens=20000",
+    "trainer.devices=1",
+    "trainer.batch_size=4",
+    "trainer.log_every=1",
+    "trainer.val_every=0",
+    "trainer.progress=false",
+    "trainer.peak_tflops=1",  # no CPU peak probe
+    "trainer.warmup_steps=0",
+]
+
+
+def _run_one(run_dir, *overrides):
+    """A 1-rank run in this process (checked before it starts as train.py checks
+    it); its step losses and summary."""
+    import json
+
+    from src.trainer.launch import run_rank
+    from src.trainer.resume import check_init_from
+
+    cfg = compose_config(*INIT_RUN, *overrides)
+    resolved = validate(cfg)
+    check_init_from(cfg, resolved, run_dir)
+    summary = run_rank(cfg, str(run_dir), resolved)
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], summary
+
+
+def test_init_from_crosses_precisions(tmp_path):
+    """trainer.init_from: a float8 run's checkpoint starts a bf16_mixed run and a
+    float8 run at step 0 whose first losses (the same weights, the same batch) agree
+    within float8's 2% (test_float8_tracks_bf16_mixed), and far below a fresh
+    model's; the bf16_mixed run's checkpoint starts float8 and bf16_mixed the same
+    way back. The origin is recorded in summary.json and in the new run's
+    checkpoints (their config, and the record a resume carries on)."""
+    from src.checkpoint.folders import complete_checkpoints
+    from src.runs.resume import checkpoint_config
+
+    fresh, _ = _run_one(tmp_path / "a", "precision=float8", "trainer.max_steps=4")
+    a_ckpt = complete_checkpoints(tmp_path / "a" / "checkpoints")[-1]
+    bf16, summary = _run_one(
+        tmp_path / "b", "trainer.max_steps=1", f"trainer.init_from={tmp_path / 'a'}"
+    )
+    f8, _ = _run_one(
+        tmp_path / "c",
+        "precision=float8",
+        "trainer.max_steps=1",
+        f"trainer.init_from={a_ckpt}",
+    )
+    assert summary["init_from"] == {"checkpoint": str(a_ckpt), "step": 4}
+    assert len(bf16) == 1 and abs(bf16[0] - f8[0]) <= 0.02 * bf16[0], (bf16, f8)
+    assert bf16[0] < fresh[0] - 0.1  # the trained weights, not a fresh model's
+    b_ckpt = complete_checkpoints(tmp_path / "b" / "checkpoints")[-1]
+    assert b_ckpt.name == "step_00000001"  # step 0 + 1: a fresh start
+    saved = checkpoint_config(b_ckpt)
+    assert saved["trainer"]["init_from"] == str(tmp_path / "a")
+    back = [
+        _run_one(tmp_path / p, *o, "trainer.max_steps=1", f"trainer.init_from={b_ckpt}")
+        for p, o in (("d", ["precision=float8"]), ("e", []))
+    ]
+    (f8_back, _), (bf16_back, _) = back
+    assert abs(f8_back[0] - bf16_back[0]) <= 0.02 * bf16_back[0], back
+
+
+def test_init_from_refuses_another_model_naming_the_tensor(tmp_path):
+    """Before any rank starts (a meta-device build against the checkpoint's index)
+    and on the ranks (the load itself): one line naming the key and the tensor; and
+    init_from with trainer.resume on one command line is refused."""
+    from src.checkpoint.damage import CheckpointError
+    from src.checkpoint.dcp import Checkpointer
+    from src.runs.compose import resume_config
+    from src.trainer.resume import check_init_from, init_weights
+
+    source = tmp_path / "src"
+    _run_one(source, "trainer.max_steps=1")
+    cases = {
+        "model.n_embd=32": "is [256, 64] in the checkpoint and [256, 32] in the model",
+        "model=llama_tiny": "tok_embeddings.weight [256, 128] is in the model, not the",
+    }
+    for override, problem in cases.items():
+        cfg = compose_config(*INIT_RUN, override, f"trainer.init_from={source}")
+        resolved = validate(cfg)
+        with pytest.raises(ConfigError) as err:
+            check_init_from(cfg, resolved, tmp_path / "new")
+        assert err.value.key == "trainer.init_from"
+        assert problem in str(err.value) and "\n" not in one_line(err.value)
+    model = resolved.spec.build(resolved.model_config, 0)
+    with pytest.raises(CheckpointError, match="tok_embeddings.weight"):
+        init_weights(cfg, Checkpointer(tmp_path / "new"), model, 0)
+    cfg = compose_config(
+        *INIT_RUN, f"trainer.init_from={source}", "trainer.resume=auto"
+    )
+    with pytest.raises(ConfigError) as err:
+        resume_config(cfg, str(tmp_path / "new"), [], {}, ".hydra")
+    assert err.value.key == "trainer.init_from" and "trainer.resume=auto" in str(
+        err.value
+    )
+    missing = compose_config(*INIT_RUN, f"trainer.init_from={tmp_path / 'none'}")
+    with pytest.raises(ConfigError, match="trainer.init_from: .*no such file"):
+        check_init_from(missing, validate(missing), tmp_path / "new")

@@ -914,3 +914,34 @@ def test_fit_search_plans_pipelined_points_as_the_stages_are_planned(capsys, tmp
     assert (
         "sharding.pipeline_parallel=1 changes more than memory: no pipeline, so " in out
     )
+
+
+def test_float8_all_gather_halves_the_gathered_float8_weights():
+    """precision=float8 on the default GPT (4 blocks of width 128, 2 ranks): each
+    block's four linear layers (12 x 128^2 weights) are float8, which FSDP2's float8
+    all-gather moves and holds at 1 byte instead of bf16's 2: the gathered units (the
+    root + 2 blocks) hold 2 x 12 x 128^2 bytes less than bf16_mixed's, the float8
+    weights' half; without the all-gather they are bf16's. The process adds torchao's
+    float8 (IMPORT_BYTES, measured: docs/planner.md)."""
+    runs = {
+        "bf16": _compose("precision=bf16_mixed"),
+        "f8": _compose("precision=float8"),
+        "f8_bf16_gather": _compose(
+            "precision=float8", "precision.float8_all_gather=false"
+        ),
+    }
+    out = {k: estimate_cfg(c, resolve(c), 2) for k, c in runs.items()}
+    n = 128
+    for unit in out["f8"][0].units:
+        assert unit.float8_numel == (12 * n * n if unit.path else 0), unit
+    assert all(u.float8_numel == 0 for u in out["bf16"][0].units)
+    parts = {k: est.parts for k, (_, est) in out.items()}
+    float8_weights = 2 * 12 * n * n  # two blocks gathered besides the root
+    assert parts["bf16"]["gathered_units"] - parts["f8"]["gathered_units"] == (
+        float8_weights * (2 - 1)
+    )
+    assert parts["f8_bf16_gather"]["gathered_units"] == parts["bf16"]["gathered_units"]
+    assert (
+        parts["f8"]["process"] - parts["bf16"]["process"]
+        == (IMPORT_BYTES["torchao.float8"])
+    )

@@ -77,6 +77,10 @@ from src.checkpoint.ranks import (
 from src.checkpoint.rng import RNG_DIR, _read_rng, _rng_file, _rng_state, _set_rng_state
 from src.checkpoint.values import _from_json, _split, json_like
 
+#: What a checkpoint that does not match the model advises by default.
+RESUME_HINT = "resume with the model config it was saved with"
+
+
 # Flat optimizer keys ("state.<fqn>.exp_avg") reshard by name, like the model's.
 _DSD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -402,11 +406,16 @@ class Checkpointer:
         return {**_from_json(meta["extra"]), "step": meta["step"]}
 
     def load_model(
-        self, path: str | Path, model: nn.Module, verify: bool = True
+        self,
+        path: str | Path,
+        model: nn.Module,
+        verify: bool = True,
+        hint: str = RESUME_HINT,
     ) -> dict:
-        """Restore only the model of a checkpoint (sample.py, eval.py), resharded onto
-        ``model`` as :meth:`load` does; optimizer, scheduler and RNG states stay
-        unread. Returns ``{"step": step, **extra}``."""
+        """Restore only the model of a checkpoint (sample.py, eval.py,
+        ``trainer.init_from``), resharded onto ``model`` as :meth:`load` does;
+        optimizer, scheduler and RNG states stay unread. ``hint``: what a mismatch's
+        error advises. Returns ``{"step": step, **extra}``."""
         path = Path(path)
         meta = self._meta(path, verify)
         model_tensors, objects = _split(
@@ -415,13 +424,26 @@ class Checkpointer:
         wanted = {"model": model_tensors}
         with _as_error(path):
             index = _read_index(path, meta)
-        _check_same_tensors(path, index, wanted)
+        _check_same_tensors(path, index, wanted, hint)
         with _as_error(path):
             objects = json_like(meta["model_objects"], objects, "model_objects")
         _read_tensors(path, index, wanted)
         model_tensors.update(objects)
         set_model_state_dict(model, model_tensors, options=_DSD_OPTIONS)
         return {**_from_json(meta["extra"]), "step": meta["step"]}
+
+    def check_model(
+        self, path: str | Path, model: nn.Module, hint: str = RESUME_HINT
+    ) -> None:
+        """CheckpointError naming the first tensor that ``model`` (a plain module,
+        a meta-device build will do) and the checkpoint at ``path`` do not both have
+        with the same shape; reads only the checked meta.json and DCP index."""
+        path = Path(path)
+        meta = self._meta(path, verify=False)
+        with _as_error(path):
+            index = _read_index(path, meta)
+        tensors, _ = _split(model.state_dict())
+        _check_same_tensors(path, index, {"model": tensors}, hint)
 
     def _meta(self, path: Path, verify: bool) -> dict:
         """``meta.json`` of a complete checkpoint, checked; after :meth:`verify` if
@@ -455,7 +477,10 @@ def _read_tensors(
 
 
 def _check_same_tensors(
-    path: Path, metadata: Metadata, wanted: dict[str, dict[str, torch.Tensor]]
+    path: Path,
+    metadata: Metadata,
+    wanted: dict[str, dict[str, torch.Tensor]],
+    hint: str = RESUME_HINT,
 ) -> None:
     """CheckpointError naming the first tensor that the checkpoint and the model do
     not both have with the same (global) shape; model tensors first, in model order.
@@ -490,8 +515,7 @@ def _check_same_tensors(
             )
         if problem:
             raise CheckpointError(
-                f"checkpoint {path} does not match this run: {problem} "
-                "(resume with the model config it was saved with)"
+                f"checkpoint {path} does not match this run: {problem} ({hint})"
             )
 
 

@@ -110,6 +110,11 @@ IMPORT_BYTES: dict[str, int] = {
     "transformers": 110 * MIB,
     "wandb": 25 * MIB,
     "torch.compile": 60 * MIB,
+    # precision=float8: torchao.float8 and its CPU float8 kernels, what a float8 run's
+    # peak has above bf16_mixed's at the same shape on 2 ranks, less the float8
+    # parts the estimate counts (default GPT +36.9 MiB, llama_tiny +34.8: under
+    # 1 MiB of either is float8 weights; docs/planner.md)
+    "torchao.float8": 35 * MIB,
 }
 
 

@@ -44,6 +44,8 @@ class RunShape:
     grad_accum: int = 1
     grad_sync: str = "last"  # last: no_sync until the last micro-batch; every
     param_bytes: int = 4  # compute (all-gather) dtype
+    # precision=float8 with FSDP2's float8 all-gather: float8 weights gathered at 1 byte
+    float8_all_gather: bool = False
     reduce_bytes: int = 4  # gradient reduction dtype
     # True, False, or (FSDP2) a group size the units reshard to after forward
     reshard_after_forward: bool | int = True
@@ -186,8 +188,19 @@ def _held_sharded(
 ) -> _Held:
     """FSDP: this rank's shards, plus the units gathered around the current one."""
     root = next((u for u in plan.units if not u.path), None)
-    blocks = sorted((u.local_numel for u in plan.units if u.path), reverse=True)
-    root_numel = root.local_numel if root else 0
+    # a unit's bytes gathered, each as the all-gather moves it (float8: 1 byte)
+    f8 = s.param_bytes - 1 if s.float8_all_gather else 0
+    blocks = sorted(
+        (
+            u.local_numel * s.param_bytes - u.float8_numel * f8
+            for u in plan.units
+            if u.path
+        ),
+        reverse=True,
+    )
+    root_bytes = (
+        root.local_numel * s.param_bytes - root.float8_numel * f8 if root else 0
+    )
     params = plan.bytes_per_rank()
     # a pipeline stage's units stay gathered from their first backward on
     raf = False if s.pipelined else s.reshard_after_forward
@@ -197,34 +210,35 @@ def _held_sharded(
     notes["gathered_units"] = (
         f"root + {'all' if raf is False else len(kept)} unit(s)"
         f"{f' + 1/{raf} of the rest' if partly else ''}, {8 * s.param_bytes}-bit"
+        + (", float8 weights 8-bit" if f8 else "")
     )
     # The unit whose backward ends last before the peak: the largest block, or
     # the root of a model that is one unit (its gradients are the whole model's).
-    largest_unit = blocks[0] if blocks else root_numel
+    largest_unit = blocks[0] if blocks else root_bytes
+    numels = [u.local_numel for u in plan.units if u.path]
+    largest_numel = max(numels) if numels else (root.local_numel if root else 0)
     shard_of_largest = max((u.bytes_per_rank for u in plan.units), default=0)
     return _Held(
         params=params,
-        gathered=(root_numel + sum(kept) + partly) * s.param_bytes,
+        gathered=root_bytes + sum(kept) + partly,
         sharded_grads=params,
         unsharded_grads=total * s.reduce_bytes,
         final_grads=params,
         # A unit's unsharded gradients and the reduce-scatter's flat input, alive
         # together; the root's head gradient is held until the end of backward
         # (counted once: with no other unit it is the unit's own).
-        unit_grads=largest_unit * (s.param_bytes + s.reduce_bytes),
-        root_grad=root_numel * s.param_bytes if blocks else 0,
+        unit_grads=largest_numel * (s.param_bytes + s.reduce_bytes),
+        root_grad=root.local_numel * s.param_bytes if blocks and root else 0,
         largest_shard=shard_of_largest,
         mixed_precision=shard_of_largest // 4 * s.param_bytes if s.mixed else 0,
         # FSDP2 copies a unit out of the all-gather's flat output into its own
         # unsharded parameters: both alive at once while the unit is gathered.
-        gather_copy=largest_unit * s.param_bytes if s.gather_copy_out else 0,
+        gather_copy=largest_unit if s.gather_copy_out else 0,
         # In forward, FSDP2 frees a unit's all-gather output only once the next
         # unit's is copied out, and the last one's at the root's post-forward: it is
         # alive through the head and the loss (a one-unit model's, the whole
         # model's, through the whole forward). Not with one shard: nothing gathered.
-        last_gather=largest_unit * s.param_bytes
-        if s.gather_copy_out and plan.shard_size > 1
-        else 0,
+        last_gather=largest_unit if s.gather_copy_out and plan.shard_size > 1 else 0,
     )
 
 

@@ -97,6 +97,7 @@ def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
     resolved first)."""
     t, s = cfg.trainer, cfg.sharding
     prec = get_precision(cfg.precision.name)
+    f8 = float8_linears(cfg)
     accum = int(t.grad_accum)
     # the busiest rank's share; the ranks of a tensor-parallel group share rows
     per_rank = math.ceil(
@@ -112,6 +113,7 @@ def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
         grad_accum=accum,
         grad_sync=str(setting(cfg, "trainer.grad_sync")),
         param_bytes=prec.param_dtype.itemsize,
+        float8_all_gather=bool(f8 and f8.all_gather),
         reduce_bytes=prec.reduce_dtype.itemsize,
         reshard_after_forward=s.reshard_after_forward,
         checkpointing=str(setting(cfg, AC_KEY)),
@@ -123,12 +125,15 @@ def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
 
 def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> int:
     """The process baseline of a run of ``cfg``: its model family's imports, its
-    logger's (rank 0 holds the sinks; the peak is the max over ranks) and
-    torch.compile's with ``sharding.compile=true``."""
+    logger's (rank 0 holds the sinks; the peak is the max over ranks),
+    torch.compile's with ``sharding.compile=true`` and torchao's float8 with
+    ``precision=float8``."""
     option = LOGGERS.get(logger_kind(cfg))
     imports = resolved.spec.imports + (option.imports if option else ())
     if OmegaConf.select(cfg, "sharding.compile", default=False):
         imports += ("torch.compile",)
+    if float8_linears(cfg) is not None:
+        imports += ("torchao.float8",)
     return process_bytes(device, imports)
 
 

@@ -125,10 +125,11 @@ def resume_config(
     line's ``overrides`` (``cfg`` composed from them, ``choices`` its groups' options)
     are changes to it, each said in one line; one the checkpoint cannot take is
     refused naming the key and the recorded value. ``attempt``: where Hydra wrote
-    this attempt's files (``.hydra`` for the run's first). Returns the config and the
-    keys its user set (None: the command line's)."""
+    this attempt's files (``.hydra`` for the run's first); :func:`refuse_init_with_resume`
+    first. Returns the config and the keys its user set (None: the command line's)."""
     if _rank0() and in_use(run_dir):
         return cfg, None  # the launcher refuses it, naming the live run
+    refuse_init_with_resume(cfg)
     if _rank0():
         finish_set_asides(cfg, run_dir)  # of a branch whose start was killed
     progress = run_progress(run_dir)
@@ -251,6 +252,19 @@ def take_branch(cfg: DictConfig, run_dir: str) -> None:
         step, why = point
         origin = f"{checkpoint.name}, while {why}" if checkpoint else why
         log.info("trainer.resume: %s", set_aside(cfg, run_dir, step, origin))
+
+
+def refuse_init_with_resume(cfg: DictConfig) -> None:
+    """``trainer.init_from`` and ``trainer.resume`` on one command line (``cfg``
+    composed from it): ConfigError naming init_from."""
+    t = cfg.trainer
+    if t.init_from is not None and t.resume is not None:
+        raise ConfigError(
+            "trainer.init_from",
+            f"{t.init_from!r} with trainer.resume={t.resume}: init_from starts a new "
+            "run at step 0 from another run's weights, resume continues this run "
+            "dir's own checkpoint; give one of them",
+        )
 
 
 def _adopt(run_dir: str, attempt: str | None) -> None:

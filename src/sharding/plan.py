@@ -16,6 +16,7 @@ import torch.nn as nn
 from src.util import plural
 
 from .backends import canonical_name
+from .float8 import is_float8_linear
 from .layout import ParallelLayout
 from .tensor_parallel import tp_modules
 from .wrap import UnitInfo, is_wrapped
@@ -33,6 +34,9 @@ class Unit:
     #: elements one rank holds before data-parallel sharding (its tensor-parallel
     #: shard of each parameter; ``numel`` without tensor parallelism)
     local_numel: int = -1
+    #: of those, the weights of its float8 linear layers (``precision=float8``),
+    #: which FSDP2's float8 all-gather moves and holds at one byte each
+    float8_numel: int = 0
 
     def __post_init__(self) -> None:
         if self.local_numel < 0:
@@ -170,7 +174,29 @@ def wrap_plan(model: nn.Module, layout: ParallelLayout | int = 1) -> WrapPlan:
             )
         )
     plan.total_numel = sum(u.numel for u in plan.units)
+    _count_float8(model, plan.units)
     return plan
+
+
+def _count_float8(model: nn.Module, units: list[Unit]) -> None:
+    """Each unit's ``float8_numel``: the weights of the float8 linear layers it
+    holds (a layer belongs to the innermost unit around it)."""
+    by_path = {u.path: u for u in units}
+    for name, module in model.named_modules():
+        if not is_float8_linear(module):
+            continue
+        path = canonical_name(name, model)
+        parts = path.split(".")
+        owner = next(
+            (
+                by_path[p]
+                for p in (".".join(parts[:i]) for i in range(len(parts), -1, -1))
+                if p in by_path
+            ),
+            None,
+        )
+        if owner is not None:
+            owner.float8_numel += module.weight.numel()
 
 
 def _class_name(module: nn.Module) -> str:

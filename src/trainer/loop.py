@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ from src.trainer.pipelined import (
     pipeline_train_step,
     unpipelined_model,
 )
-from src.trainer.resume import resume
+from src.trainer.resume import ORIGIN, init_weights, resume
 from src.trainer.sampling import sample_texts
 from src.trainer.step import check_finite, evaluate, global_mean, train_step
 from src.util import plural
@@ -126,6 +127,7 @@ class Trainer:
         self.skipped_steps = 0
         self.start_step = 0
         self.extended: dict[str, Any] | None = None  # resume_schedule=extend
+        self.origin: dict[str, Any] | None = None  # trainer.init_from's checkpoint
         self.samples: list[dict[str, Any]] = []  # trainer.sample_every's rows
         self.loss = math.nan  # the last step's loss, mean over the global batch
 
@@ -223,7 +225,7 @@ class Trainer:
             async_save=t.ckpt_async,
             writing=lambda step: signal_point("checkpoint", step),
         )
-        self.start_step, self.extended, tokens = resume(
+        self.start_step, self.extended, tokens, self.origin = resume(
             self.cfg,
             self.ckpt,
             self.model,
@@ -232,6 +234,8 @@ class Trainer:
             self.rank,
             self.scaler,
         )
+        if self.start_step == 0 and t.init_from is not None:
+            self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
         # Tokens trained on, across resumes (a resume may change the batch); a
         # checkpoint from before they were recorded: its steps at this batch.
         per_step = self.meter.tokens_per_step
@@ -498,6 +502,8 @@ class Trainer:
             "config": config,
             "tokens_seen": self.tokens_seen,
         }
+        if self.origin is not None:
+            extra[ORIGIN] = self.origin
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         path = self.ckpt.save(
@@ -518,6 +524,8 @@ class Trainer:
             self.export()
         if self.extended:
             self.summary["resume"] = self.extended
+        if self.origin is not None:
+            self.summary[ORIGIN] = self.origin
         if self.no_val_split:
             self.summary["validation"] = NO_VAL_SPLIT
         self.summary.update(

@@ -1,6 +1,8 @@
 """Resuming a run on every rank: the checkpoint ``trainer.resume`` names (the newest
 good one after an elastic restart or a SLURM requeue), restored, with what a changed
-``trainer.max_steps`` does to the schedule (``trainer.resume_schedule``)."""
+``trainer.max_steps`` does to the schedule (``trainer.resume_schedule``); and a new
+run's start from another run's weights (``trainer.init_from``: :func:`init_weights`,
+checked before any rank starts by :func:`check_init_from`)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,15 @@ from omegaconf import DictConfig
 
 from src.checkpoint.damage import CheckpointError
 from src.checkpoint.dcp import Checkpointer
-from src.checkpoint.folders import incomplete_checkpoints, resolve_resume
+from src.checkpoint.folders import (
+    complete_checkpoints,
+    incomplete_checkpoints,
+    resolve_resume,
+    run_checkpoints,
+)
 from src.checkpoint.values import checked_extra
 from src.errors import ConfigError
+from src.resolved import Resolved
 from src.trainer.faults import RESTART_CAUSE_ENV
 from src.trainer.optimizer import apply_hyperparameters
 
@@ -32,10 +40,12 @@ def resume(
     scheduler: Any,
     rank: int,
     scaler: torch.amp.GradScaler | None = None,
-) -> tuple[int, dict[str, Any] | None, int | None]:
+) -> tuple[int, dict[str, Any] | None, int | None, dict[str, Any] | None]:
     """Restore the checkpoint named by ``trainer.resume``; returns its step (0 if none),
-    when the schedule was extended what ``summary.json`` records about it, and the
-    tokens trained on up to it (None: a checkpoint from before they were recorded).
+    when the schedule was extended what ``summary.json`` records about it, the
+    tokens trained on up to it (None: a checkpoint from before they were recorded),
+    and where its run's step-0 weights came from (``trainer.init_from``; None: a
+    fresh start).
 
     After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
     resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
@@ -64,7 +74,7 @@ def resume(
                 "trainer.resume=auto: no checkpoint in %s; starting at step 1",
                 ckpt.directory,
             )
-        return 0, None, None
+        return 0, None, None, None
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
     saved_max = checked_extra(
@@ -99,7 +109,7 @@ def resume(
     tokens = state.get("tokens_seen")
     if tokens is not None:
         tokens = checked_extra(path, state, "tokens_seen", 0)
-    return step, extended, tokens
+    return step, extended, tokens, resumed_origin(path, state)
 
 
 def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:
@@ -158,3 +168,86 @@ def _report_skip(rank: int):
         log.info("skipping checkpoint %s: %s", path, reason)
 
     return report
+
+
+# ------------------------------------------------------------- trainer.init_from
+INIT_KEY = "trainer.init_from"
+#: What a checkpoint whose tensors are not the model's advises.
+INIT_HINT = (
+    f"{INIT_KEY} takes a checkpoint of the same model: its names and shapes; "
+    "precision and layout may differ"
+)
+#: ``summary.json``'s and the checkpoints' record of where step 0's weights came from.
+ORIGIN = "init_from"
+
+
+def init_applies(cfg: DictConfig, run_dir: str | Path) -> bool:
+    """``trainer.init_from`` is set and this run starts at step 0: its run dir holds
+    no checkpoint to resume (a resumed run continues its own, whatever it started
+    from)."""
+    return cfg.trainer.init_from is not None and not complete_checkpoints(
+        run_checkpoints(run_dir)
+    )
+
+
+def init_checkpoint(init_from: str, verify: Any, on_skip: Any = None) -> Path:
+    """The checkpoint ``trainer.init_from`` names: that ``step_N`` dir, or the newest
+    good one of a run dir or its ``checkpoints/`` (verified as a resume verifies:
+    :func:`resolve_resume` with ``verify``, a damaged one skipped for the next
+    newest). ConfigError naming the key if there is none; CheckpointError if every
+    one there is damaged."""
+    where = Path(init_from).expanduser()
+    try:
+        path = resolve_resume(str(where), where, verify, on_skip)
+    except FileNotFoundError as err:
+        raise ConfigError(INIT_KEY, str(err).partition(": ")[2]) from None
+    except CheckpointError as err:
+        raise ConfigError(INIT_KEY, str(err)) from None
+    if path is None:  # "none" or "auto" as a path: no checkpoint named
+        raise ConfigError(INIT_KEY, f"{init_from!r}: not a checkpoint or run dir")
+    return path
+
+
+def check_init_from(cfg: DictConfig, resolved: Resolved, run_dir: str | Path) -> None:
+    """Before any rank starts: the checkpoint ``trainer.init_from`` names exists, is
+    intact (:meth:`Checkpointer.verify`) and holds the run's model's tensors (names
+    and shapes, against a meta-device build); a ConfigError naming the key (and the
+    first tensor that differs) otherwise. Nothing when it does not apply
+    (:func:`init_applies`). ``cfg``, ``resolved``: as ``launch.prepare`` returns
+    them (the vocabulary following the tokenizer)."""
+    if not init_applies(cfg, run_dir):
+        return
+    with torch.device("meta"):
+        model = resolved.spec.build(resolved.model_config, 0)
+    path = init_checkpoint(cfg.trainer.init_from, Checkpointer(run_dir).verify)
+    try:
+        Checkpointer(path.parent).check_model(path, model, INIT_HINT)
+    except CheckpointError as err:
+        raise ConfigError(INIT_KEY, str(err)) from None
+
+
+def init_weights(
+    cfg: DictConfig, ckpt: Checkpointer, model: nn.Module, rank: int
+) -> dict[str, Any]:
+    """On every rank: ``model``'s weights from the checkpoint ``trainer.init_from``
+    names (verified by the ranks together, as a resume's; DCP reshards it onto this
+    run's layout, its precision whatever the source's); optimizer, schedule, RNG and
+    step stay this run's fresh ones. Returns what summary.json records."""
+    path = init_checkpoint(cfg.trainer.init_from, ckpt.verify, _report_skip(rank))
+    state = ckpt.load_model(path, model, verify=False, hint=INIT_HINT)
+    log.info(
+        "%s: the model's weights from %s (step %d); optimizer, schedule and step "
+        "start fresh",
+        INIT_KEY,
+        path,
+        state["step"],
+    )
+    return {"checkpoint": str(path), "step": state["step"]}
+
+
+def resumed_origin(path: Path, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``init_from`` record of a resumed checkpoint (None: its run started
+    fresh), checked as data."""
+    if state.get(ORIGIN) is None:
+        return None
+    return checked_extra(path, state, ORIGIN, {"checkpoint": "", "step": 0})
