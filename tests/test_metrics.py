@@ -253,8 +253,11 @@ def test_cpu_wait_is_the_share_of_thread_time_waiting_for_a_core(tmp_path, monke
 def test_contended_windows_are_logged_said_once_and_summarised(monkeypatch, caplog):
     waits = iter([(0, 0), (95, 5), (145, 55), (170, 130)])  # 5%, 50%, 75% per window
     monkeypatch.setattr(metrics, "thread_times", lambda: {"1": next(waits)})
+    # rank 0 (run_root given) where the cores cannot be read (not Linux): the whole
+    # wait counts as others'
+    monkeypatch.setattr(metrics, "core_reading", lambda root: None)
     times = iter([0.0, 1.0, 2.0, 3.0])
-    meter = ThroughputMeter(1000, 6000.0, 1e9, 1, clock=lambda: next(times))
+    meter = ThroughputMeter(1000, 6000.0, 1e9, 1, clock=lambda: next(times), run_root=1)
     assert meter.contention() == {}
     with caplog.at_level("WARNING", logger=metrics.__name__):
         rows = [meter.step(step, log=True) for step in (1, 2, 3)]
@@ -262,10 +265,18 @@ def test_contended_windows_are_logged_said_once_and_summarised(monkeypatch, capl
     assert [r["cpu_wait"] for r in rows[1:]] == pytest.approx([0.5, 0.75])
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and said[0].startswith("steps 2-2: this rank's threads")
-    # without a run to read (rank > 0, not Linux) the whole wait counts as others'
     assert meter.contention() == pytest.approx(
         {"cpu_wait_max": 0.75, "cpu_wait_others_max": 0.75}
     )
+    # another rank (no run_root: rank 0 speaks for the run) keeps its figure only
+    waits = iter([(0, 0), (95, 5), (145, 55)])
+    times = iter([0.0, 1.0, 2.0])
+    quiet = ThroughputMeter(1000, 6000.0, 1e9, 1, clock=lambda: next(times))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        assert quiet.step(1, log=True) is None
+        assert quiet.step(2, log=True)["cpu_wait"] == pytest.approx(0.5)
+    assert caplog.records == [] and "cpu_wait_others_max" not in quiet.contention()
     assert metrics.contended(meter.contention())
     assert not metrics.contended({"cpu_wait_max": 0.05, "probe_cpu_wait": 0.02})
     assert metrics.contended({"probe_cpu_wait": 0.3})

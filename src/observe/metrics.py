@@ -498,9 +498,12 @@ class ThroughputMeter:
             if split is not None:
                 row["cpu_wait_own"], row["cpu_wait_others"] = split
                 self._oversubscribed(split[0], mark[0] + 1, step)
-            # without the split (other ranks, not Linux) the wait is taken as others'
-            others = waited if split is None else split[1]
-            self._contended(waited, others, mark[0] + 1, step)
+            # Rank 0 says whose threads held the cores (run_root given); without
+            # /proc to split by, its whole wait is taken as others'. The other ranks
+            # keep the figure and say nothing.
+            if self.run_root is not None:
+                others = waited if split is None else split[1]
+                self._contended(waited, others, mark[0] + 1, step)
         if self.peak_flops_per_rank is None:
             return row
         mfu = model_flops_utilization(
