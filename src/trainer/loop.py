@@ -194,7 +194,7 @@ class Trainer:
         """The model, sharded as it is built (its construction peak measured on its
         own), and its wrap plan."""
         reset_peak_memory(self.device)
-        self.pipeline = None  # sharding.pipeline_parallel > 1: this rank's stages
+        self.pipeline = None  # the layout's pp > 1: this rank's stages
         self._whole: nn.Module | None = None  # ... and the model without them
         if self.backend.layout.pp > 1:
             self.pipeline = build_pipeline(self.cfg, self.backend, self.resolved)
