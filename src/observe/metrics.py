@@ -235,23 +235,38 @@ CONTENDED = 0.10
 _TASKS = "/proc/self/task"
 
 
+def _schedstat(task: str) -> tuple[int, int] | None:
+    """(ns on a core, ns runnable but waiting for one) of the thread whose /proc task
+    dir is ``task``; None when it ended meanwhile (or the kernel does not say)."""
+    try:
+        with open(f"{task}/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
+
+
+def _summed_deltas(
+    since: dict[str, tuple[int, int]], now: dict[str, tuple[int, int]]
+) -> tuple[int, int]:
+    """The (ran, waited) ns the threads of ``now`` added since ``since``."""
+    ran = waited = 0
+    for tid, (r, w) in now.items():
+        r0, w0 = since.get(tid, (0, 0))
+        ran, waited = ran + r - r0, waited + w - w0
+    return ran, waited
+
+
 def thread_times() -> dict[str, tuple[int, int]] | None:
     """Per thread of this process: (ns on a core, ns runnable but waiting for one),
     from ``/proc/self/task/*/schedstat``; None where the kernel does not say (not
     Linux)."""
-    out = {}
     try:
         tids = os.listdir(_TASKS)
     except OSError:
         return None
-    for tid in tids:
-        try:
-            with open(f"{_TASKS}/{tid}/schedstat") as f:
-                ran, waited = f.read().split()[:2]
-        except (OSError, ValueError):
-            continue  # the thread ended meanwhile
-        out[tid] = (int(ran), int(waited))
-    return out or None
+    times = {tid: _schedstat(f"{_TASKS}/{tid}") for tid in tids}
+    return {tid: t for tid, t in times.items() if t is not None} or None
 
 
 def cpu_wait(
@@ -262,10 +277,7 @@ def cpu_wait(
     threads when other processes hold the cores. None without the figures."""
     if since is None or now is None:
         return None
-    ran = waited = 0
-    for tid, (r, w) in now.items():
-        r0, w0 = since.get(tid, (0, 0))
-        ran, waited = ran + r - r0, waited + w - w0
+    ran, waited = _summed_deltas(since, now)
     return waited / (ran + waited) if ran + waited > 0 else None
 
 
@@ -331,10 +343,11 @@ def _run_threads(root: int) -> dict[str, tuple[int, int]]:
             continue  # it ended meanwhile
         for tid in tids:
             task = f"{_PROC}/{pid}/task/{tid}"
+            times = _schedstat(task)
+            if times is None:
+                continue  # it ended meanwhile
+            out[tid] = times
             try:
-                with open(f"{task}/schedstat") as f:
-                    ran, waited = f.read().split()[:2]
-                out[tid] = (int(ran), int(waited))
                 with open(f"{task}/children") as f:
                     todo.extend(int(c) for c in f.read().split())
             except (OSError, ValueError):
@@ -392,10 +405,7 @@ def split_between(
     None without them."""
     if waited is None or since is None or now is None or now.wall_s <= since.wall_s:
         return None
-    ran = wait = 0
-    for tid, (r, w) in now.run.items():
-        r0, w0 = since.run.get(tid, (0, 0))
-        ran, wait = ran + r - r0, wait + w - w0
+    ran, wait = _summed_deltas(since.run, now.run)
     return split_cpu_wait(
         waited,
         now.wall_s - since.wall_s,

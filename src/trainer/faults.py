@@ -133,15 +133,26 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
     return _read_lock(fd)[0]
 
 
+def _stat_fields(pid: Any) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the state first);
+    None when there is no such process or no ``/proc``."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> int | None:
     """When process ``pid`` of this host started (clock ticks since boot, from
     ``/proc``), so a PID reused by another process is told apart; None if it is no
     live process (ended, or a zombie) or this system has no ``/proc``."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError, ValueError):
+    fields = _stat_fields(pid)
+    if not fields or fields[0] in ("Z", "X"):
         return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
 
 
 def _lives(entry: dict[str, Any]) -> bool:
@@ -573,11 +584,10 @@ def _local_state(who: dict[str, Any]) -> str:
     """', stopped' / ', exited' when the process is on this host and we can tell."""
     if who.get("host") != socket.gethostname():
         return ""
-    try:
-        stat = Path(f"/proc/{who['pid']}/stat").read_text()
-    except OSError:
+    fields = _stat_fields(who["pid"])
+    if fields is None:
         return ", exited"
-    return ", process stopped" if stat.rsplit(")", 1)[1].split()[0] in "Tt" else ""
+    return ", process stopped" if fields[0] in "Tt" else ""
 
 
 @contextlib.contextmanager
