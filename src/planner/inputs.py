@@ -22,7 +22,6 @@ from src.planner.settings import (
     PREFETCH_KEY,
     device_type,
     setting,
-    stage_layout,
     with_values,
 )
 from src.resolved import Resolved, float8_linears
@@ -79,7 +78,7 @@ def plan_of(resolved: Resolved, model: torch.nn.Module, world: int) -> WrapPlan:
     """The wrap plan of ``model`` (built by :func:`build_meta_model`) on ``world``
     ranks holding it (a stage's, under pipeline parallelism), with the run's HSDP
     replicas and tensor-parallel degree."""
-    return wrap_plan(model, stage_layout(resolved, world))
+    return wrap_plan(model, resolved.layout.stage(world))
 
 
 #: FSDP2's own prefetch depth (``sharding.backward_prefetch: null``): one unit ahead.

@@ -25,7 +25,6 @@ from src.planner.settings import (
     PP_MICRO_KEY,
     pipeline_stages,
     setting,
-    stage_layout,
 )
 from src.resolved import Resolved
 from src.sharding import Unit, WrapPlan
@@ -343,7 +342,7 @@ def pipeline_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
     ``sharding.pp_microbatches`` ways; the busiest rank's share)."""
     shape = run_shape(cfg, resolved, world)
     t = cfg.trainer
-    stage = stage_layout(resolved, world // pipeline_stages(cfg))
+    stage = resolved.layout.stage(world // pipeline_stages(cfg))
     rows = t.batch_size / shape.grad_accum / stage.dp / int(setting(cfg, PP_MICRO_KEY))
     return replace(
         shape,

@@ -35,7 +35,6 @@ from src.planner.settings import (
     mem_margin,
     pipeline_stages,
     setting,
-    stage_layout,
     with_values,
 )
 from src.resolved import Resolved, resolve_devices
@@ -149,7 +148,7 @@ def uneven_batch(cfg: DictConfig, resolved: Resolved, world: int) -> str:
     batch, accum = int(t.batch_size), int(t.grad_accum)
     pp = pipeline_stages(cfg)
     m = int(setting(cfg, PP_MICRO_KEY)) if pp > 1 else 1
-    dp = stage_layout(resolved, world // pp).dp
+    dp = resolved.layout.stage(world // pp).dp
     if batch % accum == 0 and (batch // accum) % (dp * m) == 0:
         return ""
     share = batch / accum / dp / m

@@ -1,5 +1,5 @@
 """What the planner reads of a config: the keys it reads and searches, its one reader
-of a key (:func:`setting`), the run's parallel layout (:func:`stage_layout`), the
+of a key (:func:`setting`), the pipeline stages it plans (:func:`pipeline_stages`), the
 budget, margin and device an estimate is for."""
 
 from __future__ import annotations
@@ -37,17 +37,8 @@ def setting(cfg: DictConfig, key: str) -> Any:
 
 def pipeline_stages(cfg: DictConfig) -> int:
     """The pipeline stages ``cfg`` plans: a key the fit search changes, so read from
-    the config being planned (the run's other degrees: :func:`stage_layout`)."""
+    the config being planned (the run's other degrees: ``resolved.layout.stage``)."""
     return int(setting(cfg, PP_KEY))
-
-
-def stage_layout(resolved: Resolved, world: int) -> ParallelLayout:
-    """``world`` ranks that hold the whole model (or one pipeline stage), with the
-    run's replicas, cp and tp degrees, which the fit search never changes."""
-    run = resolved.layout
-    return ParallelLayout(
-        world, dp_replicate=run.dp_replicate, cp=run.cp, tp=run.tp, ep=run.ep
-    )
 
 
 def tp_layout(cfg: DictConfig, resolved: Resolved) -> ParallelLayout:

@@ -21,7 +21,7 @@ one in src/ that calls ``init_device_mesh``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -119,11 +119,11 @@ class ParallelLayout:
         group read the same rows of the batch, and so do the pp stages."""
         return rank % self.stage_size // (self.cp * self.tp)
 
-    def stage(self) -> ParallelLayout:
-        """The layout of one pipeline stage's ranks (``pp`` = 1)."""
-        return ParallelLayout(
-            self.stage_size, 1, self.dp_replicate, self.cp, self.tp, self.ep
-        )
+    def stage(self, world_size: int | None = None) -> ParallelLayout:
+        """The layout of the ranks that hold one pipeline stage (``pp`` = 1, the
+        other degrees as they are): ``stage_size`` of them, or ``world_size`` (the
+        planner's candidate rank counts)."""
+        return replace(self, world_size=world_size or self.stage_size, pp=1)
 
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         """The mesh's (name, size) dimensions: ``dp_shard`` always, the others where
