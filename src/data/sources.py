@@ -34,9 +34,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from src.data.corpus import DATA_FORMATS, Corpus
+from src.data.corpus import DATA_FORMATS, Corpus, CorpusError
+from src.data.pinning import DATA_RECORD, DataPin, data_changes, pin_fields
 from src.data.token_cache import SPLITS, token_cache
-from src.data.tokenizer import Tokenizer, load_tokenizer
+from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 from src.errors import ConfigError
 from src.registry import Registry, described, no_check, or_list
 from src.resolved import Resolved
@@ -102,26 +103,33 @@ def load_splits(
     return DATA_SOURCES[name].splits(data_cfg, vocab_size, seed)
 
 
-#: In the run dir: what the run's tokens were made from (files per format, the
-#: tokenizer file, the token cache entry).
-DATA_RECORD = "data.json"
-
-
 def prepare_data(
     data_cfg: Any,
     verbose: bool = True,
     progress: bool = True,
     run_dir: str | None = None,
+    pin: DataPin | None = None,
 ) -> dict | None:
     """Build (or find) the token cache of a text/files source, in the launcher before
     any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``, ``formats``,
     ``tokenizer_file``...), or None for the sources without a tokenizer. With
-    ``run_dir``, records it there (:data:`DATA_RECORD`). Bad input raises a one-line
-    ``ConfigError``."""
+    ``run_dir``, records it there and pins it to the run (:data:`DATA_RECORD`,
+    src/data/pinning.py). With ``pin`` (a resume's), a corpus that differs from the
+    run's is a one-line ``CorpusError`` naming the files, before anything is built.
+    Bad input raises a one-line ``ConfigError``."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
     start = time.perf_counter()
-    meta = token_cache(data_cfg, verbose, progress).meta
+    corpus = Corpus.from_config(data_cfg)
+    changed = corpus_changes(data_cfg, corpus, pin)
+    if changed:
+        raise CorpusError(
+            f"data.paths: the run trained on other data: {changed}; a resume keeps "
+            "the checkpoint's data and tokenizer (restore the files, or train "
+            "another in a new hydra.run.dir)"
+        )
+    entry = token_cache(data_cfg, verbose, progress, corpus)
+    meta = entry.meta
     counts = meta["formats"]
     if verbose:
         log.info(
@@ -138,9 +146,18 @@ def prepare_data(
             "tokenizer_file": meta["tokenizer_file"],
             "token_cache": meta["token_cache"],
             **{k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens")},
+            **pin_fields(run_dir, entry.tokenizer, entry.corpus),
         }
         write_json_atomic(os.path.join(run_dir, DATA_RECORD), record)
     return meta
+
+
+def corpus_changes(data_cfg: Any, corpus: Corpus, pin: DataPin | None) -> str | None:
+    """How ``corpus`` (read by ``data_cfg``) differs from the run's pinned data, in a
+    few words naming the files; None when it does not (or there is no pin)."""
+    if pin is None:
+        return None
+    return data_changes(pin.corpus, corpus.fingerprint(cache_path(data_cfg)))
 
 
 def training_splits(trainer: Any, meta: dict | None) -> tuple[str, ...]:
@@ -194,10 +211,12 @@ def check_split_sizes(
 
 def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     """The tokenizer the run's text was tokenized with (``data.tokenizer``; a BPE from
-    its cache), or None for the sources without one (``synthetic``, ``tokens``)."""
+    its cache, which needs the corpus; byte and a file need none), or None for the
+    sources without one (``synthetic``, ``tokens``)."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
-    return load_tokenizer(data_cfg, Corpus.from_config(data_cfg), verbose=False)
+    corpus = Corpus.from_config(data_cfg) if data_cfg.tokenizer == "bpe" else None
+    return load_tokenizer(data_cfg, corpus, verbose=False)
 
 
 def follow_tokenizer_vocab(

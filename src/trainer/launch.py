@@ -44,10 +44,12 @@ from torch.multiprocessing.spawn import ProcessContext
 
 from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import run_checkpoints, step_of
+from src.data.pinning import DataPin, pinned_data
 from src.data.sources import (
     check_split_sizes,
     follow_tokenizer_vocab,
     prepare_data,
+    tokenizer_of,
     training_splits,
 )
 from src.entry import die_with_launcher, rank_start_method, stop_rank_server
@@ -100,6 +102,7 @@ def prepare(
     user_keys: set[str] | None = None,
     run_dir: str | None = None,
     splits: tuple[str, ...] | None = None,
+    pin: DataPin | None = None,
 ) -> tuple[DictConfig, Resolved]:
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
@@ -110,23 +113,34 @@ def prepare(
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
     ``run_dir``: where to record what the data was made from (``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
-    (default: training's, :func:`training_splits`). Bad input is a ``ConfigError``."""
+    (default: training's, :func:`training_splits`; none: no data is read, the
+    tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data
+    (src/data/pinning.py), whose tokenizer file the ranks read and whose corpus the
+    data must still be. Bad input is a ``ConfigError``."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     composed = OmegaConf.to_container(cfg)  # what a checkpoint records
     set_log_level(cfg.trainer.log_level)
     user_keys = job_user_keys() if user_keys is None else user_keys
-    if not cfg.trainer.plan_only:  # plan-only reads no data
+    if pin is not None:  # recorded as the run's config, read as its own file
+        cfg.data = pinned_data(cfg.data, pin)
+    meta = None
+    if splits == ():  # reads no data (sample.py): a BPE's file needs no corpus
+        tokenizer = tokenizer_of(cfg.data)
+        meta = tokenizer and {"vocab_size": tokenizer.vocab_size}
+    elif not cfg.trainer.plan_only:  # plan-only reads no data
         meta = prepare_data(
             cfg.data,
             _is_rank0(),
             cfg.trainer.progress,
             run_dir if _is_rank0() else None,
+            pin,
         )
-        if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
-            # The model is final now: its run object is built from it, once.
-            resolved = resolve(cfg)
+    if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
+        # The model is final now: its run object is built from it, once.
+        resolved = resolve(cfg)
+    if splits != () and not cfg.trainer.plan_only:
         seq_len = resolved.spec.seq_len(resolved.model_config)
         wanted = training_splits(cfg.trainer, meta) if splits is None else splits
         check_split_sizes(cfg.data, meta, seq_len, wanted)
