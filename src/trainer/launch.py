@@ -64,7 +64,7 @@ from src.observe.logs import (
 )
 from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.report import plan_only
-from src.planner.run import plan_run
+from src.planner.run import machine_check, oversubscribed, plan_run
 from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
     RANK_REPORTS,
@@ -163,6 +163,12 @@ def prepare(
         log.warning("planner: no estimate for this run (%s)", run.unplanned)
     if run.lower_bound:
         log.warning("planner: the estimate is a lower bound: %s", run.lower_bound)
+    if splits is None:  # a training run: no bigger than this machine
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or resolved.world_size
+        if run.estimate is not None:
+            machine_check(cfg, resolved, run.estimate, local)
+        if oversubscribed(local):
+            log.warning("%s", oversubscribed(local))
     return cfg, replace(
         resolved,
         planned_peak_gib=run.planned_peak_gib,
