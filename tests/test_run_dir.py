@@ -877,7 +877,7 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
     """Issue 48 item 1's repros on a BPE run: its corpus rewritten (size and mtime
     kept) and a file added, the resume is refused in one line naming both, before
     anything is tokenized or recorded; eval.py scores the changed files but says so
-    and records run_data=false; with the corpus and the BPE cache deleted sample.py
+    and records run_data=false (and names the damaged checkpoint it passes over); with the corpus and the BPE cache deleted sample.py
     decodes with the run's own tokenizer file (never trained again); a tokenizer
     file that is not the run's is refused naming it."""
     corpus, cache, run = tmp_path / "corpus", tmp_path / "cache", tmp_path / "run"
@@ -890,7 +890,7 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
     data += ["data.tokenizer=bpe", "data.bpe_vocab_size=300"]
     first = _train(
         *RUN[:1], "logger=none", *data, "trainer.max_steps=2", "trainer.devices=1",
-        "trainer.progress=false", f"hydra.run.dir={run}",
+        "trainer.progress=false", "trainer.ckpt_every=1", f"hydra.run.dir={run}",
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
     record = (run / "data.json").read_bytes()
@@ -915,10 +915,18 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
         n for n in built if "digests" not in n
     ]
 
+    newest = run / "checkpoints" / "step_00000002"
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1] + b"?")  # damaged: skipped, and said
     scored = _tool("eval.py", f"run={run}", "batches=1")
     assert scored.returncode == 0, scored.stderr[-2000:]
     assert "eval: the run's data changed since it trained on it: " in scored.stdout
-    assert json.loads((run / "eval.json").read_text())[-1]["run_data"] is False
+    assert (
+        f"skipping checkpoint {newest}: {shard.name} fails its checksum (corrupted); "
+        "reading the newest intact one" in scored.stdout
+    )
+    record = json.loads((run / "eval.json").read_text())[-1]
+    assert record["run_data"] is False and record["step"] == 1
 
     shutil.rmtree(corpus)
     for bpe in cache.glob("bpe-*"):

@@ -353,3 +353,28 @@ def test_the_cache_is_keyed_by_file_contents(tmp_path, capsys):
 
     gone = cfg_for(tmp_path, f"data.paths={tmp_path}/none/*.txt")
     assert tokenizer_of(gone.data).name == "byte"
+
+
+def test_a_full_cache_disk_is_one_line_with_the_path_and_free_space(tmp_path):
+    """Issue 48 item 6: a cache write that meets a full disk (ENOSPC, as the token
+    entry, a BPE or the digests are written under their build lock) is one line
+    naming data.cache_dir, the cache dir and its free space (it was [Errno 28]
+    without a path)."""
+    import errno
+
+    from src.data.corpus import build_lock
+    from src.errors import ConfigError
+
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError) as err:
+        with build_lock(str(cache / "tokens-0123")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(err.value).startswith(
+        f"data.cache_dir: the token cache writes to {cache}: no space left on device ("
+    )
+    assert str(err.value).endswith(
+        " MiB free); set data.cache_dir to a writable directory"
+    )
+    with pytest.raises(OSError):  # any other failure is its own
+        with build_lock(str(cache / "tokens-0123")):
+            raise OSError(errno.EIO, "I/O error")

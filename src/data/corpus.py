@@ -14,6 +14,7 @@ reported by file and line number; Parquet with pyarrow, one record batch at a ti
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -24,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from src.errors import ConfigError, not_writable
-from src.util import read_json, unwritable, write_json_atomic
+from src.util import free_space, read_json, unwritable, write_json_atomic
 
 #: How a file holds its documents.
 DATA_FORMATS = ("text", "jsonl", "parquet")
@@ -277,17 +278,24 @@ def build_lock(path: str) -> Iterator[None]:
     """An exclusive lock on ``<path>.lock``: of the processes that find an entry
     missing (the local ranks under torchrun, jobs of a sweep), one builds it and the
     others wait here, then find it built. A cache dir that cannot be written (a shared
-    read-only cache lacking this entry) is a one-line error naming data.cache_dir."""
+    read-only cache lacking this entry), or whose disk fills while the block writes,
+    is a one-line error naming data.cache_dir (and the space left)."""
     cache = os.path.dirname(path)
     problem = unwritable(cache)
     if problem is not None:
         raise not_writable("data.cache_dir", cache, "the token cache", problem)
-    with open(f"{path}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        with open(f"{path}.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        full = f"no space left on device ({free_space(cache)} free)"
+        raise not_writable("data.cache_dir", cache, "the token cache", full) from None
 
 
 #: In ``data.cache_dir``: each corpus file's SHA-256 with the ``stat`` it was read at

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from src.runs.resume import RECORD, recorded_config
 from src.sharding import Backend
 from src.trainer.launch import run_ranks
 from src.trainer.sampling import sample_texts
+
+log = logging.getLogger(__name__)
 
 RUN_CONFIG = Path(RECORD) / "config.yaml"
 RUN_OVERRIDES = Path(RECORD) / "overrides.yaml"
@@ -59,7 +62,7 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
     directory = run_checkpoints(run_dir)
     try:
         checkpoint = resolve_resume(
-            str(where), directory, Checkpointer(directory).verify
+            str(where), directory, Checkpointer(directory).verify, _skipped
         )
     except FileNotFoundError:
         checkpoint = None
@@ -72,6 +75,13 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
             "step's unless trainer.ckpt_final=false; trainer.ckpt_every=N saves more)",
         )
     return run_dir, checkpoint
+
+
+def _skipped(path: Path, reason: str) -> None:
+    """Said when a damaged checkpoint is passed over for an older one."""
+    log.warning(
+        "skipping checkpoint %s: %s; reading the newest intact one", path, reason
+    )
 
 
 def run_config(run_dir: Path) -> tuple[DictConfig, list[str]]:
