@@ -352,6 +352,10 @@ class ConsoleSink(Sink):
                 f"measured {measured:.3f} GiB ({drift:+.0%})"
             )
         took = f" in {s['wall_time_s']:.0f} s" if "wall_time_s" in s else ""
+        attempts = s.get("attempts") or []
+        if len(attempts) > 1:  # a resumed run: the whole run, then each attempt
+            each = " + ".join(f"{a['wall_time_s']:.0f}" for a in attempts)
+            took += f" ({len(attempts)} attempts: {each} s)"
         lines = [
             f"finished {s.get('steps', '?')} steps{took}: {figures}",
             f"outputs: {self.run_dir}",
