@@ -223,3 +223,41 @@ def test_readme_qwen2_export_round_trips(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "AutoTokenizer opens" not in out.stdout + out.stderr
     _opens_and_generates(tmp_path / "hf", byte_tokenizer().encode_text(PROMPT))
+
+
+def test_export_warns_when_autotokenizer_encodes_unlike_the_run(tmp_path, caplog):
+    """A BPE whose merges cross Qwen2's digit split (``42`` one token): transformers
+    rebuilds Qwen2's tokenizer with its own pre-tokenization, which encodes the probe
+    text otherwise; the export says so in one warning. Llama's export opens the
+    tokenizer as written: no warning."""
+    import logging
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from src.data.tokenizer import Tokenizer
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    vocab["42"] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("4", "2")]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    tokenizer = Tokenizer("bpe-257", len(vocab), vocab["Ċ"], hf)
+    for family, warned in [("tiny_qwen2", True), ("tiny_llama", False)]:
+        cfg = make_cfg("model=hf", f"model.config={family}", "sharding=none",
+                       "trainer.devices=1")  # fmt: skip
+        resolved = resolve(cfg)
+        model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="src.checkpoint.export"):
+            export_model_hf(
+                model, tmp_path / family, resolved.spec.hf, resolved.model_config,
+                tokenizer,
+            )  # fmt: skip
+        lines = [r.getMessage() for r in caplog.records]
+        expected = [
+            f"trainer.export=hf: AutoTokenizer opens {tmp_path / family} as "
+            "Qwen2Tokenizer, which encodes "
+        ]
+        assert [x[: len(expected[0])] for x in lines] == (expected if warned else [])

@@ -449,11 +449,11 @@ def export_hf(
                     setattr(hf_config, key, value)
                 save_hf_tokenizer(tokenizer, directory)
             hf_config.save_pretrained(directory)
-            mismatch = tokenizer and hf_tokenizer_mismatch(tokenizer, directory)
-            if mismatch:
-                log.warning("trainer.export=hf: %s", mismatch)
             shutil.rmtree(directory / "sharded", ignore_errors=True)
             publish(final)
+            mismatch = tokenizer and hf_tokenizer_mismatch(tokenizer, final)
+            if mismatch:
+                log.warning("trainer.export=hf: %s", mismatch)
         except Exception as exc:
             error = exc
     all_agree(error, "export")
