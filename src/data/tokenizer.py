@@ -337,12 +337,16 @@ PROBE_TEXT = "def main():\n    return 42  # héllo, wörld 😀\n"
 
 def hf_tokenizer_mismatch(tokenizer: Tokenizer, directory: str | os.PathLike) -> str:
     """How ``AutoTokenizer.from_pretrained(directory)`` (the installed transformers)
-    encodes :data:`PROBE_TEXT` unlike the run's ``tokenizer``, or "" when the ids
-    are the same: transformers picks some families' tokenizer class from config.json
+    encodes :data:`PROBE_TEXT` unlike the run's ``tokenizer`` (or why it cannot open
+    it), or "" when the ids are the same: transformers picks some families' tokenizer class from config.json
     whatever tokenizer_config.json says, with that family's own pre-tokenization."""
     from transformers import AutoTokenizer
 
-    auto = AutoTokenizer.from_pretrained(str(directory))
+    try:
+        auto = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # e.g. a config.json whose class needs its own code
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"AutoTokenizer cannot open {directory} ({type(exc).__name__}: {first})"
     ours = tokenizer.encode_text(PROBE_TEXT)
     theirs = auto(PROBE_TEXT, add_special_tokens=False)["input_ids"]
     if theirs == ours:
