@@ -188,6 +188,9 @@ class TrainerConfig:
     plan_only: bool = described(
         "print the wrap plan and memory estimate, allocate nothing"
     )
+    fixed_devices: bool = described(
+        "the planner's proposals keep trainer.devices as set (change anything else)"
+    )
     peak_tflops: float | None = described(
         "per-rank peak for MFU (null: GPU table or CPU probe)"
     )

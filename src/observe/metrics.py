@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -468,6 +469,7 @@ class ThroughputMeter:
         self.cpu_wait_own_max: float | None = None  # the run's own threads'
         self.probe_cpu_wait = probe_cpu_wait  # the peak probe's (Peak.cpu_wait)
         self.probe_cpu_wait_others = probe_cpu_wait_others  # of it, others'
+        self.measured_steps, self.measured_s = 0, 0.0  # every reported window's
 
     def _now(self) -> float:
         _synchronize()  # GPU work is asynchronous: time it when it has finished
@@ -494,6 +496,8 @@ class ThroughputMeter:
         if mark is None or step <= mark[0] or now <= mark[1]:
             return None
         steps, seconds = step - mark[0], now - mark[1]
+        self.measured_steps += steps
+        self.measured_s += seconds
         tokens_per_s = self.tokens_per_step * steps / seconds
         per_rank = tokens_per_s / self.world_size
         row = {
@@ -524,6 +528,27 @@ class ThroughputMeter:
         else:
             self._omit_mfu(per_rank * self.flops_per_token)
         return row
+
+    def measured(self) -> dict[str, Any]:
+        """This attempt's figures over all its reported windows (none before the first
+        full window): steps and seconds measured, tokens/s, MFU (rank 0: not over
+        100%), and whether the peak probe was contended."""
+        if not self.measured_steps:
+            return {}
+        tokens_per_s = self.tokens_per_step * self.measured_steps / self.measured_s
+        out = {
+            "measured_steps": self.measured_steps,
+            "measured_s": self.measured_s,
+            "tokens_per_s": tokens_per_s,
+            "world_size": self.world_size,
+        }
+        if self.peak_flops_per_rank is not None:
+            achieved = tokens_per_s / self.world_size * self.flops_per_token
+            mfu = model_flops_utilization(achieved, self.peak_flops_per_rank)
+            out.update({} if mfu is None else {"mfu": mfu})
+            if (self.probe_cpu_wait_others or 0.0) > CONTENDED:
+                out["probe_contended"] = True
+        return out
 
     def contention(self) -> dict[str, float]:
         """For the run's summary: the most contended window's ``cpu_wait`` and the

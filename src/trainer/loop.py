@@ -35,6 +35,7 @@ from src.checkpoint.export import (
 from src.checkpoint.folders import run_checkpoints
 from src.data.sources import GlobalBatches, load_splits, tokenizer_of
 from src.errors import Stopped
+from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
 from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
 from src.observe.metrics import (
@@ -236,6 +237,9 @@ class Trainer:
         )
         if self.start_step == 0 and t.init_from is not None:
             self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
+        self.earlier_attempts = (
+            earlier_attempts(self.run_dir, self.start_step) if self.rank == 0 else []
+        )
         # Tokens trained on, across resumes (a resume may change the batch); a
         # checkpoint from before they were recorded: its steps at this batch.
         per_step = self.meter.tokens_per_step
@@ -534,12 +538,29 @@ class Trainer:
             num_params=self.num_params,
             wrap_units=len(self.plan.units),
             init_peak_mem_gib=self.init_mem["init_peak_mem_gib"],
-            wall_time_s=time.perf_counter() - self._start_time,
             **self._planned(),
             **self.meter.contention(),
         )
+        self._record_attempt(t.max_steps, "finished")
         self.logger.log_summary(self.summary)
         return self.summary
+
+    def _record_attempt(self, step: int, ended: str) -> None:
+        """This attempt (from the resumed step to ``step``) after the earlier ones in
+        the summary, and the whole run's figures from them all (src/observe/attempts.py).
+        """
+        this = {
+            "start_step": self.start_step,
+            "end_step": step,
+            "wall_time_s": time.perf_counter() - self._start_time,
+            "ended": ended,
+            **self.meter.measured(),
+        }
+        attempts = [*self.earlier_attempts, this]
+        self.summary[ATTEMPTS] = attempts
+        self.summary.update(run_figures(attempts))
+        if "mfu" not in self.summary:
+            self.summary.pop("mfu", None)
 
     def export_path(self) -> Path:
         """Where ``trainer.export`` writes (``hf/``, or the consolidated file)."""
@@ -617,6 +638,7 @@ class Trainer:
         # summary.json says so (the completed run's summary replaces it).
         by = signal.Signals(signum).name
         self.summary["stopped"] = {"by": by, "step": step, "checkpoint": str(path)}
+        self._record_attempt(step, f"stopped by {by}")
         self.logger.log_summary(self.summary)
         raise stop
 
