@@ -321,7 +321,7 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> Non
     # transformers fills an unnamed special token with its family's own (Qwen2:
     # <|endoftext|>, a token the run never had): written as null, none is added.
     path = os.path.join(directory, "tokenizer_config.json")
-    config = read_json(path)
+    config = read_json_object(path)
     for key in ("bos_token", "pad_token", "unk_token"):
         config.setdefault(key, None)
     with atomic_path(path) as tmp, open(tmp, "w") as f:
