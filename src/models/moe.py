@@ -66,6 +66,7 @@ from src.models.spec import (
     name_generator,
     register,
 )
+from src.sharding.expert_parallel import ExpertModule, dispatch, local_weight
 
 LOAD_BALANCE = ("aux_loss", "aux_free", "none")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -179,7 +180,7 @@ def grouped_matmul(
     return torch.cat([c @ w[e] for e, c in enumerate(chunks)])
 
 
-class Experts(nn.Module):
+class Experts(ExpertModule):
     """``num_experts`` SwiGLU experts as three stacked weights (``local`` of them when
     expert parallelism places the rest on other ranks)."""
 
@@ -193,10 +194,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, dim) sorted by expert, ``counts`` (experts,) -> (N, dim)."""
-        g = self.grouped
-        h = F.silu(grouped_matmul(x, self.w1, counts, g))
-        h = h * grouped_matmul(x, self.w3, counts, g)
-        return grouped_matmul(h, self.w2, counts, g)
+        g, ep = self.grouped, self.ep_mesh
+        w1, w2, w3 = (local_weight(w, ep) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(grouped_matmul(x, w1, counts, g)) * grouped_matmul(x, w3, counts, g)
+        return grouped_matmul(h, w2, counts, g)
 
 
 class SharedExpert(FeedForward):
@@ -296,7 +297,12 @@ class MoE(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         token = order // c.top_k
         xs = x.reshape(-1, d)[token]
-        ys = self.experts(xs, counts)
+        ep = self.experts.ep_mesh
+        if ep is None:
+            ys = self.experts(xs, counts)
+        else:  # expert parallelism: to the ranks holding the experts and back
+            sent = dispatch(xs, counts, ep)
+            ys = sent.combine(self.experts(sent.rows, sent.counts))
         ys = ys * gates.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros(B * T, d, dtype=ys.dtype, device=x.device)
         out = out.index_add(0, token, ys).view(B, T, d).to(x.dtype)
@@ -496,5 +502,6 @@ register(
         kv_cache=True,
         routes_tokens=lambda config: len(config.moe_layers) > 0,
         after_step=after_step,
+        num_experts=lambda config: config.num_experts if config.moe_layers else 0,
     )
 )

@@ -136,6 +136,10 @@ class ModelSpec:
     # the experts' matmul shapes change with every batch (the planner says what that
     # costs where it cannot count it).
     routes_tokens: Callable[[Any], bool] | None = None
+    # Optional: (config) -> the routed experts of each MoE block, which expert
+    # parallelism (sharding.expert_parallel) splits over its ranks; 0 for a config
+    # without any. None: the family has no expert parallelism.
+    num_experts: Callable[[Any], int] | None = None
     # Optional: (model, replicas) -> metrics, called on every rank after each
     # optimizer step: state kept outside autograd (a MoE's router bias, from the
     # step's token counts summed over the ranks; ``replicas``: the ranks that saw the
