@@ -202,6 +202,8 @@ class ParallelMesh:
                 ("dp_shard_mod_ep", "ep"),
             )
             self.ep = split["ep"]
+            # one group over both (the experts' gradient norm: one all-reduce)
+            split["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
             outer = ("dp_replicate",) if "dp_replicate" in names else ()
             self.expert_fsdp = split[(*outer, "dp_shard_mod_ep")]
 
