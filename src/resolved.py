@@ -127,7 +127,8 @@ def check_expert_parallel(layout: ParallelLayout, spec: ModelSpec, config: Any) 
     experts = spec.num_experts(config)
     if not experts:
         raise ConfigError(
-            LAYOUT_KEYS["ep"], "this model has no MoE block (model.n_dense_layers); use 1"
+            LAYOUT_KEYS["ep"],
+            "this model has no MoE block (model.n_dense_layers); use 1",
         )
     if experts % ep:
         raise ConfigError(

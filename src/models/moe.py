@@ -286,6 +286,7 @@ class MoE(nn.Module):
             None  # this forward's, for the model's loss
         )
         self.stats: torch.Tensor | None = None  # summed since the last after_step
+        self.bytes_sent = 0  # by expert parallelism's all-to-alls, forward, ever
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -303,6 +304,8 @@ class MoE(nn.Module):
         else:  # expert parallelism: to the ranks holding the experts and back
             sent = dispatch(xs, counts, ep)
             ys = sent.combine(self.experts(sent.rows, sent.counts))
+            if not _recomputing():
+                self.bytes_sent += sent.bytes_moved
         ys = ys * gates.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros(B * T, d, dtype=ys.dtype, device=x.device)
         out = out.index_add(0, token, ys).view(B, T, d).to(x.dtype)

@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from .wrap import UnitInfo, mark_unit
+
 
 class ExpertModule(nn.Module):
     """A module of stacked experts (every parameter ``[num_experts, ...]``); after
@@ -48,7 +50,10 @@ def expert_parallelize(
         if not isinstance(m, ExpertModule) or m.ep_mesh is not None:
             continue
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        # for the wrap plan: whole experts, sharded over ep x the FSDP ranks
+        info = UnitInfo(numel=sum(p.numel() for p in m.parameters()))
         for name, p in list(m.named_parameters(recurse=False)):
+            info.shapes.append((p.size(0), p[0].numel(), p.element_size()))
             if p.size(0) % ep:
                 raise ValueError(
                     f"{p.size(0)} experts do not split over {ep} expert-parallel ranks"
@@ -58,6 +63,7 @@ def expert_parallelize(
             setattr(m, name, nn.Parameter(dt, requires_grad=p.requires_grad))
         m.ep_mesh = ep_mesh
         fully_shard(m, mesh=fsdp_mesh, **fsdp)
+        mark_unit(m, info)
 
 
 class _ScaleGrad(torch.autograd.Function):

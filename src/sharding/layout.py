@@ -195,7 +195,8 @@ class ParallelMesh:
         #: dp_replicate for HSDP), both from ``dp_shard`` split in two (ep inner)
         self.ep: DeviceMesh | None = None
         self.expert_fsdp: DeviceMesh | None = None
-        if layout.ep > 1:
+        # (with cp, ep would span dp_shard x cp: not built, check_layout refuses cp)
+        if layout.ep > 1 and layout.cp == 1:
             split = self.world._unflatten(
                 "dp_shard",
                 (layout.dp_shard // layout.ep, layout.ep),

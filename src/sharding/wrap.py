@@ -209,6 +209,13 @@ def make_unit(module: nn.Module, **overrides: Any) -> nn.Module:
     return out
 
 
+def mark_unit(module: nn.Module, info: UnitInfo) -> None:
+    """Record ``module``, sharded by other means than the context's wrapper (expert
+    parallelism's experts), as a unit of the wrap plan holding ``info``."""
+    module.__dict__[_UNIT_ATTR] = True
+    module.__dict__["_sharding_unit_info"] = info
+
+
 def _class_overrides(ctx: _WrapContext, module: nn.Module) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for cls in reversed(type(module).__mro__):  # most specific class applied last
