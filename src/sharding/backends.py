@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.registry import Registry
 
-from .expert_parallel import expert_parallelize
+from .expert_parallel import expert_parallelize, plan_experts
 from .float8 import Float8, byte_all_gather
 from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
 from .policies import WrapPolicy
@@ -275,11 +275,18 @@ class Backend:
         mesh; nothing without tensor parallelism."""
         if self.tp_plan is not None and self.tp_mesh is not None:
             tensor_parallelize(module, self.tp_mesh, self.tp_plan)
+        if self.layout.ep > 1:
+            self.split_experts(module)
+
+    def split_experts(self, module: nn.Module) -> None:
+        """Expert parallelism: each expert module under ``module`` split over the
+        ep ranks and sharded over the rest (src/sharding/expert_parallel.py)."""
         mesh = self.parallel
-        if mesh is not None and mesh.ep is not None and mesh.expert_fsdp is not None:
-            _, defaults = self.wrapper()
-            defaults = {k: v for k, v in defaults.items() if k != "mesh"}
-            expert_parallelize(module, mesh.ep, mesh.expert_fsdp, **defaults)
+        if mesh is None or mesh.ep is None or mesh.expert_fsdp is None:
+            raise ValueError(f"expert parallelism without its mesh on {self.name}")
+        _, defaults = self.wrapper()
+        defaults = {k: v for k, v in defaults.items() if k != "mesh"}
+        expert_parallelize(module, mesh.ep, mesh.expert_fsdp, **defaults)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward and backward: ``loss_parallel`` when the plan keeps the
@@ -568,6 +575,9 @@ class PlanBackend(_FSDPBackend):
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return record_unit, {}
+
+    def split_experts(self, module: nn.Module) -> None:
+        plan_experts(module, self.layout.ep)
 
     def finish_build(
         self,

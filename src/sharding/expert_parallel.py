@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from .wrap import UnitInfo, mark_unit
+from .wrap import UnitInfo, is_wrapped, mark_unit
 
 
 class ExpertModule(nn.Module):
@@ -46,14 +46,10 @@ def expert_parallelize(
 ) -> None:
     """Split each :class:`ExpertModule` under ``module`` over ``ep_mesh`` (dim 0) and
     shard it with ``fully_shard(mesh=fsdp_mesh, **fsdp)``; idempotent."""
-    for m in module.modules():
-        if not isinstance(m, ExpertModule) or m.ep_mesh is not None:
-            continue
+    for m in _unsplit(module):
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-        # for the wrap plan: whole experts, sharded over ep x the FSDP ranks
-        info = UnitInfo(numel=sum(p.numel() for p in m.parameters()))
+        info = _split_info(m, ep)
         for name, p in list(m.named_parameters(recurse=False)):
-            info.shapes.append((p.size(0), p[0].numel(), p.element_size()))
             if p.size(0) % ep:
                 raise ValueError(
                     f"{p.size(0)} experts do not split over {ep} expert-parallel ranks"
@@ -64,6 +60,33 @@ def expert_parallelize(
         m.ep_mesh = ep_mesh
         fully_shard(m, mesh=fsdp_mesh, **fsdp)
         mark_unit(m, info)
+
+
+def plan_experts(module: nn.Module, ep: int) -> None:
+    """For a plan (nothing allocated): record each :class:`ExpertModule` under
+    ``module`` as a unit holding ``1 / ep`` of its experts, sharded over the rest."""
+    for m in _unsplit(module):
+        mark_unit(m, _split_info(m, ep))
+
+
+def _unsplit(module: nn.Module) -> list[ExpertModule]:
+    """The expert modules under ``module`` not split yet (a split one is a unit)."""
+    return [
+        m for m in module.modules() if isinstance(m, ExpertModule) and not is_wrapped(m)
+    ]
+
+
+def _split_info(m: ExpertModule, ep: int) -> UnitInfo:
+    """The wrap plan's record of ``m`` split over ``ep`` ranks: each holds
+    ``num_experts / ep`` whole experts (what it gathers), FSDP-sharded over the
+    shard group's ranks / ep."""
+    shapes = [
+        (p.size(0) // ep, p[0].numel(), p.element_size())
+        for p in m.parameters(recurse=False)
+    ]
+    return UnitInfo(
+        numel=sum(p.numel() for p in m.parameters()), shapes=shapes, split=ep
+    )
 
 
 class _ScaleGrad(torch.autograd.Function):
