@@ -142,3 +142,13 @@ def test_meta_init_by_name_equals_the_cpu_build():
 )
 def test_bad_moe_keys_are_named(override, key):
     assert config_error("model=moe_tiny", override).startswith(key + ":")
+
+
+def test_interval_line_has_a_short_moe_part():
+    from src.observe.metrics import interval_line
+
+    row = {"loss": 5.0, "lr": 1e-3, "moe/load_max_over_mean": 1.5, "moe/dropped": 0}
+    assert interval_line(3, row).endswith("experts max/mean 1.50, lr 1.00e-03")
+    row["moe/dropped"] = 12
+    assert "experts max/mean 1.50 dropped 12, lr" in interval_line(3, row)
+    assert "experts" not in interval_line(3, {"loss": 5.0, "lr": 1e-3})
