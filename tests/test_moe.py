@@ -152,3 +152,31 @@ def test_interval_line_has_a_short_moe_part():
     row["moe/dropped"] = 12
     assert "experts max/mean 1.50 dropped 12, lr" in interval_line(3, row)
     assert "experts" not in interval_line(3, {"loss": 5.0, "lr": 1e-3})
+
+
+@pytest.mark.parametrize("balance", ["aux_free", "aux_loss"])
+def test_activation_checkpointing_recomputes_the_same_block(balance):
+    """A checkpointed block (its first forward probing grouped mm, too) gives the
+    gradients of a plain one, and counts its routing once."""
+    from torch.utils.checkpoint import checkpoint
+
+    config = MoEConfig(**CFG, load_balance=balance, capacity_factor=1.0)
+    grads, counts = [], []
+    for ac in (True, False):
+        grouped_mm_runs.cache_clear()
+        model = MoETransformer(config)
+        block = model.layers[0]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 16, config.dim, generator=gen, requires_grad=True)
+        cos, sin = model.rope(16)
+        if ac:
+            y = checkpoint(block, x, cos, sin, use_reentrant=False)
+        else:
+            y = block(x, cos, sin)
+        aux = moe_layers(model)[0].aux_loss
+        (y.square().mean() + (0 if aux is None else aux)).backward()
+        grads.append([x.grad, *(p.grad for p in block.parameters())])
+        counts.append(moe_layers(model)[0].stats)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(counts[0], counts[1])

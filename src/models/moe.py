@@ -149,17 +149,17 @@ class _ContiguousGrad(torch.autograd.Function):
 
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` with ``offs`` runs here (probed once, forward and
-    backward, on a tiny problem)."""
+    """Whether ``torch._grouped_mm`` with ``offs`` runs here (probed once, on a tiny
+    problem, without autograd: the first call may come inside a checkpointed
+    forward, which must not see the probe's tensors)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.ones(4, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs).backward(
-            torch.ones(4, 16, dtype=dtype, device=device_type)
-        )
+        with torch.no_grad():
+            x = torch.ones(4, 16, device=device_type, dtype=dtype)
+            w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+            offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+            torch._grouped_mm(x, w, offs=offs)
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -313,9 +313,12 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         self.aux_loss = None
         if self.training:
-            aux = balance_loss(scores, experts)
-            if c.load_balance == "aux_loss":
-                self.aux_loss = aux
+            # outside the loss, the balance loss is only a metric: no graph (which
+            # activation checkpointing's recompute would not make again)
+            in_loss = c.load_balance == "aux_loss"
+            with torch.set_grad_enabled(in_loss and torch.is_grad_enabled()):
+                aux = balance_loss(scores, experts)
+            self.aux_loss = aux if in_loss else None
             if not _recomputing():
                 self._count(scores.detach(), counts, dropped, aux.detach(), B)
         return out
