@@ -92,6 +92,9 @@ class ShardingConfig:
     pipeline_parallel: int = described(
         "fsdp2: P pipeline stages (pp mesh dim, outermost); 1 = off"
     )
+    expert_parallel: int = described(
+        "fsdp2: E ranks split a MoE's experts (from the shard ranks); 1 = off"
+    )
     pp_schedule: str = described(
         lambda: (
             "pipeline schedule: "

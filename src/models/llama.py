@@ -217,8 +217,17 @@ class TransformerBlock(nn.Module):
             self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
             self.attention = Attention(config)
             self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-            self.feed_forward = FeedForward(config)
-        materialize({f"layers.{index}.": self}, device, _init_, config, seed)
+            self.feed_forward = self.make_feed_forward(config, index)
+        materialize({f"layers.{index}.": self}, device, self.fill_, config, seed)
+
+    # A family built on Llama's blocks (src/models/moe.py) overrides these two.
+    @staticmethod
+    def make_feed_forward(config: LlamaConfig, index: int) -> nn.Module:
+        return FeedForward(config)
+
+    @staticmethod
+    def fill_(name: str, out: torch.Tensor, config: LlamaConfig, seed: int):
+        return _init_(name, out, config, seed)
 
     def forward(
         self,
@@ -242,7 +251,7 @@ class Llama(nn.Module):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            wrap(TransformerBlock(config, i, seed)) for i in range(config.n_layers)
+            wrap(self.block_cls(config, i, seed)) for i in range(config.n_layers)
         )
         with torch.device("meta"):
             self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -254,7 +263,7 @@ class Llama(nn.Module):
         }
         if not config.tie_embeddings:
             own["output."] = self.output
-        materialize(own, device, _init_, config, seed)
+        materialize(own, device, self.block_cls.fill_, config, seed)
         if config.tie_embeddings:
             tie_(self.output, self.tok_embeddings)
 

@@ -136,6 +136,15 @@ class ModelSpec:
     # the experts' matmul shapes change with every batch (the planner says what that
     # costs where it cannot count it).
     routes_tokens: Callable[[Any], bool] | None = None
+    # Optional: (config) -> the routed experts of each MoE block, which expert
+    # parallelism (sharding.expert_parallel) splits over its ranks; 0 for a config
+    # without any. None: the family has no expert parallelism.
+    num_experts: Callable[[Any], int] | None = None
+    # Optional: (model, replicas) -> metrics, called on every rank after each
+    # optimizer step: state kept outside autograd (a MoE's router bias, from the
+    # step's token counts summed over the ranks; ``replicas``: the ranks that saw the
+    # same tokens) and the step's metrics of the family (MoE routing).
+    after_step: Callable[[nn.Module, int], dict[str, float]] | None = None
     # Modules the family imports beyond torch (the planner's process baseline grows
     # by their resident size: planner.IMPORT_BYTES).
     imports: tuple[str, ...] = ()

@@ -763,5 +763,10 @@ def interval_line(step: int, row: dict) -> str:
             parts.append(f"cpu wait {row['cpu_wait']:.0%}")
     if "peak_mem_gib" in row:
         parts.append(f"mem {row['peak_mem_gib']:.3f} GiB")
+    if "moe/load_max_over_mean" in row:  # a mixture of experts' routing
+        moe = f"experts max/mean {row['moe/load_max_over_mean']:.2f}"
+        if row.get("moe/dropped"):
+            moe += f" dropped {row['moe/dropped']}"
+        parts.append(moe)
     parts.append(f"lr {row['lr']:.2e}")
     return ", ".join(parts)

@@ -56,7 +56,9 @@ def plan_backend(cfg: DictConfig, resolved: Resolved) -> Iterator[Any]:
     """The ``plan`` backend the meta builds record units with; selective checkpointing
     of a block the policy splits is a config error here, before any rank starts."""
     tp = resolved.layout.tp  # the model is tensor-parallelised on meta for real
-    layout = ParallelLayout(tp, tp=tp)
+    # and its experts recorded as split over the ep ranks (each gathers E / ep)
+    ep = resolved.layout.ep
+    layout = ParallelLayout(tp * ep, tp=tp, ep=ep)
     backend = build_backend(
         "plan", cfg.precision.name, "cpu", layout=layout, float8=float8_linears(cfg)
     )

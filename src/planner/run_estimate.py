@@ -47,5 +47,20 @@ def estimate_cfg(
         est = estimate(plan, shape, acts, process)
         if not has_formula(resolved):
             est.notes["activations"] = "traced: one block per block class, fake tensors"
+        if resolved.layout.ep > 1:
+            _expert_parallel_notes(est, resolved.layout.ep)
     est.caveat = lower_bound_reason(resolved, est.shape.device, str(cfg.precision.name))
     return plan, est
+
+
+def _expert_parallel_notes(est: Estimate, ep: int) -> None:
+    """What the estimate assumes of expert parallelism, said beside its parts."""
+    est.notes["gathered_units"] = (
+        est.notes.get("gathered_units", "") + f"; each MoE block's experts 1/{ep}"
+    )
+    est.notes["activations"] = (
+        est.notes.get("activations", "")
+        + f"; EP{ep} dispatch/combine planned balanced: a rank receives its own "
+        "tokens' share of rows (imbalance bound 1x; one whose experts draw f x the "
+        "mean holds f x their activations)"
+    ).lstrip("; ")

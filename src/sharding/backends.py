@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.registry import Registry
 
+from .expert_parallel import expert_parallelize, plan_experts
 from .float8 import Float8, byte_all_gather
 from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
 from .policies import WrapPolicy
@@ -152,6 +153,7 @@ class Backend:
     # tensors (both alive at once while it is gathered)
     gather_copy_out: ClassVar[bool]
     float8: ClassVar[bool]  # takes float8 linear layers (precision=float8)
+    expert_parallel: ClassVar[bool]  # takes expert_parallel > 1 (from the shard ranks)
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "distributed",
         "wraps_units",
@@ -166,6 +168,7 @@ class Backend:
         "pipeline_parallel",
         "gather_copy_out",
         "float8",
+        "expert_parallel",
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -221,6 +224,7 @@ class Backend:
             ("dp_replicate", "hybrid", "hybrid sharding"),
             ("tp", "tensor_parallel", "tensor parallelism"),
             ("pp", "pipeline_parallel", "pipeline parallelism"),
+            ("ep", "expert_parallel", "expert parallelism"),
         )
         for dim, capability, what in needs:
             if layout.size(dim) > 1 and not getattr(cls, capability):
@@ -230,9 +234,15 @@ class Backend:
                     f"{' or sharding='.join(with_capability(capability))}, "
                     f"not sharding={cls.name}",
                 )
-        for dim, what in (("cp", "context"), ("ep", "expert")):
-            if layout.size(dim) > 1:
-                raise LayoutError(dim, f"{what} parallelism is not built yet")
+        if layout.cp > 1:
+            raise LayoutError("cp", "context parallelism is not built yet")
+        for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
+            if layout.ep > 1 and layout.size(dim) > 1:
+                raise LayoutError(
+                    "ep",
+                    f"expert parallelism with {what} parallelism is not built yet; "
+                    "use one of them",
+                )
 
     def _build_mesh(self) -> None:
         """Build the layout's mesh and take the groups units shard on (and tp)."""
@@ -265,6 +275,18 @@ class Backend:
         mesh; nothing without tensor parallelism."""
         if self.tp_plan is not None and self.tp_mesh is not None:
             tensor_parallelize(module, self.tp_mesh, self.tp_plan)
+        if self.layout.ep > 1:
+            self.split_experts(module)
+
+    def split_experts(self, module: nn.Module) -> None:
+        """Expert parallelism: each expert module under ``module`` split over the
+        ep ranks and sharded over the rest (src/sharding/expert_parallel.py)."""
+        mesh = self.parallel
+        if mesh is None or mesh.ep is None or mesh.expert_fsdp is None:
+            raise ValueError(f"expert parallelism without its mesh on {self.name}")
+        _, defaults = self.wrapper()
+        defaults = {k: v for k, v in defaults.items() if k != "mesh"}
+        expert_parallelize(module, mesh.ep, mesh.expert_fsdp, **defaults)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward and backward: ``loss_parallel`` when the plan keeps the
@@ -289,7 +311,8 @@ class Backend:
         wrapper_cls, defaults = self.wrapper()
         if self.device.type == "cpu" and _LIBC is not None:
             wrapper_cls = _trim_after(wrapper_cls)
-        parallelize = self.parallelize if self.tp_plan is not None else None
+        splits = self.tp_plan is not None or self.layout.ep > 1
+        parallelize = self.parallelize if splits else None
         return enable_wrap(
             wrapper_cls,
             policy=policy,
@@ -416,6 +439,7 @@ class _FSDPBackend(Backend):
     pipeline_parallel = False
     gather_copy_out = False  # FSDP1: the flat parameter is the all-gather's output
     float8 = True
+    expert_parallel = False
 
     def place(self, model: nn.Module) -> nn.Module:
         return model
@@ -435,6 +459,7 @@ class FSDP2Backend(_FSDPBackend):
 
     name = "fsdp2"
     tensor_parallel = True
+    expert_parallel = True
     pipeline_parallel = True
     meta_init = True
     partial_reshard = True
@@ -525,6 +550,7 @@ class PlanBackend(_FSDPBackend):
     allocates = False
     tensor_parallel = True  # parallelised on meta over a fake process group
     pipeline_parallel = True  # the planner's stage is built as a model of its own
+    expert_parallel = True  # planned, not split (src/planner: the experts' share)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -549,6 +575,9 @@ class PlanBackend(_FSDPBackend):
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return record_unit, {}
+
+    def split_experts(self, module: nn.Module) -> None:
+        plan_experts(module, self.layout.ep)
 
     def finish_build(
         self,

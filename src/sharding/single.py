@@ -22,5 +22,6 @@ class SingleProcessBackend(Backend):
     allocates = True
     tensor_parallel = False
     pipeline_parallel = False
+    expert_parallel = False
     gather_copy_out = False
     float8 = True

@@ -373,6 +373,15 @@ class Trainer:
         stage = {} if pp_rank is None else {"planned_peak_pp_rank": pp_rank}
         return {"planned_peak_gib": planned, **stage}
 
+    def _after_step(self) -> dict[str, float]:
+        """The family's work after each optimizer step (a MoE's router bias) and its
+        metrics of the step (routing), where its spec has any."""
+        after = self.resolved.spec.after_step
+        if after is None:
+            return {}
+        replicas = self.backend.world_size // self.backend.dp_size
+        return after(self.model, replicas)
+
     # -- the parts of a step ------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any] | None:
         """Optimizer step ``step`` (1-based). At a log point (the first and the last
@@ -404,6 +413,7 @@ class Trainer:
                 )
         except torch.OutOfMemoryError as err:
             raise oom_error(err, self.oom_snapshot, self.rank, step) from None
+        family = self._after_step()
         self.scheduler.step()
         self.loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
         if self.profiler is not None:
@@ -425,6 +435,7 @@ class Trainer:
             **(speed or {}),
             **reduce_max_min(memory_metrics(self.device)),
             **self._planned(),
+            **family,
         }
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.get_scale()
