@@ -120,3 +120,24 @@ def test_plan_vs_measured_ordinary_compares_the_closing_lines_figures(
         (row,) = b.main(argv)
         assert row["measured GiB"] == f"{measured:.3f}", flag
         assert float(row["planned GiB"]) > 0, flag
+
+
+@pytest.mark.slow
+def test_overhead_tiny(docs_untouched):
+    """bench.overhead's trainer and minimal-spawn sides, one short run each: the same
+    losses step for step, and each side's CPU, sys CPU and page faults per step
+    (the allocator's cost, which load barely moves; their ratio across sides spreads
+    too widely in a short run to assert one: test_config checks the heap's reuse)."""
+    from bench import overhead
+
+    rows = overhead.main(
+        ["--steps=10", "--warmup=5", "--log-every=5", "--repeats=1",
+         "--minimal", "spawn"]
+    )  # fmt: skip
+    trainer, minimal, median = rows
+    assert (trainer["side"], minimal["side"], median["repeat"]) == (
+        "trainer", "minimal-spawn", "median")  # fmt: skip
+    assert float(minimal["max dloss"]) < 1e-5
+    for row in rows[:2]:
+        assert float(row["page faults/step"].replace(",", "")) >= 0
+        assert float(row["CPU s/step"]) > float(row["sys CPU s/step"]) >= 0

@@ -636,7 +636,9 @@ def contended(summary: dict) -> bool:
     return any(isinstance(v, int | float) and v > CONTENDED for v in figures)
 
 
-#: glibc's mallopt parameter numbers (malloc.h: M_MMAP_THRESHOLD, M_ARENA_MAX).
+#: glibc's mallopt parameter numbers (malloc.h: M_TRIM_THRESHOLD, M_MMAP_THRESHOLD,
+#: M_ARENA_MAX).
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
@@ -650,7 +652,12 @@ def set_malloc_mmap_threshold(kib: int | None) -> bool:
     their own). A rank's peak resident set then follows the memory it uses, which the
     planner predicts (its constants measured so), rather than what glibc happened to
     keep: the big blocks leave the resident set when freed, the smaller ones reuse the
-    heap without a page fault. ``None``: glibc's defaults. False when not applied (no
+    heap without a page fault. The heap's free top is returned to the OS only past
+    twice the threshold (``M_TRIM_THRESHOLD``, the ratio glibc's dynamic rule keeps):
+    a fixed threshold leaves glibc's 128 KiB trim, which handed the top back at every
+    free and page-faulted it in again at the next step (3,000+ faults a step for the
+    small model, issue 47; docs/benchmarks.md). What the kept top adds to the peak is
+    at most that much. ``None``: glibc's defaults. False when not applied (no
     glibc)."""
     if kib is None:
         return False
@@ -659,6 +666,7 @@ def set_malloc_mmap_threshold(kib: int | None) -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl without it)
         return False
     mallopt(_M_ARENA_MAX, 1)
+    mallopt(_M_TRIM_THRESHOLD, 2 * int(kib) * 1024)
     return bool(mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024))
 
 
