@@ -86,6 +86,7 @@ LAYOUT_KEYS = {
     "pp": "sharding.pipeline_parallel",
     "dp_replicate": "sharding.replicate",
     "tp": "sharding.tensor_parallel",
+    "cp": "sharding.context_parallel",
 }
 
 

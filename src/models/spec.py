@@ -104,6 +104,9 @@ class ModelSpec:
     # The ``model.*`` key of the vocabulary size, which the trainer sets from the
     # tokenizer (data.tokenizer) unless the user sets it; None: the family fixes it.
     vocab_key: str | None = "vocab_size"
+    # (config) -> None, or ValueError naming the model where it cannot split its
+    # sequences (sharding.context_parallel); None: every config can.
+    context_parallel: Callable[[Any], None] | None = None
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: HFAdapter | None = None
     # Optional, for the planner (src/planner/activations.py): (config, micro_batch,

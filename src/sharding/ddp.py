@@ -35,6 +35,7 @@ class DDPBackend(Backend):
     allocates = True
     tensor_parallel = False
     pipeline_parallel = False
+    context_parallel = False
 
     def place(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

@@ -1,0 +1,145 @@
+"""Context parallelism: each sequence split over the cp ranks, K and V gathered.
+
+The single-process tests check the pieces: the load-balanced split and its inverse,
+and attention masked by global positions over the gathered keys equalling full
+causal attention. One 4-rank launch (module-scoped fixture) trains, on the same
+global batches (fp32, no dropout), with grad accumulation and validation: CP2 x
+FSDP2 and CP2 x TP2 for the GPT, Llama and a Hugging Face Llama (activation
+checkpointing on the GPT), and a CP2 x FSDP2 checkpoint resumed on FSDP4; every
+step's loss and the validation loss must equal one-process training within 1e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from src.config.validate import validate
+from src.trainer.launch import run_rank
+from src.sharding.context_parallel import (
+    chunk_positions,
+    gathered_positions,
+    masked_attention,
+    unshard,
+)
+from tests.distributed import run_distributed
+from tests.test_config import assert_fails_naming
+from tests.test_tensor_parallel import FAMILIES, RUN, TP2, losses, resume_from
+from tests.test_tensor_parallel import _train_runs as train_runs
+from tests.test_train import make_cfg, read_rows
+
+CP2 = ["sharding.context_parallel=2"]
+#: two micro-steps per step, validation at steps 2 and 4
+ACCUM_VAL = ["trainer.grad_accum=2", "trainer.val_every=2", "trainer.val_batches=2"]
+CKPT = ["trainer.ckpt_every=1", "trainer.keep_last=0"]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_load_balanced_split_and_unshard_are_inverse(cp):
+    seq = 8 * cp
+    x = torch.arange(3 * seq).view(3, seq)
+    parts = [x.index_select(1, chunk_positions(seq, cp, r)) for r in range(cp)]
+    s = seq // (2 * cp)
+    # rank r keeps chunks r and 2C-1-r: the first rank the first and last chunks
+    assert parts[0][0, :s].tolist() == list(range(s))
+    assert parts[0][0, s:].tolist() == list(range(seq - s, seq))
+    assert all(p.size(1) == seq // cp for p in parts)
+    assert torch.equal(unshard(parts), x)
+    assert sorted(gathered_positions(seq, cp).tolist()) == list(range(seq))
+
+
+def test_chunks_must_divide_the_sequence():
+    with pytest.raises(ValueError, match="2 x 3 equal chunks"):
+        chunk_positions(16, 3, 0)
+
+
+@pytest.mark.parametrize(("cp", "gqa"), [(2, False), (4, True)])
+def test_masked_attention_over_gathered_keys_is_causal_attention(cp, gqa):
+    """Each simulated rank's queries over every rank's keys (in gather order),
+    masked by global position, put back in order = full causal attention; and the
+    gradients reaching q, k and v are the same."""
+    torch.manual_seed(0)
+    seq, heads, kv_heads = 8 * cp, 4, 2 if gqa else 4
+    q = torch.randn(2, heads, seq, 8, requires_grad=True)
+    k = torch.randn(2, kv_heads, seq, 8, requires_grad=True)
+    v = torch.randn(2, kv_heads, seq, 8, requires_grad=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    order = gathered_positions(seq, cp)
+    k_all, v_all = k.index_select(2, order), v.index_select(2, order)
+    outs = []
+    for r in range(cp):
+        pos = chunk_positions(seq, cp, r)
+        outs.append(
+            masked_attention(
+                q.index_select(2, pos), k_all, v_all, pos, order, enable_gqa=gqa
+            )
+        )
+    got = unshard(outs, dim=2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def one_rank(root: Path, name: str, *overrides: str) -> None:
+    cfg = make_cfg(*RUN, *ACCUM_VAL, "sharding=none", "trainer.devices=1", *overrides)
+    run_rank(cfg, str(root / name), validate(cfg))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("context_parallel")
+    for family, model in FAMILIES.items():
+        one_rank(root, f"one_{family}", *model)
+    gpt = FAMILIES["gpt"]
+    ac = {"gpt": ["sharding.activation_checkpointing=full"]}
+    run_distributed(
+        train_runs,
+        4,
+        str(root),
+        {
+            **{
+                f"cp2_fsdp2_{f}": [*m, *CP2, *ACCUM_VAL, *ac.get(f, [])]
+                for f, m in FAMILIES.items()
+            },
+            **{
+                f"cp2_tp2_{f}": [*m, *CP2, *TP2, *ACCUM_VAL]
+                for f, m in FAMILIES.items()
+            },
+            # a CP2 x FSDP2 checkpoint resumed on FSDP4
+            "chain_cp": [*gpt, *CP2, *ACCUM_VAL, *CKPT],
+            "chain_fsdp4": [*gpt, *ACCUM_VAL, *CKPT, *resume_from(root, "chain_cp", 2)],
+        },
+    )
+    return root
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in read_rows(run_dir) if "val_loss" in r}
+
+
+def assert_close(got: dict[int, float], want: dict[int, float], steps) -> None:
+    assert sorted(got) == list(steps), got
+    for step in steps:
+        assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_context_parallel_matches_one_rank(runs):
+    for family in FAMILIES:
+        ref, val = losses(runs / f"one_{family}"), val_losses(runs / f"one_{family}")
+        assert len(set(ref.values())) == 4, ref  # it trains: every loss differs
+        for layout in ("cp2_fsdp2", "cp2_tp2"):
+            assert_close(losses(runs / f"{layout}_{family}"), ref, range(1, 5))
+            assert_close(val_losses(runs / f"{layout}_{family}"), val, (2, 4))
+
+
+@pytest.mark.slow
+def test_context_parallel_checkpoint_resumes_on_fsdp(runs):
+    gpt = losses(runs / "one_gpt")
+    assert_close(losses(runs / "chain_cp"), gpt, range(1, 5))
+    assert_close(losses(runs / "chain_fsdp4"), gpt, range(3, 5))
