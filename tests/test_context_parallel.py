@@ -18,15 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from src.config.validate import validate
-from src.trainer.launch import run_rank
 from src.sharding.context_parallel import (
     chunk_positions,
     gathered_positions,
     masked_attention,
     unshard,
 )
+from src.trainer.launch import run_rank
 from tests.distributed import run_distributed
-from tests.test_config import assert_fails_naming
 from tests.test_tensor_parallel import FAMILIES, RUN, TP2, losses, resume_from
 from tests.test_tensor_parallel import _train_runs as train_runs
 from tests.test_train import make_cfg, read_rows
@@ -81,7 +80,7 @@ def test_masked_attention_over_gathered_keys_is_causal_attention(cp, gqa):
     got = unshard(outs, dim=2)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
-    for g, w in zip(got_grads, want_grads):
+    for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 

@@ -49,8 +49,7 @@ from src.models.spec import (
     register,
     tie_,
 )
-from src.sharding import wrap
-from src.sharding import context_parallel
+from src.sharding import context_parallel, wrap
 from src.sharding.pipeline import PipelineLayout, stage_role
 from src.sharding.tensor_parallel import (
     ColwiseParallel,

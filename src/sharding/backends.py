@@ -39,8 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.registry import Registry
 
-from .float8 import Float8, byte_all_gather
 from .context_parallel import ContextParallel
+from .float8 import Float8, byte_all_gather
 from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
 from .policies import WrapPolicy
 from .precision import Precision, get_precision

@@ -26,10 +26,9 @@ import threading
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_gather_single
+from torch.distributed.device_mesh import DeviceMesh
 
 _STATE = threading.local()
 
