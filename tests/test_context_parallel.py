@@ -11,6 +11,7 @@ step's loss and the validation loss must equal one-process training within 1e-5.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from src.config.validate import validate
+from src.models.hf import SHIPPED
 from src.sharding.context_parallel import (
     chunk_positions,
     gathered_positions,
@@ -26,6 +28,7 @@ from src.sharding.context_parallel import (
 )
 from src.trainer.launch import run_rank
 from tests.distributed import run_distributed
+from tests.test_config import assert_fails_naming
 from tests.test_tensor_parallel import FAMILIES, RUN, TP2, losses, resume_from
 from tests.test_tensor_parallel import _train_runs as train_runs
 from tests.test_train import make_cfg, read_rows
@@ -142,3 +145,33 @@ def test_context_parallel_checkpoint_resumes_on_fsdp(runs):
     gpt = losses(runs / "one_gpt")
     assert_close(losses(runs / "chain_cp"), gpt, range(1, 5))
     assert_close(losses(runs / "chain_fsdp4"), gpt, range(3, 5))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["sharding=fsdp1", "trainer.devices=2", *CP2], "sharding=fsdp2"),
+        (["sharding=ddp", "trainer.devices=2", *CP2], "sharding=fsdp2"),
+        (["trainer.devices=2", "model=tiny", "model.block_size=30", *CP2], "30 tokens"),
+        (
+            ["trainer.devices=4", *CP2, "sharding.pipeline_parallel=2"],
+            "pipeline parallelism",
+        ),
+        (["trainer.devices=4", "sharding.context_parallel=3"], "3"),
+    ],
+)
+def test_bad_context_parallel_configs_fail_in_one_line(overrides, says):
+    assert_fails_naming(overrides, "sharding.context_parallel", says)
+
+
+def test_a_model_whose_attention_cannot_split_is_refused(tmp_path):
+    """A sliding-window Mixtral: transformers says it cannot take context
+    parallelism (its mask is not full causal), and the config fails naming it."""
+    config = json.loads((SHIPPED / "tiny_mixtral" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    overrides = ["model=hf", f"model.config={tmp_path}", "model.block_size=32"]
+    assert_fails_naming(
+        [*overrides, "trainer.devices=2", *CP2],
+        "sharding.context_parallel",
+        "MixtralForCausalLM",
+    )
