@@ -24,6 +24,7 @@ from src.sharding.context_parallel import (
     chunk_positions,
     gathered_positions,
     masked_attention,
+    position_mask,
     unshard,
 )
 from src.trainer.launch import run_rank
@@ -75,10 +76,9 @@ def test_masked_attention_over_gathered_keys_is_causal_attention(cp, gqa):
     outs = []
     for r in range(cp):
         pos = chunk_positions(seq, cp, r)
+        mask = position_mask(pos, order, q.dtype)
         outs.append(
-            masked_attention(
-                q.index_select(2, pos), k_all, v_all, pos, order, enable_gqa=gqa
-            )
+            masked_attention(q.index_select(2, pos), k_all, v_all, mask, enable_gqa=gqa)
         )
     got = unshard(outs, dim=2)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -65,20 +65,27 @@ def unshard(local: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(local, dim).index_select(dim, order.to(local[0].device))
 
 
+def position_mask(
+    q_pos: torch.Tensor, kv_pos: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive causal mask of queries at global positions ``q_pos`` over keys
+    at ``kv_pos`` (any order): 0 where ``kv_pos <= q_pos``, -inf elsewhere (the form
+    SDPA turns a boolean mask into, made once and shared by every layer)."""
+    mask = torch.zeros(q_pos.numel(), kv_pos.numel(), dtype=dtype, device=q_pos.device)
+    return mask.masked_fill_(kv_pos[None, :] > q_pos[:, None], float("-inf"))
+
+
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
+    mask: torch.Tensor,
     *,
     scale: float | None = None,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of queries at global positions ``q_pos`` over keys at
-    ``kv_pos`` (any order): SDPA with the boolean mask ``kv_pos <= q_pos``."""
-    mask = kv_pos[None, :] <= q_pos[:, None]
+    """SDPA of ``q`` over ``k``, ``v`` with the :func:`position_mask` ``mask``."""
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -98,6 +105,7 @@ class ContextParallel:
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
+        self._mask: tuple[tuple, torch.Tensor] | None = None
 
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's two chunks of ``t`` along ``dim`` (the sequence)."""
@@ -118,14 +126,23 @@ class ContextParallel:
         """Attention of this rank's queries (B, heads, T/C, head_dim) over the keys
         and values of the whole sequence, gathered from the group (one collective);
         ``kwargs`` as :func:`masked_attention`'s."""
-        local = q.size(-2)
         # (C * 2, B, heads, T/C, head_dim) -> (2, B, heads, T, head_dim), rank order
         kv = all_gather_single(torch.stack((k, v)), 0, self.group)
         kv = kv.unflatten(0, (self.size, 2)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
-        seq_len = local * self.size
-        q_pos = self.positions(local, q.device)
-        kv_pos = gathered_positions(seq_len, self.size).to(q.device)
-        return masked_attention(q, kv[0], kv[1], q_pos, kv_pos, **kwargs)
+        mask = self.mask(q.size(-2), q.dtype, q.device)
+        return masked_attention(q, kv[0], kv[1], mask, **kwargs)
+
+    def mask(
+        self, local_len: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The :func:`position_mask` of this rank's queries over the gathered keys
+        (the last one made is kept: every layer of a forward shares it)."""
+        key = (local_len, dtype, device)
+        if self._mask is None or self._mask[0] != key:
+            q_pos = self.positions(local_len, device)
+            kv_pos = gathered_positions(local_len * self.size, self.size)
+            self._mask = key, position_mask(q_pos, kv_pos.to(device), dtype)
+        return self._mask[1]
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
