@@ -175,3 +175,16 @@ def test_a_model_whose_attention_cannot_split_is_refused(tmp_path):
         "sharding.context_parallel",
         "MixtralForCausalLM",
     )
+
+
+def test_a_family_without_context_parallelism_is_refused():
+    assert_fails_naming(
+        [
+            "model=custom",
+            "model._target_=tests.test_models.TinyLM",
+            "trainer.devices=2",
+            *CP2,
+        ],
+        "sharding.context_parallel",
+        "'custom' cannot split its sequences",
+    )

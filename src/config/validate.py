@@ -412,8 +412,12 @@ def _check_context_parallel(resolved: Resolved) -> None:
         f"{cp} ranks split each sequence into 2 x {cp} chunks, which do not divide "
         f"its {seq_len} tokens (the model's sequence length)",
     )
-    if spec.context_parallel is not None:
-        keyed(LAYOUT_KEYS["cp"], spec.context_parallel, config)
+    _require(
+        spec.context_parallel is not None and spec.kv_width is not None,
+        LAYOUT_KEYS["cp"],
+        f"model family {spec.name!r} cannot split its sequences; use 1",
+    )
+    keyed(LAYOUT_KEYS["cp"], spec.context_parallel, config)
 
 
 PP_KEY = LAYOUT_KEYS["pp"]

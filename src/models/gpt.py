@@ -484,6 +484,8 @@ register(
         formula_covers=lambda config: config.dropout == 0,
         kv_cache=True,
         tp_plan=tp_plan,
+        context_parallel=lambda config: None,  # every config
+        kv_width=lambda config: config.n_embd,
         pipeline=lambda config: PipelineLayout(
             blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head")
         ),

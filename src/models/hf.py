@@ -478,6 +478,15 @@ def _register_cp_attention() -> None:
     AttentionInterface.register(CP_ATTENTION, _cp_attention)
 
 
+def kv_width(config: HFConfig) -> int:
+    """Key heads x head dim of the text config (head dim: its own, or the width
+    over the query heads)."""
+    text = config.hf_config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+
+
 def check_context_parallel(config: HFConfig) -> None:
     """``ValueError`` naming the architecture when it cannot split its sequences
     (transformers' ``supports_context_parallel``: attention through its attention
@@ -689,6 +698,7 @@ register(
         ),
         tp_plan=tp_plan,
         context_parallel=check_context_parallel,
+        kv_width=kv_width,
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
     )

@@ -531,6 +531,8 @@ register(
         hf=HFAdapter(to_hf_name=to_hf_name, hf_config=to_hf_config),
         kv_cache=True,
         tp_plan=tp_plan,
+        context_parallel=lambda config: None,  # every config
+        kv_width=lambda config: config.kv_heads * config.head_dim,
         pipeline=lambda config: PipelineLayout(
             blocks="layers", first=("tok_embeddings",), last=("norm", "output")
         ),

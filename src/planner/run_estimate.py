@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from src.planner.activations import has_formula, run_activation_fn, tp_activations
+from src.planner.activations import (
+    cp_activations,
+    has_formula,
+    run_activation_fn,
+    tp_activations,
+)
 from src.planner.estimate import Estimate, estimate
 from src.planner.inputs import (
     build_meta_model,
@@ -43,6 +48,7 @@ def estimate_cfg(
             shape.ac_every,
         )
         acts = tp_activations(cfg, resolved, shape, acts, model)
+        acts = cp_activations(resolved, shape, acts, model)
         process = family_process_bytes(cfg, resolved, shape.device)
         est = estimate(plan, shape, acts, process)
         if not has_formula(resolved):

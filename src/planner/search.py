@@ -12,7 +12,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.models.memory import ActivationBytes
-from src.planner.activations import run_activation_fn, tp_activations
+from src.planner.activations import (
+    cp_activations,
+    run_activation_fn,
+    tp_activations,
+)
 from src.planner.costs import Checkpointing, change_cost, pipeline_cost, precision_cost
 from src.planner.estimate import Estimate, RunShape, estimate, needed
 from src.planner.inputs import (
@@ -319,6 +323,7 @@ class _Points:
         )
         if tp > 1:
             a = tp_activations(cfg, resolved, shape, a, self.models[mp])
+        a = cp_activations(resolved, shape, a, self.models[mp])
         est = estimate(plan, shape, a, self.process)
         changed = self._changed(point)
         cost = change_cost(self.currents, changed, self.device)
