@@ -13,7 +13,7 @@ for the same run (src/planner/, ``Estimate.activations``), tokens/s (global toke
 per second, median step) and the final loss. The model is narrow and the sequence
 long, so activations dominate; they should fall about as 1/C.
 
-    python -m bench.context_parallel [--seq 4096] [--steps 3] [--append-docs]
+    python -m bench.context_parallel [--seq 4096] [--layers 8] [--steps 3] [--append-docs]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import tempfile
 import torch
 
 from bench.common import publish
+from bench.init_memory import rss_bytes
 from bench.tensor_parallel import timed_steps
 from src.harness import compose_config, run_distributed
 
@@ -37,7 +38,7 @@ def compose_cfg(args: argparse.Namespace, ranks: int, cp: int):
     return compose_config(
         "model=llama_tiny",
         "model.dim=64",
-        "model.n_layers=2",
+        f"model.n_layers={args.layers}",
         "model.n_heads=4",
         f"model.max_seq_len={args.seq}",
         "logger=none",
@@ -57,30 +58,26 @@ def compose_cfg(args: argparse.Namespace, ranks: int, cp: int):
 
 
 def _rank(rank: int, world: int, args, cfg, resolved, out: str) -> dict:
-    import psutil
-
-    from src.observe.metrics import (
-        cpu_peak_rss_bytes,
-        set_malloc_mmap_threshold,
-    )
+    from src.observe.metrics import cpu_peak_rss_bytes, set_malloc_mmap_threshold
     from src.trainer.loop import Trainer
 
-    set_malloc_mmap_threshold(cfg.trainer.malloc_mmap_threshold_kib)
+    set_malloc_mmap_threshold(64)  # freed activations leave the resident set
     trainer = Trainer(cfg, os.path.join(out, "run"), torch.device("cpu"), resolved)
     trainer.build()
     start: list[int] = []
-    times = timed_steps(
-        trainer, args, lambda: start.append(psutil.Process().memory_info().rss)
-    )
+    times = timed_steps(trainer, args, lambda: start.append(rss_bytes()))
     peak = cpu_peak_rss_bytes()
     return {"times": times, "peak": peak, "acts": peak - start[0], "loss": trainer.loss}
 
 
 def planned_activations(cfg, resolved, ranks: int) -> int:
-    """The planner's activation bytes per rank for the run (``Estimate``)."""
-    from src.planner.run_estimate import estimate_cfg
+    """The planner's activation bytes per rank for the run: the peak of one
+    micro-batch's forward and backward (``ActivationBytes.peak``)."""
+    from src.planner.activations import run_activations
+    from src.planner.inputs import build_meta_model, run_shape
 
-    return estimate_cfg(cfg, resolved, ranks)[1].activations
+    shape = run_shape(cfg, resolved, ranks)
+    return run_activations(cfg, resolved, shape, build_meta_model(cfg, resolved)).peak
 
 
 def measure(args: argparse.Namespace, ranks: int, cp: int) -> dict:
@@ -106,6 +103,7 @@ def measure(args: argparse.Namespace, ranks: int, cp: int) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
@@ -135,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     publish(
         rows,
         f"Context parallelism at {args.seq} tokens, CPU",
-        "Same model (Llama, dim 64, 2 layers), global batch and steps; 1 thread per "
+        f"Same model (Llama, dim 64, {args.layers} layers), global batch and steps; 1 thread per "
         "rank, gloo. Activations/rank: peak resident set of the timed steps above "
         "the resident set as they start (max over ranks). The machine was shared "
         "with other jobs (tokens/s is noisy; CPU ranks on 2 cores share them, so "

@@ -70,10 +70,10 @@ def cp_activations(
     model: torch.nn.Module | int,
 ) -> ActivationBytes:
     """One rank's activations under context parallelism of degree C (unchanged for
-    C = 1). ``acts`` are those of its T/C tokens (``shape.seq_len``); each block
-    that is not checkpointed also keeps the keys and values gathered from the cp
-    group (``2 B T kv_width`` elements, split over tp), and all blocks share one
-    (T/C x T) mask. One block's backward holds the gathered K/V's gradient and the
+    C = 1). ``acts`` are those of its T/C tokens (``shape.seq_len``); in each block
+    that is not checkpointed attention keeps the keys and values gathered from the
+    cp group (``2 B T kv_width`` elements, split over tp) instead of its own 1/C of
+    them, and all blocks share one (T/C x T) mask. One block's backward holds the gathered K/V's gradient and the
     reduce-scatter's buffer (twice the gathered tensor), and a checkpointed block
     gathers again when it is recomputed."""
     cp = resolved.layout.cp
@@ -87,7 +87,7 @@ def cp_activations(
     mask = shape.seq_len * seq * shape.param_bytes
     recomputed = gathered if checkpointed else 0
     return ActivationBytes(
-        saved=acts.saved + gathered * (blocks - checkpointed) + mask,
+        saved=acts.saved + gathered * (cp - 1) // cp * (blocks - checkpointed) + mask,
         head=acts.head,
         loss_transient=acts.loss_transient,
         block_transient=acts.block_transient + 2 * gathered + recomputed,
@@ -168,6 +168,22 @@ def run_activation_fn(
     if not traced_locally(resolved, plan):
         return activation_fn(resolved)
     return activation_fn(resolved, tp, plan, trace=True)
+
+
+def run_activations(
+    cfg: DictConfig, resolved: Resolved, shape: RunShape, model: torch.nn.Module
+) -> ActivationBytes:
+    """One rank's activations of one micro-batch of ``shape`` (the run's tensor and
+    context parallelism applied); ``model``: the run's meta model."""
+    acts = run_activation_fn(cfg, resolved)(
+        shape.micro_batch,
+        shape.seq_len,
+        shape.param_bytes,
+        shape.checkpointing,
+        shape.ac_every,
+    )
+    acts = tp_activations(cfg, resolved, shape, acts, model)
+    return cp_activations(resolved, shape, acts, model)
 
 
 _TRACED: dict[tuple[str, str, int], Callable[..., ActivationBytes]] = {}

@@ -136,7 +136,7 @@ class ContextParallel:
         self, local_len: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """The :func:`position_mask` of this rank's queries over the gathered keys
-        (the last one made is kept: every layer of a forward shares it)."""
+        (kept until :meth:`entered` ends: every layer of a forward shares it)."""
         key = (local_len, dtype, device)
         if self._mask is None or self._mask[0] != key:
             q_pos = self.positions(local_len, device)
@@ -146,9 +146,10 @@ class ContextParallel:
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
-        """Models see this context parallelism (:func:`active`) inside."""
+        """Models see this context parallelism (:func:`active`) inside; the mask
+        made there is dropped on leaving (it lives as long as forward and backward)."""
         previous, _STATE.cp = active(), self
         try:
             yield
         finally:
-            _STATE.cp = previous
+            _STATE.cp, self._mask = previous, None
