@@ -57,7 +57,9 @@ def compose_cfg(args: argparse.Namespace, ranks: int, cp: int):
     )
 
 
-def _rank(rank: int, world: int, args, cfg, resolved, out: str) -> dict:
+def measure_rank(rank: int, world: int, args, cfg, resolved, out: str) -> dict:
+    """One rank's timed steps of ``cfg``: their times, the peak resident set and
+    the activations (``acts``: the peak above the resident set as they start)."""
     from src.observe.metrics import cpu_peak_rss_bytes, set_malloc_mmap_threshold
     from src.trainer.loop import Trainer
 
@@ -86,7 +88,9 @@ def measure(args: argparse.Namespace, ranks: int, cp: int) -> dict:
     cfg = compose_cfg(args, ranks, cp)
     resolved = resolve(cfg)
     with tempfile.TemporaryDirectory() as out:
-        per_rank = run_distributed(_rank, ranks, args, cfg, resolved, out, timeout=1800)
+        per_rank = run_distributed(
+            measure_rank, ranks, args, cfg, resolved, out, timeout=1800
+        )
     step = statistics.median(
         max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)
     )

@@ -11,15 +11,21 @@ step's loss and the validation loss must equal one-process training within 1e-5.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
 
+import eval as eval_py
+from bench.context_parallel import compose_cfg, measure_rank, planned_activations
 from src.config.validate import validate
+from src.harness import CONF_DIR
 from src.models.hf import SHIPPED
+from src.resolved import resolve
 from src.sharding.context_parallel import (
     chunk_positions,
     gathered_positions,
@@ -87,6 +93,20 @@ def test_masked_attention_over_gathered_keys_is_causal_attention(cp, gqa):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
+#: bench.context_parallel's activation measurement, in the same launch
+ACTS = argparse.Namespace(
+    seq=512, layers=4, batch_size=2, warmup=1, steps=1, override=[]
+)
+
+
+def _launch(rank: int, world: int, root: str, runs: dict, cfg, resolved) -> int:
+    """CP2 x FSDP2's activations measured as bench.context_parallel measures them
+    (first: nothing else has run in the rank yet), then the training runs."""
+    acts = measure_rank(rank, world, ACTS, cfg, resolved, f"{root}/acts")["acts"]
+    train_runs(rank, world, root, runs)
+    return acts
+
+
 def one_rank(root: Path, name: str, *overrides: str) -> None:
     cfg = make_cfg(*RUN, *ACCUM_VAL, "sharding=none", "trainer.devices=1", *overrides)
     run_rank(cfg, str(root / name), validate(cfg))
@@ -99,8 +119,10 @@ def runs(tmp_path_factory) -> Path:
         one_rank(root, f"one_{family}", *model)
     gpt = FAMILIES["gpt"]
     ac = {"gpt": ["sharding.activation_checkpointing=full"]}
-    run_distributed(
-        train_runs,
+    acts_cfg = compose_cfg(ACTS, 4, 2)
+    acts_resolved = resolve(acts_cfg)
+    measured = run_distributed(
+        _launch,
         4,
         str(root),
         {
@@ -116,6 +138,12 @@ def runs(tmp_path_factory) -> Path:
             "chain_cp": [*gpt, *CP2, *ACCUM_VAL, *CKPT],
             "chain_fsdp4": [*gpt, *ACCUM_VAL, *CKPT, *resume_from(root, "chain_cp", 2)],
         },
+        acts_cfg,
+        acts_resolved,
+    )
+    planned = planned_activations(acts_cfg, acts_resolved, 4)
+    (root / "activations.json").write_text(
+        json.dumps({"planned": planned, "measured": max(measured)})
     )
     return root
 
@@ -138,6 +166,15 @@ def test_context_parallel_matches_one_rank(runs):
         for layout in ("cp2_fsdp2", "cp2_tp2"):
             assert_close(losses(runs / f"{layout}_{family}"), ref, range(1, 5))
             assert_close(val_losses(runs / f"{layout}_{family}"), val, (2, 4))
+
+
+@pytest.mark.slow
+def test_planned_activations_of_a_cp_run_within_10_percent(runs):
+    """The planner's activations of a CP2 x FSDP2 run (512 tokens, 4 layers: each
+    rank 1/2 of each sequence, the gathered K/V, the mask) against what its steps
+    add to a rank's resident set, as bench.context_parallel measures them."""
+    figures = json.loads((runs / "activations.json").read_text())
+    assert abs(figures["planned"] / figures["measured"] - 1) < 0.10, figures
 
 
 @pytest.mark.slow
@@ -188,3 +225,17 @@ def test_a_family_without_context_parallelism_is_refused():
         "sharding.context_parallel",
         "'custom' cannot split its sequences",
     )
+
+
+@pytest.mark.slow
+def test_eval_of_a_context_parallel_checkpoint_on_one_rank(runs):
+    """eval.py on the CP2 x FSDP2 run's last checkpoint, on one rank (context
+    parallelism dropped, as sample.py drops it): its validation split gives the
+    val_loss the run measured with each sequence split over 2 ranks."""
+    run = runs / "chain_cp"
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", [f"run={run}", "devices=1"])
+    entry = eval_py.evaluate_run(cfg)
+    val_loss = json.loads((run / "summary.json").read_text())["val_loss"]
+    assert entry["world_size"] == 1 and entry["step"] == 4
+    assert abs(entry["loss"] - val_loss) < 1e-5, (entry, val_loss)
