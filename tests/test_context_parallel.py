@@ -25,7 +25,11 @@ from bench.context_parallel import compose_cfg, measure_rank, planned_activation
 from src.config.validate import validate
 from src.harness import CONF_DIR
 from src.models.hf import SHIPPED
+from src.planner.run_estimate import estimate_cfg
+from src.planner.search import search
+from src.planner.settings import AC_KEY, CP_KEY, with_values
 from src.resolved import resolve
+from src.sharding import GIB
 from src.sharding.context_parallel import (
     chunk_positions,
     gathered_positions,
@@ -239,3 +243,28 @@ def test_eval_of_a_context_parallel_checkpoint_on_one_rank(runs):
     val_loss = json.loads((run / "summary.json").read_text())["val_loss"]
     assert entry["world_size"] == 1 and entry["step"] == 4
     assert abs(entry["loss"] - val_loss) < 1e-5, (entry, val_loss)
+
+
+def test_the_fit_search_proposes_context_parallelism_for_a_long_sequence():
+    """8192 tokens, one sequence per rank: checkpointing alone does not fit, more
+    ranks alone do not help (a rank still holds a whole sequence); the search splits
+    each sequence over more ranks, and the proposal's estimate is that of the run
+    with those settings."""
+    cfg = make_cfg(
+        "model=llama_tiny",
+        "model.max_seq_len=8192",
+        "model.dim=256",
+        "model.n_layers=8",
+        "trainer.devices=4",
+        "trainer.batch_size=4",
+    )
+    resolved = resolve(cfg)
+    keys = [AC_KEY, "trainer.devices", CP_KEY]
+    best, _ = search(cfg, resolved, keys, int(0.6 * GIB), 4, max_world=64)
+    settings = best.settings()
+    assert settings[CP_KEY] > 1 and settings["trainer.devices"] > 4, settings
+    proposed = with_values(cfg, settings)
+    _, est = estimate_cfg(proposed, resolve(proposed), settings["trainer.devices"])
+    assert est.total == best.estimate.total
+    none, _ = search(cfg, resolved, keys[:2], int(0.6 * GIB), 4, max_world=64)
+    assert none is None  # without context parallelism nothing fits

@@ -68,15 +68,16 @@ def cp_activations(
     shape: RunShape,
     acts: ActivationBytes,
     model: torch.nn.Module | int,
+    cp: int | None = None,
 ) -> ActivationBytes:
-    """One rank's activations under context parallelism of degree C (unchanged for
-    C = 1). ``acts`` are those of its T/C tokens (``shape.seq_len``); in each block
+    """One rank's activations under context parallelism of degree C (``cp``, default
+    the run's; unchanged for C = 1). ``acts`` are those of its T/C tokens (``shape.seq_len``); in each block
     that is not checkpointed attention keeps the keys and values gathered from the
     cp group (``2 B T kv_width`` elements, split over tp) instead of its own 1/C of
     them, and all blocks share one (T/C x T) mask. One block's backward holds the gathered K/V's gradient and the
     reduce-scatter's buffer (twice the gathered tensor), and a checkpointed block
     gathers again when it is recomputed."""
-    cp = resolved.layout.cp
+    cp = cp or resolved.layout.cp
     if cp == 1:
         return acts
     spec, config = resolved.spec, resolved.model_config

@@ -13,6 +13,7 @@ import torch
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -24,13 +25,16 @@ from src.sharding.pipeline import bubble_fraction
 #: recomputing a checkpointed block's forward is ~1/3 more compute; selective
 #: recomputes only elementwise ops; a smaller micro-batch runs smaller matmuls; every
 #: micro-batch's reduce-scatter adds communication; smaller units more collectives;
-#: more ranks are more machines, the last resort.
+#: context parallelism gathers K and V in every layer and masks a T/C x T score
+#: matrix (and only helps once a micro-batch is one sequence): proposed after
+#: checkpointing; more ranks are more machines, the last resort.
 COST = {
     "ac": {"none": 1.0, "selective": 1.1, "full": 4 / 3},
     "grad_accum_doubling": 1.03,
     "sync_every": 1.03,
     "min_params_decade_down": 1.01,
     "other_change": 1.001,
+    "cp_doubling": 1.4,
     "ranks_doubling": 1.5,
 }
 
@@ -84,6 +88,8 @@ def change_cost(
             lower = math.log10(float(old)) - math.log10(value) if old > 0 else 0
             cost *= COST["min_params_decade_down"] ** max(0.0, lower)
             cost *= COST["other_change"]
+        elif key == CP_KEY:
+            cost *= COST["cp_doubling"] ** math.log2(value / old)
         elif key == "trainer.devices":
             cost *= COST["ranks_doubling"] ** math.log2(value / old)
         elif key == PRECISION_KEY:

@@ -28,6 +28,7 @@ from src.planner.pipeline import (
 from src.planner.run_estimate import estimate_cfg
 from src.planner.search import Candidate, search
 from src.planner.settings import (
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -86,7 +87,7 @@ def fit_report(
     lines = [
         f"does not fit: needs {with_margin(est, pct)} > budget {fmt_bytes(budget)} per rank"
     ]
-    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices", PP_KEY]
+    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices", PP_KEY, CP_KEY]
     best, smallest = search(cfg, resolved, keys, budget, world, max_world=world * 64)
     if best is None:
         lines.append(

@@ -30,6 +30,7 @@ from src.planner.pipeline import StagePlans, stage_plans, whole_activations, wor
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -148,6 +149,8 @@ def _options(
             ]
         elif key == PP_KEY:
             vals = pipeline_options(cfg, resolved, world)
+        elif key == CP_KEY:
+            vals = cp_options(cfg, resolved, world)
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
@@ -176,6 +179,29 @@ def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[in
         2**i
         for i in range(1, 5)
         if world % (2**i * group) == 0 and 2**i * per_rank <= blocks
+    ]
+
+
+def cp_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
+    """The cp degrees the fit search tries on ``world`` ranks: none (1), and 2, 4, 8
+    where the backend and the model can split sequences, the run has no pipeline,
+    the degree divides the ranks with the run's tp and replica groups and its 2C
+    chunks divide the sequence."""
+    spec, config, layout = resolved.spec, resolved.model_config, resolved.layout
+    if (
+        not backend_class(cfg.sharding.backend).context_parallel
+        or spec.context_parallel is None
+        or spec.kv_width is None
+        or pipeline_stages(cfg) > 1
+    ):
+        return []
+    try:
+        spec.context_parallel(config)
+    except ValueError:
+        return []
+    seq, group = spec.seq_len(config), layout.tp * layout.dp_replicate
+    return [1] + [
+        c for c in (2, 4, 8) if world % (c * group) == 0 and seq % (2 * c) == 0
     ]
 
 
@@ -229,6 +255,8 @@ class _Points:
     acts: Callable[..., ActivationBytes]
     process: int
     tp: int
+    cur_cp: int
+    seq_len: int  # the whole sequence (a rank holds 1/C of it)
     cur_mp: float
     cur_pp: int
     cur_m: int
@@ -259,6 +287,8 @@ class _Points:
             acts,
             process,
             tp=resolved.layout.tp,
+            cur_cp=resolved.layout.cp,
+            seq_len=int(resolved.spec.seq_len(resolved.model_config)),
             cur_mp=float(cfg.sharding.min_params),
             cur_pp=pipeline_stages(cfg),
             cur_m=int(setting(cfg, PP_MICRO_KEY)),
@@ -271,11 +301,14 @@ class _Points:
         w = int(point.get("trainer.devices", self.world))
         accum = int(point.get("trainer.grad_accum", self.base.grad_accum))
         pp = int(point.get(PP_KEY, self.cur_pp))
-        if self.batch % accum:
+        cp = int(point.get(CP_KEY, self.cur_cp))
+        if self.batch % accum or (cp > 1 and pp > 1):
+            return None
+        if w % (cp * self.tp * self.resolved.layout.dp_replicate):
             return None
         if pp > 1:
             return self._pipelined(point, mp, w, accum, pp)
-        return self._unpipelined(point, mp, w, accum)
+        return self._unpipelined(point, mp, w, accum, cp)
 
     def _changed(self, point: dict[str, Any]) -> dict[str, Any]:
         """The point's values that differ from the run's (its overrides)."""
@@ -296,7 +329,7 @@ class _Points:
         )
 
     def _unpipelined(
-        self, point: dict[str, Any], mp: float, w: int, accum: int
+        self, point: dict[str, Any], mp: float, w: int, accum: int, cp: int
     ) -> Candidate | None:
         cfg, resolved, base, tp = self.cfg, self.resolved, self.base, self.tp
         if mp not in self.models:  # its units (selective is checked on them below)
@@ -311,7 +344,8 @@ class _Points:
             point,
             world=w,
             grad_accum=accum,
-            micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // tp))),
+            micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // (tp * cp)))),
+            seq_len=self.seq_len // cp,
             grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
         )
         a = self.acts(
@@ -323,7 +357,7 @@ class _Points:
         )
         if tp > 1:
             a = tp_activations(cfg, resolved, shape, a, self.models[mp])
-        a = cp_activations(resolved, shape, a, self.models[mp])
+        a = cp_activations(resolved, shape, a, self.models[mp], cp)
         est = estimate(plan, shape, a, self.process)
         changed = self._changed(point)
         cost = change_cost(self.currents, changed, self.device)
