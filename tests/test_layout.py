@@ -108,13 +108,23 @@ def test_backends_refuse_what_they_cannot_take_in_one_place():
     BACKENDS["fsdp2"].check_layout(hsdp)
     BACKENDS["fsdp2"].check_layout(tp)
     BACKENDS["fsdp1"].check_layout(hsdp)
-    for name, layout, dim in (("ddp", hsdp, "dp_replicate"), ("fsdp1", tp, "tp")):
+    cp = ParallelLayout(4, cp=2)
+    BACKENDS["fsdp2"].check_layout(cp)
+    for name, layout, dim in (
+        ("ddp", hsdp, "dp_replicate"),
+        ("fsdp1", tp, "tp"),
+        ("fsdp1", cp, "cp"),
+        ("ddp", cp, "cp"),
+    ):
         with pytest.raises(LayoutError, match=f"not sharding={name}") as err:
             BACKENDS[name].check_layout(layout)
         assert err.value.dim == dim
-    for dim in ("cp", "ep"):  # their mesh places are decided, their code is not built
-        with pytest.raises(LayoutError, match="not built yet"):
-            BACKENDS["fsdp2"].check_layout(ParallelLayout(4, **{dim: 2}))
+    with pytest.raises(LayoutError, match="with pipeline parallelism") as err:
+        BACKENDS["fsdp2"].check_layout(ParallelLayout(4, cp=2, pp=2))
+    assert err.value.dim == "cp"
+    # ep's mesh place is decided, its code is not built
+    with pytest.raises(LayoutError, match="not built yet"):
+        BACKENDS["fsdp2"].check_layout(ParallelLayout(4, ep=2))
 
 
 @pytest.fixture

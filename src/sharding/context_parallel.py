@@ -22,7 +22,6 @@ checkpointing's recomputation sees it too. Without it, models run unchanged.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import torch
@@ -30,12 +29,14 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single
 from torch.distributed.device_mesh import DeviceMesh
 
-_STATE = threading.local()
+# Process-wide, not thread-local: on CUDA, autograd runs backward (and activation
+# checkpointing's recomputation in it) on its own device threads.
+_ACTIVE: list[ContextParallel | None] = [None]
 
 
 def active() -> ContextParallel | None:
     """The context parallelism forward and backward run under (None: none)."""
-    return getattr(_STATE, "cp", None)
+    return _ACTIVE[0]
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -148,8 +149,8 @@ class ContextParallel:
     def entered(self) -> Iterator[None]:
         """Models see this context parallelism (:func:`active`) inside; the mask
         made there is dropped on leaving (it lives as long as forward and backward)."""
-        previous, _STATE.cp = active(), self
+        previous, _ACTIVE[0] = active(), self
         try:
             yield
         finally:
-            _STATE.cp, self._mask = previous, None
+            _ACTIVE[0], self._mask = previous, None
