@@ -414,6 +414,18 @@ class HFCausalLM(nn.Module):
             if kept != name:
                 self._ties.append((name, kept))
 
+    def _context_parallel_attention(self, on: bool) -> None:
+        """Switch the model's attention to context parallelism's function (``on``)
+        or back to the one it was built with (a forward outside the cp group's
+        context: sampling during a CP run)."""
+        current = self.hf.config._attn_implementation
+        if on and current != CP_ATTENTION:
+            self._built_attention = current
+            _register_cp_attention()
+            self.hf.set_attn_implementation(CP_ATTENTION)
+        elif not on and current == CP_ATTENTION:
+            self.hf.set_attn_implementation(self._built_attention)
+
     def _apply(self, fn, recurse=True):
         # to_empty() from meta gives each module a new Parameter: re-tie (as the GPT).
         super()._apply(fn, recurse)
@@ -426,10 +438,8 @@ class HFCausalLM(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         cp = context_parallel.active()
+        self._context_parallel_attention(cp is not None)
         if cp is not None:  # global positions; attention over the gathered K and V
-            if self.hf.config._attn_implementation != CP_ATTENTION:
-                _register_cp_attention()
-                self.hf.set_attn_implementation(CP_ATTENTION)
             pos = cp.positions(idx.size(1), idx.device).expand(idx.size(0), -1)
             logits = self.hf(input_ids=idx, position_ids=pos, use_cache=False).logits
             return logits, lm_loss(logits, targets)

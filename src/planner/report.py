@@ -26,7 +26,7 @@ from src.planner.pipeline import (
     worst_stage,
 )
 from src.planner.run_estimate import estimate_cfg
-from src.planner.search import Candidate, search
+from src.planner.search import Candidate, cp_options, search
 from src.planner.settings import (
     CP_KEY,
     PP_KEY,
@@ -87,8 +87,16 @@ def fit_report(
     lines = [
         f"does not fit: needs {with_margin(est, pct)} > budget {fmt_bytes(budget)} per rank"
     ]
-    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices", PP_KEY, CP_KEY]
+    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices", PP_KEY]
     best, smallest = search(cfg, resolved, keys, budget, world, max_world=world * 64)
+    if best is None and len(cp_options(cfg, resolved)) > 1:
+        # context parallelism last: it helps once a micro-batch is one sequence, and
+        # searching it multiplies the points by its degrees
+        best, cp_smallest = search(
+            cfg, resolved, [*keys, CP_KEY], budget, world, max_world=world * 64
+        )
+        if cp_smallest.estimate.total < smallest.estimate.total:
+            smallest = cp_smallest
     if best is None:
         lines.append(
             f"no searched change fits; the smallest estimate is {fmt_bytes(smallest.estimate.total)}"

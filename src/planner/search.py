@@ -150,7 +150,7 @@ def _options(
         elif key == PP_KEY:
             vals = pipeline_options(cfg, resolved, world)
         elif key == CP_KEY:
-            vals = cp_options(cfg, resolved, world)
+            vals = cp_options(cfg, resolved)
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
@@ -182,12 +182,12 @@ def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[in
     ]
 
 
-def cp_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
-    """The cp degrees the fit search tries on ``world`` ranks: none (1), and 2, 4, 8
-    where the backend and the model can split sequences, the run has no pipeline,
-    the degree divides the ranks with the run's tp and replica groups and its 2C
-    chunks divide the sequence."""
-    spec, config, layout = resolved.spec, resolved.model_config, resolved.layout
+def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+    """The cp degrees the fit search tries: none (1), and 2, 4, 8 where the backend
+    and the model can split sequences, the run has no pipeline and the 2C chunks
+    divide the sequence (a point whose ranks the degree does not divide, with the
+    tp and replica groups, is skipped)."""
+    spec, config = resolved.spec, resolved.model_config
     if (
         not backend_class(cfg.sharding.backend).context_parallel
         or spec.context_parallel is None
@@ -199,10 +199,8 @@ def cp_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
         spec.context_parallel(config)
     except ValueError:
         return []
-    seq, group = spec.seq_len(config), layout.tp * layout.dp_replicate
-    return [1] + [
-        c for c in (2, 4, 8) if world % (c * group) == 0 and seq % (2 * c) == 0
-    ]
+    seq = spec.seq_len(config)
+    return [1] + [c for c in (2, 4, 8) if seq % (2 * c) == 0]
 
 
 def search(

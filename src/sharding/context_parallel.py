@@ -7,7 +7,9 @@ late ones to many, so each rank gets one of each). Positions (and RoPE) use the
 global indices of the tokens kept. Attention gathers K and V over the group
 (torch's functional ``all_gather_single``: its backward reduce-scatters the
 gradients back to their rank) and masks by global position, so any kernel
-works, on gloo too; SDPA gets the boolean mask.
+works, on gloo too: SDPA gets an additive (T/C x T) mask, made once per forward and
+shared by every layer (at very long sequences its T^2/C elements are what a
+mask-free per-chunk kernel would save; not built).
 
 The loss is each rank's mean over its T/C tokens: all ranks hold the same number of
 (never ignored) tokens, so the mean of the ranks' means is the mean over the
