@@ -25,6 +25,7 @@ from bench.context_parallel import compose_cfg, measure_rank, planned_activation
 from src.config.validate import validate
 from src.harness import CONF_DIR
 from src.models.hf import SHIPPED
+from src.planner.report import fit_report
 from src.planner.run_estimate import estimate_cfg
 from src.planner.search import search
 from src.planner.settings import AC_KEY, CP_KEY, with_values
@@ -268,3 +269,8 @@ def test_the_fit_search_proposes_context_parallelism_for_a_long_sequence():
     assert est.total == best.estimate.total
     none, _ = search(cfg, resolved, keys[:2], int(0.6 * GIB), 4, max_world=64)
     assert none is None  # without context parallelism nothing fits
+    # plan-only's verdict searches it once nothing else fits
+    budget = with_values(cfg, {"trainer.mem_budget_gib": 0.5})
+    _, est = estimate_cfg(budget, resolved, 4)
+    report, info = fit_report(budget, resolved, est, 4)
+    assert "sharding.context_parallel=" in info["fix"], report
