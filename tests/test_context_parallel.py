@@ -7,6 +7,9 @@ global batches (fp32, no dropout), with grad accumulation and validation: CP2 x
 FSDP2 and CP2 x TP2 for the GPT, Llama and a Hugging Face Llama (activation
 checkpointing on the GPT), and a CP2 x FSDP2 checkpoint resumed on FSDP4; every
 step's loss and the validation loss must equal one-process training within 1e-5.
+The same launch first measures a CP2 x FSDP2 run's activations (bench.context_parallel)
+against the planner's; eval.py opens the CP run on one rank. Bad configs fail in one
+line naming the key; the fit search proposes CP for a sequence that does not fit.
 """
 
 from __future__ import annotations
