@@ -5,7 +5,7 @@ and attention masked by global positions over the gathered keys equalling full
 causal attention. One 4-rank launch (module-scoped fixture) trains, on the same
 global batches (fp32, no dropout), with grad accumulation and validation: CP2 x
 FSDP2 and CP2 x TP2 for the GPT, Llama and a Hugging Face Llama (activation
-checkpointing on the GPT), and a CP2 x FSDP2 checkpoint resumed on FSDP4; every
+checkpointing on the GPT), HSDP x CP2 for the GPT, and a CP2 x FSDP2 checkpoint resumed on FSDP4; every
 step's loss and the validation loss must equal one-process training within 1e-5.
 The same launch first measures a CP2 x FSDP2 run's activations (bench.context_parallel)
 against the planner's; eval.py opens the CP run on one rank. Bad configs fail in one
@@ -142,6 +142,7 @@ def runs(tmp_path_factory) -> Path:
                 f"cp2_tp2_{f}": [*m, *CP2, *TP2, *ACCUM_VAL]
                 for f, m in FAMILIES.items()
             },
+            "hsdp_cp2_gpt": [*gpt, *CP2, "sharding.replicate=2", *ACCUM_VAL],
             # a CP2 x FSDP2 checkpoint resumed on FSDP4
             "chain_cp": [*gpt, *CP2, *ACCUM_VAL, *CKPT],
             "chain_fsdp4": [*gpt, *ACCUM_VAL, *CKPT, *resume_from(root, "chain_cp", 2)],
@@ -174,6 +175,8 @@ def test_context_parallel_matches_one_rank(runs):
         for layout in ("cp2_fsdp2", "cp2_tp2"):
             assert_close(losses(runs / f"{layout}_{family}"), ref, range(1, 5))
             assert_close(val_losses(runs / f"{layout}_{family}"), val, (2, 4))
+    # HSDP: 2 replicas x CP2 (each replica's 2 ranks split each sequence)
+    assert_close(losses(runs / "hsdp_cp2_gpt"), losses(runs / "one_gpt"), range(1, 5))
 
 
 @pytest.mark.slow
