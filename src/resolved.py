@@ -90,6 +90,7 @@ LAYOUT_KEYS = {
     "dp_replicate": "sharding.replicate",
     "tp": "sharding.tensor_parallel",
     "ep": "sharding.expert_parallel",
+    "cp": "sharding.context_parallel",
 }
 
 

@@ -86,6 +86,9 @@ class ShardingConfig:
     tensor_parallel: int = described(
         "fsdp2: T ranks split each block (tp mesh dim); 1 = off"
     )
+    context_parallel: int = described(
+        "fsdp2: C ranks split each sequence (cp mesh dim); 1 = off"
+    )
     sequence_parallel: bool | None = described(
         "with tensor_parallel: norms sharded over the sequence (null: family default)"
     )

@@ -141,3 +141,18 @@ def test_overhead_tiny(docs_untouched):
     for row in rows[:2]:
         assert float(row["page faults/step"].replace(",", "")) >= 0
         assert float(row["CPU s/step"]) > float(row["sys CPU s/step"]) >= 0
+
+
+def test_context_parallel_bench_one_rank_row(docs_untouched, monkeypatch):
+    """bench.context_parallel's table on its one-rank layout alone (the CP2 x FSDP2
+    measurement runs in tests/test_context_parallel.py's 4-rank launch): figures
+    measured and planned, the ratio against itself 1."""
+    from bench import context_parallel
+
+    monkeypatch.setattr(context_parallel, "LAYOUTS", ((1, 1),))
+    argv = ["--seq", "256", "--layers", "1", "--steps", "1", "--batch-size", "2"]
+    (row,) = context_parallel.main(argv)
+    assert row["layout"] == "1 rank" and row["vs 1 rank"] == "1.00"
+    assert float(row["activations/rank (MiB)"]) > 0
+    assert float(row["planned (MiB)"]) > 0
+    assert 0 < float(row["final loss"]) < 10

@@ -108,19 +108,27 @@ def test_backends_refuse_what_they_cannot_take_in_one_place():
     BACKENDS["fsdp2"].check_layout(hsdp)
     BACKENDS["fsdp2"].check_layout(tp)
     BACKENDS["fsdp1"].check_layout(hsdp)
-    for name, layout, dim in (("ddp", hsdp, "dp_replicate"), ("fsdp1", tp, "tp")):
+    cp = ParallelLayout(4, cp=2)
+    BACKENDS["fsdp2"].check_layout(cp)
+    for name, layout, dim in (
+        ("ddp", hsdp, "dp_replicate"),
+        ("fsdp1", tp, "tp"),
+        ("fsdp1", cp, "cp"),
+        ("ddp", cp, "cp"),
+    ):
         with pytest.raises(LayoutError, match=f"not sharding={name}") as err:
             BACKENDS[name].check_layout(layout)
         assert err.value.dim == dim
-    with pytest.raises(LayoutError, match="not built yet"):  # cp's place is decided
-        BACKENDS["fsdp2"].check_layout(ParallelLayout(4, cp=2))
+    with pytest.raises(LayoutError, match="with pipeline parallelism") as err:
+        BACKENDS["fsdp2"].check_layout(ParallelLayout(4, cp=2, pp=2))
+    assert err.value.dim == "cp"
     ep = ParallelLayout(4, ep=2)
     BACKENDS["fsdp2"].check_layout(ep)
     for name in ("fsdp1", "ddp"):
         with pytest.raises(LayoutError, match=f"not sharding={name}") as err:
             BACKENDS[name].check_layout(ep)
         assert err.value.dim == "ep"
-    for other in ({"tp": 2}, {"pp": 2}):  # expert parallelism with tp or pp: refused
+    for other in ({"tp": 2}, {"pp": 2}, {"cp": 2}):  # ep with tp, pp or cp: refused
         with pytest.raises(LayoutError, match="not built yet") as err:
             BACKENDS["fsdp2"].check_layout(ParallelLayout(4, ep=2, **other))
         assert err.value.dim == "ep"

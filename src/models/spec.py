@@ -104,6 +104,14 @@ class ModelSpec:
     # The ``model.*`` key of the vocabulary size, which the trainer sets from the
     # tokenizer (data.tokenizer) unless the user sets it; None: the family fixes it.
     vocab_key: str | None = "vocab_size"
+    # Context parallelism (sharding.context_parallel): (config) -> None, or
+    # ValueError naming the model where it cannot split its sequences; None: the
+    # family cannot (its attention and positions do not read
+    # src.sharding.context_parallel.active()).
+    context_parallel: Callable[[Any], None] | None = None
+    # (config) -> the key (= value) width of one attention layer (kv heads x head
+    # dim): what context parallelism gathers per layer, for the planner.
+    kv_width: Callable[[Any], int] | None = None
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: HFAdapter | None = None
     # Optional, for the planner (src/planner/activations.py): (config, micro_batch,

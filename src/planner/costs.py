@@ -13,6 +13,7 @@ import torch
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -24,13 +25,16 @@ from src.sharding.pipeline import bubble_fraction
 #: recomputing a checkpointed block's forward is ~1/3 more compute; selective
 #: recomputes only elementwise ops; a smaller micro-batch runs smaller matmuls; every
 #: micro-batch's reduce-scatter adds communication; smaller units more collectives;
-#: more ranks are more machines, the last resort.
+#: context parallelism gathers K and V in every layer and masks a T/C x T score
+#: matrix (and only helps once a micro-batch is one sequence): proposed after
+#: checkpointing; more ranks are more machines, the last resort.
 COST = {
     "ac": {"none": 1.0, "selective": 1.1, "full": 4 / 3},
     "grad_accum_doubling": 1.03,
     "sync_every": 1.03,
     "min_params_decade_down": 1.01,
     "other_change": 1.001,
+    "cp_doubling": 1.4,
     "ranks_doubling": 1.5,
 }
 
@@ -94,6 +98,15 @@ def cost_factors(
             lower = math.log10(float(old)) - math.log10(value) if old > 0 else 0
             factor = COST["min_params_decade_down"] ** max(0.0, lower)
             out.append((f"min_params {value:g}", factor * COST["other_change"]))
+        elif key == CP_KEY:
+            doubling = COST["cp_doubling"]
+            factor = doubling ** math.log2(value / old)
+            out.append(
+                (
+                    f"context_parallel {old} -> {value} (x{doubling:g} a doubling)",
+                    factor,
+                )
+            )
         elif key == "trainer.devices":
             factor = COST["ranks_doubling"] ** math.log2(value / old)
             doubling = COST["ranks_doubling"]

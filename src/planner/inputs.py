@@ -110,7 +110,8 @@ def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
         backend=s.backend,
         world=world,
         micro_batch=max(1, per_rank),
-        seq_len=int(resolved.spec.seq_len(resolved.model_config)),
+        # each rank's tokens of a sequence (context parallelism: 1/C of them)
+        seq_len=int(resolved.spec.seq_len(resolved.model_config)) // resolved.layout.cp,
         grad_accum=accum,
         grad_sync=str(setting(cfg, "trainer.grad_sync")),
         param_bytes=prec.param_dtype.itemsize,

@@ -35,12 +35,14 @@ from src.planner.search import (
     BATCH_KEY,
     Candidate,
     ac_options,
+    cp_options,
     fit_search,
     splitting_batch,
 )
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -104,6 +106,16 @@ def fit_report(
     found = fit_search(
         cfg, resolved, keys, budget, world, max_world=world * 64, complete_batch=True
     )
+    if found.best is None and len(cp_options(cfg, resolved)) > 1:
+        # context parallelism last: it helps once a micro-batch is one sequence, and
+        # searching it multiplies the points by its degrees
+        with_cp = fit_search(
+            cfg, resolved, [*keys, CP_KEY], budget, world, max_world=world * 64,
+            complete_batch=True,
+        )  # fmt: skip
+        smaller = with_cp.smallest.estimate.total < found.smallest.estimate.total
+        if with_cp.best is not None or smaller:
+            found = with_cp
     here = f"trainer.devices={world}"
     if found.best is None:
         lines.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from src.planner.activations import has_formula, run_activation_fn, tp_activations
+from src.planner.activations import has_formula, run_activations
 from src.planner.estimate import Estimate, estimate
 from src.planner.inputs import (
     build_meta_model,
@@ -35,14 +35,7 @@ def estimate_cfg(
         model = model if model is not None else build_meta_model(cfg, resolved)
         plan = plan_of(resolved, model, world)
         shape = run_shape(cfg, resolved, world)
-        acts = run_activation_fn(cfg, resolved)(
-            shape.micro_batch,
-            shape.seq_len,
-            shape.param_bytes,
-            shape.checkpointing,
-            shape.ac_every,
-        )
-        acts = tp_activations(cfg, resolved, shape, acts, model)
+        acts = run_activations(cfg, resolved, shape, model)
         process = family_process_bytes(cfg, resolved, shape.device)
         est = estimate(plan, shape, acts, process)
         if not has_formula(resolved):

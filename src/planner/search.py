@@ -12,7 +12,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.models.memory import ActivationBytes
-from src.planner.activations import run_activation_fn, tp_activations
+from src.planner.activations import (
+    cp_activations,
+    run_activation_fn,
+    tp_activations,
+)
 from src.planner.costs import Checkpointing, change_cost, pipeline_cost, precision_cost
 from src.planner.estimate import Estimate, RunShape, estimate, needed
 from src.planner.inputs import (
@@ -26,6 +30,7 @@ from src.planner.pipeline import StagePlans, stage_plans, whole_activations, wor
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -144,6 +149,8 @@ def _options(
             ]
         elif key == PP_KEY:
             vals = pipeline_options(cfg, resolved, world)
+        elif key == CP_KEY:
+            vals = cp_options(cfg, resolved)
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
@@ -173,6 +180,27 @@ def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[in
         for i in range(1, 5)
         if world % (2**i * group) == 0 and 2**i * per_rank <= blocks
     ]
+
+
+def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+    """The cp degrees the fit search tries: none (1), and 2, 4, 8 where the backend
+    and the model can split sequences, the run has no pipeline and the 2C chunks
+    divide the sequence (a point whose ranks the degree does not divide, with the
+    tp and replica groups, is skipped)."""
+    spec, config = resolved.spec, resolved.model_config
+    if (
+        not backend_class(cfg.sharding.backend).context_parallel
+        or spec.context_parallel is None
+        or spec.kv_width is None
+        or pipeline_stages(cfg) > 1
+    ):
+        return []
+    try:
+        spec.context_parallel(config)
+    except ValueError:
+        return []
+    seq = spec.seq_len(config)
+    return [1] + [c for c in (2, 4, 8) if seq % (2 * c) == 0]
 
 
 def search(
@@ -261,6 +289,8 @@ class _Points:
     acts: Callable[..., ActivationBytes]
     process: int
     tp: int
+    cur_cp: int
+    seq_len: int  # the whole sequence (a rank holds 1/C of it)
     cur_mp: float
     cur_pp: int
     cur_m: int
@@ -297,6 +327,8 @@ class _Points:
             acts,
             process,
             tp=resolved.layout.tp,
+            cur_cp=resolved.layout.cp,
+            seq_len=int(resolved.spec.seq_len(resolved.model_config)),
             cur_mp=float(cfg.sharding.min_params),
             cur_pp=pipeline_stages(cfg),
             cur_m=int(setting(cfg, PP_MICRO_KEY)),
@@ -310,11 +342,14 @@ class _Points:
         w = int(point.get("trainer.devices", self.world))
         accum = int(point.get("trainer.grad_accum", self.base.grad_accum))
         pp = int(point.get(PP_KEY, self.cur_pp))
-        if self.batch % accum:
+        cp = int(point.get(CP_KEY, self.cur_cp))
+        if self.batch % accum or (cp > 1 and pp > 1):
+            return None
+        if w % (cp * self.tp * self.resolved.layout.dp_replicate):
             return None
         if pp > 1:
             return self._pipelined(point, mp, w, accum, pp)
-        return self._unpipelined(point, mp, w, accum)
+        return self._unpipelined(point, mp, w, accum, cp)
 
     def _changed(
         self, point: dict[str, Any], w: int, accum: int, pp: int = 1, m: int = 1
@@ -343,7 +378,7 @@ class _Points:
         )
 
     def _unpipelined(
-        self, point: dict[str, Any], mp: float, w: int, accum: int
+        self, point: dict[str, Any], mp: float, w: int, accum: int, cp: int
     ) -> Candidate | None:
         cfg, resolved, base, tp = self.cfg, self.resolved, self.base, self.tp
         if mp not in self.models:  # its units (selective is checked on them below)
@@ -358,7 +393,8 @@ class _Points:
             point,
             world=w,
             grad_accum=accum,
-            micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // tp))),
+            micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // (tp * cp)))),
+            seq_len=self.seq_len // cp,
             grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
         )
         a = self.acts(
@@ -370,6 +406,7 @@ class _Points:
         )
         if tp > 1:
             a = tp_activations(cfg, resolved, shape, a, self.models[mp])
+        a = cp_activations(resolved, shape, a, self.models[mp], cp)
         est = estimate(plan, shape, a, self.process)
         changed = self._changed(point, w, accum)
         cost = change_cost(self.currents, changed, self.device)

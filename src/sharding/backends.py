@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.registry import Registry
 
+from .context_parallel import ContextParallel
 from .expert_parallel import expert_parallelize, plan_experts
 from .float8 import Float8, byte_all_gather
 from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
@@ -149,6 +150,7 @@ class Backend:
     allocates: ClassVar[bool]  # the built model holds real tensors
     tensor_parallel: ClassVar[bool]  # takes tensor_parallel > 1 (a tp mesh dimension)
     pipeline_parallel: ClassVar[bool]  # takes pipeline_parallel > 1 (a pp mesh dim)
+    context_parallel: ClassVar[bool]  # takes context_parallel > 1 (a cp mesh dim)
     # a unit's all-gather output is copied into its parameters' own unsharded
     # tensors (both alive at once while it is gathered)
     gather_copy_out: ClassVar[bool]
@@ -166,6 +168,7 @@ class Backend:
         "allocates",
         "tensor_parallel",
         "pipeline_parallel",
+        "context_parallel",
         "gather_copy_out",
         "float8",
         "expert_parallel",
@@ -215,6 +218,8 @@ class Backend:
         self.tp_mesh: DeviceMesh | None = None
         #: the model's plan, set by build_sharded_model (None: no tensor parallelism)
         self.tp_plan: TPPlan | None = None
+        #: this rank's cp group (None: no context parallelism)
+        self.cp: ContextParallel | None = None
 
     @classmethod
     def check_layout(cls, layout: ParallelLayout) -> None:
@@ -225,6 +230,7 @@ class Backend:
             ("tp", "tensor_parallel", "tensor parallelism"),
             ("pp", "pipeline_parallel", "pipeline parallelism"),
             ("ep", "expert_parallel", "expert parallelism"),
+            ("cp", "context_parallel", "context parallelism"),
         )
         for dim, capability, what in needs:
             if layout.size(dim) > 1 and not getattr(cls, capability):
@@ -234,9 +240,11 @@ class Backend:
                     f"{' or sharding='.join(with_capability(capability))}, "
                     f"not sharding={cls.name}",
                 )
-        if layout.cp > 1:
-            raise LayoutError("cp", "context parallelism is not built yet")
-        for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
+        if layout.cp > 1 and layout.pp > 1:
+            raise LayoutError(
+                "cp", "context parallelism with pipeline parallelism is not built"
+            )
+        for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
             if layout.ep > 1 and layout.size(dim) > 1:
                 raise LayoutError(
                     "ep",
@@ -248,6 +256,8 @@ class Backend:
         """Build the layout's mesh and take the groups units shard on (and tp)."""
         self.parallel = self.layout.build_mesh(self.device.type)
         self.mesh, self.tp_mesh = self.parallel.fsdp, self.parallel.tp
+        if self.parallel.cp is not None:
+            self.cp = ContextParallel(self.parallel.cp)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision.name}, {self.device})"
@@ -290,10 +300,21 @@ class Backend:
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward and backward: ``loss_parallel`` when the plan keeps the
-        logits sharded over the vocabulary."""
-        if self.tp_plan is None or self.tp_mesh is None:
-            return contextlib.nullcontext()
-        return self.tp_plan.loss_context()
+        logits sharded over the vocabulary; the cp group the models read
+        (``context_parallel.active``) with context parallelism."""
+        stack = contextlib.ExitStack()
+        if self.tp_plan is not None and self.tp_mesh is not None:
+            stack.enter_context(self.tp_plan.loss_context())
+        if self.cp is not None:
+            stack.enter_context(self.cp.entered())
+        return stack
+
+    def shard_sequence(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of each (rows, sequence) tensor of ``batch``: all of it,
+        or with context parallelism its load-balanced 1/C of every sequence."""
+        if self.cp is None:
+            return batch
+        return tuple(self.cp.shard(t) for t in batch)
 
     # -- building -------------------------------------------------------------------
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
@@ -437,6 +458,7 @@ class _FSDPBackend(Backend):
     allocates = True
     tensor_parallel = False
     pipeline_parallel = False
+    context_parallel = False
     gather_copy_out = False  # FSDP1: the flat parameter is the all-gather's output
     float8 = True
     expert_parallel = False
@@ -461,6 +483,7 @@ class FSDP2Backend(_FSDPBackend):
     tensor_parallel = True
     expert_parallel = True
     pipeline_parallel = True
+    context_parallel = True
     meta_init = True
     partial_reshard = True
     explicit_prefetch = True
@@ -551,6 +574,7 @@ class PlanBackend(_FSDPBackend):
     tensor_parallel = True  # parallelised on meta over a fake process group
     pipeline_parallel = True  # the planner's stage is built as a model of its own
     expert_parallel = True  # planned, not split (src/planner: the experts' share)
+    context_parallel = True  # the sequence split changes no parameter's shape
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

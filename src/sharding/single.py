@@ -23,5 +23,6 @@ class SingleProcessBackend(Backend):
     tensor_parallel = False
     pipeline_parallel = False
     expert_parallel = False
+    context_parallel = False
     gather_copy_out = False
     float8 = True
