@@ -212,6 +212,12 @@ class ParallelMesh:
         shard = "dp_shard_cp" if "cp" in names else "dp_shard"
         if names == ("dp_shard",):
             return self.world
+        if "dp_replicate" in names and "cp" in names:
+            # (replicate, shard x cp) as its own 2-D mesh: torch deprecates slicing
+            # a flattened dimension (dp_shard_cp) beside a root one
+            dp = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_hsdp_cp")
+            sizes = (self.layout.dp_replicate, self.layout.fsdp_shard)
+            return dp._unflatten("dp_hsdp_cp", sizes, ("dp_replicate", shard))
         if "dp_replicate" in names:
             return self.world["dp_replicate", shard]
         return self.flat[shard] if shard in self.flat else self.world[shard]
