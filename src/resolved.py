@@ -122,14 +122,17 @@ def check_expert_parallel(layout: ParallelLayout, spec: ModelSpec, config: Any) 
     if spec.num_experts is None:
         raise ConfigError(
             LAYOUT_KEYS["ep"],
-            f"model family {spec.name!r} has no expert parallelism (a dense model, "
-            "or model=hf); use 1",
+            f"model family {spec.name!r} has no expert parallelism (a dense model); "
+            "use 1",
         )
-    experts = spec.num_experts(config)
+    try:
+        experts = spec.num_experts(config)
+    except ValueError as err:  # an MoE architecture that declares no ep plan
+        raise ConfigError(LAYOUT_KEYS["ep"], str(err)) from None
     if not experts:
         raise ConfigError(
             LAYOUT_KEYS["ep"],
-            "this model has no MoE block (model.n_dense_layers); use 1",
+            "this model has no MoE block to split; use 1",
         )
     if experts % ep:
         raise ConfigError(

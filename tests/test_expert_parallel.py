@@ -8,7 +8,10 @@ real on 4 CPU ranks (one launch that checks several things together):
   checkpoint resumes on EP2 again, each continuing the losses within 1e-5: experts
   are stored as whole ``[num_experts, ...]`` tensors whatever the layout;
 - the MoE metrics are in metrics.jsonl, the same on every layout;
-- the planner's peak per rank is within 10% of the measured one on the EP run.
+- the planner's peak per rank is within 10% of the measured one on the EP run;
+- HF Mixtral (model=hf, its ``base_model_ep_plan``) on EP2 x FSDP2 trains with one
+  rank's fp32 losses within 1e-5, and its ``trainer.export=hf`` (whole experts
+  gathered) opens in transformers with one rank's exported weights.
 
 The routing, grouped mm and bias update are unit-tested in tests/test_moe.py.
 """
@@ -48,8 +51,18 @@ RUN = [
 ]
 
 
-def _cfg(*overrides: str):
-    cfg = make_cfg(*RUN, *overrides)
+#: HF Mixtral's run: the native run's trainer keys, its own model.
+HF_RUN = (
+    "model=hf",
+    "model.config=tiny_mixtral",
+    "model.block_size=32",
+    "trainer.max_steps=2",
+    "trainer.export=hf",
+)
+
+
+def _cfg(*overrides: str, base: list[str] = RUN):
+    cfg = make_cfg(*base, *overrides)
     validate(cfg)
     return cfg
 
@@ -84,13 +97,22 @@ def _layouts(device: torch.device, root: str, planned) -> dict:
     for name, overrides in runs.items():
         cfg = _cfg("trainer.devices=4", *overrides)
         summaries[name] = train(cfg, str(root_dir / name), device, resolve(cfg))
+    cfg = _cfg("trainer.devices=4", "sharding.expert_parallel=2", base=_hf_run())
+    summaries["hf"] = train(cfg, str(root_dir / "hf"), device, resolve(cfg))
     return summaries
+
+
+def _hf_run() -> list[str]:
+    """HF_RUN over the native run's keys that are not its model's."""
+    return [o for o in RUN if not o.startswith("model")] + list(HF_RUN)
 
 
 def test_expert_parallel_equals_one_rank_and_checkpoints_cross_layouts(tmp_path):
     ref_dir = tmp_path / "one"
     cfg = _cfg("trainer.devices=1")
     run_rank(cfg, str(ref_dir), validate(cfg))
+    cfg = _cfg("trainer.devices=1", base=_hf_run())
+    run_rank(cfg, str(tmp_path / "hf_one"), validate(cfg))
     cfg = _cfg("trainer.devices=4", *EP)
     planned = prepare(cfg, validate(cfg), user_keys=set())
     # as train.py starts its ranks (the planner models those processes)
@@ -122,3 +144,19 @@ def test_expert_parallel_equals_one_rank_and_checkpoints_cross_layouts(tmp_path)
     # the planner's closing line on the EP run: within 10% of the measured peak
     planned, measured = summary["planned_peak_gib"], summary["peak_mem_gib"]
     assert abs(measured / planned - 1) < 0.10, (planned, measured)
+
+    # HF Mixtral, split by its base_model_ep_plan: one rank's losses and weights
+    hf_one, hf_ep = _rows(tmp_path / "hf_one"), _rows(tmp_path / "hf")
+    assert sorted(hf_ep) == [1, 2]
+    for step in (1, 2):
+        assert abs(hf_ep[step]["loss"] - hf_one[step]["loss"]) < 1e-5, step
+    from transformers import AutoModelForCausalLM
+
+    one_w, ep_w = (
+        AutoModelForCausalLM.from_pretrained(tmp_path / d / "hf").state_dict()
+        for d in ("hf_one", "hf")
+    )
+    assert sorted(one_w) == sorted(ep_w)
+    assert any("experts" in k for k in ep_w)
+    for k, w in one_w.items():  # two Adam steps on sums in another order
+        torch.testing.assert_close(ep_w[k], w, rtol=0, atol=1e-4, msg=k)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from src.models import hf_experts
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
 from src.sharding import context_parallel
 from src.sharding.pipeline import PipelineLayout, stage_role
@@ -543,7 +544,20 @@ def pipeline_layout(config: HFConfig) -> PipelineLayout:
 
 def build(config: HFConfig, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # transformers' own init (on CPU): the same on every rank
-    return HFCausalLM(_from_config(config.hf_config, config.trust_remote_code))
+    hf_model = _from_config(config.hf_config, config.trust_remote_code)
+    if routed_experts(config.hf_config) > 1:  # splittable by sharding.expert_parallel
+        hf_experts.split_ready(hf_model.base_model, config.hf_config)
+    return HFCausalLM(hf_model)
+
+
+def ep_experts(config: HFConfig) -> int:
+    """The experts expert parallelism splits (0: a dense model); ValueError (one
+    line) for an MoE model it cannot split (:func:`hf_experts.check`)."""
+    experts = routed_experts(config.hf_config)
+    if experts <= 1:
+        return 0
+    hf_experts.check(config.hf_config, lambda: config.skeleton().base_model)
+    return experts
 
 
 def block_classes(config: HFConfig) -> tuple[type[nn.Module], ...]:
@@ -711,5 +725,6 @@ register(
         kv_width=kv_width,
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
+        num_experts=ep_experts,
     )
 )
