@@ -180,3 +180,34 @@ def test_activation_checkpointing_recomputes_the_same_block(balance):
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(counts[0], counts[1])
+
+
+def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model():
+    """Between the peaks of EP1 and EP8 on 8 ranks, only splitting the experts fits:
+    the search proposes sharding.expert_parallel, and its estimate is that of the
+    run with it."""
+    from src.planner.run_estimate import estimate_cfg
+    from src.planner.search import search
+    from src.planner.settings import EP_KEY, with_values
+    from src.resolved import resolve
+    from tests.test_config import make_cfg
+
+    cfg = make_cfg(
+        "model=moe_tiny",
+        "model.moe_hidden_dim=512",
+        "trainer.devices=8",
+        "trainer.mem_margin=0",
+    )
+    resolved = resolve(cfg)
+    _, plain = estimate_cfg(cfg, resolved, 8)
+    split = with_values(cfg, {EP_KEY: 8})
+    _, est8 = estimate_cfg(split, resolve(split), 8)
+    assert est8.total < plain.total
+    budget = (plain.total + est8.total) // 2
+    best, _ = search(cfg, resolved, [EP_KEY], budget, 8)
+    settings = best.settings()
+    assert settings[EP_KEY] > 1, settings
+    proposed = with_values(cfg, settings)
+    _, est = estimate_cfg(proposed, resolve(proposed), 8)
+    assert est.total == best.estimate.total
+    assert search(cfg, resolved, [], budget, 8)[0] is None

@@ -14,6 +14,7 @@ from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
     CP_KEY,
+    EP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -27,7 +28,8 @@ from src.sharding.pipeline import bubble_fraction
 #: micro-batch's reduce-scatter adds communication; smaller units more collectives;
 #: context parallelism gathers K and V in every layer and masks a T/C x T score
 #: matrix (and only helps once a micro-batch is one sequence): proposed after
-#: checkpointing; more ranks are more machines, the last resort.
+#: checkpointing; expert parallelism sends every routed token to another rank and
+#: back (two all-to-alls per MoE layer); more ranks are more machines, the last resort.
 COST = {
     "ac": {"none": 1.0, "selective": 1.1, "full": 4 / 3},
     "grad_accum_doubling": 1.03,
@@ -35,6 +37,7 @@ COST = {
     "min_params_decade_down": 1.01,
     "other_change": 1.001,
     "cp_doubling": 1.4,
+    "ep_doubling": 1.1,
     "ranks_doubling": 1.5,
 }
 
@@ -106,6 +109,12 @@ def cost_factors(
                     f"context_parallel {old} -> {value} (x{doubling:g} a doubling)",
                     factor,
                 )
+            )
+        elif key == EP_KEY:
+            doubling = COST["ep_doubling"]
+            factor = doubling ** abs(math.log2(value / old))
+            out.append(
+                (f"expert_parallel {old} -> {value} (x{doubling:g} a doubling)", factor)
             )
         elif key == "trainer.devices":
             factor = COST["ranks_doubling"] ** math.log2(value / old)

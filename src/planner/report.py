@@ -36,6 +36,7 @@ from src.planner.search import (
     Candidate,
     ac_options,
     cp_options,
+    ep_options,
     fit_search,
     splitting_batch,
 )
@@ -43,6 +44,7 @@ from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
     CP_KEY,
+    EP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -103,6 +105,8 @@ def fit_report(
     ]
     fixed = bool(OmegaConf.select(cfg, FIXED_DEVICES_KEY, default=False))
     keys = [*AUTO_KEYS, PRECISION_KEY, PP_KEY, *([] if fixed else ["trainer.devices"])]
+    if len(ep_options(cfg, resolved)) > 1:  # an MoE model: its experts can split
+        keys.append(EP_KEY)
     found = fit_search(
         cfg, resolved, keys, budget, world, max_world=world * 64, complete_batch=True
     )

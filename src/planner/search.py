@@ -31,6 +31,7 @@ from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
     CP_KEY,
+    EP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -43,7 +44,13 @@ from src.planner.settings import (
 )
 from src.resolved import Resolved
 from src.schema import GRAD_SYNC
-from src.sharding import PRECISIONS, WrapPlan, backend_class, get_precision
+from src.sharding import (
+    PRECISIONS,
+    LayoutError,
+    WrapPlan,
+    backend_class,
+    get_precision,
+)
 from src.sharding.pipeline import SCHEDULES, microbatches_problem
 
 MIN_PARAMS_CANDIDATES = (1e5, 1e6, 1e7, 1e8, 1e9)
@@ -151,6 +158,8 @@ def _options(
             vals = pipeline_options(cfg, resolved, world)
         elif key == CP_KEY:
             vals = cp_options(cfg, resolved)
+        elif key == EP_KEY:
+            vals = ep_options(cfg, resolved)
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
@@ -201,6 +210,29 @@ def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
         return []
     seq = spec.seq_len(config)
     return [1] + [c for c in (2, 4, 8) if seq % (2 * c) == 0]
+
+
+def ep_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+    """The expert-parallel degrees the fit search tries: none (1), and 2, 4, 8, 16,
+    32, 64 that divide the model's experts, where the backend and the model can
+    split experts and the run has no tensor, pipeline or context parallelism (EP
+    refuses them). A point whose shard ranks the degree does not divide is skipped."""
+    spec, config, layout = resolved.spec, resolved.model_config, resolved.layout
+    if (
+        not backend_class(cfg.sharding.backend).expert_parallel
+        or spec.num_experts is None
+        or layout.tp > 1
+        or layout.cp > 1
+        or pipeline_stages(cfg) > 1
+    ):
+        return []
+    try:
+        experts = spec.num_experts(config)
+    except ValueError:  # an MoE model it cannot split (hf: no base_model_ep_plan)
+        return []
+    if not experts:
+        return []
+    return [1] + [e for e in (2, 4, 8, 16, 32, 64) if experts % e == 0]
 
 
 def search(
@@ -296,8 +328,8 @@ class _Points:
     cur_m: int
     schedule: str
     complete_batch: bool = False
-    models: dict[float, torch.nn.Module] = field(default_factory=dict)
-    plans: dict[tuple[float, int], WrapPlan] = field(default_factory=dict)
+    models: dict[tuple[float, int], torch.nn.Module] = field(default_factory=dict)
+    plans: dict[tuple[float, int, int], WrapPlan] = field(default_factory=dict)
     staged: dict[tuple[float, int], StagePlans] = field(default_factory=dict)
     staged_plans: dict[tuple[float, int, int], list] = field(default_factory=dict)
     wholes: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -343,13 +375,14 @@ class _Points:
         accum = int(point.get("trainer.grad_accum", self.base.grad_accum))
         pp = int(point.get(PP_KEY, self.cur_pp))
         cp = int(point.get(CP_KEY, self.cur_cp))
-        if self.batch % accum or (cp > 1 and pp > 1):
+        ep = int(point.get(EP_KEY, self.resolved.layout.ep))
+        if self.batch % accum or (cp > 1 and pp > 1) or (ep > 1 and (pp > 1 or cp > 1)):
             return None
         if w % (cp * self.tp * self.resolved.layout.dp_replicate):
             return None
         if pp > 1:
             return self._pipelined(point, mp, w, accum, pp)
-        return self._unpipelined(point, mp, w, accum, cp)
+        return self._unpipelined(point, mp, w, accum, cp, ep)
 
     def _changed(
         self, point: dict[str, Any], w: int, accum: int, pp: int = 1, m: int = 1
@@ -378,15 +411,20 @@ class _Points:
         )
 
     def _unpipelined(
-        self, point: dict[str, Any], mp: float, w: int, accum: int, cp: int
+        self, point: dict[str, Any], mp: float, w: int, accum: int, cp: int, ep: int
     ) -> Candidate | None:
-        cfg, resolved, base, tp = self.cfg, self.resolved, self.base, self.tp
-        if mp not in self.models:  # its units (selective is checked on them below)
-            with_mp = with_values(cfg, {"sharding.min_params": mp, AC_KEY: "none"})
-            self.models[mp] = build_meta_model(with_mp, resolved)
-        if (mp, w) not in self.plans:
-            self.plans[mp, w] = plan_of(resolved, self.models[mp], w)
-        plan, ac = self.plans[mp, w], point.get(AC_KEY)
+        cfg, base, tp = self.cfg, self.base, self.tp
+        resolved = self._with_ep(ep, w)
+        if resolved is None:
+            return None  # ep does not divide the point's shard ranks
+        if (mp, ep) not in self.models:  # its units (selective is checked on them)
+            with_mp = with_values(
+                cfg, {"sharding.min_params": mp, AC_KEY: "none", EP_KEY: ep}
+            )
+            self.models[mp, ep] = build_meta_model(with_mp, resolved)
+        if (mp, w, ep) not in self.plans:
+            self.plans[mp, w, ep] = plan_of(resolved, self.models[mp, ep], w)
+        plan, ac = self.plans[mp, w, ep], point.get(AC_KEY)
         if ac is not None and ac.mode == "selective" and splits_blocks(plan):
             return None  # selective needs each block a unit of its own (transforms.py)
         shape = self._shape(
@@ -405,13 +443,24 @@ class _Points:
             shape.ac_every,
         )
         if tp > 1:
-            a = tp_activations(cfg, resolved, shape, a, self.models[mp])
-        a = cp_activations(resolved, shape, a, self.models[mp], cp)
+            a = tp_activations(cfg, resolved, shape, a, self.models[mp, ep])
+        a = cp_activations(resolved, shape, a, self.models[mp, ep], cp)
         est = estimate(plan, shape, a, self.process)
         changed = self._changed(point, w, accum)
         cost = change_cost(self.currents, changed, self.device)
         cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)
         return Candidate(changed, est, cost)
+
+    def _with_ep(self, ep: int, w: int) -> Resolved | None:
+        """The run with ``ep`` expert-parallel ranks (None: ``ep`` does not divide
+        the shard ranks of ``w``)."""
+        layout = self.resolved.layout
+        if ep == layout.ep:
+            return self.resolved
+        try:
+            return replace(self.resolved, layout=replace(layout, world_size=w, ep=ep))
+        except LayoutError:
+            return None
 
     def _pipelined(
         self, point: dict[str, Any], mp: float, w: int, accum: int, pp: int

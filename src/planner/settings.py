@@ -20,6 +20,7 @@ PREFETCH_KEY = "sharding.backward_prefetch"
 PRECISION_KEY = "precision.name"
 PP_KEY = LAYOUT_KEYS["pp"]
 CP_KEY = LAYOUT_KEYS["cp"]
+EP_KEY = LAYOUT_KEYS["ep"]
 PP_MICRO_KEY = "sharding.pp_microbatches"
 MARGIN_KEY = "trainer.mem_margin"
 
