@@ -146,6 +146,12 @@ ORDINARY: dict[str, list[str]] = {
         "sharding.context_parallel=2"],
     "gpt CP2, 2 ranks, 1024 tokens": ["model.block_size=1024",
                                       "sharding.context_parallel=2"],
+    # expert parallelism: each rank E-th of every MoE block's experts, tokens by
+    # all-to-all (an HF model by its config's base_model_ep_plan)
+    "moe_tiny EP2 x FSDP2, 4 ranks": ["model=moe_tiny", "trainer.devices=4",
+                                      "sharding.expert_parallel=2"],
+    "hf mixtral EP2, 2 ranks": ["model=hf", f"model.config={HF}/mixtral_4x256",
+                                "sharding.expert_parallel=2"],
     # pipeline stages: the worst stage's plan against the max over ranks
     "gpt 4x384 PP2 1F1B, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=1f1b"],
     "gpt 4x384 PP2 GPipe, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=gpipe"],
