@@ -156,3 +156,20 @@ def test_context_parallel_bench_one_rank_row(docs_untouched, monkeypatch):
     assert float(row["activations/rank (MiB)"]) > 0
     assert float(row["planned (MiB)"]) > 0
     assert 0 < float(row["final loss"]) < 10
+
+
+def test_expert_parallel_bench_two_layouts(docs_untouched):
+    """bench.expert_parallel, one timed step at 32 tokens (each layout one 2-rank
+    launch, ~12 s): FSDP2 and EP2 end on the same loss, only EP2 moves bytes by
+    all-to-all, and each row has its throughput and peak."""
+    from bench import expert_parallel
+
+    argv = ["--steps", "1", "--warmup", "1", "--override", "model.max_seq_len=32"]
+    fsdp, ep = expert_parallel.main(argv)
+    # printed to 5 decimals: equal losses may round 1e-5 apart
+    assert abs(float(fsdp["final loss"]) - float(ep["final loss"])) <= 1.5e-5
+    assert float(fsdp["all-to-all MiB/step/rank"]) == 0
+    assert float(ep["all-to-all MiB/step/rank"]) > 0
+    for row in (fsdp, ep):
+        assert float(row["tokens/s"].replace(",", "")) > 0
+        assert float(row["peak RSS/rank (GiB)"]) > 0
