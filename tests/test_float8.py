@@ -305,3 +305,33 @@ def test_init_from_refuses_another_model_naming_the_tensor(tmp_path):
     missing = compose_config(*INIT_RUN, f"trainer.init_from={tmp_path / 'none'}")
     with pytest.raises(ConfigError, match="trainer.init_from: .*no such file"):
         check_init_from(missing, validate(missing), tmp_path / "new")
+
+
+@pytest.mark.parametrize(
+    "overrides, block_linears",
+    [
+        (["model=hf", "model.config=tiny_qwen2"], 7),  # q k v o, gate up down
+        (["model=custom", "model._target_=tests.test_models.TinyLM"], 2),
+    ],
+)  # fmt: skip
+def test_hf_and_custom_models_get_float8_blocks(overrides, block_linears):
+    """A transformers model and a ``model=custom`` class get float8 linear layers in
+    their blocks (the family's block classes), built as the trainer builds them;
+    the output head and everything outside the blocks stay as they are."""
+    from src.build import build_model, make_backend
+
+    cfg = compose_config(*INIT_RUN, *overrides, "precision=float8", "sharding=none")
+    resolved = validate(cfg)
+    backend = make_backend(cfg, torch.device("cpu"), resolved.layout)
+    model = build_model(cfg, backend, resolved)
+    blocks = resolved.spec.block_classes(resolved.model_config)
+    inside = {
+        f"{n}.{c}"
+        for n, m in model.named_modules()
+        if isinstance(m, blocks)
+        for c, _ in m.named_modules()
+    }
+    float8 = {n for n, m in model.named_modules() if is_float8_linear(m)}
+    n_blocks = sum(isinstance(m, blocks) for m in model.modules())
+    assert n_blocks >= 2 and len(float8) == block_linears * n_blocks, float8
+    assert float8 <= inside, float8 - inside
