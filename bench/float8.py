@@ -131,7 +131,7 @@ def final(losses: list[float]) -> float:
 def numerics(args: argparse.Namespace) -> list[dict]:
     """Table 1 (see the module docstring)."""
     rows = []
-    for label, model in MODELS.items():
+    for label, model in chosen(args):
         end = {}
         for p in PRECISIONS:
             end[p] = final(run(model, 1, args.steps, f"precision={p}")["losses"])
@@ -153,7 +153,7 @@ def numerics(args: argparse.Namespace) -> list[dict]:
 def ranks_and_bytes(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """Tables 2 and 3 (see the module docstring)."""
     parity, gathered = [], []
-    for label, model in MODELS.items():
+    for label, model in chosen(args):
         n = args.parity_steps
         two = {name: run(model, 2, n, *o) for name, o in GATHERS.items()}
         pairs = {
@@ -197,11 +197,21 @@ def ranks_and_bytes(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     return parity, gathered
 
 
+def chosen(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [(label, m) for label, m in MODELS.items() if m in args.models]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="table 1's steps")
     p.add_argument(
         "--parity-steps", type=int, default=12, help="tables 2-3's steps (see 2.)"
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS.values()),
+        default=list(MODELS.values()),
     )
     p.add_argument("--append-docs", action="store_true")
     return p.parse_args(argv)

@@ -140,6 +140,10 @@ ORDINARY: dict[str, list[str]] = {
     "custom TinyLM": ["model=custom", "model._target_=tests.test_models.TinyLM",
                       "+model.args.dim=256", "+model.args.depth=4",
                       "model.block_size=256", "sharding.policy=block"],
+    # float8 (torchao) blocks, FSDP2 float8 all-gather: the float8 weight copies
+    # gathered per unit and what autocast keeps (docs/planner.md "float8")
+    "gpt float8": ["precision=float8"],
+    "llama float8": ["model=llama_tiny", "precision=float8"],
     # pipeline stages: the worst stage's plan against the max over ranks
     "gpt 4x384 PP2 1F1B, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=1f1b"],
     "gpt 4x384 PP2 GPipe, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=gpipe"],
