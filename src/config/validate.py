@@ -285,7 +285,7 @@ def validate(cfg: DictConfig) -> Resolved:
     check_pretrained(cfg, resolved)
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.layout)
-    _check_float8(cfg, resolved.layout)
+    _check_float8(cfg)
     _check_tensor_parallel(cfg, resolved)
     _check_context_parallel(resolved)
     _check_pipeline(cfg, resolved)
@@ -346,7 +346,7 @@ def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
     )
 
 
-def _check_float8(cfg: DictConfig, layout: ParallelLayout) -> None:
+def _check_float8(cfg: DictConfig) -> None:
     """precision=float8's keys (null under another precision), the backend, the
     layout and the GPU it needs (sm89+)."""
     p, backend = cfg.precision, BACKENDS[cfg.sharding.backend]
@@ -361,12 +361,6 @@ def _check_float8(cfg: DictConfig, layout: ParallelLayout) -> None:
         "precision.name",
         f"float8 needs sharding={' or sharding='.join(with_capability('float8'))}, "
         f"not sharding={cfg.sharding.backend}",
-    )
-    _require(
-        layout.tp == 1,
-        "precision.name",
-        f"float8 with {LAYOUT_KEYS['tp']} > 1 is not supported yet (torchao's float8 "
-        "tensor-parallel styles are not wired in)",
     )
     if p.float8_all_gather:
         _require(
