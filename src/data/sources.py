@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -153,17 +153,28 @@ def training_splits(trainer: Any, meta: dict | None) -> tuple[str, ...]:
     )
 
 
+def split_sizes(data_cfg: Any, meta: dict | None) -> dict | None:
+    """How many tokens each split holds (``train_tokens``, ``val_tokens``): the token
+    cache's ``meta`` of a text/files source, else what the source says without reading
+    its tokens (None for a source that cannot say)."""
+    if meta is not None:
+        return meta
+    source = DATA_SOURCES[data_cfg.name]
+    return None if source.sizes is None else source.sizes(data_cfg)
+
+
 def check_split_sizes(
     data_cfg: Any, meta: dict | None, seq_len: int, splits: tuple[str, ...]
 ) -> None:
-    """Each of ``splits`` (``train``, ``val`` or ``all``, from the token cache's
-    ``meta``) holds one window of ``seq_len + 1`` tokens; else a ``ConfigError``
-    naming the key that sizes it (before any rank starts: a rank would stop in
-    :class:`GlobalBatches`). Nothing to check for the sources without a cache."""
+    """Each of ``splits`` (``train``, ``val`` or ``all``; ``meta``: their sizes, from
+    :func:`split_sizes`) holds one window of ``seq_len + 1`` tokens; else a
+    ``ConfigError`` naming the key that sizes it (before any rank starts: a rank would
+    stop in :class:`GlobalBatches`). Nothing to check for a source without sizes."""
     if meta is None:
         return
     window = seq_len + 1
-    fraction = data_cfg.val_fraction
+    fraction = data_cfg.get("val_fraction")
+    keys = DATA_SOURCES[data_cfg.name].size_keys
     for split in splits:
         have = meta["train_tokens"] + meta["val_tokens"]
         if split != "all":
@@ -177,7 +188,7 @@ def check_split_sizes(
                 "0: there is no validation split to read; read split=train or all, "
                 "or train with data.val_fraction > 0",
             )
-        if split == "val":
+        if split == "val" and fraction is not None:
             enough = fraction * window / max(have, 1)
             raise ConfigError(
                 "data.val_fraction",
@@ -185,10 +196,14 @@ def check_split_sizes(
                 f"one window ({sized}); raise it to about {enough:.2g} or more, or "
                 "set data.val_fraction=0 to train without a validation split",
             )
-        key = "data.max_bytes" if data_cfg.max_bytes is not None else "data.paths"
-        what = "the training split" if split == "train" else "the corpus"
+        key = keys.get("val" if split == "val" else "train")
+        if key is None:  # text/files
+            key = "data.max_bytes" if data_cfg.max_bytes is not None else "data.paths"
+        what = {"train": "the training split", "val": "the validation split"}
         raise ConfigError(
-            key, f"{what} has {have} tokens, fewer than one window ({sized})"
+            key,
+            f"{what.get(split, 'the data')} has {have} tokens, fewer than one window "
+            f"({sized})",
         )
 
 
@@ -303,6 +318,11 @@ class DataSource:
     splits: Callable[[Any, int, int], tuple[TokenStream, TokenStream]]
     check: Callable[[Any], None] = no_check
     tokenized: bool = False  # local files through the token cache (prepare_data)
+    #: ``data_cfg -> {"train_tokens", "val_tokens"}`` without reading the tokens (the
+    #: split-size check before any rank starts); the token cache's meta for text/files
+    sizes: Callable[[Any], dict[str, int]] | None = None
+    #: the key that sizes each split (``train``, ``val``), named when one is too small
+    size_keys: dict[str, str] = field(default_factory=dict)
 
 
 #: ``data.name`` -> its :class:`DataSource`. A new source is one file that calls

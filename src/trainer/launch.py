@@ -48,6 +48,7 @@ from src.data.sources import (
     check_split_sizes,
     follow_tokenizer_vocab,
     prepare_data,
+    split_sizes,
     training_splits,
 )
 from src.entry import die_with_launcher, rank_start_method, stop_rank_server
@@ -128,8 +129,9 @@ def prepare(
             # The model is final now: its run object is built from it, once.
             resolved = resolve(cfg)
         seq_len = resolved.spec.seq_len(resolved.model_config)
-        wanted = training_splits(cfg.trainer, meta) if splits is None else splits
-        check_split_sizes(cfg.data, meta, seq_len, wanted)
+        sizes = split_sizes(cfg.data, meta)
+        wanted = training_splits(cfg.trainer, sizes) if splits is None else splits
+        check_split_sizes(cfg.data, sizes, seq_len, wanted)
     # The planner reads that object (the model's spec and config); the block policy,
     # when chosen, is in both the config and the object it returns. Rank 0 says its
     # choices and logs its estimate beside what it measures: planned once, by rank 0.

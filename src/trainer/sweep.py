@@ -39,6 +39,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.errors import ConfigError
 from src.observe.metrics import CONTENDED, contended
 from src.schema import OBJECTIVES
 from src.trainer.faults import stopped_by_signal
@@ -128,6 +129,27 @@ def objective_of(cfg: DictConfig | None) -> tuple[str, str]:
     name = name or "val_loss"
     direction = OmegaConf.select(cfg, "sweep.direction", default=None) if cfg else None
     return name, direction or OBJECTIVES.get(name, "min")
+
+
+def check_objective(cfg: DictConfig) -> None:
+    """A sweep job that cannot have its objective is refused before it runs (a
+    ``ConfigError`` naming the key that removes it): ``val_loss`` needs a validation
+    split and validations (else every job would score the worst value)."""
+    name, _ = objective_of(cfg)
+    if name != "val_loss" or cfg.trainer.plan_only:  # a plan-only sweep trains none
+        return
+    fraction = OmegaConf.select(cfg, "data.val_fraction", default=None)
+    for key, value in (
+        ("data.val_fraction", fraction),
+        ("trainer.val_every", cfg.trainer.val_every),
+        ("trainer.val_batches", cfg.trainer.val_batches),
+    ):
+        if value == 0:
+            raise ConfigError(
+                key,
+                "0 gives no val_loss, the sweep's objective (sweep.objective="
+                f"val_loss): set {key} > 0, or sweep.objective=loss",
+            )
 
 
 def worst(direction: str) -> float:
