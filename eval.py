@@ -47,6 +47,7 @@ def evaluate_run(cfg: DictConfig) -> dict:
             EVAL_FILE,
             cfg.trust_remote_code,
             (split,),
+            cfg.ckpt,
         )
     opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}
     with exit_on_config_error():  # a rank's failure: one line

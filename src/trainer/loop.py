@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.build import build_model, build_pipeline, make_backend
-from src.checkpoint.dcp import Checkpointer
+from src.checkpoint.dcp import SCORE, Checkpointer, best_checkpoints
 from src.checkpoint.export import (
     CONSOLIDATED_FILE,
     HF_EXPORT_DIR,
@@ -58,6 +58,7 @@ from src.observe.profiling import (
 from src.resolved import Resolved
 from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
 from src.sharding.float8 import is_float8_linear
+from src.trainer.best import EARLY_STOP, Best
 from src.trainer.faults import signal_point, stop_signal
 from src.trainer.optimizer import build_optimizer, lr_lambda
 from src.trainer.pipelined import (
@@ -224,8 +225,9 @@ class Trainer:
             keep_last=t.keep_last,
             async_save=t.ckpt_async,
             writing=lambda step: signal_point("checkpoint", step),
+            keep_best=t.keep_best,
         )
-        self.start_step, self.extended, tokens, self.origin = resume(
+        self.start_step, self.extended, tokens, self.origin, early = resume(
             self.cfg,
             self.ckpt,
             self.model,
@@ -236,6 +238,9 @@ class Trainer:
         )
         if self.start_step == 0 and t.init_from is not None:
             self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
+        self.best = Best.start(
+            t.keep_best, t.early_stop_patience, self.ckpt.directory, early
+        )
         # Tokens trained on, across resumes (a resume may change the batch); a
         # checkpoint from before they were recorded: its steps at this batch.
         per_step = self.meter.tokens_per_step
@@ -492,9 +497,10 @@ class Trainer:
         self.meter.restart(step)  # sampling time is not training throughput
         return rows
 
-    def checkpoint(self, step: int) -> Path:
+    def checkpoint(self, step: int, val_loss: float | None = None) -> Path:
         """A sharded checkpoint of ``step`` (a collective; in the background with
-        ``trainer.ckpt_async``)."""
+        ``trainer.ckpt_async``); ``val_loss``: the step's, which ranks it
+        (``trainer.keep_best``)."""
         # The config it was saved with: a resume continues from it (src/runs/resume.py).
         config = self.resolved.run_config or OmegaConf.to_container(self.cfg)
         extra = {
@@ -506,6 +512,10 @@ class Trainer:
             extra[ORIGIN] = self.origin
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
+        if val_loss is not None:
+            extra[SCORE] = val_loss
+        if self.best.state() is not None:
+            extra[EARLY_STOP] = self.best.state()
         path = self.ckpt.save(
             step, self.model, self.optimizer, self.scheduler, extra=extra
         )
@@ -528,8 +538,15 @@ class Trainer:
             self.summary[ORIGIN] = self.origin
         if self.no_val_split:
             self.summary["validation"] = NO_VAL_SPLIT
+        if self.best.keep_best and self.best.kept:
+            found = best_checkpoints(self.ckpt.directory, 1)
+            if found:
+                self.summary["best_checkpoint"] = {
+                    SCORE: found[0][0],
+                    "path": str(found[0][1]),
+                }
         self.summary.update(
-            steps=t.max_steps,
+            steps=self.early_stop["step"] if self.early_stop else t.max_steps,
             world_size=self.world,
             num_params=self.num_params,
             wrap_units=len(self.plan.units),
@@ -572,13 +589,17 @@ class Trainer:
         """Build, then every step with validation and checkpoints when due, finish."""
         t = self.cfg.trainer
         self.build()
-        if self.start_step >= t.max_steps:
+        self.early_stop: dict | None = None
+        if self.start_step >= t.max_steps or self.best.exhausted:
             self.bar.close()
             log.info(
                 "nothing to train: the checkpoint is at step %d and "
-                "trainer.max_steps=%d; summary.json kept",
+                "trainer.max_steps=%d%s; summary.json kept",
                 self.start_step,
                 t.max_steps,
+                f" (it stopped early: trainer.early_stop_patience={t.early_stop_patience})"
+                if self.best.exhausted
+                else "",
             )
             if t.export and not self.export_path().exists():
                 # A run killed while it exported: its export is finished now.
@@ -592,15 +613,24 @@ class Trainer:
         for step in range(self.start_step + 1, t.max_steps + 1):
             self.step(step)
             last = step == t.max_steps
+            val_loss = None
             if self.val_set and (step % t.val_every == 0 or last):
-                self.validate(step)
+                val_loss = self.validate(step)
             if t.sample_every and (step % t.sample_every == 0 or last):
                 self.sample(step)
-            saved = (last and t.ckpt_final) or (
-                t.ckpt_every and step % t.ckpt_every == 0
+            best = val_loss is not None and self.best.seen(step, val_loss)
+            stop = val_loss is not None and self.best.exhausted
+            saved = (
+                ((last or stop) and t.ckpt_final)
+                or (t.ckpt_every and step % t.ckpt_every == 0)
+                or best
             )
             if saved:
-                path = self.checkpoint(step)
+                path = self.checkpoint(step, val_loss)
+            if stop:
+                log.info(self.best.line(step))
+                self.early_stop = self.summary["early_stop"] = self.best.summary(step)
+                break
             self.stop_if_asked(step, None if not saved else path)
         return self.finish()
 

@@ -26,6 +26,7 @@ from src.checkpoint.folders import (
 from src.checkpoint.values import checked_extra
 from src.errors import ConfigError
 from src.resolved import Resolved
+from src.trainer.best import EARLY_STOP
 from src.trainer.faults import RESTART_CAUSE_ENV
 from src.trainer.optimizer import apply_hyperparameters
 
@@ -40,12 +41,12 @@ def resume(
     scheduler: Any,
     rank: int,
     scaler: torch.amp.GradScaler | None = None,
-) -> tuple[int, dict[str, Any] | None, int | None, dict[str, Any] | None]:
+) -> tuple[int, dict[str, Any] | None, int | None, dict[str, Any] | None, dict | None]:
     """Restore the checkpoint named by ``trainer.resume``; returns its step (0 if none),
     when the schedule was extended what ``summary.json`` records about it, the
     tokens trained on up to it (None: a checkpoint from before they were recorded),
-    and where its run's step-0 weights came from (``trainer.init_from``; None: a
-    fresh start).
+    where its run's step-0 weights came from (``trainer.init_from``; None: a
+    fresh start) and its early-stopping state (src/trainer/best.py; None: none).
 
     After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
     resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
@@ -74,7 +75,7 @@ def resume(
                 "trainer.resume=auto: no checkpoint in %s; starting at step 1",
                 ckpt.directory,
             )
-        return 0, None, None, None
+        return 0, None, None, None, None
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
     saved_max = checked_extra(
@@ -109,7 +110,15 @@ def resume(
     tokens = state.get("tokens_seen")
     if tokens is not None:
         tokens = checked_extra(path, state, "tokens_seen", 0)
-    return step, extended, tokens, resumed_origin(path, state)
+    return step, extended, tokens, resumed_origin(path, state), _early(path, state)
+
+
+def _early(path: Path, state: dict) -> dict | None:
+    """The checkpoint's early-stopping state (src/trainer/best.py), checked."""
+    if state.get(EARLY_STOP) is None:
+        return None
+    like = {"best": 0.0, "best_step": 0, "since": 0}
+    return checked_extra(path, state, EARLY_STOP, like)
 
 
 def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:
