@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +252,73 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(tmp_path):
     assert _kept(run_dir) == _expected_kept(vals, stop + 2)
     (aside,) = (run_dir / "branches").iterdir()
     assert all(s > older for s in _kept(aside))
+
+
+# ------------------------------------------------------------------- mixtures
+
+MIX = [
+    *ONE_RANK,
+    "logger=none",
+    "data=files",
+    "data.paths=[<stdlib>/json/*.py,<stdlib>/email/*.py]",
+    "data.weights=[3,1]",
+    "trainer.max_steps=8",
+    "trainer.ckpt_every=4",
+    "trainer.keep_last=0",
+    "trainer.log_every=2",
+    "trainer.val_every=4",
+    "trainer.val_batches=2",
+    "trainer.peak_tflops=1",
+]
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
+    tmp_path,
+):
+    """``data.paths=[a,b] data.weights=[3,1]``: each glob a source of its own token
+    cache entry, sampled by weight; the realised shares in metrics.jsonl and the
+    summary; a resume from the middle (into another run dir) gives the same losses
+    and shares as the run that went through. Wrong weights: one line."""
+    cache, run_dir, again = tmp_path / "cache", tmp_path / "run", tmp_path / "again"
+    out = run("train.py", *MIX, f"hydra.run.dir={run_dir}", cache=cache)
+    assert out.returncode == 0, out.stderr
+    record = json.loads((run_dir / "data.json").read_text())
+    assert [(s["name"], s["paths"], s["weight"]) for s in record["mix"]] == [
+        ("json", "<stdlib>/json/*.py", 0.75), ("email", "<stdlib>/email/*.py", 0.25),
+    ]  # fmt: skip
+    assert all(s["train_tokens"] > 0 and s["val_tokens"] > 0 for s in record["mix"])
+    rows = _rows(run_dir)
+    for row in rows.values():
+        assert row["share/json"] + row["share/email"] == pytest.approx(1)
+    mix = json.loads((run_dir / "summary.json").read_text())["data_mix"]
+    assert mix["json"]["tokens"] + mix["email"]["tokens"] == 8 * 16 * 64
+    assert mix["json"]["share"] == rows[8]["share/json"]
+    assert 0.6 < mix["json"]["share"] < 0.9  # 128 rows drawn at 0.75
+    assert {n: m["weight"] for n, m in mix.items()} == {"json": 0.75, "email": 0.25}
+
+    resumed = run(
+        "train.py", *MIX, f"hydra.run.dir={again}",
+        f"trainer.resume={run_dir}/checkpoints/step_00000004", cache=cache,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    later = _rows(again)
+    assert sorted(later) == [6, 8]
+    for step in (6, 8):
+        for key in ("loss", "share/json", "share/email"):
+            assert later[step][key] == rows[step][key]
+    assert json.loads((again / "summary.json").read_text())["data_mix"] == mix
+
+    for bad, why in (
+        ("data.weights=[1]", "got [1], expected a list of one weight per glob"),
+        ("data.weights=[1,0]", "got 0 in [1, 0], expected numbers > 0"),
+    ):
+        cfg = make_cfg(
+            *MIX[4:5], "data.paths=['<stdlib>/json/*.py','<stdlib>/email/*.py']", bad
+        )
+        with pytest.raises(ConfigError, match=f"^data.weights: {re.escape(why)}"):
+            validate(cfg)

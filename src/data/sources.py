@@ -35,6 +35,13 @@ import torch
 from omegaconf import OmegaConf
 
 from src.data.corpus import DATA_FORMATS, Corpus
+from src.data.mixture import (
+    MixedStream,
+    check_weights,
+    mixture_globs,
+    normalised,
+    source_names,
+)
 from src.data.token_cache import SPLITS, token_cache
 from src.data.tokenizer import Tokenizer, load_tokenizer
 from src.errors import ConfigError
@@ -121,7 +128,11 @@ def prepare_data(
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
     start = time.perf_counter()
-    meta = token_cache(data_cfg, verbose, progress).meta
+    globs = mixture_globs(data_cfg)
+    if globs is None:
+        meta = token_cache(data_cfg, verbose, progress).meta
+    else:
+        meta = _mixture_meta(data_cfg, globs, verbose, progress)
     counts = meta["formats"]
     if verbose:
         log.info(
@@ -139,6 +150,8 @@ def prepare_data(
             "token_cache": meta["token_cache"],
             **{k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens")},
         }
+        if "mix" in meta:
+            record["mix"] = meta["mix"]
         write_json_atomic(os.path.join(run_dir, DATA_RECORD), record)
     return meta
 
@@ -173,6 +186,8 @@ def check_split_sizes(
     if meta is None:
         return
     window = seq_len + 1
+    for source in meta.get("mix", ()):  # a mixture: each of its sources
+        check_split_sizes(data_cfg, {**source, "mix": ()}, seq_len, splits)
     fraction = data_cfg.get("val_fraction")
     keys = DATA_SOURCES[data_cfg.name].size_keys
     for split in splits:
@@ -200,6 +215,10 @@ def check_split_sizes(
         if key is None:  # text/files
             key = "data.max_bytes" if data_cfg.max_bytes is not None else "data.paths"
         what = {"train": "the training split", "val": "the validation split"}
+        if "name" in meta:  # a source of a mixture
+            what = {
+                k: f"{meta['name']} ({meta['paths']}): {v}" for k, v in what.items()
+            }
         raise ConfigError(
             key,
             f"{what.get(split, 'the data')} has {have} tokens, fewer than one window "
@@ -257,11 +276,73 @@ def follow_tokenizer_vocab(
 def _text_splits(
     cfg: Any, vocab_size: int, seed: int
 ) -> tuple[TokenStream, TokenStream]:
+    globs = mixture_globs(cfg)
+    if globs is not None:
+        entries = _mixture_entries(cfg, globs, verbose=False)
+        names = source_names(globs)
+        return tuple(
+            MixedStream(
+                [
+                    TokenStream(e.tokens(split), vocab_size, f"data.paths: {n}")
+                    for n, e in zip(names, entries, strict=True)
+                ],
+                names,
+                cfg.weights,
+            )
+            for split in SPLITS
+        )
     entry = token_cache(cfg, verbose=False)  # the launcher built it, usually
     return tuple(
         TokenStream(entry.tokens(split), vocab_size, "data.paths", entry.meta["max_id"])
         for split in SPLITS
     )
+
+
+def _source_cfg(cfg: Any, glob: str) -> Any:
+    """The ``data`` config of one source of a mixture: its glob alone."""
+    one = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    one.paths, one.weights = glob, None
+    return one
+
+
+def _mixture_entries(
+    cfg: Any, globs: list[str], verbose: bool, progress: bool = False
+) -> list[Any]:
+    """Each source's token cache entry, tokenized by the whole corpus's tokenizer."""
+    tokenizer = load_tokenizer(cfg, Corpus.from_config(cfg), verbose, progress)
+    return [
+        token_cache(_source_cfg(cfg, g), verbose, progress, tokenizer) for g in globs
+    ]
+
+
+def _mixture_meta(cfg: Any, globs: list[str], verbose: bool, progress: bool) -> dict:
+    """The token cache meta of a mixture: its sources' (one tokenizer) summed, with
+    each source's entry and token counts under ``mix``."""
+    entries = _mixture_entries(cfg, globs, verbose, progress)
+    metas = [e.meta for e in entries]
+    meta = dict(metas[0])
+    for key in ("train_tokens", "val_tokens", "bytes", "files"):
+        meta[key] = sum(m[key] for m in metas)
+    meta["max_id"] = max(m["max_id"] for m in metas)
+    meta["formats"] = {
+        f: sum(m["formats"].get(f, 0) for m in metas)
+        for f in dict.fromkeys(f for m in metas for f in m["formats"])
+    }
+    meta["token_cache"] = [e.path for e in entries]
+    weights = normalised(cfg.weights)
+    meta["mix"] = [
+        {
+            "name": name,
+            "paths": glob,
+            "weight": float(w),
+            "token_cache": e.path,
+            **{k: e.meta[k] for k in ("train_tokens", "val_tokens")},
+        }
+        for name, glob, w, e in zip(
+            source_names(globs), globs, weights, entries, strict=True
+        )
+    ]
+    return meta
 
 
 # ------------------------------------------------------------------- the sources
@@ -297,6 +378,9 @@ class FilesDataConfig(DataConfig):
         "the last fraction of the corpus bytes used for validation"
     )
     max_bytes: int | None = described("cap on the corpus bytes read (null = all)")
+    weights: Any = described(
+        "a mixture: one sampling weight per glob of data.paths (null: one corpus)"
+    )
     cache_dir: str = described("where tokenized corpora are cached")
 
 
@@ -306,6 +390,7 @@ def _check_files(data: Any) -> None:
             "data.paths",
             "required with data=files: a glob or a list of globs of your corpus",
         )
+    check_weights(data)
 
 
 @dataclass(frozen=True)

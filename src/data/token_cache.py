@@ -291,12 +291,16 @@ def remove_interrupted_builds(cache_dir: str) -> list[str]:
 
 
 def token_cache(
-    data_cfg: Any, verbose: bool = True, progress: bool = True
+    data_cfg: Any,
+    verbose: bool = True,
+    progress: bool = True,
+    tokenizer: Tokenizer | None = None,
 ) -> CacheEntry:
     """The cache entry for the ``data`` config (a text/files source): reused if built
     and intact, else built (or rebuilt, saying why) here. ``verbose`` (the launcher):
     say which, and check the tokens' checksums too; ``progress``: also show progress
-    bars."""
+    bars; ``tokenizer``: the one to use (a mixture's source: the whole corpus's),
+    default ``data.tokenizer``'s for this corpus."""
     removed = remove_interrupted_builds(cache_path(data_cfg))
     if removed and verbose:
         log.warning(
@@ -306,7 +310,8 @@ def token_cache(
             ", ".join(removed),
         )
     corpus = Corpus.from_config(data_cfg)
-    tokenizer = load_tokenizer(data_cfg, corpus, verbose, verbose and progress)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(data_cfg, corpus, verbose, verbose and progress)
     key = digest(
         {
             "version": CACHE_VERSION,

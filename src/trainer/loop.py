@@ -33,7 +33,8 @@ from src.checkpoint.export import (
     export_model_hf,
 )
 from src.checkpoint.folders import run_checkpoints
-from src.data.sources import GlobalBatches, load_splits, tokenizer_of
+from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
+from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
 from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
@@ -180,14 +181,18 @@ class Trainer:
         train_split, val_split = load_splits(
             self.cfg.data, spec.vocab_size(model_cfg), t.seed
         )
-        self.batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
+        self.batches = make_batches(train_split, micro_batch, block_size, t.seed)
+        # a mixture (data.weights): the tokens each source gave
+        self.mix = (
+            MixCounter(self.batches) if isinstance(train_split, MixedStream) else None
+        )
         self.tokenizer = tokenizer_of(self.cfg.data) if t.sample_every else None
         self.val_set = []
         self.no_val_split = len(val_split) == 0  # data.val_fraction=0
         if self.no_val_split and t.val_every and t.val_batches:
             log.info("training without a validation split (data.val_fraction=0)")
         elif t.val_every and t.val_batches:
-            self.val_set = GlobalBatches(
+            self.val_set = make_batches(
                 val_split, micro_batch, block_size, t.seed
             ).val_batches(t.val_batches, self.backend.dp_rank, self.backend.dp_size)
 
@@ -227,7 +232,7 @@ class Trainer:
             writing=lambda step: signal_point("checkpoint", step),
             keep_best=t.keep_best,
         )
-        self.start_step, self.extended, tokens, self.origin, early = resume(
+        self.start_step, self.extended, tokens, self.origin, saved = resume(
             self.cfg,
             self.ckpt,
             self.model,
@@ -239,8 +244,14 @@ class Trainer:
         if self.start_step == 0 and t.init_from is not None:
             self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
         self.best = Best.start(
-            t.keep_best, t.early_stop_patience, self.ckpt.directory, early
+            t.keep_best, t.early_stop_patience, self.ckpt.directory, saved[EARLY_STOP]
         )
+        if self.mix is not None:
+            gone = self.mix.restore(saved[MIX_STATE])
+            if gone:
+                log.info(
+                    "data.weights: the checkpoint's sources %s are not mixed", gone
+                )
         # Tokens trained on, across resumes (a resume may change the batch); a
         # checkpoint from before they were recorded: its steps at this batch.
         per_step = self.meter.tokens_per_step
@@ -414,6 +425,8 @@ class Trainer:
         )
         self.bar.update(1)
         self.tokens_seen += self.meter.tokens_per_step
+        if self.mix is not None:
+            self.mix.count(step - 1, t.grad_accum)
         log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
         speed = self.meter.step(step, log=log_now)  # None before the first full window
         if not log_now:
@@ -421,6 +434,7 @@ class Trainer:
         metrics = {
             "loss": self.loss,
             "tokens_seen": self.tokens_seen,
+            **(self.mix.shares() if self.mix is not None else {}),
             "lr": lr,
             "grad_norm": float(grad_norm),
             **(speed or {}),
@@ -516,6 +530,8 @@ class Trainer:
             extra[SCORE] = val_loss
         if self.best.state() is not None:
             extra[EARLY_STOP] = self.best.state()
+        if self.mix is not None:
+            extra[MIX_STATE] = self.mix.state()
         path = self.ckpt.save(
             step, self.model, self.optimizer, self.scheduler, extra=extra
         )
@@ -538,6 +554,8 @@ class Trainer:
             self.summary[ORIGIN] = self.origin
         if self.no_val_split:
             self.summary["validation"] = NO_VAL_SPLIT
+        if self.mix is not None:
+            self.summary[MIX_STATE] = self.mix.summary()
         if self.best.keep_best and self.best.kept:
             found = best_checkpoints(self.ckpt.directory, 1)
             if found:

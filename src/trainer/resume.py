@@ -24,6 +24,7 @@ from src.checkpoint.folders import (
     run_checkpoints,
 )
 from src.checkpoint.values import checked_extra
+from src.data.mixture import MIX_STATE
 from src.errors import ConfigError
 from src.resolved import Resolved
 from src.trainer.best import EARLY_STOP
@@ -46,7 +47,9 @@ def resume(
     when the schedule was extended what ``summary.json`` records about it, the
     tokens trained on up to it (None: a checkpoint from before they were recorded),
     where its run's step-0 weights came from (``trainer.init_from``; None: a
-    fresh start) and its early-stopping state (src/trainer/best.py; None: none).
+    fresh start) and the state of the trainer's parts it holds, checked:
+    ``{EARLY_STOP: early stopping's (src/trainer/best.py), MIX_STATE: a data
+    mixture's tokens per source (src/data/mixture.py)}`` (None each: none).
 
     After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
     resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
@@ -75,7 +78,7 @@ def resume(
                 "trainer.resume=auto: no checkpoint in %s; starting at step 1",
                 ckpt.directory,
             )
-        return 0, None, None, None, None
+        return 0, None, None, None, {EARLY_STOP: None, MIX_STATE: None}
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
     saved_max = checked_extra(
@@ -110,15 +113,26 @@ def resume(
     tokens = state.get("tokens_seen")
     if tokens is not None:
         tokens = checked_extra(path, state, "tokens_seen", 0)
-    return step, extended, tokens, resumed_origin(path, state), _early(path, state)
+    return step, extended, tokens, resumed_origin(path, state), _parts(path, state)
 
 
-def _early(path: Path, state: dict) -> dict | None:
-    """The checkpoint's early-stopping state (src/trainer/best.py), checked."""
-    if state.get(EARLY_STOP) is None:
-        return None
-    like = {"best": 0.0, "best_step": 0, "since": 0}
-    return checked_extra(path, state, EARLY_STOP, like)
+def _parts(path: Path, state: dict) -> dict:
+    """The checkpoint's early-stopping state and a mixture's tokens per source,
+    each checked (None: none)."""
+    parts: dict[str, Any] = {EARLY_STOP: None, MIX_STATE: None}
+    if state.get(EARLY_STOP) is not None:
+        like = {"best": 0.0, "best_step": 0, "since": 0}
+        parts[EARLY_STOP] = checked_extra(path, state, EARLY_STOP, like)
+    saved = state.get(MIX_STATE)
+    if saved is not None:
+        like = {str(k): 0 for k in saved} if isinstance(saved, dict) else {}
+        parts[MIX_STATE] = checked_extra(path, state, MIX_STATE, like)
+        if any(v < 0 for v in parts[MIX_STATE].values()):
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: meta.json: extra.{MIX_STATE} holds a "
+                "negative count"
+            )
+    return parts
 
 
 def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:
