@@ -20,6 +20,7 @@ from tests.test_researcher_ux import ONE_RANK, one_config_error, run
 from tests.test_train import make_cfg
 
 
+@pytest.mark.slow
 def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
     """``data=synthetic`` and ``data=tokens`` had no split-size check: a split
     smaller than one window stopped inside a rank (``ValueError: data.num_tokens:
@@ -58,6 +59,7 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
     prepare(cfg, validate(cfg), set())  # no validation split: nothing to check
 
 
+@pytest.mark.slow
 def test_a_val_loss_sweep_without_validation_is_refused_in_one_line(tmp_path):
     """``sweep.objective=val_loss`` (the default) and ``data.val_fraction=0``: every
     job would score the worst value. The job is refused before it starts, one line
@@ -94,6 +96,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow
 def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, caplog):
     """``python -m src.runs.compare runs/sweep`` (and ``runs/sweep/*``, which also
     matches multirun.yaml and the summary's files) compares the sweep's jobs and
@@ -182,6 +185,7 @@ def _expected_kept(vals: dict[int, float], last: int) -> list[int]:
     return sorted({last, *best})
 
 
+@pytest.mark.slow
 def test_best_checkpoints_and_early_stopping_across_resume_and_branch(tmp_path):
     """``trainer.keep_best=2 trainer.early_stop_patience=2``: training stops after 2
     validations without a lower val_loss (one console line, the summary, the closing
@@ -277,6 +281,7 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
     tmp_path,
 ):
