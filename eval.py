@@ -24,6 +24,7 @@ from src.config.validate import validate_eval
 from src.runs.compose import open_run
 from src.runs.evaluation import (
     EVAL_FILE,
+    changed_run_data,
     eval_changes,
     eval_rank,
     eval_split,
@@ -49,12 +50,14 @@ def evaluate_run(cfg: DictConfig) -> dict:
             (split,),
             cfg.ckpt,
         )
+        changed = None if cfg.data is not None else changed_run_data(run_dir, run_cfg)
     opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}
     with exit_on_config_error():  # a rank's failure: one line
         result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)
     if result is None:  # a rank > 0 under torchrun: rank 0 reports
         return {}
-    entry = record(result, checkpoint, run_cfg, split)
+    run_data = cfg.data is None and changed is None
+    entry = record(result, checkpoint, run_cfg, split, run_data)
     path = write_record(run_dir, entry)
     log.info(
         "eval of %s (step %d) on data=%s split=%s (%s of its %s tokens), %d batches "

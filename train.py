@@ -19,6 +19,8 @@ from omegaconf import DictConfig
 
 from src.config.cli import exit_on_config_error, run_cli
 from src.config.validate import validate
+from src.data.pinning import read_pin
+from src.errors import keyed
 from src.planner.auto import default_policy
 from src.planner.run import budget_check
 from src.planner.settings import run_budget_bytes
@@ -73,7 +75,13 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
                 cfg, user_keys = continue_run(cfg, run_dir)  # a resume: its config
             except Completed:  # said; its records stay as they are
                 return None
-            cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir=run_dir)
+            # a resume reads the run's own tokenizer, and its data must be the run's
+            pin = (
+                keyed("hydra.run.dir", read_pin, run_dir)
+                if user_keys is not None
+                else None
+            )
+            cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir, pin=pin)
             preflight(run_dir)  # the run dir is writable
             check_init_from(cfg, resolved, run_dir)  # its checkpoint fits the model
             take_branch(cfg, run_dir)  # from an older point: the rest set aside

@@ -101,10 +101,15 @@ def start_rank_server() -> None:
     :data:`STOP_SIGNALS` blocked, which every rank inherits as
     a spawned rank inherited the launcher's mask (src/trainer/faults.py unblocks
     them once a rank's handler is in place). Not under torchrun, whose ranks are
-    this command itself. :func:`stop_rank_server` ends it when no rank will start
+    this command itself: there this process dies with torchrun's agent, its parent. :func:`stop_rank_server` ends it when no rank will start
     here (one rank, plan-only, a config error)."""
     global _rank_server
-    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun rank: its parent is torchrun's agent, which a kill -9 ends
+        # without ending its ranks; the kernel ends this one with it.
+        _die_with_parent(os.getppid())
+        return
+    if "LOCAL_RANK" in os.environ:
         return
     _rank_server = True
     multiprocessing.set_forkserver_preload(["__main__"])

@@ -138,6 +138,9 @@ class TrainerConfig:
     mem_margin: float = described(
         "the planner's safety margin: a fit needs estimate x (1 + m)"
     )
+    memory_check: bool = described(
+        "refuse a run the planner says this machine cannot hold (false: start it)"
+    )
     malloc_mmap_threshold_kib: int | None = described(
         "CPU ranks: heap blocks >= this (KiB) are freed to the OS at once; default "
         "4096: the peak follows memory in use at glibc's speed (null: glibc's own)"

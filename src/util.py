@@ -143,6 +143,14 @@ def read_json(path: str | os.PathLike) -> Any:
         return parse_json(f.read())
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """:func:`read_json` of a file that must hold a JSON object (ValueError if not)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def read_yaml(path: str | os.PathLike, kind: str = "mapping") -> Any:
     """The YAML in the regular file ``path`` (OmegaConf's loader, yaml's safe one:
     data, never code) if it is a ``kind``: ``mapping`` (a DictConfig) or ``list``

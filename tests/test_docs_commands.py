@@ -49,6 +49,7 @@ from omegaconf import OmegaConf
 
 from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
 from src.config.validate import validate
+from src.planner.run import MEMORY_CHECK_KEY
 from src.trainer.launch import override_keys
 from tests.distributed import run_distributed
 from tests.test_config import run_train
@@ -327,7 +328,12 @@ def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
         except CONFIG_ERRORS as err:
             print(f"config error: {one_line(err)}")
             key = str(err).split(":")[0]
-            if not (key in USER_PATH_KEYS and user_path(command, point, key)):
+            # a command for a bigger machine (GPUs, a cluster) than this one: the
+            # machine check is prepare's last step, so all else went through
+            bigger = key == MEMORY_CHECK_KEY
+            if not bigger and not (
+                key in USER_PATH_KEYS and user_path(command, point, key)
+            ):
                 outcome.error = f"config error: {one_line(err)}"
         except Exception as err:  # noqa: BLE001 - reported with the command
             outcome.error = f"{type(err).__name__}: {one_line(err)}"

@@ -10,6 +10,7 @@ on a timer. The "case N" names are those of issue 17.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -704,3 +705,36 @@ def test_ctrl_c_to_the_group_at_any_moment_loses_nothing_and_says_one_line(
     ]
     assert (checkpoint / "COMPLETE").is_file()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [checkpoint.name]
+
+
+def test_ranks_under_torchrun_die_with_its_agent(tmp_path):
+    """Issue 48 item 4 under torchrun: ``kill -9`` of the torchrun agent (the OOM
+    killer, a user) ends its ranks within seconds (the kernel's parent-death
+    signal, asked by each rank as train.py starts), instead of leaving them
+    training as orphans."""
+    ranks = [o for o in BASE if not o.startswith("trainer.devices")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + ["--nproc_per_node=2", str(ROOT / "train.py"), *ranks]
+        + ["trainer.max_steps=100000", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        read_until(agent, "step 1:")
+        workers = [p for p, cmd in children(agent.pid).items() if "train.py" in cmd]
+        assert len(workers) == 2, children(agent.pid)
+        agent.kill()
+        agent.wait(timeout=HANG_S)  # not its output: orphans would hold it open
+        deadline = time.monotonic() + 20  # SIGKILLs, by the kernel: milliseconds
+        while living := [p for p in workers if start_time(p) is not None]:
+            assert time.monotonic() < deadline, f"outlived their agent: {living}"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)

@@ -182,3 +182,57 @@ def test_a_full_disk_at_start_up_is_one_line_with_the_free_space(tmp_path, monke
     assert util.unwritable(tmp_path) == (
         f"no space left on device ({util.free_space(tmp_path)} free)"
     )
+
+
+def test_no_run_bigger_than_the_machine(tmp_path):
+    """Issue 48 item 5: model=gpt_70b on this machine is refused before any rank
+    starts, in one line with the planner's figure, this machine's memory and the
+    cheapest fit (none here); the tiny model fits, and trainer.memory_check=false
+    insists; ranks far past the cores are said, as many as twice them are not."""
+    import subprocess
+    import sys
+
+    from src.config.validate import validate
+    from src.harness import compose_config
+    from src.planner.constants import available_memory
+    from src.planner.run import machine_check, oversubscribed
+    from src.planner.run_estimate import estimate_cfg
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    big = subprocess.run(
+        [sys.executable, "train.py", "model=gpt_70b", "logger=none"]
+        + ["trainer.progress=false", f"hydra.run.dir={tmp_path}/big"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert big.returncode == 2, big.stderr[-2000:]
+    (line,) = big.stderr.splitlines()
+    assert line.startswith(
+        "config error: trainer.memory_check: the planner's estimate of this run, "
+    )
+    assert " per rank x 2 ranks = " in line and "this machine's MemAvailable, " in line
+    assert "no change of sharding, precision or pipeline fits" in line
+    assert line.endswith("set trainer.memory_check=false to start it anyway")
+    assert not (tmp_path / "big" / "checkpoints").exists()
+
+    def check(*overrides: str, ranks: int) -> None:
+        cfg = compose_config("model=tiny", "trainer.grad_accum=1", *overrides)
+        resolved = validate(cfg)
+        _, est = estimate_cfg(cfg, resolved, resolved.world_size)
+        machine_check(cfg, resolved, est, ranks)
+
+    check(ranks=2)  # the default run on the tiny model
+    have = available_memory()[0]
+    huge = have // (300 << 20) + 1  # ranks of ~0.35 GiB past this machine's memory
+    with pytest.raises(ConfigError) as err:
+        check(ranks=huge)
+    assert "is more than this machine's MemAvailable, " in str(err.value)
+    check("trainer.memory_check=false", ranks=huge)
+
+    cores = len(os.sched_getaffinity(0))
+    assert oversubscribed(2 * cores) is None
+    assert oversubscribed(2 * cores + 1).startswith(
+        f"trainer.devices: {2 * cores + 1} ranks share this machine's {cores} CPU core"
+    )

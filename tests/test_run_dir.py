@@ -860,3 +860,88 @@ def test_a_run_dir_holds_one_timeline(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.startswith(f"nothing to train: {done} completed its 6 steps")
     assert _run_files(done) == before
+
+
+def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
+    """Issue 48 item 1's repros on a BPE run: its corpus rewritten (size and mtime
+    kept) and a file added, the resume is refused in one line naming both, before
+    anything is tokenized or recorded; eval.py scores the changed files but says so
+    and records run_data=false (and names the damaged checkpoint it passes over); with the corpus and the BPE cache deleted sample.py
+    decodes with the run's own tokenizer file (never trained again); a tokenizer
+    file that is not the run's is refused naming it."""
+    corpus, cache, run = tmp_path / "corpus", tmp_path / "cache", tmp_path / "run"
+    corpus.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    for i in range(3):
+        lines = [" ".join(words[(i + j + k) % 8] for k in range(9)) for j in range(150)]
+        (corpus / f"{i}.txt").write_text("\n".join(lines))
+    data = ["data=files", f"data.paths={corpus}/*.txt", f"data.cache_dir={cache}"]
+    data += ["data.tokenizer=bpe", "data.bpe_vocab_size=300"]
+    first = _train(
+        *RUN[:1], "logger=none", *data, "trainer.max_steps=2", "trainer.devices=1",
+        "trainer.progress=false", "trainer.ckpt_every=1", f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = (run / "data.json").read_bytes()
+    assert json.loads(record)["eos_token"] == "<|endoftext|>"
+    built = sorted(p.name for p in cache.iterdir())
+
+    target = corpus / "1.txt"
+    st = os.stat(target)
+    target.write_text(target.read_text().replace("alpha", "ALPHA"))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (corpus / "3.txt").write_text("omega " * 50)
+    resumed = _train(f"hydra.run.dir={run}", "trainer.resume=auto")
+    assert resumed.returncode == 2, resumed.stderr[-2000:]
+    assert resumed.stderr.splitlines() == [
+        f"config error: data.paths: the run trained on other data: {target} (its "
+        f"contents changed), {corpus}/3.txt (added); a resume keeps the "
+        "checkpoint's data and tokenizer (restore the files, or train another in a "
+        "new hydra.run.dir)"
+    ]
+    assert (run / "data.json").read_bytes() == record
+    assert sorted(p.name for p in cache.iterdir() if "digests" not in p.name) == [
+        n for n in built if "digests" not in n
+    ]
+
+    newest = run / "checkpoints" / "step_00000002"
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1] + b"?")  # damaged: skipped, and said
+    scored = _tool("eval.py", f"run={run}", "batches=1")
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    assert "eval: the run's data changed since it trained on it: " in scored.stdout
+    assert (
+        f"skipping checkpoint {newest}: {shard.name} fails its checksum (corrupted); "
+        "reading the newest intact one" in scored.stdout
+    )
+    record = json.loads((run / "eval.json").read_text())[-1]
+    assert record["run_data"] is False and record["step"] == 1
+
+    shutil.rmtree(corpus)
+    for bpe in cache.glob("bpe-*"):
+        bpe.unlink()
+    sample = ["max_new_tokens=4", "num_samples=1", "prompt=alpha beta"]
+    sampled = _tool("sample.py", f"run={run}", *sample)
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    assert "\nalpha beta" in sampled.stdout
+    assert not list(cache.glob("bpe-*"))  # read from the run, not trained again
+
+    (run / "tokenizer.json").write_text("{}")
+    forged = _tool("sample.py", f"run={run}", *sample)
+    assert forged.returncode == 2
+    assert forged.stderr.startswith(
+        f"config error: run: {run}/tokenizer.json is not the tokenizer the run "
+        "trained with (SHA-256 "
+    )
+    assert len(forged.stderr.splitlines()) == 1

@@ -183,6 +183,19 @@ def test_a_failed_job_is_a_row_and_the_others_still_run(tmp_path):
     main([str(sweep), "--no-wandb", "--no-plot"])
     assert read_csv(sweep / "sweep_summary.csv") == rows
 
+    # Issue 48: a second sweep into it is refused before any job, nothing changed
+    # (its jobs failed on their used run dirs: the completed one recorded failed).
+    before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+    again = multirun(sweep, "trainer.devices=2", "trainer.batch_size=4", "logger=none")
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr.splitlines() == [
+        f"config error: hydra.sweep.dir: {sweep} holds a sweep (4 jobs); another "
+        "there would record its completed jobs as failed and replace its summary: "
+        "sweep into another hydra.sweep.dir, or resume its jobs with "
+        "trainer.resume=auto"
+    ]
+    assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == before
+
 
 @pytest.mark.slow
 def test_optuna_preset_maximises_the_returned_tokens_per_s(tmp_path):
@@ -464,3 +477,22 @@ def test_a_job_without_its_objective_records_strict_json(tmp_path, monkeypatch, 
         _, rows, _ = collect(tmp_path)
     assert "damaged" not in caplog.text
     assert rows[0]["status"] == "completed" and rows[0]["loss"] == 5.0
+
+
+def test_a_sweep_dir_in_use_is_refused_naming_the_holder(tmp_path):
+    """Two multiruns into one sweep dir at once: the second is refused, naming the
+    PID of the first, before it writes anything there."""
+    from src.runs.writable import SWEEP_LOCK, own_sweep_dir
+
+    with own_sweep_dir(str(tmp_path), None):
+        assert (tmp_path / SWEEP_LOCK).read_text() == f"{os.getpid()}\n"
+        with pytest.raises(ConfigError) as err:
+            with own_sweep_dir(str(tmp_path), "auto"):
+                pass
+    assert str(err.value) == (
+        f"hydra.sweep.dir: {tmp_path} is in use by another sweep (PID "
+        f"{os.getpid()}); wait for it or stop it, or sweep into another "
+        "hydra.sweep.dir"
+    )
+    with own_sweep_dir(str(tmp_path), None):  # released: free again
+        pass

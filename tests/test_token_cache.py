@@ -318,3 +318,63 @@ def test_mixed_formats_are_read_by_extension_and_the_run_records_them(tmp_path, 
     forced = cfg_for(tmp_path, f"data.paths={root}/*.jsonl", "data.format=text")
     raw = stream(forced).astype(np.uint8).tobytes()
     assert raw == (root / "b.jsonl").read_bytes() + b"\0"
+
+
+def test_the_cache_is_keyed_by_file_contents(tmp_path, capsys):
+    """A rewrite that keeps a file's size and mtime builds a new entry (the stale
+    one was reused when the key held mtimes); a touch reuses the entry; the
+    remembered digests are data (a damaged file of them is read as none); the byte
+    tokenizer of a run needs no corpus."""
+    import os
+
+    from src.data.corpus import DIGESTS_FILE
+    from src.data.sources import tokenizer_of
+
+    paths = write_corpus(tmp_path, "text")
+    cfg = cfg_for(tmp_path, paths)
+    first = prepare_data(cfg.data)
+    target = tmp_path / "text" / "011.txt"  # in the val split
+    st = os.stat(target)
+    text = target.read_text()
+    target.write_text(text.replace("omicron", "OMICRON"))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(target).st_size == st.st_size
+    rewritten = prepare_data(cfg.data)
+    assert rewritten["token_cache"] != first["token_cache"]
+    assert capsys.readouterr().out.count("token cache: built") == 2
+    val = load_splits(cfg.data, 1 << 20, seed=0)[1].tokens
+    assert b"OMICRON" in np.asarray(val).astype(np.uint8).tobytes()
+
+    os.utime(tmp_path / "text" / "000.txt")  # a new mtime, the same contents
+    (tmp_path / "cache" / DIGESTS_FILE).write_text("{not json")
+    assert prepare_data(cfg.data)["token_cache"] == rewritten["token_cache"]
+    assert capsys.readouterr().out.count("token cache: reusing") == 1
+    assert len(json.loads((tmp_path / "cache" / DIGESTS_FILE).read_text())) == 12
+
+    gone = cfg_for(tmp_path, f"data.paths={tmp_path}/none/*.txt")
+    assert tokenizer_of(gone.data).name == "byte"
+
+
+def test_a_full_cache_disk_is_one_line_with_the_path_and_free_space(tmp_path):
+    """Issue 48 item 6: a cache write that meets a full disk (ENOSPC, as the token
+    entry, a BPE or the digests are written under their build lock) is one line
+    naming data.cache_dir, the cache dir and its free space (it was [Errno 28]
+    without a path)."""
+    import errno
+
+    from src.data.corpus import build_lock
+    from src.errors import ConfigError
+
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError) as err:
+        with build_lock(str(cache / "tokens-0123")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(err.value).startswith(
+        f"data.cache_dir: the token cache writes to {cache}: no space left on device ("
+    )
+    assert str(err.value).endswith(
+        " MiB free); set data.cache_dir to a writable directory"
+    )
+    with pytest.raises(OSError):  # any other failure is its own
+        with build_lock(str(cache / "tokens-0123")):
+            raise OSError(errno.EIO, "I/O error")

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -93,6 +94,19 @@ def quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+#: What torch says on every FSDP1 (ShardedTensor) state dict, save and load, about
+#: its own internals (~70 lines per save on a small model): nothing the user can act
+#: on. Ignored process-wide (DCP's async save warns from its writer thread, where a
+#: ``catch_warnings`` block would not reach).
+_FSDP1_NOISE = (
+    "Please use DTensor instead and we are deprecating ShardedTensor",
+    "`_get_pg_default_device` will be deprecated",
+    "Multiple backends are registered with this ProcessGroup",
+)
+for _text in _FSDP1_NOISE:
+    warnings.filterwarnings("ignore", message=re.escape(_text))
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ reported by file and line number; Parquet with pyarrow, one record batch at a ti
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -24,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from src.errors import ConfigError, not_writable
-from src.util import unwritable
+from src.util import free_space, read_json, unwritable, write_json_atomic
 
 #: How a file holds its documents.
 DATA_FORMATS = ("text", "jsonl", "parquet")
@@ -83,6 +84,7 @@ class Corpus:
     val_fraction: float = 0.05
     max_bytes: int | None = None
     _total: int | None = field(default=None, init=False, repr=False)
+    _fingerprint: dict | None = field(default=None, init=False, repr=False)
 
     @property
     def formats(self) -> list[str]:
@@ -118,22 +120,20 @@ class Corpus:
             max_bytes=max_bytes,
         )
 
-    def fingerprint(self) -> dict:
-        """What identifies the corpus in a cache key: its settings and each file's
-        path, size and modification time (not its contents: reading a large corpus
-        to hash it would cost as much as tokenizing it)."""
-        stats = []
-        for path in self.files:
-            st = os.stat(path)
-            stats.append([path, st.st_size, st.st_mtime_ns])
-        formats = self.formats
-        return {
-            "formats": formats,
-            "text_key": self.text_key if set(formats) != {"text"} else None,
-            "val_fraction": self.val_fraction,
-            "max_bytes": self.max_bytes,
-            "files": stats,
-        }
+    def fingerprint(self, cache_dir: str | None = None) -> dict:
+        """What identifies the corpus (a cache key, a run's record of its data): its
+        settings and each file's path, size and SHA-256 of its contents
+        (:func:`content_digests`, remembered in ``cache_dir``)."""
+        if self._fingerprint is None:
+            formats = self.formats
+            self._fingerprint = {
+                "formats": formats,
+                "text_key": self.text_key if set(formats) != {"text"} else None,
+                "val_fraction": self.val_fraction,
+                "max_bytes": self.max_bytes,
+                "files": content_digests(self.files, cache_dir),
+            }
+        return self._fingerprint
 
     def documents(self) -> Iterator[bytes | None]:
         """The corpus as pieces of UTF-8 bytes, each document followed by ``EOD``."""
@@ -278,14 +278,82 @@ def build_lock(path: str) -> Iterator[None]:
     """An exclusive lock on ``<path>.lock``: of the processes that find an entry
     missing (the local ranks under torchrun, jobs of a sweep), one builds it and the
     others wait here, then find it built. A cache dir that cannot be written (a shared
-    read-only cache lacking this entry) is a one-line error naming data.cache_dir."""
+    read-only cache lacking this entry), or whose disk fills while the block writes,
+    is a one-line error naming data.cache_dir (and the space left)."""
     cache = os.path.dirname(path)
     problem = unwritable(cache)
     if problem is not None:
         raise not_writable("data.cache_dir", cache, "the token cache", problem)
-    with open(f"{path}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        with open(f"{path}.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        full = f"no space left on device ({free_space(cache)} free)"
+        raise not_writable("data.cache_dir", cache, "the token cache", full) from None
+
+
+#: In ``data.cache_dir``: each corpus file's SHA-256 with the ``stat`` it was read at
+#: (:func:`content_digests`).
+DIGESTS_FILE = "digests.json"
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    # A write changes ctime, which no tool can set back (a rewrite keeping size and
+    # mtime has a new one); a rename or a chmod changes it too: then it is re-read.
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of the file's contents (hex)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _memo(path: str) -> dict[str, list]:
+    """The remembered digests in ``path`` (data: an entry of the wrong shape, or a
+    file that is not strict JSON, is forgotten, never trusted)."""
+    try:
+        memo = read_json(path) if os.path.lexists(path) else {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(memo, dict):
+        return {}
+    return {
+        k: v
+        for k, v in memo.items()
+        if isinstance(v, list)
+        and len(v) == 6
+        and all(type(x) is int for x in v[:5])
+        and isinstance(v[5], str)
+        and len(v[5]) == 64
+    }
+
+
+def content_digests(files: Sequence[str], cache_dir: str | None) -> list[list]:
+    """``[path, size, sha256]`` of each file. A digest is computed once per version
+    of a file (a full read, at about 1 GB/s) and remembered in ``cache_dir``'s
+    :data:`DIGESTS_FILE` under the file's size, mtime, ctime and inode, so a start
+    on an unchanged corpus reads none of it; a cache dir that cannot be written only
+    remembers nothing."""
+    memo_path = os.path.join(cache_dir, DIGESTS_FILE) if cache_dir else None
+    memo = _memo(memo_path) if memo_path else {}
+    out, new = [], {}
+    for path in files:
+        key = _stat_key(os.stat(path))
+        known = memo.get(path)
+        sha = known[5] if known and known[:5] == key else None
+        if sha is None:
+            sha = file_digest(path)
+            if _stat_key(os.stat(path)) == key:  # not written while it was read
+                new[path] = [*key, sha]
+        out.append([path, key[0], sha])
+    if new and memo_path and unwritable(cache_dir) is None:
+        with build_lock(memo_path):  # merged with what other processes remembered
+            write_json_atomic(memo_path, {**_memo(memo_path), **new})
+    return out

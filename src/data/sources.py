@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from src.data.corpus import DATA_FORMATS, Corpus
+from src.data.corpus import DATA_FORMATS, Corpus, CorpusError
 from src.data.mixture import (
     MixedStream,
     check_weights,
@@ -42,8 +42,9 @@ from src.data.mixture import (
     normalised,
     source_names,
 )
+from src.data.pinning import DATA_RECORD, DataPin, data_changes, pin_fields
 from src.data.token_cache import SPLITS, token_cache
-from src.data.tokenizer import Tokenizer, load_tokenizer
+from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 from src.errors import ConfigError
 from src.registry import Registry, described, no_check, or_list
 from src.resolved import Resolved
@@ -109,30 +110,38 @@ def load_splits(
     return DATA_SOURCES[name].splits(data_cfg, vocab_size, seed)
 
 
-#: In the run dir: what the run's tokens were made from (files per format, the
-#: tokenizer file, the token cache entry).
-DATA_RECORD = "data.json"
-
-
 def prepare_data(
     data_cfg: Any,
     verbose: bool = True,
     progress: bool = True,
     run_dir: str | None = None,
+    pin: DataPin | None = None,
 ) -> dict | None:
     """Build (or find) the token cache of a text/files source, in the launcher before
     any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``, ``formats``,
     ``tokenizer_file``...), or None for the sources without a tokenizer. With
-    ``run_dir``, records it there (:data:`DATA_RECORD`). Bad input raises a one-line
-    ``ConfigError``."""
+    ``run_dir``, records it there and pins it to the run (:data:`DATA_RECORD`,
+    src/data/pinning.py). With ``pin`` (a resume's), a corpus that differs from the
+    run's is a one-line ``CorpusError`` naming the files, before anything is built.
+    Bad input raises a one-line ``ConfigError``."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
     start = time.perf_counter()
+    corpus = Corpus.from_config(data_cfg)
+    changed = corpus_changes(data_cfg, corpus, pin)
+    if changed:
+        raise CorpusError(
+            f"data.paths: the run trained on other data: {changed}; a resume keeps "
+            "the checkpoint's data and tokenizer (restore the files, or train "
+            "another in a new hydra.run.dir)"
+        )
     globs = mixture_globs(data_cfg)
     if globs is None:
-        meta = token_cache(data_cfg, verbose, progress).meta
+        entry = token_cache(data_cfg, verbose, progress, corpus)
+        meta, tokenizer, fingerprint = entry.meta, entry.tokenizer, entry.corpus
     else:
-        meta = _mixture_meta(data_cfg, globs, verbose, progress)
+        meta, tokenizer = _mixture_meta(data_cfg, globs, verbose, progress, corpus)
+        fingerprint = corpus.fingerprint(cache_path(data_cfg))
     counts = meta["formats"]
     if verbose:
         log.info(
@@ -149,11 +158,20 @@ def prepare_data(
             "tokenizer_file": meta["tokenizer_file"],
             "token_cache": meta["token_cache"],
             **{k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens")},
+            **pin_fields(run_dir, tokenizer, fingerprint),
         }
         if "mix" in meta:
             record["mix"] = meta["mix"]
         write_json_atomic(os.path.join(run_dir, DATA_RECORD), record)
     return meta
+
+
+def corpus_changes(data_cfg: Any, corpus: Corpus, pin: DataPin | None) -> str | None:
+    """How ``corpus`` (read by ``data_cfg``) differs from the run's pinned data, in a
+    few words naming the files; None when it does not (or there is no pin)."""
+    if pin is None:
+        return None
+    return data_changes(pin.corpus, corpus.fingerprint(cache_path(data_cfg)))
 
 
 def training_splits(trainer: Any, meta: dict | None) -> tuple[str, ...]:
@@ -228,10 +246,12 @@ def check_split_sizes(
 
 def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     """The tokenizer the run's text was tokenized with (``data.tokenizer``; a BPE from
-    its cache), or None for the sources without one (``synthetic``, ``tokens``)."""
+    its cache, which needs the corpus; byte and a file need none), or None for the
+    sources without one (``synthetic``, ``tokens``)."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
-    return load_tokenizer(data_cfg, Corpus.from_config(data_cfg), verbose=False)
+    corpus = Corpus.from_config(data_cfg) if data_cfg.tokenizer == "bpe" else None
+    return load_tokenizer(data_cfg, corpus, verbose=False)
 
 
 def follow_tokenizer_vocab(
@@ -306,19 +326,27 @@ def _source_cfg(cfg: Any, glob: str) -> Any:
 
 
 def _mixture_entries(
-    cfg: Any, globs: list[str], verbose: bool, progress: bool = False
+    cfg: Any,
+    globs: list[str],
+    verbose: bool,
+    progress: bool = False,
+    corpus: Corpus | None = None,
 ) -> list[Any]:
     """Each source's token cache entry, tokenized by the whole corpus's tokenizer."""
-    tokenizer = load_tokenizer(cfg, Corpus.from_config(cfg), verbose, progress)
+    corpus = corpus or Corpus.from_config(cfg)
+    tokenizer = load_tokenizer(cfg, corpus, verbose, progress)
     return [
-        token_cache(_source_cfg(cfg, g), verbose, progress, tokenizer) for g in globs
+        token_cache(_source_cfg(cfg, g), verbose, progress, tokenizer=tokenizer)
+        for g in globs
     ]
 
 
-def _mixture_meta(cfg: Any, globs: list[str], verbose: bool, progress: bool) -> dict:
+def _mixture_meta(
+    cfg: Any, globs: list[str], verbose: bool, progress: bool, corpus: Corpus
+) -> tuple[dict, Any]:
     """The token cache meta of a mixture: its sources' (one tokenizer) summed, with
-    each source's entry and token counts under ``mix``."""
-    entries = _mixture_entries(cfg, globs, verbose, progress)
+    each source's entry and token counts under ``mix``; and that tokenizer."""
+    entries = _mixture_entries(cfg, globs, verbose, progress, corpus)
     metas = [e.meta for e in entries]
     meta = dict(metas[0])
     for key in ("train_tokens", "val_tokens", "bytes", "files"):
@@ -342,7 +370,7 @@ def _mixture_meta(cfg: Any, globs: list[str], verbose: bool, progress: bool) -> 
             source_names(globs), globs, weights, entries, strict=True
         )
     ]
-    return meta
+    return meta, entries[0].tokenizer
 
 
 # ------------------------------------------------------------------- the sources

@@ -3,7 +3,7 @@
 An entry is a directory ``<data.cache_dir>/tokens-<key>/`` holding ``train.bin`` and
 ``val.bin`` (flat token ids, uint8/uint16/uint32 by vocabulary size, each document
 followed by the tokenizer's end-of-document id) and ``meta.json``. ``key`` hashes the
-corpus (each file's path, size and mtime, format, split, cap), the tokenizer (its
+corpus (each file's path, size and content digest, format, split, cap), the tokenizer (its
 serialised JSON) and :data:`CACHE_VERSION`: a run with the same corpus, tokenizer and
 settings reuses the entry, any change builds a new one. An entry is written into a
 temporary directory and published by one atomic rename, so a crashed build never leaves
@@ -42,13 +42,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from src.data.corpus import EOD, Corpus, build_lock, digest
+from src.data.corpus import DIGESTS_FILE, EOD, Corpus, build_lock, digest
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 from src.util import read_json
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: meta.json holds each split's CRC-32
+CACHE_VERSION = 3  # 2: meta.json holds each split's CRC-32; 3: keyed by contents
 BATCH_BYTES = 1 << 23  # text handed to the tokenizer's thread pool at a time
 SPLITS = ("train", "val")
 
@@ -59,6 +59,8 @@ class CacheEntry:
 
     path: str
     meta: dict
+    tokenizer: Tokenizer | None = None  # what made its tokens (set by token_cache)
+    corpus: dict | None = None  # the corpus fingerprint it was keyed by
 
     @property
     def dtype(self) -> np.dtype:
@@ -269,7 +271,7 @@ def _discard(path: str) -> None:
 #: What the cache's builders write before their one rename, ``<entry>.tmp-<suffix>``:
 #: a token entry's dir (or a damaged one set aside) and a BPE tokenizer's file
 #: (:func:`atomic_path`).
-_BUILDS = ("tokens-*.tmp-*", "bpe-*.json.tmp-*")
+_BUILDS = ("tokens-*.tmp-*", "bpe-*.json.tmp-*", f"{DIGESTS_FILE}.tmp-*")
 
 
 def remove_interrupted_builds(cache_dir: str) -> list[str]:
@@ -294,13 +296,14 @@ def token_cache(
     data_cfg: Any,
     verbose: bool = True,
     progress: bool = True,
+    corpus: Corpus | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> CacheEntry:
     """The cache entry for the ``data`` config (a text/files source): reused if built
     and intact, else built (or rebuilt, saying why) here. ``verbose`` (the launcher):
     say which, and check the tokens' checksums too; ``progress``: also show progress
-    bars; ``tokenizer``: the one to use (a mixture's source: the whole corpus's),
-    default ``data.tokenizer``'s for this corpus."""
+    bars; ``corpus``: the config's, if already read; ``tokenizer``: the one to
+    use (a mixture's source: the whole corpus's), default ``data.tokenizer``'s."""
     removed = remove_interrupted_builds(cache_path(data_cfg))
     if removed and verbose:
         log.warning(
@@ -309,13 +312,13 @@ def token_cache(
             cache_path(data_cfg),
             ", ".join(removed),
         )
-    corpus = Corpus.from_config(data_cfg)
+    corpus = corpus or Corpus.from_config(data_cfg)
     if tokenizer is None:
         tokenizer = load_tokenizer(data_cfg, corpus, verbose, verbose and progress)
     key = digest(
         {
             "version": CACHE_VERSION,
-            "corpus": corpus.fingerprint(),
+            "corpus": corpus.fingerprint(cache_path(data_cfg)),
             "tokenizer": tokenizer.identity,
         }
     )
@@ -343,6 +346,7 @@ def token_cache(
         tokenizer_file=tokenizer.path,
         token_cache=path,
     )
+    entry.tokenizer, entry.corpus = tokenizer, corpus.fingerprint(cache_path(data_cfg))
     if verbose:
         m = entry.meta
         log.info(

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from src.data.corpus import EOD, Corpus, CorpusError, build_lock, digest
-from src.util import atomic_path, read_json
+from src.util import atomic_path, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,9 @@ def _tokenizer_config(directory: str) -> dict:
     if not os.path.lexists(path):
         return {}
     try:
-        config = read_json(path)
+        return read_json_object(path)
     except (OSError, ValueError) as exc:
         raise CorpusError(f"data.tokenizer: {path} is unreadable ({exc})") from None
-    if not isinstance(config, dict):
-        raise CorpusError(f"data.tokenizer: {path} is not a JSON object")
-    return config
 
 
 def _special_from_config(directory: str, key: str) -> str | None:
@@ -182,9 +179,8 @@ def bpe_tokenizer(
             f"data.bpe_vocab_size: got {vocab_size}, expected more than "
             f"{BYTE_VOCAB + 1} (the byte alphabet and {BPE_EOS})"
         )
-    key = digest(
-        {"bpe": BPE_VERSION, "vocab": vocab_size, "corpus": corpus.fingerprint()}
-    )
+    fingerprint = corpus.fingerprint(cache_dir)
+    key = digest({"bpe": BPE_VERSION, "vocab": vocab_size, "corpus": fingerprint})
     path = os.path.join(cache_dir, f"bpe-{key}.json")
     with build_lock(path):  # one process trains, the others wait and load it
         if os.path.isfile(path):
@@ -238,9 +234,10 @@ def train_bpe(corpus: Corpus, vocab_size: int, progress: bool = True) -> Any:
 
 
 def load_tokenizer(
-    cfg: Any, corpus: Corpus, verbose: bool = True, progress: bool = True
+    cfg: Any, corpus: Corpus | None, verbose: bool = True, progress: bool = True
 ) -> Tokenizer:
-    """The tokenizer ``data.tokenizer`` names (``cfg`` is the ``data`` node)."""
+    """The tokenizer ``data.tokenizer`` names (``cfg`` is the ``data`` node;
+    ``corpus``: its corpus, which only ``bpe`` reads)."""
     name = cfg.tokenizer
     if name == "byte":
         return byte_tokenizer()

@@ -50,15 +50,30 @@ def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
     return int(value * GIB)
 
 
-def machine_budget_bytes(world: int) -> int:
-    """Memory one rank may use on this machine: the GPU's, else available RAM / ranks."""
+def available_memory() -> tuple[int, str]:
+    """Memory this machine has for a run, and what it is: one GPU's (each rank has
+    its own), else the RAM available to new processes (``MemAvailable``: free memory
+    and the caches the kernel gives back), which all local ranks share."""
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"{torch.cuda.get_device_name(0)}'s memory"
     try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 8 * GIB
-    return avail // max(1, world)
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024, "MemAvailable"
+    except (OSError, KeyError, ValueError):
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            avail = 8 * GIB
+        return avail, "free memory"
+
+
+def machine_budget_bytes(world: int) -> int:
+    """Memory one rank may use on this machine: the GPU's, else available RAM / ranks
+    (:func:`available_memory`)."""
+    have, _ = available_memory()
+    return have if torch.cuda.is_available() else have // max(1, world)
 
 
 #: What training adds above the parts the estimate counts (code and kernels first

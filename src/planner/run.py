@@ -3,16 +3,32 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
 from omegaconf import DictConfig
 
 from src.errors import ConfigError
-from src.planner.auto import default_policy, resolve_auto
-from src.planner.estimate import Estimate, needed, planned_peak_gib
+from src.planner.auto import AUTO_KEYS, default_policy, resolve_auto
+from src.planner.constants import available_memory
+from src.planner.estimate import (
+    Estimate,
+    fmt_bytes,
+    needed,
+    planned_peak_gib,
+    with_margin,
+)
 from src.planner.run_estimate import estimate_cfg
-from src.planner.settings import mem_margin, run_budget_bytes
+from src.planner.search import search
+from src.planner.settings import (
+    PP_KEY,
+    PRECISION_KEY,
+    mem_margin,
+    run_budget_bytes,
+    setting,
+)
 from src.resolved import Resolved, resolve_devices
 from src.sharding import GIB
 
@@ -88,3 +104,75 @@ def plan_run(
     except Exception as err:
         return replace(plan, unplanned=f"{type(err).__name__}: {err}")
     return replace(plan, estimate=est)
+
+
+#: ``trainer.memory_check``: false starts a run the planner says this machine
+#: cannot hold (:func:`machine_check`).
+MEMORY_CHECK_KEY = "trainer.memory_check"
+#: Ranks per core past which a CPU run is said to be oversubscribed.
+_RANKS_PER_CORE = 2
+
+
+def machine_check(
+    cfg: DictConfig, resolved: Resolved, est: Estimate, local_ranks: int
+) -> None:
+    """No run bigger than the machine, before any rank allocates: the planner's
+    per-rank figure (with its safety margin) against one GPU's memory, or, on CPU,
+    times ``local_ranks`` (the ranks on this host) against ``MemAvailable``. Too
+    big is a ConfigError naming :data:`MEMORY_CHECK_KEY` with the figure and the
+    cheapest change of sharding, precision or pipeline that fits (searched only
+    then: a start that fits costs one read of /proc/meminfo)."""
+    if not setting(cfg, MEMORY_CHECK_KEY):
+        return
+    if (est.shape.device == "cuda") != torch.cuda.is_available():
+        return  # planned for another machine's device (an accelerator budget)
+    have, what = available_memory()
+    ranks = 1 if est.shape.device == "cuda" else max(1, local_ranks)
+    need = needed(est, mem_margin(cfg))
+    if need * ranks <= have:
+        return
+    shown = with_margin(est, mem_margin(cfg))
+    figure = f"{shown} per rank" + (
+        f" x {ranks} ranks = {fmt_bytes(need * ranks)}" if ranks > 1 else ""
+    )
+    raise ConfigError(
+        MEMORY_CHECK_KEY,
+        f"the planner's estimate of this run, {figure}, is more than this "
+        f"machine's {what}, {fmt_bytes(have)}; {_cheapest_fit(cfg, resolved, have // ranks)}; "
+        f"set {MEMORY_CHECK_KEY}=false to start it anyway",
+    )
+
+
+def _cheapest_fit(cfg: DictConfig, resolved: Resolved, budget: int) -> str:
+    """The cheapest change of the same ranks that fits ``budget`` per rank, said."""
+    keys = [*AUTO_KEYS, PRECISION_KEY, PP_KEY]
+    try:
+        best, smallest = search(cfg, resolved, keys, budget, resolved.world_size)
+    except Exception as err:  # the refusal stands without a proposal
+        return f"no change searched ({type(err).__name__}: {err})"
+    if best is not None:
+        return (
+            f"the cheapest change that fits: {best.describe()} -> "
+            f"{fmt_bytes(best.estimate.total)} per rank"
+        )
+    return (
+        "no change of sharding, precision or pipeline fits (the smallest estimate "
+        f"is {fmt_bytes(smallest.estimate.total)} per rank, with "
+        f"{smallest.describe()}): a smaller model or a bigger machine"
+    )
+
+
+def oversubscribed(local_ranks: int) -> str | None:
+    """A line when the CPU ranks on this host are many more than its cores (each
+    then waits for a core most of the time: slower than fewer ranks); else None."""
+    if torch.cuda.is_available():
+        return None
+    cores = len(os.sched_getaffinity(0))
+    if local_ranks <= _RANKS_PER_CORE * cores:
+        return None
+    return (
+        f"trainer.devices: {local_ranks} ranks share this machine's {cores} CPU "
+        f"core{'s' if cores > 1 else ''}: each waits for a core most of the time, "
+        "so the run is slower than with fewer ranks (the layout, not the speed, "
+        "is what such a run tests)"
+    )

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from src.checkpoint.folders import resolve_resume, run_checkpoints
 from src.cli_help import CONF_DIR
 from src.config.validate import validate
+from src.data.pinning import pinned_data, read_pin
 from src.errors import ConfigError, keyed
 from src.resolved import Resolved
 from src.runs.branches import (
@@ -305,6 +306,8 @@ def open_run(
     cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)
     where = f"checkpoint {checkpoint}" if saved else f"{run_dir}/{RUN_CONFIG}"
     refuse_recorded_code(cfg, where, "trust_remote_code", trust_remote_code)
+    # the run's own tokenizer file (a BPE never trained again, no corpus needed)
+    cfg.data = pinned_data(cfg.data, keyed("run", read_pin, run_dir))
     cfg = with_changes(cfg, changes(cfg))
     resolved = validate(cfg)
     first = ("run", str(run_dir), record) if record else None

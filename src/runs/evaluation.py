@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from src.data.corpus import Corpus
 from src.data.mixture import make_batches, whole_stream
-from src.data.sources import load_splits
+from src.data.pinning import read_pin
+from src.data.sources import DATA_SOURCES, corpus_changes, load_splits
 from src.errors import ConfigError
 from src.resolved import Resolved, world_size
 from src.runs.from_run import load_model, run_tokenizer
@@ -117,12 +119,37 @@ def eval_rank(
     }
 
 
+def changed_run_data(run_dir: Path, cfg: DictConfig) -> str | None:
+    """How the files of the run's own data config (``cfg``: as eval.py prepared it)
+    differ from those the run trained on (src/data/pinning.py), in a few words
+    naming them; None when they do not, or the run pinned none. Said in one line:
+    the score is then on other data, not the run's."""
+    pin = read_pin(run_dir)
+    if pin is None or not DATA_SOURCES[cfg.data.name].tokenized:
+        return None
+    changed = corpus_changes(cfg.data, Corpus.from_config(cfg.data), pin)
+    if changed:
+        log.warning(
+            "eval: the run's data changed since it trained on it: %s; this scores "
+            "the files as they are now, recorded with run_data=false (not the run's "
+            "result)",
+            changed,
+        )
+    return changed
+
+
 def record(
-    result: dict[str, Any], checkpoint: Path, cfg: DictConfig, split: str
+    result: dict[str, Any],
+    checkpoint: Path,
+    cfg: DictConfig,
+    split: str,
+    run_data: bool = True,
 ) -> dict[str, Any]:
-    """What eval.json keeps of one evaluation."""
+    """What eval.json keeps of one evaluation; ``run_data``: whether it scored the
+    data the run trained on (its own data config, its files unchanged)."""
     data = OmegaConf.to_container(cfg.data)
     return {
+        "run_data": run_data,
         "checkpoint": str(checkpoint),
         **result,
         "perplexity": math.exp(min(result["loss"], 700.0)),

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ from src.sharding import Backend
 from src.trainer.launch import run_ranks
 from src.trainer.sampling import sample_texts
 
+log = logging.getLogger(__name__)
+
 RUN_CONFIG = Path(RECORD) / "config.yaml"
 RUN_OVERRIDES = Path(RECORD) / "overrides.yaml"
 
@@ -68,7 +71,7 @@ def find_run(path: str, key: str = "run", ckpt: str = "latest") -> tuple[Path, P
         return run_dir, best_of(where, directory)
     try:
         checkpoint = resolve_resume(
-            str(where), directory, Checkpointer(directory).verify
+            str(where), directory, Checkpointer(directory).verify, _skipped
         )
     except FileNotFoundError:
         checkpoint = None
@@ -99,6 +102,13 @@ def best_of(where: Path, directory: Path) -> Path:
         "ckpt",
         f"best: no checkpoint in {directory} records a val_loss (train with "
         "trainer.keep_best=K to keep the K best by val_loss)",
+    )
+
+
+def _skipped(path: Path, reason: str) -> None:
+    """Said when a damaged checkpoint is passed over for an older one."""
+    log.warning(
+        "skipping checkpoint %s: %s; reading the newest intact one", path, reason
     )
 
 

@@ -6,7 +6,10 @@ environment variable) to change; :class:`WritableDirs` checks them as Hydra star
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ from src.runs.branches import BRANCHES
 from src.runs.resume import RECORD
 from src.sharding.transforms import compile_cache_dir
 from src.trainer.faults import LOCK_FILE, RANK_REPORTS
-from src.util import planted_file, unwritable
+from src.trainer.sweep import job_dirs
+from src.util import planted_file, plural, unwritable
 
 
 def written_dirs(cfg: DictConfig, wandb: bool = True) -> list[tuple[str, str, str]]:
@@ -116,6 +120,50 @@ def check_writable(
         raise err
 
 
+#: In a sweep dir: held by the multirun that writes there (:func:`own_sweep_dir`).
+SWEEP_LOCK = "sweep.lock"
+
+
+@contextlib.contextmanager
+def own_sweep_dir(sweep_dir: str, resume: Any) -> Iterator[None]:
+    """Hold ``sweep_dir`` for a multirun: a second multirun there while one runs is
+    refused naming the holder's PID; one into a dir that holds a sweep's jobs is
+    refused unless it resumes them (``trainer.resume`` set: each job continues its
+    own run dir), since its jobs would fail on their used run dirs, recording the
+    completed ones as failed, and its summary would replace the sweep's. A
+    ConfigError naming hydra.sweep.dir; checked before any job starts."""
+    os.makedirs(sweep_dir, exist_ok=True)
+    path = os.path.join(sweep_dir, SWEEP_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ConfigError(
+                "hydra.sweep.dir",
+                f"{sweep_dir} is in use by another sweep (PID {holder}); wait for "
+                "it or stop it, or sweep into another hydra.sweep.dir",
+            ) from None
+        jobs = job_dirs(sweep_dir)
+        if jobs and resume in (None, "none"):
+            raise ConfigError(
+                "hydra.sweep.dir",
+                f"{sweep_dir} holds a sweep ({plural(len(jobs), 'job')}); another "
+                "there would record its completed jobs as failed and replace its "
+                "summary: sweep into another hydra.sweep.dir, or resume its jobs "
+                "with trainer.resume=auto",
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
 class WritableDirs(Callback):
     """Hydra callback (conf/config.yaml): before Hydra creates the run dir and starts
     its job logging (which writes ``train.log`` there), a run (or sweep) dir inside
@@ -130,6 +178,14 @@ class WritableDirs(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
+        sweep_dir = str(OmegaConf.select(config, "hydra.sweep.dir"))
+        resume = OmegaConf.select(config, "trainer.resume", default=None)
+        self._sweep = contextlib.ExitStack()
+        with exit_on_config_error():  # one line: Hydra would only warn
+            self._sweep.enter_context(own_sweep_dir(sweep_dir, resume))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._sweep.close()
 
     def _check(self, config: DictConfig, key: str) -> None:
         from hydra.core.hydra_config import HydraConfig

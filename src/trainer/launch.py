@@ -44,11 +44,13 @@ from torch.multiprocessing.spawn import ProcessContext
 
 from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import run_checkpoints, step_of
+from src.data.pinning import DataPin, pinned_data
 from src.data.sources import (
     check_split_sizes,
     follow_tokenizer_vocab,
     prepare_data,
     split_sizes,
+    tokenizer_of,
     training_splits,
 )
 from src.entry import die_with_launcher, rank_start_method, stop_rank_server
@@ -63,7 +65,7 @@ from src.observe.logs import (
 )
 from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.report import plan_only
-from src.planner.run import plan_run
+from src.planner.run import machine_check, oversubscribed, plan_run
 from src.resolved import Resolved, resolve, under_torchrun
 from src.trainer.faults import (
     RANK_REPORTS,
@@ -101,6 +103,7 @@ def prepare(
     user_keys: set[str] | None = None,
     run_dir: str | None = None,
     splits: tuple[str, ...] | None = None,
+    pin: DataPin | None = None,
 ) -> tuple[DictConfig, Resolved]:
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
@@ -111,23 +114,34 @@ def prepare(
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
     ``run_dir``: where to record what the data was made from (``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
-    (default: training's, :func:`training_splits`). Bad input is a ``ConfigError``."""
+    (default: training's, :func:`training_splits`; none: no data is read, the
+    tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data
+    (src/data/pinning.py), whose tokenizer file the ranks read and whose corpus the
+    data must still be. Bad input is a ``ConfigError``."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     composed = OmegaConf.to_container(cfg)  # what a checkpoint records
     set_log_level(cfg.trainer.log_level)
     user_keys = job_user_keys() if user_keys is None else user_keys
-    if not cfg.trainer.plan_only:  # plan-only reads no data
+    if pin is not None:  # recorded as the run's config, read as its own file
+        cfg.data = pinned_data(cfg.data, pin)
+    meta = None
+    if splits == ():  # reads no data (sample.py): a BPE's file needs no corpus
+        tokenizer = tokenizer_of(cfg.data)
+        meta = tokenizer and {"vocab_size": tokenizer.vocab_size}
+    elif not cfg.trainer.plan_only:  # plan-only reads no data
         meta = prepare_data(
             cfg.data,
             _is_rank0(),
             cfg.trainer.progress,
             run_dir if _is_rank0() else None,
+            pin,
         )
-        if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
-            # The model is final now: its run object is built from it, once.
-            resolved = resolve(cfg)
+    if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
+        # The model is final now: its run object is built from it, once.
+        resolved = resolve(cfg)
+    if splits != () and not cfg.trainer.plan_only:
         seq_len = resolved.spec.seq_len(resolved.model_config)
         sizes = split_sizes(cfg.data, meta)
         wanted = training_splits(cfg.trainer, sizes) if splits is None else splits
@@ -151,6 +165,12 @@ def prepare(
         log.warning("planner: no estimate for this run (%s)", run.unplanned)
     if run.lower_bound:
         log.warning("planner: the estimate is a lower bound: %s", run.lower_bound)
+    if splits is None:  # a training run: no bigger than this machine
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or resolved.world_size
+        if run.estimate is not None:
+            machine_check(cfg, resolved, run.estimate, local)
+        if oversubscribed(local):
+            log.warning("%s", oversubscribed(local))
     return cfg, replace(
         resolved,
         planned_peak_gib=run.planned_peak_gib,

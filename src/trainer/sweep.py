@@ -244,7 +244,7 @@ def run_job(
             write_json_atomic(status_file, {"status": "failed", "error": line})
             return worst(direction)
     cap = OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None)
-    if summary is None:  # plan-only, or a job function that returns nothing
+    if not summary:  # plan-only, nothing left to train, or no summary returned
         summary = _read_json(Path(run_dir) / "summary.json")
     value = objective(summary, cap, name, direction)
     if multirun:
