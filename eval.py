@@ -4,7 +4,7 @@ The run's own composed config (``<run dir>/.hydra/config.yaml``) gives the model
 tokenizer, sharding and data; ``data=files data.paths=...`` (any data option)
 evaluates other text, read with the run's tokenizer. Every rank evaluates its rows
 (src/runs/evaluation.py); the result is logged, appended to ``<run dir>/eval.json``
-and to the run's wandb run. Keys in conf/eval.yaml; a config error is one line naming
+and to a wandb run of its own, linked to the run's. Keys in conf/eval.yaml; a config error is one line naming
 the key (exit status 2).
 """
 

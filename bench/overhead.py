@@ -329,18 +329,21 @@ def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, user + system CPU seconds) of a live process."""
+def _stat(pid: int) -> tuple[int, tuple[float, float, int]] | None:
+    """(parent pid, (user + system CPU seconds, system CPU seconds, minor page
+    faults)) of a live process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+    user, system = int(fields[11]) / _TICK, int(fields[12]) / _TICK
+    return int(fields[1]), (user + system, system, int(fields[7]))
 
 
-def tree_cpu(root: int) -> dict[int, float]:
-    """CPU seconds of ``root`` and each of its live descendants, by pid."""
+def tree_cpu(root: int) -> dict[int, tuple[float, float, int]]:
+    """(CPU seconds, system CPU seconds, minor page faults) of ``root`` and each of
+    its live descendants, by pid."""
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -365,7 +368,7 @@ def run_side(cmd: list[str], progress: str, s: dict) -> dict:
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    marks: dict[int, tuple[float, dict[int, float]]] = {}
+    marks: dict[int, tuple[float, dict[int, tuple[float, float, int]]]] = {}
     offset, pending = 0, ""
     while proc.poll() is None:
         time.sleep(0.01)
@@ -385,9 +388,15 @@ def run_side(cmd: list[str], progress: str, s: dict) -> dict:
         raise RuntimeError(f"{cmd[1:3]} failed ({proc.returncode}):\n{stderr[-3000:]}")
     (t0, cpu0), (t1, cpu1) = marks[s["warmup"]], marks[s["steps"]]
     steps = s["steps"] - s["warmup"]
-    used = {pid: cpu1[pid] - cpu0.get(pid, 0.0) for pid in cpu1}
+    zero = (0.0, 0.0, 0)
+    used = {pid: cpu1[pid][0] - cpu0.get(pid, zero)[0] for pid in cpu1}
+    # The allocator's page faults and kernel time: what machine load hardly moves.
+    faults = sum(cpu1[pid][2] - cpu0.get(pid, zero)[2] for pid in cpu1)
+    system = sum(cpu1[pid][1] - cpu0.get(pid, zero)[1] for pid in cpu1)
     return {
         "cpu_per_step": sum(used.values()) / steps,
+        "sys_per_step": system / steps,
+        "faults_per_step": faults / steps,
         "launcher_cpu_share": used.get(proc.pid, 0.0) / (t1 - t0),
         "ranks_cpu_share": (sum(used.values()) - used.get(proc.pid, 0.0))
         / (t1 - t0)
@@ -434,6 +443,9 @@ def trainer_command(s: dict, args: argparse.Namespace, run_dir: str) -> list[str
         "trainer.val_every=0",
         "logger=none",
         "trainer.progress=false",
+        # the minimal loop saves none; the final save would start within the window's
+        # last poll of the process tree's CPU time
+        "trainer.ckpt_final=false",
         *args.trainer_overrides,
         f"hydra.run.dir={run_dir}",  # last: compose_trainer_cfg drops it
     ]
@@ -546,7 +558,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             res[side] = r
             print(
                 f"repeat {repeat}: {side}: {tokens_per_step / r['step_s']:,.0f} tokens/s"
-                f", CPU {r['cpu_per_step']:.3f} s/step (launcher "
+                f", CPU {r['cpu_per_step']:.3f} s/step (sys {r['sys_per_step']:.3f}, "
+                f"{r['faults_per_step']:,.0f} page faults; launcher "
                 f"{r['launcher_cpu_share']:.1%} of a core, ranks "
                 f"{r['ranks_cpu_share']:.0%} each); s/step per window: "
                 + " ".join(f"{w:.3f}" for w in r["windows"]),
@@ -568,6 +581,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "(median window)": f"{r['median_step_s'] / t['median_step_s']:.3f}",
                     "CPU s/step": f"{r['cpu_per_step']:.3f}",
                     "CPU: this / trainer": f"{r['cpu_per_step'] / t['cpu_per_step']:.3f}",
+                    "sys CPU s/step": f"{r['sys_per_step']:.3f}",
+                    "page faults/step": f"{r['faults_per_step']:,.0f}",
                     "launcher CPU": f"{r['launcher_cpu_share']:.1%}",
                     "rank CPU/wall": f"{r['ranks_cpu_share']:.2f}",
                     "max dloss": "-" if side == "trainer" else f"{dloss:.1e}",
@@ -603,7 +618,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "the mean and the median window. `CPU s/step`: CPU time (user + sys) of "
         "the side's whole process tree (launcher + ranks) over the same steps, "
         "read from /proc when the log lines of steps W and N appear; it is far "
-        "less sensitive to other load on the machine than wall time. "
+        "less sensitive to other load on the machine than wall time. `sys CPU "
+        "s/step`, `page faults/step`: the kernel's share of it and the minor page "
+        "faults over the same steps (the allocator's cost; load barely moves "
+        "them). "
         "`launcher CPU`: the launching process's share of a core (train.py: "
         "Hydra + torch's elastic agent). `rank CPU/wall` < 1: ranks waiting or "
         "preempted. `max dloss`: largest difference of the logged losses "

@@ -140,6 +140,12 @@ ORDINARY: dict[str, list[str]] = {
     "custom TinyLM": ["model=custom", "model._target_=tests.test_models.TinyLM",
                       "+model.args.dim=256", "+model.args.depth=4",
                       "model.block_size=256", "sharding.policy=block"],
+    # context parallelism: each rank 1/C of every sequence, K and V gathered
+    "llama CP2 x FSDP2, 4 ranks, 2048 tokens": [
+        "model=llama_tiny", "model.max_seq_len=2048", "trainer.devices=4",
+        "sharding.context_parallel=2"],
+    "gpt CP2, 2 ranks, 1024 tokens": ["model.block_size=1024",
+                                      "sharding.context_parallel=2"],
     # pipeline stages: the worst stage's plan against the max over ranks
     "gpt 4x384 PP2 1F1B, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=1f1b"],
     "gpt 4x384 PP2 GPipe, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=gpipe"],

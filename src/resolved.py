@@ -64,11 +64,14 @@ class Resolved:
 def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> Resolved:
     """Resolve ``cfg`` (:class:`ConfigError` naming the key at the first bad value)."""
     s = cfg.sharding
+    layout = parallel_layout(cfg, world_size(cfg.trainer.devices))
+    spec, config = model_spec(cfg), model_config(cfg)
+    check_expert_parallel(layout, spec, config)
     return Resolved(
         planned_peak_gib=planned_peak_gib,
-        layout=parallel_layout(cfg, world_size(cfg.trainer.devices)),
-        spec=model_spec(cfg),
-        model_config=model_config(cfg),
+        layout=layout,
+        spec=spec,
+        model_config=config,
         policies=resolve_policies(s.policy),
         exclude_wrap_modules=import_classes(
             s.exclude_wrap_modules, "sharding.exclude_wrap_modules"
@@ -86,6 +89,8 @@ LAYOUT_KEYS = {
     "pp": "sharding.pipeline_parallel",
     "dp_replicate": "sharding.replicate",
     "tp": "sharding.tensor_parallel",
+    "ep": "sharding.expert_parallel",
+    "cp": "sharding.context_parallel",
 }
 
 
@@ -106,6 +111,31 @@ def layout_errors_named() -> Iterator[None]:
         raise ConfigError(
             LAYOUT_KEYS.get(err.dim, "trainer.devices"), str(err)
         ) from None
+
+
+def check_expert_parallel(layout: ParallelLayout, spec: ModelSpec, config: Any) -> None:
+    """ConfigError naming ``sharding.expert_parallel`` when the model has no experts
+    to split, or its experts do not split ``ep`` ways."""
+    ep = layout.ep
+    if ep <= 1:
+        return
+    if spec.num_experts is None:
+        raise ConfigError(
+            LAYOUT_KEYS["ep"],
+            f"model family {spec.name!r} has no expert parallelism (a dense model, "
+            "or model=hf); use 1",
+        )
+    experts = spec.num_experts(config)
+    if not experts:
+        raise ConfigError(
+            LAYOUT_KEYS["ep"],
+            "this model has no MoE block (model.n_dense_layers); use 1",
+        )
+    if experts % ep:
+        raise ConfigError(
+            LAYOUT_KEYS["ep"],
+            f"{ep} does not divide the model's {experts} experts (model.num_experts)",
+        )
 
 
 def resolve_policies(policy: Any) -> tuple[str, ...]:

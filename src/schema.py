@@ -86,11 +86,17 @@ class ShardingConfig:
     tensor_parallel: int = described(
         "fsdp2: T ranks split each block (tp mesh dim); 1 = off"
     )
+    context_parallel: int = described(
+        "fsdp2: C ranks split each sequence (cp mesh dim); 1 = off"
+    )
     sequence_parallel: bool | None = described(
         "with tensor_parallel: norms sharded over the sequence (null: family default)"
     )
     pipeline_parallel: int = described(
         "fsdp2: P pipeline stages (pp mesh dim, outermost); 1 = off"
+    )
+    expert_parallel: int = described(
+        "fsdp2: E ranks split a MoE's experts (from the shard ranks); 1 = off"
     )
     pp_schedule: str = described(
         lambda: (
@@ -194,6 +200,9 @@ class TrainerConfig:
     timeout_s: float = described("collective timeout; a silent rank is named after it")
     plan_only: bool = described(
         "print the wrap plan and memory estimate, allocate nothing"
+    )
+    fixed_devices: bool = described(
+        "the planner's proposals keep trainer.devices as set (change anything else)"
     )
     peak_tflops: float | None = described(
         "per-rank peak for MFU (null: GPU table or CPU probe)"

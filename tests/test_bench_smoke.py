@@ -120,3 +120,39 @@ def test_plan_vs_measured_ordinary_compares_the_closing_lines_figures(
         (row,) = b.main(argv)
         assert row["measured GiB"] == f"{measured:.3f}", flag
         assert float(row["planned GiB"]) > 0, flag
+
+
+@pytest.mark.slow
+def test_overhead_tiny(docs_untouched):
+    """bench.overhead's trainer and minimal-spawn sides, one short run each: the same
+    losses step for step, and each side's CPU, sys CPU and page faults per step
+    (the allocator's cost, which load barely moves; their ratio across sides spreads
+    too widely in a short run to assert one: test_config checks the heap's reuse)."""
+    from bench import overhead
+
+    rows = overhead.main(
+        ["--steps=10", "--warmup=5", "--log-every=5", "--repeats=1",
+         "--minimal", "spawn"]
+    )  # fmt: skip
+    trainer, minimal, median = rows
+    assert (trainer["side"], minimal["side"], median["repeat"]) == (
+        "trainer", "minimal-spawn", "median")  # fmt: skip
+    assert float(minimal["max dloss"]) < 1e-5
+    for row in rows[:2]:
+        assert float(row["page faults/step"].replace(",", "")) >= 0
+        assert float(row["CPU s/step"]) > float(row["sys CPU s/step"]) >= 0
+
+
+def test_context_parallel_bench_one_rank_row(docs_untouched, monkeypatch):
+    """bench.context_parallel's table on its one-rank layout alone (the CP2 x FSDP2
+    measurement runs in tests/test_context_parallel.py's 4-rank launch): figures
+    measured and planned, the ratio against itself 1."""
+    from bench import context_parallel
+
+    monkeypatch.setattr(context_parallel, "LAYOUTS", ((1, 1),))
+    argv = ["--seq", "256", "--layers", "1", "--steps", "1", "--batch-size", "2"]
+    (row,) = context_parallel.main(argv)
+    assert row["layout"] == "1 rank" and row["vs 1 rank"] == "1.00"
+    assert float(row["activations/rank (MiB)"]) > 0
+    assert float(row["planned (MiB)"]) > 0
+    assert 0 < float(row["final loss"]) < 10

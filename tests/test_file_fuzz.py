@@ -869,7 +869,7 @@ def test_fuzz_summary_lock_and_tokenizer_config(tmp_path, caplog):
     tokenizer_dir = tmp_path / "tok"
     tokenizer_dir.mkdir()
     byte_level_hf().save(str(tokenizer_dir / "tokenizer.json"))
-    tokenizer_config = json.dumps({"eos_token": "<0x0A>"})
+    tokenizer_config = json.dumps({"eos_token": "Ċ"})  # the byte-level newline
     (tokenizer_dir / "tokenizer_config.json").write_text(tokenizer_config)
     load_path_tokenizer(str(tokenizer_dir))  # intact
     structural = ("empty", "half", "last byte cut", "append", "0xff")

@@ -153,3 +153,111 @@ def test_trainer_exports_the_bpe_tokenizer_and_its_eos(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model).__name__ == "GPT2LMHeadModel"
     assert (_logits(model, result["x"]) - result["logits"]).abs().max() < 1e-5
+
+
+#: Every family's export (issue 49 item 1): the native GPT and Llama, and each tiny
+#: transformers config in conf/hf_configs.
+EXPORTED = [
+    ["model=tiny"],
+    ["model=llama_tiny", "model.n_layers=2"],
+    *(
+        ["model=hf", f"model.config={p.name}"]
+        for p in sorted((ROOT / "conf" / "hf_configs").iterdir())
+    ),
+]
+PROMPT = "def main():\n    return 42  # héllo, wörld"
+
+
+def _opens_and_generates(out: Path, prompt_ids: list[int]) -> None:
+    """``out`` opens with AutoTokenizer and AutoModelForCausalLM, the prompt's ids
+    round-trip, config.json has the KV cache on, and greedy generate continues it
+    (with the cache, as without)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == prompt_ids and tok.decode(ids[0]) == PROMPT
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.use_cache is True
+    new = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert new.shape == (1, ids.shape[1] + 4) and (new[0, : ids.shape[1]] == ids).all()
+    plain = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert (plain == new).all()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    EXPORTED,
+    ids=lambda o: o[len(o) - 1 if o[0] == "model=hf" else 0].split("=")[-1],
+)
+def test_every_family_export_opens_encodes_and_generates(tmp_path, overrides):
+    """One process, no training: each family's export (byte tokenizer) opens with
+    AutoTokenizer (Qwen2's is rebuilt by transformers from the vocabulary alone: the
+    byte-level vocabulary makes it encode as the run) and AutoModelForCausalLM, and
+    generates from a prompt whose ids are the run's."""
+    cfg = make_cfg(*overrides, "sharding=none", "trainer.devices=1")
+    validate(cfg)
+    resolved = resolve(cfg)
+    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved)
+    tokenizer = byte_tokenizer()
+    export_model_hf(
+        model, tmp_path / "hf", resolved.spec.hf, resolved.model_config, tokenizer
+    )
+    _opens_and_generates(tmp_path / "hf", tokenizer.encode_text(PROMPT))
+    if overrides[0] == "model=hf":  # the model's own config keeps training's choice
+        assert resolved.model_config.hf_config.use_cache is False
+
+
+@pytest.mark.slow
+def test_readme_qwen2_export_round_trips(tmp_path):
+    """The README's command (1 rank, 2 steps): the Qwen2 export encodes prompts and
+    generates, and says nothing about a tokenizer mismatch."""
+    from tests.test_config import run_train
+
+    out = run_train(
+        "model=hf", "model.config=tiny_qwen2", "trainer.export=hf",
+        "trainer.devices=1", "trainer.max_steps=2", "trainer.val_every=0",
+        "trainer.progress=false", "logger=none", f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "AutoTokenizer opens" not in out.stdout + out.stderr
+    _opens_and_generates(tmp_path / "hf", byte_tokenizer().encode_text(PROMPT))
+
+
+def test_export_warns_when_autotokenizer_encodes_unlike_the_run(tmp_path, caplog):
+    """A BPE whose merges cross Qwen2's digit split (``42`` one token): transformers
+    rebuilds Qwen2's tokenizer with its own pre-tokenization, which encodes the probe
+    text otherwise; the export says so in one warning. Llama's export opens the
+    tokenizer as written: no warning."""
+    import logging
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from src.data.tokenizer import Tokenizer
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    vocab["42"] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("4", "2")]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    tokenizer = Tokenizer("bpe-257", len(vocab), vocab["Ċ"], hf)
+    for family, warned in [("tiny_qwen2", True), ("tiny_llama", False)]:
+        cfg = make_cfg("model=hf", f"model.config={family}", "sharding=none",
+                       "trainer.devices=1")  # fmt: skip
+        resolved = resolve(cfg)
+        model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="src.checkpoint.export"):
+            export_model_hf(
+                model, tmp_path / family, resolved.spec.hf, resolved.model_config,
+                tokenizer,
+            )  # fmt: skip
+        lines = [r.getMessage() for r in caplog.records]
+        expected = [
+            f"trainer.export=hf: AutoTokenizer opens {tmp_path / family} as "
+            "Qwen2Tokenizer, which encodes "
+        ]
+        assert [x[: len(expected[0])] for x in lines] == (expected if warned else [])

@@ -108,13 +108,30 @@ def test_backends_refuse_what_they_cannot_take_in_one_place():
     BACKENDS["fsdp2"].check_layout(hsdp)
     BACKENDS["fsdp2"].check_layout(tp)
     BACKENDS["fsdp1"].check_layout(hsdp)
-    for name, layout, dim in (("ddp", hsdp, "dp_replicate"), ("fsdp1", tp, "tp")):
+    cp = ParallelLayout(4, cp=2)
+    BACKENDS["fsdp2"].check_layout(cp)
+    for name, layout, dim in (
+        ("ddp", hsdp, "dp_replicate"),
+        ("fsdp1", tp, "tp"),
+        ("fsdp1", cp, "cp"),
+        ("ddp", cp, "cp"),
+    ):
         with pytest.raises(LayoutError, match=f"not sharding={name}") as err:
             BACKENDS[name].check_layout(layout)
         assert err.value.dim == dim
-    for dim in ("cp", "ep"):  # their mesh places are decided, their code is not built
-        with pytest.raises(LayoutError, match="not built yet"):
-            BACKENDS["fsdp2"].check_layout(ParallelLayout(4, **{dim: 2}))
+    with pytest.raises(LayoutError, match="with pipeline parallelism") as err:
+        BACKENDS["fsdp2"].check_layout(ParallelLayout(4, cp=2, pp=2))
+    assert err.value.dim == "cp"
+    ep = ParallelLayout(4, ep=2)
+    BACKENDS["fsdp2"].check_layout(ep)
+    for name in ("fsdp1", "ddp"):
+        with pytest.raises(LayoutError, match=f"not sharding={name}") as err:
+            BACKENDS[name].check_layout(ep)
+        assert err.value.dim == "ep"
+    for other in ({"tp": 2}, {"pp": 2}, {"cp": 2}):  # ep with tp, pp or cp: refused
+        with pytest.raises(LayoutError, match="not built yet") as err:
+            BACKENDS["fsdp2"].check_layout(ParallelLayout(4, ep=2, **other))
+        assert err.value.dim == "ep"
 
 
 @pytest.fixture
@@ -143,6 +160,16 @@ def test_the_mesh_is_built_once_with_named_groups(fake_world):
         coords = dict(zip(names, mesh.world.get_coordinate(), strict=True))
         dp_index = coords.get("dp_replicate", 0) * layout.dp_shard + coords["dp_shard"]
         assert layout.dp_rank(5) == dp_index
+
+
+def test_expert_parallel_groups_split_the_shard_ranks_ep_inner(fake_world):
+    """EP4 on 2 replicas x 8 shard ranks: rank 5's experts are split over the 4
+    consecutive ranks 4..7 and FSDP-sharded over 1 and 5 (behind the replicas)."""
+    mesh = ParallelLayout(16, dp_replicate=2, ep=4).build_mesh("cpu")
+    assert mesh.ep.mesh.tolist() == [4, 5, 6, 7] and mesh.ep.get_local_rank() == 1
+    assert mesh.expert_fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_mod_ep")
+    assert mesh.expert_fsdp.mesh.tolist() == [[1, 5], [9, 13]]
+    assert ParallelLayout(16).build_mesh("cpu").ep is None
 
 
 def _is_sharding(node: ast.AST, aliases: set[str]) -> bool:

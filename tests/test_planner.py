@@ -662,7 +662,10 @@ def test_70b_on_64_ranks_fits_a_budget_allocating_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "activations (saved)" in out and "optimizer state (AdamW)" in out
     assert "does not fit: needs " in out
-    assert "cheapest change that fits: precision=bf16_mixed -> " in out
+    assert (
+        "cheapest change that fits: precision=bf16_mixed trainer.batch_size=64 -> "
+        in out
+    )
     assert "precision=bf16_mixed changes more than memory: forward and backward" in out
     if peak_resets:  # 65B fp32 parameters are 242 GiB: nothing of them is allocated
         assert metrics.cpu_peak_rss_bytes() - before < 0.25 * GIB
@@ -945,3 +948,81 @@ def test_float8_all_gather_halves_the_gathered_float8_weights():
         parts["f8"]["process"] - parts["bf16"]["process"]
         == (IMPORT_BYTES["torchao.float8"])
     )
+
+
+def _proposals(out: str) -> dict[str, list[str]]:
+    """Each printed proposal (its title: its overrides, as a user copies them)."""
+    found = {}
+    for line in out.splitlines():
+        if line.startswith("cheapest change that fits"):
+            title, rest = line.split(": ", 1)
+            found[title] = rest.split(" -> ")[0].split()
+    return found
+
+
+def _plan(capsys, tmp_path, *overrides: str) -> str:
+    """What ``python train.py trainer.plan_only=true <overrides>`` prints (its
+    path: validate, prepare, launch)."""
+    from src.config.validate import validate
+    from src.trainer.launch import launch, prepare
+
+    cfg = _compose("trainer.plan_only=true", *overrides, "logger=none")
+    keys = {o.split("=")[0] for o in overrides}
+    cfg, resolved = prepare(cfg, validate(cfg), user_keys=keys, run_dir=str(tmp_path))
+    launch(cfg, str(tmp_path), resolved)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        # 1 device and 1 sequence: 2 devices need a batch of 2 (no other change fits)
+        ["trainer.batch_size=1", "trainer.mem_budget_gib=24"],
+        # a fit at the devices as set: no more devices
+        ["trainer.mem_budget_gib=28"],
+        # on an A100: checkpointing every 16th block
+        ["trainer.mem_budget_gib=a100_40gb"],
+    ],
+)
+def test_planner_proposals_run_as_printed(tmp_path, capsys, setting):
+    """Issue 49 item 3: each printed proposal, applied to the command, passes the
+    run's validation (its batch splits over its ranks) and plans as fitting, with
+    the checkpointing it set in the header; the cost line says what it measures; a
+    fixed device count (trainer.fixed_devices=true) keeps trainer.devices."""
+    base = ["model=gpt2_xl", "trainer.devices=1", *setting]
+    out = _plan(capsys, tmp_path, *base)
+    proposals = _proposals(out)
+    assert proposals, out
+    assert "relative cost x" in out
+    assert ": compute time per token x machines against the run as set" in out
+    for title, overrides in proposals.items():
+        applied = [*base, *overrides]
+        from src.config.validate import validate
+
+        validate(_compose(*applied, "logger=none"))  # the batch splits, as a run needs
+        again = _plan(capsys, tmp_path, *applied)
+        assert "\nfits: " in again and "does not fit" not in again, (title, again)
+        assert "warning: trainer.batch_size" not in again
+        if "sharding.activation_checkpointing_every=16" in overrides:
+            assert "checkpointing full every 16 blocks)" in again
+        if "at trainer.devices=1" in title:
+            assert not any(o.startswith("trainer.devices=") for o in overrides)
+    if "trainer.mem_budget_gib=28" in setting:  # more devices are not the only fit
+        assert not any("trainer.devices" in o for o in proposals[CHEAPEST])
+    if "trainer.batch_size=1" in setting:
+        assert proposals[CHEAPEST] == ["trainer.devices=2", "trainer.batch_size=2"]
+        assert "trainer.batch_size=2 (was 1) changes the training" in out
+        assert (
+            "at trainer.devices=1 (trainer.fixed_devices=true) no searched change "
+            "fits; the smallest estimate there is "
+        ) in out
+        fixed = _plan(capsys, tmp_path, *base, "trainer.fixed_devices=true")
+        assert not _proposals(fixed)
+        line = next(x for x in fixed.splitlines() if x.startswith("no searched"))
+        assert line.startswith(
+            "no searched change fits at trainer.devices=1 (trainer.fixed_devices=true)"
+        )
+        assert "trainer.devices" not in line.split("with")[-1]
+
+
+CHEAPEST = "cheapest change that fits"

@@ -133,8 +133,21 @@ def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     seen = {r["step"]: r["tokens_seen"] for r in rows if "tokens_seen" in r}
     assert seen == {1: 1024, 2: 2048, 4: 4096, 6: 4096 + 2 * 8 * 64}
-    assert json.loads((run_dir / "summary.json").read_text())["tokens_seen"] == 5120
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokens_seen"] == 5120
     assert "tokens seen 5,120" in again.stdout
+    # The summary describes both attempts (issue 49 item 4): each one's steps and
+    # seconds, the totals, and the speed the first measured (the 2-step resume's
+    # only window is its warm-up, never reported).
+    first_try, second_try = summary["attempts"]
+    assert (first_try["start_step"], first_try["end_step"]) == (0, 4)
+    assert (second_try["start_step"], second_try["end_step"]) == (4, 6)
+    assert summary["steps_trained"] == 6 and "measured_s" not in second_try
+    total = first_try["wall_time_s"] + second_try["wall_time_s"]
+    assert summary["wall_time_s"] == pytest.approx(total)
+    assert summary["tokens_per_s"] == pytest.approx(first_try["tokens_per_s"])
+    assert summary.get("mfu") == first_try.get("mfu")
+    assert f"finished 6 steps in {total:.0f} s (2 attempts: " in again.stdout
     for run_file in offline_run_files(run_dir):  # each attempt's wandb records
         records = read_wandb_offline_records(run_dir, run_file)
         axes = {
@@ -210,3 +223,41 @@ def test_docs_and_help_list_what_runs():
             assert f"`{option}`" in readme, option
     schedules = key_help(ShardingConfig, "pp_schedule")
     assert "zbv" not in schedules and "1f1b" in schedules  # zbv is refused
+
+
+def test_run_figures_weigh_attempts_and_keep_a_disturbed_probe_out(tmp_path, caplog):
+    """The run's tokens/s is tokens over seconds of every measured window; its MFU
+    leaves out an attempt whose peak probe was disturbed (the resume's 0.75 against
+    the first attempt's 0.2); earlier attempts are read from summary.json as data."""
+    from src.observe.attempts import earlier_attempts, run_figures
+
+    first = {"start_step": 0, "end_step": 100, "wall_time_s": 40.0,
+             "measured_steps": 90, "measured_s": 30.0, "tokens_per_s": 300.0,
+             "world_size": 2, "mfu": 0.2}  # fmt: skip
+    short = {"start_step": 100, "end_step": 110, "wall_time_s": 6.0,
+             "measured_steps": 5, "measured_s": 2.0, "tokens_per_s": 600.0,
+             "world_size": 1, "mfu": 0.75, "probe_contended": True}  # fmt: skip
+    figures = run_figures([first, short])
+    assert figures["wall_time_s"] == 46.0 and figures["steps_trained"] == 110
+    assert figures["tokens_per_s"] == pytest.approx((300 * 30 + 600 * 2) / 32)
+    assert figures["tokens_per_s_per_rank"] == pytest.approx((150 * 30 + 600 * 2) / 32)
+    assert figures["step_time_s"] == pytest.approx(32 / 95)
+    assert figures["mfu"] == pytest.approx(0.2)
+    # Only disturbed probes: their figure, weighted by measured seconds.
+    again = {**first, "probe_contended": True}
+    assert run_figures([again, short])["mfu"] == pytest.approx((6 + 1.5) / 32)
+    no_peak = {k: v for k, v in first.items() if k != "mfu"}  # no MFU measured
+    assert "mfu" not in run_figures([no_peak]) and "tokens_per_s" in run_figures(
+        [no_peak]
+    )
+    assert "tokens_per_s" not in run_figures([{**first, "measured_s": 0.0}])
+
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"attempts": [first, short]}))
+    assert earlier_attempts(tmp_path, 0) == []  # a fresh start
+    assert earlier_attempts(tmp_path, 100) == [first]  # resumed from step 100
+    assert earlier_attempts(tmp_path, 110) == [first, short]
+    summary.write_text(json.dumps({"attempts": [{**first, "measured_s": "30"}]}))
+    with caplog.at_level(logging.WARNING, logger="src.observe.attempts"):
+        assert earlier_attempts(tmp_path, 110) == []
+    assert "earlier attempts left out of the summary" in caplog.text

@@ -5,18 +5,22 @@ the run dir), a refused start and "nothing to train" create none; metrics are in
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from src.config.validate import validate
 from src.errors import ConfigError
 from src.observe.loggers import RUN_ID_FILE, wandb_key
 from src.resolved import resolve
 from src.trainer.loop import train as train_rank
-from tests.distributed import run_distributed
+from tests.distributed import HANG_S, run_distributed
+from tests.test_train import run_cmd
 from tests.wandb_offline import (
     offline_run_files,
     read_wandb_offline_history,
@@ -47,6 +51,7 @@ def _run_cfg(max_steps: int, *overrides: str):
         "trainer.peak_tflops=1",
         "logger=wandb",
         "logger.mode=offline",
+        "logger.group=sweep-a",
         *overrides,
     )
     validate(cfg)
@@ -119,6 +124,29 @@ def test_a_resumed_training_is_one_wandb_run_in_train_and_val_sections(tmp_path)
     assert runs[1]["summary"]["train/steps"] == 4
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
 
+    # eval.py logs to a wandb run of its own in the training run's group, linked by
+    # the training run's id in its config; the training run's files are untouched.
+    # What train.py's Hydra saves, eval.py reads; without the group (a job name's
+    # group is not in the config): eval.py takes the one run_id.json records.
+    (run_dir / ".hydra").mkdir()
+    composed = _run_cfg(4)
+    composed.logger.group = None
+    OmegaConf.save(composed, run_dir / ".hydra" / "config.yaml")
+    before = sorted(p.stat().st_mtime_ns for p in offline_run_files(run_dir))
+    out = run_cmd([sys.executable, "eval.py", f"run={run_dir}"], timeout=HANG_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.stat().st_mtime_ns for p in offline_run_files(run_dir)) == before
+    eval_dir = run_dir / "wandb" / "eval"
+    (eval_file,) = offline_run_files(eval_dir)
+    evaluated = read_wandb_offline_run(eval_dir, eval_file)
+    assert evaluated["run_id"] != saved["id"]
+    assert evaluated["run_group"] == runs[0]["run_group"] == saved["group"] == "sweep-a"
+    assert evaluated["display_name"] == f"eval:{saved['name']}"
+    linked = evaluated["config"]["update"]["training_run"]
+    assert linked == {"id": saved["id"], "name": saved["name"], "dir": str(run_dir)}
+    assert evaluated["summary"]["eval/step"] == 4
+    assert f"wandb sync {eval_dir}/wandb/offline-run-*" in out.stdout + out.stderr
+
 
 def test_wandb_sections():
     assert wandb_key("loss") == "train/loss"
@@ -134,6 +162,7 @@ class _Run:
     def __init__(self, resume: dict | None) -> None:
         self.resume = resume
         self.id, self.name = (resume or {}).get("id", "new-id"), "train:x"
+        self.group = "train"
         self.rows: list = []
         self.summary: dict = {}
         self.exit_code = None
@@ -184,7 +213,13 @@ def test_wandb_sink_starts_at_begin_and_resumes_only_a_resumed_run(tmp_path):
     summary = {"train/loss": 2.0, "train/steps": 1, "train/sample_0": "text"}
     assert run.summary == summary
     saved = json.loads((tmp_path / "wandb" / RUN_ID_FILE).read_text())
-    assert saved == {"id": "new-id", "name": "train:x"}
+    inode = tmp_path.stat().st_ino  # which dir wrote it: a copy's resume is not it
+    assert saved == {
+        "id": "new-id",
+        "name": "train:x",
+        "group": "train",
+        "run_dir_inode": inode,
+    }
 
     again = WandbSink(start, tmp_path)
     again.begin(resumed=True)  # from a checkpoint of this run dir: the same run
@@ -201,3 +236,18 @@ def test_wandb_sink_starts_at_begin_and_resumes_only_a_resumed_run(tmp_path):
     fresh = WandbSink(start, tmp_path)
     fresh.begin(resumed=False)  # a new training in a used run dir: a new run
     assert started[-1].resume is None and len(started) == 3
+
+    # A copied run dir (its run_id.json too): its resume is a wandb run of its own,
+    # recorded in the copy; the original's record stays.
+    copy = tmp_path.parent / f"{tmp_path.name}-copy"
+    shutil.copytree(tmp_path, copy)
+    copied = WandbSink(start, copy)
+    copied.begin(resumed=True)
+    assert started[-1].resume is None and len(started) == 4
+    record = json.loads((copy / "wandb" / RUN_ID_FILE).read_text())
+    assert record["run_dir_inode"] == copy.stat().st_ino != inode
+    assert json.loads((tmp_path / "wandb" / RUN_ID_FILE).read_text())["id"] == "new-id"
+    moved = tmp_path.parent / f"{tmp_path.name}-moved"
+    copy.rename(moved)  # a move keeps the dir (its inode): the same wandb run
+    WandbSink(start, moved).begin(resumed=True)
+    assert started[-1].resume == record

@@ -8,7 +8,9 @@ own shards, and rank 0 writes what is consolidated.
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import math
 import os
 import shutil
@@ -40,10 +42,17 @@ from src.checkpoint.dcp import dcp_errors, quiet_single_process
 from src.checkpoint.folders import aside, publish
 from src.checkpoint.hf_layout import HFLayout
 from src.checkpoint.ranks import all_agree, this_rank
-from src.data.tokenizer import Tokenizer, save_hf_tokenizer, special_ids
+from src.data.tokenizer import (
+    Tokenizer,
+    hf_tokenizer_mismatch,
+    save_hf_tokenizer,
+    special_ids,
+)
 from src.sharding import canonical_name
 from src.sharding.layout import flat_mesh
 from src.util import atomic_path, collective_device, parse_json
+
+log = logging.getLogger(__name__)
 
 # -------------------------------------------------------------------- export
 
@@ -408,7 +417,8 @@ def export_hf(
 
     With the run's ``tokenizer`` (rank 0's is enough), rank 0 also writes its
     ``tokenizer.json`` / ``tokenizer_config.json`` (``AutoTokenizer`` opens them) and
-    sets the config's ``eos_token_id`` (what the tokenizer ends documents with),
+    checks that ``AutoTokenizer`` encodes as the run does (a warning if not), and
+    sets the config's ``use_cache`` (on: training's off is not exported), ``eos_token_id`` (what the tokenizer ends documents with),
     ``bos_token_id`` and ``pad_token_id`` (the tokenizer's own, else None)."""
     directory = Path(directory)
     final, directory = directory, aside(directory)  # renamed into place at the end
@@ -430,6 +440,10 @@ def export_hf(
     error = None
     if this_rank() == 0:
         try:
+            # A copy (the model's own stays as it is) with the KV cache on, which
+            # training turns off and generate uses.
+            hf_config = copy.deepcopy(hf_config)
+            hf_config.use_cache = True
             if tokenizer is not None:
                 for key, value in special_ids(tokenizer).items():
                     setattr(hf_config, key, value)
@@ -437,6 +451,9 @@ def export_hf(
             hf_config.save_pretrained(directory)
             shutil.rmtree(directory / "sharded", ignore_errors=True)
             publish(final)
+            mismatch = tokenizer and hf_tokenizer_mismatch(tokenizer, final)
+            if mismatch:
+                log.warning("trainer.export=hf: %s", mismatch)
         except Exception as exc:
             error = exc
     all_agree(error, "export")

@@ -288,6 +288,7 @@ def validate(cfg: DictConfig) -> Resolved:
     _check_sharding(cfg, resolved.layout)
     _check_float8(cfg, resolved.layout)
     _check_tensor_parallel(cfg, resolved)
+    _check_context_parallel(resolved)
     _check_pipeline(cfg, resolved)
     _check_batches(cfg, resolved.layout)
     _check_trainer(cfg, resolved)
@@ -396,6 +397,28 @@ def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
         f"true needs {LAYOUT_KEYS['tp']} > 1 (it shards along the tp ranks)",
     )
     tensor_parallel_plan(cfg, resolved.spec, resolved.model_config, resolved.layout)
+
+
+def _check_context_parallel(resolved: Resolved) -> None:
+    """With context parallelism: the sequence splits into 2C equal chunks, and the
+    model can split its sequences (the family's check, naming its key)."""
+    cp = resolved.layout.cp
+    if cp <= 1:
+        return
+    spec, config = resolved.spec, resolved.model_config
+    seq_len = spec.seq_len(config)
+    _require(
+        seq_len % (2 * cp) == 0,
+        LAYOUT_KEYS["cp"],
+        f"{cp} ranks split each sequence into 2 x {cp} chunks, which do not divide "
+        f"its {seq_len} tokens (the model's sequence length)",
+    )
+    _require(
+        spec.context_parallel is not None and spec.kv_width is not None,
+        LAYOUT_KEYS["cp"],
+        f"model family {spec.name!r} cannot split its sequences; use 1",
+    )
+    keyed(LAYOUT_KEYS["cp"], spec.context_parallel, config)
 
 
 PP_KEY = LAYOUT_KEYS["pp"]

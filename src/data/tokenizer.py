@@ -15,6 +15,7 @@ Encoding runs in the ``tokenizers`` Rust thread pool (``encode_batch``): all cor
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
@@ -258,17 +259,25 @@ def cache_path(cfg: Any) -> str:
 
 def byte_level_hf() -> Any:
     """The byte tokenizer as a ``tokenizers.Tokenizer`` that gives the same ids: a
-    BPE without merges whose vocabulary is the 256 bytes (``<0x01>`` .. ``<0xFF>``,
-    as sentencepiece's byte fallback names them), so every UTF-8 byte of the text
-    falls back to its own id; id 0 is the NUL character itself, which is also the
-    end-of-document token (a NUL in the text is byte 0 either way)."""
+    byte-level BPE without merges whose vocabulary is the 256 bytes, each named by
+    the printable character GPT-2's byte-level alphabet gives it, at the byte's id
+    (byte 0, the end-of-document token, is the NUL character itself, a special
+    token). It is written this way
+    because transformers rebuilds some families' tokenizers (Qwen2) from the
+    vocabulary and merges alone with its own byte-level pipeline: with no merges,
+    that pipeline gives each UTF-8 byte its own id too (text in NFC, which those
+    pipelines normalize to)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = {chr(BYTE_EOS): BYTE_EOS}
-    vocab.update({f"<0x{b:02X}>": b for b in range(BYTE_VOCAB) if b != BYTE_EOS})
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
-    hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    vocab[chr(BYTE_EOS)] = vocab.pop(bytes_to_unicode()[BYTE_EOS])
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    # NUL is matched on the raw text, before the byte-level mapping (which has no NUL).
+    hf.add_special_tokens([AddedToken(chr(BYTE_EOS), special=True, normalized=False)])
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
     return hf
 
 
@@ -309,3 +318,37 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> Non
         tokenizer_object=hf, **{k: v for k, v in specials.items() if v is not None}
     )
     fast.save_pretrained(str(directory))
+    # transformers fills an unnamed special token with its family's own (Qwen2:
+    # <|endoftext|>, a token the run never had): written as null, none is added.
+    path = os.path.join(directory, "tokenizer_config.json")
+    config = read_json_object(path)
+    for key in ("bos_token", "pad_token", "unk_token"):
+        config.setdefault(key, None)
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+#: The text an exported tokenizer is checked on (src.checkpoint.export).
+PROBE_TEXT = "def main():\n    return 42  # héllo, wörld 😀\n"
+
+
+def hf_tokenizer_mismatch(tokenizer: Tokenizer, directory: str | os.PathLike) -> str:
+    """How ``AutoTokenizer.from_pretrained(directory)`` (the installed transformers)
+    encodes :data:`PROBE_TEXT` unlike the run's ``tokenizer`` (or why it cannot open
+    it), or "" when the ids are the same: transformers picks some families' tokenizer class from config.json
+    whatever tokenizer_config.json says, with that family's own pre-tokenization."""
+    from transformers import AutoTokenizer
+
+    try:
+        auto = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # e.g. a config.json whose class needs its own code
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"AutoTokenizer cannot open {directory} ({type(exc).__name__}: {first})"
+    ours = tokenizer.encode_text(PROBE_TEXT)
+    theirs = auto(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if theirs == ours:
+        return ""
+    return (
+        f"AutoTokenizer opens {directory} as {type(auto).__name__}, which encodes "
+        f"{PROBE_TEXT!r} to {len(theirs)} ids unlike the run's {len(ours)}"
+    )

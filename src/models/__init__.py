@@ -4,7 +4,7 @@ Importing this package registers every family: ``get_spec(family)`` is how the r
 the code reaches a model (docs/models.md).
 """
 
-from src.models import custom, gpt, hf, llama  # noqa: F401  (registers the families)
+from src.models import custom, gpt, hf, llama, moe  # noqa: F401  (registers the families)
 from src.models.gpt import (
     GPT,
     Block,

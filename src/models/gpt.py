@@ -49,7 +49,7 @@ from src.models.spec import (
     register,
     tie_,
 )
-from src.sharding import wrap
+from src.sharding import context_parallel, wrap
 from src.sharding.pipeline import PipelineLayout, stage_role
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
@@ -146,13 +146,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (
             t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v)
         )
-        if cache is None:
+        dropout = self.dropout if self.training else 0.0
+        cp = context_parallel.active()
+        if cp is not None:  # this rank's queries over the gathered keys and values
+            y = cp.attention(q, k, v, dropout_p=dropout)
+        elif cache is None:
             y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                dropout_p=self.dropout if self.training else 0.0,
-                is_causal=True,
+                q, k, v, dropout_p=dropout, is_causal=True
             )
         else:  # decoding: the new tokens attend over the cached ones too
             y = cache.attend(q, k, v)
@@ -238,13 +238,18 @@ class GPT(nn.Module):
             x = idx  # the previous stage's hidden states
         else:
             start = 0 if cache is None else cache.pos
-            T = start + idx.size(1)
+            cp = context_parallel.active()
+            T = start + idx.size(1) * (cp.size if cp is not None else 1)
             if T > self.config.block_size:
                 raise ValueError(
                     f"sequence length {T} exceeds model.block_size "
                     f"{self.config.block_size}"
                 )
-            pos = torch.arange(start, T, device=idx.device)
+            pos = (
+                cp.positions(idx.size(1), idx.device)
+                if cp is not None
+                else torch.arange(start, T, device=idx.device)
+            )
             x = self.drop(self.wte(idx) + self.wpe(pos))
         if stage is not None:
             for block in self.h:
@@ -479,6 +484,8 @@ register(
         formula_covers=lambda config: config.dropout == 0,
         kv_cache=True,
         tp_plan=tp_plan,
+        context_parallel=lambda config: None,  # every config
+        kv_width=lambda config: config.n_embd,
         pipeline=lambda config: PipelineLayout(
             blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head")
         ),

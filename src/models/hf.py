@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
+from src.sharding import context_parallel
 from src.sharding.pipeline import PipelineLayout, stage_role
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
@@ -413,6 +414,18 @@ class HFCausalLM(nn.Module):
             if kept != name:
                 self._ties.append((name, kept))
 
+    def _context_parallel_attention(self, on: bool) -> None:
+        """Switch the model's attention to context parallelism's function (``on``)
+        or back to the one it was built with (a forward outside the cp group's
+        context: sampling during a CP run)."""
+        current = self.hf.config._attn_implementation
+        if on and current != CP_ATTENTION:
+            self._built_attention = current
+            _register_cp_attention()
+            self.hf.set_attn_implementation(CP_ATTENTION)
+        elif not on and current == CP_ATTENTION:
+            self.hf.set_attn_implementation(self._built_attention)
+
     def _apply(self, fn, recurse=True):
         # to_empty() from meta gives each module a new Parameter: re-tie (as the GPT).
         super()._apply(fn, recurse)
@@ -424,6 +437,12 @@ class HFCausalLM(nn.Module):
         return self
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        cp = context_parallel.active()
+        self._context_parallel_attention(cp is not None)
+        if cp is not None:  # global positions; attention over the gathered K and V
+            pos = cp.positions(idx.size(1), idx.device).expand(idx.size(0), -1)
+            logits = self.hf(input_ids=idx, position_ids=pos, use_cache=False).logits
+            return logits, lm_loss(logits, targets)
         stage = stage_role(self)  # pipeline parallelism: this model is one stage
         if stage is not None:
             # a later stage's input is the previous one's hidden states; an earlier
@@ -432,6 +451,64 @@ class HFCausalLM(nn.Module):
             return self.hf(**inputs, use_cache=False).logits
         logits = self.hf(input_ids=idx, use_cache=False).logits
         return logits, lm_loss(logits, targets)
+
+
+#: The name context parallelism's attention is registered under in transformers'
+#: attention interface (not in its mask interface: the layers get no mask, the
+#: function masks by global position).
+CP_ATTENTION = "shardwrap_context_parallel"
+
+
+def _cp_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: this rank's queries over the
+    keys and values gathered from its cp group, (B, T/C, heads, head_dim) out."""
+    y = context_parallel.active().attention(
+        query,
+        key,
+        value,
+        scale=scaling,
+        dropout_p=dropout,
+        enable_gqa=query.size(1) != key.size(1),
+    )
+    return y.transpose(1, 2).contiguous(), None
+
+
+def _register_cp_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CP_ATTENTION, _cp_attention)
+
+
+def kv_width(config: HFConfig) -> int:
+    """Key heads x head dim of the text config (head dim: its own, or the width
+    over the query heads)."""
+    text = config.hf_config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+
+
+def check_context_parallel(config: HFConfig) -> None:
+    """``ValueError`` naming the architecture when it cannot split its sequences
+    (transformers' ``supports_context_parallel``: attention through its attention
+    interface, full causal attention in every layer)."""
+    model = config.skeleton()
+    if not (model._supports_attention_backend and model.supports_context_parallel):
+        raise ValueError(
+            f"model.config {config.config!r}: {type(model).__name__} cannot take "
+            "context parallelism "
+            "(its attention is not replaceable through transformers' attention "
+            "interface, or a layer is not full causal attention)"
+        )
 
 
 def pipeline_layout(config: HFConfig) -> PipelineLayout:
@@ -630,6 +707,8 @@ register(
             skeleton=lambda config: config.skeleton(),
         ),
         tp_plan=tp_plan,
+        context_parallel=check_context_parallel,
+        kv_width=kv_width,
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
     )

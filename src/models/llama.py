@@ -50,7 +50,7 @@ from src.models.spec import (
     register,
     tie_,
 )
-from src.sharding import wrap
+from src.sharding import context_parallel, wrap
 from src.sharding.pipeline import PipelineLayout, stage_role
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
@@ -130,11 +130,15 @@ class RotaryEmbedding(nn.Module):
         )
 
     def forward(
-        self, seq_len: int, start: int = 0
+        self, seq_len: int, start: int = 0, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For positions ``start .. start + seq_len - 1`` (``start``: tokens cached)."""
-        pos = torch.arange(
-            start, start + seq_len, device=self.inv_freq.device, dtype=torch.float32
+        """For positions ``start .. start + seq_len - 1`` (``start``: tokens cached),
+        or the given global ``positions`` (context parallelism)."""
+        device = self.inv_freq.device
+        pos = (
+            torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
+            if positions is None
+            else positions.to(device, torch.float32)
         )
         freqs = pos[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim): both halves
@@ -186,7 +190,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
-        if cache is None:
+        cp = context_parallel.active()
+        if cp is not None:  # this rank's queries over the gathered keys and values
+            y = cp.attention(q, k, v, enable_gqa=gqa)
+        elif cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # decoding: the new tokens attend over the cached ones too
             y = cache.attend(q, k, v, enable_gqa=gqa)
@@ -217,8 +224,17 @@ class TransformerBlock(nn.Module):
             self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
             self.attention = Attention(config)
             self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-            self.feed_forward = FeedForward(config)
-        materialize({f"layers.{index}.": self}, device, _init_, config, seed)
+            self.feed_forward = self.make_feed_forward(config, index)
+        materialize({f"layers.{index}.": self}, device, self.fill_, config, seed)
+
+    # A family built on Llama's blocks (src/models/moe.py) overrides these two.
+    @staticmethod
+    def make_feed_forward(config: LlamaConfig, index: int) -> nn.Module:
+        return FeedForward(config)
+
+    @staticmethod
+    def fill_(name: str, out: torch.Tensor, config: LlamaConfig, seed: int):
+        return _init_(name, out, config, seed)
 
     def forward(
         self,
@@ -242,7 +258,7 @@ class Llama(nn.Module):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            wrap(TransformerBlock(config, i, seed)) for i in range(config.n_layers)
+            wrap(self.block_cls(config, i, seed)) for i in range(config.n_layers)
         )
         with torch.device("meta"):
             self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -254,7 +270,7 @@ class Llama(nn.Module):
         }
         if not config.tie_embeddings:
             own["output."] = self.output
-        materialize(own, device, _init_, config, seed)
+        materialize(own, device, self.block_cls.fill_, config, seed)
         if config.tie_embeddings:
             tie_(self.output, self.tok_embeddings)
 
@@ -275,12 +291,14 @@ class Llama(nn.Module):
         targets equal to -1 are ignored. With a ``cache`` (decoding,
         src/models/generate.py) ``idx`` holds the tokens after the cached ones."""
         start = 0 if cache is None else cache.pos
-        T = start + idx.size(1)
+        cp = context_parallel.active()
+        T = start + idx.size(1) * (cp.size if cp is not None else 1)
         if T > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {T} exceeds model.max_seq_len {self.config.max_seq_len}"
             )
-        cos, sin = self.rope(idx.size(1), start)
+        positions = cp.positions(idx.size(1), idx.device) if cp is not None else None
+        cos, sin = self.rope(idx.size(1), start, positions)
         stage = stage_role(self)  # pipeline parallelism: this model is one stage
         # a later stage gets the previous stage's hidden states
         x = self.tok_embeddings(idx) if stage is None or stage.first else idx
@@ -522,6 +540,8 @@ register(
         hf=HFAdapter(to_hf_name=to_hf_name, hf_config=to_hf_config),
         kv_cache=True,
         tp_plan=tp_plan,
+        context_parallel=lambda config: None,  # every config
+        kv_width=lambda config: config.kv_heads * config.head_dim,
         pipeline=lambda config: PipelineLayout(
             blocks="layers", first=("tok_embeddings",), last=("norm", "output")
         ),

@@ -104,6 +104,14 @@ class ModelSpec:
     # The ``model.*`` key of the vocabulary size, which the trainer sets from the
     # tokenizer (data.tokenizer) unless the user sets it; None: the family fixes it.
     vocab_key: str | None = "vocab_size"
+    # Context parallelism (sharding.context_parallel): (config) -> None, or
+    # ValueError naming the model where it cannot split its sequences; None: the
+    # family cannot (its attention and positions do not read
+    # src.sharding.context_parallel.active()).
+    context_parallel: Callable[[Any], None] | None = None
+    # (config) -> the key (= value) width of one attention layer (kv heads x head
+    # dim): what context parallelism gathers per layer, for the planner.
+    kv_width: Callable[[Any], int] | None = None
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: HFAdapter | None = None
     # Optional, for the planner (src/planner/activations.py): (config, micro_batch,
@@ -136,6 +144,15 @@ class ModelSpec:
     # the experts' matmul shapes change with every batch (the planner says what that
     # costs where it cannot count it).
     routes_tokens: Callable[[Any], bool] | None = None
+    # Optional: (config) -> the routed experts of each MoE block, which expert
+    # parallelism (sharding.expert_parallel) splits over its ranks; 0 for a config
+    # without any. None: the family has no expert parallelism.
+    num_experts: Callable[[Any], int] | None = None
+    # Optional: (model, replicas) -> metrics, called on every rank after each
+    # optimizer step: state kept outside autograd (a MoE's router bias, from the
+    # step's token counts summed over the ranks; ``replicas``: the ranks that saw the
+    # same tokens) and the step's metrics of the family (MoE routing).
+    after_step: Callable[[nn.Module, int], dict[str, float]] | None = None
     # Modules the family imports beyond torch (the planner's process baseline grows
     # by their resident size: planner.IMPORT_BYTES).
     imports: tuple[str, ...] = ()

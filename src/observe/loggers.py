@@ -201,6 +201,34 @@ def wandb_key(name: str) -> str:
 
 
 RUN_ID_FILE = "run_id.json"  # in <run dir>/wandb/: the run's wandb id and name
+#: run_id.json's record of the run dir it was written in (its inode): a copy of the
+#: run dir has another, a move on the same file system the same.
+DIR_INODE = "run_dir_inode"
+
+
+def recorded_wandb_run(run_dir: str | os.PathLike) -> dict | None:
+    """The wandb run ``<run_dir>/wandb/run_id.json`` records (``id``, ``name``), or
+    None: none, damaged, or written in another directory (a copy of the run dir,
+    whose resume starts a wandb run of its own rather than logging into the
+    original's; a line says so)."""
+    path = Path(run_dir) / "wandb" / RUN_ID_FILE
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+            raise ValueError("no wandb run id")
+    except (OSError, ValueError):
+        return None
+    inode = record.get(DIR_INODE)
+    if inode is not None and inode != os.stat(run_dir).st_ino:
+        log.info(
+            "wandb: %s is a copy of the run dir that started wandb run %s (%s "
+            "records another directory): this run logs to a new wandb run",
+            run_dir,
+            record["id"],
+            path,
+        )
+        return None
+    return record
 
 
 class WandbSink(Sink):
@@ -227,12 +255,8 @@ class WandbSink(Sink):
     def begin(self, resumed: bool = False) -> None:
         if self.run is not None:
             return
-        resume = None
-        if resumed:  # a fresh start in a used run dir is a new wandb run
-            try:
-                resume = json.loads(self.id_file.read_text())
-            except (OSError, ValueError):
-                resume = None
+        # a fresh start in a used run dir is a new wandb run, and so is a copy's
+        resume = recorded_wandb_run(self.id_file.parent.parent) if resumed else None
         self.run = self._start(resume)
         if self.x_axis != "step":  # the training sections' charts over tokens seen
             axis = wandb_key(self.x_axis)
@@ -241,7 +265,9 @@ class WandbSink(Sink):
                 self.run.define_metric(f"{section}*", step_metric=axis)
         if resume is None:
             self.id_file.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.id_file, {"id": self.run.id, "name": self.run.name})
+            record = {"id": self.run.id, "name": self.run.name, "group": self.run.group}
+            record[DIR_INODE] = os.stat(self.id_file.parent.parent).st_ino
+            write_json_atomic(self.id_file, record)
         pending, self._pending = self._pending, []
         for method, args in pending:
             getattr(self, method)(*args)
@@ -358,6 +384,10 @@ class ConsoleSink(Sink):
                 f"measured {measured:.3f} GiB ({drift:+.0%})"
             )
         took = f" in {s['wall_time_s']:.0f} s" if "wall_time_s" in s else ""
+        attempts = s.get("attempts") or []
+        if len(attempts) > 1:  # a resumed run: the whole run, then each attempt
+            each = " + ".join(f"{a['wall_time_s']:.0f}" for a in attempts)
+            took += f" ({len(attempts)} attempts: {each} s)"
         lines = [
             f"finished {s.get('steps', '?')} steps{took}: {figures}",
             f"outputs: {self.run_dir}",

@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -468,6 +469,7 @@ class ThroughputMeter:
         self.cpu_wait_own_max: float | None = None  # the run's own threads'
         self.probe_cpu_wait = probe_cpu_wait  # the peak probe's (Peak.cpu_wait)
         self.probe_cpu_wait_others = probe_cpu_wait_others  # of it, others'
+        self.measured_steps, self.measured_s = 0, 0.0  # every reported window's
 
     def _now(self) -> float:
         _synchronize()  # GPU work is asynchronous: time it when it has finished
@@ -494,6 +496,8 @@ class ThroughputMeter:
         if mark is None or step <= mark[0] or now <= mark[1]:
             return None
         steps, seconds = step - mark[0], now - mark[1]
+        self.measured_steps += steps
+        self.measured_s += seconds
         tokens_per_s = self.tokens_per_step * steps / seconds
         per_rank = tokens_per_s / self.world_size
         row = {
@@ -524,6 +528,27 @@ class ThroughputMeter:
         else:
             self._omit_mfu(per_rank * self.flops_per_token)
         return row
+
+    def measured(self) -> dict[str, Any]:
+        """This attempt's figures over all its reported windows (none before the first
+        full window): steps and seconds measured, tokens/s, MFU (rank 0: not over
+        100%), and whether the peak probe was contended."""
+        if not self.measured_steps:
+            return {}
+        tokens_per_s = self.tokens_per_step * self.measured_steps / self.measured_s
+        out = {
+            "measured_steps": self.measured_steps,
+            "measured_s": self.measured_s,
+            "tokens_per_s": tokens_per_s,
+            "world_size": self.world_size,
+        }
+        if self.peak_flops_per_rank is not None:
+            achieved = tokens_per_s / self.world_size * self.flops_per_token
+            mfu = model_flops_utilization(achieved, self.peak_flops_per_rank)
+            out.update({} if mfu is None else {"mfu": mfu})
+            if (self.probe_cpu_wait_others or 0.0) > CONTENDED:
+                out["probe_contended"] = True
+        return out
 
     def contention(self) -> dict[str, float]:
         """For the run's summary: the most contended window's ``cpu_wait`` and the
@@ -611,7 +636,9 @@ def contended(summary: dict) -> bool:
     return any(isinstance(v, int | float) and v > CONTENDED for v in figures)
 
 
-#: glibc's mallopt parameter numbers (malloc.h: M_MMAP_THRESHOLD, M_ARENA_MAX).
+#: glibc's mallopt parameter numbers (malloc.h: M_TRIM_THRESHOLD, M_MMAP_THRESHOLD,
+#: M_ARENA_MAX).
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
@@ -625,7 +652,12 @@ def set_malloc_mmap_threshold(kib: int | None) -> bool:
     their own). A rank's peak resident set then follows the memory it uses, which the
     planner predicts (its constants measured so), rather than what glibc happened to
     keep: the big blocks leave the resident set when freed, the smaller ones reuse the
-    heap without a page fault. ``None``: glibc's defaults. False when not applied (no
+    heap without a page fault. The heap's free top is returned to the OS only past
+    twice the threshold (``M_TRIM_THRESHOLD``, the ratio glibc's dynamic rule keeps):
+    a fixed threshold leaves glibc's 128 KiB trim, which handed the top back at every
+    free and page-faulted it in again at the next step (3,000+ faults a step for the
+    small model, issue 47; docs/benchmarks.md). What the kept top adds to the peak is
+    at most that much. ``None``: glibc's defaults. False when not applied (no
     glibc)."""
     if kib is None:
         return False
@@ -634,6 +666,7 @@ def set_malloc_mmap_threshold(kib: int | None) -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl without it)
         return False
     mallopt(_M_ARENA_MAX, 1)
+    mallopt(_M_TRIM_THRESHOLD, 2 * int(kib) * 1024)
     return bool(mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024))
 
 
@@ -738,5 +771,10 @@ def interval_line(step: int, row: dict) -> str:
             parts.append(f"cpu wait {row['cpu_wait']:.0%}")
     if "peak_mem_gib" in row:
         parts.append(f"mem {row['peak_mem_gib']:.3f} GiB")
+    if "moe/load_max_over_mean" in row:  # a mixture of experts' routing
+        moe = f"experts max/mean {row['moe/load_max_over_mean']:.2f}"
+        if row.get("moe/dropped"):
+            moe += f" dropped {row['moe/dropped']}"
+        parts.append(moe)
     parts.append(f"lr {row['lr']:.2e}")
     return ", ".join(parts)

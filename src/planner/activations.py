@@ -46,18 +46,8 @@ def tp_activations(
     full = activation_fn(resolved)(
         shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
     )
-    classes = spec.block_classes(config)
-    blocks = (
-        model
-        if isinstance(model, int)
-        else sum(isinstance(m, classes) for m in model.modules())
-    )
-    blocks = max(1, blocks)
+    blocks, checkpointed = _blocks(resolved, shape, model)
     block_input = full.saved // blocks  # one block's input, full sequence
-    every = shape.ac_every if shape.checkpointing == "full" else 1
-    checkpointed = (
-        0 if shape.checkpointing != "full" else math.ceil(blocks / max(1, every))
-    )
     if traced_locally(resolved, tpp):
         # traced on one rank's local shapes (run_activation_fn): heads and width split
         saved, work = acts.saved, acts.block_transient
@@ -71,6 +61,58 @@ def tp_activations(
         loss_transient=acts.loss_transient // split,
         block_transient=work + 4 * block_input,
     )
+
+
+def cp_activations(
+    resolved: Resolved,
+    shape: RunShape,
+    acts: ActivationBytes,
+    model: torch.nn.Module | int,
+    cp: int | None = None,
+) -> ActivationBytes:
+    """One rank's activations under context parallelism of degree C (``cp``, default
+    the run's; unchanged for C = 1). ``acts`` are those of its T/C tokens (``shape.seq_len``); in each block
+    that is not checkpointed attention keeps the keys and values gathered from the
+    cp group (``2 B T kv_width`` elements, split over tp) instead of its own 1/C of
+    them, and all blocks share one (T/C x T) mask. One block's backward holds the gathered K/V's gradient and the
+    reduce-scatter's buffer (twice the gathered tensor), and a checkpointed block
+    gathers again when it is recomputed."""
+    cp = cp or resolved.layout.cp
+    if cp == 1:
+        return acts
+    spec, config = resolved.spec, resolved.model_config
+    blocks, checkpointed = _blocks(resolved, shape, model)
+    width = spec.kv_width(config) // resolved.layout.tp
+    seq = shape.seq_len * cp
+    gathered = 2 * shape.micro_batch * seq * width * shape.param_bytes
+    mask = shape.seq_len * seq * shape.param_bytes
+    recomputed = gathered if checkpointed else 0
+    return ActivationBytes(
+        saved=acts.saved + gathered * (cp - 1) // cp * (blocks - checkpointed) + mask,
+        head=acts.head,
+        loss_transient=acts.loss_transient,
+        block_transient=acts.block_transient + 2 * gathered + recomputed,
+    )
+
+
+def _blocks(
+    resolved: Resolved, shape: RunShape, model: torch.nn.Module | int
+) -> tuple[int, int]:
+    """The model's blocks (``model``: the model or their number) and how many of
+    them full activation checkpointing recomputes."""
+    spec, config = resolved.spec, resolved.model_config
+    classes = spec.block_classes(config)
+    blocks = (
+        model
+        if isinstance(model, int)
+        else sum(isinstance(m, classes) for m in model.modules())
+    )
+    blocks = max(1, blocks)
+    every = shape.ac_every if shape.checkpointing == "full" else 1
+    checkpointed = (
+        0 if shape.checkpointing != "full" else math.ceil(blocks / max(1, every))
+    )
+    return blocks, checkpointed
 
 
 def has_formula(resolved: Resolved) -> bool:
@@ -127,6 +169,22 @@ def run_activation_fn(
     if not traced_locally(resolved, plan):
         return activation_fn(resolved)
     return activation_fn(resolved, tp, plan, trace=True)
+
+
+def run_activations(
+    cfg: DictConfig, resolved: Resolved, shape: RunShape, model: torch.nn.Module
+) -> ActivationBytes:
+    """One rank's activations of one micro-batch of ``shape`` (the run's tensor and
+    context parallelism applied); ``model``: the run's meta model."""
+    acts = run_activation_fn(cfg, resolved)(
+        shape.micro_batch,
+        shape.seq_len,
+        shape.param_bytes,
+        shape.checkpointing,
+        shape.ac_every,
+    )
+    acts = tp_activations(cfg, resolved, shape, acts, model)
+    return cp_activations(resolved, shape, acts, model)
 
 
 _TRACED: dict[tuple[str, str, int], Callable[..., ActivationBytes]] = {}

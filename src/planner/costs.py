@@ -13,6 +13,7 @@ import torch
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -24,13 +25,16 @@ from src.sharding.pipeline import bubble_fraction
 #: recomputing a checkpointed block's forward is ~1/3 more compute; selective
 #: recomputes only elementwise ops; a smaller micro-batch runs smaller matmuls; every
 #: micro-batch's reduce-scatter adds communication; smaller units more collectives;
-#: more ranks are more machines, the last resort.
+#: context parallelism gathers K and V in every layer and masks a T/C x T score
+#: matrix (and only helps once a micro-batch is one sequence): proposed after
+#: checkpointing; more ranks are more machines, the last resort.
 COST = {
     "ac": {"none": 1.0, "selective": 1.1, "full": 4 / 3},
     "grad_accum_doubling": 1.03,
     "sync_every": 1.03,
     "min_params_decade_down": 1.01,
     "other_change": 1.001,
+    "cp_doubling": 1.4,
     "ranks_doubling": 1.5,
 }
 
@@ -67,28 +71,50 @@ def change_cost(
     currents: dict[str, Any], ovr: dict[str, Any], device: tuple[str, str] = ("cpu", "")
 ) -> float:
     """Relative cost of changing the ``currents`` values to ``ovr`` (see :data:`COST`
-    and :func:`precision_cost`; ``device``: the estimate's device and accelerator)."""
-    cost = 1.0
+    and :func:`precision_cost`; ``device``: the estimate's device and accelerator):
+    the product of :func:`cost_factors`."""
+    return math.prod(f for _, f in cost_factors(currents, ovr, device))
+
+
+def cost_factors(
+    currents: dict[str, Any], ovr: dict[str, Any], device: tuple[str, str] = ("cpu", "")
+) -> list[tuple[str, float]]:
+    """Each change's factor of :func:`change_cost`, named as the console shows it."""
+    out: list[tuple[str, float]] = []
     for key, value in ovr.items():
-        if key in (PP_KEY, PP_MICRO_KEY):
-            continue
+        if key not in currents or key in (PP_KEY, PP_MICRO_KEY):
+            continue  # pipeline keys: pipeline_cost (the search); the batch: none
         old = currents[key]
         if key == AC_KEY:
-            cost *= ac_cost(value) / ac_cost(old)
+            out.append((f"checkpointing {value}", ac_cost(value) / ac_cost(old)))
         elif key == "trainer.grad_accum":
-            cost *= COST["grad_accum_doubling"] ** max(0.0, math.log2(value / old))
-            cost *= COST["other_change"]
+            doublings = max(0.0, math.log2(value / old))
+            factor = COST["grad_accum_doubling"] ** doublings * COST["other_change"]
+            out.append((f"grad_accum {old} -> {value}", factor))
         elif key == "trainer.grad_sync":
-            cost *= COST["sync_every"] if value == "every" else COST["other_change"]
+            every = COST["sync_every"] if value == "every" else COST["other_change"]
+            out.append((f"grad_sync {value}", every))
         elif key == "sharding.min_params":
             lower = math.log10(float(old)) - math.log10(value) if old > 0 else 0
-            cost *= COST["min_params_decade_down"] ** max(0.0, lower)
-            cost *= COST["other_change"]
+            factor = COST["min_params_decade_down"] ** max(0.0, lower)
+            out.append((f"min_params {value:g}", factor * COST["other_change"]))
+        elif key == CP_KEY:
+            doubling = COST["cp_doubling"]
+            factor = doubling ** math.log2(value / old)
+            out.append(
+                (
+                    f"context_parallel {old} -> {value} (x{doubling:g} a doubling)",
+                    factor,
+                )
+            )
         elif key == "trainer.devices":
-            cost *= COST["ranks_doubling"] ** math.log2(value / old)
+            factor = COST["ranks_doubling"] ** math.log2(value / old)
+            doubling = COST["ranks_doubling"]
+            out.append((f"devices {old} -> {value} (x{doubling:g} a doubling)", factor))
         elif key == PRECISION_KEY:
-            cost *= precision_cost(value, *device) / precision_cost(old, *device)
-    return cost  # pipeline keys: pipeline_cost (the search)
+            factor = precision_cost(value, *device) / precision_cost(old, *device)
+            out.append((f"precision {value}", factor))
+    return out
 
 
 def pipeline_cost(schedule: str, pp: int, microbatches: int) -> float:

@@ -143,10 +143,12 @@ class Estimate:
         )
         batch = "pipeline micro-batch" if s.pipelined else "micro-batch"
         sync = "" if s.pipelined else f" (sync {s.grad_sync})"
+        full_every = s.checkpointing == "full" and s.ac_every > 1
+        every = f" every {s.ac_every} blocks" if full_every else ""
         lines = [
             f"per-rank training peak estimate ({s.backend}, {ranks}, "
             f"{batch} {s.micro_batch} x {s.seq_len} tokens, grad_accum "
-            f"{s.grad_accum}{sync}, checkpointing {s.checkpointing}); "
+            f"{s.grad_accum}{sync}, checkpointing {s.checkpointing}{every}); "
             f"peak at: {self.phase}"
         ]
         for k in PARTS:

@@ -56,7 +56,9 @@ def plan_backend(cfg: DictConfig, resolved: Resolved) -> Iterator[Any]:
     """The ``plan`` backend the meta builds record units with; selective checkpointing
     of a block the policy splits is a config error here, before any rank starts."""
     tp = resolved.layout.tp  # the model is tensor-parallelised on meta for real
-    layout = ParallelLayout(tp, tp=tp)
+    # and its experts recorded as split over the ep ranks (each gathers E / ep)
+    ep = resolved.layout.ep
+    layout = ParallelLayout(tp * ep, tp=tp, ep=ep)
     backend = build_backend(
         "plan", cfg.precision.name, "cpu", layout=layout, float8=float8_linears(cfg)
     )
@@ -108,7 +110,8 @@ def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
         backend=s.backend,
         world=world,
         micro_batch=max(1, per_rank),
-        seq_len=int(resolved.spec.seq_len(resolved.model_config)),
+        # each rank's tokens of a sequence (context parallelism: 1/C of them)
+        seq_len=int(resolved.spec.seq_len(resolved.model_config)) // resolved.layout.cp,
         grad_accum=accum,
         grad_sync=str(setting(cfg, "trainer.grad_sync")),
         param_bytes=prec.param_dtype.itemsize,

@@ -15,7 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 from src.observe.loggers import Logger
 from src.planner.auto import AUTO_KEYS
 from src.planner.constants import budget_bytes
-from src.planner.costs import pipeline_cost, precision_cost, precision_cost_basis
+from src.planner.costs import (
+    cost_factors,
+    pipeline_cost,
+    precision_cost,
+    precision_cost_basis,
+)
 from src.planner.estimate import Estimate, fmt_bytes, needed, with_margin
 from src.planner.inputs import build_meta_model
 from src.planner.pipeline import (
@@ -26,8 +31,18 @@ from src.planner.pipeline import (
     worst_stage,
 )
 from src.planner.run_estimate import estimate_cfg
-from src.planner.search import Candidate, search
+from src.planner.search import (
+    BATCH_KEY,
+    Candidate,
+    ac_options,
+    cp_options,
+    fit_search,
+    splitting_batch,
+)
 from src.planner.settings import (
+    AC_EVERY_KEY,
+    AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -86,33 +101,110 @@ def fit_report(
     lines = [
         f"does not fit: needs {with_margin(est, pct)} > budget {fmt_bytes(budget)} per rank"
     ]
-    keys = [*AUTO_KEYS, PRECISION_KEY, "trainer.devices", PP_KEY]
-    best, smallest = search(cfg, resolved, keys, budget, world, max_world=world * 64)
-    if best is None:
+    fixed = bool(OmegaConf.select(cfg, FIXED_DEVICES_KEY, default=False))
+    keys = [*AUTO_KEYS, PRECISION_KEY, PP_KEY, *([] if fixed else ["trainer.devices"])]
+    found = fit_search(
+        cfg, resolved, keys, budget, world, max_world=world * 64, complete_batch=True
+    )
+    if found.best is None and len(cp_options(cfg, resolved)) > 1:
+        # context parallelism last: it helps once a micro-batch is one sequence, and
+        # searching it multiplies the points by its degrees
+        with_cp = fit_search(
+            cfg, resolved, [*keys, CP_KEY], budget, world, max_world=world * 64,
+            complete_batch=True,
+        )  # fmt: skip
+        smaller = with_cp.smallest.estimate.total < found.smallest.estimate.total
+        if with_cp.best is not None or smaller:
+            found = with_cp
+    here = f"trainer.devices={world}"
+    if found.best is None:
         lines.append(
-            f"no searched change fits; the smallest estimate is {fmt_bytes(smallest.estimate.total)}"
-            f" with {smallest.describe()}"
+            "no searched change fits"
+            + (f" at {here} ({FIXED_DEVICES_KEY}=true)" if fixed else "")
+            + f"; the smallest estimate is {fmt_bytes(found.smallest.estimate.total)}"
+            f" with {found.smallest.describe()}"
         )
-    else:
-        m = budget - needed(best.estimate, pct)
+        return "\n".join(lines), info
+    lines.append(proposal_line("cheapest change that fits", cfg, found.best, budget))
+    info["fix"] = found.best.describe()
+    if found.best_here is None and found.smallest_here is not None:
+        small = found.smallest_here
         lines.append(
-            f"cheapest change that fits: {best.describe()} -> "
-            f"{with_margin(best.estimate, pct)}"
-            f" (headroom {fmt_bytes(m)}, relative cost x{best.cost:.2f})"
+            f"at {here} ({FIXED_DEVICES_KEY}=true) no searched change fits; the "
+            f"smallest estimate there is {fmt_bytes(small.estimate.total)} "
+            f"({small.describe()})"
         )
-        info["fix"] = best.describe()
-        if PP_KEY in best.overrides:
-            lines.append(pipeline_effects(cfg, best))
-        if PRECISION_KEY in best.overrides:
-            name = best.overrides[PRECISION_KEY]
-            device = (est.shape.device, accelerator_name(cfg))
-            lines.append(
-                f"precision={name} changes more than memory: "
-                f"{get_precision(name).effects}; compute x"
-                f"{precision_cost(name, *device):.2f} "
-                f"({precision_cost_basis(name, *device)})"
-            )
+    elif found.best_here is not found.best:
+        title = f"cheapest change that fits at {here} ({FIXED_DEVICES_KEY}=true)"
+        lines.append(proposal_line(title, cfg, found.best_here, budget))
+        info["fix_at_devices"] = found.best_here.describe()
+    lines.extend(effects(cfg, est, found.best))
+    if found.best_here is not None and found.best_here is not found.best:
+        lines.extend(effects(cfg, est, found.best_here))
     return "\n".join(lines), info
+
+
+#: The key that keeps the planner's proposals at the configured device count.
+FIXED_DEVICES_KEY = "trainer.fixed_devices"
+
+
+def proposal_line(title: str, cfg: DictConfig, best: Candidate, budget: int) -> str:
+    """A proposal: the overrides that run as printed (the batch included where the
+    ranks change), its estimate and headroom, and its relative cost factor by
+    factor."""
+    pct = mem_margin(cfg)
+    m = budget - needed(best.estimate, pct)
+    return (
+        f"{title}: {best.describe()} -> {with_margin(best.estimate, pct)} (headroom "
+        f"{fmt_bytes(m)}; {cost_line(cfg, best)})"
+    )
+
+
+def cost_line(cfg: DictConfig, best: Candidate) -> str:
+    """What a proposal's relative cost measures, and its factors."""
+    currents = {k: setting(cfg, k) for k in best.overrides}
+    currents["trainer.devices"] = resolve_devices(cfg.trainer.devices)
+    currents[PRECISION_KEY] = cfg.precision.name
+    ac = best.overrides.get(AC_KEY)
+    if ac is not None:  # as the search's starting point: the configured checkpointing
+        currents[AC_KEY] = ac_options(
+            str(setting(cfg, AC_KEY)), int(setting(cfg, AC_EVERY_KEY)), ac.blocks
+        )[0]
+    device = (best.estimate.shape.device, accelerator_name(cfg))
+    factors = cost_factors(currents, best.overrides, device)
+    rest = best.cost / math.prod(f for _, f in factors) if factors else best.cost
+    if abs(rest - 1) > 1e-9:
+        factors.append(("pipeline bubble", rest))
+    each = ", ".join(f"{name} x{f:.2f}" for name, f in factors)
+    return (
+        f"relative cost x{best.cost:.2f}: compute time per token x machines against "
+        f"the run as set{': ' + each if each else ''}"
+    )
+
+
+def effects(cfg: DictConfig, est: Estimate, best: Candidate) -> list[str]:
+    """What a proposal changes besides memory: a new global batch, the pipeline,
+    the precision."""
+    lines = []
+    if BATCH_KEY in best.overrides:
+        batch = best.overrides[BATCH_KEY]
+        lines.append(
+            f"{BATCH_KEY}={batch} (was {cfg.trainer.batch_size}) changes the "
+            "training: each data-parallel rank needs whole sequences of the global "
+            "batch, so it grows (the learning rate may want retuning)"
+        )
+    if PP_KEY in best.overrides:
+        lines.append(pipeline_effects(cfg, best))
+    if PRECISION_KEY in best.overrides:
+        name = best.overrides[PRECISION_KEY]
+        device = (est.shape.device, accelerator_name(cfg))
+        lines.append(
+            f"precision={name} changes more than memory: "
+            f"{get_precision(name).effects}; compute x"
+            f"{precision_cost(name, *device):.2f} "
+            f"({precision_cost_basis(name, *device)})"
+        )
+    return lines
 
 
 def pipeline_effects(cfg: DictConfig, best: Candidate) -> str:
@@ -149,7 +241,7 @@ def uneven_batch(cfg: DictConfig, resolved: Resolved, world: int) -> str:
     pp = pipeline_stages(cfg)
     m = int(setting(cfg, PP_MICRO_KEY)) if pp > 1 else 1
     dp = resolved.layout.stage(world // pp).dp
-    if batch % accum == 0 and (batch // accum) % (dp * m) == 0:
+    if splitting_batch(batch, resolved.layout, world, accum, pp, m) == batch:
         return ""
     share = batch / accum / dp / m
     into = f" and {m} pipeline micro-batches" if pp > 1 else ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from src.planner.activations import has_formula, run_activation_fn, tp_activations
+from src.planner.activations import has_formula, run_activations
 from src.planner.estimate import Estimate, estimate
 from src.planner.inputs import (
     build_meta_model,
@@ -35,17 +35,25 @@ def estimate_cfg(
         model = model if model is not None else build_meta_model(cfg, resolved)
         plan = plan_of(resolved, model, world)
         shape = run_shape(cfg, resolved, world)
-        acts = run_activation_fn(cfg, resolved)(
-            shape.micro_batch,
-            shape.seq_len,
-            shape.param_bytes,
-            shape.checkpointing,
-            shape.ac_every,
-        )
-        acts = tp_activations(cfg, resolved, shape, acts, model)
+        acts = run_activations(cfg, resolved, shape, model)
         process = family_process_bytes(cfg, resolved, shape.device)
         est = estimate(plan, shape, acts, process)
         if not has_formula(resolved):
             est.notes["activations"] = "traced: one block per block class, fake tensors"
+        if resolved.layout.ep > 1:
+            _expert_parallel_notes(est, resolved.layout.ep)
     est.caveat = lower_bound_reason(resolved, est.shape.device, str(cfg.precision.name))
     return plan, est
+
+
+def _expert_parallel_notes(est: Estimate, ep: int) -> None:
+    """What the estimate assumes of expert parallelism, said beside its parts."""
+    est.notes["gathered_units"] = (
+        est.notes.get("gathered_units", "") + f"; each MoE block's experts 1/{ep}"
+    )
+    est.notes["activations"] = (
+        est.notes.get("activations", "")
+        + f"; EP{ep} dispatch/combine planned balanced: a rank receives its own "
+        "tokens' share of rows (imbalance bound 1x; one whose experts draw f x the "
+        "mean holds f x their activations)"
+    ).lstrip("; ")

@@ -12,7 +12,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.models.memory import ActivationBytes
-from src.planner.activations import run_activation_fn, tp_activations
+from src.planner.activations import (
+    cp_activations,
+    run_activation_fn,
+    tp_activations,
+)
 from src.planner.costs import Checkpointing, change_cost, pipeline_cost, precision_cost
 from src.planner.estimate import Estimate, RunShape, estimate, needed
 from src.planner.inputs import (
@@ -26,6 +30,7 @@ from src.planner.pipeline import StagePlans, stage_plans, whole_activations, wor
 from src.planner.settings import (
     AC_EVERY_KEY,
     AC_KEY,
+    CP_KEY,
     PP_KEY,
     PP_MICRO_KEY,
     PRECISION_KEY,
@@ -144,6 +149,8 @@ def _options(
             ]
         elif key == PP_KEY:
             vals = pipeline_options(cfg, resolved, world)
+        elif key == CP_KEY:
+            vals = cp_options(cfg, resolved)
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
@@ -175,6 +182,27 @@ def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[in
     ]
 
 
+def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+    """The cp degrees the fit search tries: none (1), and 2, 4, 8 where the backend
+    and the model can split sequences, the run has no pipeline and the 2C chunks
+    divide the sequence (a point whose ranks the degree does not divide, with the
+    tp and replica groups, is skipped)."""
+    spec, config = resolved.spec, resolved.model_config
+    if (
+        not backend_class(cfg.sharding.backend).context_parallel
+        or spec.context_parallel is None
+        or spec.kv_width is None
+        or pipeline_stages(cfg) > 1
+    ):
+        return []
+    try:
+        spec.context_parallel(config)
+    except ValueError:
+        return []
+    seq = spec.seq_len(config)
+    return [1] + [c for c in (2, 4, 8) if seq % (2 * c) == 0]
+
+
 def search(
     cfg: DictConfig,
     resolved: Resolved,
@@ -189,22 +217,58 @@ def search(
     model per ``sharding.min_params`` value; everything else is arithmetic. The
     search varies sharding and trainer keys, never the model: ``resolved`` serves
     every point."""
+    found = fit_search(cfg, resolved, keys, budget, world, max_world)
+    return found.best, found.smallest
+
+
+@dataclass(frozen=True)
+class Found:
+    """What :func:`fit_search` found: the cheapest fit, the cheapest fit on the
+    ``world`` ranks as set (None if none fits there), the smallest estimate, and the
+    smallest on the ``world`` ranks as set."""
+
+    best: Candidate | None
+    best_here: Candidate | None
+    smallest: Candidate
+    smallest_here: Candidate | None
+
+
+def fit_search(
+    cfg: DictConfig,
+    resolved: Resolved,
+    keys: Iterable[str],
+    budget: int,
+    world: int,
+    max_world: int | None = None,
+    complete_batch: bool = False,
+) -> Found:
+    """:func:`search`, with the cheapest fit at ``world`` ranks too.
+    ``complete_batch``: a point whose ranks would get no whole share of
+    ``trainer.batch_size`` (fewer sequences than data-parallel ranks x
+    micro-batches, or an uneven split) also sets the smallest batch that splits,
+    so that it runs as printed (the plan-only proposals; never ``auto``)."""
     options = _options(cfg, resolved, keys, world, max_world or world)
     margin = mem_margin(cfg)
-    points = _Points.of(cfg, resolved, options, world)
-    best: Candidate | None = None
-    smallest: Candidate | None = None
+    points = _Points.of(cfg, resolved, options, world, complete_batch)
+    best = here = smallest = smallest_here = None
     for point in _product(options):
         cand = points.candidate(point)
         if cand is None:
             continue
-        if smallest is None or cand.estimate.total < smallest.estimate.total:
+        same = cand.overrides.get("trainer.devices", world) == world
+        total = cand.estimate.total
+        if smallest is None or total < smallest.estimate.total:
             smallest = cand
-        fits = needed(cand.estimate, margin) <= budget
-        if fits and (best is None or cand.cost < best.cost):
+        if same and (smallest_here is None or total < smallest_here.estimate.total):
+            smallest_here = cand
+        if needed(cand.estimate, margin) > budget:
+            continue
+        if best is None or cand.cost < best.cost:
             best = cand
+        if same and (here is None or cand.cost < here.cost):
+            here = cand
     assert smallest is not None
-    return best, smallest
+    return Found(best, here, smallest, smallest_here)
 
 
 @dataclass
@@ -225,10 +289,13 @@ class _Points:
     acts: Callable[..., ActivationBytes]
     process: int
     tp: int
+    cur_cp: int
+    seq_len: int  # the whole sequence (a rank holds 1/C of it)
     cur_mp: float
     cur_pp: int
     cur_m: int
     schedule: str
+    complete_batch: bool = False
     models: dict[float, torch.nn.Module] = field(default_factory=dict)
     plans: dict[tuple[float, int], WrapPlan] = field(default_factory=dict)
     staged: dict[tuple[float, int], StagePlans] = field(default_factory=dict)
@@ -237,7 +304,12 @@ class _Points:
 
     @classmethod
     def of(
-        cls, cfg: DictConfig, resolved: Resolved, options: dict[str, list], world: int
+        cls,
+        cfg: DictConfig,
+        resolved: Resolved,
+        options: dict[str, list],
+        world: int,
+        complete_batch: bool = False,
     ) -> _Points:
         base = run_shape(cfg, resolved, world)
         device = (base.device, accelerator_name(cfg))
@@ -255,10 +327,13 @@ class _Points:
             acts,
             process,
             tp=resolved.layout.tp,
+            cur_cp=resolved.layout.cp,
+            seq_len=int(resolved.spec.seq_len(resolved.model_config)),
             cur_mp=float(cfg.sharding.min_params),
             cur_pp=pipeline_stages(cfg),
             cur_m=int(setting(cfg, PP_MICRO_KEY)),
             schedule=str(setting(cfg, "sharding.pp_schedule")),
+            complete_batch=complete_batch,
         )
 
     def candidate(self, point: dict[str, Any]) -> Candidate | None:
@@ -267,15 +342,26 @@ class _Points:
         w = int(point.get("trainer.devices", self.world))
         accum = int(point.get("trainer.grad_accum", self.base.grad_accum))
         pp = int(point.get(PP_KEY, self.cur_pp))
-        if self.batch % accum:
+        cp = int(point.get(CP_KEY, self.cur_cp))
+        if self.batch % accum or (cp > 1 and pp > 1):
+            return None
+        if w % (cp * self.tp * self.resolved.layout.dp_replicate):
             return None
         if pp > 1:
             return self._pipelined(point, mp, w, accum, pp)
-        return self._unpipelined(point, mp, w, accum)
+        return self._unpipelined(point, mp, w, accum, cp)
 
-    def _changed(self, point: dict[str, Any]) -> dict[str, Any]:
-        """The point's values that differ from the run's (its overrides)."""
-        return {k: v for k, v in point.items() if v != self.options[k][0]}
+    def _changed(
+        self, point: dict[str, Any], w: int, accum: int, pp: int = 1, m: int = 1
+    ) -> dict[str, Any]:
+        """The point's values that differ from the run's (its overrides), with the
+        batch that splits over its ranks where :attr:`complete_batch` asks."""
+        changed = {k: v for k, v in point.items() if v != self.options[k][0]}
+        if self.complete_batch:
+            batch = splitting_batch(self.batch, self.resolved.layout, w, accum, pp, m)
+            if batch != self.batch:
+                changed[BATCH_KEY] = batch
+        return changed
 
     def _shape(self, point: dict[str, Any], **changes: Any) -> RunShape:
         """The run's shape in ``point``'s precision and checkpointing, ``changes``
@@ -292,7 +378,7 @@ class _Points:
         )
 
     def _unpipelined(
-        self, point: dict[str, Any], mp: float, w: int, accum: int
+        self, point: dict[str, Any], mp: float, w: int, accum: int, cp: int
     ) -> Candidate | None:
         cfg, resolved, base, tp = self.cfg, self.resolved, self.base, self.tp
         if mp not in self.models:  # its units (selective is checked on them below)
@@ -307,7 +393,8 @@ class _Points:
             point,
             world=w,
             grad_accum=accum,
-            micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // tp))),
+            micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // (tp * cp)))),
+            seq_len=self.seq_len // cp,
             grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
         )
         a = self.acts(
@@ -319,8 +406,9 @@ class _Points:
         )
         if tp > 1:
             a = tp_activations(cfg, resolved, shape, a, self.models[mp])
+        a = cp_activations(resolved, shape, a, self.models[mp], cp)
         est = estimate(plan, shape, a, self.process)
-        changed = self._changed(point)
+        changed = self._changed(point, w, accum)
         cost = change_cost(self.currents, changed, self.device)
         cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)
         return Candidate(changed, est, cost)
@@ -360,7 +448,7 @@ class _Points:
             )
         whole, boundary = self.wholes[at]
         est = worst_rank(ranks, shape, whole, n_blocks, boundary, self.process)
-        changed = self._changed(point)
+        changed = self._changed(point, w, accum, pp, m)
         if m != self.cur_m:
             changed[PP_MICRO_KEY] = m
         cost = change_cost(self.currents, changed, self.device) * (
@@ -379,6 +467,21 @@ class _Points:
         if (mp, pp, w) not in self.staged_plans:
             self.staged_plans[mp, pp, w] = self.staged[mp, pp].plans(self.resolved, w)
         return self.staged_plans[mp, pp, w]
+
+
+BATCH_KEY = "trainer.batch_size"
+
+
+def splitting_batch(
+    batch: int, layout: Any, world: int, accum: int, pp: int = 1, m: int = 1
+) -> int:
+    """The smallest global batch >= ``batch`` that splits into ``accum``
+    micro-batches of whole sequences on each data-parallel rank of ``world`` ranks
+    in ``pp`` stages (and into ``m`` pipeline micro-batches): what the run
+    validates (src/config/validate.py)."""
+    dp = layout.stage(max(1, world // pp)).dp
+    step = accum * dp * (m if pp > 1 else 1)
+    return -(-batch // step) * step
 
 
 def splits_blocks(plan: WrapPlan) -> bool:

@@ -19,6 +19,7 @@ AC_EVERY_KEY = "sharding.activation_checkpointing_every"
 PREFETCH_KEY = "sharding.backward_prefetch"
 PRECISION_KEY = "precision.name"
 PP_KEY = LAYOUT_KEYS["pp"]
+CP_KEY = LAYOUT_KEYS["cp"]
 PP_MICRO_KEY = "sharding.pp_microbatches"
 MARGIN_KEY = "trainer.mem_margin"
 

@@ -12,7 +12,6 @@ list, one record per evaluation) and to the run's wandb run.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import math
 from pathlib import Path
@@ -187,21 +186,40 @@ def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
 
 
 def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> None:
-    """``eval/loss`` and ``eval/perplexity`` in the run's wandb run (its id from
-    ``<run dir>/wandb/run_id.json``: the same run continues; else a new one of
-    ``job_type="eval"``); nothing if the run logged with another logger."""
-    from src.observe.loggers import RUN_ID_FILE, init_wandb, logs_to_wandb
+    """``eval/loss`` and ``eval/perplexity`` in a wandb run of their own
+    (``job_type="eval"``, files in ``<run dir>/wandb/eval``), in the training run's
+    project and group (as its run_id.json records it), its name ``eval:<training run's name>``, and the training
+    run's id and this evaluation's record in its config: the training run itself is
+    never renamed, regrouped or reconfigured. Nothing if the run logged with another
+    logger."""
+    from src.observe.loggers import init_wandb, logs_to_wandb, recorded_wandb_run
 
     if not logs_to_wandb(run_cfg):
         return
-
-    try:
-        resume = json.loads((run_dir / "wandb" / RUN_ID_FILE).read_text())
-        ids = {"id": resume["id"], "resume": "allow"}
-    except (OSError, ValueError, KeyError):
-        ids = {"job_type": "eval"}
-    run = init_wandb(run_cfg, run_dir, **ids)
+    training = recorded_wandb_run(run_dir) or {}
+    name = training.get("name") or run_dir.name
+    config = {
+        "training_run": {"id": training.get("id"), "name": name, "dir": str(run_dir)},
+        "eval": {k: v for k, v in entry.items() if k not in ("loss", "perplexity")},
+    }
+    wandb_dir = run_dir / "wandb" / EVAL_WANDB_DIR
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    group = training.get("group") or run_cfg.logger.group  # the training run's
+    run = init_wandb(
+        run_cfg,
+        wandb_dir,
+        job_type="eval",
+        name=f"eval:{name}",
+        group=group,
+        config=config,
+    )
     figures = {"eval/loss": entry["loss"], "eval/perplexity": entry["perplexity"]}
     run.log(figures)
     run.summary.update({**figures, "eval/step": entry["step"]})
     run.finish()
+    if run_cfg.logger.mode == "offline":
+        log.info("upload to wandb: wandb sync %s/wandb/offline-run-*", wandb_dir)
+
+
+#: Where in ``<run dir>/wandb`` eval.py's wandb runs keep their files.
+EVAL_WANDB_DIR = "eval"

@@ -39,6 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.registry import Registry
 
+from .context_parallel import ContextParallel
+from .expert_parallel import expert_parallelize, plan_experts
 from .float8 import Float8, byte_all_gather
 from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
 from .policies import WrapPolicy
@@ -148,10 +150,12 @@ class Backend:
     allocates: ClassVar[bool]  # the built model holds real tensors
     tensor_parallel: ClassVar[bool]  # takes tensor_parallel > 1 (a tp mesh dimension)
     pipeline_parallel: ClassVar[bool]  # takes pipeline_parallel > 1 (a pp mesh dim)
+    context_parallel: ClassVar[bool]  # takes context_parallel > 1 (a cp mesh dim)
     # a unit's all-gather output is copied into its parameters' own unsharded
     # tensors (both alive at once while it is gathered)
     gather_copy_out: ClassVar[bool]
     float8: ClassVar[bool]  # takes float8 linear layers (precision=float8)
+    expert_parallel: ClassVar[bool]  # takes expert_parallel > 1 (from the shard ranks)
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "distributed",
         "wraps_units",
@@ -164,8 +168,10 @@ class Backend:
         "allocates",
         "tensor_parallel",
         "pipeline_parallel",
+        "context_parallel",
         "gather_copy_out",
         "float8",
+        "expert_parallel",
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -212,6 +218,8 @@ class Backend:
         self.tp_mesh: DeviceMesh | None = None
         #: the model's plan, set by build_sharded_model (None: no tensor parallelism)
         self.tp_plan: TPPlan | None = None
+        #: this rank's cp group (None: no context parallelism)
+        self.cp: ContextParallel | None = None
 
     @classmethod
     def check_layout(cls, layout: ParallelLayout) -> None:
@@ -221,6 +229,8 @@ class Backend:
             ("dp_replicate", "hybrid", "hybrid sharding"),
             ("tp", "tensor_parallel", "tensor parallelism"),
             ("pp", "pipeline_parallel", "pipeline parallelism"),
+            ("ep", "expert_parallel", "expert parallelism"),
+            ("cp", "context_parallel", "context parallelism"),
         )
         for dim, capability, what in needs:
             if layout.size(dim) > 1 and not getattr(cls, capability):
@@ -230,14 +240,24 @@ class Backend:
                     f"{' or sharding='.join(with_capability(capability))}, "
                     f"not sharding={cls.name}",
                 )
-        for dim, what in (("cp", "context"), ("ep", "expert")):
-            if layout.size(dim) > 1:
-                raise LayoutError(dim, f"{what} parallelism is not built yet")
+        if layout.cp > 1 and layout.pp > 1:
+            raise LayoutError(
+                "cp", "context parallelism with pipeline parallelism is not built"
+            )
+        for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
+            if layout.ep > 1 and layout.size(dim) > 1:
+                raise LayoutError(
+                    "ep",
+                    f"expert parallelism with {what} parallelism is not built yet; "
+                    "use one of them",
+                )
 
     def _build_mesh(self) -> None:
         """Build the layout's mesh and take the groups units shard on (and tp)."""
         self.parallel = self.layout.build_mesh(self.device.type)
         self.mesh, self.tp_mesh = self.parallel.fsdp, self.parallel.tp
+        if self.parallel.cp is not None:
+            self.cp = ContextParallel(self.parallel.cp)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision.name}, {self.device})"
@@ -265,13 +285,36 @@ class Backend:
         mesh; nothing without tensor parallelism."""
         if self.tp_plan is not None and self.tp_mesh is not None:
             tensor_parallelize(module, self.tp_mesh, self.tp_plan)
+        if self.layout.ep > 1:
+            self.split_experts(module)
+
+    def split_experts(self, module: nn.Module) -> None:
+        """Expert parallelism: each expert module under ``module`` split over the
+        ep ranks and sharded over the rest (src/sharding/expert_parallel.py)."""
+        mesh = self.parallel
+        if mesh is None or mesh.ep is None or mesh.expert_fsdp is None:
+            raise ValueError(f"expert parallelism without its mesh on {self.name}")
+        _, defaults = self.wrapper()
+        defaults = {k: v for k, v in defaults.items() if k != "mesh"}
+        expert_parallelize(module, mesh.ep, mesh.expert_fsdp, **defaults)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward and backward: ``loss_parallel`` when the plan keeps the
-        logits sharded over the vocabulary."""
-        if self.tp_plan is None or self.tp_mesh is None:
-            return contextlib.nullcontext()
-        return self.tp_plan.loss_context()
+        logits sharded over the vocabulary; the cp group the models read
+        (``context_parallel.active``) with context parallelism."""
+        stack = contextlib.ExitStack()
+        if self.tp_plan is not None and self.tp_mesh is not None:
+            stack.enter_context(self.tp_plan.loss_context())
+        if self.cp is not None:
+            stack.enter_context(self.cp.entered())
+        return stack
+
+    def shard_sequence(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of each (rows, sequence) tensor of ``batch``: all of it,
+        or with context parallelism its load-balanced 1/C of every sequence."""
+        if self.cp is None:
+            return batch
+        return tuple(self.cp.shard(t) for t in batch)
 
     # -- building -------------------------------------------------------------------
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
@@ -289,7 +332,8 @@ class Backend:
         wrapper_cls, defaults = self.wrapper()
         if self.device.type == "cpu" and _LIBC is not None:
             wrapper_cls = _trim_after(wrapper_cls)
-        parallelize = self.parallelize if self.tp_plan is not None else None
+        splits = self.tp_plan is not None or self.layout.ep > 1
+        parallelize = self.parallelize if splits else None
         return enable_wrap(
             wrapper_cls,
             policy=policy,
@@ -414,8 +458,10 @@ class _FSDPBackend(Backend):
     allocates = True
     tensor_parallel = False
     pipeline_parallel = False
+    context_parallel = False
     gather_copy_out = False  # FSDP1: the flat parameter is the all-gather's output
     float8 = True
+    expert_parallel = False
 
     def place(self, model: nn.Module) -> nn.Module:
         return model
@@ -435,7 +481,9 @@ class FSDP2Backend(_FSDPBackend):
 
     name = "fsdp2"
     tensor_parallel = True
+    expert_parallel = True
     pipeline_parallel = True
+    context_parallel = True
     meta_init = True
     partial_reshard = True
     explicit_prefetch = True
@@ -525,6 +573,8 @@ class PlanBackend(_FSDPBackend):
     allocates = False
     tensor_parallel = True  # parallelised on meta over a fake process group
     pipeline_parallel = True  # the planner's stage is built as a model of its own
+    expert_parallel = True  # planned, not split (src/planner: the experts' share)
+    context_parallel = True  # the sequence split changes no parameter's shape
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -549,6 +599,9 @@ class PlanBackend(_FSDPBackend):
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return record_unit, {}
+
+    def split_experts(self, module: nn.Module) -> None:
+        plan_experts(module, self.layout.ep)
 
     def finish_build(
         self,

@@ -35,6 +35,8 @@ class DDPBackend(Backend):
     allocates = True
     tensor_parallel = False
     pipeline_parallel = False
+    expert_parallel = False
+    context_parallel = False
 
     def place(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

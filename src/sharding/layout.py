@@ -190,11 +190,34 @@ class ParallelMesh:
         self.tp: DeviceMesh | None = self.world["tp"] if "tp" in names else None
         self.pp: DeviceMesh | None = self.world["pp"] if "pp" in names else None
         self.cp: DeviceMesh | None = self.world["cp"] if "cp" in names else None
+        #: expert parallelism: the ranks a MoE's experts are split over, and the
+        #: ones each expert is FSDP-sharded over (the shard ranks / ep, behind
+        #: dp_replicate for HSDP), both from ``dp_shard`` split in two (ep inner)
+        self.ep: DeviceMesh | None = None
+        self.expert_fsdp: DeviceMesh | None = None
+        # (with cp, ep would span dp_shard x cp: not built, check_layout refuses cp)
+        if layout.ep > 1 and layout.cp == 1:
+            split = self.world._unflatten(
+                "dp_shard",
+                (layout.dp_shard // layout.ep, layout.ep),
+                ("dp_shard_mod_ep", "ep"),
+            )
+            self.ep = split["ep"]
+            # one group over both (the experts' gradient norm: one all-reduce)
+            split["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
+            outer = ("dp_replicate",) if "dp_replicate" in names else ()
+            self.expert_fsdp = split[(*outer, "dp_shard_mod_ep")]
 
     def _fsdp_mesh(self, names: tuple[str, ...]) -> DeviceMesh:
         shard = "dp_shard_cp" if "cp" in names else "dp_shard"
         if names == ("dp_shard",):
             return self.world
+        if "dp_replicate" in names and "cp" in names:
+            # (replicate, shard x cp) as its own 2-D mesh: torch deprecates slicing
+            # a flattened dimension (dp_shard_cp) beside a root one
+            dp = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_hsdp_cp")
+            sizes = (self.layout.dp_replicate, self.layout.fsdp_shard)
+            return dp._unflatten("dp_hsdp_cp", sizes, ("dp_replicate", shard))
         if "dp_replicate" in names:
             return self.world["dp_replicate", shard]
         return self.flat[shard] if shard in self.flat else self.world[shard]

@@ -22,5 +22,7 @@ class SingleProcessBackend(Backend):
     allocates = True
     tensor_parallel = False
     pipeline_parallel = False
+    expert_parallel = False
+    context_parallel = False
     gather_copy_out = False
     float8 = True

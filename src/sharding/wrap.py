@@ -75,11 +75,15 @@ class UnitInfo:
     numel: int
     #: (dim-0 size, elements per dim-0 row, element size in bytes) of each parameter.
     shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    #: the ranks of the shard group that hold disjoint parts of it before FSDP
+    #: shards each part over the rest (expert parallelism: ``ep``)
+    split: int = 1
 
     def bytes_per_rank(self, world_size: int) -> int:
         """Bytes of this unit's parameter shards on one rank (dim-0 sharding, padded)."""
+        shard = max(1, world_size // self.split)
         return sum(
-            math.ceil(rows / world_size) * row_numel * elem
+            math.ceil(rows / shard) * row_numel * elem
             for rows, row_numel, elem in self.shapes
         )
 
@@ -207,6 +211,13 @@ def make_unit(module: nn.Module, **overrides: Any) -> nn.Module:
     if out is not module:
         module.__dict__["_sharding_wrapper"] = out
     return out
+
+
+def mark_unit(module: nn.Module, info: UnitInfo) -> None:
+    """Record ``module``, sharded by other means than the context's wrapper (expert
+    parallelism's experts), as a unit of the wrap plan holding ``info``."""
+    module.__dict__[_UNIT_ATTR] = True
+    module.__dict__["_sharding_unit_info"] = info
 
 
 def _class_overrides(ctx: _WrapContext, module: nn.Module) -> dict[str, Any]:

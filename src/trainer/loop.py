@@ -36,6 +36,7 @@ from src.checkpoint.folders import run_checkpoints
 from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
 from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
+from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
 from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
 from src.observe.metrics import (
@@ -252,6 +253,9 @@ class Trainer:
                 log.info(
                     "data.weights: the checkpoint's sources %s are not mixed", gone
                 )
+        self.earlier_attempts = (
+            earlier_attempts(self.run_dir, self.start_step) if self.rank == 0 else []
+        )
         # Tokens trained on, across resumes (a resume may change the batch); a
         # checkpoint from before they were recorded: its steps at this batch.
         per_step = self.meter.tokens_per_step
@@ -385,6 +389,15 @@ class Trainer:
         stage = {} if pp_rank is None else {"planned_peak_pp_rank": pp_rank}
         return {"planned_peak_gib": planned, **stage}
 
+    def _after_step(self) -> dict[str, float]:
+        """The family's work after each optimizer step (a MoE's router bias) and its
+        metrics of the step (routing), where its spec has any."""
+        after = self.resolved.spec.after_step
+        if after is None:
+            return {}
+        replicas = self.backend.world_size // self.backend.dp_size
+        return after(self.model, replicas)
+
     # -- the parts of a step ------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any] | None:
         """Optimizer step ``step`` (1-based). At a log point (the first and the last
@@ -416,6 +429,7 @@ class Trainer:
                 )
         except torch.OutOfMemoryError as err:
             raise oom_error(err, self.oom_snapshot, self.rank, step) from None
+        family = self._after_step()
         self.scheduler.step()
         self.loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
         if self.profiler is not None:
@@ -440,6 +454,7 @@ class Trainer:
             **(speed or {}),
             **reduce_max_min(memory_metrics(self.device)),
             **self._planned(),
+            **family,
         }
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.get_scale()
@@ -569,12 +584,29 @@ class Trainer:
             num_params=self.num_params,
             wrap_units=len(self.plan.units),
             init_peak_mem_gib=self.init_mem["init_peak_mem_gib"],
-            wall_time_s=time.perf_counter() - self._start_time,
             **self._planned(),
             **self.meter.contention(),
         )
+        self._record_attempt(t.max_steps, "finished")
         self.logger.log_summary(self.summary)
         return self.summary
+
+    def _record_attempt(self, step: int, ended: str) -> None:
+        """This attempt (from the resumed step to ``step``) after the earlier ones in
+        the summary, and the whole run's figures from them all (src/observe/attempts.py).
+        """
+        this = {
+            "start_step": self.start_step,
+            "end_step": step,
+            "wall_time_s": time.perf_counter() - self._start_time,
+            "ended": ended,
+            **self.meter.measured(),
+        }
+        attempts = [*self.earlier_attempts, this]
+        self.summary[ATTEMPTS] = attempts
+        self.summary.update(run_figures(attempts))
+        if "mfu" not in self.summary:
+            self.summary.pop("mfu", None)
 
     def export_path(self) -> Path:
         """Where ``trainer.export`` writes (``hf/``, or the consolidated file)."""
@@ -665,6 +697,7 @@ class Trainer:
         # summary.json says so (the completed run's summary replaces it).
         by = signal.Signals(signum).name
         self.summary["stopped"] = {"by": by, "step": step, "checkpoint": str(path)}
+        self._record_attempt(step, f"stopped by {by}")
         self.logger.log_summary(self.summary)
         raise stop
 

@@ -37,13 +37,15 @@ def train_step(
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's share
     of the loss and the global gradient norm (before clipping)."""
     t = cfg.trainer
-    # The ranks of a tensor-parallel group read the same rows.
+    # The ranks of a tensor-parallel (or context-parallel) group read the same rows.
     rank, world = backend.dp_rank, backend.dp_size
     model.train()
     loss_sum = torch.zeros((), device=backend.device)
     for micro in range(t.grad_accum):
         x, y = batches.get(step, micro, rank, world)
-        x, y = x.to(backend.device), y.to(backend.device)
+        # context parallelism: this rank's 1/C of each sequence (the cp ranks of a
+        # group read the same rows)
+        x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
         # trainer.grad_sync=last: gradients are reduced across ranks only on the
         # last micro-step (unsharded ones are held until then); every: each time.
         sync = micro == t.grad_accum - 1 or t.grad_sync == "every"
@@ -76,8 +78,9 @@ def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
     model.eval()
     total = torch.zeros((), device=backend.device)
     for x, y in batches:
+        x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
         with backend.autocast(), backend.loss_context():
-            _, loss = model(x.to(backend.device), y.to(backend.device))
+            _, loss = model(x, y)
         total += loss.float()
     return global_mean(total / max(1, len(batches)))
 

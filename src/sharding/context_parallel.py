@@ -1,0 +1,158 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks of the mesh.
+
+The all-gather form (as Llama 3 was trained): every rank of a cp group reads the
+same sequences and keeps 1/C of each, load-balanced for causal attention: of the
+2C equal chunks, rank i keeps chunks i and 2C-1-i (early chunks attend to few keys,
+late ones to many, so each rank gets one of each). Positions (and RoPE) use the
+global indices of the tokens kept. Attention gathers K and V over the group
+(torch's functional ``all_gather_single``: its backward reduce-scatters the
+gradients back to their rank) and masks by global position, so any kernel
+works, on gloo too: SDPA gets an additive (T/C x T) mask, made once per forward and
+shared by every layer (at very long sequences its T^2/C elements are what a
+mask-free per-chunk kernel would save; not built).
+
+The loss is each rank's mean over its T/C tokens: all ranks hold the same number of
+(never ignored) tokens, so the mean of the ranks' means is the mean over the
+sequences, and FSDP averaging gradients over ``dp_shard x cp`` gives the gradient
+of the global batch's mean exactly as without CP.
+
+A model reads the active :class:`ContextParallel` (:func:`active`): the backend
+enters it around forward and backward (``Backend.loss_context``), so activation
+checkpointing's recomputation sees it too. Without it, models run unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_single
+from torch.distributed.device_mesh import DeviceMesh
+
+# Process-wide, not thread-local: on CUDA, autograd runs backward (and activation
+# checkpointing's recomputation in it) on its own device threads.
+_ACTIVE: list[ContextParallel | None] = [None]
+
+
+def active() -> ContextParallel | None:
+    """The context parallelism forward and backward run under (None: none)."""
+    return _ACTIVE[0]
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank ``rank`` of ``cp`` keeps of a ``seq_len`` sequence:
+    chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp`` equal ones, in that order."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"a sequence of {seq_len} tokens does not split into 2 x {cp} equal chunks"
+        )
+    s = seq_len // (2 * cp)
+    first, second = rank * s, (2 * cp - 1 - rank) * s
+    return torch.cat((torch.arange(first, first + s), torch.arange(second, second + s)))
+
+
+def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """The global positions of the keys after the all-gather: each rank's
+    :func:`chunk_positions`, in rank order."""
+    return torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
+
+
+def unshard(local: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's :func:`ContextParallel.shard` (in rank
+    order) along ``dim``: the inverse of the load-balanced split."""
+    cp = len(local)
+    seq_len = sum(t.size(dim) for t in local)
+    order = torch.argsort(gathered_positions(seq_len, cp))
+    return torch.cat(local, dim).index_select(dim, order.to(local[0].device))
+
+
+def position_mask(
+    q_pos: torch.Tensor, kv_pos: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive causal mask of queries at global positions ``q_pos`` over keys
+    at ``kv_pos`` (any order): 0 where ``kv_pos <= q_pos``, -inf elsewhere (the form
+    SDPA turns a boolean mask into, made once and shared by every layer)."""
+    mask = torch.zeros(q_pos.numel(), kv_pos.numel(), dtype=dtype, device=q_pos.device)
+    return mask.masked_fill_(kv_pos[None, :] > q_pos[:, None], float("-inf"))
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA of ``q`` over ``k``, ``v`` with the :func:`position_mask` ``mask``."""
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+
+
+class ContextParallel:
+    """One rank's place in its cp group: splits sequences, gives positions and
+    attends over the gathered keys and values."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self._mask: tuple[tuple, torch.Tensor] | None = None
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's two chunks of ``t`` along ``dim`` (the sequence)."""
+        pos = chunk_positions(t.size(dim), self.size, self.rank)
+        return t.index_select(dim, pos.to(t.device))
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The global positions of this rank's ``local_len`` tokens."""
+        return chunk_positions(local_len * self.size, self.size, self.rank).to(device)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Attention of this rank's queries (B, heads, T/C, head_dim) over the keys
+        and values of the whole sequence, gathered from the group (one collective);
+        ``kwargs`` as :func:`masked_attention`'s."""
+        # (C * 2, B, heads, T/C, head_dim) -> (2, B, heads, T, head_dim), rank order
+        kv = all_gather_single(torch.stack((k, v)), 0, self.group)
+        kv = kv.unflatten(0, (self.size, 2)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+        mask = self.mask(q.size(-2), q.dtype, q.device)
+        return masked_attention(q, kv[0], kv[1], mask, **kwargs)
+
+    def mask(
+        self, local_len: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The :func:`position_mask` of this rank's queries over the gathered keys
+        (kept until :meth:`entered` ends: every layer of a forward shares it)."""
+        key = (local_len, dtype, device)
+        if self._mask is None or self._mask[0] != key:
+            q_pos = self.positions(local_len, device)
+            kv_pos = gathered_positions(local_len * self.size, self.size)
+            self._mask = key, position_mask(q_pos, kv_pos.to(device), dtype)
+        return self._mask[1]
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Models see this context parallelism (:func:`active`) inside; the mask
+        made there is dropped on leaving (it lives as long as forward and backward)."""
+        previous, _ACTIVE[0] = active(), self
+        try:
+            yield
+        finally:
+            _ACTIVE[0], self._mask = previous, None

@@ -1,0 +1,179 @@
+"""Expert parallelism: each routed expert of a mixture of experts lives on one of
+``ep`` ranks, and tokens travel to it and back by all-to-all.
+
+A family's stacked experts module subclasses :class:`ExpertModule`: its parameters are
+``[num_experts, ...]`` tensors. :func:`expert_parallelize` (the FSDP2 backend calls it
+on each unit as it is built, before the unit is sharded) makes each of them a DTensor
+sharded on dim 0 over the ``ep`` mesh, so a rank computes with its ``num_experts / ep``
+local experts, and shards the module with FSDP2 over the data-parallel ranks left
+(``dp_shard / ep``; with HSDP, replicated over ``dp_replicate`` too). The
+parameters keep their names and global ``[num_experts, ...]`` shape, so a checkpoint
+(DCP) does not depend on ``ep``: an EP run's resumes on FSDP alone and back.
+
+:func:`dispatch` sends each rank's assignments, grouped by expert, to the ranks
+holding those experts (``all_to_all_single`` with uneven splits); the returned
+:class:`Dispatched` brings the experts' outputs back (:meth:`Dispatched.combine`).
+Both are differentiable: the backward of an all-to-all is the all-to-all with the
+splits swapped (:class:`_AllToAll`). The experts' gradients are scaled by ``1 / ep``
+(:func:`local_weight`): each one sums the tokens of its ``ep`` group, on top of the
+mean FSDP takes over the data-parallel ranks it shards over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from .wrap import UnitInfo, is_wrapped, mark_unit
+
+
+class ExpertModule(nn.Module):
+    """A module of stacked experts (every parameter ``[num_experts, ...]``); after
+    :func:`expert_parallelize`, ``ep_mesh`` is the mesh its experts are split over
+    (None: all experts here)."""
+
+    ep_mesh: DeviceMesh | None = None
+
+
+def expert_parallelize(
+    module: nn.Module, ep_mesh: DeviceMesh, fsdp_mesh: DeviceMesh, **fsdp: object
+) -> None:
+    """Split each :class:`ExpertModule` under ``module`` over ``ep_mesh`` (dim 0) and
+    shard it with ``fully_shard(mesh=fsdp_mesh, **fsdp)``; idempotent."""
+    for m in _unsplit(module):
+        ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        info = _split_info(m, ep)
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p.size(0) % ep:
+                raise ValueError(
+                    f"{p.size(0)} experts do not split over {ep} expert-parallel ranks"
+                )
+            local = p.detach().chunk(ep)[rank].clone()
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(m, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        m.ep_mesh = ep_mesh
+        fully_shard(m, mesh=fsdp_mesh, **fsdp)
+        mark_unit(m, info)
+
+
+def plan_experts(module: nn.Module, ep: int) -> None:
+    """For a plan (nothing allocated): record each :class:`ExpertModule` under
+    ``module`` as a unit holding ``1 / ep`` of its experts, sharded over the rest."""
+    for m in _unsplit(module):
+        mark_unit(m, _split_info(m, ep))
+
+
+def _unsplit(module: nn.Module) -> list[ExpertModule]:
+    """The expert modules under ``module`` not split yet (a split one is a unit)."""
+    return [
+        m for m in module.modules() if isinstance(m, ExpertModule) and not is_wrapped(m)
+    ]
+
+
+def _split_info(m: ExpertModule, ep: int) -> UnitInfo:
+    """The wrap plan's record of ``m`` split over ``ep`` ranks: each holds
+    ``num_experts / ep`` whole experts (what it gathers), FSDP-sharded over the
+    shard group's ranks / ep."""
+    shapes = [
+        (p.size(0) // ep, p[0].numel(), p.element_size())
+        for p in m.parameters(recurse=False)
+    ]
+    return UnitInfo(
+        numel=sum(p.numel() for p in m.parameters()), shapes=shapes, split=ep
+    )
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def local_weight(w: torch.Tensor, ep_mesh: DeviceMesh | None) -> torch.Tensor:
+    """This rank's experts of ``w`` (a plain tensor as is), gradient scaled by
+    ``1 / ep`` (see the module docstring)."""
+    if ep_mesh is None or not isinstance(w, DTensor):
+        return w
+    return _ScaleGrad.apply(w.to_local(), 1.0 / ep_mesh.size())
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(
+            back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group
+        )
+        return back, None, None, None
+
+
+@dataclass
+class Dispatched:
+    """Rows received for this rank's experts, grouped by local expert."""
+
+    rows: torch.Tensor  # (received, ...) grouped by local expert
+    counts: torch.Tensor  # (local experts,) rows of each
+    order: torch.Tensor  # rows[i] is the received row order[i]
+    send: list[int]
+    recv: list[int]
+    group: dist.ProcessGroup
+    bytes_moved: int  # both all-to-alls' rows sent by this rank
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs (as ``rows``) back to the ranks that sent the
+        rows, in the order they were sent."""
+        back = torch.empty_like(out).index_copy(0, self.order, out)
+        # index_copy's backward gathers by order: the inverse permutation
+        return _AllToAll.apply(back, self.recv, self.send, self.group)
+
+
+def dispatch(
+    rows: torch.Tensor, counts: torch.Tensor, ep_mesh: DeviceMesh
+) -> Dispatched:
+    """Send ``rows`` (grouped by global expert, ``counts[e]`` of expert ``e``) to the
+    ranks of ``ep_mesh`` holding those experts (rank ``r`` holds the ``r``-th
+    contiguous block of experts)."""
+    ep, group = ep_mesh.size(), ep_mesh.get_group()
+    local = counts.numel() // ep
+    # how many rows of each of my local experts every rank sends me
+    theirs = torch.empty_like(counts)
+    dist.all_to_all_single(theirs, counts, group=group)
+    theirs = theirs.view(ep, local)
+    send = counts.view(ep, local).sum(1).tolist()
+    recv = theirs.sum(1).tolist()
+    got = _AllToAll.apply(rows, send, recv, group)
+    # received: by source rank, then local expert; regroup by local expert
+    expert = torch.repeat_interleave(
+        torch.arange(local, device=counts.device).repeat(ep), theirs.reshape(-1)
+    )
+    order = expert.argsort(stable=True)
+    row_bytes = rows[0].numel() * rows.element_size() if rows.numel() else 0
+    return Dispatched(
+        rows=got[order],
+        counts=theirs.sum(0),
+        order=order,
+        send=send,
+        recv=recv,
+        group=group,
+        bytes_moved=2 * (sum(send) - send[ep_mesh.get_local_rank()]) * row_bytes,
+    )

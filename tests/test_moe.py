@@ -1,0 +1,182 @@
+"""The native MoE family (src/models/moe.py), in process: routing (ties, capacity),
+grouped matmuls against the per-expert loop, the auxiliary-loss-free bias update,
+the balance loss in the gradient but not the loss's value, and bad keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from src.models.moe import (
+    MoEConfig,
+    MoETransformer,
+    after_step,
+    grouped_matmul,
+    grouped_mm_runs,
+    init_tensor,
+    moe_layers,
+)
+from tests.test_config import config_error
+
+CFG = dict(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=64,
+    multiple_of=16,
+    max_seq_len=16,
+    num_experts=4,
+    top_k=2,
+    moe_hidden_dim=16,
+)
+
+
+def tokens(rows=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, CFG["vocab_size"], (rows, CFG["max_seq_len"]), generator=gen)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def test_ties_go_to_the_lower_expert_and_gates_renormalise():
+    config = MoEConfig(**CFG)
+    model = MoETransformer(config)
+    router = moe_layers(model)[0].router
+    with torch.no_grad():
+        router.gate.weight.zero_()  # every score equal: a tie between all experts
+    scores, experts, gates, dropped = router(torch.randn(2, 5, config.dim))
+    assert (experts == torch.tensor([0, 1])).all()
+    assert torch.allclose(gates, torch.full_like(gates, 0.5)) and dropped == 0
+    with torch.no_grad():  # the bias decides the choice, not the gate
+        router.expert_bias.copy_(torch.tensor([0.0, 0.0, 1.0, 2.0]))
+    config.load_balance = "aux_free"
+    _, experts, gates, _ = router(torch.randn(2, 5, config.dim))
+    assert (experts == torch.tensor([3, 2])).all()
+    assert torch.allclose(gates, torch.full_like(gates, 0.5))
+
+
+def test_capacity_drops_the_later_tokens_of_a_sequence_and_counts_them():
+    config = MoEConfig(**CFG, capacity_factor=1.0)  # 16 * 2 / 4 = 8 per expert
+    router = moe_layers(MoETransformer(config))[0].router
+    with torch.no_grad():
+        router.gate.weight.zero_()  # all tokens choose experts 0 and 1
+    _, experts, gates, dropped = router(torch.randn(3, 16, config.dim))
+    assert dropped == 3 * 2 * (16 - 8)
+    assert (gates[:, :8] > 0).all() and (gates[:, 8:] == 0).all()
+
+
+@pytest.mark.skipif(not grouped_mm_runs("cpu", torch.float32), reason="no grouped mm")
+def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward():
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(4, 8, 12, requires_grad=True)
+    grads = []
+    for grouped in (True, False):
+        x.grad = w.grad = None
+        y = grouped_matmul(x, w, counts, grouped)
+        y.sum().backward()  # a zero-stride gradient: made contiguous for grouped mm
+        grads.append((y.detach(), x.grad.clone(), w.grad.clone()))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # and a whole model, loss and every gradient
+    results = []
+    for grouped in (True, False):
+        model = MoETransformer(MoEConfig(**CFG, grouped_mm=grouped))
+        loss = model(*tokens())[1]
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_balance_loss_enters_the_gradient_not_the_loss_value():
+    torch.manual_seed(0)
+    losses, grads = [], []
+    for balance in ("aux_loss", "none"):
+        model = MoETransformer(
+            MoEConfig(**CFG, load_balance=balance, aux_loss_coef=1.0)
+        )
+        loss = model(*tokens())[1]
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(moe_layers(model)[0].router.gate.weight.grad.clone())
+    assert losses[0] == losses[1]
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_aux_free_bias_moves_towards_balance_from_the_step_counts():
+    config = MoEConfig(**CFG, load_balance="aux_free", bias_update_rate=0.01)
+    model = MoETransformer(config)
+    model(*tokens())[1].backward()
+    moe = moe_layers(model)[0]
+    counts = moe.stats[: config.num_experts].clone()
+    rows = after_step(model)
+    bias = moe.router.expert_bias
+    expected = 0.01 * torch.sign(counts.mean() - counts)
+    torch.testing.assert_close(bias, expected.float())
+    assert rows["moe/layer0/tokens_max"] == counts.max().item()
+    assert rows["moe/layer0/tokens_mean"] == 4 * 16 * 2 / 4
+    assert rows["moe/layer0/dropped"] == 0 and rows["moe/dropped"] == 0
+    assert 0 < rows["moe/entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-6
+    assert moe.stats is None  # the next step counts afresh
+    assert after_step(model) == {}  # nothing routed since
+
+
+def test_meta_init_by_name_equals_the_cpu_build():
+    config = MoEConfig(**CFG, shared_hidden_dim=8, n_dense_layers=1)
+    model = MoETransformer(config, seed=3)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        torch.testing.assert_close(init_tensor(name, t.shape, config, 3), t)
+    assert hasattr(model.layers[0], "feed_forward") and len(moe_layers(model)) == 1
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.top_k=9", "model.top_k"),
+        ("model.load_balance=magic", "model.load_balance"),
+        ("model.capacity_factor=0", "model.capacity_factor"),
+        ("model.n_dense_layers=5", "model.n_dense_layers"),
+    ],
+)
+def test_bad_moe_keys_are_named(override, key):
+    assert config_error("model=moe_tiny", override).startswith(key + ":")
+
+
+def test_interval_line_has_a_short_moe_part():
+    from src.observe.metrics import interval_line
+
+    row = {"loss": 5.0, "lr": 1e-3, "moe/load_max_over_mean": 1.5, "moe/dropped": 0}
+    assert interval_line(3, row).endswith("experts max/mean 1.50, lr 1.00e-03")
+    row["moe/dropped"] = 12
+    assert "experts max/mean 1.50 dropped 12, lr" in interval_line(3, row)
+    assert "experts" not in interval_line(3, {"loss": 5.0, "lr": 1e-3})
+
+
+@pytest.mark.parametrize("balance", ["aux_free", "aux_loss"])
+def test_activation_checkpointing_recomputes_the_same_block(balance):
+    """A checkpointed block (its first forward probing grouped mm, too) gives the
+    gradients of a plain one, and counts its routing once."""
+    from torch.utils.checkpoint import checkpoint
+
+    config = MoEConfig(**CFG, load_balance=balance, capacity_factor=1.0)
+    grads, counts = [], []
+    for ac in (True, False):
+        grouped_mm_runs.cache_clear()
+        model = MoETransformer(config)
+        block = model.layers[0]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 16, config.dim, generator=gen, requires_grad=True)
+        cos, sin = model.rope(16)
+        if ac:
+            y = checkpoint(block, x, cos, sin, use_reentrant=False)
+        else:
+            y = block(x, cos, sin)
+        aux = moe_layers(model)[0].aux_loss
+        (y.square().mean() + (0 if aux is None else aux)).backward()
+        grads.append([x.grad, *(p.grad for p in block.parameters())])
+        counts.append(moe_layers(model)[0].stats)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(counts[0], counts[1])
