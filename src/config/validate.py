@@ -35,6 +35,7 @@ from src.resolved import (
     tensor_parallel_plan,
 )
 from src.schema import (
+    CKPT_CHOICES,
     DIRECTIONS,
     EVAL_SPLITS,
     EXPORTS,
@@ -482,6 +483,14 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
         _positive_int(cfg, f"trainer.{key}")
     for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps", "keep_last"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
+    for key in ("keep_best", "early_stop_patience"):
+        _positive_int(cfg, f"trainer.{key}", minimum=0)
+        _require(
+            not t[key] or (t.val_every and t.val_batches),
+            f"trainer.{key}",
+            f"{t[key]} ranks checkpoints by val_loss, but trainer.val_every="
+            f"{t.val_every} trainer.val_batches={t.val_batches} never validate",
+        )
     _positive_int(cfg, "trainer.max_restarts", minimum=0)
     _positive_int(cfg, "trainer.sample_every", minimum=0)
     _positive_int(cfg, "trainer.sample_tokens")
@@ -586,6 +595,7 @@ def validate_sample(cfg: DictConfig) -> None:
     """sample.py's own keys (the run's config is checked by :func:`validate`)."""
     reject_unknown_keys(cfg)
     reject_non_finite(cfg)
+    _choice(cfg, "ckpt", CKPT_CHOICES)
     _positive_int(cfg, "num_samples")
     _positive_int(cfg, "max_new_tokens")
     _require(
@@ -604,6 +614,7 @@ def validate_eval(cfg: DictConfig) -> None:
     :func:`validate`)."""
     reject_unknown_keys(cfg)
     reject_non_finite(cfg)
+    _choice(cfg, "ckpt", CKPT_CHOICES)
     _require(
         cfg.split is None or cfg.split in EVAL_SPLITS,
         "split",
