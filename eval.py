@@ -48,6 +48,7 @@ def evaluate_run(cfg: DictConfig) -> dict:
             EVAL_FILE,
             cfg.trust_remote_code,
             (split,),
+            cfg.ckpt,
         )
         changed = None if cfg.data is not None else changed_run_data(run_dir, run_cfg)
     opts = {"split": split, "batches": cfg.batches, "batch_size": cfg.batch_size}

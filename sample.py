@@ -41,7 +41,7 @@ def main(cfg: DictConfig) -> list[str]:
     with exit_on_config_error():
         validate_sample(cfg)
         _, checkpoint, run_cfg, resolved = open_run(
-            cfg.run, changes, trust_remote_code=cfg.trust_remote_code
+            cfg.run, changes, trust_remote_code=cfg.trust_remote_code, ckpt=cfg.ckpt
         )
         run_tokenizer(run_cfg)  # a run without one is refused before any rank starts
     opts = {

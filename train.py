@@ -35,7 +35,7 @@ from src.trainer.launch import (
     prepare,
 )
 from src.trainer.resume import check_init_from
-from src.trainer.sweep import run_job
+from src.trainer.sweep import check_objective, run_job
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -50,9 +50,11 @@ def main(cfg: DictConfig) -> float:
 
 def _fits(cfg: DictConfig) -> tuple[float, float] | None:
     """In a multirun: (needed, budget) GiB when the planner says the point cannot fit
-    (planned with the wrap policy the run would get, as ``prepare`` chooses it)."""
+    (planned with the wrap policy the run would get, as ``prepare`` chooses it); a
+    point that cannot have the sweep's objective is refused (``check_objective``)."""
     with exit_on_config_error():
         resolved = validate(cfg)
+        check_objective(cfg)
     if run_budget_bytes(cfg) is None:
         return None  # nothing to judge against: no model is built for it
     cfg, resolved, _ = default_policy(cfg, resolved, job_user_keys())

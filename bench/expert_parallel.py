@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from bench.common import publish
-from bench.tensor_parallel import arg_parser, measure
+from bench.tensor_parallel import arg_parser, layout_row, measure, speed_vs_first
 
 LAYOUTS = {
     "FSDP2 (2-way sharding)": [],
@@ -59,20 +59,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, layout in LAYOUTS.items():
         r = measure(args, layout, AllToAllBytes)
         sent = max(rank["a2a_bytes"] for rank in r["ranks"]) / args.steps
-        rows.append(
-            {
-                "layout": name,
-                "step (s, median)": f"{r['step_s']:.3f}",
-                "tokens/s": f"{r['tokens_per_s']:,.0f}",
-                "peak RSS/rank (GiB)": f"{r['peak_gib']:.3f}",
-                "params/rank (MiB)": f"{r['param_mib']:.2f}",
-                "all-to-all MiB/step/rank": f"{sent / 2**20:.3f}",
-                "final loss": f"{r['loss']:.5f}",
-            }
-        )
-    base = float(rows[0]["tokens/s"].replace(",", ""))
-    for row in rows:
-        row["vs FSDP2"] = f"{float(row['tokens/s'].replace(',', '')) / base:.2f}x"
+        a2a = {"all-to-all MiB/step/rank": f"{sent / 2**20:.3f}"}
+        rows.append(layout_row(name, r, **a2a))
+    speed_vs_first(rows)
     publish(
         rows,
         "Expert parallelism vs FSDP2, 2 CPU ranks",

@@ -6,7 +6,7 @@ everything in order and never stops at the first failure:
 1. ``tests``: the test subset with CUDA variants (``pytest -m cuda``);
 2. for each config (eager, per-unit compile, then ``tp2``: tensor + sequence
    parallelism over 2 devices with FSDP2 over the rest, skipped with a line on a
-   machine with fewer devices): the planner's estimate (``trainer.plan_only=true``,
+   machine with fewer devices, then ``float8``: compile with float8 linear layers): the planner's estimate (``trainer.plan_only=true``,
    allocates nothing), then the trainer itself for a short fixed number of steps,
    through ``train.py`` as a user runs it;
 3. ``profile``: a ``trainer.profile=true`` window on the same shape (per-rank traces,
@@ -16,8 +16,9 @@ everything in order and never stops at the first failure:
 4. one JSON (``gpu_check.json``) and one Markdown table (``gpu_check.md``) in the output
    dir: tokens/s, MFU against the datasheet peak of the detected GPU, the CUDA
    allocator peak (``torch.cuda.max_memory_allocated``) against the plan's estimate,
-   compile's and tp2's tokens/s over eager, and the first error line of anything that
-   failed.
+   compile's and tp2's tokens/s over eager, float8's (``precision=float8`` with
+   compile) over compile's (bf16_mixed on a GPU, the same shape), and the first error
+   line of anything that failed.
 
     python -m bench.gpu_check OUT_DIR                # on a GPU machine (a few minutes)
     python -m bench.gpu_check OUT_DIR --dry-run      # the same steps on CPU, tiny shapes
@@ -76,6 +77,10 @@ CONFIGS = {
     # devices (skipped, and said so, on a 1-GPU machine; the dry run starts 2 CPU
     # ranks). Its loss must equal eager's (same model, same global batch).
     "tp2": ["sharding.tensor_parallel=2"],
+    # float8 linear layers in the blocks (torchao; FSDP2 float8 all-gather), with
+    # compile as float8 is run: against "compile" (bf16_mixed on a GPU) at the same
+    # shape. MFU counts against the bf16 peak (torchtitan's convention).
+    "float8": ["precision=float8", "sharding.compile=true"],
 }
 #: Devices a leg needs (1 when not listed).
 LEG_DEVICES = {"tp2": 2}
@@ -354,6 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
     eager, compiled, tp = speed.get("eager"), speed.get("compile"), speed.get("tp2")
     speedup = compiled / eager if eager and compiled else None
     tp_ratio = tp / eager if eager and tp else None
+    f8 = speed.get("float8")
+    f8_ratio = f8 / compiled if compiled and f8 else None
 
     report = {
         "machine": machine(),
@@ -363,6 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": rows,
         "compile_speedup": speedup,
         "tp2_vs_eager": tp_ratio,
+        "float8_vs_compile": f8_ratio,
     }
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
     table = markdown_table([_fmt(r) for r in rows])
@@ -376,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         f"compile speed-up over eager: {speedup:.2f}x" if speedup else "compile speed-up: n/a",
         f"tp2 tokens/s over eager: {tp_ratio:.2f}x" if tp_ratio else "tp2: n/a (needs 2 devices)",
+        f"float8 tokens/s over compile: {f8_ratio:.2f}x" if f8_ratio else "float8: n/a",
         *(f"- FAILED {s['step']}: {s['error']}" for s in failed),
     ]  # fmt: skip
     (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")

@@ -152,6 +152,10 @@ ORDINARY: dict[str, list[str]] = {
                                       "sharding.expert_parallel=2"],
     "hf mixtral EP2, 2 ranks": ["model=hf", f"model.config={HF}/mixtral_4x256",
                                 "sharding.expert_parallel=2"],
+    # float8 (torchao) blocks, FSDP2 float8 all-gather: the float8 weight copies
+    # gathered per unit and what autocast keeps (docs/planner.md "float8")
+    "gpt float8": ["precision=float8"],
+    "llama float8": ["model=llama_tiny", "precision=float8"],
     # pipeline stages: the worst stage's plan against the max over ranks
     "gpt 4x384 PP2 1F1B, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=1f1b"],
     "gpt 4x384 PP2 GPipe, 2 ranks": [*_PP_GPT, "sharding.pp_schedule=gpipe"],

@@ -144,24 +144,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return arg_parser(__doc__).parse_args(argv)
 
 
+def layout_row(name: str, r: dict, **extra: str) -> dict:
+    """One table row of :func:`measure`'s figures for the layout ``name``
+    (``extra``: columns of the caller's, before the final loss)."""
+    return {
+        "layout": name,
+        "step (s, median)": f"{r['step_s']:.3f}",
+        "tokens/s": f"{r['tokens_per_s']:,.0f}",
+        "peak RSS/rank (GiB)": f"{r['peak_gib']:.3f}",
+        "params/rank (MiB)": f"{r['param_mib']:.2f}",
+        **extra,
+        "final loss": f"{r['loss']:.5f}",
+    }
+
+
+def speed_vs_first(rows: list[dict]) -> None:
+    """Each row's tokens/s against the first row's (FSDP2), as a ``vs FSDP2`` column."""
+    base = float(rows[0]["tokens/s"].replace(",", ""))
+    for row in rows:
+        row["vs FSDP2"] = f"{float(row['tokens/s'].replace(',', '')) / base:.2f}x"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     rows = []
     for name, layout in LAYOUTS.items():
-        r = measure(args, layout)
-        rows.append(
-            {
-                "layout": name,
-                "step (s, median)": f"{r['step_s']:.3f}",
-                "tokens/s": f"{r['tokens_per_s']:,.0f}",
-                "peak RSS/rank (GiB)": f"{r['peak_gib']:.3f}",
-                "params/rank (MiB)": f"{r['param_mib']:.2f}",
-                "final loss": f"{r['loss']:.5f}",
-            }
-        )
-    base = float(rows[0]["tokens/s"].replace(",", ""))
-    for row in rows:
-        row["vs FSDP2"] = f"{float(row['tokens/s'].replace(',', '')) / base:.2f}x"
+        rows.append(layout_row(name, measure(args, layout)))
+    speed_vs_first(rows)
     publish(
         rows,
         "Tensor parallelism vs FSDP2, 2 CPU ranks",

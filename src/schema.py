@@ -177,6 +177,13 @@ class TrainerConfig:
         "save the last step's checkpoint (sample.py, eval.py and a resume read it)"
     )
     keep_last: int = described("newest checkpoints kept (0 = all)")
+    keep_best: int = described(
+        "also keep the K checkpoints of the lowest val_loss (0 = off; a validation "
+        "step among the K best so far is saved)"
+    )
+    early_stop_patience: int = described(
+        "stop when val_loss has not improved for N validations (0 = off)"
+    )
     ckpt_async: bool = described("write checkpoints in the background")
     resume: str | None = described(
         "null, auto (newest in the run dir) or a checkpoint path"
@@ -271,6 +278,7 @@ class SampleConfig:
     and sharding are the run's own (src/runs/from_run.py)."""
 
     run: str = MISSING  # a run dir of train.py, or a checkpoint in one
+    ckpt: str = MISSING  # latest or best (lowest recorded val_loss)
     prompt: str = MISSING
     num_samples: int = MISSING
     max_new_tokens: int = MISSING
@@ -287,6 +295,7 @@ class EvalConfig:
     """``eval.py`` (conf/eval.yaml): loss and perplexity of a run's checkpoint."""
 
     run: str = MISSING  # a run dir of train.py, or a checkpoint in one
+    ckpt: str = MISSING  # latest or best (lowest recorded val_loss)
     data: Any = None  # null: the run's data; else a data option (data=files ...)
     split: str | None = MISSING  # val, train or all (null: see evaluation.eval_split)
     batches: Any = MISSING  # null: the run's trainer.val_batches; an int; or all
@@ -297,6 +306,9 @@ class EvalConfig:
 
 _store.store(name="base_sample", node=SampleConfig)
 _store.store(name="base_eval", node=EvalConfig)
+
+#: ``ckpt=`` of sample.py and eval.py: the run's newest checkpoint, or its best one.
+CKPT_CHOICES = ("latest", "best")
 
 #: eval.py's ``split``: the data's train or val split, or every token of it (``all``).
 EVAL_SPLITS = (*SPLITS, "all")

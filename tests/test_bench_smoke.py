@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import common, init_memory, mfu
+from bench import common, float8, init_memory, mfu
 
 
 @pytest.fixture
@@ -173,3 +173,16 @@ def test_expert_parallel_bench_two_layouts(docs_untouched):
     for row in (fsdp, ep):
         assert float(row["tokens/s"].replace(",", "")) > 0
         assert float(row["peak RSS/rank (GiB)"]) > 0
+
+
+def test_float8_bench_tiny(docs_untouched):
+    """bench.float8 on the default GPT, 2 steps: every table has its rows, and the
+    all-gather counter sees float8 all-gather move about half of bf16's bytes (the
+    float8 weights at 1 byte, the norms and the root at 2) and float8 without it
+    exactly bf16's."""
+    tables = float8.main(["--models", "small", "--steps", "2", "--parity-steps", "2"])
+    assert [len(t) for t in tables.values()] == [1, 1, 3]
+    ratios = [float(r["vs bf16_mixed"]) for r in tables["gathered"]]
+    assert ratios[0] == ratios[1] == 1.0 and 0.5 < ratios[2] < 0.6, ratios
+    for p in float8.PRECISIONS:
+        assert 0 < float(tables["numerics"][0][f"final loss {p}"]) < 6

@@ -67,7 +67,8 @@ SKIPPED = {
     "beside it (docs/models.md's tiny Mixtral; tests/test_hf_inputs.py runs that "
     "round trip)",
     ("python", "-m", "src.runs.compare"): "reads earlier runs' dirs (run by "
-    "tests/test_research_loop.py on two trained runs)",
+    "tests/test_research_loop.py on two trained runs, and by "
+    "tests/test_research_data.py on a sweep dir and runs of two tokenizers)",
 }
 #: Commands that read a run dir the user names (a placeholder such as <date>).
 USER_RUN_DIR = re.compile(r"<date>|<time>|<run dir>")

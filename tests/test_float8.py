@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from src.checkpoint.export import load_consolidated
 from src.config.cli import one_line
@@ -22,9 +23,13 @@ from src.config.validate import validate
 from src.errors import ConfigError
 from src.harness import compose_config
 from src.models.gpt import GPT, GPTConfig
+from src.models.gpt import tp_plan as gpt_tp_plan
 from src.models.llama import Llama, LlamaConfig
+from src.models.llama import tp_plan as llama_tp_plan
 from src.sharding import UnitTransform, build_backend, build_policy, build_sharded_model
 from src.sharding.float8 import Float8, is_float8_linear
+from src.sharding.layout import ParallelLayout
+from src.sharding.tensor_parallel import tp_modules
 from tests.distributed import run_distributed
 
 GPT_CFG = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=32)
@@ -35,6 +40,12 @@ LLAMA_CFG = LlamaConfig(
 MODELS = {
     "gpt": (lambda: GPT(GPT_CFG, seed=0), GPT.block_cls),
     "llama": (lambda: Llama(LLAMA_CFG, seed=0), Llama.block_cls),
+}
+#: GPT without sequence parallelism (all its float8 layers get torchao's float8
+#: styles on gloo), Llama with it (its default)
+TP_PLANS = {
+    "gpt": lambda tp: gpt_tp_plan(GPT_CFG, tp, False),
+    "llama": lambda tp: llama_tp_plan(LLAMA_CFG, tp, None),
 }
 BATCH = 8
 
@@ -49,25 +60,37 @@ def batches(steps: int, seq: int = 32):
         yield rows[:, :-1], rows[:, 1:]
 
 
-def train(family, precision, steps, backend_name="none", float8=None, rank=0, world=1):
-    """Losses (global mean) of ``steps`` AdamW steps and the trained model."""
+def train(
+    family, precision, steps, backend_name="none", float8=None, rank=0, world=1, tp=1
+):
+    """Losses (global mean) of ``steps`` AdamW steps and the trained model; ``tp``:
+    tensor parallelism over the ``world`` ranks (:data:`TP_PLANS`), each rank the
+    whole batch."""
     make, block = MODELS[family]
-    backend = build_backend(backend_name, precision, "cpu", float8=float8)
+    layout = ParallelLayout(world_size=world, tp=tp)
+    backend = build_backend(
+        backend_name, precision, "cpu", layout=layout, float8=float8
+    )
     policy = build_policy("block", block_cls=block) if backend.wraps_units else None
     transform = UnitTransform(targets=(block,), float8=backend.float8_linears)
-    model = build_sharded_model(make, backend, policy, transform=transform)
+    plan = TP_PLANS[family](tp) if tp > 1 else None
+    model = build_sharded_model(
+        make, backend, policy, transform=transform, tp_plan=plan
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
+    dp = world // tp
     for x, y in batches(steps):
-        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        with backend.autocast():
+        rows = slice(rank // tp * BATCH // dp, (rank // tp + 1) * BATCH // dp)
+        with backend.autocast(), backend.loss_context():
             _, loss = model(x[rows], y[rows])
-        loss.backward()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         backend.after_optimizer_step(model)
         loss = loss.detach().float()
-        if world > 1:
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        if dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
     return losses, model
@@ -135,6 +158,12 @@ def _sharded_float8(rank, world, export_dir):
         state = get_model_state_dict(model)  # what a DCP checkpoint saves
         export_consolidated(model, f"{export_dir}/{family}.safetensors")
         out[family] = (losses, {k: v.dtype for k, v in state.items()})
+        # TP2: torchao's float8 styles where gloo moves no float8
+        # (test_float8_fsdp2_two_ranks_equals_one says which)
+        losses, model = train(family, "float8", 4, "fsdp2", Float8(), rank, world, 2)
+        styles = {style for _, style in tp_modules(model)}
+        n = sum(is_float8_linear(m) for m in model.modules())
+        out[f"{family} tp2"] = (losses, styles, n)
     return out
 
 
@@ -144,10 +173,25 @@ def test_float8_fsdp2_two_ranks_equals_one(tmp_path):
     scales are per tensor) and cast the fp32 shards to float8 where one process casts
     its bf16 copy, each a float8 rounding (2^-4) averaged over a dot product.
     The checkpointed state and trainer.export's file hold the fp32 weights under the
-    plain model's names."""
+    plain model's names.
+
+    Float8 TP2 (the same launch) equals float8 on one process within 1% per step
+    too (measured under 0.5%: each rank casts its own half of a weight, so half the
+    tensorwise scales differ), with torchao's Float8ColwiseParallel /
+    Float8RowwiseParallel where a style moves no float8 over gloo (no float8 type):
+    with sequence parallelism (Llama here) the styles that gather (the sequence
+    all-gathers, the rowwise reduce-scatter whose backward gathers the float8
+    gradient) stay plain."""
     results = run_distributed(_sharded_float8, 2, str(tmp_path))
     for family in MODELS:
         one, model = train(family, "float8", 4)
+        for losses, styles, f8 in (r[f"{family} tp2"] for r in results):
+            assert f8 == sum(is_float8_linear(m) for m in model.modules())
+            # Llama with sequence parallelism: its rowwise layers reduce-scatter
+            rest = "sequence" if family == "llama" else "Float8RowwiseParallel"
+            assert {"Float8ColwiseParallel", rest} <= styles, (family, styles)
+            for a, b in zip(one, losses, strict=True):
+                assert abs(a - b) <= 0.01 * a, (family, "tp2", one, losses)
         plain = {k: v.dtype for k, v in MODELS[family][0]().state_dict().items()}
         exported = load_consolidated(tmp_path / f"{family}.safetensors")
         assert {k: v.dtype for k, v in exported.items()} == plain
@@ -261,3 +305,33 @@ def test_init_from_refuses_another_model_naming_the_tensor(tmp_path):
     missing = compose_config(*INIT_RUN, f"trainer.init_from={tmp_path / 'none'}")
     with pytest.raises(ConfigError, match="trainer.init_from: .*no such file"):
         check_init_from(missing, validate(missing), tmp_path / "new")
+
+
+@pytest.mark.parametrize(
+    "overrides, block_linears",
+    [
+        (["model=hf", "model.config=tiny_qwen2"], 7),  # q k v o, gate up down
+        (["model=custom", "model._target_=tests.test_models.TinyLM"], 2),
+    ],
+)  # fmt: skip
+def test_hf_and_custom_models_get_float8_blocks(overrides, block_linears):
+    """A transformers model and a ``model=custom`` class get float8 linear layers in
+    their blocks (the family's block classes), built as the trainer builds them;
+    the output head and everything outside the blocks stay as they are."""
+    from src.build import build_model, make_backend
+
+    cfg = compose_config(*INIT_RUN, *overrides, "precision=float8", "sharding=none")
+    resolved = validate(cfg)
+    backend = make_backend(cfg, torch.device("cpu"), resolved.layout)
+    model = build_model(cfg, backend, resolved)
+    blocks = resolved.spec.block_classes(resolved.model_config)
+    inside = {
+        f"{n}.{c}"
+        for n, m in model.named_modules()
+        if isinstance(m, blocks)
+        for c, _ in m.named_modules()
+    }
+    float8 = {n for n, m in model.named_modules() if is_float8_linear(m)}
+    n_blocks = sum(isinstance(m, blocks) for m in model.modules())
+    assert n_blocks >= 2 and len(float8) == block_linears * n_blocks, float8
+    assert float8 <= inside, float8 - inside

@@ -146,8 +146,9 @@ def test_multirun_summary_table_plot_and_one_wandb_run_per_job(tmp_path):
 @pytest.mark.slow
 def test_a_failed_job_is_a_row_and_the_others_still_run(tmp_path):
     """2 ranks per job. batch_size=3 fails config validation on 2 ranks (sys.exit(2)
-    in the job); num_tokens=20 passes it and fails at run time on the ranks (the
-    launcher's sys.exit with the rank's traceback). Both used to end the multirun."""
+    in the job); num_tokens=20 passes it and fails when the data is prepared, before
+    any rank starts (its training split is shorter than a window; it failed inside
+    the ranks). Both used to end the multirun."""
     sweep = tmp_path / "sweep"
     out = multirun(
         sweep,
@@ -163,10 +164,12 @@ def test_a_failed_job_is_a_row_and_the_others_still_run(tmp_path):
     for key in (("3", "20"), ("3", "50000")):
         assert got[key]["status"] == "failed"
         assert got[key]["error"].startswith("config error: trainer.batch_size: 3 ")
-    runtime = got[("4", "20")]
-    assert runtime["status"] == "failed" and runtime["tokens_per_s"] == ""
-    assert runtime["error"].startswith("rank ")
-    assert "ValueError: data.num_tokens: split has 19 tokens" in runtime["error"]
+    short = got[("4", "20")]
+    assert short["status"] == "failed" and short["tokens_per_s"] == ""
+    assert short["error"].startswith(
+        "config error: data.num_tokens: the training split has 19 tokens, fewer than "
+        "one window"
+    )
     ok = got[("4", "50000")]
     assert ok["status"] == "completed" and ok["best"] == "True"
     assert float(ok["tokens_per_s"]) > 0 and int(ok["wrap_units"]) >= 1

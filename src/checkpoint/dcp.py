@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import pickle
 import re
@@ -54,6 +55,7 @@ from src.checkpoint.folders import (
     complete_checkpoints,
     drop_partial,
     is_complete,
+    step_of,
 )
 from src.checkpoint.index import _read_index
 from src.checkpoint.meta import (
@@ -133,6 +135,37 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+#: The figure in a checkpoint's ``extra`` that ranks it (``trainer.keep_best``,
+#: ``ckpt=best``): the validation loss at its step, lower is better.
+SCORE = "val_loss"
+
+
+def checkpoint_score(path: Path) -> float | None:
+    """The :data:`SCORE` recorded in the checkpoint at ``path`` (None: none, or its
+    meta.json is damaged: such a checkpoint is never a best one)."""
+    try:
+        extra = read_checkpoint_meta(path)["extra"]
+    except CheckpointError:
+        return None
+    value = extra.get(SCORE)
+    if type(value) not in (int, float) or value != value or abs(value) == math.inf:
+        return None
+    return float(value)
+
+
+def best_checkpoints(directory: str | Path, k: int) -> list[tuple[float, Path]]:
+    """The ``k`` complete checkpoints in ``directory`` with the lowest score (the
+    newer first among equal ones), best first, each with its score."""
+    if k <= 0:
+        return []
+    scored = [(checkpoint_score(p), p) for p in complete_checkpoints(directory)]
+    ranked = sorted(
+        ((v, p) for v, p in scored if v is not None),
+        key=lambda vp: (vp[0], -(step_of(vp[1]) or 0)),
+    )
+    return ranked[:k]
+
+
 class Checkpointer:
     """Save, find and restore sharded training checkpoints in one directory.
 
@@ -153,6 +186,10 @@ class Checkpointer:
 
     ``writing``: called on each rank with the step once its ``.tmp.step_N`` dir exists
     (the trainer's test hook for a signal mid-save, src/trainer/faults.py).
+
+    ``keep_best``: the checkpoints with the ``keep_best`` lowest :data:`SCORE` (the
+    ``val_loss`` the trainer records in ``extra``) are kept beside the newest
+    ``keep_last``: pruning never deletes one of them (:func:`best_checkpoints`).
     """
 
     def __init__(
@@ -161,11 +198,15 @@ class Checkpointer:
         keep_last: int = 0,
         async_save: bool = False,
         writing: Callable[[int], None] | None = None,
+        keep_best: int = 0,
     ):
-        if keep_last < 0:
-            raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
+        if keep_last < 0 or keep_best < 0:
+            raise ValueError(
+                f"keep_last and keep_best must be >= 0, got {keep_last}, {keep_best}"
+            )
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.keep_best = keep_best
         self.async_save = async_save
         self._writing = writing
         self._pending: Future | None = None
@@ -316,10 +357,14 @@ class Checkpointer:
         _fsync_dir(self.directory)
 
     def _prune(self) -> None:
-        """Keep the newest ``keep_last`` complete checkpoints; drop crashed tmp dirs."""
+        """Keep the newest ``keep_last`` complete checkpoints and the ``keep_best``
+        best; drop crashed tmp dirs."""
         drop_partial(self.directory)
         if self.keep_last:
+            best = {p for _, p in best_checkpoints(self.directory, self.keep_best)}
             for path in complete_checkpoints(self.directory)[: -self.keep_last]:
+                if path in best:
+                    continue
                 if path.is_symlink():  # the link goes, never what it points to
                     path.unlink()
                     continue

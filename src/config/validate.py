@@ -35,6 +35,7 @@ from src.resolved import (
     tensor_parallel_plan,
 )
 from src.schema import (
+    CKPT_CHOICES,
     DIRECTIONS,
     EVAL_SPLITS,
     EXPORTS,
@@ -285,7 +286,7 @@ def validate(cfg: DictConfig) -> Resolved:
     check_pretrained(cfg, resolved)
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.layout)
-    _check_float8(cfg, resolved.layout)
+    _check_float8(cfg)
     _check_tensor_parallel(cfg, resolved)
     _check_context_parallel(resolved)
     _check_pipeline(cfg, resolved)
@@ -346,7 +347,7 @@ def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
     )
 
 
-def _check_float8(cfg: DictConfig, layout: ParallelLayout) -> None:
+def _check_float8(cfg: DictConfig) -> None:
     """precision=float8's keys (null under another precision), the backend, the
     layout and the GPU it needs (sm89+)."""
     p, backend = cfg.precision, BACKENDS[cfg.sharding.backend]
@@ -361,12 +362,6 @@ def _check_float8(cfg: DictConfig, layout: ParallelLayout) -> None:
         "precision.name",
         f"float8 needs sharding={' or sharding='.join(with_capability('float8'))}, "
         f"not sharding={cfg.sharding.backend}",
-    )
-    _require(
-        layout.tp == 1,
-        "precision.name",
-        f"float8 with {LAYOUT_KEYS['tp']} > 1 is not supported yet (torchao's float8 "
-        "tensor-parallel styles are not wired in)",
     )
     if p.float8_all_gather:
         _require(
@@ -488,6 +483,14 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
         _positive_int(cfg, f"trainer.{key}")
     for key in ("val_every", "val_batches", "ckpt_every", "warmup_steps", "keep_last"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
+    for key in ("keep_best", "early_stop_patience"):
+        _positive_int(cfg, f"trainer.{key}", minimum=0)
+        _require(
+            not t[key] or (t.val_every and t.val_batches),
+            f"trainer.{key}",
+            f"{t[key]} ranks checkpoints by val_loss, but trainer.val_every="
+            f"{t.val_every} trainer.val_batches={t.val_batches} never validate",
+        )
     _positive_int(cfg, "trainer.max_restarts", minimum=0)
     _positive_int(cfg, "trainer.sample_every", minimum=0)
     _positive_int(cfg, "trainer.sample_tokens")
@@ -592,6 +595,7 @@ def validate_sample(cfg: DictConfig) -> None:
     """sample.py's own keys (the run's config is checked by :func:`validate`)."""
     reject_unknown_keys(cfg)
     reject_non_finite(cfg)
+    _choice(cfg, "ckpt", CKPT_CHOICES)
     _positive_int(cfg, "num_samples")
     _positive_int(cfg, "max_new_tokens")
     _require(
@@ -610,6 +614,7 @@ def validate_eval(cfg: DictConfig) -> None:
     :func:`validate`)."""
     reject_unknown_keys(cfg)
     reject_non_finite(cfg)
+    _choice(cfg, "ckpt", CKPT_CHOICES)
     _require(
         cfg.split is None or cfg.split in EVAL_SPLITS,
         "split",

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,13 @@ import torch
 from omegaconf import OmegaConf
 
 from src.data.corpus import DATA_FORMATS, Corpus, CorpusError
+from src.data.mixture import (
+    MixedStream,
+    check_weights,
+    mixture_globs,
+    normalised,
+    source_names,
+)
 from src.data.pinning import DATA_RECORD, DataPin, data_changes, pin_fields
 from src.data.token_cache import SPLITS, token_cache
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
@@ -128,8 +135,13 @@ def prepare_data(
             "the checkpoint's data and tokenizer (restore the files, or train "
             "another in a new hydra.run.dir)"
         )
-    entry = token_cache(data_cfg, verbose, progress, corpus)
-    meta = entry.meta
+    globs = mixture_globs(data_cfg)
+    if globs is None:
+        entry = token_cache(data_cfg, verbose, progress, corpus)
+        meta, tokenizer, fingerprint = entry.meta, entry.tokenizer, entry.corpus
+    else:
+        meta, tokenizer = _mixture_meta(data_cfg, globs, verbose, progress, corpus)
+        fingerprint = corpus.fingerprint(cache_path(data_cfg))
     counts = meta["formats"]
     if verbose:
         log.info(
@@ -146,8 +158,10 @@ def prepare_data(
             "tokenizer_file": meta["tokenizer_file"],
             "token_cache": meta["token_cache"],
             **{k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens")},
-            **pin_fields(run_dir, entry.tokenizer, entry.corpus),
+            **pin_fields(run_dir, tokenizer, fingerprint),
         }
+        if "mix" in meta:
+            record["mix"] = meta["mix"]
         write_json_atomic(os.path.join(run_dir, DATA_RECORD), record)
     return meta
 
@@ -170,17 +184,30 @@ def training_splits(trainer: Any, meta: dict | None) -> tuple[str, ...]:
     )
 
 
+def split_sizes(data_cfg: Any, meta: dict | None) -> dict | None:
+    """How many tokens each split holds (``train_tokens``, ``val_tokens``): the token
+    cache's ``meta`` of a text/files source, else what the source says without reading
+    its tokens (None for a source that cannot say)."""
+    if meta is not None:
+        return meta
+    source = DATA_SOURCES[data_cfg.name]
+    return None if source.sizes is None else source.sizes(data_cfg)
+
+
 def check_split_sizes(
     data_cfg: Any, meta: dict | None, seq_len: int, splits: tuple[str, ...]
 ) -> None:
-    """Each of ``splits`` (``train``, ``val`` or ``all``, from the token cache's
-    ``meta``) holds one window of ``seq_len + 1`` tokens; else a ``ConfigError``
-    naming the key that sizes it (before any rank starts: a rank would stop in
-    :class:`GlobalBatches`). Nothing to check for the sources without a cache."""
+    """Each of ``splits`` (``train``, ``val`` or ``all``; ``meta``: their sizes, from
+    :func:`split_sizes`) holds one window of ``seq_len + 1`` tokens; else a
+    ``ConfigError`` naming the key that sizes it (before any rank starts: a rank would
+    stop in :class:`GlobalBatches`). Nothing to check for a source without sizes."""
     if meta is None:
         return
     window = seq_len + 1
-    fraction = data_cfg.val_fraction
+    for source in meta.get("mix", ()):  # a mixture: each of its sources
+        check_split_sizes(data_cfg, {**source, "mix": ()}, seq_len, splits)
+    fraction = data_cfg.get("val_fraction")
+    keys = DATA_SOURCES[data_cfg.name].size_keys
     for split in splits:
         have = meta["train_tokens"] + meta["val_tokens"]
         if split != "all":
@@ -194,7 +221,7 @@ def check_split_sizes(
                 "0: there is no validation split to read; read split=train or all, "
                 "or train with data.val_fraction > 0",
             )
-        if split == "val":
+        if split == "val" and fraction is not None:
             enough = fraction * window / max(have, 1)
             raise ConfigError(
                 "data.val_fraction",
@@ -202,10 +229,18 @@ def check_split_sizes(
                 f"one window ({sized}); raise it to about {enough:.2g} or more, or "
                 "set data.val_fraction=0 to train without a validation split",
             )
-        key = "data.max_bytes" if data_cfg.max_bytes is not None else "data.paths"
-        what = "the training split" if split == "train" else "the corpus"
+        key = keys.get("val" if split == "val" else "train")
+        if key is None:  # text/files
+            key = "data.max_bytes" if data_cfg.max_bytes is not None else "data.paths"
+        what = {"train": "the training split", "val": "the validation split"}
+        if "name" in meta:  # a source of a mixture
+            what = {
+                k: f"{meta['name']} ({meta['paths']}): {v}" for k, v in what.items()
+            }
         raise ConfigError(
-            key, f"{what} has {have} tokens, fewer than one window ({sized})"
+            key,
+            f"{what.get(split, 'the data')} has {have} tokens, fewer than one window "
+            f"({sized})",
         )
 
 
@@ -261,11 +296,81 @@ def follow_tokenizer_vocab(
 def _text_splits(
     cfg: Any, vocab_size: int, seed: int
 ) -> tuple[TokenStream, TokenStream]:
+    globs = mixture_globs(cfg)
+    if globs is not None:
+        entries = _mixture_entries(cfg, globs, verbose=False)
+        names = source_names(globs)
+        return tuple(
+            MixedStream(
+                [
+                    TokenStream(e.tokens(split), vocab_size, f"data.paths: {n}")
+                    for n, e in zip(names, entries, strict=True)
+                ],
+                names,
+                cfg.weights,
+            )
+            for split in SPLITS
+        )
     entry = token_cache(cfg, verbose=False)  # the launcher built it, usually
     return tuple(
         TokenStream(entry.tokens(split), vocab_size, "data.paths", entry.meta["max_id"])
         for split in SPLITS
     )
+
+
+def _source_cfg(cfg: Any, glob: str) -> Any:
+    """The ``data`` config of one source of a mixture: its glob alone."""
+    one = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    one.paths, one.weights = glob, None
+    return one
+
+
+def _mixture_entries(
+    cfg: Any,
+    globs: list[str],
+    verbose: bool,
+    progress: bool = False,
+    corpus: Corpus | None = None,
+) -> list[Any]:
+    """Each source's token cache entry, tokenized by the whole corpus's tokenizer."""
+    corpus = corpus or Corpus.from_config(cfg)
+    tokenizer = load_tokenizer(cfg, corpus, verbose, progress)
+    return [
+        token_cache(_source_cfg(cfg, g), verbose, progress, tokenizer=tokenizer)
+        for g in globs
+    ]
+
+
+def _mixture_meta(
+    cfg: Any, globs: list[str], verbose: bool, progress: bool, corpus: Corpus
+) -> tuple[dict, Any]:
+    """The token cache meta of a mixture: its sources' (one tokenizer) summed, with
+    each source's entry and token counts under ``mix``; and that tokenizer."""
+    entries = _mixture_entries(cfg, globs, verbose, progress, corpus)
+    metas = [e.meta for e in entries]
+    meta = dict(metas[0])
+    for key in ("train_tokens", "val_tokens", "bytes", "files"):
+        meta[key] = sum(m[key] for m in metas)
+    meta["max_id"] = max(m["max_id"] for m in metas)
+    meta["formats"] = {
+        f: sum(m["formats"].get(f, 0) for m in metas)
+        for f in dict.fromkeys(f for m in metas for f in m["formats"])
+    }
+    meta["token_cache"] = [e.path for e in entries]
+    weights = normalised(cfg.weights)
+    meta["mix"] = [
+        {
+            "name": name,
+            "paths": glob,
+            "weight": float(w),
+            "token_cache": e.path,
+            **{k: e.meta[k] for k in ("train_tokens", "val_tokens")},
+        }
+        for name, glob, w, e in zip(
+            source_names(globs), globs, weights, entries, strict=True
+        )
+    ]
+    return meta, entries[0].tokenizer
 
 
 # ------------------------------------------------------------------- the sources
@@ -301,6 +406,9 @@ class FilesDataConfig(DataConfig):
         "the last fraction of the corpus bytes used for validation"
     )
     max_bytes: int | None = described("cap on the corpus bytes read (null = all)")
+    weights: Any = described(
+        "a mixture: one sampling weight per glob of data.paths (null: one corpus)"
+    )
     cache_dir: str = described("where tokenized corpora are cached")
 
 
@@ -310,6 +418,7 @@ def _check_files(data: Any) -> None:
             "data.paths",
             "required with data=files: a glob or a list of globs of your corpus",
         )
+    check_weights(data)
 
 
 @dataclass(frozen=True)
@@ -322,6 +431,11 @@ class DataSource:
     splits: Callable[[Any, int, int], tuple[TokenStream, TokenStream]]
     check: Callable[[Any], None] = no_check
     tokenized: bool = False  # local files through the token cache (prepare_data)
+    #: ``data_cfg -> {"train_tokens", "val_tokens"}`` without reading the tokens (the
+    #: split-size check before any rank starts); the token cache's meta for text/files
+    sizes: Callable[[Any], dict[str, int]] | None = None
+    #: the key that sizes each split (``train``, ``val``), named when one is too small
+    size_keys: dict[str, str] = field(default_factory=dict)
 
 
 #: ``data.name`` -> its :class:`DataSource`. A new source is one file that calls

@@ -297,11 +297,13 @@ def token_cache(
     verbose: bool = True,
     progress: bool = True,
     corpus: Corpus | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> CacheEntry:
     """The cache entry for the ``data`` config (a text/files source): reused if built
     and intact, else built (or rebuilt, saying why) here. ``verbose`` (the launcher):
     say which, and check the tokens' checksums too; ``progress``: also show progress
-    bars; ``corpus``: the config's, if already read."""
+    bars; ``corpus``: the config's, if already read; ``tokenizer``: the one to
+    use (a mixture's source: the whole corpus's), default ``data.tokenizer``'s."""
     removed = remove_interrupted_builds(cache_path(data_cfg))
     if removed and verbose:
         log.warning(
@@ -311,7 +313,8 @@ def token_cache(
             ", ".join(removed),
         )
     corpus = corpus or Corpus.from_config(data_cfg)
-    tokenizer = load_tokenizer(data_cfg, corpus, verbose, verbose and progress)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(data_cfg, corpus, verbose, verbose and progress)
     key = digest(
         {
             "version": CACHE_VERSION,

@@ -33,6 +33,17 @@ def check(data: Any) -> None:
         path = os.path.expanduser(data[key])
         if not os.path.isfile(path):
             raise ConfigError(f"data.{key}", f"no such file {path!r}")
+        if not _whole_tokens(os.path.getsize(path)):
+            raise ConfigError(f"data.{key}", _not_tokens(path))
+
+
+def _whole_tokens(size: int) -> bool:
+    return size > 0 and size % 2 == 0
+
+
+def _not_tokens(path: str) -> str:
+    size = os.path.getsize(path)
+    return f"{path!r} has {size} bytes, not a non-empty np.uint16 token file"
 
 
 def _memmap_tokens(path: str, key: str) -> np.memmap:
@@ -41,12 +52,20 @@ def _memmap_tokens(path: str, key: str) -> np.memmap:
         raise ValueError(
             f"{key}: no such file {path!r} (expected a flat np.uint16 .bin)"
         )
-    size = os.path.getsize(path)
-    if size == 0 or size % 2:
-        raise ValueError(
-            f"{key}: {path!r} has {size} bytes, not a non-empty np.uint16 token file"
-        )
+    if not _whole_tokens(os.path.getsize(path)):
+        raise ValueError(f"{key}: {_not_tokens(path)}")
     return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def sizes(cfg: Any) -> dict[str, int]:
+    """``{"train_tokens", "val_tokens"}``: each split file's size in tokens."""
+    return {
+        f"{key.removesuffix('_path')}_tokens": os.path.getsize(
+            os.path.expanduser(cfg[key])
+        )
+        // 2
+        for key in SPLIT_KEYS
+    }
 
 
 def splits(cfg: Any, vocab_size: int, seed: int) -> tuple[TokenStream, TokenStream]:
@@ -58,4 +77,13 @@ def splits(cfg: Any, vocab_size: int, seed: int) -> tuple[TokenStream, TokenStre
     )
 
 
-DATA_SOURCES.add("tokens", DataSource(TokensDataConfig, splits, check))
+DATA_SOURCES.add(
+    "tokens",
+    DataSource(
+        TokensDataConfig,
+        splits,
+        check,
+        sizes=sizes,
+        size_keys={"train": "data.train_path", "val": "data.val_path"},
+    ),
+)

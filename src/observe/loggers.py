@@ -365,6 +365,12 @@ class ConsoleSink(Sink):
         )
         if isinstance(s.get("validation"), str):  # e.g. no validation split
             figures += f", validation {s['validation']}"
+        early = s.get("early_stop")
+        if isinstance(early, dict):  # trainer.early_stop_patience
+            figures += (
+                f", stopped early (best val_loss {early['best_val_loss']:.4f} at step "
+                f"{early['best_step']})"
+            )
         planned, measured = s.get("planned_peak_gib"), s.get("peak_mem_gib")
         drift = None
         if planned and isinstance(measured, int | float):

@@ -1,11 +1,15 @@
-"""Compare runs that were not one multirun: ``python -m src.runs.compare RUN_DIR...``.
+"""Compare runs: ``python -m src.runs.compare RUN_DIR_OR_SWEEP_DIR...``.
 
 The table is the sweep summary's (src/trainer/sweep.py ``collect_dirs`` and
 ``summary_table``: each run's final figures from its ``summary.json``, the overrides
-that differ between the runs as columns, the best run by the first run's
-``sweep.objective``); the plot shows loss (and val_loss, dashed), tokens/s and peak
+that differ between the runs as columns, the value a run ran with where it did not
+set one, the best run by the first run's ``sweep.objective`` unless the runs'
+tokenizers differ); the plot shows loss (and val_loss, dashed), tokens/s and peak
 memory per rank over steps, one line per run, from each run's ``metrics.jsonl``.
 Both are written to ``--out`` (``compare.{md,csv,png}``) and the table is logged.
+A sweep dir (Hydra's ``multirun.yaml`` in it) stands for its job dirs; what a shell
+glob of one adds besides them (``multirun.yaml``, the summary's files, its wandb
+dir) is left out.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from src.observe.loggers import METRICS_FILE
-from src.trainer.sweep import collect_dirs, summary_table, write_csv
+from src.trainer.sweep import collect_dirs, job_dirs, summary_table, write_csv
 
 log = logging.getLogger(__name__)
 
 STEM = "compare"
+SWEEP_RECORD = "multirun.yaml"  # Hydra's, in every sweep dir
 #: The plot's panels: (metrics.jsonl key, y label).
 PANELS = (
     ("loss", "loss (val_loss dashed)"),
@@ -58,6 +63,46 @@ def series(run_dir: Path, key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+def is_run_dir(path: Path) -> bool:
+    return (path / ".hydra" / "overrides.yaml").is_file()
+
+
+def expand(args: Sequence[str | os.PathLike]) -> list[Path]:
+    """The run dirs that ``args`` name: a run dir itself, a sweep dir's jobs (in job
+    order); a file or a dir beside a sweep's jobs that is no run (``multirun.yaml``,
+    ``sweep_summary.csv``, ``wandb/``: what ``runs/sweep/*`` matches) is left out,
+    said in a line. SystemExit naming the rest, which are neither."""
+    dirs, unknown = [], []
+    for arg in args:
+        path = Path(arg).expanduser()
+        if is_run_dir(path):
+            dirs.append(path)
+        elif (path / SWEEP_RECORD).is_file() and job_dirs(path):
+            dirs.extend(job_dirs(path))
+        elif path.is_file() or (path.parent / SWEEP_RECORD).is_file():
+            log.info("%s: not a run dir, left out", path)
+        else:
+            unknown.append(str(path))
+    if unknown or not dirs:
+        raise SystemExit(
+            "error: not a run dir of train.py (no .hydra/overrides.yaml) nor a sweep "
+            f"dir ({SWEEP_RECORD} and job dirs): {', '.join(unknown) or 'no run given'}"
+        )
+    return list(dict.fromkeys(dirs))
+
+
+def labels(
+    names: Sequence[str], keys: Sequence[str], rows: Sequence[dict]
+) -> list[str]:
+    """Each run's line label: its name and its values of the table's keys."""
+    return [
+        f"{name}: " + ", ".join(f"{k.rpartition('.')[2]}={r[k]}" for k in keys)
+        if keys
+        else name
+        for name, r in zip(names, rows, strict=True)
+    ]
+
+
 def plot(path: Path, dirs: Sequence[Path], names: Sequence[str]) -> None:
     """One figure: a panel per :data:`PANELS` entry, one line per run over steps."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -85,14 +130,9 @@ def compare(
     out: str | os.PathLike,
     make_plot: bool = True,
 ) -> list[dict]:
-    """Write ``compare.{md,csv,png}`` into ``out`` for ``run_dirs``; returns the rows."""
-    dirs = [Path(d).expanduser() for d in run_dirs]
-    missing = [str(d) for d in dirs if not (d / ".hydra" / "overrides.yaml").is_file()]
-    if missing:
-        raise SystemExit(
-            f"error: not a run dir of train.py (no .hydra/overrides.yaml): "
-            f"{', '.join(missing)}"
-        )
+    """Write ``compare.{md,csv,png}`` into ``out`` for ``run_dirs`` (run dirs or
+    sweep dirs, :func:`expand`); returns the rows."""
+    dirs = expand(run_dirs)
     names = run_names(dirs)
     keys, rows, goal = collect_dirs(dirs, names)
     out = Path(out)
@@ -102,7 +142,7 @@ def compare(
     table = summary_table(keys, rows, goal[0])
     stem.with_suffix(".md").write_text(table)
     if make_plot:
-        plot(stem.with_suffix(".png"), dirs, names)
+        plot(stem.with_suffix(".png"), dirs, labels(names, keys, rows))
     log.info("%d runs compared (%s.{md,csv,png}):\n%s", len(rows), stem, table)
     return rows
 
@@ -112,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="A table and a plot (loss, tokens/s, peak memory over steps) of "
         "several runs of train.py."
     )
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or sweep dirs"
+    )
     parser.add_argument("--out", default=".", help="where compare.{md,csv,png} go")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)

@@ -287,6 +287,7 @@ def open_run(
     record: str | None = None,
     trust_remote_code: bool = False,
     splits: tuple[str, ...] = (),
+    ckpt: str = "latest",
 ) -> tuple[Path, Path, DictConfig, Resolved]:
     """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
     the config the checkpoint was saved with (else the run's record) typed by today's
@@ -298,8 +299,8 @@ def open_run(
     The code the run's config names runs only with ``trust_remote_code`` (the
     command's own key: :func:`refuse_recorded_code`). ``splits``: the data's splits
     the command reads (each must hold a window). A problem is a ConfigError naming
-    the key."""
-    run_dir, checkpoint = find_run(run)
+    the key. ``ckpt``: ``latest`` or ``best`` (:func:`find_run`)."""
+    run_dir, checkpoint = find_run(run, ckpt=ckpt)
     cfg, overrides = run_config(run_dir)
     saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
     cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)

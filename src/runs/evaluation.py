@@ -17,20 +17,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from src.data.corpus import Corpus
+from src.data.mixture import make_batches, whole_stream
 from src.data.pinning import read_pin
-from src.data.sources import (
-    DATA_SOURCES,
-    GlobalBatches,
-    TokenStream,
-    corpus_changes,
-    load_splits,
-)
+from src.data.sources import DATA_SOURCES, corpus_changes, load_splits
 from src.errors import ConfigError
 from src.resolved import Resolved, world_size
 from src.runs.from_run import load_model, run_tokenizer
@@ -105,12 +99,9 @@ def eval_rank(
     train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
     stream = {"train": train, "val": val}.get(opts["split"])
     if stream is None:  # all: the stream the splits were cut from, in order
-        tokens = np.concatenate([np.asarray(train.tokens), np.asarray(val.tokens)])
-        stream = TokenStream(
-            tokens, spec.vocab_size(config), "data", max_token=0
-        )  # both checked
+        stream = whole_stream(train, val, spec.vocab_size(config))
     batch = opts["batch_size"] or t.batch_size // t.grad_accum
-    windows = GlobalBatches(stream, batch, spec.seq_len(config), t.seed)
+    windows = make_batches(stream, batch, spec.seq_len(config), t.seed)
     n = opts["batches"] or t.val_batches
     n = windows.covering_batches() if n == "all" else int(n)
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -1,7 +1,8 @@
 """A trained run opened again, by ``sample.py`` and ``eval.py``.
 
 - :func:`find_run`: ``run=PATH`` is a run dir of train.py (its newest intact
-  checkpoint is taken), its ``checkpoints/`` dir, or one ``step_N`` checkpoint; the run
+  checkpoint is taken, or with ``ckpt=best`` the intact one of the lowest recorded
+  ``val_loss``), its ``checkpoints/`` dir, or one ``step_N`` checkpoint; the run
   dir is the first of PATH and its parents holding ``.hydra/config.yaml``.
 - :func:`run_config`: that file is the run's own composed config (what Hydra saved
   when train.py started), with the keys the user set on its command line
@@ -28,8 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.build import build_model, make_backend
 from src.checkpoint.damage import CheckpointError
-from src.checkpoint.dcp import Checkpointer
-from src.checkpoint.folders import resolve_resume, run_checkpoints
+from src.checkpoint.dcp import Checkpointer, best_checkpoints
+from src.checkpoint.folders import (
+    complete_checkpoints,
+    resolve_resume,
+    run_checkpoints,
+    step_of,
+)
 from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError, keyed
@@ -45,10 +51,11 @@ RUN_CONFIG = Path(RECORD) / "config.yaml"
 RUN_OVERRIDES = Path(RECORD) / "overrides.yaml"
 
 
-def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
+def find_run(path: str, key: str = "run", ckpt: str = "latest") -> tuple[Path, Path]:
     """``(run dir, checkpoint)`` of ``path`` (see the module's doc); a checkpoint that
     fails its checksums is skipped for the newest intact one, as a resume does.
-    ConfigError naming ``key`` if there is no run or no complete checkpoint."""
+    ``ckpt``: ``latest`` or ``best`` (:func:`best_of`). ConfigError naming ``key``
+    if there is no run or no complete checkpoint."""
     where = Path(path).expanduser().resolve()
     run_dir = next(
         (d for d in (where, *where.parents) if (d / RUN_CONFIG).is_file()), None
@@ -60,6 +67,8 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
             "train.py (hydra.run.dir), or a checkpoint in one",
         )
     directory = run_checkpoints(run_dir)
+    if ckpt == "best":
+        return run_dir, best_of(where, directory)
     try:
         checkpoint = resolve_resume(
             str(where), directory, Checkpointer(directory).verify, _skipped
@@ -75,6 +84,25 @@ def find_run(path: str, key: str = "run") -> tuple[Path, Path]:
             "step's unless trainer.ckpt_final=false; trainer.ckpt_every=N saves more)",
         )
     return run_dir, checkpoint
+
+
+def best_of(where: Path, directory: Path) -> Path:
+    """``ckpt=best``: the intact checkpoint of ``directory`` with the lowest recorded
+    ``val_loss`` (kept by ``trainer.keep_best``); ConfigError naming ``ckpt`` if
+    ``where`` names one checkpoint or none has a score."""
+    if step_of(where) is not None:
+        raise ConfigError(
+            "ckpt", f"best picks among a run's checkpoints; run={where} names one"
+        )
+    verify = Checkpointer(directory).verify
+    for _, path in best_checkpoints(directory, len(complete_checkpoints(directory))):
+        if verify(path) is None:
+            return path
+    raise ConfigError(
+        "ckpt",
+        f"best: no checkpoint in {directory} records a val_loss (train with "
+        "trainer.keep_best=K to keep the K best by val_loss)",
+    )
 
 
 def _skipped(path: Path, reason: str) -> None:

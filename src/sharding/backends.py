@@ -334,6 +334,9 @@ class Backend:
             wrapper_cls = _trim_after(wrapper_cls)
         splits = self.tp_plan is not None or self.layout.ep > 1
         parallelize = self.parallelize if splits else None
+        first = getattr(transform, "before_parallelize", None)
+        if parallelize is not None and first is not None:
+            parallelize = _then(first, parallelize)
         return enable_wrap(
             wrapper_cls,
             policy=policy,
@@ -617,6 +620,16 @@ class PlanBackend(_FSDPBackend):
         if self._fake_group:
             dist.destroy_process_group()
             self._fake_group = False
+
+
+def _then(
+    first: Callable[[nn.Module], None], second: Callable[[nn.Module], None]
+) -> Callable[[nn.Module], None]:
+    def both(module: nn.Module) -> None:
+        first(module)
+        second(module)
+
+    return both
 
 
 def _with_byte_all_gather(module: nn.Module, **kwargs: Any) -> nn.Module:

@@ -22,8 +22,10 @@ same bytes as uint8 (``FSDPModule.set_custom_all_gather``), so it runs on CPU to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
+import importlib
 import logging
 import warnings
 from dataclasses import dataclass
@@ -116,7 +118,11 @@ class Float8:
         converted: list[str] = []
 
         def keep(m: nn.Module, path: str) -> bool:
-            ok = isinstance(m, nn.Linear) and not self.skipped(path, m)
+            ok = (
+                isinstance(m, nn.Linear)
+                and not is_float8_linear(m)  # converted already (before TP)
+                and not self.skipped(path, m)
+            )
             if ok:
                 converted.append(path)
             return ok
@@ -152,6 +158,71 @@ def precompute_scales(model: nn.Module) -> None:
 
 def is_float8_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"
+
+
+def _gathers_float8(style: Any) -> bool:
+    """Whether ``style`` as a float8 style all-gathers float8 data: an input
+    redistributed (Shard -> Replicate), or a rowwise output reduce-scattered
+    (sequence parallelism), whose backward gathers the float8 output gradient."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    have = getattr(style, "input_layouts", None) or ()
+    want = getattr(style, "desired_input_layouts", None) or ()
+    moved = any(
+        a is not None and b is not None and a != b
+        for a, b in zip(have, want, strict=False)
+    )
+    out = getattr(style, "output_layouts", None) or ()
+    return moved or (
+        isinstance(style, RowwiseParallel) and any(isinstance(o, Shard) for o in out)
+    )
+
+
+def _tensorwise(module: nn.Module) -> bool:
+    if not is_float8_linear(module):
+        return False
+    return module.config.cast_config_input.scaling_granularity.name == "TENSORWISE"
+
+
+def float8_tp_style(module: nn.Module, style: Any, float8_comm: bool = True) -> Any:
+    """The tensor-parallel ``style`` for ``module`` once its linear layers are float8:
+    torchao's float8 styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
+    ``PrepareFloat8ModuleInput``: the activations cast to float8 before their TP
+    collectives, each once) where the layers take them (the ``tensorwise`` recipe);
+    ``style`` itself elsewhere (rowwise float8 layers take the plain styles, as
+    torchtitan does). Without ``float8_comm`` (gloo has no float8 type) a style
+    that would all-gather its float8 input (sequence parallelism's gathers) stays
+    plain: that input is gathered in high precision and cast after."""
+    if not float8_comm and _gathers_float8(style):
+        return style
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
+
+    _torchao_float8()  # quietly first
+    tp = importlib.import_module("torchao.float8.float8_tensor_parallel")
+    kind = type(style)
+    if kind in (ColwiseParallel, RowwiseParallel) and _tensorwise(module):
+        same = copy.copy(style)  # its layouts; the float8 class adds no state
+        same.__class__ = (
+            tp.Float8ColwiseParallel
+            if kind is ColwiseParallel
+            else tp.Float8RowwiseParallel
+        )
+        return same
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if kind is PrepareModuleInput and linears and all(map(_tensorwise, linears)):
+        return tp.PrepareFloat8ModuleInput(
+            input_layouts=style.input_layouts,
+            desired_input_layouts=style.desired_input_layouts,
+            input_kwarg_layouts=style.input_kwarg_layouts or None,
+            desired_input_kwarg_layouts=style.desired_input_kwarg_layouts or None,
+            use_local_output=style.use_local_output,
+        )
+    return style
 
 
 class ByteAllGather(DefaultAllGather):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -36,6 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .float8 import float8_tp_style, is_float8_linear
 from .wrap import is_wrapped
 
 #: Set on each module a plan parallelised: the style's short name (for the wrap plan).
@@ -139,11 +141,34 @@ def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> Non
         # A pipeline stage lacks the other stages' modules (its embedding, its head).
         names = [n for n, m in target.named_modules() if not isinstance(m, nn.Identity)]
         styles = {p: st for p, st in styles.items() if _matching(names, p)}
+        styles = _float8_styles(target, styles, _has_float8_type(mesh))
         ties = _ties(target)
         parallelize_module(target, mesh, dict(styles), src_data_rank=None)
         _mark(target, styles)
         _retie(target, ties)
         target.__dict__[_DONE_ATTR] = True
+
+
+def _has_float8_type(mesh: DeviceMesh) -> bool:
+    """Whether the mesh's process group moves float8 tensors (gloo does not)."""
+    return dist.get_backend(mesh.get_group()) != "gloo"
+
+
+def _float8_styles(
+    target: nn.Module, styles: Mapping[str, ParallelStyle], float8_comm: bool
+) -> Mapping[str, ParallelStyle]:
+    """``styles`` by exact module path, each as ``float8.float8_tp_style`` makes it
+    for the module, when ``target`` holds float8 linear layers (converted before
+    tensor parallelism, torchtitan's order)."""
+    if not any(is_float8_linear(m) for m in target.modules()):
+        return styles
+    modules = dict(target.named_modules())
+    return {
+        name: float8_tp_style(sub, style, float8_comm)
+        for pattern, style in styles.items()
+        for name, sub in modules.items()
+        if _matches(name, pattern)
+    }
 
 
 def _targets(module: nn.Module, plan: TPPlan) -> Iterator[nn.Module]:

@@ -131,6 +131,18 @@ class UnitTransform:
     def __call__(self, unit: nn.Module) -> None:
         if not self.active:
             return
+        for module in self._pending(unit):
+            self.apply(module)
+
+    def before_parallelize(self, unit: nn.Module) -> None:
+        """Float8 first, before tensor parallelism: torchao's float8 TP styles take
+        float8 linear layers (``apply`` then finds them converted)."""
+        if self.float8 is not None:
+            for module in self._pending(unit):
+                self.float8.convert(module)
+
+    def _pending(self, unit: nn.Module) -> Iterator[nn.Module]:
+        """The targets in ``unit`` not transformed yet."""
         for module in _unit_modules(unit):
             if module.__dict__.get(_TRANSFORMED):
                 continue
@@ -138,7 +150,7 @@ class UnitTransform:
                 continue
             if not self.targets and module is not unit:
                 continue
-            self.apply(module)
+            yield module
 
     def apply(self, module: nn.Module) -> None:
         """Float8, then checkpoint, then compile ``module`` in place."""

@@ -49,6 +49,7 @@ from src.data.sources import (
     check_split_sizes,
     follow_tokenizer_vocab,
     prepare_data,
+    split_sizes,
     tokenizer_of,
     training_splits,
 )
@@ -142,8 +143,9 @@ def prepare(
         resolved = resolve(cfg)
     if splits != () and not cfg.trainer.plan_only:
         seq_len = resolved.spec.seq_len(resolved.model_config)
-        wanted = training_splits(cfg.trainer, meta) if splits is None else splits
-        check_split_sizes(cfg.data, meta, seq_len, wanted)
+        sizes = split_sizes(cfg.data, meta)
+        wanted = training_splits(cfg.trainer, sizes) if splits is None else splits
+        check_split_sizes(cfg.data, sizes, seq_len, wanted)
     # The planner reads that object (the model's spec and config); the block policy,
     # when chosen, is in both the config and the object it returns. Rank 0 says its
     # choices and logs its estimate beside what it measures: planned once, by rank 0.

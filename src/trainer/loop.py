@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from src.build import build_model, build_pipeline, make_backend
-from src.checkpoint.dcp import Checkpointer
+from src.checkpoint.dcp import SCORE, Checkpointer, best_checkpoints
 from src.checkpoint.export import (
     CONSOLIDATED_FILE,
     HF_EXPORT_DIR,
@@ -33,7 +33,8 @@ from src.checkpoint.export import (
     export_model_hf,
 )
 from src.checkpoint.folders import run_checkpoints
-from src.data.sources import GlobalBatches, load_splits, tokenizer_of
+from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
+from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
 from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
 from src.observe.loggers import Logger, build_logger
@@ -59,6 +60,7 @@ from src.observe.profiling import (
 from src.resolved import Resolved
 from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
 from src.sharding.float8 import is_float8_linear
+from src.trainer.best import EARLY_STOP, Best
 from src.trainer.faults import signal_point, stop_signal
 from src.trainer.optimizer import build_optimizer, lr_lambda
 from src.trainer.pipelined import (
@@ -180,14 +182,18 @@ class Trainer:
         train_split, val_split = load_splits(
             self.cfg.data, spec.vocab_size(model_cfg), t.seed
         )
-        self.batches = GlobalBatches(train_split, micro_batch, block_size, t.seed)
+        self.batches = make_batches(train_split, micro_batch, block_size, t.seed)
+        # a mixture (data.weights): the tokens each source gave
+        self.mix = (
+            MixCounter(self.batches) if isinstance(train_split, MixedStream) else None
+        )
         self.tokenizer = tokenizer_of(self.cfg.data) if t.sample_every else None
         self.val_set = []
         self.no_val_split = len(val_split) == 0  # data.val_fraction=0
         if self.no_val_split and t.val_every and t.val_batches:
             log.info("training without a validation split (data.val_fraction=0)")
         elif t.val_every and t.val_batches:
-            self.val_set = GlobalBatches(
+            self.val_set = make_batches(
                 val_split, micro_batch, block_size, t.seed
             ).val_batches(t.val_batches, self.backend.dp_rank, self.backend.dp_size)
 
@@ -225,8 +231,9 @@ class Trainer:
             keep_last=t.keep_last,
             async_save=t.ckpt_async,
             writing=lambda step: signal_point("checkpoint", step),
+            keep_best=t.keep_best,
         )
-        self.start_step, self.extended, tokens, self.origin = resume(
+        self.start_step, self.extended, tokens, self.origin, saved = resume(
             self.cfg,
             self.ckpt,
             self.model,
@@ -237,6 +244,15 @@ class Trainer:
         )
         if self.start_step == 0 and t.init_from is not None:
             self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
+        self.best = Best.start(
+            t.keep_best, t.early_stop_patience, self.ckpt.directory, saved[EARLY_STOP]
+        )
+        if self.mix is not None:
+            gone = self.mix.restore(saved[MIX_STATE])
+            if gone:
+                log.info(
+                    "data.weights: the checkpoint's sources %s are not mixed", gone
+                )
         self.earlier_attempts = (
             earlier_attempts(self.run_dir, self.start_step) if self.rank == 0 else []
         )
@@ -423,6 +439,8 @@ class Trainer:
         )
         self.bar.update(1)
         self.tokens_seen += self.meter.tokens_per_step
+        if self.mix is not None:
+            self.mix.count(step - 1, t.grad_accum)
         log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
         speed = self.meter.step(step, log=log_now)  # None before the first full window
         if not log_now:
@@ -430,6 +448,7 @@ class Trainer:
         metrics = {
             "loss": self.loss,
             "tokens_seen": self.tokens_seen,
+            **(self.mix.shares() if self.mix is not None else {}),
             "lr": lr,
             "grad_norm": float(grad_norm),
             **(speed or {}),
@@ -507,9 +526,10 @@ class Trainer:
         self.meter.restart(step)  # sampling time is not training throughput
         return rows
 
-    def checkpoint(self, step: int) -> Path:
+    def checkpoint(self, step: int, val_loss: float | None = None) -> Path:
         """A sharded checkpoint of ``step`` (a collective; in the background with
-        ``trainer.ckpt_async``)."""
+        ``trainer.ckpt_async``); ``val_loss``: the step's, which ranks it
+        (``trainer.keep_best``)."""
         # The config it was saved with: a resume continues from it (src/runs/resume.py).
         config = self.resolved.run_config or OmegaConf.to_container(self.cfg)
         extra = {
@@ -521,6 +541,12 @@ class Trainer:
             extra[ORIGIN] = self.origin
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
+        if val_loss is not None:
+            extra[SCORE] = val_loss
+        if self.best.state() is not None:
+            extra[EARLY_STOP] = self.best.state()
+        if self.mix is not None:
+            extra[MIX_STATE] = self.mix.state()
         path = self.ckpt.save(
             step, self.model, self.optimizer, self.scheduler, extra=extra
         )
@@ -543,8 +569,17 @@ class Trainer:
             self.summary[ORIGIN] = self.origin
         if self.no_val_split:
             self.summary["validation"] = NO_VAL_SPLIT
+        if self.mix is not None:
+            self.summary[MIX_STATE] = self.mix.summary()
+        if self.best.keep_best and self.best.kept:
+            found = best_checkpoints(self.ckpt.directory, 1)
+            if found:
+                self.summary["best_checkpoint"] = {
+                    SCORE: found[0][0],
+                    "path": str(found[0][1]),
+                }
         self.summary.update(
-            steps=t.max_steps,
+            steps=self.early_stop["step"] if self.early_stop else t.max_steps,
             world_size=self.world,
             num_params=self.num_params,
             wrap_units=len(self.plan.units),
@@ -604,13 +639,17 @@ class Trainer:
         """Build, then every step with validation and checkpoints when due, finish."""
         t = self.cfg.trainer
         self.build()
-        if self.start_step >= t.max_steps:
+        self.early_stop: dict | None = None
+        if self.start_step >= t.max_steps or self.best.exhausted:
             self.bar.close()
             log.info(
                 "nothing to train: the checkpoint is at step %d and "
-                "trainer.max_steps=%d; summary.json kept",
+                "trainer.max_steps=%d%s; summary.json kept",
                 self.start_step,
                 t.max_steps,
+                f" (it stopped early: trainer.early_stop_patience={t.early_stop_patience})"
+                if self.best.exhausted
+                else "",
             )
             if t.export and not self.export_path().exists():
                 # A run killed while it exported: its export is finished now.
@@ -624,15 +663,24 @@ class Trainer:
         for step in range(self.start_step + 1, t.max_steps + 1):
             self.step(step)
             last = step == t.max_steps
+            val_loss = None
             if self.val_set and (step % t.val_every == 0 or last):
-                self.validate(step)
+                val_loss = self.validate(step)
             if t.sample_every and (step % t.sample_every == 0 or last):
                 self.sample(step)
-            saved = (last and t.ckpt_final) or (
-                t.ckpt_every and step % t.ckpt_every == 0
+            best = val_loss is not None and self.best.seen(step, val_loss)
+            stop = val_loss is not None and self.best.exhausted
+            saved = (
+                ((last or stop) and t.ckpt_final)
+                or (t.ckpt_every and step % t.ckpt_every == 0)
+                or best
             )
             if saved:
-                path = self.checkpoint(step)
+                path = self.checkpoint(step, val_loss)
+            if stop:
+                log.info(self.best.line(step))
+                self.early_stop = self.summary["early_stop"] = self.best.summary(step)
+                break
             self.stop_if_asked(step, None if not saved else path)
         return self.finish()
 

@@ -24,8 +24,10 @@ from src.checkpoint.folders import (
     run_checkpoints,
 )
 from src.checkpoint.values import checked_extra
+from src.data.mixture import MIX_STATE
 from src.errors import ConfigError
 from src.resolved import Resolved
+from src.trainer.best import EARLY_STOP
 from src.trainer.faults import RESTART_CAUSE_ENV
 from src.trainer.optimizer import apply_hyperparameters
 
@@ -40,12 +42,14 @@ def resume(
     scheduler: Any,
     rank: int,
     scaler: torch.amp.GradScaler | None = None,
-) -> tuple[int, dict[str, Any] | None, int | None, dict[str, Any] | None]:
+) -> tuple[int, dict[str, Any] | None, int | None, dict[str, Any] | None, dict | None]:
     """Restore the checkpoint named by ``trainer.resume``; returns its step (0 if none),
     when the schedule was extended what ``summary.json`` records about it, the
     tokens trained on up to it (None: a checkpoint from before they were recorded),
-    and where its run's step-0 weights came from (``trainer.init_from``; None: a
-    fresh start).
+    where its run's step-0 weights came from (``trainer.init_from``; None: a
+    fresh start) and the state of the trainer's parts it holds, checked:
+    ``{EARLY_STOP: early stopping's (src/trainer/best.py), MIX_STATE: a data
+    mixture's tokens per source (src/data/mixture.py)}`` (None each: none).
 
     After an elastic restart (``trainer.max_restarts``) or a SLURM requeue the ranks
     resume from the newest good checkpoint by themselves, whatever ``trainer.resume``
@@ -74,7 +78,7 @@ def resume(
                 "trainer.resume=auto: no checkpoint in %s; starting at step 1",
                 ckpt.directory,
             )
-        return 0, None, None, None
+        return 0, None, None, None, {EARLY_STOP: None, MIX_STATE: None}
     state = ckpt.load(path, model, optimizer, scheduler, verify=False)
     step = state["step"]
     saved_max = checked_extra(
@@ -109,7 +113,26 @@ def resume(
     tokens = state.get("tokens_seen")
     if tokens is not None:
         tokens = checked_extra(path, state, "tokens_seen", 0)
-    return step, extended, tokens, resumed_origin(path, state)
+    return step, extended, tokens, resumed_origin(path, state), _parts(path, state)
+
+
+def _parts(path: Path, state: dict) -> dict:
+    """The checkpoint's early-stopping state and a mixture's tokens per source,
+    each checked (None: none)."""
+    parts: dict[str, Any] = {EARLY_STOP: None, MIX_STATE: None}
+    if state.get(EARLY_STOP) is not None:
+        like = {"best": 0.0, "best_step": 0, "since": 0}
+        parts[EARLY_STOP] = checked_extra(path, state, EARLY_STOP, like)
+    saved = state.get(MIX_STATE)
+    if saved is not None:
+        like = {str(k): 0 for k in saved} if isinstance(saved, dict) else {}
+        parts[MIX_STATE] = checked_extra(path, state, MIX_STATE, like)
+        if any(v < 0 for v in parts[MIX_STATE].values()):
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: meta.json: extra.{MIX_STATE} holds a "
+                "negative count"
+            )
+    return parts
 
 
 def schedule_refusal(max_steps: int, saved_max: int, path: Path | str) -> ConfigError:

@@ -39,6 +39,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.data.sources import DATA_RECORD
+from src.errors import ConfigError
 from src.observe.metrics import CONTENDED, contended
 from src.schema import OBJECTIVES
 from src.trainer.faults import stopped_by_signal
@@ -128,6 +130,27 @@ def objective_of(cfg: DictConfig | None) -> tuple[str, str]:
     name = name or "val_loss"
     direction = OmegaConf.select(cfg, "sweep.direction", default=None) if cfg else None
     return name, direction or OBJECTIVES.get(name, "min")
+
+
+def check_objective(cfg: DictConfig) -> None:
+    """A sweep job that cannot have its objective is refused before it runs (a
+    ``ConfigError`` naming the key that removes it): ``val_loss`` needs a validation
+    split and validations (else every job would score the worst value)."""
+    name, _ = objective_of(cfg)
+    if name != "val_loss" or cfg.trainer.plan_only:  # a plan-only sweep trains none
+        return
+    fraction = OmegaConf.select(cfg, "data.val_fraction", default=None)
+    for key, value in (
+        ("data.val_fraction", fraction),
+        ("trainer.val_every", cfg.trainer.val_every),
+        ("trainer.val_batches", cfg.trainer.val_batches),
+    ):
+        if value == 0:
+            raise ConfigError(
+                key,
+                "0 gives no val_loss, the sweep's objective (sweep.objective="
+                f"val_loss): set {key} > 0, or sweep.objective=loss",
+            )
 
 
 def worst(direction: str) -> float:
@@ -297,7 +320,10 @@ def collect_dirs(
     dirs: Sequence[Path], names: Sequence[str] | None = None
 ) -> tuple[list[str], list[dict], tuple[str, str]]:
     """:func:`collect` of the run dirs ``dirs`` (one sweep's jobs, or runs compared by
-    src/runs/compare.py); ``names``: each row's ``job`` (default: the job number)."""
+    src/runs/compare.py); ``names``: each row's ``job`` (default: the job number).
+    A run that did not set a key of the table shows the value it ran with (its
+    recorded config). Runs of different tokenizers are not ranked (no ``best``; a
+    warning says why) and get a ``tokenizer`` column."""
     overrides, damaged = [], {}
     for d in dirs:
         try:
@@ -306,6 +332,9 @@ def collect_dirs(
             overrides.append({})
             damaged[d] = str(err)
     keys = swept_keys(overrides)
+    tokenizers = [tokenizer_label(d) for d in dirs]
+    if len(set(tokenizers)) > 1:
+        keys.append("tokenizer")
     rows = []
     for i, (job_dir, ovr) in enumerate(zip(dirs, overrides, strict=True)):
         summary = _read_json(job_dir / "summary.json")
@@ -313,16 +342,18 @@ def collect_dirs(
         status = record.get("status") or ("completed" if summary else "unknown")
         if status in ("failed", "skipped"):
             summary = {}  # figures of a failed run are partial
-        cap = OmegaConf.select(_job_config(job_dir), "sweep.mem_cap_gib", default=None)
+        config = _job_config(job_dir)
+        cap = OmegaConf.select(config, "sweep.mem_cap_gib", default=None)
         peak = summary.get("peak_mem_gib")
         if status == "completed" and cap is not None and peak is not None:
             status = "over_mem_cap" if peak > cap else status
         num = _job_num(job_dir)
         if names is not None:
             num = names[i]
+        ovr = {**ovr, "tokenizer": tokenizers[i]}
         row = {
             "job": num if num != math.inf else job_dir.name,
-            **{k: ovr.get(k, "") for k in keys},
+            **{k: ovr[k] if k in ovr else _ran_with(job_dir, config, k) for k in keys},
             "status": status,
             **{m: summary.get(m) for m in METRICS},
             "best": False,
@@ -331,10 +362,57 @@ def collect_dirs(
         }
         rows.append(row)
     goal = objective_of(_job_config(dirs[0]) if dirs else None)
-    best = best_row(rows, *goal)
+    best = best_row(rows, *goal) if len(set(tokenizers)) <= 1 else None
     if best is not None:
         best["best"] = True
+    if len(set(tokenizers)) > 1:
+        counts = {t: tokenizers.count(t) for t in dict.fromkeys(tokenizers)}
+        log.warning(
+            "no best run marked: the runs use different tokenizers (%s), so their "
+            "losses and tokens/s do not compare",
+            "; ".join(f"{t}: {n} run(s)" for t, n in counts.items()),
+        )
     return keys, rows, goal
+
+
+def tokenizer_label(run_dir: Path) -> str:
+    """What the run's tokens are, as one label: its ``data.json`` (the tokenizer and
+    its vocabulary; a trained BPE also by its file) or, without one, its recorded
+    ``data`` config (``data.tokenizer``, or the source for tokens without one)."""
+    record = _read_json(run_dir / DATA_RECORD)
+    config = _job_config(run_dir)
+    name = record.get("tokenizer") or _select(config, "data.tokenizer")
+    if name is None:
+        return str(_select(config, "data.name") or "unknown")
+    vocab = record.get("vocab_size")
+    if vocab is None and name == "bpe":
+        vocab = _select(config, "data.bpe_vocab_size")
+    label = f"{name} ({vocab} tokens)" if vocab is not None else str(name)
+    file = record.get("tokenizer_file")
+    return f"{label} {Path(file).name}" if name == "bpe" and file else label
+
+
+def _select(config: DictConfig, key: str) -> Any:
+    """``key`` of a recorded config (None if it has none, or it is not a value)."""
+    value = OmegaConf.select(config, key, default=None, throw_on_missing=False)
+    return None if OmegaConf.is_config(value) else value
+
+
+def _ran_with(job_dir: Path, config: DictConfig, key: str) -> str:
+    """The value a run that did not set ``key`` ran with: a group's option (the
+    run's ``hydra.runtime.choices``) or the key's value in its recorded config ("" if
+    it has no such key, as a GPT run has no ``model.n_layers``)."""
+    key = key.lstrip("+~")
+    if "." not in key:
+        try:
+            hydra = read_yaml(job_dir / ".hydra" / "hydra.yaml")
+        except ValueError:
+            hydra = OmegaConf.create()
+        choice = OmegaConf.select(hydra, f"hydra.runtime.choices.{key}", default=None)
+        if isinstance(choice, str):
+            return choice
+    value = _select(config, key)
+    return "" if value is None else str(value)
 
 
 def best_row(rows: list[dict], name: str, direction: str) -> dict | None:
