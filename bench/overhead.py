@@ -80,7 +80,15 @@ def load_settings(args: argparse.Namespace) -> dict:
         "betas": tuple(float(b) for b in trainer.betas),
         "grad_clip": float(trainer.grad_clip),
         "num_tokens": int(data.num_tokens),
+        "val_fraction": float(data.val_fraction),
     }
+
+
+def synthetic_data(s: dict) -> SimpleNamespace:
+    """The trainer's ``data=synthetic`` config as both sides read it."""
+    return SimpleNamespace(
+        name="synthetic", num_tokens=s["num_tokens"], val_fraction=s["val_fraction"]
+    )
 
 
 # --------------------------------------------------------------------- minimal loop
@@ -140,7 +148,7 @@ def minimal_train(s: dict, out_dir: str) -> None:
     cfg = get_spec("gpt").config_cls(**s["shape"])
     model, optimizer, scheduler = _minimal_setup(s, mesh)
     train_split, _ = load_splits(
-        SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
+        synthetic_data(s),
         cfg.vocab_size,
         s["seed"],
     )
@@ -269,7 +277,7 @@ def _ab_rank(
     mesh = init_device_mesh("cpu", (WORLD,))
     steps = {a: _ab_arm(a, s, cfg, resolved, mesh, out_dir) for a in arms}
     train_split, _ = load_splits(
-        SimpleNamespace(name="synthetic", num_tokens=s["num_tokens"]),
+        synthetic_data(s),
         s["shape"]["vocab_size"],
         s["seed"],
     )

@@ -208,7 +208,12 @@ def test_the_projects_warnings_are_plain_lines(caplog):
     capture_warnings()
     notice = "checkpoint step_00000004 was written by 2 ranks and is loaded on 1"
     ours = str(ROOT / "src" / "checkpoint" / "dcp.py")
-    with caplog.at_level(logging.WARNING, logger="py.warnings"):
+    # filters an earlier test of this worker left (torch's, the project's) do not apply
+    with (
+        caplog.at_level(logging.WARNING, logger="py.warnings"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("always")
         warnings.warn_explicit(notice, UserWarning, ours, 396)
         warnings.warn_explicit("old", FutureWarning, "/lib/torch/x.py", 7)
     assert caplog.records[0].getMessage() == notice

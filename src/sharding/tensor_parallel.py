@@ -141,7 +141,7 @@ def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> Non
         # A pipeline stage lacks the other stages' modules (its embedding, its head).
         names = [n for n, m in target.named_modules() if not isinstance(m, nn.Identity)]
         styles = {p: st for p, st in styles.items() if _matching(names, p)}
-        styles = _float8_styles(target, styles, _has_float8_type(mesh))
+        styles = _float8_styles(target, styles, mesh)
         ties = _ties(target)
         parallelize_module(target, mesh, dict(styles), src_data_rank=None)
         _mark(target, styles)
@@ -155,13 +155,15 @@ def _has_float8_type(mesh: DeviceMesh) -> bool:
 
 
 def _float8_styles(
-    target: nn.Module, styles: Mapping[str, ParallelStyle], float8_comm: bool
+    target: nn.Module, styles: Mapping[str, ParallelStyle], mesh: DeviceMesh
 ) -> Mapping[str, ParallelStyle]:
     """``styles`` by exact module path, each as ``float8.float8_tp_style`` makes it
     for the module, when ``target`` holds float8 linear layers (converted before
-    tensor parallelism, torchtitan's order)."""
+    tensor parallelism, torchtitan's order). The mesh's backend is asked only
+    then: the planner's fake process group has none to ask."""
     if not any(is_float8_linear(m) for m in target.modules()):
         return styles
+    float8_comm = _has_float8_type(mesh)
     modules = dict(target.named_modules())
     return {
         name: float8_tp_style(sub, style, float8_comm)
