@@ -48,8 +48,8 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
     order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept
     token = order // k
     counts = torch.bincount(flat, minlength=self.num_experts)
-    sent = dispatch(hidden_states[token], counts, self.ep_mesh)
-    gate_up, down = (local_weight(getattr(self, w), self.ep_mesh) for w in WEIGHTS)
+    sent = dispatch(hidden_states[token], counts, self.ep_mesh, self.tp_mesh)
+    gate_up, down = (local_weight(getattr(self, w), self) for w in WEIGHTS)
     outs = []
     for e, rows in enumerate(sent.rows.split(sent.counts.tolist())):
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)

@@ -59,14 +59,25 @@ from src.models.llama import (
     TransformerBlock,
 )
 from src.models.llama import _init_ as llama_init_
+from src.models.llama import tp_plan as llama_tp_plan
 from src.models.spec import (
     ModelSpec,
     check_positive_ints,
+    check_tp_divides,
     init_tensor_from,
     name_generator,
     register,
 )
 from src.sharding.expert_parallel import ExpertModule, dispatch, local_weight
+from src.sharding.tensor_parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    Replicate,
+    RowwiseParallel,
+    Shard,
+    TPPlan,
+)
 
 LOAD_BALANCE = ("aux_loss", "aux_free", "none")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -194,8 +205,8 @@ class Experts(ExpertModule):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, dim) sorted by expert, ``counts`` (experts,) -> (N, dim)."""
-        g, ep = self.grouped, self.ep_mesh
-        w1, w2, w3 = (local_weight(w, ep) for w in (self.w1, self.w2, self.w3))
+        g = self.grouped
+        w1, w2, w3 = (local_weight(w, self) for w in (self.w1, self.w2, self.w3))
         h = F.silu(grouped_matmul(x, w1, counts, g)) * grouped_matmul(x, w3, counts, g)
         return grouped_matmul(h, w2, counts, g)
 
@@ -302,7 +313,7 @@ class MoE(nn.Module):
         if ep is None:
             ys = self.experts(xs, counts)
         else:  # expert parallelism: to the ranks holding the experts and back
-            sent = dispatch(xs, counts, ep)
+            sent = dispatch(xs, counts, ep, self.experts.tp_mesh)
             ys = sent.combine(self.experts(sent.rows, sent.counts))
             if not _recomputing():
                 self.bytes_sent += sent.bytes_moved
@@ -468,6 +479,50 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> int:
     return 6 * n_matmul + 12 * config.n_layers * d * seq_len
 
 
+def tp_plan(config: MoEConfig, tp: int, sequence_parallel: bool | None) -> TPPlan:
+    """Llama's plan (src/models/llama.py) with the feed-forwards styled per module: a
+    dense block's SwiGLU as Llama's, the shared expert colwise / rowwise on the MoE
+    block's whole input; the router stays replicated over tp, and the routed experts
+    are split by expert parallelism (its ep group spans the tp group: each tp rank
+    dispatches its share of the assignments, src/sharding/expert_parallel.py) or,
+    without it, replicated. With sequence parallelism the MoE block all-gathers the
+    sequence and hands back this rank's part of it: routing, capacity and the balance
+    loss see whole sequences on every layout."""
+    llama = llama_tp_plan(config, tp, sequence_parallel)
+    if config.shared_hidden_dim:
+        check_tp_divides(tp, {"shared_hidden_dim": config.shared_hidden_dim})
+    sp = llama.sequence_parallel
+    block = {
+        k: v
+        for k, v in llama.modules[TransformerBlock].items()
+        if not k.startswith("feed_forward")
+    }
+    inner = Shard(1) if sp else Replicate()
+    dense: dict = {
+        "w1": ColwiseParallel(),
+        "w2": RowwiseParallel(output_layouts=inner),
+        "w3": ColwiseParallel(),
+    }
+    shared = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel()}
+    # first match wins: SharedExpert is a FeedForward
+    modules: dict = {Llama: llama.modules[Llama], TransformerBlock: block}
+    modules.update({SharedExpert: shared, FeedForward: dense})
+    if sp:
+        dense[""] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        modules[MoE] = {
+            "": PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+            )
+        }
+    return TPPlan(modules, sequence_parallel=sp, loss_parallel=True)
+
+
 register(
     ModelSpec(
         name="moe",
@@ -507,6 +562,7 @@ register(
         seq_len=lambda config: config.max_seq_len,
         kv_cache=True,
         routes_tokens=lambda config: len(config.moe_layers) > 0,
+        tp_plan=tp_plan,
         after_step=after_step,
         num_experts=lambda config: config.num_experts if config.moe_layers else 0,
     )
