@@ -16,7 +16,8 @@ from src.models.moe import (
     init_tensor,
     moe_layers,
 )
-from tests.test_config import config_error
+from src.resolved import LAYOUT_KEYS
+from tests.test_config import assert_fails_naming, config_error
 
 CFG = dict(
     dim=32,
@@ -144,6 +145,53 @@ def test_bad_moe_keys_are_named(override, key):
     assert config_error("model=moe_tiny", override).startswith(key + ":")
 
 
+EP_TP = ("sharding.expert_parallel=2", "sharding.tensor_parallel=2")
+
+
+@pytest.mark.parametrize(
+    "overrides, key, says",
+    [
+        (("sharding.expert_parallel=3",), "ep", "4 ranks"),
+        (("sharding.expert_parallel=16", "trainer.devices=16"), "ep", "8 experts"),
+        (("model=llama_tiny", "sharding.expert_parallel=2"), "ep", "dense model"),
+        (
+            ("sharding.expert_parallel=2", "sharding.tensor_parallel=4"),
+            "ep",
+            "tp times",
+        ),
+        (
+            ("sharding.expert_parallel=2", "sharding.context_parallel=2"),
+            "ep",
+            "context",
+        ),
+        (
+            ("sharding.expert_parallel=2", "sharding.pipeline_parallel=2"),
+            "ep",
+            "pipeline",
+        ),
+        (("sharding.expert_parallel=2", "sharding.backend=fsdp1"), "ep", "fsdp2"),
+        (
+            ("model=hf", "model.config=tiny_qwen3_moe", *EP_TP),
+            "tp",
+            "replicated_with_grad_allreduce",
+        ),
+    ],
+)
+def test_expert_parallel_layouts_not_built_are_refused_naming_the_key(
+    overrides, key, says
+):
+    """Before any rank starts, in one line naming the key: E not dividing the ranks
+    or the experts, a dense model, EP with tp not a whole number of tp groups, with
+    cp or pp, on fsdp1; Qwen3-MoE's tp plan (its q/k norms' style) under EP x TP."""
+    keys = {o.split("=")[0] for o in overrides}
+    base = [
+        o
+        for o in ("model=moe_tiny", "trainer.devices=4")
+        if o.split("=")[0] not in keys
+    ]
+    assert_fails_naming([*base, *overrides], LAYOUT_KEYS[key], says)
+
+
 def test_interval_line_has_a_short_moe_part():
     from src.observe.metrics import interval_line
 
@@ -182,10 +230,11 @@ def test_activation_checkpointing_recomputes_the_same_block(balance):
     torch.testing.assert_close(counts[0], counts[1])
 
 
-def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model(tp):
     """Between the peaks of EP1 and EP8 on 8 ranks, only splitting the experts fits:
     the search proposes sharding.expert_parallel, and its estimate is that of the
-    run with it."""
+    run with it; with TP2 too (the ep group whole tp groups)."""
     from src.planner.run_estimate import estimate_cfg
     from src.planner.search import search
     from src.planner.settings import EP_KEY, with_values
@@ -197,6 +246,7 @@ def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model():
         "model.moe_hidden_dim=512",
         "trainer.devices=8",
         "trainer.mem_margin=0",
+        f"sharding.tensor_parallel={tp}",
     )
     resolved = resolve(cfg)
     _, plain = estimate_cfg(cfg, resolved, 8)

@@ -215,13 +215,13 @@ def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
 def ep_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
     """The expert-parallel degrees the fit search tries: none (1), and 2, 4, 8, 16,
     32, 64 that divide the model's experts, where the backend and the model can
-    split experts and the run has no tensor, pipeline or context parallelism (EP
-    refuses them). A point whose shard ranks the degree does not divide is skipped."""
+    split experts and the run has no pipeline or context parallelism (EP refuses
+    them). A point whose ranks the degree does not fit is skipped (the shard ranks;
+    with tensor parallelism, tp times a divisor of them)."""
     spec, config, layout = resolved.spec, resolved.model_config, resolved.layout
     if (
         not backend_class(cfg.sharding.backend).expert_parallel
         or spec.num_experts is None
-        or layout.tp > 1
         or layout.cp > 1
         or pipeline_stages(cfg) > 1
     ):

@@ -604,7 +604,7 @@ class PlanBackend(_FSDPBackend):
         return record_unit, {}
 
     def split_experts(self, module: nn.Module) -> None:
-        plan_experts(module, self.layout.ep)
+        plan_experts(module, self.layout.ep, self.layout.ep_shard)
 
     def finish_build(
         self,

@@ -64,7 +64,7 @@ def expert_parallelize(
     inside each ep group, whose ranks share the tokens. Idempotent."""
     for m in _unsplit(module):
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-        info = _split_info(m, ep)
+        info = _split_info(m, ep, ep // (tp_mesh.size() if tp_mesh is not None else 1))
         for name, p in list(m.named_parameters(recurse=False)):
             if p.size(0) % ep:
                 raise ValueError(
@@ -78,11 +78,13 @@ def expert_parallelize(
         mark_unit(m, info)
 
 
-def plan_experts(module: nn.Module, ep: int) -> None:
+def plan_experts(module: nn.Module, ep: int, shard_ranks: int) -> None:
     """For a plan (nothing allocated): record each :class:`ExpertModule` under
-    ``module`` as a unit holding ``1 / ep`` of its experts, sharded over the rest."""
+    ``module`` as a unit holding ``1 / ep`` of its experts, sharded over the shard
+    group's ranks / ``shard_ranks`` (the ep group's part of it: ``ep``, or ``ep /
+    tp`` with tensor parallelism)."""
     for m in _unsplit(module):
-        mark_unit(m, _split_info(m, ep))
+        mark_unit(m, _split_info(m, ep, shard_ranks))
 
 
 def _unsplit(module: nn.Module) -> list[ExpertModule]:
@@ -92,16 +94,16 @@ def _unsplit(module: nn.Module) -> list[ExpertModule]:
     ]
 
 
-def _split_info(m: ExpertModule, ep: int) -> UnitInfo:
+def _split_info(m: ExpertModule, ep: int, shard_ranks: int) -> UnitInfo:
     """The wrap plan's record of ``m`` split over ``ep`` ranks: each holds
     ``num_experts / ep`` whole experts (what it gathers), FSDP-sharded over the
-    shard group's ranks / ep."""
+    shard group's ranks / ``shard_ranks``."""
     shapes = [
         (p.size(0) // ep, p[0].numel(), p.element_size())
         for p in m.parameters(recurse=False)
     ]
     return UnitInfo(
-        numel=sum(p.numel() for p in m.parameters()), shapes=shapes, split=ep
+        numel=sum(p.numel() for p in m.parameters()), shapes=shapes, split=shard_ranks
     )
 
 
