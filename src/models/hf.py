@@ -726,5 +726,8 @@ register(
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
         num_experts=ep_experts,
+        expert_shape=lambda config, seq_len: hf_experts.expert_shape(
+            config.hf_config, config.skeleton().base_model
+        ),
     )
 )

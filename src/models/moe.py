@@ -22,8 +22,9 @@ the ``top_k`` experts of a token are those with the highest score plus
 unbiased scores of those experts (renormalised to sum 1 if ``norm_topk_prob``). With
 ``capacity_factor`` set, each expert takes at most ``ceil(capacity_factor * T *
 top_k / num_experts)`` tokens of a sequence of T, first come first served in token
-order; the rest are dropped (their gate is 0: the shapes stay fixed, so the dropped
-assignments are still computed and discarded) and counted.
+order; the rest are dropped (their gate is 0) and counted. Without expert
+parallelism the shapes stay fixed, so the dropped assignments are still computed and
+discarded; with it they are not sent, so capacity bounds the rows a rank receives.
 
 Load balancing (``load_balance``): ``aux_loss`` adds DeepSeek-V3's sequence-wise
 balance loss ``aux_loss_coef * sum_e f_e P_e`` (f: the share of a sequence's
@@ -61,6 +62,7 @@ from src.models.llama import (
 from src.models.llama import _init_ as llama_init_
 from src.models.llama import tp_plan as llama_tp_plan
 from src.models.spec import (
+    ExpertShape,
     ModelSpec,
     check_positive_ints,
     check_tp_divides,
@@ -232,7 +234,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """``x`` (B, T, dim) -> (scores (B, T, E) fp32, experts (B, T, k), gates
-        (B, T, k) fp32, zero where dropped, dropped assignments)."""
+        (B, T, k) fp32, zero where dropped, the assignments kept (B, T, k) bool, or
+        None without capacity)."""
         c = self.config
         logits = F.linear(x.float(), self.gate.weight.float())
         if c.score_func == "softmax":
@@ -250,16 +253,15 @@ class Router(nn.Module):
         if c.norm_topk_prob or c.score_func == "sigmoid":
             gates = gates / gates.sum(-1, keepdim=True)
         capacity = c.capacity(x.size(1))
-        dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        keep = None
         if capacity is not None:
             B, T, k = experts.shape
             # place of each assignment in its expert's queue, in token order
             hot = F.one_hot(experts.reshape(B, T * k), c.num_experts)
             place = (hot.cumsum(1) * hot).sum(-1).view(B, T, k) - 1
             keep = place < capacity
-            dropped = (~keep).sum()
             gates = gates * keep
-        return scores, experts, gates, dropped
+        return scores, experts, gates, keep
 
 
 def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -302,21 +304,21 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         c = self.config
-        scores, experts, gates, dropped = self.router(x)
+        scores, experts, gates, keep = self.router(x)
+        dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        if keep is not None:
+            dropped = (~keep).sum()
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # the assignments grouped by expert
         counts = torch.zeros(c.num_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         token = order // c.top_k
         xs = x.reshape(-1, d)[token]
-        ep = self.experts.ep_mesh
-        if ep is None:
+        if self.experts.ep_mesh is None:
             ys = self.experts(xs, counts)
-        else:  # expert parallelism: to the ranks holding the experts and back
-            sent = dispatch(xs, counts, ep, self.experts.tp_mesh)
-            ys = sent.combine(self.experts(sent.rows, sent.counts))
-            if not _recomputing():
-                self.bytes_sent += sent.bytes_moved
+        else:
+            kept = None if keep is None else keep.reshape(-1)[order]
+            ys = self._across_ranks(xs, flat[order], kept)
         ys = ys * gates.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros(B * T, d, dtype=ys.dtype, device=x.device)
         out = out.index_add(0, token, ys).view(B, T, d).to(x.dtype)
@@ -333,6 +335,28 @@ class MoE(nn.Module):
             if not _recomputing():
                 self._count(scores.detach(), counts, dropped, aux.detach(), B)
         return out
+
+    def _across_ranks(
+        self, xs: torch.Tensor, expert: torch.Tensor, kept: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Expert parallelism: the rows ``xs`` (grouped by ``expert``) to the ranks
+        holding their experts and back; the assignments capacity dropped (``kept``
+        false) are not sent: their output is 0, as their gate is."""
+        rows = xs
+        if kept is not None:
+            index = kept.nonzero().squeeze(1)
+            rows, expert = xs[index], expert[index]
+        counts = torch.zeros(
+            self.config.num_experts, dtype=torch.long, device=xs.device
+        )
+        counts.scatter_add_(0, expert, torch.ones_like(expert))
+        sent = dispatch(rows, counts, self.experts.ep_mesh, self.experts.tp_mesh)
+        ys = sent.combine(self.experts(sent.rows, sent.counts))
+        if not _recomputing():
+            self.bytes_sent += sent.bytes_moved
+        if kept is None:
+            return ys
+        return ys.new_zeros(xs.size(0), ys.size(1)).index_copy(0, index, ys)
 
     @torch.no_grad()
     def _count(self, scores, counts, dropped, aux, rows) -> None:
@@ -479,6 +503,20 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> int:
     return 6 * n_matmul + 12 * config.n_layers * d * seq_len
 
 
+def expert_shape(config: MoEConfig, seq_len: int) -> ExpertShape:
+    """The routed experts for the planner: per row an expert computes, autograd keeps
+    its input and four ``moe_hidden_dim`` activations (``x w1``, its SiLU, ``x w3``,
+    their product)."""
+    return ExpertShape(
+        layers=len(config.moe_layers),
+        experts=config.num_experts,
+        top_k=config.top_k,
+        dim=config.dim,
+        saved_per_row=config.dim + 4 * config.moe_hidden_dim,
+        capacity=config.capacity(seq_len),
+    )
+
+
 def tp_plan(config: MoEConfig, tp: int, sequence_parallel: bool | None) -> TPPlan:
     """Llama's plan (src/models/llama.py) with the feed-forwards styled per module: a
     dense block's SwiGLU as Llama's, the shared expert colwise / rowwise on the MoE
@@ -565,5 +603,6 @@ register(
         tp_plan=tp_plan,
         after_step=after_step,
         num_experts=lambda config: config.num_experts if config.moe_layers else 0,
+        expert_shape=expert_shape,
     )
 )

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.models.memory import ActivationBytes
 from src.planner.activations import (
     cp_activations,
+    ep_dispatch,
     run_activation_fn,
     tp_activations,
 )
@@ -445,7 +446,8 @@ class _Points:
         if tp > 1:
             a = tp_activations(cfg, resolved, shape, a, self.models[mp, ep])
         a = cp_activations(resolved, shape, a, self.models[mp, ep], cp)
-        est = estimate(plan, shape, a, self.process)
+        dispatch = ep_dispatch(resolved, shape)
+        est = estimate(plan, shape, a, self.process, dispatch=dispatch)
         changed = self._changed(point, w, accum)
         cost = change_cost(self.currents, changed, self.device)
         cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)
