@@ -12,9 +12,9 @@ real on 4 CPU ranks (one launch that checks several things together):
 - the MoE metrics are in metrics.jsonl, the same on every layout;
 - the planner's peak per rank is within 10% of the measured one on the EP run;
 - HF Mixtral (model=hf, its ``base_model_ep_plan``) on EP2 x TP2 and HF Qwen3-MoE on
-  EP2 x FSDP2 train with one rank's fp32 losses within 1e-5, and Mixtral's
-  ``trainer.export=hf`` (whole experts gathered) opens in transformers with one
-  rank's exported weights.
+  EP2 x FSDP2 train with one rank's fp32 losses and routing metrics within 1e-5,
+  and Mixtral's ``trainer.export=hf`` (whole experts gathered) opens in
+  transformers with one rank's exported weights.
 
 The routing, grouped mm and bias update are unit-tested in tests/test_moe.py.
 """
@@ -161,7 +161,12 @@ def test_expert_parallel_equals_one_rank_and_checkpoints_cross_layouts(tmp_path)
         hf_one, hf_ep = _rows(tmp_path / one_dir), _rows(tmp_path / ep_dir)
         assert sorted(hf_ep) == [1, 2], ep_dir
         for step in (1, 2):
-            assert abs(hf_ep[step]["loss"] - hf_one[step]["loss"]) < 1e-5, step
+            one_row, row = hf_one[step], hf_ep[step]
+            assert abs(row["loss"] - one_row["loss"]) < 1e-5, step
+            # routing metrics from transformers' routers, counted over all ranks
+            assert row["moe/layer1/tokens_max"] == one_row["moe/layer1/tokens_max"]
+            for key in ("moe/layer0/aux_loss", "moe/entropy", "moe/aux_loss"):
+                assert abs(row[key] - one_row[key]) < 1e-5, key
     from transformers import AutoModelForCausalLM
 
     one_w, ep_w = (

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from src.models import hf_experts
+from src.models import hf_experts, hf_routing
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
 from src.sharding import context_parallel
 from src.sharding.pipeline import PipelineLayout, stage_role
@@ -547,6 +547,7 @@ def build(config: HFConfig, seed: int) -> nn.Module:
     hf_model = _from_config(config.hf_config, config.trust_remote_code)
     if routed_experts(config.hf_config) > 1:  # splittable by sharding.expert_parallel
         hf_experts.split_ready(hf_model.base_model, config.hf_config)
+        hf_routing.count_routing(hf_model.base_model, config.hf_config)
     return HFCausalLM(hf_model)
 
 
@@ -726,6 +727,7 @@ register(
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
         num_experts=ep_experts,
+        after_step=hf_routing.after_step,
         expert_shape=lambda config, seq_len: hf_experts.expert_shape(
             config.hf_config, config.skeleton().base_model
         ),

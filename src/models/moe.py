@@ -278,7 +278,7 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return (f * p).sum(-1).mean()
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """True inside a backward pass (activation checkpointing recomputes a forward):
     the step's statistics were counted the first time."""
     return torch._C._current_graph_task_id() != -1
@@ -332,7 +332,7 @@ class MoE(nn.Module):
             with torch.set_grad_enabled(in_loss and torch.is_grad_enabled()):
                 aux = balance_loss(scores, experts)
             self.aux_loss = aux if in_loss else None
-            if not _recomputing():
+            if not recomputing():
                 self._count(scores.detach(), counts, dropped, aux.detach(), B)
         return out
 
@@ -352,7 +352,7 @@ class MoE(nn.Module):
         counts.scatter_add_(0, expert, torch.ones_like(expert))
         sent = dispatch(rows, counts, self.experts.ep_mesh, self.experts.tp_mesh)
         ys = sent.combine(self.experts(sent.rows, sent.counts))
-        if not _recomputing():
+        if not recomputing():
             self.bytes_sent += sent.bytes_moved
         if kept is None:
             return ys
@@ -427,13 +427,10 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
     layers = [m for m in moe_layers(model) if m.stats is not None]
     if not layers:
         return {}
-    stats = torch.stack([m.stats for m in layers])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats)
-    stats = stats / replicas
+    stats = summed_over_ranks([m.stats for m in layers], replicas)
     E = layers[0].config.num_experts
     rows: dict[str, float] = {}
-    index = {id(m): i for i, m in _numbered(model)}
+    index = {id(m): i for i, m in numbered(model, MoE)}
     for m, s in zip(layers, stats, strict=True):
         m.stats = None
         counts, (dropped, aux, entropy, nrows, tokens) = s[:E], s[E:]
@@ -442,17 +439,46 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
             bias += m.config.bias_update_rate * torch.sign(counts.mean() - counts).to(
                 bias
             )
-        p = f"moe/layer{index[id(m)]}/"
-        rows[p + "tokens_max"] = counts.max().item()
-        rows[p + "tokens_mean"] = counts.mean().item()
-        rows[p + "load_max_over_mean"] = (counts.max() / counts.mean()).item()
-        rows[p + "dropped"] = int(dropped.item())
-        rows[p + "aux_loss"] = (aux / nrows).item()
-        rows[p + "entropy"] = (entropy / tokens).item()
+        rows.update(
+            layer_metrics(
+                index[id(m)], counts, dropped.item(), aux / nrows, entropy / tokens
+            )
+        )
+    return overall_metrics(rows, layers[0].config.aux_loss_coef)
+
+
+def summed_over_ranks(stats: list[torch.Tensor], replicas: int) -> torch.Tensor:
+    """Each layer's statistics row summed over all ranks (one all-reduce), divided
+    by ``replicas`` (ranks that counted the same tokens)."""
+    out = torch.stack(stats)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(out)
+    return out / replicas
+
+
+def layer_metrics(
+    layer: int, counts: torch.Tensor, dropped: float, aux: object, entropy: object
+) -> dict[str, float]:
+    """One MoE layer's metrics ``moe/layer{i}/...``: tokens per expert (max, mean,
+    their ratio), dropped assignments, its balance loss and mean router entropy."""
+    p = f"moe/layer{layer}/"
+    return {
+        p + "tokens_max": counts.max().item(),
+        p + "tokens_mean": counts.mean().item(),
+        p + "load_max_over_mean": (counts.max() / counts.mean()).item(),
+        p + "dropped": int(dropped),
+        p + "aux_loss": float(aux),
+        p + "entropy": float(entropy),
+    }
+
+
+def overall_metrics(rows: dict[str, float], coef: float) -> dict[str, float]:
+    """``rows`` (every layer's :func:`layer_metrics`) and the metrics over the
+    layers: the worst ``load_max_over_mean``, dropped assignments, the balance
+    losses summed times ``coef`` (as they enter the loss), the mean entropy."""
     per = [k for k in rows if k.endswith("load_max_over_mean")]
     rows["moe/load_max_over_mean"] = max(rows[k] for k in per)
     rows["moe/dropped"] = sum(v for k, v in rows.items() if k.endswith("/dropped"))
-    coef = layers[0].config.aux_loss_coef
     aux = [v for k, v in rows.items() if k.endswith("/aux_loss")]
     rows["moe/aux_loss"] = coef * sum(aux)
     ent = [v for k, v in rows.items() if k.endswith("/entropy")]
@@ -460,10 +486,11 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
     return rows
 
 
-def _numbered(model: nn.Module):
-    """(layer index, MoE) from the canonical names ``...layers.{i}.moe``."""
+def numbered(model: nn.Module, cls: type[nn.Module]):
+    """(layer index, module) of each ``cls`` module of ``model``, the index from its
+    name ``...layers.{i}....`` (-1 outside one)."""
     for name, m in model.named_modules():
-        if isinstance(m, MoE):
+        if isinstance(m, cls):
             found = re.search(r"layers\.(\d+)\.", name + ".")
             yield int(found.group(1)) if found else -1, m
 
