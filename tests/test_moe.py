@@ -261,3 +261,48 @@ def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model(tp):
     _, est = estimate_cfg(proposed, resolve(proposed), 8)
     assert est.total == best.estimate.total
     assert search(cfg, resolved, [], budget, 8)[0] is None
+
+
+@pytest.mark.parametrize(
+    "overrides, ratio, says",
+    [
+        # 8 experts, top 2, T = 32: capacity ceil(1.5 * 32 * 2 / 8) = 12 per expert
+        # per sequence; a rank's 4 experts take at most 48 of a sequence's 64
+        # assignments, each rank's balanced share is 32 of them: 1.5x
+        (("model.capacity_factor=1.5",), 1.5, "capacity 12"),
+        (("model.capacity_factor=8",), 2.0, "capacity 64"),  # capped at the group's
+        ((), 1.25, "no capacity: assumed 1.25x"),
+        (("model.capacity_factor=1.5", "sharding.tensor_parallel=2"), 1.5, "capacity"),
+    ],
+)
+def test_the_planned_expert_dispatch_states_its_bound(overrides, ratio, says):
+    """The estimate's expert dispatch part: the rows a rank receives above its own
+    share (balanced), under the bound the note states, kept in every MoE layer, and
+    one layer's send and receive buffers; it is a part of the EP run's estimate."""
+    from src.planner.activations import ep_dispatch
+    from src.planner.inputs import run_shape
+    from src.planner.run_estimate import estimate_cfg
+    from src.resolved import resolve
+    from tests.test_config import make_cfg
+
+    cfg = make_cfg(
+        "model=moe_tiny",
+        "model.max_seq_len=32",
+        "trainer.batch_size=8",
+        "trainer.devices=4",
+        "sharding.expert_parallel=2",
+        *overrides,
+    )
+    resolved = resolve(cfg)
+    shape = run_shape(cfg, resolved, 4)
+    tp = resolved.layout.tp
+    # the ep group's sequences x T x top_k, over the group's 2 ranks
+    group = shape.micro_batch * (2 // tp)
+    balanced = group * 32 * 2 / 2
+    d = ep_dispatch(resolved, shape)
+    assert says in d.note and f"{ratio:.2f}x its own {balanced:.0f} rows" in d.note
+    per_row = (64 + 4 * 64) * 4  # dim + 4 x moe_hidden_dim, fp32
+    assert d.saved == int((ratio - 1) * balanced * per_row * 2)  # 2 MoE layers
+    assert d.buffers == int((1 + ratio) * balanced * 64 * 4)
+    _, est = estimate_cfg(cfg, resolved, 4)
+    assert est.parts["experts"] >= d.saved and "experts" in est.notes
