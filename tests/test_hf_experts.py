@@ -77,7 +77,7 @@ def test_routing_metrics_are_transformers_router_logits_counted(name):
     """The per-layer MoE metrics of an HF model (src/models/hf_routing.py) equal what
     transformers' own router logits give: tokens per expert from their top-k, the
     layer's balance loss from its load_balancing_loss_func, the mean entropy; counted
-    in training only, reset by each step's metrics."""
+    in training only, reset by each step's metrics; none on a pipeline stage."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from src.models import get_spec
@@ -109,3 +109,8 @@ def test_routing_metrics_are_transformers_router_logits_counted(name):
         coef * sum(rows[f"moe/layer{i}/aux_loss"] for i in range(len(logits)))
     )
     assert after_step(model, 1) == {}  # counted once per step
+    # a pipeline stage holds some of the routers: it logs none (so no rank reduces)
+    with torch.no_grad():
+        model(idx)
+    model.hf.model.layers[1] = torch.nn.Identity()
+    assert after_step(model, 1) == {}

@@ -545,9 +545,10 @@ def pipeline_layout(config: HFConfig) -> PipelineLayout:
 def build(config: HFConfig, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # transformers' own init (on CPU): the same on every rank
     hf_model = _from_config(config.hf_config, config.trust_remote_code)
-    if routed_experts(config.hf_config) > 1:  # splittable by sharding.expert_parallel
+    experts = routed_experts(config.hf_config)
+    if experts > 1:  # splittable by sharding.expert_parallel
         hf_experts.split_ready(hf_model.base_model, config.hf_config)
-        hf_routing.count_routing(hf_model.base_model, config.hf_config)
+        hf_routing.count_routing(hf_model.base_model, config.hf_config, experts)
     return HFCausalLM(hf_model)
 
 

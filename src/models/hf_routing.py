@@ -14,7 +14,8 @@ P_e``, ``f_e`` the assignments to ``e`` per row, ``P_e`` its mean probability; t
 when balanced) over the step's rows on all ranks; ``moe/aux_loss`` is their sum times
 the config's ``router_aux_loss_coef``, a metric: the trainer does not ask transformers
 for router logits, so nothing of it enters the loss. transformers' routers keep every
-assignment (no capacity): ``dropped`` is 0.
+assignment (no capacity): ``dropped`` is 0. A pipeline stage logs none (each holds
+some of the routers; the native family has no pipeline).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from src.models.moe import (
 
 _STATS = "_routing_stats"  # the counts since the last after_step (on each router)
 _COEF = "_aux_coef"  # the config's router_aux_loss_coef (on each router)
+_SHAPE = "_routing_shape"  # (routers in the whole model, experts) (on each router)
 
 
 def routers(base_model: nn.Module, hf_config: Any) -> list[nn.Module]:
@@ -51,12 +53,14 @@ def routers(base_model: nn.Module, hf_config: Any) -> list[nn.Module]:
     return found
 
 
-def count_routing(base_model: nn.Module, hf_config: Any) -> None:
-    """Hook each router of ``base_model`` to count its routing in training."""
+def count_routing(base_model: nn.Module, hf_config: Any, experts: int) -> None:
+    """Hook each router of ``base_model`` (of ``experts`` experts) to count its
+    routing in training."""
     coef = float(getattr(hf_config.get_text_config(), "router_aux_loss_coef", 0.0))
-    for router in routers(base_model, hf_config):
-        router.__dict__[_COEF] = coef
-        router.__dict__[_STATS] = None
+    found = routers(base_model, hf_config)
+    for router in found:
+        router.__dict__.update({_COEF: coef, _STATS: None})
+        router.__dict__[_SHAPE] = (len(found), experts)
         router.register_forward_hook(_count)
 
 
@@ -79,16 +83,18 @@ def _count(router: nn.Module, args: tuple, output: tuple) -> None:
 def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
     """The step's routing metrics, as the native family's ``after_step`` names them
     (``moe/layer{i}/...`` and over the layers), summed over all ranks (``replicas``:
-    ranks that counted the same tokens); nothing when no router counted."""
-    found = [
-        (i, m)
-        for i, m in numbered(model, nn.Module)
-        if m.__dict__.get(_STATS) is not None
-    ]
-    if not found:
+    ranks that counted the same tokens); nothing when no router counted, and
+    nothing on a pipeline stage (it holds some of the routers: every stage does,
+    so no rank all-reduces)."""
+    found = [(i, m) for i, m in numbered(model, nn.Module) if _SHAPE in m.__dict__]
+    if not found or len(found) < found[0][1].__dict__[_SHAPE][0]:
         return {}
-    stats = summed_over_ranks([m.__dict__[_STATS] for _, m in found], replicas)
-    E = (stats.size(1) - 2) // 2
+    E = found[0][1].__dict__[_SHAPE][1]
+    empty = torch.zeros(2 * E + 2, dtype=torch.float64)
+    kept = [m.__dict__[_STATS] for _, m in found]
+    if all(k is None for k in kept):
+        return {}  # the same on every rank: each ran the same forwards
+    stats = summed_over_ranks([empty if k is None else k for k in kept], replicas)
     rows: dict[str, float] = {}
     for (layer, m), s in zip(found, stats, strict=True):
         m.__dict__[_STATS] = None
