@@ -158,7 +158,7 @@ class Dispatched:
     group: dist.ProcessGroup
     bytes_moved: int  # both all-to-alls' rows sent by this rank
     tp_mesh: DeviceMesh | None = None  # combine all-gathers the tp group's shares
-    shape: torch.Size | None = None  # ... into this (all the assignments' rows)
+    shape: torch.Size | None = None  # ... of this many rows (all the assignments)
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """The experts' outputs (as ``rows``) back to the ranks that sent the
@@ -168,14 +168,10 @@ class Dispatched:
         mine = _AllToAll.apply(back, self.recv, self.send, self.group)
         if self.tp_mesh is None:
             return mine
-        stride = torch.empty(self.shape, device="meta").stride()
+        shape = (self.shape[0], *mine.shape[1:])  # every share's rows, out's width
+        stride = torch.empty(shape, device="meta").stride()
         share = DTensor.from_local(
-            mine,
-            self.tp_mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=self.shape,
-            stride=stride,
+            mine, self.tp_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
         )
         return share.full_tensor()
 
