@@ -4,7 +4,9 @@ real on 4 CPU ranks (one launch that checks several things together):
 - EP2 x FSDP2 (each expert on one of 2 ranks, FSDP-sharded over the other 2) trains
   with the fp32 losses of one rank within 1e-5, routing included (the
   auxiliary-loss-free bias and per-sequence capacity are on);
-- its checkpoint resumes on FSDP4 alone (no expert parallelism) and on EP2 x TP2
+- its checkpoint resumes on FSDP4 alone (no expert parallelism), on HSDP (2
+  replicas) x EP2, on EP4 (every rank an ep rank, the experts not FSDP-sharded, as
+  EP2 is on 2 ranks) and on EP2 x TP2
   (sequence parallel: the ep group is the tp group, each tp rank dispatching half of
   the assignments; gradient norms equal too), whose checkpoint resumes on EP2 x
   FSDP2, each continuing one rank's losses within 1e-5: experts are stored as
@@ -89,8 +91,9 @@ def _step(run_dir: Path, step: int) -> str:
 def _layouts(device: torch.device, root: str, planned) -> dict:
     """EP2 x FSDP2 for 4 steps (checkpoints at 2 and 4; ``planned``: its config and
     run object as the launcher prepared them, with the planner's peak), FSDP4
-    resumed from its step 2, and so is EP2 x TP2 (a checkpoint each step), EP2 x
-    FSDP2 resumed from that one's step 3; HF Mixtral on EP2 x TP2, HF Qwen3-MoE on
+    resumed from its step 2, and so are EP2 x TP2 (a checkpoint each step), HSDP
+    (2 replicas) x EP2 and EP4 (every rank an ep rank: experts not FSDP-sharded, as
+    EP2 on 2 ranks), EP2 x FSDP2 resumed from EP2 x TP2's step 3; HF Mixtral on EP2 x TP2, HF Qwen3-MoE on
     EP2 x FSDP2."""
     root_dir = Path(root)
     cfg, resolved = planned
@@ -99,6 +102,8 @@ def _layouts(device: torch.device, root: str, planned) -> dict:
         "fsdp": (RUN, "sharding.expert_parallel=1", _step(root_dir / "ep", 2)),
         "tp": (RUN, *EP_TP, "trainer.ckpt_every=1", _step(root_dir / "ep", 2)),
         "back": (RUN, "sharding.expert_parallel=2", _step(root_dir / "tp", 3)),
+        "hsdp": (RUN, "sharding.replicate=2", *EP[:1], _step(root_dir / "ep", 2)),
+        "ep4": (RUN, "sharding.expert_parallel=4", _step(root_dir / "ep", 2)),
         "hf": (_hf_run(), *EP_TP),
         "qwen": (_hf_run(QWEN_RUN), "sharding.expert_parallel=2"),
     }
@@ -127,14 +132,19 @@ def test_expert_parallel_equals_one_rank_and_checkpoints_cross_layouts(tmp_path)
 
     one, ep, tp = (_rows(tmp_path / d) for d in ("one", "ep", "tp"))
     fsdp, back = _rows(tmp_path / "fsdp"), _rows(tmp_path / "back")
+    hsdp, ep4 = _rows(tmp_path / "hsdp"), _rows(tmp_path / "ep4")
     assert sorted(ep) == [1, 2, 3, 4] and sorted(fsdp) == [3, 4]
     assert sorted(tp) == [3, 4] and sorted(back) == [4]
+    assert sorted(hsdp) == sorted(ep4) == [3, 4]
     for step in (1, 2, 3, 4):
         assert abs(ep[step]["loss"] - one[step]["loss"]) < 1e-5, step
     for step in (3, 4):  # EP2 -> FSDP4, and -> EP2 x TP2: gradients counted once
         assert abs(fsdp[step]["loss"] - ep[step]["loss"]) < 1e-5, step
         assert abs(tp[step]["loss"] - one[step]["loss"]) < 1e-5, step
         assert abs(tp[step]["grad_norm"] / one[step]["grad_norm"] - 1) < 1e-5, step
+        for other in (hsdp, ep4):  # EP under HSDP, and EP over every rank
+            assert abs(other[step]["loss"] - one[step]["loss"]) < 1e-5, step
+            assert abs(other[step]["grad_norm"] / one[step]["grad_norm"] - 1) < 1e-5
     assert abs(back[4]["loss"] - ep[4]["loss"]) < 1e-5  # EP2 x TP2 -> EP2 x FSDP2
 
     # routing metrics: in metrics.jsonl, counted over all ranks, the same on every
