@@ -214,6 +214,9 @@ class Trainer:
             roles = self.pipeline.roles
             self.plan.stages = tuple(r.index for r in roles)
             self.plan.num_stages = roles[0].num_stages
+        # Every module in train mode once: train_step re-enters it only when the
+        # root is in eval (after validation or sampling), not at every step.
+        self.model.train()
         log_wrap_plan(self.plan, self.logger, self.rank)
         if self.backend.float8_linears is not None and self.rank == 0:
             log_float8(self.model, self.backend)
