@@ -15,10 +15,11 @@ hyper-parameters of ``conf/trainer/default.yaml``. So the losses match step for 
   torch's elastic launcher (``elastic``, as train.py does); rank 0 times steps (W, N].
 
 Repeats alternate the order of the sides; the ratio trainer / minimal is reported per
-repeat and as the median, and window by window (window i of each side, the same steps)
-as the median of all repeats' paired windows with their quartiles, with the CPU time of each side's process tree (read from
-/proc at the log lines of steps W and N), which other load on a shared machine
-disturbs less than wall time.
+repeat and as the median, also window by window (window i of each side, the same
+steps: the median of the paired windows' ratios and their quartiles, per repeat and
+over all repeats), with the CPU time of each side's process tree (read from /proc at
+the log lines of steps W and N), which other load on a shared machine disturbs less
+than wall time.
 
 ``--ab`` instead runs the arms of ``AB_ARMS`` (the minimal step, the trainer's own
 ``Trainer.build`` + ``Trainer.step``, root resharding on/off, log points; on request
@@ -605,13 +606,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 + " ".join(f"{w:.3f}" for w in r["windows"]),
                 flush=True,
             )
-        for side in sides[1:]:  # window i of this side against the trainer's
-            paired[side] += [
+        this_repeat = {  # window i of each minimal side against the trainer's
+            side: [
                 m / t
                 for m, t in zip(
                     res[side]["windows"], res["trainer"]["windows"], strict=True
                 )
             ]
+            for side in sides[1:]
+        }
         for side in sides:
             r, t = res[side], res["trainer"]
             common = set(t["losses"]) & set(r["losses"])
@@ -633,8 +636,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "launcher CPU": f"{r['launcher_cpu_share']:.1%}",
                     "rank CPU/wall": f"{r['ranks_cpu_share']:.2f}",
                     "max dloss": "-" if side == "trainer" else f"{dloss:.1e}",
+                    **(
+                        {"paired windows": "-", "paired IQR": "-"}
+                        if side == "trainer"
+                        else _paired_row(this_repeat[side])
+                    ),
                 }
             )
+            if side != "trainer":
+                paired[side] += this_repeat[side]
     for side in sides[1:]:
         mine = [r for r in rows if r["side"] == side]
         rows.append(
@@ -663,9 +673,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{s['log_every']} steps: trainer from metrics.jsonl, minimal timed on "
         "rank 0; the sides alternate order per repeat. `trainer / this`: "
         "trainer tokens/s over this side's (> 1: the trainer is faster), from "
-        "the mean and the median window; in the median row, `paired windows`: the "
-        "median of every repeat's window-by-window ratios (the same steps of both "
-        "sides) and `paired IQR` their quartiles, the run's own spread. `CPU "
+        "the mean and the median window. `paired windows`: the median of the "
+        "window-by-window ratios (window i of this side over the trainer's window "
+        "i, the same steps), in the median row over every repeat's windows, and "
+        "`paired IQR` their quartiles, the run's own spread. `CPU "
         "s/step`: CPU time (user + sys) of "
         "the side's whole process tree (launcher + ranks) over the same steps, "
         "read from /proc when the log lines of steps W and N appear; it is far "

@@ -139,7 +139,9 @@ def test_overhead_tiny(docs_untouched):
         "trainer", "minimal-spawn", "median")  # fmt: skip
     assert float(minimal["max dloss"]) < 1e-5
     # one window each: the paired ratio is that window's, no quartiles
+    assert median["paired windows"] == minimal["paired windows"]
     assert float(median["paired windows"]) > 0 and median["paired IQR"] == "-"
+    assert trainer["paired windows"] == "-"
     for row in rows[:2]:
         assert float(row["page faults/step"].replace(",", "")) >= 0
         assert float(row["CPU s/step"]) > float(row["sys CPU s/step"]) >= 0
