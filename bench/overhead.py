@@ -22,9 +22,9 @@ the log lines of steps W and N), which other load on a shared machine disturbs l
 than wall time.
 
 ``--ab`` instead runs the arms of ``AB_ARMS`` (the minimal step, the trainer's own
-``Trainer.build`` + ``Trainer.step``, root resharding on/off, log points; on request
-``AB_FOREACH``: either with AdamW's foreach implementation) inside the same
-2 ranks, one step of each in turn, so machine load hits them alike: the step-level
+``Trainer.build`` + ``Trainer.step`` and the fit loop's stop check, root resharding
+on/off, log points; on request ``AB_FOREACH``: either with AdamW's foreach
+implementation) inside the same 2 ranks, one step of each in turn, so machine load hits them alike: the step-level
 comparison without process start-up, launcher or Hydra.
 
     python -m bench.overhead [--model small] [--steps 60] [--warmup 10] [--repeats 3]
@@ -213,7 +213,8 @@ def minimal_process(launcher: str, out_dir: str) -> None:
 # Arms of --ab: each a model + optimizer + schedule in the same 2 ranks, stepped in
 # turn (one step of each arm, rotating the order), so load on the machine hits all
 # arms alike. ``minimal*``: hand-written FSDP2 and step; ``trainer*``: the trainer's
-# own parts, ``Trainer.build`` and ``Trainer.step`` (src.trainer.loop).
+# own parts, ``Trainer.build``, ``Trainer.step`` and ``Trainer.stop_if_asked``
+# (src.trainer.loop).
 AB_ARMS = (
     "minimal",  # fully_shard(block), fully_shard(root) with torch's defaults
     "minimal+root_reshard",  # the same, root with reshard_after_forward=True
@@ -271,6 +272,7 @@ def _ab_arm(name: str, s: dict, cfg, resolved, mesh, out_dir: str):
 
     def step_fn(batches, step: int) -> float:
         trainer.step(step + 1)  # its own batches: the same synthetic tokens
+        trainer.stop_if_asked(step + 1, None)  # Trainer.fit's per-step stop check
         return trainer.loss  # the global mean, on every rank
 
     return step_fn
@@ -573,8 +575,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "per-step wall time (rank 0) and CPU time (sum of both ranks). "
             "`minimal`: fully_shard per block and root with torch's defaults "
             "(the root keeps its parameters unsharded after forward); "
-            "`trainer_step`: src.trainer.loop's Trainer.build and Trainer.step "
-            "with the composed train.py config (log points: first and last "
+            "`trainer_step`: src.trainer.loop's Trainer.build, then per step "
+            "Trainer.step and Trainer.fit's stop check (a collective), with the "
+            "composed train.py config (log points: first and last "
             "step; `+log`: every step; `+foreach`: AdamW's foreach "
             "implementation, torch's default on CPU being the per-parameter loop).",
             bench="overhead",
