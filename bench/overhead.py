@@ -15,13 +15,16 @@ hyper-parameters of ``conf/trainer/default.yaml``. So the losses match step for 
   torch's elastic launcher (``elastic``, as train.py does); rank 0 times steps (W, N].
 
 Repeats alternate the order of the sides; the ratio trainer / minimal is reported per
-repeat and as the median, with the CPU time of each side's process tree (read from
-/proc at the log lines of steps W and N), which other load on a shared machine
-disturbs less than wall time.
+repeat and as the median, also window by window (window i of each side, the same
+steps: the median of the paired windows' ratios and their quartiles, per repeat and
+over all repeats), with the CPU time of each side's process tree (read from /proc at
+the log lines of steps W and N), which other load on a shared machine disturbs less
+than wall time.
 
 ``--ab`` instead runs the arms of ``AB_ARMS`` (the minimal step, the trainer's own
-``Trainer.build`` + ``Trainer.step``, root resharding on/off, log points) inside the same
-2 ranks, one step of each in turn, so machine load hits them alike: the step-level
+``Trainer.build`` + ``Trainer.step`` and the fit loop's stop check, root resharding
+on/off, log points; on request ``AB_FOREACH``: either with AdamW's foreach
+implementation) inside the same 2 ranks, one step of each in turn, so machine load hits them alike: the step-level
 comparison without process start-up, launcher or Hydra.
 
     python -m bench.overhead [--model small] [--steps 60] [--warmup 10] [--repeats 3]
@@ -210,7 +213,8 @@ def minimal_process(launcher: str, out_dir: str) -> None:
 # Arms of --ab: each a model + optimizer + schedule in the same 2 ranks, stepped in
 # turn (one step of each arm, rotating the order), so load on the machine hits all
 # arms alike. ``minimal*``: hand-written FSDP2 and step; ``trainer*``: the trainer's
-# own parts, ``Trainer.build`` and ``Trainer.step`` (src.trainer.loop).
+# own parts, ``Trainer.build``, ``Trainer.step`` and ``Trainer.stop_if_asked``
+# (src.trainer.loop).
 AB_ARMS = (
     "minimal",  # fully_shard(block), fully_shard(root) with torch's defaults
     "minimal+root_reshard",  # the same, root with reshard_after_forward=True
@@ -218,6 +222,9 @@ AB_ARMS = (
     "trainer_step+root_keep",  # the same, root with reshard_after_forward=False
     "trainer_step+log",  # the same with a log point at every step
 )
+# Not run by default: AdamW's foreach implementation (one op per group, not per
+# parameter; torch's default on CPU is the per-parameter loop), for either side.
+AB_FOREACH = ("minimal+foreach", "trainer_step+foreach")
 
 
 def compose_trainer_cfg(args: argparse.Namespace, s: dict):
@@ -233,9 +240,11 @@ def _ab_arm(name: str, s: dict, cfg, resolved, mesh, out_dir: str):
     from src.observe.loggers import Logger
     from src.trainer.loop import Trainer
 
+    foreach = name.endswith("+foreach")
     if name.startswith("minimal"):
         root_reshard = True if name.endswith("root_reshard") else None
         model, optimizer, scheduler = _minimal_setup(s, mesh, root_reshard)
+        _use_foreach(optimizer, foreach)
 
         def step_fn(batches, step: int) -> float:
             x, y = batches.get(step, 0, dist.get_rank(), dist.get_world_size())
@@ -259,12 +268,21 @@ def _ab_arm(name: str, s: dict, cfg, resolved, mesh, out_dir: str):
     trainer = Trainer(arm_cfg, run_dir, torch.device("cpu"), resolved, logger).build()
     if name.endswith("root_keep"):
         trainer.model.set_reshard_after_forward(False, recurse=False)
+    _use_foreach(trainer.optimizer, foreach)
 
     def step_fn(batches, step: int) -> float:
         trainer.step(step + 1)  # its own batches: the same synthetic tokens
+        trainer.stop_if_asked(step + 1, None)  # Trainer.fit's per-step stop check
         return trainer.loss  # the global mean, on every rank
 
     return step_fn
+
+
+def _use_foreach(optimizer: torch.optim.Optimizer, foreach: bool) -> None:
+    """AdamW's foreach implementation in every group, where ``foreach``."""
+    if foreach:
+        for group in optimizer.param_groups:
+            group["foreach"] = True
 
 
 def _ab_rank(
@@ -507,7 +525,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="interleaved in-process A/B of the minimal step and the trainer's own "
         "Trainer.build/Trainer.step (and variants) instead of the end-to-end runs",
     )
-    p.add_argument("--ab-arms", nargs="+", default=list(AB_ARMS), choices=AB_ARMS)
+    p.add_argument(
+        "--ab-arms", nargs="+", default=list(AB_ARMS), choices=AB_ARMS + AB_FOREACH
+    )
     p.add_argument("--append-docs", action="store_true")
     p.add_argument(
         "--worker", nargs=2, metavar=("LAUNCHER", "DIR"), help=argparse.SUPPRESS
@@ -522,6 +542,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _fmt_tps(x: float) -> str:
     return f"{x:,.0f}"
+
+
+def _paired_row(ratios: list[float]) -> dict[str, str]:
+    """The median and the quartiles of the paired windows' ratios (window i of a
+    minimal side's run over window i of the trainer's in the same repeat): one slow
+    window moves them little, unlike a repeat's mean."""
+    if len(ratios) < 2:
+        return {"paired windows": f"{ratios[0]:.3f}", "paired IQR": "-"}
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {
+        "paired windows": f"{statistics.median(ratios):.3f}",
+        "paired IQR": f"{q1:.3f}-{q3:.3f}",
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -542,9 +575,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "per-step wall time (rank 0) and CPU time (sum of both ranks). "
             "`minimal`: fully_shard per block and root with torch's defaults "
             "(the root keeps its parameters unsharded after forward); "
-            "`trainer_step`: src.trainer.loop's Trainer.build and Trainer.step "
-            "with the composed train.py config (log points: first and last "
-            "step; `+log`: every step).",
+            "`trainer_step`: src.trainer.loop's Trainer.build, then per step "
+            "Trainer.step and Trainer.fit's stop check (a collective), with the "
+            "composed train.py config (log points: first and last "
+            "step; `+log`: every step; `+foreach`: AdamW's foreach "
+            "implementation, torch's default on CPU being the per-parameter loop).",
             bench="overhead",
             argv=argv,
             append=args.append_docs,
@@ -553,6 +588,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tokens_per_step = s["batch_size"] * s["shape"]["block_size"]
     sides = ["trainer"] + [f"minimal-{m}" for m in args.minimal]
     rows = []
+    paired: dict[str, list[float]] = {side: [] for side in sides[1:]}
     for repeat in range(args.repeats):
         order = sides if repeat % 2 == 0 else sides[::-1]
         res = {}
@@ -573,6 +609,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 + " ".join(f"{w:.3f}" for w in r["windows"]),
                 flush=True,
             )
+        this_repeat = {  # window i of each minimal side against the trainer's
+            side: [
+                m / t
+                for m, t in zip(
+                    res[side]["windows"], res["trainer"]["windows"], strict=True
+                )
+            ]
+            for side in sides[1:]
+        }
         for side in sides:
             r, t = res[side], res["trainer"]
             common = set(t["losses"]) & set(r["losses"])
@@ -594,8 +639,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "launcher CPU": f"{r['launcher_cpu_share']:.1%}",
                     "rank CPU/wall": f"{r['ranks_cpu_share']:.2f}",
                     "max dloss": "-" if side == "trainer" else f"{dloss:.1e}",
+                    **(
+                        {"paired windows": "-", "paired IQR": "-"}
+                        if side == "trainer"
+                        else _paired_row(this_repeat[side])
+                    ),
                 }
             )
+            if side != "trainer":
+                paired[side] += this_repeat[side]
     for side in sides[1:]:
         mine = [r for r in rows if r["side"] == side]
         rows.append(
@@ -610,6 +662,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "CPU: this / trainer",
                     )
                 },
+                **_paired_row(paired[side]),
             }
         )
     publish(
@@ -623,7 +676,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{s['log_every']} steps: trainer from metrics.jsonl, minimal timed on "
         "rank 0; the sides alternate order per repeat. `trainer / this`: "
         "trainer tokens/s over this side's (> 1: the trainer is faster), from "
-        "the mean and the median window. `CPU s/step`: CPU time (user + sys) of "
+        "the mean and the median window. `paired windows`: the median of the "
+        "window-by-window ratios (window i of this side over the trainer's window "
+        "i, the same steps), in the median row over every repeat's windows, and "
+        "`paired IQR` their quartiles, the run's own spread. `CPU "
+        "s/step`: CPU time (user + sys) of "
         "the side's whole process tree (launcher + ranks) over the same steps, "
         "read from /proc when the log lines of steps W and N appear; it is far "
         "less sensitive to other load on the machine than wall time. `sys CPU "

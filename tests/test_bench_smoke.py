@@ -138,9 +138,28 @@ def test_overhead_tiny(docs_untouched):
     assert (trainer["side"], minimal["side"], median["repeat"]) == (
         "trainer", "minimal-spawn", "median")  # fmt: skip
     assert float(minimal["max dloss"]) < 1e-5
+    # one window each: the paired ratio is that window's, no quartiles
+    assert median["paired windows"] == minimal["paired windows"]
+    assert float(median["paired windows"]) > 0 and median["paired IQR"] == "-"
+    assert trainer["paired windows"] == "-"
     for row in rows[:2]:
         assert float(row["page faults/step"].replace(",", "")) >= 0
         assert float(row["CPU s/step"]) > float(row["sys CPU s/step"]) >= 0
+
+
+@pytest.mark.slow
+def test_overhead_ab_foreach_arm_trains_the_same(docs_untouched):
+    """bench.overhead --ab with AdamW's foreach implementation beside torch's CPU
+    default (one 2-rank launch, 2 steps each): the same losses to the bit, each arm
+    timed."""
+    from bench import overhead
+
+    argv = ["--ab", "--ab-arms", "minimal", "minimal+foreach",
+            "--steps=2", "--warmup=1", "--log-every=1"]  # fmt: skip
+    plain, foreach = overhead.main(argv)
+    assert (plain["arm"], foreach["arm"]) == ("minimal", "minimal+foreach")
+    assert foreach["max dloss vs first"] == "0.0e+00"
+    assert float(foreach["CPU ms/step, both ranks (median)"]) > 0
 
 
 def test_context_parallel_bench_one_rank_row(docs_untouched, monkeypatch):

@@ -214,7 +214,11 @@ def _hf_both_ways(device, cfg, resolved, checkpoint) -> dict:
     model, _, _ = load_model(cfg, resolved, checkpoint, device)
     tokenizer = run_tokenizer(cfg)
     kw = dict(max_new_tokens=30, device=device, num_samples=2)
+    model.train()  # as trainer.sample_every finds it
     greedy = sample_texts(model, resolved, tokenizer, [PROMPT], temperature=0, **kw)
+    # The root too is left in eval (generate() sets model.hf's): the training step
+    # restores train mode only when the root is in eval.
+    assert not any(m.training for m in model.modules())
     drawn = sample_texts(model, resolved, tokenizer, [PROMPT], seed=1, **kw)
     idx = torch.tensor([tokenizer.encode_text(PROMPT)])
     plain = generate(model, idx, 30, 64, temperature=0.0, kv_cache=False)

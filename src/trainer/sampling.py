@@ -124,6 +124,10 @@ def sample_texts(
     Temperature 0 is greedy decoding; the random draws come from their own
     generator seeded by ``seed`` (the global RNG streams are left alone)."""
     spec, config = resolved.spec, resolved.model_config
+    # The whole model, root included: the training step restores train mode only when
+    # the root is in eval (src/trainer/step.py), and a family's generate() may set a
+    # submodule alone.
+    model.eval()
     out = []
     for prompt in prompts:
         ids = tokenizer.encode_text(prompt) or [tokenizer.eos_id]
