@@ -39,7 +39,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src.data.sources import DATA_RECORD
+from src.data.pinning import DATA_RECORD
 from src.errors import ConfigError
 from src.observe.metrics import CONTENDED, contended
 from src.schema import OBJECTIVES
