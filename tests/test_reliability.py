@@ -160,7 +160,7 @@ def test_rows_past_the_resumed_step_are_dropped(tmp_path):
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo'
     (tmp_path / METRICS_FILE).write_text(text)
     logger = Logger.files(tmp_path)
-    assert logger.drop_rows_after(3) == 3  # steps 4, 5 and the torn line
+    assert logger.drop_rows_after(3) == {METRICS_FILE: 3}  # 4, 5, the torn line
     logger.log({"loss": 4.5}, step=4)
     logger.finish(0)
     steps = [json.loads(r)["step"] for r in (tmp_path / METRICS_FILE).open()]

@@ -217,7 +217,7 @@ def test_metrics_jsonl_has_one_row_per_step(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 2, "lr": 0.1}\n{"step": 3, "loss": 1.0}\n{"st')
     sink = FileSink(tmp_path)
-    assert sink.drop_rows_after(2) == 3
+    assert sink.drop_rows_after(2) == {"metrics.jsonl": 2}  # step 3, the torn row
     sink.log({"init_peak_mem_gib": 0.5}, step=2)  # a resume's first row, at its step
     sink.log({"loss": 1.1}, step=3)
     sink.finish(0)
