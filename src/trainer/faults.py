@@ -374,6 +374,34 @@ def stop_at_once(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+_late = 0  # a stop signal that came once the run had completed
+
+
+def finished_anyway(signum: int) -> None:
+    """``signum`` came once the run's last step had passed: the run is complete and
+    kept as one (exit 0, a requeue handler is not called); said in one line, and
+    remembered (:func:`late_stop`): a multirun starts no further job."""
+    global _late
+    log.info(
+        "%s arrived as the run finished; nothing was stopped",
+        signal.Signals(signum).name,
+    )
+    _late = _late or signum
+
+
+def after_the_run() -> None:
+    """Once the run has completed, a stop signal until the command ends (or its next
+    job starts) is :func:`finished_anyway`: it was the before-start handler's
+    ``stopped ... before the first step`` and a traceback from wherever it landed."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: finished_anyway(signum))
+
+
+def late_stop() -> int:
+    """The stop signal that came after a run completed in this process (0: none)."""
+    return _late
+
+
 def stop_before_start() -> None:
     """Until the ranks start (or a :class:`StopRequest` takes over), a stop signal
     ends the command at once with one line: nothing has trained, nothing is lost."""

@@ -76,8 +76,10 @@ from src.trainer.faults import (
     Heartbeat,
     StopNow,
     StopRequest,
+    after_the_run,
     describe_holder,
     disk_full,
+    finished_anyway,
     full_errors,
     holds,
     named_failures,
@@ -305,7 +307,8 @@ def _launch_local(
                 raise
             exit_with_error(log, _in_process_failure(err, run_dir))
         if requested():
-            _finished_anyway(requested())
+            finished_anyway(requested())
+        after_the_run()
         return summary
     # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console (at
     # debug every rank does, each line prefixed [rank N]).
@@ -323,9 +326,11 @@ def _launch_local(
         try:
             with ranks_start_blocked(run_dir):
                 summaries = _run_local_ranks(config, cfg, run_dir, resolved, spec)
-            return _outcome(summaries.get(0) or {}, run_dir, stop.previous)
+            summary = _outcome(summaries.get(0) or {}, run_dir, stop.previous)
         except StopNow as now:  # the agent has ended the ranks on its way out
             _stopped_at_once(now, run_dir)
+    after_the_run()
+    return summary
 
 
 def _run_local_ranks(
@@ -363,7 +368,7 @@ def _outcome(summary: dict, run_dir: str, previous: dict) -> dict[str, Any]:
     if STOPPED in summary:
         _stopped(Stopped(*summary[STOPPED]), run_dir, previous=previous)
     if signum and summary:  # the last step had passed: a complete run, kept as one
-        _finished_anyway(signum)
+        finished_anyway(signum)
     elif signum:  # no rank trained (e.g. the signal came as they started)
         latest = _latest(run_dir)
         stopped = latest and Stopped(signum, step_of(latest), latest)
@@ -400,13 +405,6 @@ def _stopped_at_once(now: StopNow, run_dir: str) -> NoReturn:
     """A second signal: once no rank writes, say what was skipped and exit."""
     log.warning(stopped_at_once(now.signum, run_dir))
     sys.exit(128 + now.signum)
-
-
-def _finished_anyway(signum: int) -> None:
-    log.info(
-        "%s arrived as the run finished; nothing was stopped",
-        signal.Signals(signum).name,
-    )
 
 
 # Seconds the other ranks get to exit after one failed, then again after SIGTERM,
