@@ -69,6 +69,16 @@ def find_run(path: str, key: str = "run", ckpt: str = "latest") -> tuple[Path, P
             "train.py (hydra.run.dir), or a checkpoint in one",
         )
     directory = run_checkpoints(run_dir)
+    inside = (directory, run_dir / BRANCHES)  # the run's checkpoints, and set aside
+    nested = where != run_dir and not any(where.is_relative_to(d) for d in inside)
+    if nested and where.exists():
+        raise ConfigError(
+            key,
+            f"{path} is inside the run {run_dir} (the nearest dir above it with a "
+            f"{RUN_CONFIG}) but not one of its checkpoints: it would be read with "
+            f"that run's config and its records would go there; give the run dir of "
+            "train.py that saved it",
+        )
     if ckpt == "best":
         return run_dir, best_of(where, directory)
     verify, checkpoint = _held_and(Checkpointer(directory).verify), None
@@ -92,15 +102,6 @@ def find_run(path: str, key: str = "run", ckpt: str = "latest") -> tuple[Path, P
             key,
             f"{path}: no complete checkpoint in {directory} (a run keeps its last "
             "step's unless trainer.ckpt_final=false; trainer.ckpt_every=N saves more)",
-        )
-    home = checkpoint.parent.parent  # the run dir, or a branch set aside in it
-    if home != run_dir and home.parent != run_dir / BRANCHES:
-        raise ConfigError(
-            key,
-            f"{path}: its checkpoint {checkpoint} is not one of the run {run_dir} "
-            f"(the nearest dir above it with a {RUN_CONFIG}), whose config it would "
-            f"be read with and whose records it would go to: {home} has no "
-            f"{RUN_CONFIG} of its own; give the run dir of train.py that saved it",
         )
     return run_dir, checkpoint
 

@@ -472,9 +472,12 @@ def _told() -> int:
         return 0
 
 
+_LAUNCHER = ("prepare", "finished")  # the points the launcher passes, not rank 1
+
+
 def signal_point(name: str, step: int | None = None) -> None:
     """Test hook (:data:`SIGNAL_AT_ENV`): at the named point (of ``step``, if given),
-    rank 1 (the launcher for ``prepare``) sends the signal the variable names, once:
+    rank 1 (the launcher for ``prepare`` and ``finished``) sends the signal the variable names, once:
     to its whole process group, as a Ctrl-C in the terminal does; to itself; or to
     the launcher, then waits until the launcher has told the ranks, so the stop lands
     in this step. Nothing happens unless the variable names this point, nor in ranks
@@ -485,7 +488,7 @@ def signal_point(name: str, step: int | None = None) -> None:
         point, target, signame = (item.split(":") + ["", ""])[:3]
         if point not in (name, f"{name}{step}") or item in _signalled:
             continue
-        if int(os.environ.get("RANK", -1)) != (-1 if name == "prepare" else 1):
+        if int(os.environ.get("RANK", -1)) != (-1 if name in _LAUNCHER else 1):
             return
         _signalled.add(item)
         target = target or "group"

@@ -309,6 +309,7 @@ def _launch_local(
         if requested():
             finished_anyway(requested())
         after_the_run()
+        signal_point("finished")  # a test's signal once the run completed
         return summary
     # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console (at
     # debug every rank does, each line prefixed [rank N]).
@@ -330,6 +331,7 @@ def _launch_local(
         except StopNow as now:  # the agent has ended the ranks on its way out
             _stopped_at_once(now, run_dir)
     after_the_run()
+    signal_point("finished")
     return summary
 
 
