@@ -15,7 +15,7 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from src.checkpoint.dcp import Checkpointer
-from src.checkpoint.folders import complete_checkpoints, hold
+from src.checkpoint.folders import complete_checkpoints, hold, reading
 from src.observe.csv_logger import CsvSink
 from src.runs import from_run
 from src.trainer.sweep import never_ran, planned_jobs
@@ -37,9 +37,10 @@ def test_keep_last_leaves_the_checkpoint_a_reader_holds(tmp_path, caplog, monkey
     directory = tmp_path / "run" / "checkpoints"
     for step in (1, 2):
         _save(directory, step)
-    assert hold(directory / "step_00000001")  # this process reads it, to its end
-    with caplog.at_level(logging.INFO, logger="src.checkpoint.dcp"):
-        _save(directory, 3, keep_last=1)
+    with reading():
+        assert hold(directory / "step_00000001")  # this reader's, to its end
+        with caplog.at_level(logging.INFO, logger="src.checkpoint.dcp"):
+            _save(directory, 3, keep_last=1)
     names = [p.name for p in complete_checkpoints(directory)]
     assert names == ["step_00000001", "step_00000003"]  # step 2 pruned, 1 read
     (line,) = [r.getMessage() for r in caplog.records if "keep_last" in r.getMessage()]
@@ -61,8 +62,10 @@ def test_keep_last_leaves_the_checkpoint_a_reader_holds(tmp_path, caplog, monkey
 
     monkeypatch.setattr(from_run, "hold", pruned_first)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="src.runs.from_run"):
+    with caplog.at_level(logging.WARNING, logger="src.runs.from_run"), reading():
         run_dir, checkpoint = from_run.find_run(str(tmp_path / "run"))
+    _save(directory, 4, keep_last=1)  # no hold left: pruned as ever
+    assert [p.name for p in complete_checkpoints(directory)] == ["step_00000004"]
     assert picks == ["step_00000003", "step_00000001"]
     assert checkpoint == directory / "step_00000001"
     (line,) = [r.getMessage() for r in caplog.records]

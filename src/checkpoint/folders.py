@@ -64,13 +64,13 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-#: descriptors of the checkpoints this process reads (:func:`hold`), held to its end
+#: descriptors of the checkpoints this process reads (:func:`hold`)
 _held: list[int] = []
 
 
 def hold(path: str | Path) -> bool:
-    """Hold the checkpoint at ``path`` for reading until this process ends (sample.py,
-    eval.py): a shared ``flock`` on its directory, so ``trainer.keep_last`` pruning
+    """Hold the checkpoint at ``path`` for reading until this process ends, or the
+    :func:`reading` it is in does (sample.py, eval.py): a shared ``flock`` on its directory, so ``trainer.keep_last`` pruning
     by a live run leaves it in place (:func:`deleting`). False when it is no longer a
     complete checkpoint (pruned before the hold was taken): pick again."""
     try:
@@ -83,6 +83,18 @@ def hold(path: str | Path) -> bool:
         return False
     _held.append(fd)
     return True
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """The holds (:func:`hold`) taken inside it are released at its end: a command's
+    reading of a run (sample.py, eval.py), also when it runs in a longer process."""
+    start = len(_held)
+    try:
+        yield
+    finally:
+        while len(_held) > start:
+            os.close(_held.pop())
 
 
 @contextlib.contextmanager

@@ -208,13 +208,8 @@ def resume_config(
         _refuse_changes(changed, new, checkpoint, where)
     _timeline(new, run_dir, checkpoint)  # Completed: nothing to train
     if changed:
-        source = "its checkpoint's" if saved is not None else "its recorded"
-        log.info(
-            "resuming %s with %d change(s) to %s config:",
-            run_dir,
-            len(changed),
-            source,
-        )
+        n, whose = len(changed), "checkpoint's" if saved is not None else "recorded"
+        log.info("resuming %s with %d change(s) to its %s config:", run_dir, n, whose)
     for key, before, after in changed:
         log.info("  %s: %r -> %r", key, before, after)
     if attempt == RECORD:  # this attempt's own record: the config it trains with

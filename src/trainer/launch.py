@@ -116,8 +116,7 @@ def prepare(
     (what ``validate()`` resolved from ``cfg`` as composed), built again only when
     the model's vocabulary followed the tokenizer, then read by the planner.
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
-    ``run_dir``: a training run's dir, whose record of the data (``data.json``) the
-    returned object holds for :func:`admitted` to write;
+    ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
     (default: training's, :func:`training_splits`; none: no data is read, the
     tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data
