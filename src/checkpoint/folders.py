@@ -77,7 +77,8 @@ def hold(path: str | Path) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return False
-    fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a prune under way
+    with contextlib.suppress(OSError):  # a file system without flock: unguarded
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a prune under way
     if not is_complete(path):
         os.close(fd)
         return False
@@ -113,6 +114,8 @@ def deleting(path: Path) -> Iterator[bool]:
         os.close(fd)
         yield False
         return
+    except OSError:  # a file system without flock: no reader is known
+        pass
     try:
         yield True
     finally:
