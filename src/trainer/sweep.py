@@ -29,7 +29,6 @@ import csv
 import logging
 import math
 import os
-import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,8 @@ from src.errors import ConfigError
 from src.observe.metrics import CONTENDED, contended
 from src.schema import OBJECTIVES
 from src.trainer.faults import late_stop, stop_before_start, stopped_by_signal
-from src.util import markdown_table, plural, read_json, read_yaml, write_json_atomic
+from src.trainer.sweep_plan import job_number, never_ran, plan_jobs, swept_keys
+from src.util import markdown_table, read_json, read_yaml, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -201,58 +201,6 @@ def skipped_line(needs_gib: float, budget_gib: float) -> str:
     return f"skipped: needs {needs_gib:.2f} GiB > budget {budget_gib:.2f} GiB"
 
 
-#: The multirun's jobs, each its overrides (None: one its sweeper draws as it goes,
-#: as Optuna does), planned at its start (:class:`SweepSummary`).
-_planned: list[list[str] | None] = []
-
-
-def planned_jobs(config: DictConfig) -> list[list[str] | None]:
-    """The jobs a multirun of ``config`` (as Hydra's multirun callbacks get it) will
-    run: the basic sweeper's product of the sweep's values, the overrides of each;
-    for a sweeper that draws its points, ``n_trials`` of None; [] if unknown."""
-    sweeper = OmegaConf.select(config, "hydra.sweeper", default=None) or {}
-    if "BasicSweeper" not in str(sweeper.get("_target_", "")):
-        trials = sweeper.get("n_trials")
-        return [None] * trials if isinstance(trials, int) else []
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
-    params += [str(o) for o in config.hydra.overrides.task]
-    try:
-        overrides = OverridesParser.create().parse_overrides(params)
-        batches = BasicSweeper.split_arguments(overrides, None)
-    except Exception:  # a sweep Hydra itself parses otherwise: not said
-        return []
-    return [list(job) for batch in batches for job in batch]
-
-
-def never_ran(signum: int, first: int) -> str:
-    """The line that ends a multirun stopped by ``signum`` before its job ``first``:
-    which of the planned jobs never ran, and how to run them."""
-    left = list(enumerate(_planned))[first:]
-    if not left:
-        return f"sweep stopped by {signal.Signals(signum).name}: no job was left"
-    points = [dict(o.partition("=")[::2] for o in job or []) for job in _planned]
-    keys = swept_keys(points)
-    named = [
-        f"#{n}" + (f" ({' '.join(f'{k}={points[n][k]}' for k in keys)})" if o else "")
-        for n, o in left
-    ]
-    shown = ", ".join(named[:_SHOWN_JOBS]) + (
-        f" and {len(named) - _SHOWN_JOBS} more" if len(named) > _SHOWN_JOBS else ""
-    )
-    return (
-        f"sweep stopped by {signal.Signals(signum).name}: {len(left)} of its "
-        f"{plural(len(_planned), 'job')} never ran: {shown}; run them with the same "
-        "command and trainer.resume=auto (each job resumes its own run dir: a "
-        "completed one has nothing to train)"
-    )
-
-
-_SHOWN_JOBS = 5
-
-
 def run_job(
     cfg: DictConfig,
     run_dir: str,
@@ -270,9 +218,8 @@ def run_job(
     multirun = is_multirun()
     status_file = Path(run_dir) / STATUS_FILE
     name, direction = objective_of(cfg)
-    number = HydraConfig.get().job.num if multirun else 0
     if multirun and late_stop():  # it came as the last job completed
-        log.warning("%s", never_ran(late_stop(), number))
+        log.warning("%s", never_ran(late_stop(), job_number()))
         raise SystemExit(128 + late_stop())
     if multirun:
         stop_before_start()  # the last job's run had its own handler
@@ -293,7 +240,7 @@ def run_job(
         elif not multirun:
             raise
         elif stopped_by_signal(err):  # it ends the whole sweep, not just this job
-            log.warning("%s", never_ran(err.code - 128, number + 1))
+            log.warning("%s", never_ran(err.code - 128, job_number() + 1))
             raise
         else:
             line = error_line(err)
@@ -346,14 +293,6 @@ def _overrides(job_dir: Path) -> dict[str, str]:
         key, sep, value = str(item).partition("=")
         out[key] = value if sep else ""
     return out
-
-
-def swept_keys(overrides: Sequence[dict[str, str]]) -> list[str]:
-    """The override keys whose value differs between jobs (all of one job's keys if
-    there is a single job or none differ)."""
-    keys = list(dict.fromkeys(k for o in overrides for k in o))
-    varied = [k for k in keys if len({o.get(k) for o in overrides}) > 1]
-    return varied or keys
 
 
 def _job_config(job_dir: Path) -> DictConfig:
@@ -752,7 +691,7 @@ class SweepSummary(Callback):
         self.plot = plot
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _planned[:] = planned_jobs(config)
+        plan_jobs(config)
 
     def on_job_end(
         self, config: DictConfig, job_return: JobReturn, **kwargs: Any
