@@ -111,7 +111,9 @@ def run_figures(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     out["step_time_s"] = seconds / sum(a["measured_steps"] for a in measured)
     with_mfu = [a for a in measured if "mfu" in a]
     sound = [a for a in with_mfu if not a.get("probe_contended")] or with_mfu
-    if sound:
+    if len(sound) == 1:  # its own figure, not m * s / s (a rounding away from it)
+        out["mfu"] = sound[0]["mfu"]
+    elif sound:
         weight = sum(a["measured_s"] for a in sound)
         out["mfu"] = sum(a["mfu"] * a["measured_s"] for a in sound) / weight
     return out
