@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,6 +60,7 @@ def publish(
     print(table)
     if append:
         args = sys.argv[1:] if argv is None else argv
-        shown = [f"python -m bench.{bench}", *(a for a in args if a != "--append-docs")]
-        append_to_benchmarks(title, " ".join(shown), table, note)
+        shown = [a for a in args if a != "--append-docs"]
+        command = shlex.join(["python", "-m", f"bench.{bench}", *shown])
+        append_to_benchmarks(title, command, table, note)
     return table

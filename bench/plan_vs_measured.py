@@ -152,6 +152,16 @@ ORDINARY: dict[str, list[str]] = {
                                       "sharding.expert_parallel=2"],
     "hf mixtral EP2, 2 ranks": ["model=hf", f"model.config={HF}/mixtral_4x256",
                                 "sharding.expert_parallel=2"],
+    # ... with tp (the ep group whole tp groups), with capacity (its bound), and
+    # Qwen3-MoE
+    "moe_tiny EP2 x TP2, 4 ranks": ["model=moe_tiny", "trainer.devices=4",
+                                    "sharding.expert_parallel=2",
+                                    "sharding.tensor_parallel=2"],
+    "moe_tiny EP2 x FSDP2 capacity 1.25": ["model=moe_tiny", "trainer.devices=4",
+                                           "model.capacity_factor=1.25",
+                                           "sharding.expert_parallel=2"],
+    "hf qwen3-moe EP2, 2 ranks": ["model=hf", f"model.config={HF}/qwen3_moe_4x256",
+                                  "sharding.expert_parallel=2"],
     # float8 (torchao) blocks, FSDP2 float8 all-gather: the float8 weight copies
     # gathered per unit and what autocast keeps (docs/planner.md "float8")
     "gpt float8": ["precision=float8"],

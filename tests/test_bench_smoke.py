@@ -186,3 +186,12 @@ def test_float8_bench_tiny(docs_untouched):
     assert ratios[0] == ratios[1] == 1.0 and 0.5 < ratios[2] < 0.6, ratios
     for p in float8.PRECISIONS:
         assert 0 < float(tables["numerics"][0][f"final loss {p}"]) < 6
+
+
+def test_published_command_is_shell_quoted(tmp_path, monkeypatch):
+    # The recorded command must reproduce the run when pasted into a shell.
+    monkeypatch.setattr(common, "DOCS", tmp_path / "benchmarks.md")
+    argv = ["--override", "model.name=a b", "--append-docs"]
+    common.publish([{"x": 1}], "T", bench="overhead", argv=argv, append=True)
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "Command: `python -m bench.overhead --override 'model.name=a b'`" in text

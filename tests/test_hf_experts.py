@@ -70,3 +70,47 @@ def test_moe_without_an_ep_plan_or_a_dense_model_is_refused_naming_the_key(tmp_p
     assert "base_model_ep_plan" in err and "\n" not in err
     err = config_error("model=hf", "model.config=tiny_llama", *ep)
     assert err.startswith("sharding.expert_parallel:") and "no MoE block" in err
+
+
+@pytest.mark.parametrize("name", ["tiny_mixtral", "tiny_qwen3_moe"])
+def test_routing_metrics_are_transformers_router_logits_counted(name):
+    """The per-layer MoE metrics of an HF model (src/models/hf_routing.py) equal what
+    transformers' own router logits give: tokens per expert from their top-k, the
+    layer's balance loss from its load_balancing_loss_func, the mean entropy; counted
+    in training only, reset by each step's metrics; none on a pipeline stage."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from src.models import get_spec
+
+    model = build(HFConfig(config=name), seed=0)
+    text = model.hf.config.get_text_config()
+    idx = torch.randint(0, text.vocab_size, (3, 10), generator=torch.Generator())
+    with torch.no_grad():
+        model.eval()  # not counted
+        logits = model.hf(idx, output_router_logits=True).router_logits
+        model.train()
+        model(idx)
+    after_step = get_spec("hf").after_step
+    rows = after_step(model, 1)
+    k, E = text.num_experts_per_tok, logits[0].size(-1)
+    for i, layer in enumerate(logits):
+        counts = torch.bincount(layer.topk(k, -1).indices.reshape(-1), minlength=E)
+        p = layer.float().softmax(-1)
+        prefix = f"moe/layer{i}/"
+        assert rows[prefix + "tokens_max"] == counts.max().item()
+        assert rows[prefix + "tokens_mean"] == 3 * 10 * k / E
+        assert rows[prefix + "dropped"] == 0
+        aux = load_balancing_loss_func((layer,), E, k).item()
+        assert abs(rows[prefix + "aux_loss"] - aux) < 1e-6
+        entropy = -(p * p.log()).sum(-1).mean().item()
+        assert abs(rows[prefix + "entropy"] - entropy) < 1e-6
+    coef = text.router_aux_loss_coef
+    assert rows["moe/aux_loss"] == pytest.approx(
+        coef * sum(rows[f"moe/layer{i}/aux_loss"] for i in range(len(logits)))
+    )
+    assert after_step(model, 1) == {}  # counted once per step
+    # a pipeline stage holds some of the routers: it logs none (so no rank reduces)
+    with torch.no_grad():
+        model(idx)
+    model.hf.model.layers[1] = torch.nn.Identity()
+    assert after_step(model, 1) == {}

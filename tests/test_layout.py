@@ -68,7 +68,7 @@ def test_degrees_multiply_to_the_world_and_ranks_are_laid_out_row_major():
         ({"world_size": 4, "tp": 3}, "tp"),
         ({"world_size": 8, "tp": 2, "cp": 3}, "cp"),
         ({"world_size": 4, "pp": 3}, "pp"),
-        ({"world_size": 4, "tp": 2, "ep": 4}, "ep"),
+        ({"world_size": 4, "tp": 2, "ep": 8}, "ep"),
         ({"world_size": 4, "tp": 0}, "tp"),
         ({"world_size": 4, "pp": True}, "pp"),
     ],
@@ -128,10 +128,14 @@ def test_backends_refuse_what_they_cannot_take_in_one_place():
         with pytest.raises(LayoutError, match=f"not sharding={name}") as err:
             BACKENDS[name].check_layout(ep)
         assert err.value.dim == "ep"
-    for other in ({"tp": 2}, {"pp": 2}, {"cp": 2}):  # ep with tp, pp or cp: refused
+    for other in ({"pp": 2}, {"cp": 2}):  # ep with pp or cp: refused
         with pytest.raises(LayoutError, match="not built yet") as err:
             BACKENDS["fsdp2"].check_layout(ParallelLayout(4, ep=2, **other))
         assert err.value.dim == "ep"
+    BACKENDS["fsdp2"].check_layout(ParallelLayout(4, ep=2, tp=2))  # whole tp groups
+    with pytest.raises(LayoutError, match="tp times") as err:
+        ParallelLayout(8, ep=2, tp=4)  # an ep group would split a tp group
+    assert err.value.dim == "ep"
 
 
 @pytest.fixture
@@ -170,6 +174,16 @@ def test_expert_parallel_groups_split_the_shard_ranks_ep_inner(fake_world):
     assert mesh.expert_fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_mod_ep")
     assert mesh.expert_fsdp.mesh.tolist() == [[1, 5], [9, 13]]
     assert ParallelLayout(16).build_mesh("cpu").ep is None
+
+
+def test_expert_parallel_groups_with_tp_are_whole_tp_groups(fake_world):
+    """EP4 x TP2 on 16 ranks (8 shard ranks): rank 5 (shard rank 2, tp rank 1) splits
+    experts over its own and the next shard rank's tp groups, 4..7, and each expert
+    is FSDP-sharded over the 4 ranks of the same place in the other ep groups."""
+    mesh = ParallelLayout(16, tp=2, ep=4).build_mesh("cpu")
+    assert mesh.ep.mesh.tolist() == [4, 5, 6, 7] and mesh.ep.get_local_rank() == 1
+    assert mesh.tp.mesh.tolist() == [4, 5]
+    assert mesh.expert_fsdp.mesh.tolist() == [1, 5, 9, 13]
 
 
 def _is_sharding(node: ast.AST, aliases: set[str]) -> bool:

@@ -16,7 +16,8 @@ from src.models.moe import (
     init_tensor,
     moe_layers,
 )
-from tests.test_config import config_error
+from src.resolved import LAYOUT_KEYS
+from tests.test_config import assert_fails_naming, config_error
 
 CFG = dict(
     dim=32,
@@ -44,9 +45,9 @@ def test_ties_go_to_the_lower_expert_and_gates_renormalise():
     router = moe_layers(model)[0].router
     with torch.no_grad():
         router.gate.weight.zero_()  # every score equal: a tie between all experts
-    scores, experts, gates, dropped = router(torch.randn(2, 5, config.dim))
+    scores, experts, gates, kept = router(torch.randn(2, 5, config.dim))
     assert (experts == torch.tensor([0, 1])).all()
-    assert torch.allclose(gates, torch.full_like(gates, 0.5)) and dropped == 0
+    assert torch.allclose(gates, torch.full_like(gates, 0.5)) and kept is None
     with torch.no_grad():  # the bias decides the choice, not the gate
         router.expert_bias.copy_(torch.tensor([0.0, 0.0, 1.0, 2.0]))
     config.load_balance = "aux_free"
@@ -60,8 +61,8 @@ def test_capacity_drops_the_later_tokens_of_a_sequence_and_counts_them():
     router = moe_layers(MoETransformer(config))[0].router
     with torch.no_grad():
         router.gate.weight.zero_()  # all tokens choose experts 0 and 1
-    _, experts, gates, dropped = router(torch.randn(3, 16, config.dim))
-    assert dropped == 3 * 2 * (16 - 8)
+    _, experts, gates, kept = router(torch.randn(3, 16, config.dim))
+    assert (~kept).sum() == 3 * 2 * (16 - 8)
     assert (gates[:, :8] > 0).all() and (gates[:, 8:] == 0).all()
 
 
@@ -144,6 +145,53 @@ def test_bad_moe_keys_are_named(override, key):
     assert config_error("model=moe_tiny", override).startswith(key + ":")
 
 
+EP_TP = ("sharding.expert_parallel=2", "sharding.tensor_parallel=2")
+
+
+@pytest.mark.parametrize(
+    "overrides, key, says",
+    [
+        (("sharding.expert_parallel=3",), "ep", "4 ranks"),
+        (("sharding.expert_parallel=16", "trainer.devices=16"), "ep", "8 experts"),
+        (("model=llama_tiny", "sharding.expert_parallel=2"), "ep", "dense model"),
+        (
+            ("sharding.expert_parallel=2", "sharding.tensor_parallel=4"),
+            "ep",
+            "tp times",
+        ),
+        (
+            ("sharding.expert_parallel=2", "sharding.context_parallel=2"),
+            "ep",
+            "context",
+        ),
+        (
+            ("sharding.expert_parallel=2", "sharding.pipeline_parallel=2"),
+            "ep",
+            "pipeline",
+        ),
+        (("sharding.expert_parallel=2", "sharding.backend=fsdp1"), "ep", "fsdp2"),
+        (
+            ("model=hf", "model.config=tiny_qwen3_moe", *EP_TP),
+            "tp",
+            "replicated_with_grad_allreduce",
+        ),
+    ],
+)
+def test_expert_parallel_layouts_not_built_are_refused_naming_the_key(
+    overrides, key, says
+):
+    """Before any rank starts, in one line naming the key: E not dividing the ranks
+    or the experts, a dense model, EP with tp not a whole number of tp groups, with
+    cp or pp, on fsdp1; Qwen3-MoE's tp plan (its q/k norms' style) under EP x TP."""
+    keys = {o.split("=")[0] for o in overrides}
+    base = [
+        o
+        for o in ("model=moe_tiny", "trainer.devices=4")
+        if o.split("=")[0] not in keys
+    ]
+    assert_fails_naming([*base, *overrides], LAYOUT_KEYS[key], says)
+
+
 def test_interval_line_has_a_short_moe_part():
     from src.observe.metrics import interval_line
 
@@ -182,10 +230,11 @@ def test_activation_checkpointing_recomputes_the_same_block(balance):
     torch.testing.assert_close(counts[0], counts[1])
 
 
-def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model(tp):
     """Between the peaks of EP1 and EP8 on 8 ranks, only splitting the experts fits:
     the search proposes sharding.expert_parallel, and its estimate is that of the
-    run with it."""
+    run with it; with TP2 too (the ep group whole tp groups)."""
     from src.planner.run_estimate import estimate_cfg
     from src.planner.search import search
     from src.planner.settings import EP_KEY, with_values
@@ -197,6 +246,7 @@ def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model():
         "model.moe_hidden_dim=512",
         "trainer.devices=8",
         "trainer.mem_margin=0",
+        f"sharding.tensor_parallel={tp}",
     )
     resolved = resolve(cfg)
     _, plain = estimate_cfg(cfg, resolved, 8)
@@ -211,3 +261,48 @@ def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model():
     _, est = estimate_cfg(proposed, resolve(proposed), 8)
     assert est.total == best.estimate.total
     assert search(cfg, resolved, [], budget, 8)[0] is None
+
+
+@pytest.mark.parametrize(
+    "overrides, ratio, says",
+    [
+        # 8 experts, top 2, T = 32: capacity ceil(1.5 * 32 * 2 / 8) = 12 per expert
+        # per sequence; a rank's 4 experts take at most 48 of a sequence's 64
+        # assignments, each rank's balanced share is 32 of them: 1.5x
+        (("model.capacity_factor=1.5",), 1.5, "capacity 12"),
+        (("model.capacity_factor=8",), 2.0, "capacity 64"),  # capped at the group's
+        ((), 1.25, "no capacity: assumed 1.25x"),
+        (("model.capacity_factor=1.5", "sharding.tensor_parallel=2"), 1.5, "capacity"),
+    ],
+)
+def test_the_planned_expert_dispatch_states_its_bound(overrides, ratio, says):
+    """The estimate's expert dispatch part: the rows a rank receives above its own
+    share (balanced), under the bound the note states, kept in every MoE layer, and
+    one layer's send and receive buffers; it is a part of the EP run's estimate."""
+    from src.planner.activations import ep_dispatch
+    from src.planner.inputs import run_shape
+    from src.planner.run_estimate import estimate_cfg
+    from src.resolved import resolve
+    from tests.test_config import make_cfg
+
+    cfg = make_cfg(
+        "model=moe_tiny",
+        "model.max_seq_len=32",
+        "trainer.batch_size=8",
+        "trainer.devices=4",
+        "sharding.expert_parallel=2",
+        *overrides,
+    )
+    resolved = resolve(cfg)
+    shape = run_shape(cfg, resolved, 4)
+    tp = resolved.layout.tp
+    # the ep group's sequences x T x top_k, over the group's 2 ranks
+    group = shape.micro_batch * (2 // tp)
+    balanced = group * 32 * 2 / 2
+    d = ep_dispatch(resolved, shape)
+    assert says in d.note and f"{ratio:.2f}x its own {balanced:.0f} rows" in d.note
+    per_row = (64 + 4 * 64) * 4  # dim + 4 x moe_hidden_dim, fp32
+    assert d.saved == int((ratio - 1) * balanced * per_row * 2)  # 2 MoE layers
+    assert d.buffers == int((1 + ratio) * balanced * 64 * 4)
+    _, est = estimate_cfg(cfg, resolved, 4)
+    assert est.parts["experts"] >= d.saved and "experts" in est.notes

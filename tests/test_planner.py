@@ -385,6 +385,7 @@ def test_parts_at_the_loss_backward_peak():
         "optimizer": 2 * 3200,
         "mixed_precision": 0,
         "activations": 10_000,
+        "experts": 0,  # no expert parallelism
         "loss": 3_000 + 6_000,
         "transient": 0,
         "pipeline": 0,  # no pipeline stages

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from src.models import hf_experts
+from src.models import hf_experts, hf_routing
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
 from src.sharding import context_parallel
 from src.sharding.pipeline import PipelineLayout, stage_role
@@ -545,8 +545,10 @@ def pipeline_layout(config: HFConfig) -> PipelineLayout:
 def build(config: HFConfig, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # transformers' own init (on CPU): the same on every rank
     hf_model = _from_config(config.hf_config, config.trust_remote_code)
-    if routed_experts(config.hf_config) > 1:  # splittable by sharding.expert_parallel
+    experts = routed_experts(config.hf_config)
+    if experts > 1:  # splittable by sharding.expert_parallel
         hf_experts.split_ready(hf_model.base_model, config.hf_config)
+        hf_routing.count_routing(hf_model.base_model, config.hf_config, experts)
     return HFCausalLM(hf_model)
 
 
@@ -726,5 +728,9 @@ register(
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
         num_experts=ep_experts,
+        after_step=hf_routing.after_step,
+        expert_shape=lambda config, seq_len: hf_experts.expert_shape(
+            config.hf_config, config.skeleton().base_model
+        ),
     )
 )

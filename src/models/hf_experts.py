@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.spec import ExpertShape
 from src.sharding.expert_parallel import ExpertModule, dispatch, local_weight
 
 #: The ``base_model_ep_plan`` value naming the module that dispatches to its experts.
@@ -48,8 +49,8 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
     order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept
     token = order // k
     counts = torch.bincount(flat, minlength=self.num_experts)
-    sent = dispatch(hidden_states[token], counts, self.ep_mesh)
-    gate_up, down = (local_weight(getattr(self, w), self.ep_mesh) for w in WEIGHTS)
+    sent = dispatch(hidden_states[token], counts, self.ep_mesh, self.tp_mesh)
+    gate_up, down = (local_weight(getattr(self, w), self) for w in WEIGHTS)
     outs = []
     for e, rows in enumerate(sent.rows.split(sent.counts.tolist())):
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
@@ -125,3 +126,19 @@ def split_ready(base_model: nn.Module, hf_config: Any) -> None:
     for m in _planned(base_model, hf_config):
         if _unlike(m) is None and not isinstance(m, ExpertModule):
             m.__class__ = ep_class(type(m))
+
+
+def expert_shape(hf_config: Any, base_model: nn.Module) -> ExpertShape:
+    """The experts the plan dispatches to in ``base_model`` (on meta), for the
+    planner: per row, autograd keeps the input, the gate-up output, the activation and
+    its product with up (``H + 4 I``); transformers' routers have no capacity."""
+    found = [m for m in _planned(base_model, hf_config) if _unlike(m) is None]
+    experts, gate_up, hidden = found[0].gate_up_proj.shape
+    return ExpertShape(
+        layers=len(found),
+        experts=experts,
+        top_k=int(hf_config.get_text_config().num_experts_per_tok),
+        dim=hidden,
+        saved_per_row=hidden + 2 * gate_up,
+        capacity=None,
+    )

@@ -22,8 +22,9 @@ the ``top_k`` experts of a token are those with the highest score plus
 unbiased scores of those experts (renormalised to sum 1 if ``norm_topk_prob``). With
 ``capacity_factor`` set, each expert takes at most ``ceil(capacity_factor * T *
 top_k / num_experts)`` tokens of a sequence of T, first come first served in token
-order; the rest are dropped (their gate is 0: the shapes stay fixed, so the dropped
-assignments are still computed and discarded) and counted.
+order; the rest are dropped (their gate is 0) and counted. Without expert
+parallelism the shapes stay fixed, so the dropped assignments are still computed and
+discarded; with it they are not sent, so capacity bounds the rows a rank receives.
 
 Load balancing (``load_balance``): ``aux_loss`` adds DeepSeek-V3's sequence-wise
 balance loss ``aux_loss_coef * sum_e f_e P_e`` (f: the share of a sequence's
@@ -59,14 +60,26 @@ from src.models.llama import (
     TransformerBlock,
 )
 from src.models.llama import _init_ as llama_init_
+from src.models.llama import tp_plan as llama_tp_plan
 from src.models.spec import (
+    ExpertShape,
     ModelSpec,
     check_positive_ints,
+    check_tp_divides,
     init_tensor_from,
     name_generator,
     register,
 )
 from src.sharding.expert_parallel import ExpertModule, dispatch, local_weight
+from src.sharding.tensor_parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    Replicate,
+    RowwiseParallel,
+    Shard,
+    TPPlan,
+)
 
 LOAD_BALANCE = ("aux_loss", "aux_free", "none")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -194,8 +207,8 @@ class Experts(ExpertModule):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, dim) sorted by expert, ``counts`` (experts,) -> (N, dim)."""
-        g, ep = self.grouped, self.ep_mesh
-        w1, w2, w3 = (local_weight(w, ep) for w in (self.w1, self.w2, self.w3))
+        g = self.grouped
+        w1, w2, w3 = (local_weight(w, self) for w in (self.w1, self.w2, self.w3))
         h = F.silu(grouped_matmul(x, w1, counts, g)) * grouped_matmul(x, w3, counts, g)
         return grouped_matmul(h, w2, counts, g)
 
@@ -221,7 +234,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """``x`` (B, T, dim) -> (scores (B, T, E) fp32, experts (B, T, k), gates
-        (B, T, k) fp32, zero where dropped, dropped assignments)."""
+        (B, T, k) fp32, zero where dropped, the assignments kept (B, T, k) bool, or
+        None without capacity)."""
         c = self.config
         logits = F.linear(x.float(), self.gate.weight.float())
         if c.score_func == "softmax":
@@ -239,16 +253,15 @@ class Router(nn.Module):
         if c.norm_topk_prob or c.score_func == "sigmoid":
             gates = gates / gates.sum(-1, keepdim=True)
         capacity = c.capacity(x.size(1))
-        dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        keep = None
         if capacity is not None:
             B, T, k = experts.shape
             # place of each assignment in its expert's queue, in token order
             hot = F.one_hot(experts.reshape(B, T * k), c.num_experts)
             place = (hot.cumsum(1) * hot).sum(-1).view(B, T, k) - 1
             keep = place < capacity
-            dropped = (~keep).sum()
             gates = gates * keep
-        return scores, experts, gates, dropped
+        return scores, experts, gates, keep
 
 
 def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -265,7 +278,7 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return (f * p).sum(-1).mean()
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """True inside a backward pass (activation checkpointing recomputes a forward):
     the step's statistics were counted the first time."""
     return torch._C._current_graph_task_id() != -1
@@ -291,21 +304,21 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         c = self.config
-        scores, experts, gates, dropped = self.router(x)
+        scores, experts, gates, keep = self.router(x)
+        dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        if keep is not None:
+            dropped = (~keep).sum()
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # the assignments grouped by expert
         counts = torch.zeros(c.num_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         token = order // c.top_k
         xs = x.reshape(-1, d)[token]
-        ep = self.experts.ep_mesh
-        if ep is None:
+        if self.experts.ep_mesh is None:
             ys = self.experts(xs, counts)
-        else:  # expert parallelism: to the ranks holding the experts and back
-            sent = dispatch(xs, counts, ep)
-            ys = sent.combine(self.experts(sent.rows, sent.counts))
-            if not _recomputing():
-                self.bytes_sent += sent.bytes_moved
+        else:
+            kept = None if keep is None else keep.reshape(-1)[order]
+            ys = self._across_ranks(xs, flat[order], kept)
         ys = ys * gates.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros(B * T, d, dtype=ys.dtype, device=x.device)
         out = out.index_add(0, token, ys).view(B, T, d).to(x.dtype)
@@ -319,9 +332,31 @@ class MoE(nn.Module):
             with torch.set_grad_enabled(in_loss and torch.is_grad_enabled()):
                 aux = balance_loss(scores, experts)
             self.aux_loss = aux if in_loss else None
-            if not _recomputing():
+            if not recomputing():
                 self._count(scores.detach(), counts, dropped, aux.detach(), B)
         return out
+
+    def _across_ranks(
+        self, xs: torch.Tensor, expert: torch.Tensor, kept: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Expert parallelism: the rows ``xs`` (grouped by ``expert``) to the ranks
+        holding their experts and back; the assignments capacity dropped (``kept``
+        false) are not sent: their output is 0, as their gate is."""
+        rows = xs
+        if kept is not None:
+            index = kept.nonzero().squeeze(1)
+            rows, expert = xs[index], expert[index]
+        counts = torch.zeros(
+            self.config.num_experts, dtype=torch.long, device=xs.device
+        )
+        counts.scatter_add_(0, expert, torch.ones_like(expert))
+        sent = dispatch(rows, counts, self.experts.ep_mesh, self.experts.tp_mesh)
+        ys = sent.combine(self.experts(sent.rows, sent.counts))
+        if not recomputing():
+            self.bytes_sent += sent.bytes_moved
+        if kept is None:
+            return ys
+        return ys.new_zeros(xs.size(0), ys.size(1)).index_copy(0, index, ys)
 
     @torch.no_grad()
     def _count(self, scores, counts, dropped, aux, rows) -> None:
@@ -392,13 +427,10 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
     layers = [m for m in moe_layers(model) if m.stats is not None]
     if not layers:
         return {}
-    stats = torch.stack([m.stats for m in layers])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats)
-    stats = stats / replicas
+    stats = summed_over_ranks([m.stats for m in layers], replicas)
     E = layers[0].config.num_experts
     rows: dict[str, float] = {}
-    index = {id(m): i for i, m in _numbered(model)}
+    index = {id(m): i for i, m in numbered(model, MoE)}
     for m, s in zip(layers, stats, strict=True):
         m.stats = None
         counts, (dropped, aux, entropy, nrows, tokens) = s[:E], s[E:]
@@ -407,17 +439,46 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
             bias += m.config.bias_update_rate * torch.sign(counts.mean() - counts).to(
                 bias
             )
-        p = f"moe/layer{index[id(m)]}/"
-        rows[p + "tokens_max"] = counts.max().item()
-        rows[p + "tokens_mean"] = counts.mean().item()
-        rows[p + "load_max_over_mean"] = (counts.max() / counts.mean()).item()
-        rows[p + "dropped"] = int(dropped.item())
-        rows[p + "aux_loss"] = (aux / nrows).item()
-        rows[p + "entropy"] = (entropy / tokens).item()
+        rows.update(
+            layer_metrics(
+                index[id(m)], counts, dropped.item(), aux / nrows, entropy / tokens
+            )
+        )
+    return overall_metrics(rows, layers[0].config.aux_loss_coef)
+
+
+def summed_over_ranks(stats: list[torch.Tensor], replicas: int) -> torch.Tensor:
+    """Each layer's statistics row summed over all ranks (one all-reduce), divided
+    by ``replicas`` (ranks that counted the same tokens)."""
+    out = torch.stack(stats)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(out)
+    return out / replicas
+
+
+def layer_metrics(
+    layer: int, counts: torch.Tensor, dropped: float, aux: object, entropy: object
+) -> dict[str, float]:
+    """One MoE layer's metrics ``moe/layer{i}/...``: tokens per expert (max, mean,
+    their ratio), dropped assignments, its balance loss and mean router entropy."""
+    p = f"moe/layer{layer}/"
+    return {
+        p + "tokens_max": counts.max().item(),
+        p + "tokens_mean": counts.mean().item(),
+        p + "load_max_over_mean": (counts.max() / counts.mean()).item(),
+        p + "dropped": int(dropped),
+        p + "aux_loss": float(aux),
+        p + "entropy": float(entropy),
+    }
+
+
+def overall_metrics(rows: dict[str, float], coef: float) -> dict[str, float]:
+    """``rows`` (every layer's :func:`layer_metrics`) and the metrics over the
+    layers: the worst ``load_max_over_mean``, dropped assignments, the balance
+    losses summed times ``coef`` (as they enter the loss), the mean entropy."""
     per = [k for k in rows if k.endswith("load_max_over_mean")]
     rows["moe/load_max_over_mean"] = max(rows[k] for k in per)
     rows["moe/dropped"] = sum(v for k, v in rows.items() if k.endswith("/dropped"))
-    coef = layers[0].config.aux_loss_coef
     aux = [v for k, v in rows.items() if k.endswith("/aux_loss")]
     rows["moe/aux_loss"] = coef * sum(aux)
     ent = [v for k, v in rows.items() if k.endswith("/entropy")]
@@ -425,10 +486,11 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
     return rows
 
 
-def _numbered(model: nn.Module):
-    """(layer index, MoE) from the canonical names ``...layers.{i}.moe``."""
+def numbered(model: nn.Module, cls: type[nn.Module]):
+    """(layer index, module) of each ``cls`` module of ``model``, the index from its
+    name ``...layers.{i}....`` (-1 outside one)."""
     for name, m in model.named_modules():
-        if isinstance(m, MoE):
+        if isinstance(m, cls):
             found = re.search(r"layers\.(\d+)\.", name + ".")
             yield int(found.group(1)) if found else -1, m
 
@@ -466,6 +528,64 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> int:
     per = config.n_layers * attn + (config.n_layers - n_moe) * dense + n_moe * moe
     n_matmul = per + d + config.vocab_size * d
     return 6 * n_matmul + 12 * config.n_layers * d * seq_len
+
+
+def expert_shape(config: MoEConfig, seq_len: int) -> ExpertShape:
+    """The routed experts for the planner: per row an expert computes, autograd keeps
+    its input and four ``moe_hidden_dim`` activations (``x w1``, its SiLU, ``x w3``,
+    their product)."""
+    return ExpertShape(
+        layers=len(config.moe_layers),
+        experts=config.num_experts,
+        top_k=config.top_k,
+        dim=config.dim,
+        saved_per_row=config.dim + 4 * config.moe_hidden_dim,
+        capacity=config.capacity(seq_len),
+    )
+
+
+def tp_plan(config: MoEConfig, tp: int, sequence_parallel: bool | None) -> TPPlan:
+    """Llama's plan (src/models/llama.py) with the feed-forwards styled per module: a
+    dense block's SwiGLU as Llama's, the shared expert colwise / rowwise on the MoE
+    block's whole input; the router stays replicated over tp, and the routed experts
+    are split by expert parallelism (its ep group spans the tp group: each tp rank
+    dispatches its share of the assignments, src/sharding/expert_parallel.py) or,
+    without it, replicated. With sequence parallelism the MoE block all-gathers the
+    sequence and hands back this rank's part of it: routing, capacity and the balance
+    loss see whole sequences on every layout."""
+    llama = llama_tp_plan(config, tp, sequence_parallel)
+    if config.shared_hidden_dim:
+        check_tp_divides(tp, {"shared_hidden_dim": config.shared_hidden_dim})
+    sp = llama.sequence_parallel
+    block = {
+        k: v
+        for k, v in llama.modules[TransformerBlock].items()
+        if not k.startswith("feed_forward")
+    }
+    inner = Shard(1) if sp else Replicate()
+    dense: dict = {
+        "w1": ColwiseParallel(),
+        "w2": RowwiseParallel(output_layouts=inner),
+        "w3": ColwiseParallel(),
+    }
+    shared = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel()}
+    # first match wins: SharedExpert is a FeedForward
+    modules: dict = {Llama: llama.modules[Llama], TransformerBlock: block}
+    modules.update({SharedExpert: shared, FeedForward: dense})
+    if sp:
+        dense[""] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        modules[MoE] = {
+            "": PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+            )
+        }
+    return TPPlan(modules, sequence_parallel=sp, loss_parallel=True)
 
 
 register(
@@ -507,7 +627,9 @@ register(
         seq_len=lambda config: config.max_seq_len,
         kv_cache=True,
         routes_tokens=lambda config: len(config.moe_layers) > 0,
+        tp_plan=tp_plan,
         after_step=after_step,
         num_experts=lambda config: config.num_experts if config.moe_layers else 0,
+        expert_shape=expert_shape,
     )
 )

@@ -87,6 +87,19 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """A model's routed experts as the planner sizes expert parallelism's dispatch
+    (:attr:`ModelSpec.expert_shape`)."""
+
+    layers: int  # MoE blocks
+    experts: int  # routed experts per block
+    top_k: int  # experts each token is sent to
+    dim: int  # a dispatched row's width (the hidden size)
+    saved_per_row: int  # elements the experts keep for backward per row they compute
+    capacity: int | None  # assignments an expert takes per sequence (None: unbounded)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family. ``config`` below is an instance of ``config_cls``."""
 
@@ -148,6 +161,9 @@ class ModelSpec:
     # parallelism (sharding.expert_parallel) splits over its ranks; 0 for a config
     # without any. None: the family has no expert parallelism.
     num_experts: Callable[[Any], int] | None = None
+    # Optional: (config, seq_len) -> ExpertShape of its routed experts, for the
+    # planner's expert-parallel dispatch term. None: not planned (no EP term).
+    expert_shape: Callable[[Any, int], ExpertShape] | None = None
     # Optional: (model, replicas) -> metrics, called on every rank after each
     # optimizer step: state kept outside autograd (a MoE's router bias, from the
     # step's token counts summed over the ranks; ``replicas``: the ranks that saw the

@@ -12,7 +12,8 @@ import torch
 from omegaconf import DictConfig
 
 from src.models.memory import ActivationBytes
-from src.planner.estimate import RunShape
+from src.planner.constants import EP_IMBALANCE
+from src.planner.estimate import Dispatch, RunShape
 from src.planner.settings import tp_layout
 from src.planner.trace import tp_local, traced_activation_bytes
 from src.resolved import Resolved, tensor_parallel_plan
@@ -93,6 +94,40 @@ def cp_activations(
         loss_transient=acts.loss_transient,
         block_transient=acts.block_transient + 2 * gathered + recomputed,
     )
+
+
+def ep_dispatch(resolved: Resolved, shape: RunShape) -> Dispatch | None:
+    """Expert parallelism's dispatch beyond the traced activations (None: no EP, or
+    a family that does not say its experts' shape). A balanced dispatch gives a rank
+    its own share of the assignments, ``B T k / tp`` rows per MoE layer; the bound
+    is the capacity where the model has one (a rank's ``E / ep`` experts take at
+    most ``capacity`` rows of each of the ep group's sequences), else
+    :data:`EP_IMBALANCE` x balanced; both at most the ep group's every row."""
+    layout, spec = resolved.layout, resolved.spec
+    if layout.ep <= 1 or spec.expert_shape is None:
+        return None
+    es = spec.expert_shape(resolved.model_config, shape.seq_len)
+    sequences = shape.micro_batch * layout.ep_shard  # the ep group's, one micro-batch
+    balanced = sequences * shape.seq_len * es.top_k / layout.ep
+    if es.capacity is not None:
+        bound = es.experts // layout.ep * es.capacity * sequences
+        why = (
+            f"capacity {es.capacity} per expert per sequence: at most "
+            f"{bound / balanced:.2f}x a balanced dispatch"
+        )
+    else:
+        bound = EP_IMBALANCE * balanced
+        why = f"no capacity: assumed {EP_IMBALANCE:g}x a balanced dispatch"
+    rows = min(bound, balanced * layout.ep)
+    act = shape.param_bytes
+    saved = (rows - balanced) * es.saved_per_row * act * es.layers
+    buffers = (balanced + rows) * es.dim * act
+    note = (
+        f"EP{layout.ep}: a rank receives up to {rows / balanced:.2f}x its own "
+        f"{balanced:.0f} rows per MoE layer ({why}), in every MoE layer; + one "
+        "layer's all-to-all send and receive buffers"
+    )
+    return Dispatch(saved=int(saved), buffers=int(buffers), note=note)
 
 
 def _blocks(

@@ -147,3 +147,11 @@ def process_bytes(device: str, imports: Iterable[str] = ()) -> int:
     return base + (
         sum(IMPORT_BYTES.get(m, 0) for m in imports) if device == "cpu" else 0
     )
+
+
+#: Expert parallelism without capacity: the rows a rank receives are planned as this
+#: factor times a balanced dispatch's (its own tokens' share of the assignments).
+#: Nothing bounds them without capacity (up to ep times); 1.25 is the margin this
+#: planner names and says, not a measurement: compare ``moe/load_max_over_mean`` of a
+#: run (per expert; a rank averages its E / ep experts' loads).
+EP_IMBALANCE = 1.25

@@ -84,6 +84,7 @@ PARTS = (
     "optimizer",
     "mixed_precision",
     "activations",
+    "experts",
     "loss",
     "transient",
     "pipeline",
@@ -99,6 +100,7 @@ _LABELS = {
     "optimizer": "optimizer state (AdamW)",
     "mixed_precision": "mixed-precision copies",
     "activations": "activations (saved)",
+    "experts": "expert dispatch (EP)",
     "loss": "head + loss (fp32 log-probs, grads)",
     "transient": "backward / step working set",
     "pipeline": "pipeline send/recv buffers",
@@ -152,7 +154,12 @@ class Estimate:
             f"peak at: {self.phase}"
         ]
         for k in PARTS:
-            if k == "pipeline" and not s.pipelined:
+            if (
+                k == "pipeline"
+                and not s.pipelined
+                or k == "experts"
+                and k not in self.notes
+            ):
                 continue
             note = f"  ({self.notes[k]})" if k in self.notes else ""
             lines.append(f"  {_LABELS[k]:<38} {fmt_bytes(self.parts[k]):>12}{note}")
@@ -298,18 +305,32 @@ def _accumulated(h: _Held, s: RunShape, notes: dict[str, str]) -> int:
     return held + h.buckets
 
 
+@dataclass(frozen=True)
+class Dispatch:
+    """Expert parallelism's bytes beyond the activations traced on one rank (which
+    compute the rank's own assignments: a balanced dispatch): ``saved``, the rows a
+    rank receives above that, kept from forward to backward; ``buffers``, one MoE
+    layer's all-to-all send and receive buffers, alive around its forward and its
+    backward; ``note``: the bound they assume."""
+
+    saved: int
+    buffers: int
+    note: str
+
+
 def estimate(
     plan: WrapPlan,
     shape: RunShape,
     acts: ActivationBytes,
     process: int | None = None,
     pipeline: int = 0,
+    dispatch: Dispatch | None = None,
 ) -> Estimate:
     """The per-rank training peak of ``shape`` for the units of ``plan`` (built for
     ``shape.world`` ranks) with the activations ``acts`` of one micro-batch (a
     pipeline stage: of the micro-batches it holds at once); ``process``: the process
     baseline (default: :data:`PROCESS_BYTES` of the device); ``pipeline``: a stage's
-    send/recv buffers, held throughout."""
+    send/recv buffers, held throughout; ``dispatch``: expert parallelism's."""
     s = shape
     # What one rank holds before data-parallel sharding: with tensor parallelism, its
     # tp shard of each parameter (gathered units, unsharded gradients).
@@ -328,10 +349,13 @@ def estimate(
         "process": process_bytes(s.device) if process is None else process,
     }
     phases = _moments(h, s, acts, base, _accumulated(h, s, notes), n_blocks)
+    _add_dispatch(phases, dispatch)
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     parts = {k: int(phases[phase][k]) for k in PARTS}
     source = CONSTANTS_SOURCE.get(s.device, CONSTANTS_SOURCE["cuda"])
     notes["runtime"] = notes["process"] = f"{s.device}: {source}"
+    if dispatch is not None:
+        notes["experts"] = dispatch.note
     return Estimate(parts=parts, phase=phase, shape=shape, notes=notes)
 
 
@@ -401,6 +425,18 @@ def _moments(
             "transient": opt_temp,
         },
     }
+
+
+def _add_dispatch(phases: dict[str, dict[str, int]], dispatch: Dispatch | None) -> None:
+    """Each moment's ``experts`` part: the extra rows received while activations are
+    saved, and the all-to-all buffers in the moments inside a block (forward, a
+    block's backward)."""
+    for name, parts in phases.items():
+        held = dispatch is not None and parts["activations"] > 0
+        inside = name in ("forward", "block backward")
+        parts["experts"] = (
+            dispatch.saved + (dispatch.buffers if inside else 0) if held else 0
+        )
 
 
 def needed(est: Estimate, margin: float) -> int:

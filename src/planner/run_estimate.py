@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from src.planner.activations import has_formula, run_activations
+from src.planner.activations import ep_dispatch, has_formula, run_activations
 from src.planner.estimate import Estimate, estimate
 from src.planner.inputs import (
     build_meta_model,
@@ -37,7 +37,8 @@ def estimate_cfg(
         shape = run_shape(cfg, resolved, world)
         acts = run_activations(cfg, resolved, shape, model)
         process = family_process_bytes(cfg, resolved, shape.device)
-        est = estimate(plan, shape, acts, process)
+        dispatch = ep_dispatch(resolved, shape)
+        est = estimate(plan, shape, acts, process, dispatch=dispatch)
         if not has_formula(resolved):
             est.notes["activations"] = "traced: one block per block class, fake tensors"
         if resolved.layout.ep > 1:
@@ -51,9 +52,3 @@ def _expert_parallel_notes(est: Estimate, ep: int) -> None:
     est.notes["gathered_units"] = (
         est.notes.get("gathered_units", "") + f"; each MoE block's experts 1/{ep}"
     )
-    est.notes["activations"] = (
-        est.notes.get("activations", "")
-        + f"; EP{ep} dispatch/combine planned balanced: a rank receives its own "
-        "tokens' share of rows (imbalance bound 1x; one whose experts draw f x the "
-        "mean holds f x their activations)"
-    ).lstrip("; ")

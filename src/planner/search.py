@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.models.memory import ActivationBytes
 from src.planner.activations import (
     cp_activations,
+    ep_dispatch,
     run_activation_fn,
     tp_activations,
 )
@@ -166,29 +167,60 @@ def _options(
     return out
 
 
+def _degree_options(
+    cfg: DictConfig,
+    resolved: Resolved,
+    capability: str,
+    hook: str,
+    refused: bool,
+    degrees: Callable[[Any], list[int] | None],
+) -> list[int]:
+    """A dimension's degrees for the fit search: none (``[]``) where the backend
+    lacks ``capability``, the family has no ``hook`` (a :class:`ModelSpec` field),
+    the run ``refused`` it or the hook refuses the config (ValueError); else 1 and
+    ``degrees(what the hook returned)`` (None: no degree at all)."""
+    fn = getattr(resolved.spec, hook)
+    if (
+        refused
+        or fn is None
+        or not getattr(backend_class(cfg.sharding.backend), capability)
+    ):
+        return []
+    try:
+        found = fn(resolved.model_config)
+    except ValueError:
+        return []
+    listed = degrees(found)
+    return [] if listed is None else [1, *listed]
+
+
 def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
     """The stage counts the fit search tries on ``world`` ranks: none (1), and 2, 4,
     8, 16 where they divide the ranks with the run's tp and replica groups and leave each stage a
     block, where the backend and the model family can pipeline (none with
     ``sharding.pp_split`` or sequence parallelism set: they fix the layout)."""
-    s, spec = cfg.sharding, resolved.spec
-    if (
-        not getattr(backend_class(s.backend), "pipeline_parallel", False)
-        or spec.pipeline is None
-        or spec.init_tensor is None
-        or s.pp_split
-        or OmegaConf.select(cfg, "sharding.sequence_parallel") is True
-    ):
-        return []
+    s = cfg.sharding
     per_rank = SCHEDULES[str(s.pp_schedule)].stages_per_rank
     blocks = _n_blocks(resolved)
     layout = resolved.layout
     group = layout.tp * layout.cp * layout.dp_replicate
-    return [1] + [
-        2**i
-        for i in range(1, 5)
-        if world % (2**i * group) == 0 and 2**i * per_rank <= blocks
-    ]
+    fixed = (
+        resolved.spec.init_tensor is None
+        or bool(s.pp_split)
+        or OmegaConf.select(cfg, "sharding.sequence_parallel") is True
+    )
+    return _degree_options(
+        cfg,
+        resolved,
+        "pipeline_parallel",
+        "pipeline",
+        fixed,
+        lambda _: [
+            2**i
+            for i in range(1, 5)
+            if world % (2**i * group) == 0 and 2**i * per_rank <= blocks
+        ],
+    )
 
 
 def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
@@ -196,43 +228,37 @@ def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
     and the model can split sequences, the run has no pipeline and the 2C chunks
     divide the sequence (a point whose ranks the degree does not divide, with the
     tp and replica groups, is skipped)."""
-    spec, config = resolved.spec, resolved.model_config
-    if (
-        not backend_class(cfg.sharding.backend).context_parallel
-        or spec.context_parallel is None
-        or spec.kv_width is None
-        or pipeline_stages(cfg) > 1
-    ):
-        return []
-    try:
-        spec.context_parallel(config)
-    except ValueError:
-        return []
-    seq = spec.seq_len(config)
-    return [1] + [c for c in (2, 4, 8) if seq % (2 * c) == 0]
+    spec = resolved.spec
+    seq = spec.seq_len(resolved.model_config)
+    refused = spec.kv_width is None or pipeline_stages(cfg) > 1
+    return _degree_options(
+        cfg,
+        resolved,
+        "context_parallel",
+        "context_parallel",
+        refused,
+        lambda _: [c for c in (2, 4, 8) if seq % (2 * c) == 0],
+    )
 
 
 def ep_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
     """The expert-parallel degrees the fit search tries: none (1), and 2, 4, 8, 16,
     32, 64 that divide the model's experts, where the backend and the model can
-    split experts and the run has no tensor, pipeline or context parallelism (EP
-    refuses them). A point whose shard ranks the degree does not divide is skipped."""
-    spec, config, layout = resolved.spec, resolved.model_config, resolved.layout
-    if (
-        not backend_class(cfg.sharding.backend).expert_parallel
-        or spec.num_experts is None
-        or layout.tp > 1
-        or layout.cp > 1
-        or pipeline_stages(cfg) > 1
-    ):
-        return []
-    try:
-        experts = spec.num_experts(config)
-    except ValueError:  # an MoE model it cannot split (hf: no base_model_ep_plan)
-        return []
-    if not experts:
-        return []
-    return [1] + [e for e in (2, 4, 8, 16, 32, 64) if experts % e == 0]
+    split experts (an HF MoE model without a ``base_model_ep_plan``: not) and the run
+    has no pipeline or context parallelism (EP refuses them). A point whose ranks the
+    degree does not fit is skipped (the shard ranks; with tensor parallelism, tp
+    times a divisor of them)."""
+    refused = resolved.layout.cp > 1 or pipeline_stages(cfg) > 1
+    return _degree_options(
+        cfg,
+        resolved,
+        "expert_parallel",
+        "num_experts",
+        refused,
+        lambda experts: (
+            [e for e in (2, 4, 8, 16, 32, 64) if experts % e == 0] if experts else None
+        ),
+    )
 
 
 def search(
@@ -445,7 +471,8 @@ class _Points:
         if tp > 1:
             a = tp_activations(cfg, resolved, shape, a, self.models[mp, ep])
         a = cp_activations(resolved, shape, a, self.models[mp, ep], cp)
-        est = estimate(plan, shape, a, self.process)
+        dispatch = ep_dispatch(resolved, shape)
+        est = estimate(plan, shape, a, self.process, dispatch=dispatch)
         changed = self._changed(point, w, accum)
         cost = change_cost(self.currents, changed, self.device)
         cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)

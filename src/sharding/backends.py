@@ -244,7 +244,7 @@ class Backend:
             raise LayoutError(
                 "cp", "context parallelism with pipeline parallelism is not built"
             )
-        for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
+        for dim, what in (("pp", "pipeline"), ("cp", "context")):
             if layout.ep > 1 and layout.size(dim) > 1:
                 raise LayoutError(
                     "ep",
@@ -296,7 +296,7 @@ class Backend:
             raise ValueError(f"expert parallelism without its mesh on {self.name}")
         _, defaults = self.wrapper()
         defaults = {k: v for k, v in defaults.items() if k != "mesh"}
-        expert_parallelize(module, mesh.ep, mesh.expert_fsdp, **defaults)
+        expert_parallelize(module, mesh.ep, mesh.expert_fsdp, mesh.tp, **defaults)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward and backward: ``loss_parallel`` when the plan keeps the
@@ -604,7 +604,7 @@ class PlanBackend(_FSDPBackend):
         return record_unit, {}
 
     def split_experts(self, module: nn.Module) -> None:
-        plan_experts(module, self.layout.ep)
+        plan_experts(module, self.layout.ep, self.layout.ep_shard)
 
     def finish_build(
         self,

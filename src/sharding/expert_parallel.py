@@ -17,6 +17,15 @@ Both are differentiable: the backward of an all-to-all is the all-to-all with th
 splits swapped (:class:`_AllToAll`). The experts' gradients are scaled by ``1 / ep``
 (:func:`local_weight`): each one sums the tokens of its ``ep`` group, on top of the
 mean FSDP takes over the data-parallel ranks it shards over.
+
+With tensor parallelism the ep group is whole tp groups (src/sharding/layout.py), and
+the ranks of a tp group hold the same tokens: each routes all of them (the same
+routing on each, the router is replicated), then dispatches only its ``1 / tp``
+contiguous share of the assignments grouped by expert, so every assignment is
+computed exactly once; :meth:`Dispatched.combine` all-gathers the shares over the tp
+group (a DTensor ``Shard(0) -> Replicate``, whose backward hands each rank its share
+of the gradient back). An ep group then holds ``ep / tp`` batches, so the experts'
+gradients are scaled by ``tp / ep``.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .wrap import UnitInfo, is_wrapped, mark_unit
 
@@ -36,19 +45,26 @@ from .wrap import UnitInfo, is_wrapped, mark_unit
 class ExpertModule(nn.Module):
     """A module of stacked experts (every parameter ``[num_experts, ...]``); after
     :func:`expert_parallelize`, ``ep_mesh`` is the mesh its experts are split over
-    (None: all experts here)."""
+    (None: all experts here) and ``tp_mesh`` the ranks that share its tokens (None:
+    no tensor parallelism)."""
 
     ep_mesh: DeviceMesh | None = None
+    tp_mesh: DeviceMesh | None = None
 
 
 def expert_parallelize(
-    module: nn.Module, ep_mesh: DeviceMesh, fsdp_mesh: DeviceMesh, **fsdp: object
+    module: nn.Module,
+    ep_mesh: DeviceMesh,
+    fsdp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None = None,
+    **fsdp: object,
 ) -> None:
     """Split each :class:`ExpertModule` under ``module`` over ``ep_mesh`` (dim 0) and
-    shard it with ``fully_shard(mesh=fsdp_mesh, **fsdp)``; idempotent."""
+    shard it with ``fully_shard(mesh=fsdp_mesh, **fsdp)``; ``tp_mesh``: the tp group
+    inside each ep group, whose ranks share the tokens. Idempotent."""
     for m in _unsplit(module):
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-        info = _split_info(m, ep)
+        info = _split_info(m, ep, ep // (tp_mesh.size() if tp_mesh is not None else 1))
         for name, p in list(m.named_parameters(recurse=False)):
             if p.size(0) % ep:
                 raise ValueError(
@@ -57,16 +73,18 @@ def expert_parallelize(
             local = p.detach().chunk(ep)[rank].clone()
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(m, name, nn.Parameter(dt, requires_grad=p.requires_grad))
-        m.ep_mesh = ep_mesh
+        m.ep_mesh, m.tp_mesh = ep_mesh, tp_mesh
         fully_shard(m, mesh=fsdp_mesh, **fsdp)
         mark_unit(m, info)
 
 
-def plan_experts(module: nn.Module, ep: int) -> None:
+def plan_experts(module: nn.Module, ep: int, shard_ranks: int) -> None:
     """For a plan (nothing allocated): record each :class:`ExpertModule` under
-    ``module`` as a unit holding ``1 / ep`` of its experts, sharded over the rest."""
+    ``module`` as a unit holding ``1 / ep`` of its experts, sharded over the shard
+    group's ranks / ``shard_ranks`` (the ep group's part of it: ``ep``, or ``ep /
+    tp`` with tensor parallelism)."""
     for m in _unsplit(module):
-        mark_unit(m, _split_info(m, ep))
+        mark_unit(m, _split_info(m, ep, shard_ranks))
 
 
 def _unsplit(module: nn.Module) -> list[ExpertModule]:
@@ -76,16 +94,16 @@ def _unsplit(module: nn.Module) -> list[ExpertModule]:
     ]
 
 
-def _split_info(m: ExpertModule, ep: int) -> UnitInfo:
+def _split_info(m: ExpertModule, ep: int, shard_ranks: int) -> UnitInfo:
     """The wrap plan's record of ``m`` split over ``ep`` ranks: each holds
     ``num_experts / ep`` whole experts (what it gathers), FSDP-sharded over the
-    shard group's ranks / ep."""
+    shard group's ranks / ``shard_ranks``."""
     shapes = [
         (p.size(0) // ep, p[0].numel(), p.element_size())
         for p in m.parameters(recurse=False)
     ]
     return UnitInfo(
-        numel=sum(p.numel() for p in m.parameters()), shapes=shapes, split=ep
+        numel=sum(p.numel() for p in m.parameters()), shapes=shapes, split=shard_ranks
     )
 
 
@@ -100,12 +118,13 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def local_weight(w: torch.Tensor, ep_mesh: DeviceMesh | None) -> torch.Tensor:
+def local_weight(w: torch.Tensor, module: ExpertModule) -> torch.Tensor:
     """This rank's experts of ``w`` (a plain tensor as is), gradient scaled by
-    ``1 / ep`` (see the module docstring)."""
-    if ep_mesh is None or not isinstance(w, DTensor):
+    ``tp / ep`` (see the module docstring)."""
+    if module.ep_mesh is None or not isinstance(w, DTensor):
         return w
-    return _ScaleGrad.apply(w.to_local(), 1.0 / ep_mesh.size())
+    tp = module.tp_mesh.size() if module.tp_mesh is not None else 1
+    return _ScaleGrad.apply(w.to_local(), tp / module.ep_mesh.size())
 
 
 class _AllToAll(torch.autograd.Function):
@@ -138,21 +157,58 @@ class Dispatched:
     recv: list[int]
     group: dist.ProcessGroup
     bytes_moved: int  # both all-to-alls' rows sent by this rank
+    tp_mesh: DeviceMesh | None = None  # combine all-gathers the tp group's shares
+    shape: torch.Size | None = None  # ... of this many rows (all the assignments)
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """The experts' outputs (as ``rows``) back to the ranks that sent the
-        rows, in the order they were sent."""
+        rows, in the order they were sent (with a tp group: all its shares)."""
         back = torch.empty_like(out).index_copy(0, self.order, out)
         # index_copy's backward gathers by order: the inverse permutation
-        return _AllToAll.apply(back, self.recv, self.send, self.group)
+        mine = _AllToAll.apply(back, self.recv, self.send, self.group)
+        if self.tp_mesh is None:
+            return mine
+        shape = (self.shape[0], *mine.shape[1:])  # every share's rows, out's width
+        stride = torch.empty(shape, device="meta").stride()
+        share = DTensor.from_local(
+            mine, self.tp_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+        )
+        return share.full_tensor()
+
+
+def _share(
+    rows: torch.Tensor, counts: torch.Tensor, tp_mesh: DeviceMesh
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tp rank's contiguous share of ``rows`` (as DTensor's ``Shard(0)`` splits
+    them: ``ceil(n / tp)`` each) and its rows of each expert; the backward
+    all-gathers the shares' gradients."""
+    n, tp, r = rows.size(0), tp_mesh.size(), tp_mesh.get_local_rank()
+    size = -(-n // tp)
+    lo, hi = min(r * size, n), min((r + 1) * size, n)
+    mine = (
+        DTensor.from_local(rows, tp_mesh, [Replicate()], run_check=False)
+        .redistribute(tp_mesh, [Shard(0)])
+        .to_local()
+    )
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    mine_counts = (ends.clamp(max=hi) - starts.clamp(min=lo)).clamp_min(0)
+    return mine, mine_counts
 
 
 def dispatch(
-    rows: torch.Tensor, counts: torch.Tensor, ep_mesh: DeviceMesh
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    ep_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None = None,
 ) -> Dispatched:
     """Send ``rows`` (grouped by global expert, ``counts[e]`` of expert ``e``) to the
     ranks of ``ep_mesh`` holding those experts (rank ``r`` holds the ``r``-th
-    contiguous block of experts)."""
+    contiguous block of experts); with ``tp_mesh``, only this tp rank's share of
+    them (see the module docstring)."""
+    shape = rows.shape
+    if tp_mesh is not None:
+        rows, counts = _share(rows, counts, tp_mesh)
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     local = counts.numel() // ep
     # how many rows of each of my local experts every rank sends me
@@ -176,4 +232,6 @@ def dispatch(
         recv=recv,
         group=group,
         bytes_moved=2 * (sum(send) - send[ep_mesh.get_local_rank()]) * row_bytes,
+        tp_mesh=tp_mesh,
+        shape=shape,
     )

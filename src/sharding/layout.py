@@ -8,7 +8,10 @@ matmuls split over them). Consecutive ranks share the innermost dimensions, so o
 GPUs the chattiest groups (tp, then cp and the shard group) stay inside a node.
 Expert parallelism is no dimension of its own: as in torchtitan, its ``ep`` ranks
 are borrowed from ``dp_shard x cp`` (they hold the same dense weights anyway), so
-``ep`` must divide that product.
+``ep`` must divide that product; with tensor parallelism they are borrowed from
+``dp_shard x tp`` with the whole tp group inside (``ep`` is ``tp`` times a divisor of
+``dp_shard``): the ranks of a tp group see the same tokens, so each sends its share
+of them to the experts, and every rank of the group holds its own experts.
 
 :class:`ParallelLayout` holds the degrees and is checked once, when it is made: a
 degree that does not fit raises :class:`LayoutError` naming the dimension (the config
@@ -82,7 +85,15 @@ class ParallelLayout:
                 + (f" x cp {self.cp}" if self.cp > 1 else "")
                 + f" do not divide the {world} devices",
             )
-        if (self.dp_shard * self.cp) % self.ep:
+        if self.tp > 1 and self.ep > 1:
+            if self.ep % self.tp or self.dp_shard % (self.ep // self.tp):
+                raise LayoutError(
+                    "ep",
+                    f"with tensor parallelism {self.tp}, {self.ep} must be tp times "
+                    f"a divisor of the {self.dp_shard} shard ranks (experts are split "
+                    "over shard x tp ranks, whole tp groups)",
+                )
+        elif (self.dp_shard * self.cp) % self.ep:
             raise LayoutError(
                 "ep",
                 f"{self.ep} does not divide the {self.dp_shard * self.cp} ranks "
@@ -104,6 +115,12 @@ class ParallelLayout:
         """Ranks each parameter is sharded over (cp ranks hold the same weights, so
         FSDP shards over them too)."""
         return self.dp_shard * self.cp
+
+    @property
+    def ep_shard(self) -> int:
+        """The shard ranks an expert-parallel group spans (``ep`` without tensor
+        parallelism; ``ep / tp`` with it: the group is whole tp groups)."""
+        return self.ep // self.tp if self.tp > 1 else self.ep
 
     @property
     def stage_size(self) -> int:
@@ -192,21 +209,31 @@ class ParallelMesh:
         self.cp: DeviceMesh | None = self.world["cp"] if "cp" in names else None
         #: expert parallelism: the ranks a MoE's experts are split over, and the
         #: ones each expert is FSDP-sharded over (the shard ranks / ep, behind
-        #: dp_replicate for HSDP), both from ``dp_shard`` split in two (ep inner)
+        #: dp_replicate for HSDP), both from ``dp_shard`` split in two (ep inner;
+        #: with tp, the ep group is that inner part x tp)
         self.ep: DeviceMesh | None = None
         self.expert_fsdp: DeviceMesh | None = None
         # (with cp, ep would span dp_shard x cp: not built, check_layout refuses cp)
         if layout.ep > 1 and layout.cp == 1:
-            split = self.world._unflatten(
-                "dp_shard",
-                (layout.dp_shard // layout.ep, layout.ep),
-                ("dp_shard_mod_ep", "ep"),
-            )
+            self._split_experts(names)
+
+    def _split_experts(self, names: tuple[str, ...]) -> None:
+        layout = self.layout
+        inner = layout.ep_shard
+        ep_dims = ("ep_shard", "tp") if layout.tp > 1 else ("ep",)
+        split = self.world._unflatten(
+            "dp_shard",
+            (layout.dp_shard // inner, inner),
+            ("dp_shard_mod_ep", ep_dims[0]),
+        )
+        if layout.tp > 1:
+            self.ep = split[ep_dims]._flatten("ep")
+        else:
             self.ep = split["ep"]
-            # one group over both (the experts' gradient norm: one all-reduce)
-            split["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
-            outer = ("dp_replicate",) if "dp_replicate" in names else ()
-            self.expert_fsdp = split[(*outer, "dp_shard_mod_ep")]
+        # one group over both (the experts' gradient norm: one all-reduce)
+        split[("dp_shard_mod_ep", *ep_dims)]._flatten("dp_shard_ep")
+        outer = ("dp_replicate",) if "dp_replicate" in names else ()
+        self.expert_fsdp = split[(*outer, "dp_shard_mod_ep")]
 
     def _fsdp_mesh(self, names: tuple[str, ...]) -> DeviceMesh:
         shard = "dp_shard_cp" if "cp" in names else "dp_shard"

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -126,6 +127,7 @@ def style_name(style: ParallelStyle) -> str:
         RowwiseParallel: "rowwise",
         SequenceParallel: "sequence",
         PrepareModuleInput: "input",
+        PrepareModuleInputOutput: "input-output",
         FusedHeadsParallel: "fused-heads",
     }.get(type(style), type(style).__name__)
 
@@ -276,6 +278,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "PrepareModuleInput",
+    "PrepareModuleInputOutput",
     "Replicate",
     "Shard",
     "styles_from_strings",

@@ -76,7 +76,8 @@ class UnitInfo:
     #: (dim-0 size, elements per dim-0 row, element size in bytes) of each parameter.
     shapes: list[tuple[int, int, int]] = field(default_factory=list)
     #: the ranks of the shard group that hold disjoint parts of it before FSDP
-    #: shards each part over the rest (expert parallelism: ``ep``)
+    #: shards each part over the rest (expert parallelism: ``ep``; ``ep / tp``
+    #: with tensor parallelism, whose ranks are not in the shard group)
     split: int = 1
 
     def bytes_per_rank(self, world_size: int) -> int:
