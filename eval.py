@@ -19,6 +19,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from src.checkpoint.folders import reading
 from src.config.cli import exit_on_config_error, run_cli
 from src.config.validate import validate_eval
 from src.runs.compose import open_run
@@ -38,7 +39,13 @@ log = logging.getLogger("eval")
 
 
 def evaluate_run(cfg: DictConfig) -> dict:
-    """Everything ``eval.py`` does for ``cfg`` (conf/eval.yaml); returns the record."""
+    """Everything ``eval.py`` does for ``cfg`` (conf/eval.yaml); returns the record.
+    The checkpoint it reads is held until then: a live run's keep_last leaves it."""
+    with reading():
+        return _evaluate_run(cfg)
+
+
+def _evaluate_run(cfg: DictConfig) -> dict:
     with exit_on_config_error():
         validate_eval(cfg)
         split = eval_split(cfg)

@@ -18,6 +18,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from src.checkpoint.folders import reading
 from src.config.cli import exit_on_config_error, run_cli
 from src.config.validate import validate_sample
 from src.resolved import model_spec
@@ -30,6 +31,13 @@ log = logging.getLogger("sample")
 
 @hydra.main(config_path="conf", config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> list[str]:
+    """The samples; the checkpoint they come from is held until then (a live run's
+    keep_last leaves it)."""
+    with reading():
+        return _sample(cfg)
+
+
+def _sample(cfg: DictConfig) -> list[str]:
     def changes(run_cfg: DictConfig) -> dict:
         changes, note = sampling_changes(
             model_spec(run_cfg), cfg.devices, run_cfg.sharding.backend

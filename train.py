@@ -28,6 +28,7 @@ from src.runs.branches import Completed
 from src.runs.compose import continue_run, take_branch
 from src.trainer.faults import stop_before_start
 from src.trainer.launch import (
+    admitted,
     job_user_keys,
     launch,
     own_run_dir,
@@ -85,6 +86,7 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
             preflight(run_dir)  # the run dir is writable
             check_init_from(cfg, resolved, run_dir)  # its checkpoint fits the model
             take_branch(cfg, run_dir)  # from an older point: the rest set aside
+            resolved = admitted(run_dir, resolved)  # data.json: now, not before
         return launch(cfg, run_dir, resolved)
 
 

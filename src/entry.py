@@ -113,6 +113,11 @@ def start_rank_server() -> None:
         return
     _rank_server = True
     multiprocessing.set_forkserver_preload(["__main__"])
+    # The resource tracker (a process of its own) unlinks what a killed launcher
+    # left registered (torch elastic's queues and event), as it should, but warns
+    # `There appear to be N leaked semaphore objects` after the kill: it starts with
+    # that warning ignored (-W from sys.warnoptions), and nothing else.
+    sys.warnoptions.append(f"ignore:{_TRACKER_WARNING}:UserWarning")
     # Started first: starting it unblocks SIGINT and SIGTERM in this thread.
     resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -123,6 +128,9 @@ def start_rank_server() -> None:
         del os.environ[_SERVER_OF_ENV]
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     atexit.register(stop_rank_server)
+
+
+_TRACKER_WARNING = "resource_tracker"  # how its leak warning starts (no colon: -W)
 
 
 def rank_start_method() -> str:

@@ -54,6 +54,9 @@ class Resolved:
     # vocabulary following the tokenizer): what a checkpoint records and a resume
     # continues from (src/runs/resume.py). None outside train.py's launcher.
     run_config: dict | None = None
+    # What the run dir keeps of the data (src/data/pinning.py ``DataRecord``), made
+    # by the launcher's ``prepare`` and written once the run is admitted; None after.
+    data_record: Any = None
 
     @property
     def world_size(self) -> int:

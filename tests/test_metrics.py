@@ -616,7 +616,7 @@ def test_csv_logger_option_composes_validates_and_resumes(tmp_path):
         ("3", "2.0", ""),
     ]
     resumed = build_logger(cfg, run_dir, rank=0)
-    assert resumed.drop_rows_after(2) == 2  # metrics.jsonl's row 3 and the CSV's
+    assert resumed.drop_rows_after(2) == {"metrics.jsonl": 1, "metrics.csv": 1}
     resumed.log({"loss": 2.5, "lr": 3e-3}, step=3)
     resumed.finish()
     with open(run_dir / "metrics.csv", newline="") as f:

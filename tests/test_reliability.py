@@ -148,11 +148,37 @@ def test_an_unparsable_rank_error_file_is_not_a_traceback(tmp_path):
     assert records == []
 
 
-def test_preflight_checks_the_run_dir_is_writable(tmp_path):
+def test_preflight_checks_the_run_dir_is_writable(tmp_path, caplog):
+    """The run dir and its checkpoints/ are checked before any rank (a checkpoints/
+    that is a file was found by the save after training); a damaged summary.json is
+    kept aside at the start, said in one line (it was found at the end, and replaced)."""
+    import logging
+
+    from src.observe.attempts import set_aside_damaged_summary
+
     preflight(str(tmp_path))
     (tmp_path / "a.txt").write_text("")
     with pytest.raises(ConfigError, match="hydra.run.dir: .* is not writable"):
         preflight(str(tmp_path / "a.txt"))
+    (tmp_path / "checkpoints").write_text("")
+    with pytest.raises(ConfigError) as err:
+        preflight(str(tmp_path))
+    assert str(err.value) == (
+        f"hydra.run.dir: {tmp_path}/checkpoints is not writable: it is not a "
+        "directory (a save writes step_N dirs there)"
+    )
+    (tmp_path / "summary.json").write_text('{"steps": 4, "attempts": [')
+    with caplog.at_level(logging.WARNING, logger="src.observe.attempts"):
+        set_aside_damaged_summary(tmp_path)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"{tmp_path}/summary.json is damaged (")
+    assert line.endswith(
+        f"kept as {tmp_path}/summary.json.damaged-1; this run's summary leaves out "
+        "the attempts it recorded"
+    )
+    assert not (tmp_path / "summary.json").exists()
+    assert (tmp_path / "summary.json.damaged-1").read_text().endswith("[")
+    set_aside_damaged_summary(tmp_path)  # none: nothing to do
 
 
 def test_rows_past_the_resumed_step_are_dropped(tmp_path):
@@ -160,7 +186,7 @@ def test_rows_past_the_resumed_step_are_dropped(tmp_path):
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo'
     (tmp_path / METRICS_FILE).write_text(text)
     logger = Logger.files(tmp_path)
-    assert logger.drop_rows_after(3) == 3  # steps 4, 5 and the torn line
+    assert logger.drop_rows_after(3) == {METRICS_FILE: 3}  # 4, 5, the torn line
     logger.log({"loss": 4.5}, step=4)
     logger.finish(0)
     steps = [json.loads(r)["step"] for r in (tmp_path / METRICS_FILE).open()]
@@ -216,6 +242,8 @@ def test_no_run_bigger_than_the_machine(tmp_path):
     assert "no change of sharding, precision or pipeline fits" in line
     assert line.endswith("set trainer.memory_check=false to start it anyway")
     assert not (tmp_path / "big" / "checkpoints").exists()
+    # nothing is written into a run dir before the run is admitted (it left data.json)
+    assert not (tmp_path / "big" / "data.json").exists()
 
     def check(*overrides: str, ranks: int) -> None:
         cfg = compose_config("model=tiny", "trainer.grad_accum=1", *overrides)

@@ -217,7 +217,7 @@ def test_metrics_jsonl_has_one_row_per_step(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 2, "lr": 0.1}\n{"step": 3, "loss": 1.0}\n{"st')
     sink = FileSink(tmp_path)
-    assert sink.drop_rows_after(2) == 3
+    assert sink.drop_rows_after(2) == {"metrics.jsonl": 2}  # step 3, the torn row
     sink.log({"init_peak_mem_gib": 0.5}, step=2)  # a resume's first row, at its step
     sink.log({"loss": 1.1}, step=3)
     sink.finish(0)
@@ -945,3 +945,43 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
         "trained with (SHA-256 "
     )
     assert len(forged.stderr.splitlines()) == 1
+
+
+def test_a_recorded_config_is_data_checked_where_it_is_read(run_dir):
+    """Issue 48: a forged meta.json's config is refused before any rank, naming the
+    file (it named only the key; a value of the wrong kind was a TypeError traceback);
+    an error of the command line's own change names no file; a path inside a run
+    that is not one of its checkpoints is not read with that run's config (eval.py
+    filed a nested run's score in the parent's eval.json)."""
+    from src.runs.from_run import find_run
+
+    meta = run_dir / "checkpoints" / "step_00000004" / META
+    record = json.loads(meta.read_text())
+    for section, key, value, error in [
+        ("model", "n_layer", -3, "model.n_layer: must be a positive integer, got -3"),
+        ("trainer", "lr", "abc", f"trainer.resume: {meta} records a config that"),
+    ]:
+        forged = json.loads(json.dumps(record))
+        forged["extra"]["config"][section][key] = value
+        meta.write_text(json.dumps(forged))
+        with pytest.raises(ConfigError) as err:
+            _resume(run_dir, "trainer.resume=auto")
+        assert str(err.value).startswith(error), err.value
+        assert str(meta) in str(err.value)
+    meta.write_text(json.dumps(record))
+    with pytest.raises(ConfigError) as err:
+        _resume(run_dir, "trainer.resume=auto", "trainer.lr=-1")
+    assert str(err.value) == "trainer.lr: got -1.0, expected > 0"
+
+    nested = run_dir / "sub" / "checkpoints" / "step_00000001"
+    nested.mkdir(parents=True)
+    (nested / "COMPLETE").write_text("")
+    for path in (run_dir / "sub", nested):
+        with pytest.raises(ConfigError) as err:
+            find_run(str(path))
+        assert str(err.value) == (
+            f"run: {path} is inside the run {run_dir} (the nearest dir above it with "
+            "a .hydra/config.yaml) but not one of its checkpoints: it would be read "
+            "with that run's config and its records would go there; give the run "
+            "dir of train.py that saved it"
+        )

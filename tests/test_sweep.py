@@ -146,35 +146,40 @@ def test_multirun_summary_table_plot_and_one_wandb_run_per_job(tmp_path):
 @pytest.mark.slow
 def test_a_failed_job_is_a_row_and_the_others_still_run(tmp_path):
     """2 ranks per job. batch_size=3 fails config validation on 2 ranks (sys.exit(2)
-    in the job); num_tokens=20 passes it and fails when the data is prepared, before
-    any rank starts (its training split is shorter than a window; it failed inside
-    the ranks). Both used to end the multirun."""
+    in the job, before any rank starts); lr=1e30 passes every check and fails inside
+    the ranks, mid-job: its loss is not finite at step 2 (a rank's failure, reported
+    by the launcher in one line). Both used to end the multirun."""
     sweep = tmp_path / "sweep"
     out = multirun(
         sweep,
         "trainer.devices=2",
         "trainer.batch_size=3,4",
-        "data.num_tokens=20,50000",
+        "trainer.lr=1e-3,1e30",
         "logger=none",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_csv(sweep / "sweep_summary.csv")
-    got = {(r["trainer.batch_size"], r["data.num_tokens"]): r for r in rows}
-    assert sorted(got) == [("3", "20"), ("3", "50000"), ("4", "20"), ("4", "50000")]
-    for key in (("3", "20"), ("3", "50000")):
+    got = {(r["trainer.batch_size"], r["trainer.lr"]): r for r in rows}
+    assert sorted(got) == [
+        ("3", "0.001"),
+        ("3", "1e+30"),
+        ("4", "0.001"),
+        ("4", "1e+30"),
+    ]
+    for key in (("3", "0.001"), ("3", "1e+30")):
         assert got[key]["status"] == "failed"
         assert got[key]["error"].startswith("config error: trainer.batch_size: 3 ")
-    short = got[("4", "20")]
-    assert short["status"] == "failed" and short["tokens_per_s"] == ""
-    assert short["error"].startswith(
-        "config error: data.num_tokens: the training split has 19 tokens, fewer than "
-        "one window"
-    )
-    ok = got[("4", "50000")]
+    blown = got[("4", "1e+30")]
+    assert blown["status"] == "failed" and blown["tokens_per_s"] == ""
+    assert blown["error"].startswith("error: non-finite loss"), blown["error"]
+    assert "at step" in blown["error"]
+    trained = (sweep / "3" / "metrics.jsonl").read_text().splitlines()
+    assert 1 in [json.loads(r)["step"] for r in trained]  # mid-job: step 1 logged
+    ok = got[("4", "0.001")]
     assert ok["status"] == "completed" and ok["best"] == "True"
     assert float(ok["tokens_per_s"]) > 0 and int(ok["wrap_units"]) >= 1
     md = (sweep / "sweep_summary.md").read_text()
-    assert md.count("| failed |") == 3 and "split has 19 tokens" in md
+    assert md.count("| failed |") == 3 and "non-finite loss" in md
     assert png_size(sweep / "sweep_summary.png")[0] > 400
     assert not (sweep / "wandb").exists()  # logger=none: no summary run either
 

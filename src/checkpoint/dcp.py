@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import pickle
@@ -52,7 +53,9 @@ from src.checkpoint.folders import (
     _OLD_PREFIX,
     _TMP_PREFIX,
     MARKER,
+    META,
     complete_checkpoints,
+    deleting,
     drop_partial,
     is_complete,
     step_of,
@@ -79,6 +82,8 @@ from src.checkpoint.ranks import (
 )
 from src.checkpoint.rng import RNG_DIR, _read_rng, _rng_file, _rng_state, _set_rng_state
 from src.checkpoint.values import _from_json, _split, json_like
+
+log = logging.getLogger(__name__)
 
 #: What a checkpoint that does not match the model advises by default.
 RESUME_HINT = "resume with the model config it was saved with"
@@ -368,9 +373,13 @@ class Checkpointer:
                 if path.is_symlink():  # the link goes, never what it points to
                     path.unlink()
                     continue
-                # Unmark first so a crash mid-delete leaves an ignored dir.
-                (path / MARKER).unlink()
-                shutil.rmtree(path)
+                with deleting(path) as free:
+                    if not free:  # pruned at a later save, once the reader ends
+                        log.info("keep_last: %s kept for now: it is being read", path)
+                        continue
+                    # Unmark first so a crash mid-delete leaves an ignored dir.
+                    (path / MARKER).unlink()
+                    shutil.rmtree(path)
 
     def verify(self, path: str | Path) -> str | None:
         """Why the checkpoint at ``path`` is damaged, or None if it is intact: its
@@ -591,6 +600,11 @@ def _saved_scheduler(meta: dict, scheduler: Any) -> dict:
         raise _Damaged("it holds no scheduler state")
     live = scheduler.state_dict()
     saved = {k: v for k, v in meta["scheduler"].items() if k in live}
+    # The public entries are what load_state_dict reads (torch's private ones vary
+    # with its version): one missing was a KeyError in the ranks, naming no file.
+    missing = [k for k in live if not k.startswith("_") and k not in saved]
+    if missing:
+        raise _Damaged(f"{META}: scheduler has no {missing[0]!r}")
     return json_like(saved, live, "scheduler", partial=True)
 
 

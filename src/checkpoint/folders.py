@@ -18,10 +18,12 @@ the new one takes its place (:func:`drop_partial` puts it back if the save stopp
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from src.checkpoint.damage import CheckpointError
@@ -60,6 +62,64 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
         return []
     found = [p for p in directory.iterdir() if p.is_dir() and is_complete(p)]
     return sorted(found, key=step_of)
+
+
+#: descriptors of the checkpoints this process reads (:func:`hold`)
+_held: list[int] = []
+
+
+def hold(path: str | Path) -> bool:
+    """Hold the checkpoint at ``path`` for reading until this process ends, or the
+    :func:`reading` it is in does (sample.py, eval.py): a shared ``flock`` on its directory, so ``trainer.keep_last`` pruning
+    by a live run leaves it in place (:func:`deleting`). False when it is no longer a
+    complete checkpoint (pruned before the hold was taken): pick again."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):  # a file system without flock: unguarded
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a prune under way
+    if not is_complete(path):
+        os.close(fd)
+        return False
+    _held.append(fd)
+    return True
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """The holds (:func:`hold`) taken inside it are released at its end: a command's
+    reading of a run (sample.py, eval.py), also when it runs in a longer process."""
+    start = len(_held)
+    try:
+        yield
+    finally:
+        while len(_held) > start:
+            os.close(_held.pop())
+
+
+@contextlib.contextmanager
+def deleting(path: Path) -> Iterator[bool]:
+    """Whether the checkpoint at ``path`` may be deleted now (no reader holds it:
+    :func:`hold`); held exclusively while the caller deletes it, so a reader that
+    comes meanwhile waits and then finds it gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield True
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield False
+        return
+    except OSError:  # a file system without flock: no reader is known
+        pass
+    try:
+        yield True
+    finally:
+        os.close(fd)
 
 
 def drop_partial(directory: str | Path) -> list[Path]:

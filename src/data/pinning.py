@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from src.util import atomic_path, read_json_object
+from src.util import atomic_path, read_json_object, write_json_atomic
 
 #: In the run dir: what the run's tokens were made from.
 DATA_RECORD = "data.json"
@@ -46,19 +46,35 @@ class DataPin:
     eos_token: str | None
 
 
-def pin_fields(run_dir: str, tokenizer: Any, corpus: dict) -> dict:
-    """Write the run's tokenizer into ``run_dir`` (``tokenizer``: the
-    :class:`~src.data.tokenizer.Tokenizer` its tokens were made with) and return
-    what ``data.json`` records of the pin (``corpus``: the corpus fingerprint)."""
-    fields: dict[str, Any] = {"corpus": corpus, "tokenizer_sha256": None}
-    fields["eos_token"] = None
+@dataclass(frozen=True)
+class DataRecord:
+    """What a run records of its data (``data.json``'s fields) and the tokenizer it
+    keeps (its ``tokenizers`` JSON; None for ``byte``): made by ``prepare_data``,
+    written by :meth:`write` only once the run is admitted (its lock held, every
+    check before its ranks passed), so a refused command leaves no trace."""
+
+    fields: dict
+    tokenizer_text: str | None
+
+    def write(self, run_dir: str | os.PathLike) -> None:
+        """Write ``tokenizer.json`` (if any), then ``data.json``, into ``run_dir``."""
+        if self.tokenizer_text is not None:
+            with atomic_path(os.path.join(run_dir, RUN_TOKENIZER)) as tmp:
+                tmp.write_text(self.tokenizer_text)
+        write_json_atomic(os.path.join(run_dir, DATA_RECORD), self.fields)
+
+
+def data_record(fields: dict, tokenizer: Any, corpus: dict) -> DataRecord:
+    """The run's :class:`DataRecord`: ``fields`` with the pin (``tokenizer``: the
+    :class:`~src.data.tokenizer.Tokenizer` its tokens were made with; ``corpus``:
+    the corpus fingerprint)."""
+    fields = {**fields, "corpus": corpus, "tokenizer_sha256": None, "eos_token": None}
+    text = None
     if tokenizer.hf is not None:
         text = tokenizer.hf.to_str()
-        with atomic_path(os.path.join(run_dir, RUN_TOKENIZER)) as tmp:
-            tmp.write_text(text)
         fields["tokenizer_sha256"] = hashlib.sha256(text.encode()).hexdigest()
         fields["eos_token"] = tokenizer.hf.id_to_token(tokenizer.eos_id)
-    return fields
+    return DataRecord(fields, text)
 
 
 def read_pin(run_dir: str | os.PathLike) -> DataPin | None:

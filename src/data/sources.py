@@ -24,7 +24,6 @@ results whatever the number of ranks, and resuming needs only the step.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,13 +41,12 @@ from src.data.mixture import (
     normalised,
     source_names,
 )
-from src.data.pinning import DATA_RECORD, DataPin, data_changes, pin_fields
+from src.data.pinning import DataPin, data_changes, data_record
 from src.data.token_cache import SPLITS, token_cache
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 from src.errors import ConfigError
 from src.registry import Registry, described, no_check, or_list
 from src.resolved import Resolved
-from src.util import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +112,14 @@ def prepare_data(
     data_cfg: Any,
     verbose: bool = True,
     progress: bool = True,
-    run_dir: str | None = None,
+    record: bool = False,
     pin: DataPin | None = None,
 ) -> dict | None:
     """Build (or find) the token cache of a text/files source, in the launcher before
     any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``, ``formats``,
     ``tokenizer_file``...), or None for the sources without a tokenizer. With
-    ``run_dir``, records it there and pins it to the run (:data:`DATA_RECORD`,
-    src/data/pinning.py). With ``pin`` (a resume's), a corpus that differs from the
+    ``record``, its ``record`` is what the run dir keeps of it, to be written once
+    the run is admitted (:class:`~src.data.pinning.DataRecord`: ``data.json``). With ``pin`` (a resume's), a corpus that differs from the
     run's is a one-line ``CorpusError`` naming the files, before anything is built.
     Bad input raises a one-line ``ConfigError``."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
@@ -150,19 +148,18 @@ def prepare_data(
             sum(counts.values()),
             ", ".join(f"{n} {fmt}" for fmt, n in counts.items()),
         )
-    if run_dir is not None:
-        record = {
+    if record:
+        fields = {
             "paths": OmegaConf.to_container(data_cfg, resolve=True)["paths"],
             "files": counts,
             "tokenizer": str(data_cfg.tokenizer),
             "tokenizer_file": meta["tokenizer_file"],
             "token_cache": meta["token_cache"],
             **{k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens")},
-            **pin_fields(run_dir, tokenizer, fingerprint),
         }
         if "mix" in meta:
-            record["mix"] = meta["mix"]
-        write_json_atomic(os.path.join(run_dir, DATA_RECORD), record)
+            fields["mix"] = meta["mix"]
+        meta = {**meta, "record": data_record(fields, tokenizer, fingerprint)}
     return meta
 
 

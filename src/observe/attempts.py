@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from src.observe.loggers import SUMMARY_FILE
-from src.util import read_json
+from src.util import keep_aside, read_json
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,27 @@ _MEASURED = {
 }
 
 
+def set_aside_damaged_summary(run_dir: str | Path) -> None:
+    """At a run's start (once admitted): a ``summary.json`` there that is not one
+    (not a JSON object, or its attempts not records) is kept aside as
+    ``summary.json.damaged-N``, said in one line, before any step; it was found at
+    the run's end, and replaced."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.is_file():
+        return
+    try:
+        _recorded_attempts(path)
+    except (OSError, ValueError) as exc:
+        aside = keep_aside(path)
+        log.warning(
+            "%s is damaged (%s): kept as %s; this run's summary leaves out the "
+            "attempts it recorded",
+            path,
+            exc,
+            aside,
+        )
+
+
 def earlier_attempts(run_dir: str | Path, start_step: int) -> list[dict[str, Any]]:
     """The attempts the run dir's summary.json records that started before
     ``start_step`` (the step this attempt resumes from); [] for a fresh start, or a
@@ -40,14 +61,20 @@ def earlier_attempts(run_dir: str | Path, start_step: int) -> list[dict[str, Any
     if start_step == 0 or not path.is_file():
         return []
     try:
-        summary = read_json(path)
-        records = summary.get(ATTEMPTS, []) if isinstance(summary, dict) else None
-        if not isinstance(records, list) or not all(_valid(r) for r in records):
-            raise ValueError(f"{ATTEMPTS!r} is not a list of attempt records")
+        records = _recorded_attempts(path)
     except (OSError, ValueError) as exc:
         log.warning("%s: earlier attempts left out of the summary (%s)", path, exc)
         return []
     return [r for r in records if r["start_step"] < start_step]
+
+
+def _recorded_attempts(path: Path) -> list[dict[str, Any]]:
+    """The attempts the summary at ``path`` records; ValueError if it is damaged."""
+    summary = read_json(path)
+    records = summary.get(ATTEMPTS, []) if isinstance(summary, dict) else None
+    if not isinstance(records, list) or not all(_valid(r) for r in records):
+        raise ValueError(f"{ATTEMPTS!r} is not a list of attempt records")
+    return records
 
 
 def _valid(record: Any) -> bool:
@@ -84,7 +111,9 @@ def run_figures(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     out["step_time_s"] = seconds / sum(a["measured_steps"] for a in measured)
     with_mfu = [a for a in measured if "mfu" in a]
     sound = [a for a in with_mfu if not a.get("probe_contended")] or with_mfu
-    if sound:
+    if len(sound) == 1:  # its own figure, not m * s / s (a rounding away from it)
+        out["mfu"] = sound[0]["mfu"]
+    elif sound:
         weight = sum(a["measured_s"] for a in sound)
         out["mfu"] = sum(a["mfu"] * a["measured_s"] for a in sound) / weight
     return out

@@ -23,6 +23,8 @@ from src.observe.loggers import (
     LoggerConfig,
     LoggerOption,
     Sink,
+    rows_past,
+    set_aside_damaged,
 )
 from src.registry import described
 from src.util import atomic_path, plural
@@ -71,12 +73,16 @@ class CsvSink(Sink):
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, self.columns).writerow(row)
 
-    def drop_rows_after(self, step: int) -> int:
+    def drop_rows_after(self, step: int) -> dict[str, int]:
+        steps = [_step(r) for r in self.rows]
+        damaged = sum(s == math.inf for s in steps[:-1])
+        set_aside_damaged(self.path, damaged, "a row with a numeric step")
+        past = rows_past(step, steps)
         kept = [r for r in self.rows if _step(r) <= step]
-        dropped, self.rows = len(self.rows) - len(kept), kept
-        if dropped:
+        if len(kept) != len(self.rows):
+            self.rows = kept
             self._rewrite()
-        return dropped
+        return {self.path.name: past} if past else {}
 
     def set_aside_after(self, step: int, directory: Path) -> list[str]:
         later = [r for r in self.rows if _step(r) > step]

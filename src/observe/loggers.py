@@ -75,9 +75,10 @@ class Sink:
     def finish(self, exit_code: int) -> None:
         """The run ended (``exit_code`` != 0: it failed)."""
 
-    def drop_rows_after(self, step: int) -> int:
-        """Forget rows logged past ``step``, if the sink can; returns how many."""
-        return 0
+    def drop_rows_after(self, step: int) -> dict[str, int]:
+        """Forget rows logged past ``step``, if the sink can; returns how many, by
+        the name of the file they were in."""
+        return {}
 
     def set_aside_after(self, step: int, directory: Path) -> list[str]:
         """Move what this sink keeps in the run dir of the steps past ``step`` (rows,
@@ -85,6 +86,29 @@ class Sink:
         resume that branches at ``step`` (src/runs/branches.py). Returns what moved,
         in words (``metrics.jsonl: 4 rows``)."""
         return []
+
+
+def rows_past(step: int, steps: list[float]) -> int:
+    """How many of a file's rows (their ``steps``, in order; a row with none is
+    ``inf``) an interrupted run logged past ``step``: those past it, and a last row
+    cut short (a damaged row elsewhere is not the run's, and is said apart)."""
+    past = sum(step < s < math.inf for s in steps)
+    return past + (bool(steps) and steps[-1] == math.inf)
+
+
+def set_aside_damaged(path: Path, damaged: int, what: str) -> None:
+    """Keep a copy of the rows file ``path`` as it was when ``damaged`` of its rows
+    (not the last: a row cut short) are not ``what`` a row is, and say so: they are
+    dropped."""
+    if damaged:
+        aside = keep_aside(path, copy=True)
+        log.warning(
+            "%s: %d damaged row(s) (not %s) dropped; the file as it was is kept as %s",
+            path,
+            damaged,
+            what,
+            aside.name,
+        )
 
 
 class FileSink(Sink):
@@ -113,25 +137,19 @@ class FileSink(Sink):
     def log_summary(self, summary: dict) -> None:
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
 
-    def drop_rows_after(self, step: int) -> int:
+    def drop_rows_after(self, step: int) -> dict[str, int]:
         # Rows cut short by a crash (no step) go too; rows of one step are merged
         # (files written before rows were), and a row logged next at the last kept
         # step is merged into it.
         path = self.run_dir / METRICS_FILE
         if not path.is_file():  # a device or a link to one (/dev/full): no rows to read
-            return 0
+            return {}
         self._jsonl.close()
         lines = path.read_bytes().splitlines(keepends=True)
         damaged = sum(_row_step(r) == math.inf for r in lines[:-1])
-        if damaged:  # not a row cut short at the end: keep the file as it was
-            aside = keep_aside(path, copy=True)
-            log.warning(
-                "%s: %d damaged row(s) (not UTF-8 JSON with a step) dropped; the "
-                "file as it was is kept as %s",
-                path,
-                damaged,
-                aside.name,
-            )
+        past = rows_past(step, [_row_step(r) for r in lines])
+        # not a row cut short at the end
+        set_aside_damaged(path, damaged, "UTF-8 JSON with a step")
         rows: dict[Any, dict] = {}
         for line in lines:
             if _row_step(line) <= step:
@@ -154,7 +172,7 @@ class FileSink(Sink):
                 {k: v for k, v in last.items() if k != "step"},
                 offset,
             )
-        return len(lines) - len(kept)
+        return {METRICS_FILE: past} if past else {}
 
     def set_aside_after(self, step: int, directory: Path) -> list[str]:
         # The branch's copy first: a kill before the rewrite leaves the rows in both
@@ -431,10 +449,14 @@ class Logger:
         for sink in self.sinks:
             sink.begin(resumed)
 
-    def drop_rows_after(self, step: int) -> int:
+    def drop_rows_after(self, step: int) -> dict[str, int]:
         """Before a resume from ``step``: drop the rows the interrupted run logged
-        past it, where a sink can (metrics.jsonl); returns how many."""
-        return sum(sink.drop_rows_after(step) for sink in self.sinks)
+        past it, where a sink can (metrics.jsonl, metrics.csv); returns how many in
+        each file (rows set aside as damaged are said apart, and not counted)."""
+        dropped: dict[str, int] = {}
+        for sink in self.sinks:
+            dropped.update(sink.drop_rows_after(step))
+        return dropped
 
     def set_aside_after(self, step: int, directory: str | os.PathLike) -> list[str]:
         """A resume branches at ``step``: each sink's rows past it (and the summary)

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +77,15 @@ class RankFilter(logging.Filter):
 
 _SRC = Path(__file__).resolve().parents[1]  # the project's code: src/
 _python_format = warnings.formatwarning
+
+
+def rank_bars_lock() -> None:
+    """In a rank: tqdm's output lock a thread lock. Its default adds a
+    multiprocessing semaphore, created by each rank on its first line, which a rank
+    that is killed (its peers too, when one fails) leaves to the resource tracker:
+    ``There appear to be N leaked semaphore objects`` after the failure's line. A
+    rank's bars and lines are its own: no other process shares that lock."""
+    tqdm.set_lock(threading.RLock())
 
 
 def format_warning(message, category, filename, lineno, line=None) -> str:

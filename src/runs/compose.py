@@ -7,9 +7,10 @@ line's word (:func:`refuse_recorded_code`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from src.checkpoint.folders import resolve_resume, run_checkpoints
+from src.checkpoint.folders import META, resolve_resume, run_checkpoints
 from src.cli_help import CONF_DIR
 from src.config.validate import validate
 from src.data.pinning import pinned_data, read_pin
@@ -68,6 +69,31 @@ def refuse_recorded_code(cfg: DictConfig, where: str, key: str, given: bool) -> 
         f"in {directory}; a recorded config is data and runs no code on its own "
         f"word: give {key}=true on the command line to run it",
     )
+
+
+@contextlib.contextmanager
+def read_as_recorded(source: Path, given: set[str], key: str) -> Iterator[None]:
+    """Checks of a config read from ``source`` (a checkpoint's meta.json, a run's
+    record: data, maybe forged): a ConfigError on a key the command line did not set
+    (``given``) names ``source``, whose value it is; any other error there (a value
+    of a kind the schema cannot take) is a ConfigError on ``key`` naming it."""
+    try:
+        yield
+    except ConfigError as err:
+        if err.key in given or str(source.parent) in err.message:
+            raise
+        raise ConfigError(err.key, f"{err.message} (as {source} records it)") from None
+    except (TypeError, ValueError, AttributeError, KeyError, OmegaConfBaseException):
+        raise ConfigError(
+            key,
+            f"{source} records a config that does not have the schema's kinds of "
+            "value (a damaged or forged record); "
+            + (
+                "train another in a new hydra.run.dir"
+                if key.startswith("trainer.")
+                else "give a run whose record is its own"
+            ),
+        ) from None
 
 
 def compose_run(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
@@ -167,25 +193,23 @@ def resume_config(
     )
     changes["trainer.resume"] = cfg.trainer.resume
     where = f"checkpoint {checkpoint}" if saved is not None else f"{run_dir}/{RECORD}"
-    refuse_recorded_code(
-        base,
-        where,
-        "model.trust_remote_code",
-        changes.get("model.trust_remote_code") is True,
-    )
-    new = resumed_with(base, changes)
-    changed = differences(base, new)
+    source = checkpoint / META if saved is not None else Path(run_dir) / RUN_CONFIG
+    with read_as_recorded(source, set(changes), "trainer.resume"):
+        refuse_recorded_code(
+            base,
+            where,
+            "model.trust_remote_code",
+            changes.get("model.trust_remote_code") is True,
+        )
+        new = resumed_with(base, changes)
+        changed = differences(base, new)
+        validate(new)  # before the ranks, which would fail on a forged value
     if checkpoint is not None:
         _refuse_changes(changed, new, checkpoint, where)
     _timeline(new, run_dir, checkpoint)  # Completed: nothing to train
     if changed:
-        source = "its checkpoint's" if saved is not None else "its recorded"
-        log.info(
-            "resuming %s with %d change(s) to %s config:",
-            run_dir,
-            len(changed),
-            source,
-        )
+        n, whose = len(changed), "checkpoint's" if saved is not None else "recorded"
+        log.info("resuming %s with %d change(s) to its %s config:", run_dir, n, whose)
     for key, before, after in changed:
         log.info("  %s: %r -> %r", key, before, after)
     if attempt == RECORD:  # this attempt's own record: the config it trains with
@@ -305,11 +329,15 @@ def open_run(
     saved = checkpoint_config(checkpoint)  # a resume may have changed the record's
     cfg = compose_run(cfg if saved is None else OmegaConf.create(saved), overrides)
     where = f"checkpoint {checkpoint}" if saved else f"{run_dir}/{RUN_CONFIG}"
-    refuse_recorded_code(cfg, where, "trust_remote_code", trust_remote_code)
-    # the run's own tokenizer file (a BPE never trained again, no corpus needed)
-    cfg.data = pinned_data(cfg.data, keyed("run", read_pin, run_dir))
-    cfg = with_changes(cfg, changes(cfg))
-    resolved = validate(cfg)
+    source = checkpoint / META if saved else run_dir / RUN_CONFIG
+    with read_as_recorded(source, {"trust_remote_code"}, "run"):
+        refuse_recorded_code(cfg, where, "trust_remote_code", trust_remote_code)
+        # the run's own tokenizer file (a BPE never trained again, no corpus needed)
+        cfg.data = pinned_data(cfg.data, keyed("run", read_pin, run_dir))
+        given = changes(cfg)
+    cfg = with_changes(cfg, given)
+    with read_as_recorded(source, set(given), "run"):
+        resolved = validate(cfg)
     first = ("run", str(run_dir), record) if record else None
     check_writable(cfg, first, wandb=record is not None)
     cfg, resolved = prepare(cfg, resolved, override_keys(overrides), splits=splits)

@@ -32,6 +32,7 @@ from src.checkpoint.damage import CheckpointError
 from src.checkpoint.dcp import Checkpointer, best_checkpoints
 from src.checkpoint.folders import (
     complete_checkpoints,
+    hold,
     resolve_resume,
     run_checkpoints,
     step_of,
@@ -40,6 +41,7 @@ from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError, keyed
 from src.resolved import Resolved
+from src.runs.branches import BRANCHES
 from src.runs.resume import RECORD, recorded_config
 from src.sharding import Backend
 from src.trainer.launch import run_ranks
@@ -67,16 +69,34 @@ def find_run(path: str, key: str = "run", ckpt: str = "latest") -> tuple[Path, P
             "train.py (hydra.run.dir), or a checkpoint in one",
         )
     directory = run_checkpoints(run_dir)
+    inside = (directory, run_dir / BRANCHES)  # the run's checkpoints, and set aside
+    nested = where != run_dir and not any(where.is_relative_to(d) for d in inside)
+    if nested and where.exists():
+        raise ConfigError(
+            key,
+            f"{path} is inside the run {run_dir} (the nearest dir above it with a "
+            f"{RUN_CONFIG}) but not one of its checkpoints: it would be read with "
+            f"that run's config and its records would go there; give the run dir of "
+            "train.py that saved it",
+        )
     if ckpt == "best":
         return run_dir, best_of(where, directory)
-    try:
-        checkpoint = resolve_resume(
-            str(where), directory, Checkpointer(directory).verify, _skipped
-        )
-    except FileNotFoundError:
-        checkpoint = None
-    except CheckpointError as err:  # every checkpoint there damaged or forged
-        raise ConfigError(key, f"{path}: {err}") from None
+    verify, checkpoint = _held_and(Checkpointer(directory).verify), None
+    for _ in range(_PICKS):  # a live run's keep_last may prune the one picked
+        try:
+            checkpoint = resolve_resume(str(where), directory, verify, _skipped)
+        except FileNotFoundError:
+            checkpoint = None
+        except CheckpointError as err:  # every checkpoint there damaged or forged
+            raise ConfigError(key, f"{path}: {err}") from None
+        except _Pruned as gone:
+            log.warning(
+                "checkpoint %s was deleted by its live run (trainer.keep_last) as it "
+                "was opened; taking the newest one again",
+                gone,
+            )
+            continue
+        break
     if checkpoint is None:
         raise ConfigError(
             key,
@@ -84,6 +104,27 @@ def find_run(path: str, key: str = "run", ckpt: str = "latest") -> tuple[Path, P
             "step's unless trainer.ckpt_final=false; trainer.ckpt_every=N saves more)",
         )
     return run_dir, checkpoint
+
+
+#: how many times a pick pruned under the reader is made again
+_PICKS = 5
+
+
+class _Pruned(Exception):
+    """The checkpoint picked was deleted before this process held it."""
+
+
+def _held_and(verify: Any) -> Any:
+    """``verify``, after the checkpoint is held for this process's reading (a live
+    run's pruning leaves it in place: ``folders.hold``); raises :class:`_Pruned` if
+    it went before it was held."""
+
+    def held_and_verified(path: Path) -> str | None:
+        if not hold(path):
+            raise _Pruned(path)
+        return verify(path)
+
+    return held_and_verified
 
 
 def best_of(where: Path, directory: Path) -> Path:
@@ -96,7 +137,7 @@ def best_of(where: Path, directory: Path) -> Path:
         )
     verify = Checkpointer(directory).verify
     for _, path in best_checkpoints(directory, len(complete_checkpoints(directory))):
-        if verify(path) is None:
+        if hold(path) and verify(path) is None:
             return path
     raise ConfigError(
         "ckpt",

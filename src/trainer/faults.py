@@ -374,6 +374,34 @@ def stop_at_once(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+_late = 0  # a stop signal that came once the run had completed
+
+
+def finished_anyway(signum: int) -> None:
+    """``signum`` came once the run's last step had passed: the run is complete and
+    kept as one (exit 0, a requeue handler is not called); said in one line, and
+    remembered (:func:`late_stop`): a multirun starts no further job."""
+    global _late
+    log.info(
+        "%s arrived as the run finished; nothing was stopped",
+        signal.Signals(signum).name,
+    )
+    _late = _late or signum
+
+
+def after_the_run() -> None:
+    """Once the run has completed, a stop signal until the command ends (or its next
+    job starts) is :func:`finished_anyway`: it was the before-start handler's
+    ``stopped ... before the first step`` and a traceback from wherever it landed."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: finished_anyway(signum))
+
+
+def late_stop() -> int:
+    """The stop signal that came after a run completed in this process (0: none)."""
+    return _late
+
+
 def stop_before_start() -> None:
     """Until the ranks start (or a :class:`StopRequest` takes over), a stop signal
     ends the command at once with one line: nothing has trained, nothing is lost."""
@@ -444,9 +472,12 @@ def _told() -> int:
         return 0
 
 
+_LAUNCHER = ("prepare", "finished")  # the points the launcher passes, not rank 1
+
+
 def signal_point(name: str, step: int | None = None) -> None:
     """Test hook (:data:`SIGNAL_AT_ENV`): at the named point (of ``step``, if given),
-    rank 1 (the launcher for ``prepare``) sends the signal the variable names, once:
+    rank 1 (the launcher for ``prepare`` and ``finished``) sends the signal the variable names, once:
     to its whole process group, as a Ctrl-C in the terminal does; to itself; or to
     the launcher, then waits until the launcher has told the ranks, so the stop lands
     in this step. Nothing happens unless the variable names this point, nor in ranks
@@ -457,7 +488,7 @@ def signal_point(name: str, step: int | None = None) -> None:
         point, target, signame = (item.split(":") + ["", ""])[:3]
         if point not in (name, f"{name}{step}") or item in _signalled:
             continue
-        if int(os.environ.get("RANK", -1)) != (-1 if name == "prepare" else 1):
+        if int(os.environ.get("RANK", -1)) != (-1 if name in _LAUNCHER else 1):
             return
         _signalled.add(item)
         target = target or "group"

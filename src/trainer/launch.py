@@ -55,11 +55,13 @@ from src.data.sources import (
 )
 from src.entry import die_with_launcher, rank_start_method, stop_rank_server
 from src.errors import ConfigError, RunDirBusy, RunError, Stopped
+from src.observe.attempts import set_aside_damaged_summary
 from src.observe.logs import (
     LogSpec,
     debug_on,
     exit_with_error,
     log_spec,
+    rank_bars_lock,
     rank_logging,
     set_log_level,
 )
@@ -74,8 +76,10 @@ from src.trainer.faults import (
     Heartbeat,
     StopNow,
     StopRequest,
+    after_the_run,
     describe_holder,
     disk_full,
+    finished_anyway,
     full_errors,
     holds,
     named_failures,
@@ -112,7 +116,7 @@ def prepare(
     (what ``validate()`` resolved from ``cfg`` as composed), built again only when
     the model's vocabulary followed the tokenizer, then read by the planner.
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
-    ``run_dir``: where to record what the data was made from (``data.json``);
+    ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
     (default: training's, :func:`training_splits`; none: no data is read, the
     tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data
@@ -135,7 +139,7 @@ def prepare(
             cfg.data,
             _is_rank0(),
             cfg.trainer.progress,
-            run_dir if _is_rank0() else None,
+            run_dir is not None and _is_rank0(),
             pin,
         )
     if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
@@ -175,6 +179,7 @@ def prepare(
         resolved,
         planned_peak_gib=run.planned_peak_gib,
         planned_peak_pp_rank=run.planned_peak_pp_rank,
+        data_record=meta and meta.get("record"),
     )
 
 
@@ -250,12 +255,34 @@ def own_run_dir(run_dir: str) -> Iterator[None]:
         yield
 
 
+def admitted(run_dir: str, resolved: Resolved) -> Resolved:
+    """The run passed every check before its ranks: write what it records of its
+    data into ``run_dir`` (nothing is written there before: a refused command leaves
+    no trace); ``resolved`` without it (the ranks need none of it)."""
+    set_aside_damaged_summary(run_dir)
+    if resolved.data_record is not None:
+        resolved.data_record.write(run_dir)
+    return replace(resolved, data_record=None)
+
+
 def preflight(run_dir: str) -> None:
     """Checks that need no rank (the data is checked by :func:`prepare`): the run dir
-    is writable. Raises ConfigError (one line naming the key)."""
+    is writable, and its ``checkpoints/`` if there is one (a save found it only after
+    training). Raises ConfigError (one line naming the key)."""
     problem = unwritable(run_dir)
     if problem:
         raise ConfigError("hydra.run.dir", f"{run_dir} is not writable: {problem}")
+    checkpoints = run_checkpoints(run_dir)  # what a save would find at the end
+    if checkpoints.exists() or checkpoints.is_symlink():
+        problem = (
+            unwritable(checkpoints)
+            if checkpoints.is_dir()
+            else "it is not a directory (a save writes step_N dirs there)"
+        )
+        if problem:
+            raise ConfigError(
+                "hydra.run.dir", f"{checkpoints} is not writable: {problem}"
+            )
 
 
 def _launch_local(
@@ -279,7 +306,9 @@ def _launch_local(
                 raise
             exit_with_error(log, _in_process_failure(err, run_dir))
         if requested():
-            _finished_anyway(requested())
+            finished_anyway(requested())
+        after_the_run()
+        signal_point("finished")  # a test's signal once the run completed
         return summary
     # Ranks > 0 write to <run_dir>/ranks/...; only rank 0 talks to the console (at
     # debug every rank does, each line prefixed [rank N]).
@@ -297,9 +326,12 @@ def _launch_local(
         try:
             with ranks_start_blocked(run_dir):
                 summaries = _run_local_ranks(config, cfg, run_dir, resolved, spec)
-            return _outcome(summaries.get(0) or {}, run_dir, stop.previous)
+            summary = _outcome(summaries.get(0) or {}, run_dir, stop.previous)
         except StopNow as now:  # the agent has ended the ranks on its way out
             _stopped_at_once(now, run_dir)
+    after_the_run()
+    signal_point("finished")
+    return summary
 
 
 def _run_local_ranks(
@@ -337,7 +369,7 @@ def _outcome(summary: dict, run_dir: str, previous: dict) -> dict[str, Any]:
     if STOPPED in summary:
         _stopped(Stopped(*summary[STOPPED]), run_dir, previous=previous)
     if signum and summary:  # the last step had passed: a complete run, kept as one
-        _finished_anyway(signum)
+        finished_anyway(signum)
     elif signum:  # no rank trained (e.g. the signal came as they started)
         latest = _latest(run_dir)
         stopped = latest and Stopped(signum, step_of(latest), latest)
@@ -374,13 +406,6 @@ def _stopped_at_once(now: StopNow, run_dir: str) -> NoReturn:
     """A second signal: once no rank writes, say what was skipped and exit."""
     log.warning(stopped_at_once(now.signum, run_dir))
     sys.exit(128 + now.signum)
-
-
-def _finished_anyway(signum: int) -> None:
-    log.info(
-        "%s arrived as the run finished; nothing was stopped",
-        signal.Signals(signum).name,
-    )
 
 
 # Seconds the other ranks get to exit after one failed, then again after SIGTERM,
@@ -516,6 +541,7 @@ def _rank_entry(
 ) -> dict[str, Any]:
     # Module level so the spawned ranks can unpickle it.
     die_with_launcher()  # first: a rank never outlives its launcher
+    rank_bars_lock()
     record_rank(run_dir)  # nor is its run dir taken over while it lives
     signal_point("rank_start")
     try:
@@ -666,6 +692,7 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, timeout_s: float, *args: Any)
 def _call_on_rank(fn: Callable[..., Any], timeout_s: float, *args: Any) -> Any:
     # Module level so the spawned ranks can unpickle it.
     die_with_launcher()  # a started rank (in this process: nothing)
+    rank_bars_lock()
     device, heartbeat = init_distributed(timeout_s)
     try:
         if dist.get_rank() != 0:

@@ -273,9 +273,10 @@ class Trainer:
         dropped = self.logger.drop_rows_after(self.start_step)
         if dropped:
             log.info(
-                "metrics.jsonl: dropped %d rows past step %d (logged by the "
-                "interrupted run)",
-                dropped,
+                "%s past step %d (logged by the interrupted run)",
+                ", ".join(
+                    f"{f}: dropped {plural(n, 'row')}" for f, n in dropped.items()
+                ),
                 self.start_step,
             )
 

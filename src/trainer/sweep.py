@@ -39,11 +39,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src.data.sources import DATA_RECORD
+from src.data.pinning import DATA_RECORD
 from src.errors import ConfigError
 from src.observe.metrics import CONTENDED, contended
 from src.schema import OBJECTIVES
-from src.trainer.faults import stopped_by_signal
+from src.trainer.faults import late_stop, stop_before_start, stopped_by_signal
+from src.trainer.sweep_plan import job_number, never_ran, plan_jobs, swept_keys
 from src.util import markdown_table, read_json, read_yaml, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,11 @@ def run_job(
     multirun = is_multirun()
     status_file = Path(run_dir) / STATUS_FILE
     name, direction = objective_of(cfg)
+    if multirun and late_stop():  # it came as the last job completed
+        log.warning("%s", never_ran(late_stop(), job_number()))
+        raise SystemExit(128 + late_stop())
+    if multirun:
+        stop_before_start()  # the last job's run had its own handler
     try:
         over = precheck() if precheck is not None and multirun else None
         if over is not None:
@@ -231,8 +237,11 @@ def run_job(
         summary = None
         if isinstance(err, SystemExit) and err.code in (None, 0):
             pass  # a clean exit is a finished job
-        elif not multirun or stopped_by_signal(err):
-            raise  # a stop signal ends the whole sweep, not just this job
+        elif not multirun:
+            raise
+        elif stopped_by_signal(err):  # it ends the whole sweep, not just this job
+            log.warning("%s", never_ran(err.code - 128, job_number() + 1))
+            raise
         else:
             line = error_line(err)
             if isinstance(err, SystemExit):  # a failed rank's report, or a config error
@@ -284,14 +293,6 @@ def _overrides(job_dir: Path) -> dict[str, str]:
         key, sep, value = str(item).partition("=")
         out[key] = value if sep else ""
     return out
-
-
-def swept_keys(overrides: Sequence[dict[str, str]]) -> list[str]:
-    """The override keys whose value differs between jobs (all of one job's keys if
-    there is a single job or none differ)."""
-    keys = list(dict.fromkeys(k for o in overrides for k in o))
-    varied = [k for k in keys if len({o.get(k) for o in overrides}) > 1]
-    return varied or keys
 
 
 def _job_config(job_dir: Path) -> DictConfig:
@@ -688,6 +689,9 @@ class SweepSummary(Callback):
     def __init__(self, wandb: bool = True, plot: bool = True) -> None:
         self.wandb = wandb
         self.plot = plot
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        plan_jobs(config)
 
     def on_job_end(
         self, config: DictConfig, job_return: JobReturn, **kwargs: Any
