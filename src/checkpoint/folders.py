@@ -70,9 +70,10 @@ _held: list[int] = []
 
 def hold(path: str | Path) -> bool:
     """Hold the checkpoint at ``path`` for reading until this process ends, or the
-    :func:`reading` it is in does (sample.py, eval.py): a shared ``flock`` on its directory, so ``trainer.keep_last`` pruning
-    by a live run leaves it in place (:func:`deleting`). False when it is no longer a
-    complete checkpoint (pruned before the hold was taken): pick again."""
+    :func:`reading` it is in does (sample.py, eval.py): a shared ``flock`` on its
+    directory, so ``trainer.keep_last`` pruning by a live run leaves it in place
+    (:func:`deleting`). False when it is no longer a complete checkpoint (pruned
+    before the hold was taken): pick again."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
