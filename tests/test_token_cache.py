@@ -296,7 +296,7 @@ def test_mixed_formats_are_read_by_extension_and_the_run_records_them(tmp_path, 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     capsys.readouterr()
-    prepare_data(cfg.data, run_dir=str(run_dir))
+    prepare_data(cfg.data, record=True)["record"].write(run_dir)
     out = capsys.readouterr().out
     assert "data ready in " in out
     assert "s: 3 file(s): 1 text, 1 jsonl, 1 parquet" in out
@@ -310,7 +310,7 @@ def test_mixed_formats_are_read_by_extension_and_the_run_records_them(tmp_path, 
         "data.tokenizer=bpe",
         "data.bpe_vocab_size=300",
     )
-    prepare_data(bpe.data, run_dir=str(run_dir))
+    prepare_data(bpe.data, record=True)["record"].write(run_dir)
     record = json.loads((run_dir / "data.json").read_text())
     (trained,) = (tmp_path / "cache").glob("bpe-*.json")
     assert record["tokenizer_file"] == str(trained)

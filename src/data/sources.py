@@ -119,8 +119,9 @@ def prepare_data(
     any rank starts; returns its ``meta`` (``vocab_size``, ``max_id``, ``formats``,
     ``tokenizer_file``...), or None for the sources without a tokenizer. With
     ``record``, its ``record`` is what the run dir keeps of it, to be written once
-    the run is admitted (:class:`~src.data.pinning.DataRecord`: ``data.json``). With ``pin`` (a resume's), a corpus that differs from the
-    run's is a one-line ``CorpusError`` naming the files, before anything is built.
+    the run is admitted (:class:`~src.data.pinning.DataRecord`: ``data.json``).
+    With ``pin`` (a resume's), a corpus that differs from the run's is a one-line
+    ``CorpusError`` naming the files, before anything is built.
     Bad input raises a one-line ``ConfigError``."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
