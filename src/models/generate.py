@@ -1,8 +1,9 @@
 """Autoregressive decoding: a key/value cache for the native families and the
 sampling loop (nanoGPT's ``generate``, with the cache).
 
-A family whose spec sets ``kv_cache`` (GPT, Llama) takes ``forward(idx, cache=cache)``:
-``idx`` holds only the tokens not yet seen, at positions ``cache.pos`` onwards, and
+A family whose spec sets ``kv_cache`` (GPT, Llama) takes ``forward(idx, cache=cache,
+positions=...)``: ``idx`` holds only the tokens not yet seen, at positions
+``cache.pos`` onwards (:meth:`KVCache.positions`, what the loop passes), and
 each attention layer appends their keys and values to its slot of the cache and
 attends over everything cached. Without a cache (``cache=None``, training) the forward
 is the plain causal one, unchanged.
@@ -77,6 +78,10 @@ class KVCache:
             self._layers[layer] = LayerKV(self)
         return self._layers[layer]
 
+    def positions(self, n: int, device: torch.device) -> torch.Tensor:
+        """The positions of ``n`` new tokens: right after the cached ones."""
+        return torch.arange(self.pos, self.pos + n, device=device)
+
     def advance(self, n: int) -> None:
         self.pos += n
 
@@ -132,7 +137,8 @@ def generate(
     new = idx
     for _ in range(max_new_tokens):
         if cache is not None and cache.pos + new.size(1) <= context:
-            logits, _ = model(new, cache=cache)
+            positions = cache.positions(new.size(1), new.device)
+            logits, _ = model(new, cache=cache, positions=positions)
         else:  # no cache, or past the window: the last `context` tokens, recomputed
             cache = None
             logits, _ = model(idx[:, -context:])

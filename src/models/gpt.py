@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.generate import KVCache, LayerKV
+from src.models.decoder import Decoder
+from src.models.generate import LayerKV
 from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
     HFAdapter,
@@ -43,14 +44,14 @@ from src.models.spec import (
     check_tp_divides,
     default_device,
     init_tensor_from,
-    lm_loss,
     materialize,
     name_generator,
     register,
     tie_,
 )
-from src.sharding import context_parallel, wrap
-from src.sharding.pipeline import PipelineLayout, stage_role
+from src.sharding import wrap
+from src.sharding.context_parallel import ContextParallel
+from src.sharding.pipeline import PipelineLayout
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
     FusedHeadsParallel,
@@ -137,7 +138,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerKV | None = None,
+        *,
+        cp: ContextParallel | None = None,
+    ) -> torch.Tensor:
         B, T, C = x.shape
         # q, k, v of this rank's heads: all of them, or n_head / tp under tensor
         # parallelism (the head count is read from the width, never assumed).
@@ -147,7 +154,6 @@ class CausalSelfAttention(nn.Module):
             t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v)
         )
         dropout = self.dropout if self.training else 0.0
-        cp = context_parallel.active()
         if cp is not None:  # this rank's queries over the gathered keys and values
             y = cp.attention(q, k, v, dropout_p=dropout)
         elif cache is None:
@@ -185,13 +191,23 @@ class Block(nn.Module):
             self.mlp = MLP(config)
         materialize({f"h.{index}.": self}, device, _init_, config, seed)
 
-    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerKV | None = None,
+        *,
+        cp: ContextParallel | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, cp=cp)
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(Decoder):
+    """The decoder (src/models/decoder.py) with GPT-2's parts: token and learned
+    position embeddings, :class:`Block` blocks, the final LayerNorm and the head."""
+
     block_cls = Block  # the `block` wrap policy wraps every instance of this class
+    context_key = "model.block_size"
 
     def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
@@ -222,48 +238,19 @@ class GPT(nn.Module):
             tie_(self.lm_head, self.wte)
         return self
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``idx`` (B, T) token ids -> ``(logits (B, T, vocab), loss)``; ``loss`` is the
-        mean cross-entropy over all positions (computed in fp32) when ``targets`` is
-        given (entries equal to -1 are ignored), else None. With a ``cache``
-        (decoding, src/models/generate.py) ``idx`` holds the tokens after the cached
-        ones, at positions ``cache.pos`` onwards."""
-        stage = stage_role(self)  # pipeline parallelism: this model is one stage
-        if stage is not None and not stage.first:
-            x = idx  # the previous stage's hidden states
-        else:
-            start = 0 if cache is None else cache.pos
-            cp = context_parallel.active()
-            T = start + idx.size(1) * (cp.size if cp is not None else 1)
-            if T > self.config.block_size:
-                raise ValueError(
-                    f"sequence length {T} exceeds model.block_size "
-                    f"{self.config.block_size}"
-                )
-            pos = (
-                cp.positions(idx.size(1), idx.device)
-                if cp is not None
-                else torch.arange(start, T, device=idx.device)
-            )
-            x = self.drop(self.wte(idx) + self.wpe(pos))
-        if stage is not None:
-            for block in self.h:
-                x = block(x)
-            return self.lm_head(self.ln_f(x)) if stage.last else x
-        if cache is None:
-            for block in self.h:
-                x = block(x)
-        else:
-            for i, block in enumerate(self.h):
-                x = block(x, cache[i])
-            cache.advance(idx.size(1))
-        logits = self.lm_head(self.ln_f(x))
-        return logits, lm_loss(logits, targets)
+    @property
+    def blocks(self) -> nn.Module:
+        return self.h
+
+    @property
+    def context(self) -> int:
+        return self.config.block_size
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.wte(idx) + self.wpe(positions))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of (unique) parameters; the tied head is counted once. With

@@ -43,8 +43,8 @@ import torch.nn as nn
 
 from src.models import hf_experts, hf_routing
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
-from src.sharding import context_parallel
-from src.sharding.pipeline import PipelineLayout, stage_role
+from src.sharding.context_parallel import ContextParallel
+from src.sharding.pipeline import PipelineLayout, StageRole
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
     Shard,
@@ -404,6 +404,10 @@ class HFCausalLM(nn.Module):
     """A transformers causal LM with the trainer's interface:
     ``forward(idx, targets) -> (logits, loss)`` (targets already shifted, -1 ignored)."""
 
+    #: The pipeline stage this model is (None: the whole model): set on a stage when
+    #: it is cut (``src.sharding.pipeline.cut_stage``), never looked up in forward.
+    pp_stage: StageRole | None = None
+
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
@@ -437,20 +441,32 @@ class HFCausalLM(nn.Module):
                 setattr(owner, leaf, self.hf.get_parameter(kept))
         return self
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        cp = context_parallel.active()
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        cp: ContextParallel | None = None,
+    ):
+        """As the native families' (src/models/decoder.py): ``positions`` (T,) are
+        the position ids (default: transformers' own, ``0..T-1``); with ``cp`` the
+        attention layers run :data:`CP_ATTENTION`, which transformers hands the
+        ``cp`` object as the keyword :data:`CP_KWARG` (its forward passes unknown
+        keywords down to the attention functions)."""
         self._context_parallel_attention(cp is not None)
-        if cp is not None:  # global positions; attention over the gathered K and V
-            pos = cp.positions(idx.size(1), idx.device).expand(idx.size(0), -1)
-            logits = self.hf(input_ids=idx, position_ids=pos, use_cache=False).logits
-            return logits, lm_loss(logits, targets)
-        stage = stage_role(self)  # pipeline parallelism: this model is one stage
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if positions is not None:
+            kwargs["position_ids"] = positions.expand(idx.size(0), -1)
+        if cp is not None:
+            kwargs[CP_KWARG] = cp
+        stage = self.pp_stage
         if stage is not None:
             # a later stage's input is the previous one's hidden states; an earlier
             # stage's head is Absent, so its "logits" are its hidden states
             inputs = {"input_ids" if stage.first else "inputs_embeds": idx}
-            return self.hf(**inputs, use_cache=False).logits
-        logits = self.hf(input_ids=idx, use_cache=False).logits
+            return self.hf(**inputs, **kwargs).logits
+        logits = self.hf(input_ids=idx, **kwargs).logits
         return logits, lm_loss(logits, targets)
 
 
@@ -458,6 +474,8 @@ class HFCausalLM(nn.Module):
 #: attention interface (not in its mask interface: the layers get no mask, the
 #: function masks by global position).
 CP_ATTENTION = "shardwrap_context_parallel"
+#: The keyword the model's ``ContextParallel`` reaches :data:`CP_ATTENTION` under.
+CP_KWARG = "shardwrap_cp"
 
 
 def _cp_attention(
@@ -471,8 +489,9 @@ def _cp_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: this rank's queries over the
-    keys and values gathered from its cp group, (B, T/C, heads, head_dim) out."""
-    y = context_parallel.active().attention(
+    keys and values gathered from its cp group (the ``ContextParallel`` the model's
+    forward was given, in ``kwargs``), (B, T/C, heads, head_dim) out."""
+    y = kwargs[CP_KWARG].attention(
         query,
         key,
         value,

@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.generate import KVCache, LayerKV
+from src.models.decoder import Decoder
+from src.models.generate import LayerKV
 from src.models.memory import ActivationBytes, block_activations
 from src.models.spec import (
     HFAdapter,
@@ -44,14 +45,14 @@ from src.models.spec import (
     check_tp_divides,
     default_device,
     init_tensor_from,
-    lm_loss,
     materialize,
     name_generator,
     register,
     tie_,
 )
-from src.sharding import context_parallel, wrap
-from src.sharding.pipeline import PipelineLayout, stage_role
+from src.sharding import wrap
+from src.sharding.context_parallel import ContextParallel
+from src.sharding.pipeline import PipelineLayout
 from src.sharding.tensor_parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -120,7 +121,7 @@ class LlamaConfig:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of the RoPE angles for positions ``0..T-1`` (fp32, computed per
+    """cos and sin of the RoPE angles of the tokens' positions (fp32, computed per
     forward from the ``inv_freq`` buffer: no table to keep in sync with the length)."""
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -129,17 +130,10 @@ class RotaryEmbedding(nn.Module):
             "inv_freq", torch.empty(config.head_dim // 2), persistent=False
         )
 
-    def forward(
-        self, seq_len: int, start: int = 0, positions: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For positions ``start .. start + seq_len - 1`` (``start``: tokens cached),
-        or the given global ``positions`` (context parallelism)."""
-        device = self.inv_freq.device
-        pos = (
-            torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
-            if positions is None
-            else positions.to(device, torch.float32)
-        )
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the (T,) ``positions`` (after any cached tokens; global ones under
+        context parallelism)."""
+        pos = positions.to(self.inv_freq.device, torch.float32)
         freqs = pos[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim): both halves
         return emb.cos(), emb.sin()
@@ -181,6 +175,8 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: LayerKV | None = None,
+        *,
+        cp: ContextParallel | None = None,
     ):
         B, T, _ = x.shape
         # Head counts come from the widths (-1): under tensor parallelism each rank
@@ -190,7 +186,6 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
-        cp = context_parallel.active()
         if cp is not None:  # this rank's queries over the gathered keys and values
             y = cp.attention(q, k, v, enable_gqa=gqa)
         elif cache is None:
@@ -242,13 +237,19 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: LayerKV | None = None,
+        *,
+        cp: ContextParallel | None = None,
     ):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, cp=cp)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Llama(nn.Module):
+class Llama(Decoder):
+    """The decoder (src/models/decoder.py) with Llama's parts: the token embedding,
+    RoPE's cos and sin given to every block, the final RMSNorm and the output head."""
+
     block_cls = TransformerBlock
+    context_key = "model.max_seq_len"
 
     def __init__(self, config: LlamaConfig, seed: int = 0) -> None:
         super().__init__()
@@ -281,40 +282,22 @@ class Llama(nn.Module):
             tie_(self.output, self.tok_embeddings)
         return self
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``idx`` (B, T) -> ``(logits (B, T, vocab), mean cross-entropy or None)``;
-        targets equal to -1 are ignored. With a ``cache`` (decoding,
-        src/models/generate.py) ``idx`` holds the tokens after the cached ones."""
-        start = 0 if cache is None else cache.pos
-        cp = context_parallel.active()
-        T = start + idx.size(1) * (cp.size if cp is not None else 1)
-        if T > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length {T} exceeds model.max_seq_len {self.config.max_seq_len}"
-            )
-        positions = cp.positions(idx.size(1), idx.device) if cp is not None else None
-        cos, sin = self.rope(idx.size(1), start, positions)
-        stage = stage_role(self)  # pipeline parallelism: this model is one stage
-        # a later stage gets the previous stage's hidden states
-        x = self.tok_embeddings(idx) if stage is None or stage.first else idx
-        if stage is not None:
-            for layer in self.layers:
-                x = layer(x, cos, sin)
-            return self.output(self.norm(x)) if stage.last else x
-        if cache is None:
-            for layer in self.layers:
-                x = layer(x, cos, sin)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, cache[i])
-            cache.advance(idx.size(1))
-        logits = self.output(self.norm(x))
-        return logits, lm_loss(logits, targets)
+    @property
+    def blocks(self) -> nn.Module:
+        return self.layers
+
+    @property
+    def context(self) -> int:
+        return self.config.max_seq_len
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(idx)
+
+    def block_args(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.rope(positions)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
 
 
 # --------------------------------------------------------------------------- init

@@ -52,7 +52,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.generate import KVCache
 from src.models.llama import (
     FeedForward,
     Llama,
@@ -388,20 +387,17 @@ class MoETransformer(Llama):
 
     block_cls = MoEBlock
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def loss(
+        self, logits: torch.Tensor, targets: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """As Llama's; in training the balance loss enters the gradient, not the
         loss's value (the logged loss stays the language model's)."""
-        logits, loss = super().forward(idx, targets, cache)
+        loss = super().loss(logits, targets)
         aux = [m.aux_loss for m in moe_layers(self) if m.aux_loss is not None]
         if loss is not None and aux:
             extra = self.config.aux_loss_coef * torch.stack(aux).sum()
             loss = loss + (extra - extra.detach())
-        return logits, loss
+        return loss
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

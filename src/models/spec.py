@@ -119,8 +119,8 @@ class ModelSpec:
     vocab_key: str | None = "vocab_size"
     # Context parallelism (sharding.context_parallel): (config) -> None, or
     # ValueError naming the model where it cannot split its sequences; None: the
-    # family cannot (its attention and positions do not read
-    # src.sharding.context_parallel.active()).
+    # family cannot (its forward takes no ``positions=`` and ``cp=``: a
+    # src.sharding.context_parallel.ContextParallel).
     context_parallel: Callable[[Any], None] | None = None
     # (config) -> the key (= value) width of one attention layer (kv heads x head
     # dim): what context parallelism gathers per layer, for the planner.

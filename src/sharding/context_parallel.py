@@ -16,29 +16,25 @@ The loss is each rank's mean over its T/C tokens: all ranks hold the same number
 sequences, and FSDP averaging gradients over ``dp_shard x cp`` gives the gradient
 of the global batch's mean exactly as without CP.
 
-A model reads the active :class:`ContextParallel` (:func:`active`): the backend
-enters it around forward and backward (``Backend.loss_context``), so activation
-checkpointing's recomputation sees it too. Without it, models run unchanged.
+A model is given context parallelism as arguments of its forward
+(:meth:`ContextParallel.forward_kwargs`: the global ``positions`` of the rank's
+tokens and the ``cp`` object its attention layers call), by whoever runs the step
+and holds the object (the backend's ``cp``); activation checkpointing's recomputation
+gets the same arguments. Without them, models run unchanged. Nothing here is global:
+the backend enters :meth:`ContextParallel.entered` around forward and backward
+(``Backend.loss_context``) only to bound the shared mask's lifetime.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single
 from torch.distributed.device_mesh import DeviceMesh
-
-# Process-wide, not thread-local: on CUDA, autograd runs backward (and activation
-# checkpointing's recomputation in it) on its own device threads.
-_ACTIVE: list[ContextParallel | None] = [None]
-
-
-def active() -> ContextParallel | None:
-    """The context parallelism forward and backward run under (None: none)."""
-    return _ACTIVE[0]
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -119,6 +115,12 @@ class ContextParallel:
         """The global positions of this rank's ``local_len`` tokens."""
         return chunk_positions(local_len * self.size, self.size, self.rank).to(device)
 
+    def forward_kwargs(self, local: torch.Tensor) -> dict[str, Any]:
+        """What a model's forward takes for this rank's tokens ``local`` (rows,
+        T/C): their global ``positions`` and this object as ``cp``, which its
+        attention layers call (:meth:`attention`)."""
+        return {"positions": self.positions(local.size(1), local.device), "cp": self}
+
     def attention(
         self,
         q: torch.Tensor,
@@ -149,10 +151,9 @@ class ContextParallel:
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
-        """Models see this context parallelism (:func:`active`) inside; the mask
-        made there is dropped on leaving (it lives as long as forward and backward)."""
-        previous, _ACTIVE[0] = active(), self
+        """The mask made inside (:meth:`mask`) is dropped on leaving: it lives as
+        long as a forward and its backward."""
         try:
             yield
         finally:
-            _ACTIVE[0], self._mask = previous, None
+            self._mask = None

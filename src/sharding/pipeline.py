@@ -10,9 +10,11 @@ does not run but that shares a parameter with one it runs (an embedding tied to 
 head) stays on it; :class:`Pipeline` sums such parameters' gradients over the stages
 that hold them, so each copy takes the same step.
 
-The model's forward reads its :class:`StageRole` (the ``pp_stage`` attribute): the
-first stage takes token ids, the others the previous stage's hidden states, and the
-last returns the logits, which the schedule's loss function turns into the loss.
+A stage is given its :class:`StageRole` when it is cut (:func:`cut_stage` sets the
+``pp_stage`` attribute the family's model declares, None for the whole model), and
+its forward reads it from itself: the first stage takes token ids, the others the
+previous stage's hidden states, and the last returns the logits, which the
+schedule's loss function turns into the loss.
 
 Schedules are ``torch.distributed.pipelining``'s. Measured on gloo (CPU) with torch
 2.13: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and
@@ -153,7 +155,7 @@ class PipelineLayout:
 
 @dataclass(frozen=True)
 class StageRole:
-    """Which stage a model is (its ``pp_stage`` attribute)."""
+    """Which stage a model is (its ``pp_stage`` attribute, set by :func:`cut_stage`)."""
 
     index: int
     num_stages: int
@@ -168,8 +170,8 @@ class StageRole:
 
 
 def stage_role(model: nn.Module) -> StageRole | None:
-    """The stage ``model`` is (None: the whole model)."""
-    return model.__dict__.get("pp_stage")
+    """The stage ``model`` was cut as (None: the whole model)."""
+    return getattr(model, "pp_stage", None)
 
 
 class StageBlocks(nn.ModuleDict):
@@ -257,11 +259,17 @@ def cut_stage(
     ``blocks`` and, if ``first`` / ``last``, the first / last stage's modules; the
     rest left out, except modules sharing a parameter with what it keeps. The same
     module objects (not copies: build the skeleton for this rank's use), so parts
-    cut from one skeleton share them. ``role``: the stage it runs as."""
+    cut from one skeleton share them. ``role``: the stage it runs as, given to the
+    part as its ``pp_stage`` (an attribute its family's model declares)."""
     stage = copy.copy(skeleton)
     _fresh_dicts(stage)
     if role is not None:
-        stage.__dict__["pp_stage"] = role
+        if not hasattr(skeleton, "pp_stage"):
+            raise ValueError(
+                f"{type(skeleton).__name__} declares no pp_stage: it cannot run as a "
+                "pipeline stage"
+            )
+        stage.pp_stage = role
     all_blocks = _get(skeleton, layout.blocks)
     parent, leaf = _own_copy(stage, layout.blocks)
     parent._modules[leaf] = StageBlocks({str(i): all_blocks[i] for i in blocks})

@@ -25,6 +25,13 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
+def forward_kwargs(backend: Backend, x: torch.Tensor) -> dict:
+    """The model's forward arguments beside the tokens ``x`` (this rank's share):
+    with context parallelism, their global positions and the backend's
+    ``ContextParallel`` (src/sharding/context_parallel.py); none without it."""
+    return {} if backend.cp is None else backend.cp.forward_kwargs(x)
+
+
 def train_step(
     model: nn.Module,
     batches: GlobalBatches,
@@ -58,7 +65,8 @@ def train_step(
             backend.loss_context(),
         ):
             with backend.autocast():
-                loss = model(x, y)[1]  # the logits are not kept through backward
+                # the logits are not kept through backward
+                loss = model(x, y, **forward_kwargs(backend, x))[1]
             if accum > 1:  # x / 1 == x: no autograd node for nothing
                 loss = loss / accum
             (scaler.scale(loss) if scaler else loss).backward()
@@ -84,7 +92,7 @@ def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
     for x, y in batches:
         x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
         with backend.autocast(), backend.loss_context():
-            _, loss = model(x, y)
+            _, loss = model(x, y, **forward_kwargs(backend, x))
         total += loss.float()
     return global_mean(total / max(1, len(batches)))
 
