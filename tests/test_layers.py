@@ -157,3 +157,34 @@ def oversized(src: Path = SRC) -> list[str]:
 def test_no_file_or_function_in_src_is_too_long() -> None:
     found = oversized()
     assert found == [], "too long:\n" + "\n".join(found)
+
+
+#: What a model's forward would call to read parallel state from outside its
+#: arguments (context parallelism's and the pipeline's lookups): models are given
+#: positions and the cp object as arguments and their stage at build.
+PARALLEL_STATE_CALLS = {"active", "stage_role"}
+
+
+def parallel_state_calls(models: Path = SRC / "models") -> list[str]:
+    """Each call in ``models`` of a function named in :data:`PARALLEL_STATE_CALLS`
+    (``active(...)``, ``context_parallel.active(...)``, ``stage_role(...)``)."""
+    bad = []
+    for path in sorted(models.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func
+            name = name.id if isinstance(name, ast.Name) else name
+            if name in PARALLEL_STATE_CALLS:
+                bad.append(f"{path.relative_to(models.parents[1])}:{node.lineno}")
+    return bad
+
+
+def test_models_read_no_parallel_state(tmp_path) -> None:
+    assert parallel_state_calls() == []
+    # the checker itself sees both forms
+    (tmp_path / "m.py").write_text(
+        "def f(self):\n    cp = context_parallel.active()\n    s = stage_role(self)\n"
+    )
+    assert [b.split(":")[1] for b in parallel_state_calls(tmp_path)] == ["2", "3"]
