@@ -4,10 +4,11 @@ with the token positions, the pipeline stage and the KV cache handled once, here
 
 A family supplies its parts: :attr:`Decoder.blocks` (its ``ModuleList``, or a
 stage's :class:`~src.sharding.pipeline.StageBlocks`), :attr:`Decoder.context` (the
-longest sequence it takes, and its ``context_key``), :meth:`Decoder.embed`, :meth:`Decoder.block_args` (what
-every block takes after the hidden states: Llama's rotary cos and sin),
-:meth:`Decoder.head` and, if its loss is not the plain cross-entropy,
-:meth:`Decoder.loss` (the MoE's balance term).
+longest sequence it takes; ``context_key`` names it), :meth:`Decoder.embed`,
+:meth:`Decoder.block_args` (what every block takes after the hidden states: Llama's
+rotary cos and sin), :meth:`Decoder.head` and, if its loss is not the plain
+cross-entropy, :meth:`Decoder.loss` (the MoE's balance term). Every block takes
+``(x, *block_args, cache)`` and the keyword ``cp``.
 
 Nothing is read from outside the call: the positions and context parallelism are
 arguments of ``forward`` (the trainer's step passes the global positions of a rank's
