@@ -1,20 +1,14 @@
 """Parallelizing a model as it is built: one function per family applies the steps
 in order, the wrap context calls it.
 
-The order (torchtitan's) is written once, in the family's function (its spec's
-``parallelize``; the decoders, twins, share :func:`parallelize_decoder`): float8
-linear layers, tensor parallelism, expert parallelism, activation checkpointing,
-``torch.compile``, then FSDP. Units are sharded as they are constructed, so the
-function is a step on one module, which ``enable_wrap(parallelize=...)`` calls:
-
-- with ``unit=False`` on each module as it is built, before the wrap policy picks
-  the units inside it (each ``wrap()``-annotated module, and the root once the
-  model exists), so a module is split whole before any part of it is sharded;
-- with ``unit=True`` on each unit the policy picked, right before the context's
-  wrapper shards it (FSDP).
-
-Each step does only what is not done yet under the module, and nothing where its
-parallelism is off (:class:`UnitSteps`).
+The order is written once, in the family's function (its spec's ``parallelize``;
+the decoders, twins, share :func:`parallelize_decoder`). Units are sharded as they
+are constructed, so the function is a step on one module, which
+``enable_wrap(parallelize=...)`` calls with ``unit=False`` on each module as it is
+built (each ``wrap()``-annotated module, and the root once the model exists), and
+with ``unit=True`` on each unit the wrap policy picked, before the context's wrapper
+shards it. Each step does only what is not done yet under the module, and nothing
+where its parallelism is off (:class:`UnitSteps`).
 """
 
 from __future__ import annotations
