@@ -55,7 +55,7 @@ class Axis(StrEnum):
 #: The mesh dimensions, outermost first (the order ranks are laid out in).
 MESH_DIMS = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
 #: The degrees a layout is made of (``dp_shard`` is what the world size leaves).
-DEGREES = ("pp", "dp_replicate", "cp", "tp", "ep")
+DEGREES = (Axis.PP, Axis.DP_REPLICATE, Axis.CP, Axis.TP, Axis.EP)
 
 
 class LayoutError(ValueError):
@@ -172,7 +172,7 @@ class ParallelLayout:
         return tuple(
             (name, self.size(name))
             for name in MESH_DIMS
-            if name == "dp_shard" or self.size(name) > 1
+            if name == Axis.DP_SHARD or self.size(name) > 1
         )
 
     def build_mesh(self, device_type: str) -> ParallelMesh:
@@ -259,9 +259,3 @@ def flat_mesh(device_type: str, world_size: int) -> DeviceMesh:
     """A 1-D mesh over all ``world_size`` ranks (reading or writing a whole tensor
     as each rank's slice of it, whatever the run's layout)."""
     return ParallelLayout(world_size).build_mesh(device_type).world
-
-
-def tp_mesh(device_type: str, tp: int) -> DeviceMesh:
-    """A 1-D ``tp`` mesh over a process group of ``tp`` ranks (the planner's fake
-    one: a model tensor-parallelised on meta)."""
-    return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
