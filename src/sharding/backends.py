@@ -295,7 +295,7 @@ class Backend:
         """The parallelize steps of a build on this backend's mesh."""
         return UnitSteps(
             transform or UnitTransform(),
-            self.parallel.tp if self.parallel is not None else None,
+            self.parallel,
             tp_plan,
             self.split_experts if self.layout.ep > 1 else None,
         )

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
+from .layout import ParallelMesh
 from .tensor_parallel import TPPlan, tensor_parallelize
 from .transforms import UnitTransform
 
@@ -30,7 +30,7 @@ class UnitSteps:
 
     #: float8, activation checkpointing and compile, of the target blocks
     transform: UnitTransform = field(default_factory=UnitTransform)
-    tp_mesh: DeviceMesh | None = None
+    mesh: ParallelMesh | None = None  # the run's groups (None: no mesh)
     tp_plan: TPPlan | None = None  # None: no tensor parallelism
     #: splits the expert modules under a module (None: no expert parallelism)
     experts: Callable[[nn.Module], None] | None = None
@@ -39,8 +39,8 @@ class UnitSteps:
         self.transform.convert_float8(module)
 
     def tensor_parallel(self, module: nn.Module) -> None:
-        if self.tp_plan is not None and self.tp_mesh is not None:
-            tensor_parallelize(module, self.tp_mesh, self.tp_plan)
+        if self.tp_plan is not None and self.mesh is not None:
+            tensor_parallelize(module, self.mesh.tp, self.tp_plan)
 
     def expert_parallel(self, module: nn.Module) -> None:
         if self.experts is not None:
