@@ -212,6 +212,7 @@ def build_model(
             init_fn,
             transform=transform,
             tp_plan=tensor_parallel_plan(cfg, spec, config, backend.layout),
+            parallelize=spec.parallelize,
         )
     set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
     if pretrained:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_dispatch_path_equals_transformers_forward_and_backward(name, one_rank_m
     weights = torch.rand(24, 2)
 
     def run(mesh):
-        m.ep_mesh = mesh
+        m.parallel = None if mesh is None else SimpleNamespace(ep=mesh, tp=None)
         for p in (x, *m.parameters()):
             p.grad = None
         out = m(x, index, weights)

@@ -458,3 +458,29 @@ def test_plan_tree_sorts_numeric_and_named_siblings():
     )
     tree = wrap_plan(model, 2).tree()
     assert tree.index("  0 (") < tree.index("  10 (") < tree.index("  head (")
+
+
+def test_the_family_parallelize_function_runs_as_built_then_per_unit():
+    """``build_sharded_model(parallelize=fn)``: ``fn`` sees each annotated module as
+    it is built (``unit=False``), the root once the model exists, then each unit the
+    policy picks (``unit=True``) before it is sharded, the root last."""
+    calls = []
+
+    def record(module, steps, *, unit):
+        calls.append((type(module).__name__, unit, is_wrapped(module)))
+
+    build_sharded_model(
+        lambda: AnnotatedNet(n=2),
+        build_backend("plan"),
+        build_policy("manual"),
+        init_device="meta",
+        parallelize=record,
+    )
+    assert calls == [
+        ("Block", False, False),
+        ("Block", True, False),
+        ("Block", False, False),
+        ("Block", True, False),
+        ("AnnotatedNet", False, False),
+        ("AnnotatedNet", True, False),
+    ]

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from src.models.memory import ActivationBytes
 from src.registry import Registry, described, or_list
+from src.sharding.parallelize import Parallelize, parallelize_decoder
 
 # The keys of the ``model`` group every family shares (the family's own config
 # dataclass brings the rest, with its own field names), with their --help lines.
@@ -146,6 +147,9 @@ class ModelSpec:
     # or None for the family's default) -> src.sharding.TPPlan; ValueError (one line)
     # if the shape does not split that many ways. None: no tensor parallelism.
     tp_plan: Callable[[Any, int, bool | None], Any] | None = None
+    # How each module is parallelized as it is built, the steps in their order: the
+    # family's function (src/sharding/parallelize.py); the decoders, twins, share one.
+    parallelize: Parallelize = parallelize_decoder
     # Optional: how the model cuts into pipeline stages, (config) ->
     # src.sharding.pipeline.PipelineLayout (the blocks, the first stage's and the
     # last stage's modules), ValueError (one line) if it cannot be cut; the forward

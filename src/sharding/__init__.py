@@ -1,6 +1,7 @@
 """Sharding API: shard-as-you-build (``enable_wrap``/``wrap``/``auto_wrap``) on FSDP2 and
-FSDP1, wrap policies, the run's parallel layout and its device mesh, backends, mixed precision, per-unit transforms (activation
-checkpointing, torch.compile) and the wrap plan."""
+FSDP1, wrap policies, the run's parallel layout and its device mesh, backends, mixed
+precision, the parallelize steps (float8, TP, EP, activation checkpointing,
+torch.compile) and the wrap plan."""
 
 # The backends in their own files add themselves to BACKENDS on import (in this
 # order: fsdp2 and fsdp1 from .backends, then ddp, then none).
@@ -17,7 +18,8 @@ from .backends import (
     set_prefetch,
     with_capability,
 )
-from .layout import LayoutError, ParallelLayout, ParallelMesh
+from .layout import Axis, LayoutError, ParallelLayout, ParallelMesh
+from .parallelize import Parallelize, UnitSteps, parallelize_decoder
 from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
     BlockPolicy,
@@ -42,6 +44,7 @@ from .wrap import (
 )
 
 __all__ = [
+    "Axis",
     "BACKENDS",
     "CHECKPOINTING",
     "DEFAULT_EXCLUDE_WRAP_MODULES",
@@ -55,10 +58,12 @@ __all__ = [
     "ComposedPolicy",
     "ParallelLayout",
     "ParallelMesh",
+    "Parallelize",
     "Precision",
     "SizePolicy",
     "TiedParametersWarning",
     "Unit",
+    "UnitSteps",
     "UnitTransform",
     "WrapPlan",
     "WrapPolicy",
@@ -75,6 +80,7 @@ __all__ = [
     "is_wrapped",
     "make_unit",
     "materialize_meta_",
+    "parallelize_decoder",
     "set_prefetch",
     "with_capability",
     "wrap",

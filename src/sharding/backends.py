@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -42,10 +43,12 @@ from src.registry import Registry
 from .context_parallel import ContextParallel
 from .expert_parallel import expert_parallelize, plan_experts
 from .float8 import Float8, byte_all_gather
-from .layout import LayoutError, ParallelLayout, ParallelMesh, tp_mesh
+from .layout import LayoutError, ParallelLayout, ParallelMesh
+from .parallelize import Parallelize, UnitSteps, parallelize_decoder
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
-from .tensor_parallel import TPPlan, tensor_parallelize
+from .tensor_parallel import TPPlan
+from .transforms import UnitTransform
 from .wrap import enable_wrap, make_unit
 
 
@@ -214,8 +217,6 @@ class Backend:
             )
         #: the layout's device mesh and groups (built by the backends that use one)
         self.parallel: ParallelMesh | None = None
-        self.mesh: DeviceMesh | None = None  # the data-parallel mesh units shard on
-        self.tp_mesh: DeviceMesh | None = None
         #: the model's plan, set by build_sharded_model (None: no tensor parallelism)
         self.tp_plan: TPPlan | None = None
         #: this rank's cp group (None: no context parallelism)
@@ -253,9 +254,8 @@ class Backend:
                 )
 
     def _build_mesh(self) -> None:
-        """Build the layout's mesh and take the groups units shard on (and tp)."""
+        """Build the layout's mesh (the groups units shard on, tp, cp, ep)."""
         self.parallel = self.layout.build_mesh(self.device.type)
-        self.mesh, self.tp_mesh = self.parallel.fsdp, self.parallel.tp
         if self.parallel.cp is not None:
             self.cp = ContextParallel(self.parallel.cp)
 
@@ -280,30 +280,32 @@ class Backend:
         """Release what the backend made for itself (the plan backend's fake process
         group); nothing for the others."""
 
-    def parallelize(self, module: nn.Module) -> None:
-        """Tensor-parallelise ``module`` (and what under it the plan names) on the tp
-        mesh; nothing without tensor parallelism."""
-        if self.tp_plan is not None and self.tp_mesh is not None:
-            tensor_parallelize(module, self.tp_mesh, self.tp_plan)
-        if self.layout.ep > 1:
-            self.split_experts(module)
-
     def split_experts(self, module: nn.Module) -> None:
         """Expert parallelism: each expert module under ``module`` split over the
         ep ranks and sharded over the rest (src/sharding/expert_parallel.py)."""
-        mesh = self.parallel
-        if mesh is None or mesh.ep is None or mesh.expert_fsdp is None:
+        if self.parallel is None:
             raise ValueError(f"expert parallelism without its mesh on {self.name}")
         _, defaults = self.wrapper()
         defaults = {k: v for k, v in defaults.items() if k != "mesh"}
-        expert_parallelize(module, mesh.ep, mesh.expert_fsdp, mesh.tp, **defaults)
+        expert_parallelize(module, self.parallel, **defaults)
+
+    def unit_steps(
+        self, transform: UnitTransform | None, tp_plan: TPPlan | None
+    ) -> UnitSteps:
+        """The parallelize steps of a build on this backend's mesh."""
+        return UnitSteps(
+            transform or UnitTransform(),
+            self.parallel,
+            tp_plan,
+            self.split_experts if self.layout.ep > 1 else None,
+        )
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward and backward: ``loss_parallel`` when the plan keeps the
         logits sharded over the vocabulary; the cp group the models read
         (``context_parallel.active``) with context parallelism."""
         stack = contextlib.ExitStack()
-        if self.tp_plan is not None and self.tp_mesh is not None:
+        if self.tp_plan is not None:
             stack.enter_context(self.tp_plan.loss_context())
         if self.cp is not None:
             stack.enter_context(self.cp.entered())
@@ -324,25 +326,17 @@ class Backend:
     def wrap_context(
         self,
         policy: WrapPolicy | None,
-        transform: Callable[[nn.Module], None] | None = None,
+        parallelize: Callable[..., None] | None = None,
     ) -> contextlib.AbstractContextManager:
-        """``enable_wrap`` with this backend's wrapper; a null context without units."""
+        """``enable_wrap`` with this backend's wrapper and the run's parallelize
+        step; a null context without units."""
         if not self.wraps_units:
             return contextlib.nullcontext()
         wrapper_cls, defaults = self.wrapper()
         if self.device.type == "cpu" and _LIBC is not None:
             wrapper_cls = _trim_after(wrapper_cls)
-        splits = self.tp_plan is not None or self.layout.ep > 1
-        parallelize = self.parallelize if splits else None
-        first = getattr(transform, "before_parallelize", None)
-        if parallelize is not None and first is not None:
-            parallelize = _then(first, parallelize)
         return enable_wrap(
-            wrapper_cls,
-            policy=policy,
-            transform=transform,
-            parallelize=parallelize,
-            **defaults,
+            wrapper_cls, policy=policy, parallelize=parallelize, **defaults
         )
 
     def wrap_root(self, model: nn.Module) -> nn.Module:
@@ -502,7 +496,7 @@ class FSDP2Backend(_FSDPBackend):
         if f8 is not None and f8.all_gather and self.device.type == "cpu":
             wrapper = _with_byte_all_gather  # gloo has no float8 type
         return wrapper, {
-            "mesh": self.mesh,
+            "mesh": self.parallel.fsdp,
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": self.precision.fsdp2_policy(),
         }
@@ -554,7 +548,7 @@ class FSDP1Backend(_FSDPBackend):
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": self.precision,
             "device_id": self.device,
-            "device_mesh": self.mesh,
+            "device_mesh": self.parallel.fsdp if self.parallel is not None else None,
             "no_shard": self.no_shard,
         }
 
@@ -598,7 +592,7 @@ class PlanBackend(_FSDPBackend):
 
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
             self._fake_group = True
-            self.tp_mesh = tp_mesh("cpu", tp)
+            self.parallel = ParallelLayout(tp, tp=tp).build_mesh("cpu")
 
     def wrapper(self) -> tuple[Callable[..., nn.Module | None], dict[str, Any]]:
         return record_unit, {}
@@ -620,16 +614,6 @@ class PlanBackend(_FSDPBackend):
         if self._fake_group:
             dist.destroy_process_group()
             self._fake_group = False
-
-
-def _then(
-    first: Callable[[nn.Module], None], second: Callable[[nn.Module], None]
-) -> Callable[[nn.Module], None]:
-    def both(module: nn.Module) -> None:
-        first(module)
-        second(module)
-
-    return both
 
 
 def _with_byte_all_gather(module: nn.Module, **kwargs: Any) -> nn.Module:
@@ -684,22 +668,17 @@ def build_sharded_model(
     policy: WrapPolicy | None,
     init_device: str | torch.device = "cpu",
     init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-    transform: Callable[[nn.Module], None] | None = None,
+    transform: UnitTransform | None = None,
     tp_plan: TPPlan | None = None,
+    parallelize: Parallelize = parallelize_decoder,
 ) -> nn.Module:
     """Build the model inside the wrap context, so units are sharded as they are built.
 
-    Steps: ``model_fn()`` runs inside ``enable_wrap`` with ``init_device`` as the default
-    device (annotated modules are sharded the moment they exist); the policy's
-    ``finalize`` wraps what spans annotations; the root is wrapped last. On the meta
-    device nothing is allocated until the end, where each rank allocates and fills only
-    its own shards with ``init_fn(canonical_name, param) -> full tensor``.
-    ``transform`` (``transforms.UnitTransform``) runs on each unit right before it is
-    sharded; without units (ddp, none) it runs once on the built model.
-    ``tp_plan`` (a backend with ``tensor_parallel > 1``): each annotated module is
-    tensor-parallelised the moment it is built, before the policy, the transform and
-    the sharding see it, and the rest of the model once it exists (torchtitan's
-    order: TP, activation checkpointing, compile, FSDP).
+    ``parallelize`` (the family's, src/sharding/parallelize.py) runs with its steps
+    bound to the backend's mesh: ``transform`` (float8, checkpointing, compile of
+    the blocks) and ``tp_plan`` (the model's, with tensor parallelism). On the meta
+    device nothing is allocated until the end, where each rank allocates and fills
+    only its own shards with ``init_fn(canonical_name, param) -> full tensor``.
     """
     init_device = torch.device(init_device)
     tp = backend.layout.tp
@@ -713,14 +692,16 @@ def build_sharded_model(
         )
     if init_device.type == "meta" and init_fn is None and backend.allocates:
         raise ValueError("meta-device init needs an init_fn to materialise shards")
-    with backend.wrap_context(policy, transform), init_device:
-        model = model_fn()
-        backend.parallelize(model)  # what no annotation parallelised (root, head)
+    steps = backend.unit_steps(transform, backend.tp_plan)
+    step = functools.partial(parallelize, steps=steps)
+    with backend.wrap_context(policy, step), init_device:
+        model = model_fn()  # each wrap()-annotated module: step, policy, units
+        step(model, unit=False)  # the root as built (what no annotation held)
         if backend.wraps_units and policy is not None:
-            model = policy.finalize(model)
-        model = backend.wrap_root(model)
-    if transform is not None and not backend.wraps_units:
-        transform(model)
+            model = policy.finalize(model)  # units spanning annotations
+        model = backend.wrap_root(model)  # the root last: a unit
+    if not backend.wraps_units:
+        step(model, unit=True)  # no units: the model is the one
     return backend.finish_build(model, init_device, init_fn)
 
 

@@ -2,8 +2,8 @@
 ``ep`` ranks, and tokens travel to it and back by all-to-all.
 
 A family's stacked experts module subclasses :class:`ExpertModule`: its parameters are
-``[num_experts, ...]`` tensors. :func:`expert_parallelize` (the FSDP2 backend calls it
-on each unit as it is built, before the unit is sharded) makes each of them a DTensor
+``[num_experts, ...]`` tensors. :func:`expert_parallelize` (the expert-parallel step of a
+family's parallelize function, src/sharding/parallelize.py) makes each of them a DTensor
 sharded on dim 0 over the ``ep`` mesh, so a rank computes with its ``num_experts / ep``
 local experts, and shards the module with FSDP2 over the data-parallel ranks left
 (``dp_shard / ep``; with HSDP, replicated over ``dp_replicate`` too). The
@@ -39,29 +39,34 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .layout import ParallelMesh
 from .wrap import UnitInfo, is_wrapped, mark_unit
 
 
 class ExpertModule(nn.Module):
     """A module of stacked experts (every parameter ``[num_experts, ...]``); after
-    :func:`expert_parallelize`, ``ep_mesh`` is the mesh its experts are split over
-    (None: all experts here) and ``tp_mesh`` the ranks that share its tokens (None:
-    no tensor parallelism)."""
+    :func:`expert_parallelize`, ``parallel`` is the run's mesh, where ``ep_mesh``
+    (the ranks its experts are split over; None: all experts here) and ``tp_mesh``
+    (the ranks that share its tokens; None: no tensor parallelism) are read."""
 
-    ep_mesh: DeviceMesh | None = None
-    tp_mesh: DeviceMesh | None = None
+    parallel: ParallelMesh | None = None
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        return self.parallel.ep if self.parallel is not None else None
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.parallel.tp if self.parallel is not None else None
 
 
-def expert_parallelize(
-    module: nn.Module,
-    ep_mesh: DeviceMesh,
-    fsdp_mesh: DeviceMesh,
-    tp_mesh: DeviceMesh | None = None,
-    **fsdp: object,
-) -> None:
-    """Split each :class:`ExpertModule` under ``module`` over ``ep_mesh`` (dim 0) and
-    shard it with ``fully_shard(mesh=fsdp_mesh, **fsdp)``; ``tp_mesh``: the tp group
-    inside each ep group, whose ranks share the tokens. Idempotent."""
+def expert_parallelize(module: nn.Module, mesh: ParallelMesh, **fsdp: object) -> None:
+    """Split each :class:`ExpertModule` under ``module`` over ``mesh.ep`` (dim 0) and
+    shard it with ``fully_shard(mesh=mesh.expert_fsdp, **fsdp)``; ``mesh.tp``: the
+    tp group inside each ep group, whose ranks share the tokens. Idempotent."""
+    ep_mesh, tp_mesh = mesh.ep, mesh.tp
+    if ep_mesh is None or mesh.expert_fsdp is None:
+        raise ValueError("expert parallelism without its mesh (layout.ep is 1)")
     for m in _unsplit(module):
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
         info = _split_info(m, ep, ep // (tp_mesh.size() if tp_mesh is not None else 1))
@@ -73,8 +78,8 @@ def expert_parallelize(
             local = p.detach().chunk(ep)[rank].clone()
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(m, name, nn.Parameter(dt, requires_grad=p.requires_grad))
-        m.ep_mesh, m.tp_mesh = ep_mesh, tp_mesh
-        fully_shard(m, mesh=fsdp_mesh, **fsdp)
+        m.parallel = mesh
+        fully_shard(m, mesh=mesh.expert_fsdp, **fsdp)
         mark_unit(m, info)
 
 

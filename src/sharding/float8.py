@@ -5,9 +5,9 @@
 and output gradient to float8 with a dynamic scale (``tensorwise``: one scale per
 tensor; ``rowwise``: one per row) and multiplies them with ``torch._scaled_mm``; the
 weights, their gradients and the optimizer stay in high precision, so parameter
-names, checkpoints and exports are those of the plain model. The per-unit transform
-(``transforms.UnitTransform``) converts each block right before it is sharded,
-torchtitan's order: float8, activation checkpointing, compile, shard.
+names, checkpoints and exports are those of the plain model. Each block is
+converted as it is built, first of the family's parallelize steps
+(src/sharding/parallelize.py).
 
 A linear layer stays as it is when a ``skip`` entry matches its path inside the
 converted module (its name, a dotted suffix such as ``attn.c_proj``, or an ``fnmatch``

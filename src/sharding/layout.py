@@ -7,11 +7,13 @@ each sequence split over these ranks) and ``tp`` (tensor parallelism: each block
 matmuls split over them). Consecutive ranks share the innermost dimensions, so on
 GPUs the chattiest groups (tp, then cp and the shard group) stay inside a node.
 Expert parallelism is no dimension of its own: as in torchtitan, its ``ep`` ranks
-are borrowed from ``dp_shard x cp`` (they hold the same dense weights anyway), so
-``ep`` must divide that product; with tensor parallelism they are borrowed from
-``dp_shard x tp`` with the whole tp group inside (``ep`` is ``tp`` times a divisor of
-``dp_shard``): the ranks of a tp group see the same tokens, so each sends its share
-of them to the experts, and every rank of the group holds its own experts.
+are borrowed from ``dp_shard`` (they hold the same dense weights anyway), so ``ep``
+must divide it; with tensor parallelism they are borrowed from ``dp_shard x tp``
+with the whole tp group inside (``ep`` is ``tp`` times a divisor of ``dp_shard``):
+the ranks of a tp group see the same tokens, so each sends its share of them to the
+experts, and every rank of the group holds its own experts. (Expert parallelism
+over context-parallel ranks is not built.) Every mesh dimension and group has its
+name in :class:`Axis`.
 
 :class:`ParallelLayout` holds the degrees and is checked once, when it is made: a
 degree that does not fit raises :class:`LayoutError` naming the dimension (the config
@@ -25,13 +27,35 @@ one in src/ that calls ``init_device_mesh``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from enum import StrEnum
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+
+class Axis(StrEnum):
+    """The name of every dimension and group of the device mesh."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+    #: FSDP's shard group with context parallelism: ``dp_shard x cp``
+    DP_SHARD_CP = "dp_shard_cp"
+    #: ``dp_replicate x dp_shard x cp``, flattened to be split as (replicate, shard)
+    DP_HSDP_CP = "dp_hsdp_cp"
+    #: expert parallelism: the ranks a MoE's experts are split over
+    EP = "ep"
+    #: ... their part of ``dp_shard`` (with tp, ``ep`` is this times tp)
+    EP_SHARD = "ep_shard"
+    #: the rest of ``dp_shard``: the ranks each expert is FSDP-sharded over
+    EXPERT_SHARD = "dp_shard_mod_ep"
+
+
 #: The mesh dimensions, outermost first (the order ranks are laid out in).
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
 #: The degrees a layout is made of (``dp_shard`` is what the world size leaves).
-DEGREES = ("pp", "dp_replicate", "cp", "tp", "ep")
+DEGREES = (Axis.PP, Axis.DP_REPLICATE, Axis.CP, Axis.TP, Axis.EP)
 
 
 class LayoutError(ValueError):
@@ -52,7 +76,7 @@ class ParallelLayout:
     dp_replicate: int = 1  # HSDP replica groups
     cp: int = 1  # ranks each sequence is split over
     tp: int = 1  # ranks each block's matmuls are split over
-    ep: int = 1  # ranks the experts are split over (taken from dp_shard x cp)
+    ep: int = 1  # ranks the experts are split over (taken from dp_shard)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -93,11 +117,11 @@ class ParallelLayout:
                     f"a divisor of the {self.dp_shard} shard ranks (experts are split "
                     "over shard x tp ranks, whole tp groups)",
                 )
-        elif (self.dp_shard * self.cp) % self.ep:
+        elif self.dp_shard % self.ep:
             raise LayoutError(
                 "ep",
-                f"{self.ep} does not divide the {self.dp_shard * self.cp} ranks "
-                "experts can be split over (shard x cp)",
+                f"{self.ep} does not divide the {self.dp_shard} shard ranks experts "
+                "are split over",
             )
 
     @property
@@ -148,26 +172,8 @@ class ParallelLayout:
         return tuple(
             (name, self.size(name))
             for name in MESH_DIMS
-            if name == "dp_shard" or self.size(name) > 1
+            if name == Axis.DP_SHARD or self.size(name) > 1
         )
-
-    def flattened(self) -> dict[str, tuple[str, ...]]:
-        """The groups of several mesh dimensions that get one process group each
-        (``DeviceMesh._flatten``): the FSDP mesh's shard dimension over ``dp_shard
-        x cp``, and each stage's (or the world's) ranks, so a reduction over them
-        (the gradient norm) is one collective rather than one per dimension."""
-        names = [n for n, _ in self.mesh_dims()]
-        inner = tuple(n for n in names if n != "pp")
-        groups: dict[str, tuple[str, ...]] = {}
-        if "cp" in names:
-            groups["dp_shard_cp"] = ("dp_shard", "cp")
-        if "tp" in names and "dp_replicate" in names:
-            groups["shard_tp"] = tuple(n for n in inner if n != "dp_replicate")
-        if "pp" in names and len(inner) > 1:
-            groups["stage"] = inner
-        elif "pp" not in names and ("tp" in names or "cp" in names):
-            groups["all"] = inner
-        return groups
 
     def build_mesh(self, device_type: str) -> ParallelMesh:
         """The device mesh of this layout over the initialised process group."""
@@ -186,7 +192,9 @@ class ParallelLayout:
 
 
 class ParallelMesh:
-    """A layout's device mesh, built once, and the named groups taken from it."""
+    """A layout's device mesh, built once, and the named groups taken from it: the
+    one holder of each group (the backend, the experts and the pipeline read them
+    here)."""
 
     def __init__(self, layout: ParallelLayout, device_type: str) -> None:
         self.layout = layout
@@ -196,67 +204,58 @@ class ParallelMesh:
         self.world: DeviceMesh = init_device_mesh(
             device_type, tuple(n for _, n in dims), mesh_dim_names=names
         )
-        #: the groups of several dimensions, each one process group
-        self.flat: dict[str, DeviceMesh] = {
-            flat: self.world[over]._flatten(flat)
-            for flat, over in layout.flattened().items()
-        }
         #: the mesh FSDP shards (and replicates) units on: ``dp_shard`` (x ``cp``),
         #: behind ``dp_replicate`` for HSDP
         self.fsdp: DeviceMesh = self._fsdp_mesh(names)
-        self.tp: DeviceMesh | None = self.world["tp"] if "tp" in names else None
-        self.pp: DeviceMesh | None = self.world["pp"] if "pp" in names else None
-        self.cp: DeviceMesh | None = self.world["cp"] if "cp" in names else None
+        self.tp: DeviceMesh | None = self._dim(Axis.TP, names)
+        self.pp: DeviceMesh | None = self._dim(Axis.PP, names)
+        self.cp: DeviceMesh | None = self._dim(Axis.CP, names)
         #: expert parallelism: the ranks a MoE's experts are split over, and the
         #: ones each expert is FSDP-sharded over (the shard ranks / ep, behind
         #: dp_replicate for HSDP), both from ``dp_shard`` split in two (ep inner;
         #: with tp, the ep group is that inner part x tp)
         self.ep: DeviceMesh | None = None
         self.expert_fsdp: DeviceMesh | None = None
-        # (with cp, ep would span dp_shard x cp: not built, check_layout refuses cp)
-        if layout.ep > 1 and layout.cp == 1:
+        if layout.ep > 1:
             self._split_experts(names)
+
+    def _dim(self, axis: Axis, names: tuple[str, ...]) -> DeviceMesh | None:
+        return self.world[axis] if axis in names else None
 
     def _split_experts(self, names: tuple[str, ...]) -> None:
         layout = self.layout
         inner = layout.ep_shard
-        ep_dims = ("ep_shard", "tp") if layout.tp > 1 else ("ep",)
         split = self.world._unflatten(
-            "dp_shard",
+            Axis.DP_SHARD,
             (layout.dp_shard // inner, inner),
-            ("dp_shard_mod_ep", ep_dims[0]),
+            (Axis.EXPERT_SHARD, Axis.EP_SHARD if layout.tp > 1 else Axis.EP),
         )
         if layout.tp > 1:
-            self.ep = split[ep_dims]._flatten("ep")
+            self.ep = split[Axis.EP_SHARD, Axis.TP]._flatten(Axis.EP)
         else:
-            self.ep = split["ep"]
-        # one group over both (the experts' gradient norm: one all-reduce)
-        split[("dp_shard_mod_ep", *ep_dims)]._flatten("dp_shard_ep")
-        outer = ("dp_replicate",) if "dp_replicate" in names else ()
-        self.expert_fsdp = split[(*outer, "dp_shard_mod_ep")]
+            self.ep = split[Axis.EP]
+        outer = (Axis.DP_REPLICATE,) if Axis.DP_REPLICATE in names else ()
+        self.expert_fsdp = split[(*outer, Axis.EXPERT_SHARD)]
 
     def _fsdp_mesh(self, names: tuple[str, ...]) -> DeviceMesh:
-        shard = "dp_shard_cp" if "cp" in names else "dp_shard"
-        if names == ("dp_shard",):
+        if names == (Axis.DP_SHARD,):
             return self.world
-        if "dp_replicate" in names and "cp" in names:
+        if Axis.CP not in names:
+            dp = tuple(n for n in names if n in (Axis.DP_REPLICATE, Axis.DP_SHARD))
+            return self.world[dp if len(dp) > 1 else dp[0]]
+        if Axis.DP_REPLICATE in names:
             # (replicate, shard x cp) as its own 2-D mesh: torch deprecates slicing
             # a flattened dimension (dp_shard_cp) beside a root one
-            dp = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_hsdp_cp")
+            dims = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP)
+            dp = self.world[dims]._flatten(Axis.DP_HSDP_CP)
             sizes = (self.layout.dp_replicate, self.layout.fsdp_shard)
-            return dp._unflatten("dp_hsdp_cp", sizes, ("dp_replicate", shard))
-        if "dp_replicate" in names:
-            return self.world["dp_replicate", shard]
-        return self.flat[shard] if shard in self.flat else self.world[shard]
+            return dp._unflatten(
+                Axis.DP_HSDP_CP, sizes, (Axis.DP_REPLICATE, Axis.DP_SHARD_CP)
+            )
+        return self.world[Axis.DP_SHARD, Axis.CP]._flatten(Axis.DP_SHARD_CP)
 
 
 def flat_mesh(device_type: str, world_size: int) -> DeviceMesh:
     """A 1-D mesh over all ``world_size`` ranks (reading or writing a whole tensor
     as each rank's slice of it, whatever the run's layout)."""
     return ParallelLayout(world_size).build_mesh(device_type).world
-
-
-def tp_mesh(device_type: str, tp: int) -> DeviceMesh:
-    """A 1-D ``tp`` mesh over a process group of ``tp`` ranks (the planner's fake
-    one: a model tensor-parallelised on meta)."""
-    return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))

@@ -2,11 +2,8 @@
 
 A :class:`TPPlan` says, per module class, which submodules get which
 ``torch.distributed.tensor.parallel`` style (Megatron-style colwise/rowwise linears,
-sequence-parallel norms, a vocabulary-sharded embedding and output layer). The wrap
-context applies it to each block the moment the block is built (before the block is
-checkpointed, compiled and sharded over the data-parallel dimensions: torchtitan's
-order), and to the rest of the model once the model exists, before the root is sharded.
-The plan comes from the model family (``src/models``); this module names no model and
+sequence-parallel norms, a vocabulary-sharded embedding and output layer), applied
+by a step of the family's parallelize function (src/sharding/parallelize.py). The plan comes from the model family (``src/models``); this module names no model and
 no config key.
 
 After :func:`tensor_parallelize` a parameter of a parallelised module is a ``DTensor``

@@ -1,12 +1,11 @@
 """Per-unit transforms: float8 linear layers, activation checkpointing and
-``torch.compile``, applied to a module right before the unit holding it is sharded
-(torchtitan's order: float8, checkpoint, compile, shard).
+``torch.compile`` of a model's blocks (steps of the family's parallelize function,
+src/sharding/parallelize.py, which says when they run).
 
 Float8 (``float8.Float8``) swaps the module's ``nn.Linear`` layers for torchao's
 ``Float8Linear`` (a subclass keeping the same parameters under the same names).
 Checkpointing and compile replace the module's ``forward`` on the instance and nothing
-else, so the module
-tree and every parameter name stay as they are (no ``_checkpoint_wrapped_module.`` or
+else, so the module tree and every parameter name stay as they are (no ``_checkpoint_wrapped_module.`` or
 ``_orig_mod.`` segment reaches checkpoints, export or the optimizer's no-decay rule),
 and the sharding wrapper's hooks (all-gather before forward, reshard after) stay
 outside the checkpointed and the compiled region. The checkpoint is torch's
@@ -44,7 +43,12 @@ from .wrap import is_wrapped
 
 CHECKPOINTING = ("none", "full", "selective")
 
-_TRANSFORMED = "_sharding_transformed"
+# What each step leaves on a module it has acted on.
+_FLOAT8, _CHECKPOINTED, _COMPILED = (
+    "_sharding_float8",
+    "_sharding_checkpointed",
+    "_sharding_compiled",
+)
 
 
 def _ops(*names: str) -> frozenset:
@@ -93,13 +97,13 @@ class SplitBlockError(ValueError):
 
 @dataclass
 class UnitTransform:
-    """Convert to float8, checkpoint and/or compile each target module once, before
-    it is sharded.
+    """Float8, activation checkpointing and compile settings, and the steps that
+    apply them (``parallelize.UnitSteps`` calls them in order).
 
-    Called by the wrap context with each module about to become a unit: every
-    not-yet-transformed target in the unit (the unit itself or a module inside it,
-    not inside an already wrapped child) is transformed. ``targets`` are the classes
-    to transform (a model's block classes); empty means every unit.
+    Each step acts on every target in a unit (the unit itself or a module inside
+    it, not inside an already wrapped child) that it has not acted on yet.
+    ``targets`` are the classes to transform (a model's block classes); empty
+    means the unit itself.
     """
 
     checkpointing: str = "none"
@@ -107,7 +111,7 @@ class UnitTransform:
     compile: bool = False
     targets: tuple[type[nn.Module], ...] = ()
     float8: Float8 | None = None
-    #: targets transformed so far (for ``every``), in build order
+    #: targets checkpointed (or not, by ``every``) so far, in build order
     seen: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -124,52 +128,46 @@ class UnitTransform:
             )
         self.targets = tuple(self.targets)
 
-    @property
-    def active(self) -> bool:
-        return self.checkpointing != "none" or self.compile or self.float8 is not None
-
-    def __call__(self, unit: nn.Module) -> None:
-        if not self.active:
-            return
-        for module in self._pending(unit):
-            self.apply(module)
-
-    def before_parallelize(self, unit: nn.Module) -> None:
-        """Float8 first, before tensor parallelism: torchao's float8 TP styles take
-        float8 linear layers (``apply`` then finds them converted)."""
+    def convert_float8(self, unit: nn.Module) -> None:
+        """The targets' linear layers to float8 (torchao's ``Float8Linear``)."""
         if self.float8 is not None:
-            for module in self._pending(unit):
+            for module in self._pending(unit, _FLOAT8):
                 self.float8.convert(module)
 
-    def _pending(self, unit: nn.Module) -> Iterator[nn.Module]:
-        """The targets in ``unit`` not transformed yet."""
-        for module in _unit_modules(unit):
-            if module.__dict__.get(_TRANSFORMED):
-                continue
-            if self.targets and not isinstance(module, self.targets):
-                continue
-            if not self.targets and module is not unit:
-                continue
-            yield module
-
-    def apply(self, module: nn.Module) -> None:
-        """Float8, then checkpoint, then compile ``module`` in place."""
-        index, self.seen = self.seen, self.seen + 1
-        if self.float8 is not None:
-            self.float8.convert(module)
-        forward = module.forward
+    def add_checkpoint(self, unit: nn.Module) -> None:
+        """The targets' forward under activation checkpointing (``full``: every
+        ``every``-th target, in build order; ``selective``: each, keeping
+        :data:`SAVED_OPS`)."""
+        if self.checkpointing == "none":
+            return
         selective = self.checkpointing == "selective"
-        if selective and any(is_wrapped(m) for m in module.modules()):
-            # Their sharding hooks would run inside the region, differently in the
-            # recomputation (measured: FSDP2 on one rank), which selective
-            # checkpointing rejects.
-            raise SplitBlockError(type(module).__name__)
-        if selective or (self.checkpointing == "full" and index % self.every == 0):
-            forward = checkpointed(forward, selective)
+        for module in self._pending(unit, _CHECKPOINTED):
+            index, self.seen = self.seen, self.seen + 1
+            if selective and any(is_wrapped(m) for m in module.modules()):
+                # Their sharding hooks would run inside the region, differently in
+                # the recomputation (measured: FSDP2 on one rank), which selective
+                # checkpointing rejects.
+                raise SplitBlockError(type(module).__name__)
+            if selective or index % self.every == 0:
+                module.forward = checkpointed(module.forward, selective)
+
+    def add_compile(self, unit: nn.Module) -> None:
+        """The targets' forward compiled, each on its own (regional)."""
         if self.compile:
-            forward = torch.compile(forward)
-        module.forward = forward
-        module.__dict__[_TRANSFORMED] = True
+            for module in self._pending(unit, _COMPILED):
+                module.forward = torch.compile(module.forward)
+
+    def _pending(self, unit: nn.Module, step: str) -> list[nn.Module]:
+        """The targets in ``unit`` that ``step`` has not acted on, now marked."""
+        pending = [
+            m
+            for m in _unit_modules(unit)
+            if not m.__dict__.get(step)
+            and (isinstance(m, self.targets) if self.targets else m is unit)
+        ]
+        for m in pending:
+            m.__dict__[step] = True
+        return pending
 
 
 def compile_cache_dir() -> tuple[str, str]:

@@ -95,8 +95,7 @@ class _WrapContext:
     defaults: dict[str, Any]
     module_overrides: dict[type, dict[str, Any]]
     policy: Any | None
-    transform: Callable[[nn.Module], None] | None = None
-    parallelize: Callable[[nn.Module], None] | None = None
+    parallelize: Callable[..., None] | None = None
 
 
 _active: _WrapContext | None = None
@@ -108,8 +107,7 @@ def enable_wrap(
     *,
     module_overrides: dict[type, dict[str, Any]] | None = None,
     policy: Any | None = None,
-    transform: Callable[[nn.Module], None] | None = None,
-    parallelize: Callable[[nn.Module], None] | None = None,
+    parallelize: Callable[..., None] | None = None,
     **defaults: Any,
 ) -> Iterator[None]:
     """Shard annotated modules as they are constructed, inside this context.
@@ -126,12 +124,10 @@ def enable_wrap(
             they beat the context defaults and lose to ``wrap(..., **overrides)``.
         policy: optional wrap policy (``src.sharding.policies``) that decides what a
             ``wrap()`` annotation does, e.g. auto-wrap it by size. ``None``: wrap it.
-        transform: optional callable applied to each unit's module right before it is
-            sharded, e.g. ``transforms.UnitTransform`` (activation checkpointing and
-            ``torch.compile`` per unit).
-        parallelize: optional callable applied to each annotated module first (before
-            the policy) and to each unit before ``transform``: tensor parallelism
-            (``tensor_parallel.tensor_parallelize`` on the tp mesh), idempotent.
+        parallelize: optional step ``(module, *, unit: bool)``, the family's
+            parallelize function bound to the run (src/sharding/parallelize.py):
+            called with ``unit=False`` on each annotated module before the policy,
+            and with ``unit=True`` on each unit right before ``wrapper_cls``.
         **defaults: keyword arguments given to every ``wrapper_cls`` call.
 
     Contexts do not nest: a second ``enable_wrap`` inside the first raises
@@ -148,7 +144,6 @@ def enable_wrap(
         defaults=dict(defaults),
         module_overrides=dict(module_overrides or {}),
         policy=policy,
-        transform=transform,
         parallelize=parallelize,
     )
     try:
@@ -181,7 +176,7 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
     if ctx is None:
         return module
     if ctx.parallelize is not None and not is_wrapped(module):
-        ctx.parallelize(module)
+        ctx.parallelize(module, unit=False)
     if ctx.policy is not None:
         return ctx.policy.annotate(module, overrides)
     return make_unit(module, **overrides)
@@ -200,9 +195,7 @@ def make_unit(module: nn.Module, **overrides: Any) -> nn.Module:
         return module.__dict__.get("_sharding_wrapper", module)
     kwargs = {**ctx.defaults, **_class_overrides(ctx, module), **overrides}
     if ctx.parallelize is not None:
-        ctx.parallelize(module)
-    if ctx.transform is not None:
-        ctx.transform(module)
+        ctx.parallelize(module, unit=True)
     info = _unit_info(module)
     out = ctx.wrapper_cls(module, **kwargs)
     out = module if out is None else out
