@@ -335,8 +335,10 @@ class Backend:
         splits = self.tp_plan is not None or self.layout.ep > 1
         parallelize = self.parallelize if splits else None
         first = getattr(transform, "before_parallelize", None)
-        if parallelize is not None and first is not None:
-            parallelize = _then(first, parallelize)
+        if first is not None and (parallelize is not None or self.float8_linears):
+            # float8 first, also where no split follows: a policy that splits a
+            # block makes its linear layers units, never converted after that
+            parallelize = first if parallelize is None else _then(first, parallelize)
         return enable_wrap(
             wrapper_cls,
             policy=policy,
@@ -715,6 +717,8 @@ def build_sharded_model(
         raise ValueError("meta-device init needs an init_fn to materialise shards")
     with backend.wrap_context(policy, transform), init_device:
         model = model_fn()
+        if backend.float8_linears is not None and transform is not None:
+            transform.before_parallelize(model)  # float8 before the policy's units
         backend.parallelize(model)  # what no annotation parallelised (root, head)
         if backend.wraps_units and policy is not None:
             model = policy.finalize(model)
