@@ -160,7 +160,8 @@ def precompute_scales(model: nn.Module) -> None:
 
 
 def is_float8_linear(module: nn.Module) -> bool:
-    return type(module).__name__ == "Float8Linear"
+    """A torchao ``Float8Linear``, also once a unit (FSDP2's ``FSDPFloat8Linear``)."""
+    return any(c.__name__ == "Float8Linear" for c in type(module).__mro__)
 
 
 def _gathers_float8(style: Any) -> bool:
