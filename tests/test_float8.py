@@ -12,6 +12,8 @@ real: torch._scaled_mm's CPU kernel).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -451,3 +453,46 @@ def test_float8_gets_the_block_policy_where_bf16_mixed_does(shape):
         plan = plan_of(resolved, build_meta_model(cfg, resolved), 2)
         units[precision] = len(plan.units)
     assert units["float8"] == units["bf16_mixed"] > 6, units
+
+
+def _launch(run_dir, devices, *overrides):
+    """train.py on ``devices`` ranks (:data:`INIT_RUN`'s settings): its step losses."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.distributed import HANG_S
+
+    init = [o for o in INIT_RUN if not o.startswith("trainer.devices=")]
+    out = subprocess.run(
+        [sys.executable, "train.py", *init, f"trainer.devices={devices}",
+         f"hydra.run.dir={run_dir}", *overrides],
+        capture_output=True, text=True, timeout=HANG_S,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )  # fmt: skip
+    assert out.returncode == 0, (overrides, out.stderr[-3000:])
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, rows) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_init_from_a_launched_two_rank_float8_run(tmp_path):
+    """A float8 run on 2 ranks (the float8 all-gather on, the tensorwise default
+    there) saves plain tensors, no torchao class in its files (they held torchao's
+    weight wrapper, which a run without torchao.float8 imported refused to unpickle,
+    calling the checkpoint damaged); trainer.init_from starts bf16_mixed on 1 and 2
+    ranks and float8 on 2 from it, at first losses within float8's 2% of each other
+    (the same weights, the same global batch) and below the source's first."""
+    source = tmp_path / "f8"
+    first = _launch(source, 2, "precision=float8", "trainer.max_steps=4")
+    files = list(source.glob("checkpoints/step_*/*.distcp"))
+    assert files and not any(b"torchao" in f.read_bytes() for f in files)
+    starts = {
+        (precision, n): _launch(
+            tmp_path / f"{precision}_{n}", n, f"precision={precision}",
+            "trainer.max_steps=1", f"trainer.init_from={source}",
+        )[0]
+        for precision, n in (("bf16_mixed", 1), ("bf16_mixed", 2), ("float8", 2))
+    }  # fmt: skip
+    low, high = min(starts.values()), max(starts.values())
+    assert high - low <= 0.02 * low and high < first[0] - 0.1, (first, starts)
