@@ -496,3 +496,45 @@ def test_init_from_a_launched_two_rank_float8_run(tmp_path):
     }  # fmt: skip
     low, high = min(starts.values()), max(starts.values())
     assert high - low <= 0.02 * low and high < first[0] - 0.1, (first, starts)
+
+
+#: Loads a checkpoint into a plain GPT in a process that never imported
+#: torchao.float8 (which allowlists its classes for torch.load), as a bf16_mixed run.
+_LOAD_PLAIN = """
+import sys
+import torch
+from src.checkpoint.dcp import Checkpointer
+from tests.test_float8 import GPT, GPT_CFG
+assert "torchao.float8" not in sys.modules
+model = GPT(GPT_CFG, seed=1)
+Checkpointer(sys.argv[1]).load_model(sys.argv[2], model)
+torch.save(model.state_dict(), sys.argv[3])
+"""
+
+
+def test_an_older_float8_checkpoint_loads_without_float8(tmp_path, monkeypatch):
+    """A checkpoint a float8 run saved before checkpoints held plain tensors (its
+    weights torchao's all-gather wrappers, as the old save wrote them) loads into a
+    plain model in a process that never imported torchao.float8, the weights as
+    saved: it was called damaged ("refuses to unpickle")."""
+    import subprocess
+    import sys
+
+    from src.checkpoint import dcp as dcp_module
+    from src.checkpoint.dcp import Checkpointer
+
+    model = GPT(GPT_CFG, seed=0)
+    Float8(all_gather=True).convert(model)
+    opt = torch.optim.AdamW(model.parameters())
+    monkeypatch.setattr(dcp_module, "plain_tensors", lambda tensors: tensors)
+    path = Checkpointer(tmp_path / "ckpt").save(1, model, opt)
+    assert any(b"torchao" in f.read_bytes() for f in path.glob("*.distcp"))
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_PLAIN, str(tmp_path / "ckpt"), str(path),
+         str(tmp_path / "loaded.pt")],
+        capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[1]),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = torch.load(tmp_path / "loaded.pt")
+    for name, value in GPT(GPT_CFG, seed=0).state_dict().items():
+        assert torch.equal(loaded[name], value), name

@@ -546,10 +546,12 @@ def _read_tensors(
         break
     what = _one_line(error)
     if wrapped:  # never "damaged": it loads where torchao's float8 is imported
+        named = re.search(r"GLOBAL ([\w.]+)", str(error))
         raise CheckpointError(
             f"checkpoint {path} holds torchao float8 weights (a precision=float8 "
             "run's, saved before checkpoints held plain tensors), which this run "
-            f"cannot unpickle: rank {rank} read {type(error).__name__}: {what}"
+            f"cannot unpickle: on rank {rank} torch.load(weights_only=True) refused "
+            f"{named.group(1) if named else _TORCHAO} (is torchao installed?)"
         ) from None
     if isinstance(error, pickle.UnpicklingError):  # torch.load's long advice
         what = "bytes that torch.load(weights_only=True) refuses to unpickle"
