@@ -81,7 +81,7 @@ from src.checkpoint.ranks import (
     this_rank,
 )
 from src.checkpoint.rng import RNG_DIR, _read_rng, _rng_file, _rng_state, _set_rng_state
-from src.checkpoint.values import _from_json, _split, json_like
+from src.checkpoint.values import _from_json, _split, json_like, plain_tensors
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,9 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
         model_tensors, model_objects = _split(model_sd)
         optim_tensors, optim_objects = _split(optim_sd)
+        model_tensors, optim_tensors = map(
+            plain_tensors, (model_tensors, optim_tensors)
+        )
         # every rank's (pipeline stages each hold their own parameters' entries)
         model_objects, optim_objects = _union(model_objects), _union(optim_objects)
         meta = _new_meta(step, model_objects, optim_objects, scheduler, extra)
@@ -530,18 +533,49 @@ def _read_tensors(
     """Fill ``wanted`` (``{"model": ..., "optim": ...}``: this rank's possibly sharded
     tensors, which :func:`_check_same_tensors` found in ``index``) in place from the
     checkpoint whose checked DCP ``index`` is given."""
-    try:
-        with quiet_single_process():
-            dcp.load(wanted, storage_reader=_SafeReader(path, index))
-    except CheckpointException as exc:  # every rank's failures, gathered by DCP
-        rank, (error, _) = min(exc.failures.items())
-        what = _one_line(error)
-        if isinstance(error, pickle.UnpicklingError):  # torch.load's long advice
-            what = "bytes that torch.load(weights_only=True) refuses to unpickle"
+    for attempt in range(2):
+        try:
+            with quiet_single_process():
+                dcp.load(wanted, storage_reader=_SafeReader(path, index))
+            return
+        except CheckpointException as exc:  # every rank's failures, gathered by DCP
+            rank, (error, _) = min(exc.failures.items())
+        wrapped = isinstance(error, pickle.UnpicklingError) and _TORCHAO in str(error)
+        if wrapped and attempt == 0 and _allow_float8_wrappers():
+            continue  # every rank (each saw every rank's failures)
+        break
+    what = _one_line(error)
+    if wrapped:  # never "damaged": it loads where torchao's float8 is imported
+        named = re.search(r"GLOBAL ([\w.]+)", str(error))
         raise CheckpointError(
-            f"checkpoint {path} is damaged: rank {rank} read "
-            f"{type(error).__name__}: {what}"
+            f"checkpoint {path} holds torchao float8 weights (a precision=float8 "
+            "run's, saved before checkpoints held plain tensors), which this run "
+            f"cannot unpickle: on rank {rank} torch.load(weights_only=True) refused "
+            f"{named.group(1) if named else _TORCHAO} (is torchao installed?)"
         ) from None
+    if isinstance(error, pickle.UnpicklingError):  # torch.load's long advice
+        what = "bytes that torch.load(weights_only=True) refuses to unpickle"
+    raise CheckpointError(
+        f"checkpoint {path} is damaged: rank {rank} read {type(error).__name__}: {what}"
+    ) from None
+
+
+#: The module of torchao's float8 weight wrapper in the pickles of checkpoints a
+#: float8 run saved before they held plain tensors (:func:`plain_tensors`).
+_TORCHAO = "torchao.float8"
+
+
+def _allow_float8_wrappers() -> bool:
+    """Let ``torch.load(weights_only=True)`` read torchao's float8 tensor classes
+    (importing ``torchao.float8`` allowlists them, as a float8 run does); False
+    without torchao. Copying such a tensor into a plain one copies its data."""
+    try:
+        from src.sharding.float8 import _torchao_float8
+
+        _torchao_float8()
+    except ImportError:
+        return False
+    return True
 
 
 def _check_same_tensors(

@@ -48,6 +48,32 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, An
     return tensors, others
 
 
+#: torchao's FSDP2 float8 all-gather weight (``precision=float8``): a wrapper around
+#: the high-precision weight, named here so that saving needs no torchao import.
+_WEIGHT_WRAPPERS = frozenset({"WeightWithDynamicFloat8CastTensor"})
+
+
+def plain_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each torchao float8 weight wrapper (:data:`_WEIGHT_WRAPPERS`,
+    the local tensor of a DTensor or the tensor itself) replaced by the plain
+    tensor it holds (the same storage): a checkpoint holds plain tensors and
+    DTensors whatever the training precision, which any run can read."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, t in tensors.items():
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if type(local).__name__ in _WEIGHT_WRAPPERS:
+            inner = local._tensor.detach()
+            if isinstance(t, DTensor):
+                inner = DTensor.from_local(
+                    inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+                )
+            t = inner
+        out[k] = t
+    return out
+
+
 def _kind(value: Any) -> str:
     if value is None or type(value) in (bool, str, dict, list):
         return {

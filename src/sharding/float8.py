@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
+from .wrap import is_wrapped
+
 #: ``Float8LinearConfig.from_recipe_name``'s recipes offered.
 RECIPES = ("tensorwise", "rowwise")
 #: The recipes FSDP2's float8 all-gather takes (torchao casts whole tensors only).
@@ -121,6 +123,7 @@ class Float8:
             ok = (
                 isinstance(m, nn.Linear)
                 and not is_float8_linear(m)  # converted already (before TP)
+                and not is_wrapped(m)  # a unit already: sharded, DTensor weights
                 and not self.skipped(path, m)
             )
             if ok:
@@ -157,7 +160,8 @@ def precompute_scales(model: nn.Module) -> None:
 
 
 def is_float8_linear(module: nn.Module) -> bool:
-    return type(module).__name__ == "Float8Linear"
+    """A torchao ``Float8Linear``, also once a unit (FSDP2's ``FSDPFloat8Linear``)."""
+    return any(c.__name__ == "Float8Linear" for c in type(module).__mro__)
 
 
 def _gathers_float8(style: Any) -> bool:
