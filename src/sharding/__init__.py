@@ -17,7 +17,7 @@ from .backends import (
     set_prefetch,
     with_capability,
 )
-from .layout import LayoutError, ParallelLayout, ParallelMesh
+from .layout import LayoutError, ParallelLayout, ParallelMesh, refusal
 from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
     BlockPolicy,
@@ -42,6 +42,7 @@ from .wrap import (
 )
 
 __all__ = [
+    "refusal",
     "BACKENDS",
     "CHECKPOINTING",
     "DEFAULT_EXCLUDE_WRAP_MODULES",
