@@ -339,7 +339,7 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     t = cfg.trainer
-    # Resolved by the launcher, as train.py's ranks get it (unpickling imports the
+    # RunPlan by the launcher, as train.py's ranks get it (unpickling imports the
     # family's modules, transformers for hf; the config checks ran in the launcher).
     spec, config = resolved.spec, resolved.model_config
     backend = build_backend(
@@ -364,7 +364,7 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
     else:
         base = _status_kib("VmRSS") * 1024
         _reset_cpu_peak_rss()
-    model = build_model(cfg, backend, resolved)
+    model = build_model(resolved, backend)
     optimizer = build_optimizer(model, cfg, resolved)
     scaler = backend.grad_scaler()
     for step in range(steps):
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "the calibrated runtime constant). Measured: the same config run by the "
         f"trainer's build_model / build_optimizer / train_step for {args.steps} "
         "steps on synthetic tokens, 1 thread per rank, the ranks given the "
-        "launcher's Resolved as train.py's are; max over ranks of VmHWM "
+        "launcher's RunPlan as train.py's are; max over ranks of VmHWM "
         "minus the rank's RSS just before the model is built (its classes "
         "already built once on meta), each rank's glibc mmap threshold set as "
         "train.py's ranks set it (trainer.malloc_mmap_threshold_kib). process: the planned "

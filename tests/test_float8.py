@@ -322,8 +322,8 @@ def test_hf_and_custom_models_get_float8_blocks(overrides, block_linears):
 
     cfg = compose_config(*INIT_RUN, *overrides, "precision=float8", "sharding=none")
     resolved = validate(cfg)
-    backend = make_backend(cfg, torch.device("cpu"), resolved.layout)
-    model = build_model(cfg, backend, resolved)
+    backend = make_backend(resolved, torch.device("cpu"))
+    model = build_model(resolved, backend)
     blocks = resolved.spec.block_classes(resolved.model_config)
     inside = {
         f"{n}.{c}"

@@ -52,7 +52,7 @@ def _round_trip(rank: int, world: int, src: str, out: str, run_dir: str) -> dict
     x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     inputs, targets = x[:, :-1], x[:, 1:]
     resolved = resolve(cfg)
-    model = build_model(cfg, build_backend("fsdp2", "fp32", "cpu"), resolved).eval()
+    model = build_model(resolved, build_backend("fsdp2", "fp32", "cpu")).eval()
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
@@ -188,7 +188,7 @@ def test_llama_family_loads_hugging_face_llama_weights(tiny_llama_dir):
         "trainer.devices=1",
     )
     validate(cfg)
-    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolve(cfg)).eval()
+    model = build_model(resolve(cfg), build_backend("none", "fp32", "cpu")).eval()
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         ours = model(x)[0]

@@ -27,7 +27,7 @@ from src.data.sources import GlobalBatches, TokenStream
 from src.errors import ConfigError
 from src.models import get_spec
 from src.models.generate import KVCache, generate
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.runs.compare import main as compare_main
 from src.runs.compose import open_run
 from src.runs.evaluation import EVAL_FILE
@@ -139,7 +139,7 @@ def llama_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def opened(run_dir: Path, changes: dict) -> tuple[Path, DictConfig, Resolved]:
+def opened(run_dir: Path, changes: dict) -> tuple[Path, DictConfig, RunPlan]:
     """sample.py's and eval.py's steps before the ranks start: the checkpoint and
     the run's config, changed and prepared."""
     _, checkpoint, cfg, resolved = open_run(str(run_dir), lambda _: changes)

@@ -27,9 +27,8 @@ from src.planner.constants import budget_bytes
 from src.resolved import (
     FLOAT8_KEYS,
     LAYOUT_KEYS,
-    Resolved,
+    RunPlan,
     float8_linears,
-    layout_errors_named,
     resolve,
     resolve_devices,
     tensor_parallel_plan,
@@ -197,11 +196,11 @@ def check_pretrained_dir(cfg: DictConfig) -> None:
     )
 
 
-def check_pretrained(cfg: DictConfig, resolved: Resolved) -> None:
+def check_pretrained(resolved: RunPlan) -> None:
     """``model.pretrained`` (its directory checked by :func:`check_pretrained_dir`):
     tensors of the shapes of the configured model (read from the file headers and a
     meta-device build), for a family with a Hugging Face adapter."""
-    path = cfg.model.pretrained
+    path = resolved.pretrained
     if path is None:
         return
     spec, config = resolved.spec, resolved.model_config
@@ -260,7 +259,7 @@ def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:
         )
 
 
-def validate(cfg: DictConfig) -> Resolved:
+def validate(cfg: DictConfig) -> RunPlan:
     """Check what the schema's types cannot, so a bad run fails before any rank starts,
     and return what it resolved (world size, model spec and config, policy classes)
     for the launcher and the ranks.
@@ -283,11 +282,11 @@ def validate(cfg: DictConfig) -> Resolved:
     )
     check_pretrained_dir(cfg)  # first: model=hf reads its config from there
     resolved = resolve(cfg)
-    check_pretrained(cfg, resolved)
+    check_pretrained(resolved)
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.layout)
     _check_float8(cfg)
-    _check_tensor_parallel(cfg, resolved)
+    _check_tensor_parallel(resolved)
     _check_context_parallel(resolved)
     _check_pipeline(cfg, resolved)
     _check_batches(cfg, resolved.layout)
@@ -336,8 +335,6 @@ def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
     _choice(cfg, "sharding.activation_checkpointing", (*CHECKPOINTING, "auto"))
     _positive_int(cfg, "sharding.activation_checkpointing_every")
     _choice(cfg, "precision.name", PRECISIONS)
-    with layout_errors_named():
-        backend.check_layout(layout)
     _check_fsdp2_knobs(s, layout.fsdp_shard)
     _require(
         backend.distributed or layout.world_size == 1,
@@ -357,12 +354,6 @@ def _check_float8(cfg: DictConfig) -> None:
             _require(value is None, key, f"{value!r}: read by precision=float8 only")
         return
     _choice(cfg, "precision.recipe", RECIPES)
-    _require(
-        backend.float8,
-        "precision.name",
-        f"float8 needs sharding={' or sharding='.join(with_capability('float8'))}, "
-        f"not sharding={cfg.sharding.backend}",
-    )
     if p.float8_all_gather:
         _require(
             p.recipe in ALL_GATHER_RECIPES,
@@ -381,32 +372,26 @@ def _check_float8(cfg: DictConfig) -> None:
     float8_linears(cfg)
 
 
-def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
+def _check_tensor_parallel(resolved: RunPlan) -> None:
     """``sharding.sequence_parallel`` and the family's tensor-parallel plan for the
     shape (the tp degree itself is checked with the layout)."""
-    sp = cfg.sharding.sequence_parallel
+    sp = resolved.unit.sequence_parallel
     _require(
         sp is None or resolved.layout.tp > 1 or not sp,
         "sharding.sequence_parallel",
         f"true needs {LAYOUT_KEYS['tp']} > 1 (it shards along the tp ranks)",
     )
-    tensor_parallel_plan(cfg, resolved.spec, resolved.model_config, resolved.layout)
+    tensor_parallel_plan(resolved)
 
 
-def _check_context_parallel(resolved: Resolved) -> None:
-    """With context parallelism: the sequence splits into 2C equal chunks, and the
-    model can split its sequences (the family's check, naming its key)."""
+def _check_context_parallel(resolved: RunPlan) -> None:
+    """With context parallelism: the model can split its sequences (the family's
+    check, naming its key; the 2C chunks are the layout rule's, checked by
+    ``resolve``)."""
     cp = resolved.layout.cp
     if cp <= 1:
         return
     spec, config = resolved.spec, resolved.model_config
-    seq_len = spec.seq_len(config)
-    _require(
-        seq_len % (2 * cp) == 0,
-        LAYOUT_KEYS["cp"],
-        f"{cp} ranks split each sequence into 2 x {cp} chunks, which do not divide "
-        f"its {seq_len} tokens (the model's sequence length)",
-    )
     _require(
         spec.context_parallel is not None and spec.kv_width is not None,
         LAYOUT_KEYS["cp"],
@@ -420,12 +405,11 @@ PP_KEY = LAYOUT_KEYS["pp"]
 #: What a pipeline-parallel run does not do yet: the key, the value that is
 #: refused, and why.
 PP_UNSUPPORTED = (
-    ("precision.name", lambda v: v == "fp16_mixed", "fp16's gradient scaler"),
     ("sharding.sequence_parallel", lambda v: bool(v), "sequence parallelism"),
 )
 
 
-def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
+def _check_pipeline(cfg: DictConfig, resolved: RunPlan) -> None:
     """``sharding.pipeline_parallel`` and the ``sharding.pp_*`` keys: the backend,
     the mesh, the schedule, the family's layout and the stage cut."""
     s, spec, pp = cfg.sharding, resolved.spec, resolved.layout.pp
@@ -544,7 +528,7 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
     )
 
 
-def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
+def _check_trainer(cfg: DictConfig, resolved: RunPlan) -> None:
     """Export, the optimizer's numbers, timeouts, peak FLOPs and resuming."""
     t, spec = cfg.trainer, resolved.spec
     _require(

@@ -46,7 +46,7 @@ from src.data.token_cache import SPLITS, token_cache
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 from src.errors import ConfigError
 from src.registry import Registry, described, no_check, or_list
-from src.resolved import Resolved
+from src.resolved import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
 
 
 def follow_tokenizer_vocab(
-    cfg: Any, resolved: Resolved, meta: dict, user_keys: set[str]
+    cfg: Any, resolved: RunPlan, meta: dict, user_keys: set[str]
 ) -> bool:
     """The model's vocabulary follows the tokenizer (``meta`` of the token cache): the
     family's vocabulary key (``model.vocab_size`` for GPT and Llama) becomes the

@@ -16,12 +16,12 @@ from src.planner.constants import EP_IMBALANCE
 from src.planner.estimate import Dispatch, RunShape
 from src.planner.settings import tp_layout
 from src.planner.trace import tp_local, traced_activation_bytes
-from src.resolved import Resolved, tensor_parallel_plan
+from src.resolved import RunPlan, tensor_parallel_plan
 
 
 def tp_activations(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     shape: RunShape,
     acts: ActivationBytes,
     model: torch.nn.Module | int,
@@ -65,7 +65,7 @@ def tp_activations(
 
 
 def cp_activations(
-    resolved: Resolved,
+    resolved: RunPlan,
     shape: RunShape,
     acts: ActivationBytes,
     model: torch.nn.Module | int,
@@ -96,7 +96,7 @@ def cp_activations(
     )
 
 
-def ep_dispatch(resolved: Resolved, shape: RunShape) -> Dispatch | None:
+def ep_dispatch(resolved: RunPlan, shape: RunShape) -> Dispatch | None:
     """Expert parallelism's dispatch beyond the traced activations (None: no EP, or
     a family that does not say its experts' shape). A balanced dispatch gives a rank
     its own share of the assignments, ``B T k / tp`` rows per MoE layer; the bound
@@ -131,7 +131,7 @@ def ep_dispatch(resolved: Resolved, shape: RunShape) -> Dispatch | None:
 
 
 def _blocks(
-    resolved: Resolved, shape: RunShape, model: torch.nn.Module | int
+    resolved: RunPlan, shape: RunShape, model: torch.nn.Module | int
 ) -> tuple[int, int]:
     """The model's blocks (``model``: the model or their number) and how many of
     them full activation checkpointing recomputes."""
@@ -150,7 +150,7 @@ def _blocks(
     return blocks, checkpointed
 
 
-def has_formula(resolved: Resolved) -> bool:
+def has_formula(resolved: RunPlan) -> bool:
     """Whether the model family's activation formula covers the run's model config
     (its spec's ``activation_bytes`` and ``formula_covers``); else it is traced."""
     spec = resolved.spec
@@ -160,7 +160,7 @@ def has_formula(resolved: Resolved) -> bool:
 
 
 def activation_fn(
-    resolved: Resolved, tp: int = 1, tp_plan: Any = None, trace: bool = False
+    resolved: RunPlan, tp: int = 1, tp_plan: Any = None, trace: bool = False
 ) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
     to the run's model config; for a family without one (``hf``, ``custom``) or a
@@ -183,7 +183,7 @@ def activation_fn(
     return _TRACED[key]
 
 
-def traced_locally(resolved: Resolved, tp_plan: Any) -> bool:
+def traced_locally(resolved: RunPlan, tp_plan: Any) -> bool:
     """Whether a run's activations under tensor parallelism are traced on one rank's
     local shapes: a model without a formula (:func:`has_formula`) always; one with a
     formula without sequence parallelism (its formula knows only the sequence split;
@@ -192,7 +192,7 @@ def traced_locally(resolved: Resolved, tp_plan: Any) -> bool:
 
 
 def run_activation_fn(
-    cfg: DictConfig, resolved: Resolved
+    cfg: DictConfig, resolved: RunPlan
 ) -> Callable[..., ActivationBytes]:
     """:func:`activation_fn` for ``cfg``'s tensor-parallel degree and plan."""
     tp = resolved.layout.tp
@@ -207,7 +207,7 @@ def run_activation_fn(
 
 
 def run_activations(
-    cfg: DictConfig, resolved: Resolved, shape: RunShape, model: torch.nn.Module
+    cfg: DictConfig, resolved: RunPlan, shape: RunShape, model: torch.nn.Module
 ) -> ActivationBytes:
     """One rank's activations of one micro-batch of ``shape`` (the run's tensor and
     context parallelism applied); ``model``: the run's meta model."""

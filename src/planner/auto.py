@@ -23,7 +23,7 @@ from src.planner.settings import (
     setting,
     with_values,
 )
-from src.resolved import Resolved, resolve_devices, resolve_policies
+from src.resolved import RunPlan, resolve_devices, resolve_policies
 from src.sharding import backend_class
 
 #: The keys ``auto`` may stand for, and what the planner searches.
@@ -44,7 +44,7 @@ _AUTO_START: dict[str, Any] = {
 
 
 def resolve_auto(
-    cfg: DictConfig, resolved: Resolved, world: int | None = None
+    cfg: DictConfig, resolved: RunPlan, world: int | None = None
 ) -> tuple[DictConfig, list[str]]:
     """``cfg`` with every ``auto`` value of :data:`AUTO_KEYS` chosen by the planner:
     the cheapest setting that fits the budget (``trainer.mem_budget_gib``, else this
@@ -92,7 +92,7 @@ def resolve_auto(
 
 
 def _ac_reason(
-    cfg: DictConfig, resolved: Resolved, chosen: Candidate, world: int, verdict: str
+    cfg: DictConfig, resolved: RunPlan, chosen: Candidate, world: int, verdict: str
 ) -> str:
     """Why ``auto`` checkpointing is what it is: which blocks, the recompute cost, and
     the estimate without any."""
@@ -115,8 +115,8 @@ POLICY_KEYS = ("sharding.policy", "sharding.min_params")
 
 
 def default_policy(
-    cfg: DictConfig, resolved: Resolved, user_keys: set[str]
-) -> tuple[DictConfig, Resolved, str]:
+    cfg: DictConfig, resolved: RunPlan, user_keys: set[str]
+) -> tuple[DictConfig, RunPlan, str]:
     """``cfg`` with the block policy when the size policy's threshold was not chosen for
     this model: the user set neither key of :data:`POLICY_KEYS` and, with the group's
     default ``sharding.min_params`` (tuned so each block of the CPU models is one unit),

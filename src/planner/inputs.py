@@ -24,7 +24,7 @@ from src.planner.settings import (
     setting,
     with_values,
 )
-from src.resolved import Resolved, float8_linears
+from src.resolved import RunPlan, float8_linears
 from src.sharding import (
     ParallelLayout,
     WrapPlan,
@@ -35,7 +35,7 @@ from src.sharding import (
 from src.sharding.transforms import SplitBlockError
 
 
-def build_meta_model(cfg: DictConfig, resolved: Resolved) -> torch.nn.Module:
+def build_meta_model(cfg: DictConfig, resolved: RunPlan) -> torch.nn.Module:
     """The model of ``cfg`` (its family and config: ``resolved``'s) on the meta device,
     units recorded by the ``plan`` backend (nothing is allocated)."""
     from src.build import build_model
@@ -52,7 +52,7 @@ def with_ac_chosen(cfg: DictConfig) -> DictConfig:
 
 
 @contextlib.contextmanager
-def plan_backend(cfg: DictConfig, resolved: Resolved) -> Iterator[Any]:
+def plan_backend(cfg: DictConfig, resolved: RunPlan) -> Iterator[Any]:
     """The ``plan`` backend the meta builds record units with; selective checkpointing
     of a block the policy splits is a config error here, before any rank starts."""
     tp = resolved.layout.tp  # the model is tensor-parallelised on meta for real
@@ -76,7 +76,7 @@ def plan_backend(cfg: DictConfig, resolved: Resolved) -> Iterator[Any]:
         backend.close()  # tensor parallelism's fake process group, if any
 
 
-def plan_of(resolved: Resolved, model: torch.nn.Module, world: int) -> WrapPlan:
+def plan_of(resolved: RunPlan, model: torch.nn.Module, world: int) -> WrapPlan:
     """The wrap plan of ``model`` (built by :func:`build_meta_model`) on ``world``
     ranks holding it (a stage's, under pipeline parallelism), with the run's HSDP
     replicas and tensor-parallel degree."""
@@ -93,7 +93,7 @@ def _prefetch(cfg: DictConfig) -> int:
     return FSDP2_PREFETCH if depth is None else int(depth)
 
 
-def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
+def run_shape(cfg: DictConfig, resolved: RunPlan, world: int) -> RunShape:
     """The :class:`RunShape` of ``cfg`` on ``world`` ranks (``auto`` values must be
     resolved first)."""
     t, s = cfg.trainer, cfg.sharding
@@ -125,7 +125,7 @@ def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
     )
 
 
-def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> int:
+def family_process_bytes(cfg: DictConfig, resolved: RunPlan, device: str) -> int:
     """The process baseline of a run of ``cfg``: its model family's imports, its
     logger's (rank 0 holds the sinks; the peak is the max over ranks),
     torch.compile's with ``sharding.compile=true`` and torchao's float8 with
@@ -139,7 +139,7 @@ def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> in
     return process_bytes(device, imports)
 
 
-def lower_bound_reason(resolved: Resolved, device: str, precision: str) -> str:
+def lower_bound_reason(resolved: RunPlan, device: str, precision: str) -> str:
     """Why a run's peak grows past any fixed estimate ('' where it does not): a model
     that routes tokens to experts, in a low precision on a CPU, where oneDNN keeps
     memory for every new token-count shape of the experts' matmuls (fp32 does not;

@@ -26,7 +26,7 @@ from src.planner.settings import (
     pipeline_stages,
     setting,
 )
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.sharding import Unit, WrapPlan
 from src.sharding.pipeline import (
     SCHEDULES,
@@ -82,7 +82,7 @@ class StagePlans:
         )
 
     def plans(
-        self, resolved: Resolved, world: int
+        self, resolved: RunPlan, world: int
     ) -> list[tuple[PipelineRank, WrapPlan]]:
         """Each rank's wrap plan on its stage's ``world / P`` ranks."""
         cache: dict[tuple, WrapPlan] = {}
@@ -123,7 +123,7 @@ def _merged_plan(plans: list[WrapPlan]) -> WrapPlan:
 
 
 def stage_plans(
-    cfg: DictConfig, resolved: Resolved, only: int | None = None
+    cfg: DictConfig, resolved: RunPlan, only: int | None = None
 ) -> StagePlans:
     """The pp ranks of ``cfg`` and their stages built on meta (``only``: just that
     rank's, built under its own block indices)."""
@@ -336,7 +336,7 @@ def worst_rank(
     )
 
 
-def pipeline_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
+def pipeline_shape(cfg: DictConfig, resolved: RunPlan, world: int) -> RunShape:
     """:func:`run_shape` of one pipeline stage: its ``world / P`` ranks, one pipeline
     micro-batch (each data-parallel rank's rows of a micro-step split
     ``sharding.pp_microbatches`` ways; the busiest rank's share)."""
@@ -353,7 +353,7 @@ def pipeline_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
 
 
 def whole_activations(
-    cfg: DictConfig, resolved: Resolved, shape: RunShape, n_blocks: int
+    cfg: DictConfig, resolved: RunPlan, shape: RunShape, n_blocks: int
 ) -> tuple[Callable[[str, int], ActivationBytes], int]:
     """The whole model's activations of one micro-batch of ``shape`` per
     checkpointing mode (tensor parallelism applied), and one block's input (the
@@ -374,7 +374,7 @@ def whole_activations(
 
 def pipeline_estimates(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     world: int,
     plans: StagePlans | None = None,
 ) -> list[tuple[WrapPlan, Estimate]]:

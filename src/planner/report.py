@@ -54,7 +54,7 @@ from src.planner.settings import (
     setting,
     with_values,
 )
-from src.resolved import Resolved, resolve_devices
+from src.resolved import RunPlan, resolve_devices
 from src.schema import GRAD_SYNC
 from src.sharding import GIB, WrapPlan, get_precision
 
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 
 def grad_sync_costs(
-    cfg: DictConfig, resolved: Resolved, world: int, model: torch.nn.Module
+    cfg: DictConfig, resolved: RunPlan, world: int, model: torch.nn.Module
 ) -> str:
     """Both gradient-accumulation modes side by side (memory and collectives)."""
     accum = int(cfg.trainer.grad_accum)
@@ -79,7 +79,7 @@ def grad_sync_costs(
 
 
 def fit_report(
-    cfg: DictConfig, resolved: Resolved, est: Estimate, world: int
+    cfg: DictConfig, resolved: RunPlan, est: Estimate, world: int
 ) -> tuple[str, dict]:
     """The verdict against ``trainer.mem_budget_gib`` (and, if it does not fit, the
     cheapest change that does); empty when no budget is set."""
@@ -234,7 +234,7 @@ def pipeline_effects(cfg: DictConfig, best: Candidate) -> str:
     )
 
 
-def uneven_batch(cfg: DictConfig, resolved: Resolved, world: int) -> str:
+def uneven_batch(cfg: DictConfig, resolved: RunPlan, world: int) -> str:
     """A warning line when ``trainer.batch_size`` does not split into
     ``trainer.grad_accum`` micro-batches of whole sequences on each data-parallel
     rank of ``world`` (and, pipelined, into ``sharding.pp_microbatches`` pipeline
@@ -258,7 +258,7 @@ def uneven_batch(cfg: DictConfig, resolved: Resolved, world: int) -> str:
 
 
 def plan_only(
-    cfg: DictConfig, resolved: Resolved, run_dir: str, world_size: int | None = None
+    cfg: DictConfig, resolved: RunPlan, run_dir: str, world_size: int | None = None
 ) -> WrapPlan:
     """Print the wrap plan, the per-rank training peak estimate part by part, the
     gradient-accumulation modes and, with ``trainer.mem_budget_gib``, the verdict,

@@ -29,11 +29,11 @@ from src.planner.settings import (
     run_budget_bytes,
     setting,
 )
-from src.resolved import Resolved, resolve_devices
+from src.resolved import RunPlan, resolve, resolve_devices
 from src.sharding import GIB
 
 
-def budget_check(cfg: DictConfig, resolved: Resolved) -> tuple[float, float] | None:
+def budget_check(cfg: DictConfig, resolved: RunPlan) -> tuple[float, float] | None:
     """``(needed GiB, budget GiB)`` when the planner says ``cfg`` cannot fit its budget
     (``trainer.mem_budget_gib``, else ``sweep.mem_cap_gib``); None when it fits or no
     budget is set. For sweeps: such points are skipped, not launched."""
@@ -47,11 +47,11 @@ def budget_check(cfg: DictConfig, resolved: Resolved) -> tuple[float, float] | N
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class Planned:
     """What the planner decides for a run before its ranks start (:func:`plan_run`)."""
 
     cfg: DictConfig  # every ``auto`` value chosen; the block policy where chosen
-    resolved: Resolved  # its run object (with the block policy where chosen)
+    resolved: RunPlan  # its run object (with the block policy where chosen)
     reasons: tuple[str, ...]  # one line per choice: the policy's, then each auto's
     estimate: Estimate | None = None  # the run's peak (a pipeline: its worst stage's)
     unplanned: str = ""  # why there is no estimate, where one was asked for
@@ -74,12 +74,12 @@ class RunPlan:
 
 def plan_run(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     user_keys: set[str],
     world: int | None = None,
     estimate: bool = True,
     say: Callable[[str], object] | None = None,
-) -> RunPlan:
+) -> Planned:
     """The planner's answer for a run about to start, in one call: the block policy
     where the size policy would split blocks (:func:`default_policy`; ``user_keys``:
     the keys the user set), every ``auto`` value chosen for ``world`` ranks
@@ -90,11 +90,13 @@ def plan_run(
     device cannot build) is said in ``unplanned``: training does not depend on it."""
     cfg, resolved, policy = default_policy(cfg, resolved, user_keys)
     cfg, reasons = resolve_auto(cfg, resolved, world)
+    if reasons:  # the run plan of the values chosen
+        resolved = resolve(cfg)
     reasons = [policy, *reasons] if policy else reasons
     if say is not None:
         for line in reasons:
             say(line)
-    plan = RunPlan(cfg, resolved, tuple(reasons))
+    plan = Planned(cfg, resolved, tuple(reasons))
     if not estimate:
         return plan
     try:
@@ -114,7 +116,7 @@ _RANKS_PER_CORE = 2
 
 
 def machine_check(
-    cfg: DictConfig, resolved: Resolved, est: Estimate, local_ranks: int
+    cfg: DictConfig, resolved: RunPlan, est: Estimate, local_ranks: int
 ) -> None:
     """No run bigger than the machine, before any rank allocates: the planner's
     per-rank figure (with its safety margin) against one GPU's memory, or, on CPU,
@@ -143,7 +145,7 @@ def machine_check(
     )
 
 
-def _cheapest_fit(cfg: DictConfig, resolved: Resolved, budget: int) -> str:
+def _cheapest_fit(cfg: DictConfig, resolved: RunPlan, budget: int) -> str:
     """The cheapest change of the same ranks that fits ``budget`` per rank, said."""
     keys = [*AUTO_KEYS, PRECISION_KEY, PP_KEY]
     try:

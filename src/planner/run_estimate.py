@@ -16,13 +16,13 @@ from src.planner.inputs import (
 )
 from src.planner.pipeline import pipeline_estimates, worst_stage
 from src.planner.settings import pipeline_stages
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.sharding import WrapPlan
 
 
 def estimate_cfg(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     world: int,
     model: torch.nn.Module | None = None,
 ) -> tuple[WrapPlan, Estimate]:

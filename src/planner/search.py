@@ -43,7 +43,7 @@ from src.planner.settings import (
     setting,
     with_values,
 )
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.schema import GRAD_SYNC
 from src.sharding import (
     PRECISIONS,
@@ -108,7 +108,7 @@ def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
     return list(dict.fromkeys(out))  # the first of equal points
 
 
-def _n_blocks(resolved: Resolved) -> int:
+def _n_blocks(resolved: RunPlan) -> int:
     """How many blocks the checkpointing transform targets in the run's model."""
     from src.planner.trace import block_order
 
@@ -120,7 +120,7 @@ def _n_blocks(resolved: Resolved) -> int:
 
 def _options(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     keys: Iterable[str],
     world: int,
     max_world: int,
@@ -169,7 +169,7 @@ def _options(
 
 def _degree_options(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     capability: str,
     hook: str,
     refused: bool,
@@ -194,7 +194,7 @@ def _degree_options(
     return [] if listed is None else [1, *listed]
 
 
-def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
+def pipeline_options(cfg: DictConfig, resolved: RunPlan, world: int) -> list[int]:
     """The stage counts the fit search tries on ``world`` ranks: none (1), and 2, 4,
     8, 16 where they divide the ranks with the run's tp and replica groups and leave each stage a
     block, where the backend and the model family can pipeline (none with
@@ -223,7 +223,7 @@ def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[in
     )
 
 
-def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+def cp_options(cfg: DictConfig, resolved: RunPlan) -> list[int]:
     """The cp degrees the fit search tries: none (1), and 2, 4, 8 where the backend
     and the model can split sequences, the run has no pipeline and the 2C chunks
     divide the sequence (a point whose ranks the degree does not divide, with the
@@ -241,7 +241,7 @@ def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
     )
 
 
-def ep_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+def ep_options(cfg: DictConfig, resolved: RunPlan) -> list[int]:
     """The expert-parallel degrees the fit search tries: none (1), and 2, 4, 8, 16,
     32, 64 that divide the model's experts, where the backend and the model can
     split experts (an HF MoE model without a ``base_model_ep_plan``: not) and the run
@@ -263,7 +263,7 @@ def ep_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
 
 def search(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     keys: Iterable[str],
     budget: int,
     world: int,
@@ -293,7 +293,7 @@ class Found:
 
 def fit_search(
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     keys: Iterable[str],
     budget: int,
     world: int,
@@ -337,7 +337,7 @@ class _Points:
     whole-model activations)."""
 
     cfg: DictConfig
-    resolved: Resolved
+    resolved: RunPlan
     options: dict[str, list]
     currents: dict[str, Any]  # the values the search starts from (each key's first)
     world: int
@@ -364,7 +364,7 @@ class _Points:
     def of(
         cls,
         cfg: DictConfig,
-        resolved: Resolved,
+        resolved: RunPlan,
         options: dict[str, list],
         world: int,
         complete_batch: bool = False,
@@ -478,7 +478,7 @@ class _Points:
         cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)
         return Candidate(changed, est, cost)
 
-    def _with_ep(self, ep: int, w: int) -> Resolved | None:
+    def _with_ep(self, ep: int, w: int) -> RunPlan | None:
         """The run with ``ep`` expert-parallel ranks (None: ``ep`` does not divide
         the shard ranks of ``w``)."""
         layout = self.resolved.layout

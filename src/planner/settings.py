@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.planner.constants import ACCELERATORS_GIB, budget_bytes
-from src.resolved import LAYOUT_KEYS, Resolved
+from src.resolved import LAYOUT_KEYS, RunPlan
 from src.sharding import ParallelLayout
 
 AC_KEY = "sharding.activation_checkpointing"
@@ -43,7 +43,7 @@ def pipeline_stages(cfg: DictConfig) -> int:
     return int(setting(cfg, PP_KEY))
 
 
-def tp_layout(cfg: DictConfig, resolved: Resolved) -> ParallelLayout:
+def tp_layout(cfg: DictConfig, resolved: RunPlan) -> ParallelLayout:
     """The run's tensor-parallel degree with the pipeline stages ``cfg`` plans: what
     a tensor-parallel plan reads of a layout (``resolved.tensor_parallel_plan``)."""
     tp, pp = resolved.layout.tp, pipeline_stages(cfg)

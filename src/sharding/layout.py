@@ -227,6 +227,17 @@ def refusal(
     for dim, other, why in NOT_TOGETHER:
         if layout.size(dim) > 1 and layout.size(other) > 1:
             return LayoutError(dim, f"{why}; use one of them")
+    if backend is not None and precision is not None and not backend.float8:
+        from .precision import PRECISIONS
+
+        if precision in PRECISIONS and PRECISIONS[precision].float8:
+            from .backends import with_capability
+
+            able = " or sharding=".join(with_capability("float8"))
+            return LayoutError(
+                "precision",
+                f"float8 needs sharding={able}, not sharding={backend.name}",
+            )
     if precision == "fp16_mixed" and layout.pp > 1:
         return LayoutError(
             "precision",

@@ -11,13 +11,13 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.schema import MIN_LR_RATIO
 from src.sharding import canonical_name
 
 
 def build_optimizer(
-    model: nn.Module, cfg: DictConfig, resolved: Resolved
+    model: nn.Module, cfg: DictConfig, resolved: RunPlan
 ) -> torch.optim.AdamW:
     """AdamW with weight decay except where the family's no-decay rule says (biases
     and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D

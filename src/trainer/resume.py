@@ -26,7 +26,7 @@ from src.checkpoint.folders import (
 from src.checkpoint.values import checked_extra
 from src.data.mixture import MIX_STATE
 from src.errors import ConfigError
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.trainer.best import EARLY_STOP
 from src.trainer.faults import RESTART_CAUSE_ENV
 from src.trainer.optimizer import apply_hyperparameters
@@ -231,7 +231,7 @@ def init_checkpoint(init_from: str, verify: Any, on_skip: Any = None) -> Path:
     return path
 
 
-def check_init_from(cfg: DictConfig, resolved: Resolved, run_dir: str | Path) -> None:
+def check_init_from(cfg: DictConfig, resolved: RunPlan, run_dir: str | Path) -> None:
     """Before any rank starts: the checkpoint ``trainer.init_from`` names exists, is
     intact (:meth:`Checkpointer.verify`) and holds the run's model's tensors (names
     and shapes, against a meta-device build); a ConfigError naming the key (and the
