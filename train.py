@@ -56,10 +56,10 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
     with exit_on_config_error():
         resolved = validate(cfg)
         check_objective(cfg)
-    if run_budget_bytes(cfg) is None:
+    if run_budget_bytes(resolved) is None:
         return None  # nothing to judge against: no model is built for it
-    cfg, resolved, _ = default_policy(cfg, resolved, job_user_keys())
-    return budget_check(cfg, resolved)
+    resolved, _, _ = default_policy(resolved, job_user_keys())
+    return budget_check(resolved)
 
 
 def _run(cfg: DictConfig, run_dir: str) -> dict | None:

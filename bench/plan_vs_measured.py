@@ -504,8 +504,8 @@ def ordinary(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from src.planner.auto import resolve_auto
-    from src.planner.run_estimate import estimate_cfg
-    from src.resolved import resolve
+    from src.planner.run_estimate import estimate_plan
+    from src.resolved import resolve, with_overrides
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -545,9 +545,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.configs or list(CONFIGS):
         cfg = make_cfg(CONFIGS[name])
         resolved = resolve(cfg)
-        cfg, _ = resolve_auto(cfg, resolved)
+        resolved, _, chosen = resolve_auto(resolved)
+        cfg = with_overrides(cfg, chosen)
         world = int(cfg.trainer.devices)
-        _, est = estimate_cfg(cfg, resolved, world)
+        _, est = estimate_plan(resolve(cfg), world)
         key = json.dumps([name, CONFIGS[name], args.steps])
         if key not in known:
             known[key] = measure(cfg, resolved, world, args.steps)

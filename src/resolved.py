@@ -14,15 +14,16 @@ and :func:`model_config`: what runs after it reads ``spec`` and ``model_config``
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec, get_spec
@@ -87,6 +88,21 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """What the planner judges a run against: the per-rank budget (GiB or an
+    accelerator's name), a sweep's cap, the safety margin, whether a start bigger
+    than the machine is refused, whether proposals keep the device count, and the
+    logger (its imports are part of the process baseline)."""
+
+    mem_budget: Any = None
+    sweep_cap: Any = None
+    margin: float = 0.0
+    memory_check: bool = True
+    fixed_devices: bool = False
+    logger: str = "wandb"
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A run as resolved from its config, once, and checked there (frozen and
     picklable: the ranks get it); the planner varies it with ``dataclasses.replace``."""
@@ -103,6 +119,8 @@ class RunPlan:
     pipeline: PipelineSettings
     unit: Unit
     batch: Batch
+    budget: Budget = Budget()
+    model_name: str = ""  # the preset (``model=<name>``), as messages name it
     init_device: str = "cpu"
     pretrained: str | None = None
     seed: int = 0
@@ -171,6 +189,15 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
             s.sequence_parallel,
         ),
         batch=Batch(t.batch_size, t.grad_accum, t.grad_sync, spec.seq_len(config)),
+        budget=Budget(
+            OmegaConf.select(cfg, "trainer.mem_budget_gib"),
+            OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None),
+            float(OmegaConf.select(cfg, "trainer.mem_margin", default=0.0)),
+            bool(OmegaConf.select(cfg, "trainer.memory_check", default=True)),
+            bool(OmegaConf.select(cfg, "trainer.fixed_devices", default=False)),
+            str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb"),
+        ),
+        model_name=str(OmegaConf.select(cfg, "model.name", default="") or ""),
         init_device=cfg.model.init_device,
         pretrained=OmegaConf.select(cfg, "model.pretrained"),
         seed=t.seed,
@@ -199,6 +226,10 @@ OVERRIDES = {
     "batch.batch_size": "trainer.batch_size",
     "batch.grad_accum": "trainer.grad_accum",
     "batch.grad_sync": "trainer.grad_sync",
+    "budget.margin": "trainer.mem_margin",
+    "budget.mem_budget": "trainer.mem_budget_gib",
+    "budget.memory_check": "trainer.memory_check",
+    "budget.fixed_devices": "trainer.fixed_devices",
 }
 
 #: The config key of each degree of :class:`ParallelLayout` that a config sets (the
@@ -207,6 +238,48 @@ OVERRIDES = {
 LAYOUT_KEYS = {
     dim: OVERRIDES[f"layout.{dim}"] for dim in ("pp", "dp_replicate", "tp", "ep", "cp")
 }
+
+
+def field_of(plan: RunPlan, name: str) -> Any:
+    """The value of ``plan``'s (dotted) field ``name``, as a config writes it (the
+    precision by its name)."""
+    if name == "precision":
+        return plan.precision.name
+    value: Any = plan
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def varied(plan: RunPlan, changes: dict[str, Any]) -> RunPlan:
+    """``plan`` with its (dotted) fields ``changes`` set, by ``dataclasses.replace``
+    (``precision``: a policy's name); a layout that does not fit raises
+    :class:`LayoutError`."""
+    for name, value in changes.items():
+        if name == "precision":
+            plan = replace(plan, precision=get_precision(value))
+            continue
+        head, _, rest = name.partition(".")
+        inner = getattr(plan, head)
+        plan = replace(
+            plan, **{head: replace(inner, **{rest: value}) if rest else value}
+        )
+    return plan
+
+
+def overrides_of(changes: dict[str, Any]) -> dict[str, Any]:
+    """Plan field changes as the overrides a user types (:data:`OVERRIDES`)."""
+    return {OVERRIDES[name]: value for name, value in changes.items()}
+
+
+def with_overrides(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
+    """A copy of ``cfg`` with ``overrides`` (config keys to values) set: what the
+    launcher records of the values the planner chose."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for key, value in overrides.items():
+            OmegaConf.update(out, key, value, force_add=True)
+    return out
 
 
 def parallel_layout(cfg: DictConfig, world_size: int) -> ParallelLayout:

@@ -78,7 +78,7 @@ def test_weight_decay_only_on_matrices():
 
 def test_plan_only_allocates_nothing_and_writes_the_plan(tmp_path, capsys):
     cfg = make_cfg("model=gpt2_xl", "trainer.plan_only=true", "sharding.policy=block")
-    plan = plan_only(cfg, resolve(cfg), str(tmp_path))
+    plan = plan_only(resolve(cfg), str(tmp_path))
     assert len(plan.units) == cfg.model.n_layer + 1  # every block + the root
     assert plan.total_numel > 1.5e9
     assert "wrap plan:" in capsys.readouterr().out

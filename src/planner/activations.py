@@ -9,18 +9,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from src.models.memory import ActivationBytes
 from src.planner.constants import EP_IMBALANCE
 from src.planner.estimate import Dispatch, RunShape
-from src.planner.settings import tp_layout
 from src.planner.trace import tp_local, traced_activation_bytes
 from src.resolved import RunPlan, tensor_parallel_plan
 
 
 def tp_activations(
-    cfg: DictConfig,
     resolved: RunPlan,
     shape: RunShape,
     acts: ActivationBytes,
@@ -42,8 +39,7 @@ def tp_activations(
     tp = resolved.layout.tp
     if tp == 1:
         return acts
-    spec, config = resolved.spec, resolved.model_config
-    tpp = tensor_parallel_plan(cfg, spec, config, tp_layout(cfg, resolved))
+    tpp = tensor_parallel_plan(resolved)
     full = activation_fn(resolved)(
         shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
     )
@@ -191,34 +187,30 @@ def traced_locally(resolved: RunPlan, tp_plan: Any) -> bool:
     return not has_formula(resolved) or not tp_plan.sequence_parallel
 
 
-def run_activation_fn(
-    cfg: DictConfig, resolved: RunPlan
-) -> Callable[..., ActivationBytes]:
-    """:func:`activation_fn` for ``cfg``'s tensor-parallel degree and plan."""
+def run_activation_fn(resolved: RunPlan) -> Callable[..., ActivationBytes]:
+    """:func:`activation_fn` for the run's tensor-parallel degree and plan."""
     tp = resolved.layout.tp
     if tp == 1:
         return activation_fn(resolved)
-    plan = tensor_parallel_plan(
-        cfg, resolved.spec, resolved.model_config, tp_layout(cfg, resolved)
-    )
+    plan = tensor_parallel_plan(resolved)
     if not traced_locally(resolved, plan):
         return activation_fn(resolved)
     return activation_fn(resolved, tp, plan, trace=True)
 
 
 def run_activations(
-    cfg: DictConfig, resolved: RunPlan, shape: RunShape, model: torch.nn.Module
+    resolved: RunPlan, shape: RunShape, model: torch.nn.Module
 ) -> ActivationBytes:
     """One rank's activations of one micro-batch of ``shape`` (the run's tensor and
     context parallelism applied); ``model``: the run's meta model."""
-    acts = run_activation_fn(cfg, resolved)(
+    acts = run_activation_fn(resolved)(
         shape.micro_batch,
         shape.seq_len,
         shape.param_bytes,
         shape.checkpointing,
         shape.ac_every,
     )
-    acts = tp_activations(cfg, resolved, shape, acts, model)
+    acts = tp_activations(resolved, shape, acts, model)
     return cp_activations(resolved, shape, acts, model)
 
 

@@ -68,7 +68,7 @@ from src.observe.logs import (
 from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.report import plan_only
 from src.planner.run import machine_check, oversubscribed, plan_run
-from src.resolved import RunPlan, resolve, under_torchrun
+from src.resolved import RunPlan, resolve, under_torchrun, with_overrides
 from src.trainer.faults import (
     RANK_REPORTS,
     RESTART_CAUSE_ENV,
@@ -155,14 +155,14 @@ def prepare(
     # choices and logs its estimate beside what it measures: planned once, by rank 0.
     rank0 = _is_rank0()
     run = plan_run(
-        cfg,
         resolved,
         user_keys,
         _world_from_env(),
         estimate=rank0 and not cfg.trainer.plan_only,
         say=log.info if rank0 else None,
     )
-    cfg, resolved = run.cfg, replace(run.resolved, run_config=composed)
+    cfg = with_overrides(cfg, run.overrides)  # the planner's choices, recorded
+    resolved = replace(run.resolved, run_config=composed)
     if not rank0 or cfg.trainer.plan_only:
         return cfg, resolved
     if run.unplanned:  # training does not depend on it
@@ -172,7 +172,7 @@ def prepare(
     if splits is None:  # a training run: no bigger than this machine
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or resolved.world_size
         if run.estimate is not None:
-            machine_check(cfg, resolved, run.estimate, local)
+            machine_check(resolved, run.estimate, local)
         if oversubscribed(local):
             log.warning("%s", oversubscribed(local))
     return cfg, replace(
@@ -197,7 +197,7 @@ def launch(cfg: DictConfig, run_dir: str, resolved: RunPlan) -> dict[str, Any] |
         stop_rank_server()  # no rank will be forked from it
     if cfg.trainer.plan_only:
         if _is_rank0():
-            plan_only(cfg, resolved, run_dir, world_size=world or resolved.world_size)
+            plan_only(resolved, run_dir, world_size=world or resolved.world_size)
         return None
     if under_torchrun():
         # A failed rank says so in one line, as the local launcher does (with
