@@ -365,7 +365,7 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
         base = _status_kib("VmRSS") * 1024
         _reset_cpu_peak_rss()
     model = build_model(resolved, backend)
-    optimizer = build_optimizer(model, cfg, resolved)
+    optimizer = build_optimizer(model, cfg, resolved.spec)
     scaler = backend.grad_scaler()
     for step in range(steps):
         train_step(model, batches, step, backend, optimizer, scaler, cfg)
@@ -430,12 +430,11 @@ def _row(name: str, cfg, est, measured: int, base: int) -> dict:
 def planned_gib(overrides: list[str]) -> float | None:
     """The planner's ``planned_peak_gib`` for ``python train.py <overrides>``: the
     launcher's own path (:func:`src.trainer.launch.prepare`)."""
-    from src.resolved import resolve
     from src.trainer.launch import prepare
 
     cfg = compose_config(*overrides)
     keys = {o.lstrip("+").split("=", 1)[0] for o in overrides}
-    _, resolved = prepare(cfg, resolve(cfg), user_keys=keys)
+    _, resolved = prepare(cfg, user_keys=keys)
     return resolved.planned_peak_gib
 
 

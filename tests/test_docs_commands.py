@@ -314,7 +314,7 @@ def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
                 return outcome  # Hydra prints the config or the help, and exits
             HydraConfig.instance().set_config(full)  # the command line's keys
             run_dir.mkdir(parents=True, exist_ok=True)
-            cfg, resolved = prepare(cfg, resolved, run_dir=str(run_dir))
+            cfg, resolved = prepare(cfg, run_dir=str(run_dir))
             outcome.world, outcome.plan_only = (
                 resolved.world_size,
                 cfg.trainer.plan_only,
@@ -654,7 +654,8 @@ def real_runs(prepared, tmp_path_factory) -> dict[tuple, tuple[dict, list[str]]]
             continue
         HydraConfig.instance().set_config(full)
         try:
-            cfg, resolved = prepare(cfg, validate(cfg))
+            validate(cfg)
+            cfg, resolved = prepare(cfg)
         finally:
             HydraConfig.instance().cfg = None
         run_dir = str(root / str(len(first)))

@@ -227,7 +227,7 @@ def _run_one(run_dir, *overrides):
 
     cfg = compose_config(*INIT_RUN, *overrides)
     resolved = validate(cfg)
-    check_init_from(cfg, resolved, run_dir)
+    check_init_from(cfg, resolved.spec, resolved.model_config, run_dir)
     summary = run_rank(cfg, str(run_dir), resolved)
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r], summary
@@ -288,7 +288,7 @@ def test_init_from_refuses_another_model_naming_the_tensor(tmp_path):
         cfg = compose_config(*INIT_RUN, override, f"trainer.init_from={source}")
         resolved = validate(cfg)
         with pytest.raises(ConfigError) as err:
-            check_init_from(cfg, resolved, tmp_path / "new")
+            check_init_from(cfg, resolved.spec, resolved.model_config, tmp_path / "new")
         assert err.value.key == "trainer.init_from"
         assert problem in str(err.value) and "\n" not in one_line(err.value)
     model = resolved.spec.build(resolved.model_config, 0)
@@ -304,7 +304,7 @@ def test_init_from_refuses_another_model_naming_the_tensor(tmp_path):
     )
     missing = compose_config(*INIT_RUN, f"trainer.init_from={tmp_path / 'none'}")
     with pytest.raises(ConfigError, match="trainer.init_from: .*no such file"):
-        check_init_from(missing, validate(missing), tmp_path / "new")
+        check_init_from(missing, *_model(validate(missing)), tmp_path / "new")
 
 
 @pytest.mark.parametrize(
@@ -335,3 +335,8 @@ def test_hf_and_custom_models_get_float8_blocks(overrides, block_linears):
     n_blocks = sum(isinstance(m, blocks) for m in model.modules())
     assert n_blocks >= 2 and len(float8) == block_linears * n_blocks, float8
     assert float8 <= inside, float8 - inside
+
+
+def _model(plan):
+    """A run plan's model: its spec and config."""
+    return plan.spec, plan.model_config

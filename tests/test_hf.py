@@ -64,7 +64,9 @@ def _sharded_vs_unsharded(rank: int, world: int, names: list[str]) -> dict:
             backend = build_backend(backend_name, "fp32", "cpu")
             resolved = resolve(cfg)
             model = build_model(resolved, backend)
-            runs.append(_losses(model, build_optimizer(model, cfg, resolved), batches))
+            runs.append(
+                _losses(model, build_optimizer(model, cfg, resolved.spec), batches)
+            )
         units = len(wrap_plan(model, world).units)
         result[name] = (runs, units)
     torch.distributed.barrier()  # both ranks done before either tears down

@@ -57,7 +57,7 @@ def _moe_round_trips(rank: int, world: int, cases: list[tuple[str, str]]) -> dic
         with torch.no_grad():
             loaded = model(inputs)[0]
         r = {"load": (loaded - logits_of_transformers(Path(src), inputs)).abs().max()}
-        optimizer = build_optimizer(model, cfg, resolved)
+        optimizer = build_optimizer(model, cfg, resolved.spec)
         model.train()
         _, loss = model(inputs, targets)
         loss.backward()

@@ -284,7 +284,7 @@ def _trained_and_exported(device, cfg, resolved, checkpoint, run_dir) -> dict:
     """On one rank: the checkpoint's weights loaded by name into the model without
     stages, and the run's export (HF safetensors through model.pretrained, or the
     consolidated file), each by name; whether every tensor is equal."""
-    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    model, _, step = load_model(resolved, checkpoint, device)
     trained = model.state_dict()
     if (run_dir / "hf").is_dir():
         hf = replace(resolved, pretrained=str(run_dir / "hf"))

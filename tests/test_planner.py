@@ -963,7 +963,8 @@ def _plan(capsys, tmp_path, *overrides: str) -> str:
 
     cfg = _compose("trainer.plan_only=true", *overrides, "logger=none")
     keys = {o.split("=")[0] for o in overrides}
-    cfg, resolved = prepare(cfg, validate(cfg), user_keys=keys, run_dir=str(tmp_path))
+    validate(cfg)
+    cfg, resolved = prepare(cfg, user_keys=keys, run_dir=str(tmp_path))
     launch(cfg, str(tmp_path), resolved)
     return capsys.readouterr().out
 

@@ -58,7 +58,7 @@ def _round_trip(rank: int, world: int, src: str, out: str, run_dir: str) -> dict
     with torch.no_grad():
         loaded = model(inputs)[0]
     result = {"load": (loaded - logits_of_transformers(Path(src), inputs)).abs().max()}
-    optimizer = build_optimizer(model, cfg, resolved)
+    optimizer = build_optimizer(model, cfg, resolved.spec)
     model.train()
     losses = []
     for _ in range(3):
@@ -201,8 +201,12 @@ def test_pretrained_vocabulary_does_not_follow_the_tokenizer(tiny_llama_dir):
 
     cfg = make_cfg("model=hf", f"model.pretrained={tiny_llama_dir}")
     resolved = resolve(cfg)
-    follow_tokenizer_vocab(cfg, resolved, {"vocab_size": 100}, set())
+    follow_tokenizer_vocab(
+        cfg, resolved.spec, resolved.model_config, {"vocab_size": 100}, set()
+    )
     assert cfg.model.vocab_size is None  # the checkpoint's 256 stays
     with pytest.raises(CONFIG_ERRORS) as info:
-        follow_tokenizer_vocab(cfg, resolved, {"vocab_size": 300}, set())
+        follow_tokenizer_vocab(
+            cfg, resolved.spec, resolved.model_config, {"vocab_size": 300}, set()
+        )
     assert "use the model's own tokenizer" in one_line(info.value)

@@ -66,7 +66,7 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 def test_weight_decay_only_on_matrices():
     cfg = make_cfg("model=tiny")
     model = GPT(get_spec("gpt").make_config(cfg.model))
-    decay, no_decay = build_optimizer(model, cfg, resolve(cfg)).param_groups
+    decay, no_decay = build_optimizer(model, cfg, resolve(cfg).spec).param_groups
     assert decay["weight_decay"] == cfg.trainer.weight_decay
     assert no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"])

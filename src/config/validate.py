@@ -288,9 +288,9 @@ def validate(cfg: DictConfig) -> RunPlan:
     _check_float8(cfg)
     _check_tensor_parallel(resolved)
     _check_context_parallel(resolved)
-    _check_pipeline(cfg, resolved)
+    _check_pipeline(cfg, resolved.spec, resolved.model_config, resolved.layout.pp)
     _check_batches(cfg, resolved.layout)
-    _check_trainer(cfg, resolved)
+    _check_trainer(cfg, resolved.spec, resolved.model_config)
     # The chosen data source and logger check their own keys.
     _choice(cfg, "data.name", DATA_SOURCES)
     DATA_SOURCES[cfg.data.name].check(cfg.data)
@@ -409,10 +409,10 @@ PP_UNSUPPORTED = (
 )
 
 
-def _check_pipeline(cfg: DictConfig, resolved: RunPlan) -> None:
+def _check_pipeline(cfg: DictConfig, spec: ModelSpec, config: Any, pp: int) -> None:
     """``sharding.pipeline_parallel`` and the ``sharding.pp_*`` keys: the backend,
     the mesh, the schedule, the family's layout and the stage cut."""
-    s, spec, pp = cfg.sharding, resolved.spec, resolved.layout.pp
+    s = cfg.sharding
     _choice(cfg, "sharding.pp_schedule", tuple(SCHEDULES))
     _positive_int(cfg, "sharding.pp_microbatches")
     if pp == 1:
@@ -431,7 +431,7 @@ def _check_pipeline(cfg: DictConfig, resolved: RunPlan) -> None:
         f"model family {spec.name!r} has no pipeline layout (ModelSpec.pipeline) "
         "and per-parameter init",
     )
-    layout = keyed(PP_KEY, spec.pipeline, resolved.model_config)
+    layout = keyed(PP_KEY, spec.pipeline, config)
     for key, refuses, what in PP_UNSUPPORTED:
         value = OmegaConf.select(cfg, key)
         _require(
@@ -440,7 +440,7 @@ def _check_pipeline(cfg: DictConfig, resolved: RunPlan) -> None:
             f"{value!r}: {what} with {PP_KEY} > 1 is not supported yet",
         )
     with torch.device("meta"):
-        model = spec.build(resolved.model_config, 0)
+        model = spec.build(config, 0)
     blocks = len(model.get_submodule(layout.blocks))
     stages = pp * SCHEDULES[s.pp_schedule].stages_per_rank
     keyed(
@@ -528,9 +528,9 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
     )
 
 
-def _check_trainer(cfg: DictConfig, resolved: RunPlan) -> None:
+def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
     """Export, the optimizer's numbers, timeouts, peak FLOPs and resuming."""
-    t, spec = cfg.trainer, resolved.spec
+    t = cfg.trainer
     _require(
         t.export in EXPORTS,
         "trainer.export",
@@ -542,7 +542,7 @@ def _check_trainer(cfg: DictConfig, resolved: RunPlan) -> None:
         f"hf needs a Hugging Face adapter, which model family {spec.name!r} has not",
     )
     if t.export == "hf":  # a shape transformers' class cannot hold (GPT without bias)
-        keyed("trainer.export", spec.hf.hf_config, resolved.model_config)
+        keyed("trainer.export", spec.hf.hf_config, config)
     _require(t.lr > 0, "trainer.lr", f"got {t.lr}, expected > 0")
     _require(
         t.min_lr is None or 0 <= t.min_lr <= t.lr,

@@ -337,8 +337,8 @@ def open_run(
         given = changes(cfg)
     cfg = with_changes(cfg, given)
     with read_as_recorded(source, set(given), "run"):
-        resolved = validate(cfg)
+        validate(cfg)
     first = ("run", str(run_dir), record) if record else None
     check_writable(cfg, first, wandb=record is not None)
-    cfg, resolved = prepare(cfg, resolved, override_keys(overrides), splits=splits)
+    cfg, resolved = prepare(cfg, override_keys(overrides), splits=splits)
     return run_dir, checkpoint, cfg, resolved

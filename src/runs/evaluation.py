@@ -94,7 +94,7 @@ def eval_rank(
 ) -> dict[str, Any]:
     """One rank of eval.py: the mean loss of the run's model from ``checkpoint`` on
     ``opts``' split, batches and batch size (None: the run's)."""
-    model, backend, step = load_model(cfg, resolved, checkpoint, device)
+    model, backend, step = load_model(resolved, checkpoint, device)
     t, spec, config = cfg.trainer, resolved.spec, resolved.model_config
     train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
     stream = {"train": train, "val": val}.get(opts["split"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -183,11 +184,11 @@ def run_tokenizer(cfg: DictConfig) -> Tokenizer:
 
 
 def load_model(
-    cfg: DictConfig, resolved: RunPlan, checkpoint: Path, device: torch.device
+    resolved: RunPlan, checkpoint: Path, device: torch.device
 ) -> tuple[nn.Module, Backend, int]:
     """This rank's part of the run's model with ``checkpoint``'s weights, its backend
-    and the checkpoint's step. ``cfg``: as ``launch.prepare`` returned it."""
-    cfg = with_changes(cfg, {"model.pretrained": None})  # the checkpoint has them
+    and the checkpoint's step. ``resolved``: as ``launch.prepare`` returned it."""
+    resolved = replace(resolved, pretrained=None)  # the checkpoint has them
     backend = make_backend(resolved, device)
     model = build_model(resolved, backend)
     state = Checkpointer(checkpoint.parent).load_model(checkpoint, model, verify=False)
@@ -214,7 +215,7 @@ def sample_rank(
 ) -> dict[str, Any]:
     """One rank of sample.py: the run's model from ``checkpoint``, then ``opts``'
     samples (``sample_texts``' keywords and ``prompt``); returns them with the step."""
-    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    model, _, step = load_model(resolved, checkpoint, device)
     opts = dict(opts)
     texts = sample_texts(
         model, resolved, run_tokenizer(cfg), [opts.pop("prompt")], device=device, **opts

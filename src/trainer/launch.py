@@ -103,7 +103,6 @@ log = logging.getLogger(__name__)
 
 def prepare(
     cfg: DictConfig,
-    resolved: RunPlan,
     user_keys: set[str] | None = None,
     run_dir: str | None = None,
     splits: tuple[str, ...] | None = None,
@@ -112,9 +111,8 @@ def prepare(
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
     data ready in the token cache, the model's vocabulary following the tokenizer and
-    every ``auto`` value chosen, and its :class:`RunPlan` run object: ``resolved``
-    (what ``validate()`` resolved from ``cfg`` as composed), built again only when
-    the model's vocabulary followed the tokenizer, then read by the planner.
+    every ``auto`` value chosen, and its :class:`RunPlan` (resolved again only when
+    the model's vocabulary followed the tokenizer), read by the planner.
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
     ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
@@ -126,6 +124,7 @@ def prepare(
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     composed = OmegaConf.to_container(cfg)  # what a checkpoint records
+    resolved = resolve(cfg)
     set_log_level(cfg.trainer.log_level)
     user_keys = job_user_keys() if user_keys is None else user_keys
     if pin is not None:  # recorded as the run's config, read as its own file
@@ -142,7 +141,8 @@ def prepare(
             run_dir is not None and _is_rank0(),
             pin,
         )
-    if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
+    model = (resolved.spec, resolved.model_config)
+    if meta is not None and follow_tokenizer_vocab(cfg, *model, meta, user_keys):
         # The model is final now: its run object is built from it, once.
         resolved = resolve(cfg)
     if splits != () and not cfg.trainer.plan_only:

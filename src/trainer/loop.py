@@ -145,7 +145,7 @@ class Trainer:
         self.meter = self._throughput_meter()
         self._build_data()
         self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg, self.resolved)
+        self.optimizer = build_optimizer(self.model, cfg, self.resolved.spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg)
         )
