@@ -1,14 +1,18 @@
-"""What a run resolves from its config, once: its parallel layout (the world size and
-the degree of each mesh dimension), the model family's spec and config, and the wrap
-policy's names and classes.
+"""The run plan: what a run resolves from its config, once, checked there: its parallel
+layout (the world size and the degree of each mesh dimension, run by the one rule,
+:func:`src.sharding.layout.refusal`), the model family's spec and config, the
+precision and its float8 linear layers, the wrap policy, activation checkpointing,
+compile, prefetch and resharding, the pipeline's schedule, micro-batches and cut,
+sequence parallelism, the batch geometry and what the planner judges it against.
 
 ``validate`` (src/config/validate.py) calls :func:`resolve` before any rank starts (a
 bad value is a :class:`ConfigError` naming its key, which the command line prints as
-one line) and hands the :class:`RunPlan` result to the launcher, which gives it to
-every rank: the trainer reads these from it, never from ``src/config/``. The launcher's
-``prepare`` resolves again only when the model's vocabulary followed the tokenizer; the
-planner reads the same object. In src/ only :func:`resolve` calls :func:`model_spec`
-and :func:`model_config`: what runs after it reads ``spec`` and ``model_config``.
+one line); the launcher's ``prepare`` resolves the config it prepared (again when the
+model's vocabulary followed the tokenizer) and gives the :class:`RunPlan` to every
+rank: the builder, the trainer's step path and the planner read it, never the config's
+keys. The planner varies it with :func:`varied` (``dataclasses.replace``);
+:data:`OVERRIDES` says a field as the override a user types. In src/ only
+:func:`resolve` calls :func:`model_spec` and :func:`model_config`.
 """
 
 from __future__ import annotations
