@@ -56,10 +56,10 @@ def _fits(cfg: DictConfig) -> tuple[float, float] | None:
     with exit_on_config_error():
         resolved = validate(cfg)
         check_objective(cfg)
-    if run_budget_bytes(cfg) is None:
+    if run_budget_bytes(resolved) is None:
         return None  # nothing to judge against: no model is built for it
-    cfg, resolved, _ = default_policy(cfg, resolved, job_user_keys())
-    return budget_check(cfg, resolved)
+    resolved, _, _ = default_policy(resolved, job_user_keys())
+    return budget_check(resolved)
 
 
 def _run(cfg: DictConfig, run_dir: str) -> dict | None:
@@ -68,7 +68,8 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
     record) until its ranks end: a second command there is refused untouched."""
     if cfg.trainer.plan_only:  # no rank starts: its errors are the config's
         with exit_on_config_error():
-            cfg, resolved = prepare(cfg, validate(cfg), None, run_dir=run_dir)
+            validate(cfg)
+            cfg, resolved = prepare(cfg, None, run_dir=run_dir)
             return launch(cfg, run_dir, resolved)
     with own_run_dir(run_dir):
         with exit_on_config_error():  # one line, before any rank starts
@@ -82,9 +83,12 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
                 if user_keys is not None
                 else None
             )
-            cfg, resolved = prepare(cfg, validate(cfg), user_keys, run_dir, pin=pin)
+            validate(cfg)
+            cfg, resolved = prepare(cfg, user_keys, run_dir, pin=pin)
             preflight(run_dir)  # the run dir is writable
-            check_init_from(cfg, resolved, run_dir)  # its checkpoint fits the model
+            check_init_from(
+                cfg, resolved.spec, resolved.model_config, run_dir
+            )  # its checkpoint fits the model
             take_branch(cfg, run_dir)  # from an older point: the rest set aside
             resolved = admitted(run_dir, resolved)  # data.json: now, not before
         return launch(cfg, run_dir, resolved)

@@ -64,8 +64,8 @@ def measure(args: argparse.Namespace, cfg, out_dir: str) -> dict:
 
     resolved = validate(cfg)
     backend = build_backend("fsdp2", "fp32", "cpu")
-    model = build_model(cfg, backend, resolved)
-    optimizer = build_optimizer(model, cfg, resolved)
+    model = build_model(resolved, backend)
+    optimizer = build_optimizer(model, cfg, resolved.spec)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     spec, mcfg = resolved.spec, resolved.model_config
     train_split, _ = load_splits(cfg.data, spec.vocab_size(mcfg), 0)

@@ -78,8 +78,8 @@ def planned_activations(cfg, resolved, ranks: int) -> int:
     from src.planner.activations import run_activations
     from src.planner.inputs import build_meta_model, run_shape
 
-    shape = run_shape(cfg, resolved, ranks)
-    return run_activations(cfg, resolved, shape, build_meta_model(cfg, resolved)).peak
+    shape = run_shape(resolved, ranks)
+    return run_activations(resolved, shape, build_meta_model(resolved)).peak
 
 
 def measure(args: argparse.Namespace, ranks: int, cp: int) -> dict:

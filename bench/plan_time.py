@@ -50,7 +50,7 @@ def measure(preset: str, world: int) -> dict:
     def plan() -> None:
         with tempfile.TemporaryDirectory() as run_dir:
             with contextlib.redirect_stdout(io.StringIO()):
-                plan_only(cfg, resolved, run_dir, world)
+                plan_only(resolved, run_dir, world)
 
     meta_build()  # first-use costs (imports, class set-up) out of both figures
     baseline = cpu_seconds(meta_build)

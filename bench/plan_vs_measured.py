@@ -339,7 +339,7 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     t = cfg.trainer
-    # Resolved by the launcher, as train.py's ranks get it (unpickling imports the
+    # RunPlan by the launcher, as train.py's ranks get it (unpickling imports the
     # family's modules, transformers for hf; the config checks ran in the launcher).
     spec, config = resolved.spec, resolved.model_config
     backend = build_backend(
@@ -364,8 +364,8 @@ def _rank(rank: int, world: int, cfg, resolved, steps: int) -> dict:
     else:
         base = _status_kib("VmRSS") * 1024
         _reset_cpu_peak_rss()
-    model = build_model(cfg, backend, resolved)
-    optimizer = build_optimizer(model, cfg, resolved)
+    model = build_model(resolved, backend)
+    optimizer = build_optimizer(model, cfg, resolved.spec)
     scaler = backend.grad_scaler()
     for step in range(steps):
         train_step(model, batches, step, backend, optimizer, scaler, cfg)
@@ -430,12 +430,11 @@ def _row(name: str, cfg, est, measured: int, base: int) -> dict:
 def planned_gib(overrides: list[str]) -> float | None:
     """The planner's ``planned_peak_gib`` for ``python train.py <overrides>``: the
     launcher's own path (:func:`src.trainer.launch.prepare`)."""
-    from src.resolved import resolve
     from src.trainer.launch import prepare
 
     cfg = compose_config(*overrides)
     keys = {o.lstrip("+").split("=", 1)[0] for o in overrides}
-    _, resolved = prepare(cfg, resolve(cfg), user_keys=keys)
+    _, resolved = prepare(cfg, user_keys=keys)
     return resolved.planned_peak_gib
 
 
@@ -504,8 +503,8 @@ def ordinary(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from src.planner.auto import resolve_auto
-    from src.planner.run_estimate import estimate_cfg
-    from src.resolved import resolve
+    from src.planner.run_estimate import estimate_plan
+    from src.resolved import resolve, with_overrides
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -545,9 +544,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.configs or list(CONFIGS):
         cfg = make_cfg(CONFIGS[name])
         resolved = resolve(cfg)
-        cfg, _ = resolve_auto(cfg, resolved)
+        resolved, _, chosen = resolve_auto(resolved)
+        cfg = with_overrides(cfg, chosen)
         world = int(cfg.trainer.devices)
-        _, est = estimate_cfg(cfg, resolved, world)
+        _, est = estimate_plan(resolve(cfg), world)
         key = json.dumps([name, CONFIGS[name], args.steps])
         if key not in known:
             known[key] = measure(cfg, resolved, world, args.steps)
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "the calibrated runtime constant). Measured: the same config run by the "
         f"trainer's build_model / build_optimizer / train_step for {args.steps} "
         "steps on synthetic tokens, 1 thread per rank, the ranks given the "
-        "launcher's Resolved as train.py's are; max over ranks of VmHWM "
+        "launcher's RunPlan as train.py's are; max over ranks of VmHWM "
         "minus the rank's RSS just before the model is built (its classes "
         "already built once on meta), each rank's glibc mmap threshold set as "
         "train.py's ranks set it (trainer.malloc_mmap_threshold_kib). process: the planned "

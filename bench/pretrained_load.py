@@ -78,7 +78,7 @@ def _load(mode: str, directory: str):
     from src.sharding import build_backend
 
     cfg = _cfg(directory)
-    return build_model(cfg, build_backend("fsdp2", "fp32", "cpu"), resolve(cfg))
+    return build_model(resolve(cfg), build_backend("fsdp2", "fp32", "cpu"))
 
 
 def _status_bytes() -> dict[str, int]:

@@ -1,9 +1,9 @@
-"""Building a run's backend and model from its config: what the trainer, the planner
+"""Building a run's backend and model from its run plan: what the trainer, the planner
 (on the meta device) and the tools that open a finished run all need.
 
-``build_model`` builds the model of ``cfg.model``'s family inside the wrap context
+``build_model`` builds the model of the run plan's family inside the wrap context
 (each unit sharded as it is constructed, the root last), materialises a meta-device
-model shard by shard, and loads ``model.pretrained`` into the shards.
+model shard by shard, and loads the pretrained weights into the shards.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 
 from src.checkpoint.export import load_hf_weights
 from src.models.spec import lm_loss
-from src.resolved import Resolved, float8_linears, tensor_parallel_plan
+from src.resolved import RunPlan, tensor_parallel_plan
 from src.sharding import (
     Backend,
     TiedParametersWarning,
@@ -47,17 +46,17 @@ log = logging.getLogger(__name__)
 
 
 def make_backend(
-    cfg: DictConfig, device: torch.device, layout: ParallelLayout
+    plan: RunPlan, device: torch.device, layout: ParallelLayout | None = None
 ) -> Backend:
-    """The backend of ``cfg.sharding`` and ``cfg.precision`` on ``device``, on
-    ``layout`` (the run's: ``Resolved.layout``)."""
+    """The backend of ``plan`` (its name, precision and float8 linear layers) on
+    ``device``, on ``layout`` (default: the run's, ``plan.layout``)."""
     return build_backend(
-        cfg.sharding.backend,
-        cfg.precision.name,
+        plan.backend,
+        plan.precision,
         device,
-        cfg.sharding.reshard_after_forward,
-        layout,
-        float8_linears(cfg),
+        plan.unit.reshard_after_forward,
+        layout or plan.layout,
+        plan.float8,
     )
 
 
@@ -100,47 +99,42 @@ class RankStages:
         return cut_stage(self.skeleton, self.layout, blocks, first, last)
 
 
-def rank_stages(
-    cfg: DictConfig, resolved: Resolved, pp: int, pp_rank: int
-) -> RankStages:
-    """The stage cut of ``cfg``'s model for pp rank ``pp_rank`` of ``pp``
-    (``sharding.pp_schedule``'s stages per rank, ``sharding.pp_split``)."""
-    s, spec, config = cfg.sharding, resolved.spec, resolved.model_config
+def rank_stages(plan: RunPlan, pp: int, pp_rank: int) -> RankStages:
+    """The stage cut of the plan's model for pp rank ``pp_rank`` of ``pp`` (its
+    schedule's stages per rank, its split)."""
+    spec, config, pipe = plan.spec, plan.model_config, plan.pipeline
     layout = spec.pipeline(config)
-    per_rank = SCHEDULES[s.pp_schedule].stages_per_rank
+    per_rank = SCHEDULES[pipe.schedule].stages_per_rank
     with torch.device("meta"):
-        skeleton = spec.build(config, cfg.trainer.seed)
+        skeleton = spec.build(config, plan.seed)
     n_blocks = len(skeleton.get_submodule(layout.blocks))
-    ranges = split_blocks(n_blocks, pp * per_rank, s.pp_split or None)
+    ranges = split_blocks(n_blocks, pp * per_rank, list(pipe.split) or None)
     ids = local_stages(pp_rank, pp, per_rank)
     return RankStages(skeleton, layout, tuple(ranges), tuple(ids))
 
 
-def build_stages(
-    cfg: DictConfig, backend: Backend, resolved: Resolved, cut: RankStages
-) -> list[nn.Module]:
+def build_stages(plan: RunPlan, backend: Backend, cut: RankStages) -> list[nn.Module]:
     """The stages of ``cut``, each built from its part under the wrap context as a
     model is (its blocks annotated, tensor-parallelised, checkpointed, compiled and
     sharded over the stage's data-parallel ranks, its root last), then
     materialised shard by shard from the family's per-parameter init."""
     return [
-        build_model(cfg, backend, resolved, "meta", part, cut.layout)
-        for part in cut.parts()
+        build_model(plan, backend, "meta", part, cut.layout) for part in cut.parts()
     ]
 
 
-def build_pipeline(cfg: DictConfig, backend: Backend, resolved: Resolved) -> Pipeline:
+def build_pipeline(plan: RunPlan, backend: Backend) -> Pipeline:
     """This rank's pipeline stages (the layout's ``pp`` > 1): the family's
     model built whole on the meta device (nothing allocated), cut by its
     ``PipelineLayout`` (:func:`rank_stages`), each stage built by
     :func:`build_stages`, and the schedule."""
-    s, pp_mesh = cfg.sharding, backend.parallel.pp
-    cut = rank_stages(cfg, resolved, backend.layout.pp, pp_mesh.get_local_rank())
-    stages = build_stages(cfg, backend, resolved, cut)
+    pipe, pp_mesh = plan.pipeline, backend.parallel.pp
+    cut = rank_stages(plan, backend.layout.pp, pp_mesh.get_local_rank())
+    stages = build_stages(plan, backend, cut)
     return Pipeline(
         stages,
-        s.pp_schedule,
-        s.pp_microbatches,
+        pipe.schedule,
+        pipe.microbatches,
         pp_mesh,
         backend.device,
         lm_loss,
@@ -160,28 +154,27 @@ def _annotated(part: nn.Module, layout: PipelineLayout) -> nn.Module:
 
 
 def build_model(
-    cfg: DictConfig,
+    plan: RunPlan,
     backend: Backend,
-    resolved: Resolved,
     init_device: str | None = None,
     stage: nn.Module | None = None,
     layout: PipelineLayout | None = None,
 ) -> nn.Module:
-    """The model of ``cfg.model``'s family built inside the wrap context: each unit is
+    """The model of the plan's family built inside the wrap context: each unit is
     sharded as it is constructed, and a meta-device model is materialised shard by
     shard from the family's per-parameter init. ``stage``: a pipeline stage's part
     of the model, on meta (:func:`build_pipeline`), built in its place."""
-    init_device = init_device or cfg.model.init_device
-    spec, config = resolved.spec, resolved.model_config
-    seed, s = cfg.trainer.seed, cfg.sharding
-    pretrained = cfg.model.pretrained if backend.allocates else None
+    init_device = init_device or plan.init_device
+    spec, config, seed = plan.spec, plan.model_config, plan.seed
+    pretrained = plan.pretrained if backend.allocates else None
     if pretrained and backend.meta_init:
         init_device = "meta"  # never whole: each rank fills only its own shards
+    w = plan.wrap
     policy = build_policy(
-        resolved.policies,
-        min_num_params=s.min_params,
-        exclude_wrap_modules=resolved.exclude_wrap_modules,
-        force_leaf_modules=resolved.force_leaf_modules,
+        w.policies,
+        min_num_params=w.min_params,
+        exclude_wrap_modules=w.exclude_wrap_modules,
+        force_leaf_modules=w.force_leaf_modules,
         block_cls=spec.block_classes(config) or None,
     )
     init_fn = None
@@ -195,11 +188,11 @@ def build_model(
     # Float8, checkpointing and compile apply to the model's blocks, whatever units
     # the policy chooses (a block unit, or a block inside a larger unit).
     transform = UnitTransform(
-        s.activation_checkpointing,
-        s.activation_checkpointing_every,
-        s.compile,
+        plan.checkpointing.mode,
+        plan.checkpointing.every,
+        plan.unit.compile,
         targets=spec.block_classes(config),
-        float8=backend.float8_linears,
+        float8=plan.float8,
     )
     with _ties_as_one_line(backend.rank):
         model = build_sharded_model(
@@ -211,10 +204,10 @@ def build_model(
             init_device,
             init_fn,
             transform=transform,
-            tp_plan=tensor_parallel_plan(cfg, spec, config, backend.layout),
+            tp_plan=tensor_parallel_plan(plan, backend.layout),
             parallelize=spec.parallelize,
         )
-    set_prefetch(model, s.forward_prefetch, s.backward_prefetch)
+    set_prefetch(model, plan.unit.forward_prefetch, plan.unit.backward_prefetch)
     if pretrained:
         load_hf_weights(
             model,

@@ -1,50 +1,133 @@
-"""What a run resolves from its config, once: its parallel layout (the world size and
-the degree of each mesh dimension), the model family's spec and config, and the wrap
-policy's names and classes.
+"""The run plan: what a run resolves from its config, once, checked there: its parallel
+layout (the world size and the degree of each mesh dimension, run by the one rule,
+:func:`src.sharding.layout.refusal`), the model family's spec and config, the
+precision and its float8 linear layers, the wrap policy, activation checkpointing,
+compile, prefetch and resharding, the pipeline's schedule, micro-batches and cut,
+sequence parallelism, the batch geometry and what the planner judges it against.
 
 ``validate`` (src/config/validate.py) calls :func:`resolve` before any rank starts (a
 bad value is a :class:`ConfigError` naming its key, which the command line prints as
-one line) and hands the :class:`Resolved` result to the launcher, which gives it to
-every rank: the trainer reads these from it, never from ``src/config/``. The launcher's
-``prepare`` resolves again only when the model's vocabulary followed the tokenizer; the
-planner reads the same object. In src/ only :func:`resolve` calls :func:`model_spec`
-and :func:`model_config`: what runs after it reads ``spec`` and ``model_config``.
+one line); the launcher's ``prepare`` resolves the config it prepared (again when the
+model's vocabulary followed the tokenizer) and gives the :class:`RunPlan` to every
+rank: the builder, the trainer's step path and the planner read it, never the config's
+keys. The planner varies it with :func:`varied` (``dataclasses.replace``);
+:data:`OVERRIDES` says a field as the override a user types. In src/ only
+:func:`resolve` calls :func:`model_spec` and :func:`model_config`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec, get_spec
 from src.models.spec import import_module_class
 from src.sharding.backends import backend_class
 from src.sharding.float8 import ALL_GATHER_RECIPES, Float8
-from src.sharding.layout import LayoutError, ParallelLayout
+from src.sharding.layout import LayoutError, ParallelLayout, refusal
 from src.sharding.policies import policy_names
-from src.sharding.precision import get_precision
+from src.sharding.precision import Precision, get_precision
 
 
 @dataclass(frozen=True)
-class Resolved:
-    """The objects a run needs from its config (picklable: the ranks get it)."""
+class WrapSettings:
+    """The wrap policy: its names, the size threshold and the user's class lists."""
+
+    policies: tuple[str, ...]
+    min_params: Any  # a number, or "auto" until the launcher's prepare chose one
+    exclude_wrap_modules: tuple[type[nn.Module], ...] = ()
+    force_leaf_modules: tuple[type[nn.Module], ...] = ()
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing: ``none``, ``full`` (every ``every``-th block),
+    ``selective`` (or ``auto`` until the launcher's prepare chose one)."""
+
+    mode: str = "none"
+    every: int = 1
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """A pipeline's schedule, its micro-batches and the user's stage cut."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    split: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What each unit does beyond sharding: torch.compile, prefetch depths and
+    resharding after forward, and (with tp) sequence parallelism (None: the plan's
+    default)."""
+
+    compile: bool = False
+    forward_prefetch: Any = None
+    backward_prefetch: Any = None
+    reshard_after_forward: Any = True
+    sequence_parallel: bool | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The batch geometry: sequences per step, micro-batches per step (or
+    ``auto``), how their gradients reduce, and the model's sequence length."""
+
+    batch_size: int
+    grad_accum: Any
+    grad_sync: str
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the planner judges a run against: the per-rank budget (GiB or an
+    accelerator's name), a sweep's cap, the safety margin, whether a start bigger
+    than the machine is refused, whether proposals keep the device count, and the
+    logger (its imports are part of the process baseline)."""
+
+    mem_budget: Any = None
+    sweep_cap: Any = None
+    margin: float = 0.0
+    memory_check: bool = True
+    fixed_devices: bool = False
+    logger: str = "wandb"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run as resolved from its config, once, and checked there (frozen and
+    picklable: the ranks get it); the planner varies it with ``dataclasses.replace``."""
 
     #: the run's parallel layout: its world size and the degree of each mesh dimension
     layout: ParallelLayout
     spec: ModelSpec
     model_config: Any  # an instance of ``spec.config_cls``
-    policies: tuple[str, ...]
-    exclude_wrap_modules: tuple[type[nn.Module], ...]
-    force_leaf_modules: tuple[type[nn.Module], ...]
+    backend: str
+    precision: Precision
+    float8: Float8 | None  # precision=float8's linear layers (None: another one)
+    wrap: WrapSettings
+    checkpointing: Checkpointing
+    pipeline: PipelineSettings
+    unit: Unit
+    batch: Batch
+    budget: Budget = Budget()
+    model_name: str = ""  # the preset (``model=<name>``), as messages name it
+    init_device: str = "cpu"
+    pretrained: str | None = None
+    seed: int = 0
     # The planner's predicted peak_mem_gib (set by the launcher before the ranks
     # start; None when not planned, e.g. the planner failed on a custom model).
     planned_peak_gib: float | None = None
@@ -63,38 +146,144 @@ class Resolved:
         """The run's ranks."""
         return self.layout.world_size
 
+    @property
+    def pp(self) -> int:
+        """The pipeline stages."""
+        return self.layout.pp
 
-def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> Resolved:
+
+def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
     """Resolve ``cfg`` (:class:`ConfigError` naming the key at the first bad value)."""
-    s = cfg.sharding
-    layout = parallel_layout(cfg, world_size(cfg.trainer.devices))
+    s, t = cfg.sharding, cfg.trainer
+    layout = parallel_layout(cfg, world_size(t.devices))
     spec, config = model_spec(cfg), model_config(cfg)
     check_expert_parallel(layout, spec, config)
-    return Resolved(
+    precision = keyed("precision.name", get_precision, cfg.precision.name)
+    check_runnable(
+        layout,
+        keyed("sharding.backend", backend_class, s.backend),
+        precision.name,
+        spec.seq_len(config),
+    )
+    return RunPlan(
         planned_peak_gib=planned_peak_gib,
         layout=layout,
         spec=spec,
         model_config=config,
-        policies=resolve_policies(s.policy),
-        exclude_wrap_modules=import_classes(
-            s.exclude_wrap_modules, "sharding.exclude_wrap_modules"
+        backend=s.backend,
+        precision=precision,
+        float8=float8_linears(cfg),
+        wrap=WrapSettings(
+            resolve_policies(s.policy),
+            s.min_params,
+            import_classes(s.exclude_wrap_modules, "sharding.exclude_wrap_modules"),
+            import_classes(s.force_leaf_modules, "sharding.force_leaf_modules"),
         ),
-        force_leaf_modules=import_classes(
-            s.force_leaf_modules, "sharding.force_leaf_modules"
+        checkpointing=Checkpointing(
+            s.activation_checkpointing, s.activation_checkpointing_every
         ),
+        pipeline=PipelineSettings(
+            s.pp_schedule, s.pp_microbatches, tuple(s.pp_split or ())
+        ),
+        unit=Unit(
+            s.compile,
+            s.forward_prefetch,
+            s.backward_prefetch,
+            s.reshard_after_forward,
+            s.sequence_parallel,
+        ),
+        batch=Batch(t.batch_size, t.grad_accum, t.grad_sync, spec.seq_len(config)),
+        budget=Budget(
+            OmegaConf.select(cfg, "trainer.mem_budget_gib"),
+            OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None),
+            float(OmegaConf.select(cfg, "trainer.mem_margin", default=0.0)),
+            bool(OmegaConf.select(cfg, "trainer.memory_check", default=True)),
+            bool(OmegaConf.select(cfg, "trainer.fixed_devices", default=False)),
+            str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb"),
+        ),
+        model_name=str(OmegaConf.select(cfg, "model.name", default="") or ""),
+        init_device=cfg.model.init_device,
+        pretrained=OmegaConf.select(cfg, "model.pretrained"),
+        seed=t.seed,
     )
 
 
-#: The config key of each degree of :class:`ParallelLayout` that a config sets (the
-#: others stay 1): the one place the layout meets its keys, where it is made from
-#: them and where a :class:`LayoutError` is named by them.
-LAYOUT_KEYS = {
-    "pp": "sharding.pipeline_parallel",
-    "dp_replicate": "sharding.replicate",
-    "tp": "sharding.tensor_parallel",
-    "ep": "sharding.expert_parallel",
-    "cp": "sharding.context_parallel",
+#: The override a user types for each field of :class:`RunPlan` that a proposal or an
+#: error names (the planner's proposals, ``auto`` values, refusals): the one place
+#: the run plan meets its config keys.
+OVERRIDES = {
+    "layout.world_size": "trainer.devices",
+    "layout.pp": "sharding.pipeline_parallel",
+    "layout.dp_replicate": "sharding.replicate",
+    "layout.tp": "sharding.tensor_parallel",
+    "layout.ep": "sharding.expert_parallel",
+    "layout.cp": "sharding.context_parallel",
+    "precision": "precision.name",
+    "wrap.policies": "sharding.policy",
+    "wrap.min_params": "sharding.min_params",
+    "checkpointing.mode": "sharding.activation_checkpointing",
+    "checkpointing.every": "sharding.activation_checkpointing_every",
+    "pipeline.schedule": "sharding.pp_schedule",
+    "pipeline.microbatches": "sharding.pp_microbatches",
+    "pipeline.split": "sharding.pp_split",
+    "unit.sequence_parallel": "sharding.sequence_parallel",
+    "batch.batch_size": "trainer.batch_size",
+    "batch.grad_accum": "trainer.grad_accum",
+    "batch.grad_sync": "trainer.grad_sync",
+    "budget.margin": "trainer.mem_margin",
+    "budget.mem_budget": "trainer.mem_budget_gib",
+    "budget.memory_check": "trainer.memory_check",
+    "budget.fixed_devices": "trainer.fixed_devices",
 }
+
+#: The config key of each degree of :class:`ParallelLayout` that a config sets (the
+#: others stay 1), from :data:`OVERRIDES`: where the layout is made from them and
+#: where a :class:`LayoutError` is named by them.
+LAYOUT_KEYS = {
+    dim: OVERRIDES[f"layout.{dim}"] for dim in ("pp", "dp_replicate", "tp", "ep", "cp")
+}
+
+
+def field_of(plan: RunPlan, name: str) -> Any:
+    """The value of ``plan``'s (dotted) field ``name``, as a config writes it (the
+    precision by its name)."""
+    if name == "precision":
+        return plan.precision.name
+    value: Any = plan
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def varied(plan: RunPlan, changes: dict[str, Any]) -> RunPlan:
+    """``plan`` with its (dotted) fields ``changes`` set, by ``dataclasses.replace``
+    (``precision``: a policy's name); a layout that does not fit raises
+    :class:`LayoutError`."""
+    for name, value in changes.items():
+        if name == "precision":
+            plan = replace(plan, precision=get_precision(value))
+            continue
+        head, _, rest = name.partition(".")
+        inner = getattr(plan, head)
+        plan = replace(
+            plan, **{head: replace(inner, **{rest: value}) if rest else value}
+        )
+    return plan
+
+
+def overrides_of(changes: dict[str, Any]) -> dict[str, Any]:
+    """Plan field changes as the overrides a user types (:data:`OVERRIDES`)."""
+    return {OVERRIDES[name]: value for name, value in changes.items()}
+
+
+def with_overrides(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
+    """A copy of ``cfg`` with ``overrides`` (config keys to values) set: what the
+    launcher records of the values the planner chose."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for key, value in overrides.items():
+            OmegaConf.update(out, key, value, force_add=True)
+    return out
 
 
 def parallel_layout(cfg: DictConfig, world_size: int) -> ParallelLayout:
@@ -111,9 +300,19 @@ def layout_errors_named() -> Iterator[None]:
     try:
         yield
     except LayoutError as err:
-        raise ConfigError(
-            LAYOUT_KEYS.get(err.dim, "trainer.devices"), str(err)
-        ) from None
+        key = OVERRIDES.get(f"layout.{err.dim}", OVERRIDES.get(err.dim))
+        raise ConfigError(key or OVERRIDES["layout.world_size"], str(err)) from None
+
+
+def check_runnable(
+    layout: ParallelLayout, backend: type, precision: str, seq_len: int
+) -> None:
+    """ConfigError naming the key of the dimension the one rule refuses
+    (:func:`src.sharding.layout.refusal`)."""
+    err = refusal(layout, backend, precision, seq_len)
+    if err is not None:
+        with layout_errors_named():
+            raise err
 
 
 def check_expert_parallel(layout: ParallelLayout, spec: ModelSpec, config: Any) -> None:
@@ -212,13 +411,13 @@ def float8_linears(cfg: DictConfig) -> Float8 | None:
     )
 
 
-def tensor_parallel_plan(
-    cfg: DictConfig, spec: ModelSpec, config: Any, layout: ParallelLayout
-) -> Any:
-    """The family's tensor-parallel plan for the layout's ``tp`` degree and
-    ``sharding.sequence_parallel`` (None without tensor parallelism); ConfigError
-    naming the key when the family has no plan or the shape does not split."""
-    tp = layout.tp
+def tensor_parallel_plan(plan: RunPlan, layout: ParallelLayout | None = None) -> Any:
+    """The family's tensor-parallel plan for ``layout``'s ``tp`` degree (default: the
+    run's) and the plan's sequence parallelism (None without tensor parallelism);
+    ConfigError naming the key when the family has no plan or the shape does not
+    split."""
+    layout = layout or plan.layout
+    spec, config, tp = plan.spec, plan.model_config, layout.tp
     if tp <= 1:
         return None
     if spec.tp_plan is None:
@@ -226,13 +425,13 @@ def tensor_parallel_plan(
             LAYOUT_KEYS["tp"],
             f"model family {spec.name!r} has no tensor-parallel plan; use 1",
         )
-    plan = keyed(LAYOUT_KEYS["tp"], spec.tp_plan, config, tp, None)
-    sp = cfg.sharding.sequence_parallel
+    tpp = keyed(LAYOUT_KEYS["tp"], spec.tp_plan, config, tp, None)
+    sp = plan.unit.sequence_parallel
     if sp is None and layout.pp > 1:
         sp = False  # stages pass whole sequences (a stage cannot know their length)
-    if sp is None or sp == plan.sequence_parallel:
-        return plan
-    return keyed("sharding.sequence_parallel", spec.tp_plan, config, tp, sp)
+    if sp is None or sp == tpp.sequence_parallel:
+        return tpp
+    return keyed(OVERRIDES["unit.sequence_parallel"], spec.tp_plan, config, tp, sp)
 
 
 def _model_error(err: ValueError) -> ConfigError:

@@ -15,7 +15,7 @@ from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
 from src.config.validate import validate
 from src.data.corpus import resolve_files
 from src.planner.auto import default_policy
-from src.resolved import resolve
+from src.resolved import resolve, with_overrides
 from tests.distributed import HANG_S
 from tests.test_config import CONF, ROOT, make_cfg
 
@@ -183,15 +183,16 @@ def test_big_presets_default_to_one_unit_per_block(model, policy):
         "sharding.activation_checkpointing=selective",
     )
     resolved = resolve(cfg)
-    out, out_resolved, line = default_policy(cfg, resolved, set())
+    out_resolved, line, said = default_policy(resolved, set())
+    out = with_overrides(cfg, said)  # as the launcher records it
     assert out.sharding.policy == policy
-    assert out_resolved.policies == resolve(out).policies  # the run object follows
+    assert out_resolved.wrap.policies == resolve(out).wrap.policies  # the plan follows
     assert bool(line) == (policy == "block")
     if line:
         assert line.startswith("sharding.policy=block: with sharding.min_params=150000")
     for key in ("sharding.policy", "sharding.min_params"):
-        kept, kept_resolved, line = default_policy(cfg, resolved, {key})
-        assert kept.sharding.policy == "size" and line == ""
+        kept_resolved, line, said = default_policy(resolved, {key})
+        assert said == {} and line == ""
         assert kept_resolved is resolved
 
 

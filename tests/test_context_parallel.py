@@ -29,10 +29,10 @@ from src.config.validate import validate
 from src.harness import CONF_DIR
 from src.models.hf import SHIPPED
 from src.planner.report import fit_report
-from src.planner.run_estimate import estimate_cfg
+from src.planner.run_estimate import estimate_plan
 from src.planner.search import search
-from src.planner.settings import AC_KEY, CP_KEY, with_values
-from src.resolved import resolve
+from src.planner.settings import AC, CP, DEVICES
+from src.resolved import OVERRIDES, resolve, with_overrides
 from src.sharding import GIB
 from src.sharding.context_parallel import (
     chunk_positions,
@@ -266,18 +266,17 @@ def test_the_fit_search_proposes_context_parallelism_for_a_long_sequence():
         "trainer.devices=4",
         "trainer.batch_size=4",
     )
-    resolved = resolve(cfg)
-    keys = [AC_KEY, "trainer.devices", CP_KEY]
-    best, _ = search(cfg, resolved, keys, int(0.6 * GIB), 4, max_world=64)
+    keys = [AC, DEVICES, CP]
+    best, _ = search(resolve(cfg), keys, int(0.6 * GIB), 4, max_world=64)
     settings = best.settings()
-    assert settings[CP_KEY] > 1 and settings["trainer.devices"] > 4, settings
-    proposed = with_values(cfg, settings)
-    _, est = estimate_cfg(proposed, resolve(proposed), settings["trainer.devices"])
+    assert settings[OVERRIDES[CP]] > 1 and settings["trainer.devices"] > 4, settings
+    proposed = with_overrides(cfg, settings)
+    _, est = estimate_plan(resolve(proposed), settings["trainer.devices"])
     assert est.total == best.estimate.total
-    none, _ = search(cfg, resolved, keys[:2], int(0.6 * GIB), 4, max_world=64)
+    none, _ = search(resolve(cfg), keys[:2], int(0.6 * GIB), 4, max_world=64)
     assert none is None  # without context parallelism nothing fits
     # plan-only's verdict searches it once nothing else fits
-    budget = with_values(cfg, {"trainer.mem_budget_gib": 0.5})
-    _, est = estimate_cfg(budget, resolved, 4)
-    report, info = fit_report(budget, resolved, est, 4)
+    budget = with_overrides(cfg, {"trainer.mem_budget_gib": 0.5})
+    _, est = estimate_plan(resolve(budget), 4)
+    report, info = fit_report(resolve(budget), est, 4)
     assert "sharding.context_parallel=" in info["fix"], report

@@ -49,7 +49,7 @@ from omegaconf import OmegaConf
 
 from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
 from src.config.validate import validate
-from src.planner.run import MEMORY_CHECK_KEY
+from src.resolved import OVERRIDES
 from src.trainer.launch import override_keys
 from tests.distributed import run_distributed
 from tests.test_config import run_train
@@ -314,7 +314,7 @@ def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
                 return outcome  # Hydra prints the config or the help, and exits
             HydraConfig.instance().set_config(full)  # the command line's keys
             run_dir.mkdir(parents=True, exist_ok=True)
-            cfg, resolved = prepare(cfg, resolved, run_dir=str(run_dir))
+            cfg, resolved = prepare(cfg, run_dir=str(run_dir))
             outcome.world, outcome.plan_only = (
                 resolved.world_size,
                 cfg.trainer.plan_only,
@@ -330,7 +330,7 @@ def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
             key = str(err).split(":")[0]
             # a command for a bigger machine (GPUs, a cluster) than this one: the
             # machine check is prepare's last step, so all else went through
-            bigger = key == MEMORY_CHECK_KEY
+            bigger = key == OVERRIDES["budget.memory_check"]
             if not bigger and not (
                 key in USER_PATH_KEYS and user_path(command, point, key)
             ):
@@ -654,7 +654,8 @@ def real_runs(prepared, tmp_path_factory) -> dict[tuple, tuple[dict, list[str]]]
             continue
         HydraConfig.instance().set_config(full)
         try:
-            cfg, resolved = prepare(cfg, validate(cfg))
+            validate(cfg)
+            cfg, resolved = prepare(cfg)
         finally:
             HydraConfig.instance().cfg = None
         run_dir = str(root / str(len(first)))

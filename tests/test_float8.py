@@ -229,7 +229,7 @@ def _run_one(run_dir, *overrides):
 
     cfg = compose_config(*INIT_RUN, *overrides)
     resolved = validate(cfg)
-    check_init_from(cfg, resolved, run_dir)
+    check_init_from(cfg, resolved.spec, resolved.model_config, run_dir)
     summary = run_rank(cfg, str(run_dir), resolved)
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r], summary
@@ -290,7 +290,7 @@ def test_init_from_refuses_another_model_naming_the_tensor(tmp_path):
         cfg = compose_config(*INIT_RUN, override, f"trainer.init_from={source}")
         resolved = validate(cfg)
         with pytest.raises(ConfigError) as err:
-            check_init_from(cfg, resolved, tmp_path / "new")
+            check_init_from(cfg, resolved.spec, resolved.model_config, tmp_path / "new")
         assert err.value.key == "trainer.init_from"
         assert problem in str(err.value) and "\n" not in one_line(err.value)
     model = resolved.spec.build(resolved.model_config, 0)
@@ -306,7 +306,7 @@ def test_init_from_refuses_another_model_naming_the_tensor(tmp_path):
     )
     missing = compose_config(*INIT_RUN, f"trainer.init_from={tmp_path / 'none'}")
     with pytest.raises(ConfigError, match="trainer.init_from: .*no such file"):
-        check_init_from(missing, validate(missing), tmp_path / "new")
+        check_init_from(missing, *_model(validate(missing)), tmp_path / "new")
 
 
 @pytest.mark.parametrize(
@@ -324,8 +324,8 @@ def test_hf_and_custom_models_get_float8_blocks(overrides, block_linears):
 
     cfg = compose_config(*INIT_RUN, *overrides, "precision=float8", "sharding=none")
     resolved = validate(cfg)
-    backend = make_backend(cfg, torch.device("cpu"), resolved.layout)
-    model = build_model(cfg, backend, resolved)
+    backend = make_backend(resolved, torch.device("cpu"))
+    model = build_model(resolved, backend)
     blocks = resolved.spec.block_classes(resolved.model_config)
     inside = {
         f"{n}.{c}"
@@ -383,8 +383,9 @@ def _float8_grid(rank, world):
     out = []
     for family, *overrides in GRID:
         cfg = compose_config(*GRID_BASE, *GRID_MODELS[family], *overrides)
-        backend = make_backend(cfg, torch.device("cpu"), validate(cfg).layout)
-        model = build_model(cfg, backend, validate(cfg))
+        plan = validate(cfg)
+        backend = make_backend(plan, torch.device("cpu"))
+        model = build_model(plan, backend)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(2):
@@ -447,10 +448,10 @@ def test_float8_gets_the_block_policy_where_bf16_mixed_does(shape):
     units = {}
     for precision in ("bf16_mixed", "float8"):
         cfg = compose_config(*shape, "trainer.devices=2", f"precision={precision}")
-        resolved = validate(cfg)
-        chosen, _, line = default_policy(cfg, resolved, set())
-        assert chosen.sharding.policy == "block" and "splitting" in line, precision
-        plan = plan_of(resolved, build_meta_model(cfg, resolved), 2)
+        size = validate(cfg)
+        chosen, line, _ = default_policy(size, set())
+        assert chosen.wrap.policies == ("block",) and "splitting" in line, precision
+        plan = plan_of(size, build_meta_model(size), 2)
         units[precision] = len(plan.units)
     assert units["float8"] == units["bf16_mixed"] > 6, units
 
@@ -538,3 +539,8 @@ def test_an_older_float8_checkpoint_loads_without_float8(tmp_path, monkeypatch):
     loaded = torch.load(tmp_path / "loaded.pt")
     for name, value in GPT(GPT_CFG, seed=0).state_dict().items():
         assert torch.equal(loaded[name], value), name
+
+
+def _model(plan):
+    """A run plan's model: its spec and config."""
+    return plan.spec, plan.model_config

@@ -63,8 +63,10 @@ def _sharded_vs_unsharded(rank: int, world: int, names: list[str]) -> dict:
         for backend_name in ("none", "fsdp2"):
             backend = build_backend(backend_name, "fp32", "cpu")
             resolved = resolve(cfg)
-            model = build_model(cfg, backend, resolved)
-            runs.append(_losses(model, build_optimizer(model, cfg, resolved), batches))
+            model = build_model(resolved, backend)
+            runs.append(
+                _losses(model, build_optimizer(model, cfg, resolved.spec), batches)
+            )
         units = len(wrap_plan(model, world).units)
         result[name] = (runs, units)
     torch.distributed.barrier()  # both ranks done before either tears down
@@ -90,8 +92,8 @@ def test_meta_init_builds_every_tensor_from_its_name():
     validate(cfg)
     backend = build_backend("none", "fp32", "cpu")
     a, b = (
-        build_model(cfg, backend, resolve(cfg)),
-        build_model(cfg, backend, resolve(cfg)),
+        build_model(resolve(cfg), backend),
+        build_model(resolve(cfg), backend),
     )
     ref = model_spec(cfg).build(model_config(cfg), 0)  # cpu, transformers' init
     for (name, t), (_, u) in zip(

@@ -57,7 +57,7 @@ def test_native_family_exports_with_the_byte_tokenizer_and_loads_back(
     cfg = make_cfg(*common)
     validate(cfg)
     resolved = resolve(cfg)
-    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved).eval()
+    model = build_model(resolved, build_backend("none", "fp32", "cpu")).eval()
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     ours = _logits(model, x)
     out = tmp_path / "hf"
@@ -81,9 +81,7 @@ def test_native_family_exports_with_the_byte_tokenizer_and_loads_back(
     # weights transposed again on load).
     back_cfg = make_cfg(*common, f"model.pretrained={out}")
     validate(back_cfg)
-    back = build_model(
-        back_cfg, build_backend("none", "fp32", "cpu"), resolve(back_cfg)
-    )
+    back = build_model(resolve(back_cfg), build_backend("none", "fp32", "cpu"))
     assert (ours - _logits(back.eval(), x)).abs().max() < 1e-6
 
 
@@ -103,7 +101,7 @@ def _train_and_export(rank: int, world: int, run_dir: str, overrides: list) -> d
     # The export loaded back into the sharded GPT (each rank reads the transpose of
     # its own slices): its logits, to compare with GPT2LMHeadModel's.
     back = make_cfg(*overrides, f"model.pretrained={run_dir}/hf")
-    model = build_model(back, build_backend("fsdp2", "fp32", "cpu"), resolve(back))
+    model = build_model(resolve(back), build_backend("fsdp2", "fp32", "cpu"))
     x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     return {
         "eos": tokenizer.eos_id,
@@ -199,7 +197,7 @@ def test_every_family_export_opens_encodes_and_generates(tmp_path, overrides):
     cfg = make_cfg(*overrides, "sharding=none", "trainer.devices=1")
     validate(cfg)
     resolved = resolve(cfg)
-    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved)
+    model = build_model(resolved, build_backend("none", "fp32", "cpu"))
     tokenizer = byte_tokenizer()
     export_model_hf(
         model, tmp_path / "hf", resolved.spec.hf, resolved.model_config, tokenizer
@@ -248,7 +246,7 @@ def test_export_warns_when_autotokenizer_encodes_unlike_the_run(tmp_path, caplog
         cfg = make_cfg("model=hf", f"model.config={family}", "sharding=none",
                        "trainer.devices=1")  # fmt: skip
         resolved = resolve(cfg)
-        model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolved)
+        model = build_model(resolved, build_backend("none", "fp32", "cpu"))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="src.checkpoint.export"):
             export_model_hf(

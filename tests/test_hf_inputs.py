@@ -52,12 +52,12 @@ def _moe_round_trips(rank: int, world: int, cases: list[tuple[str, str]]) -> dic
         )
         resolved = resolve(cfg)
         backend = build_backend("fsdp2", "fp32", "cpu")
-        model = build_model(cfg, backend, resolved).eval()
+        model = build_model(resolved, backend).eval()
         experts = [p for n, p in model.named_parameters() if "experts" in n]
         with torch.no_grad():
             loaded = model(inputs)[0]
         r = {"load": (loaded - logits_of_transformers(Path(src), inputs)).abs().max()}
-        optimizer = build_optimizer(model, cfg, resolved)
+        optimizer = build_optimizer(model, cfg, resolved.spec)
         model.train()
         _, loss = model(inputs, targets)
         loss.backward()
@@ -76,7 +76,7 @@ def _moe_round_trips(rank: int, world: int, cases: list[tuple[str, str]]) -> dic
     src, out = cases[-1]
     cfg = make_cfg("model=hf", f"model.pretrained={src}", "sharding=fsdp1")
     resolved = resolve(cfg)
-    model = build_model(cfg, build_backend("fsdp1", "fp32", "cpu"), resolved).eval()
+    model = build_model(resolved, build_backend("fsdp1", "fp32", "cpu")).eval()
     with torch.no_grad():
         ours = model(inputs)[0]
     out = f"{out}_fsdp1"
@@ -239,7 +239,7 @@ def test_a_config_directorys_code_runs_only_when_trusted(tmp_path, caplog):
         validate(cfg)
     assert (directory / "ran").exists()
     assert "model.trust_remote_code=true: running the code in" in caplog.text
-    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolve(cfg))
+    model = build_model(resolve(cfg), build_backend("none", "fp32", "cpu"))
     assert type(model.hf).__name__ == "TinyCustomForCausalLM"
     x = torch.randint(0, 256, (2, 16))
     assert torch.isfinite(model(x, x)[1])

@@ -188,3 +188,66 @@ def test_models_read_no_parallel_state(tmp_path) -> None:
         "def f(self):\n    cp = context_parallel.active()\n    s = stage_role(self)\n"
     )
     assert [b.split(":")[1] for b in parallel_state_calls(tmp_path)] == ["2", "3"]
+
+
+#: The config's groups: ``cfg.<group>`` is a read of the raw config.
+CONFIG_GROUPS = {"model", "sharding", "precision", "trainer", "data", "logger", "optim"}
+CONFIG_GROUPS |= {"sweep", "hydra"}
+
+
+def config_reads_in_planner(src: Path = SRC) -> list[str]:
+    """The planner works on the run plan: each import of a ``*_KEY`` / ``*_KEYS``
+    name and each ``cfg.<group>`` attribute read in src/planner/."""
+    bad = []
+    for path in sorted((src / "planner").rglob("*.py")):
+        rel = path.relative_to(src.parent)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name.endswith(("_KEY", "_KEYS")):
+                        bad.append(f"{rel}:{node.lineno} imports {alias.name}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "cfg"
+                and node.attr in CONFIG_GROUPS
+            ):
+                bad.append(f"{rel}:{node.lineno} reads cfg.{node.attr}")
+    return bad
+
+
+def test_the_planner_reads_no_config_keys() -> None:
+    found = config_reads_in_planner()
+    assert found == [], "config keys in src/planner/:\n" + "\n".join(found)
+
+
+#: The most functions in src/ that may take both the raw config and the run plan
+#: (resolution's hand-over to the launcher and the ranks: prepare, launch, the
+#: Trainer, the ranks of sample.py and eval.py).
+MAX_CONFIG_AND_PLAN = 10
+
+
+def config_and_plan(src: Path = SRC) -> list[str]:
+    """Each function of src/ taking the raw config (a ``DictConfig`` parameter, or
+    one named ``cfg``) and the run plan (a ``RunPlan`` parameter, or one named
+    ``resolved``, ``plan`` or ``run_plan``)."""
+    both = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = node.args.args + node.args.kwonlyargs + node.args.posonlyargs
+            anns = [ast.unparse(a.annotation) if a.annotation else "" for a in args]
+            names = [a.arg for a in args]
+            raw = any("DictConfig" in a for a in anns) or "cfg" in names
+            plan = any("RunPlan" in a for a in anns) or bool(
+                {"resolved", "plan", "run_plan"} & set(names)
+            )
+            if raw and plan:
+                both.append(f"{path.relative_to(src.parent)}:{node.lineno} {node.name}")
+    return both
+
+
+def test_few_functions_take_both_the_config_and_the_run_plan() -> None:
+    found = config_and_plan()
+    assert len(found) <= MAX_CONFIG_AND_PLAN, "\n".join(found)

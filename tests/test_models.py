@@ -110,7 +110,7 @@ def test_custom_model_builds_from_config_alone():
     assert spec.block_classes(config) == (TinyBlock,)
     n = sum(p.numel() for p in model.parameters())
     assert spec.flops_per_token(config, 8) == 6 * n
-    decay, no_decay = build_optimizer(model, cfg, resolve(cfg)).param_groups
+    decay, no_decay = build_optimizer(model, cfg, resolve(cfg).spec).param_groups
     assert {id(p) for p in no_decay["params"]} == {
         id(p)
         for n, p in model.named_parameters()

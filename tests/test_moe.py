@@ -235,10 +235,10 @@ def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model(tp):
     """Between the peaks of EP1 and EP8 on 8 ranks, only splitting the experts fits:
     the search proposes sharding.expert_parallel, and its estimate is that of the
     run with it; with TP2 too (the ep group whole tp groups)."""
-    from src.planner.run_estimate import estimate_cfg
+    from src.planner.run_estimate import estimate_plan
     from src.planner.search import search
-    from src.planner.settings import EP_KEY, with_values
-    from src.resolved import resolve
+    from src.planner.settings import EP
+    from src.resolved import OVERRIDES, resolve, with_overrides
     from tests.test_config import make_cfg
 
     cfg = make_cfg(
@@ -248,19 +248,18 @@ def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model(tp):
         "trainer.mem_margin=0",
         f"sharding.tensor_parallel={tp}",
     )
-    resolved = resolve(cfg)
-    _, plain = estimate_cfg(cfg, resolved, 8)
-    split = with_values(cfg, {EP_KEY: 8})
-    _, est8 = estimate_cfg(split, resolve(split), 8)
+    _, plain = estimate_plan(resolve(cfg), 8)
+    split = with_overrides(cfg, {OVERRIDES[EP]: 8})
+    _, est8 = estimate_plan(resolve(split), 8)
     assert est8.total < plain.total
     budget = (plain.total + est8.total) // 2
-    best, _ = search(cfg, resolved, [EP_KEY], budget, 8)
+    best, _ = search(resolve(cfg), [EP], budget, 8)
     settings = best.settings()
-    assert settings[EP_KEY] > 1, settings
-    proposed = with_values(cfg, settings)
-    _, est = estimate_cfg(proposed, resolve(proposed), 8)
+    assert settings[OVERRIDES[EP]] > 1, settings
+    proposed = with_overrides(cfg, settings)
+    _, est = estimate_plan(resolve(proposed), 8)
     assert est.total == best.estimate.total
-    assert search(cfg, resolved, [], budget, 8)[0] is None
+    assert search(resolve(cfg), [], budget, 8)[0] is None
 
 
 @pytest.mark.parametrize(
@@ -281,7 +280,7 @@ def test_the_planned_expert_dispatch_states_its_bound(overrides, ratio, says):
     one layer's send and receive buffers; it is a part of the EP run's estimate."""
     from src.planner.activations import ep_dispatch
     from src.planner.inputs import run_shape
-    from src.planner.run_estimate import estimate_cfg
+    from src.planner.run_estimate import estimate_plan
     from src.resolved import resolve
     from tests.test_config import make_cfg
 
@@ -294,7 +293,7 @@ def test_the_planned_expert_dispatch_states_its_bound(overrides, ratio, says):
         *overrides,
     )
     resolved = resolve(cfg)
-    shape = run_shape(cfg, resolved, 4)
+    shape = run_shape(resolve(cfg), 4)
     tp = resolved.layout.tp
     # the ep group's sequences x T x top_k, over the group's 2 ranks
     group = shape.micro_batch * (2 // tp)
@@ -304,5 +303,5 @@ def test_the_planned_expert_dispatch_states_its_bound(overrides, ratio, says):
     per_row = (64 + 4 * 64) * 4  # dim + 4 x moe_hidden_dim, fp32
     assert d.saved == int((ratio - 1) * balanced * per_row * 2)  # 2 MoE layers
     assert d.buffers == int((1 + ratio) * balanced * 64 * 4)
-    _, est = estimate_cfg(cfg, resolved, 4)
+    _, est = estimate_plan(resolve(cfg), 4)
     assert est.parts["experts"] >= d.saved and "experts" in est.notes

@@ -18,6 +18,7 @@ references and the tools run in this process.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from src.checkpoint.export import load_consolidated
 from src.config.validate import validate
 from src.harness import CONF_DIR
 from src.runs.compose import open_run
-from src.runs.from_run import load_model, with_changes
+from src.runs.from_run import load_model
 from src.trainer.launch import run_rank, run_ranks
 from src.trainer.sampling import SAMPLING_CHANGES
 from tests.distributed import run_distributed
@@ -283,13 +284,11 @@ def _trained_and_exported(device, cfg, resolved, checkpoint, run_dir) -> dict:
     """On one rank: the checkpoint's weights loaded by name into the model without
     stages, and the run's export (HF safetensors through model.pretrained, or the
     consolidated file), each by name; whether every tensor is equal."""
-    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    model, _, step = load_model(resolved, checkpoint, device)
     trained = model.state_dict()
     if (run_dir / "hf").is_dir():
-        cfg = with_changes(cfg, {"model.pretrained": str(run_dir / "hf")})
-        exported = build_model(
-            cfg, make_backend(cfg, device, resolved.layout), resolved
-        ).state_dict()
+        hf = replace(resolved, pretrained=str(run_dir / "hf"))
+        exported = build_model(hf, make_backend(hf, device)).state_dict()
     else:
         exported = load_consolidated(run_dir / "model.safetensors")
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}

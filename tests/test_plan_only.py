@@ -144,7 +144,7 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
     )
     rss_before = _rss_bytes()
     peak_resets = metrics._reset_cpu_peak_rss()  # False where the kernel cannot
-    plan = plan_only(cfg, resolve(cfg), str(tmp_path))
+    plan = plan_only(resolve(cfg), str(tmp_path))
     peak = metrics.cpu_peak_rss_bytes()
     printed = capsys.readouterr().out
 
@@ -170,7 +170,7 @@ def test_trainer_threshold_is_not_truncated(tmp_path):
     def units(min_params: float) -> dict[str, int]:
         cfg = _compose("trainer.plan_only=true", "model=small", "logger=none")
         cfg.sharding.min_params = min_params
-        plan = plan_only(cfg, resolve(cfg), str(tmp_path))
+        plan = plan_only(resolve(cfg), str(tmp_path))
         return {u.path: u.numel for u in plan.units}
 
     block = units(1.5e5)["h.0"]  # the default makes each block a unit
@@ -188,7 +188,7 @@ def test_plan_only_pipeline_plans_each_stage_allocating_nothing(tmp_path, capsys
     cfg = _compose("trainer.plan_only=true", *LLAMA_PP)
     rss_before = _rss_bytes()
     peak_resets = metrics._reset_cpu_peak_rss()
-    plan = plan_only(cfg, resolve(cfg), str(tmp_path))
+    plan = plan_only(resolve(cfg), str(tmp_path))
     peak = metrics.cpu_peak_rss_bytes()
     printed = capsys.readouterr().out
     assert "pipeline stages (1f1b, 8 micro-batches per micro-step" in printed

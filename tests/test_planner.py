@@ -19,7 +19,7 @@ from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes
 from src.models.memory import ActivationBytes
 from src.planner.activations import activation_fn, run_activation_fn
-from src.planner.auto import AUTO_KEYS, default_policy, resolve_auto
+from src.planner.auto import AUTO_FIELDS, default_policy, resolve_auto
 from src.planner.constants import (
     IMPORT_BYTES,
     PROCESS_BYTES,
@@ -38,16 +38,17 @@ from src.planner.pipeline import (
 )
 from src.planner.report import fit_report, plan_only, uneven_batch
 from src.planner.run import budget_check, plan_run
-from src.planner.run_estimate import estimate_cfg
+from src.planner.run_estimate import estimate_plan
 from src.planner.search import _options, search
 from src.planner.settings import (
-    PP_KEY,
-    PRECISION_KEY,
+    ACCUM,
+    DEVICES,
+    PP,
+    PRECISION,
     accelerator_name,
     device_type,
-    with_values,
 )
-from src.resolved import resolve, tensor_parallel_plan
+from src.resolved import resolve, tensor_parallel_plan, varied, with_overrides
 from src.sharding import BACKENDS, MIB, Backend, Unit, WrapPlan
 from src.sharding.backends import FSDP1Backend
 from src.sharding.ddp import DDPBackend
@@ -146,7 +147,7 @@ def test_gpt_with_dropout_is_planned_by_what_autograd_saves():
                    "model.n_head=2", "model.block_size=64", "model.vocab_size=100",
                    "model.dropout=0.1", "logger=none")  # fmt: skip
     resolved = resolve(cfg)
-    acts = run_activation_fn(cfg, resolved)(2, 64, 4)
+    acts = run_activation_fn(resolve(cfg))(2, 64, 4)
     real = _saved_bytes(GPT(resolved.model_config).train(), 100, 64)
     assert acts.saved + acts.head == real
     # without dropout the formula still plans it
@@ -203,7 +204,7 @@ def test_traced_hf_activations_match_a_real_forward():
         real = _saved_bytes(build(config, 0).train(), 256, 64)
         assert traced.saved + traced.head == pytest.approx(real, rel=0.01), name
     cfg = _compose("model=hf", "model.config=tiny_qwen2", "model.block_size=64")
-    _, est = estimate_cfg(cfg, resolve(cfg), 2)
+    _, est = estimate_plan(resolve(cfg), 2)
     assert est.parts["activations"] > 0 and est.parts["loss"] > 0
     assert "traced" in est.notes["activations"]
 
@@ -235,18 +236,18 @@ def test_moe_in_low_precision_on_cpu_is_planned_as_a_lower_bound():
     model and a GPU plan carry no caveat."""
     moe = ("model=hf", "model.config=tiny_mixtral", "model.block_size=64")
     cfg = _compose(*moe, "precision=bf16_mixed")
-    _, est = estimate_cfg(cfg, resolve(cfg), 2)
+    _, est = estimate_plan(resolve(cfg), 2)
     assert "oneDNN" in est.caveat and "a lower bound: " in est.table()
     for quiet in (
         _compose(*moe),
         _compose("model=hf", "model.config=tiny_llama", "precision=bf16_mixed"),
     ):
-        assert estimate_cfg(quiet, resolve(quiet), 2)[1].caveat == ""
+        assert estimate_plan(resolve(quiet), 2)[1].caveat == ""
     resolved = resolve(cfg)
     assert lower_bound_reason(resolved, "cuda", "bf16_mixed") == ""
     fp32 = _compose(*moe)
-    options = _options(fp32, resolve(fp32), [PRECISION_KEY], 2, 64)
-    assert options[PRECISION_KEY] == ["fp32"]
+    options = _options(resolve(fp32), [PRECISION], 2, 64)
+    assert options[PRECISION] == ["fp32"]
     # The expert count where a family keeps it: top level, or a sub-config (DBRX).
     from transformers import DbrxConfig, LlamaConfig, MixtralConfig
 
@@ -263,8 +264,8 @@ def test_compile_adds_its_measured_resident_size_on_cpu():
     for model in ("model=tiny", "model=llama_tiny"):
         plain = _compose(model)
         compiled = _compose(model, "sharding.compile=true")
-        a = estimate_cfg(plain, resolve(plain), 2)[1]
-        b = estimate_cfg(compiled, resolve(compiled), 2)[1]
+        a = estimate_plan(resolve(plain), 2)[1]
+        b = estimate_plan(resolve(compiled), 2)[1]
         added = IMPORT_BYTES["torch.compile"]
         assert b.parts["process"] - a.parts["process"] == added, model
         assert b.total - a.total == added, model
@@ -284,7 +285,7 @@ def test_tensor_parallel_blocks_are_traced_on_one_ranks_shapes():
     classes = block_classes(config)
     with torch.device("meta"):
         meta = build(config, 0)
-    plan = tensor_parallel_plan(cfg, resolved.spec, config, resolved.layout)
+    plan = tensor_parallel_plan(resolved)
     local = tp_local(meta, classes, plan, 2)
     traced = traced_activation_bytes(local, classes, eager_on_fake_tensors)(2, 64, 4)
     # A real model with one rank's share of each colwise / rowwise weight (the
@@ -310,8 +311,8 @@ def test_tensor_parallel_blocks_are_traced_on_one_ranks_shapes():
     whole = traced_activation_bytes(meta, classes, eager_on_fake_tensors)(2, 64, 4)
     assert traced.saved < whole.saved
     tp1 = _compose("model=hf", "model.config=tiny_llama")
-    _, est = estimate_cfg(cfg, resolved, 4)
-    _, est1 = estimate_cfg(tp1, resolve(tp1), 2)
+    _, est = estimate_plan(resolve(cfg), 4)
+    _, est1 = estimate_plan(resolve(tp1), 2)
     assert est.parts["activations"] < est1.parts["activations"]
 
 
@@ -327,7 +328,7 @@ def test_gpt_and_llama_under_tp_without_sequence_parallelism_split_by_the_plan()
                    "model.n_head=4", "model.block_size=32", "model.vocab_size=96",
                    "sharding.sequence_parallel=false", *tp2)  # fmt: skip
     resolved = resolve(cfg)
-    acts = run_activation_fn(cfg, resolved)(2, 32, 4)
+    acts = run_activation_fn(resolve(cfg))(2, 32, 4)
     real_model = GPT(resolved.model_config).train()
     for block in real_model.h:
         for linear, dim in (
@@ -348,10 +349,10 @@ def test_gpt_and_llama_under_tp_without_sequence_parallelism_split_by_the_plan()
         parts = {}
         for sp in ("true", "false"):
             run = _compose(family, f"sharding.sequence_parallel={sp}", *tp2)
-            est = estimate_cfg(run, resolve(run), 4)[1]
+            est = estimate_plan(resolve(run), 4)[1]
             parts[sp] = est.parts["activations"]
         one = _compose(family, "trainer.devices=2", "logger=none")
-        whole = estimate_cfg(one, resolve(one), 2)[1].parts["activations"]
+        whole = estimate_plan(resolve(one), 2)[1].parts["activations"]
         assert parts["true"] <= parts["false"] < whole, family
 
 
@@ -516,27 +517,23 @@ def test_auto_choices_are_deterministic_and_fit(capsys):
         f"trainer.mem_budget_gib={budget}",
     )
     resolved = resolve(cfg)
-    first, why = resolve_auto(cfg, resolved)
-    again, why_again = resolve_auto(cfg, resolved)
-    assert why == why_again and len(why) == 3
+    first, why, said = resolve_auto(resolved)
+    again, why_again, said_again = resolve_auto(resolved)
+    assert why == why_again and len(why) == 3 and said == said_again
     keys = ("sharding.min_params", "trainer.grad_accum", "trainer.grad_sync")
-    chosen = [
-        first.sharding.min_params,
-        first.trainer.grad_accum,
-        first.trainer.grad_sync,
-    ]
+    chosen = [first.wrap.min_params, first.batch.grad_accum, first.batch.grad_sync]
     assert chosen == [
-        again.sharding.min_params,
-        again.trainer.grad_accum,
-        again.trainer.grad_sync,
+        again.wrap.min_params,
+        again.batch.grad_accum,
+        again.batch.grad_sync,
     ]
+    assert [said[k] for k in keys] == chosen  # as the launcher records them
     assert all(any(line.startswith(f"auto: {k}=") for line in why) for k in keys)
-    _, est = estimate_cfg(first, resolved, 2)
+    _, est = estimate_plan(first, 2)
     assert est.total <= budget * GIB
     # The search's cost order: a larger grad_accum only when the batch does not fit.
-    one = with_values(first, {"trainer.grad_accum": 1})
-    _, whole = estimate_cfg(one, resolved, 2)
-    assert (first.trainer.grad_accum == 1) == (whole.total <= budget * GIB)
+    _, whole = estimate_plan(varied(first, {ACCUM: 1}), 2)
+    assert (first.batch.grad_accum == 1) == (whole.total <= budget * GIB)
 
 
 def test_plan_run_answers_a_run_in_one_call():
@@ -548,14 +545,15 @@ def test_plan_run_answers_a_run_in_one_call():
     )
     resolved = resolve(cfg)
     said: list[str] = []
-    run = plan_run(cfg, resolved, set(), 2, say=said.append)
-    chosen, reasons = resolve_auto(cfg, resolved, 2)
+    run = plan_run(resolved, set(), 2, say=said.append)
+    chosen, reasons, _ = resolve_auto(resolved, 2)
     assert said == list(run.reasons) == reasons and reasons
-    assert run.cfg.trainer.grad_accum == chosen.trainer.grad_accum
-    _, est = estimate_cfg(chosen, resolved, 2)
+    assert run.resolved.batch.grad_accum == chosen.batch.grad_accum
+    assert run.overrides["trainer.grad_accum"] == chosen.batch.grad_accum
+    _, est = estimate_plan(chosen, 2)
     assert run.estimate is not None and run.estimate.parts == est.parts
     assert run.planned_peak_gib == planned_peak_gib(est) and run.lower_bound == ""
-    assert plan_run(cfg, resolved, set(), 2, estimate=False).estimate is None
+    assert plan_run(resolved, set(), 2, estimate=False).estimate is None
 
 
 def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
@@ -569,9 +567,8 @@ def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
         f"trainer.mem_budget_gib={(budget := _budget(0.2748))}",
     )
     resolved = resolve(cfg)
-    out, why = resolve_auto(cfg, resolved, 2)
-    s = out.sharding
-    assert (s.activation_checkpointing, s.activation_checkpointing_every) == ("full", 2)
+    out, why, _ = resolve_auto(resolved, 2)
+    assert (out.checkpointing.mode, out.checkpointing.every) == ("full", 2)
     assert why[-1].startswith(
         "auto: sharding.activation_checkpointing=full "
         "sharding.activation_checkpointing_every=2: 2 of 4 blocks recomputed in "
@@ -579,8 +576,8 @@ def test_auto_checkpointing_recomputes_only_the_blocks_the_budget_needs():
     )
 
     def need(every: int) -> float:
-        fewer = with_values(out, {"sharding.activation_checkpointing_every": every})
-        return needed(estimate_cfg(fewer, resolved, 2)[1], 0.1) / GIB
+        fewer = varied(out, {"checkpointing.every": every})
+        return needed(estimate_plan(fewer, 2)[1], 0.1) / GIB
 
     assert need(2) <= budget < need(4)  # one block fewer would not fit
 
@@ -597,9 +594,8 @@ def test_the_search_proposes_bf16_where_it_is_the_cheapest_fit():
         "trainer.devices=64",
         "trainer.mem_budget_gib=h100_80gb",
     )
-    resolved = resolve(cfg)
-    _, est = estimate_cfg(cfg, resolved, 64)
-    report, info = fit_report(cfg, resolved, est, 64)
+    _, est = estimate_plan(resolve(cfg), 64)
+    report, info = fit_report(resolve(cfg), est, 64)
     assert "precision=bf16_mixed" in info["fix"]
     assert "precision=bf16_mixed changes more than memory: " in report
     rate = lookup_gpu_peak_tflops("h100_80gb", torch.float32) / lookup_gpu_peak_tflops(
@@ -607,15 +603,15 @@ def test_the_search_proposes_bf16_where_it_is_the_cheapest_fit():
     )
     assert precision_cost("bf16_mixed", "cuda", "h100_80gb") == rate
     assert precision_cost("bf16_mixed", "cuda", "") == 0.5  # assumed
-    assert "0.25 sequence(s) per rank" in uneven_batch(cfg, resolved, 64)
-    whole = with_values(cfg, {"trainer.batch_size": 64})
-    assert uneven_batch(whole, resolved, 64) == ""
+    assert "0.25 sequence(s) per rank" in uneven_batch(resolve(cfg), 64)
+    whole = with_overrides(cfg, {"trainer.batch_size": 64})
+    assert uneven_batch(resolve(whole), 64) == ""
     # Every constant says where it comes from.
     assert est.notes["runtime"] == "cuda: assumed: not calibrated on a GPU yet"
     # The name is read as the budget reads it: any case, the GPU's plan on any machine.
-    upper = with_values(cfg, {"trainer.mem_budget_gib": " H100_80GB"})
-    assert device_type(upper) == "cuda"
-    assert accelerator_name(upper) == "h100_80gb"
+    upper = with_overrides(cfg, {"trainer.mem_budget_gib": " H100_80GB"})
+    assert device_type(resolve(upper)) == "cuda"
+    assert accelerator_name(resolve(upper)) == "h100_80gb"
 
 
 def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
@@ -628,19 +624,18 @@ def test_plan_only_verdict_and_cheapest_change(tmp_path, capsys):
         f"trainer.mem_budget_gib={budget}",
         "logger=none",
     )
-    resolved = resolve(cfg)
-    plan_only(cfg, resolved, str(tmp_path))
+    plan_only(resolve(cfg), str(tmp_path))
     out = capsys.readouterr().out
     assert "does not fit: needs" in out
     assert "gradient accumulation modes (trainer.grad_sync):" in out
     # 4 micro-batches (x1.03 per doubling) are cheaper than checkpointing (x1.1 or
     # x4/3) or more ranks; the current min_params (1.5e5) is kept.
     assert "cheapest change that fits: trainer.grad_accum=4 ->" in out
-    four = with_values(cfg, {"trainer.grad_accum": 4})
-    _, est = estimate_cfg(four, resolved, 2)
+    four = with_overrides(cfg, {"trainer.grad_accum": 4})
+    _, est = estimate_plan(resolve(four), 2)
     assert est.total <= budget * GIB
-    two = with_values(cfg, {"trainer.grad_accum": 2})
-    _, est = estimate_cfg(two, resolved, 2)
+    two = with_overrides(cfg, {"trainer.grad_accum": 2})
+    _, est = estimate_plan(resolve(two), 2)
     assert est.total > budget * GIB
 
 
@@ -659,7 +654,7 @@ def test_70b_on_64_ranks_fits_a_budget_allocating_nothing(tmp_path, capsys):
     )
     peak_resets = metrics._reset_cpu_peak_rss()
     before = metrics.cpu_peak_rss_bytes()
-    plan_only(cfg, resolve(cfg), str(tmp_path))
+    plan_only(resolve(cfg), str(tmp_path))
     out = capsys.readouterr().out
     assert "activations (saved)" in out and "optimizer state (AdamW)" in out
     assert "does not fit: needs " in out
@@ -670,9 +665,9 @@ def test_70b_on_64_ranks_fits_a_budget_allocating_nothing(tmp_path, capsys):
     assert "precision=bf16_mixed changes more than memory: forward and backward" in out
     if peak_resets:  # 65B fp32 parameters are 242 GiB: nothing of them is allocated
         assert metrics.cpu_peak_rss_bytes() - before < 0.25 * GIB
-    keys = [*AUTO_KEYS, "trainer.devices"]
+    keys = [*AUTO_FIELDS, DEVICES]
     budget = budget_bytes("h100_80gb")
-    best, _ = search(cfg, resolve(cfg), keys, budget, 64, max_world=64)
+    best, _ = search(resolve(cfg), keys, budget, 64, max_world=64)
     assert best.settings() == {
         "sharding.activation_checkpointing": "full",
         "sharding.activation_checkpointing_every": 2,
@@ -689,8 +684,7 @@ def test_llama3_70b_on_64_ranks_plans_with_its_safety_margin(tmp_path, capsys):
         "trainer.mem_budget_gib=h100_80gb",
         "logger=none",
     )
-    resolved = resolve(cfg)
-    plan_only(cfg, resolved, str(tmp_path))
+    plan_only(resolve(cfg), str(tmp_path))
     out = capsys.readouterr().out
     assert "(+10% safety margin, trainer.mem_margin: " in out
     fix = next(line for line in out.splitlines() if line.startswith("cheapest"))
@@ -698,15 +692,15 @@ def test_llama3_70b_on_64_ranks_plans_with_its_safety_margin(tmp_path, capsys):
         "cheapest change that fits: sharding.activation_checkpointing"
     )
     # The margin decides: a budget between the estimate and estimate x 1.1 fails.
-    cfg = with_values(cfg, {"trainer.mem_budget_gib": 80})  # GiB: this device
-    _, est = estimate_cfg(cfg, resolved, 64)
+    cfg = with_overrides(cfg, {"trainer.mem_budget_gib": 80})  # GiB: this device
+    _, est = estimate_plan(resolve(cfg), 64)
     budget = est.total * 1.05 / GIB
-    tight = with_values(cfg, {"trainer.mem_budget_gib": budget})
-    assert budget_check(tight, resolved) == pytest.approx(
+    tight = with_overrides(cfg, {"trainer.mem_budget_gib": budget})
+    assert budget_check(resolve(tight)) == pytest.approx(
         (est.total * 1.1 / GIB, budget)
     )
-    loose = with_values(tight, {"trainer.mem_margin": 0.0})
-    assert budget_check(loose, resolved) is None
+    loose = with_overrides(tight, {"trainer.mem_margin": 0.0})
+    assert budget_check(resolve(loose)) is None
 
 
 @pytest.mark.slow
@@ -742,9 +736,9 @@ def test_sweep_precheck_plans_the_wrap_policy_the_run_gets():
 
     cfg = _compose("model=gpt2", "trainer.mem_budget_gib=0.01", "logger=none")
     needs, budget = train._fits(cfg)
-    block = with_values(cfg, {"sharding.policy": "block"})
-    size_needs = budget_check(cfg, resolve(cfg))[0]
-    assert (needs, budget) == budget_check(block, resolve(block))
+    block = with_overrides(cfg, {"sharding.policy": "block"})
+    size_needs = budget_check(resolve(cfg))[0]
+    assert (needs, budget) == budget_check(resolve(block))
     assert needs != size_needs
 
 
@@ -759,9 +753,10 @@ def test_default_policy_plans_hsdp_on_the_runs_world(tp):
         "sharding.replicate=2",
         f"sharding.tensor_parallel={tp}",
     )
-    chosen, run, line = default_policy(cfg, resolve(cfg), set())
-    assert chosen.sharding.policy == "block" and run.policies == (
-        resolve(chosen).policies
+    run, line, said = default_policy(resolve(cfg), set())
+    chosen = with_overrides(cfg, said)
+    assert chosen.sharding.policy == "block" and run.wrap.policies == (
+        resolve(chosen).wrap.policies
     )
     assert line.startswith("sharding.policy=block: with sharding.min_params=")
 
@@ -840,7 +835,7 @@ def test_llama3_70b_pp8_tp8_stages_by_hand():
     micro-batches of a block's input (8192 x 8192 fp32) per direction."""
     cfg = _compose(*LLAMA_PP)
     resolved = resolve(cfg)
-    stages = pipeline_estimates(cfg, resolved, 512)
+    stages = pipeline_estimates(resolved, 512)
     d, v, hidden, kv = 8192, 128256, 28672, 1024
     block = 2 * d * d + 2 * d * kv + 3 * d * hidden  # wq wo, wk wv, w1 w2 w3
     local_block = block // 8 + 2 * d  # tp shards; 2 norms whole
@@ -848,9 +843,9 @@ def test_llama3_70b_pp8_tp8_stages_by_hand():
     boundary = d * d * 4
     # the whole model's activations of one sequence on one tp rank (traced on its
     # local shapes): each stage holds 10/80 of them per micro-batch
-    shape = pipeline_shape(cfg, resolved, 512)
+    shape = pipeline_shape(resolved, 512)
     assert (shape.micro_batch, shape.world) == (1, 64)
-    whole = run_activation_fn(cfg, resolved)(1, d, 4, "none", 1)
+    whole = run_activation_fn(resolve(cfg))(1, d, 4, "none", 1)
     per_block = whole.saved / 80
     assert [e.pp_rank for _, e in stages] == list(range(8))
     for _, est in stages:
@@ -891,17 +886,16 @@ def test_fit_search_plans_pipelined_points_as_the_stages_are_planned(capsys, tmp
     # constant as a fit sees it (estimate x (1 + mem_margin 0.1))
     gib = round(0.45 + 1.1 * (PROCESS_BYTES["cpu"] - 316 * MIB) / GIB, 4)
     cfg = _compose(*PP2_SMALL, f"trainer.mem_budget_gib={gib}")
-    resolved = resolve(cfg)
     budget = int(gib * GIB)
-    for keys in (["trainer.grad_accum"], ["trainer.grad_accum", PP_KEY]):
-        best, _ = search(cfg, resolved, keys, budget, 4)
-        point = with_values(cfg, best.settings())
-        _, est = estimate_cfg(point, resolved, 4)
+    for keys in ([ACCUM], [ACCUM, PP]):
+        best, _ = search(resolve(cfg), keys, budget, 4)
+        point = with_overrides(cfg, best.settings())
+        _, est = estimate_plan(resolve(point), 4)
         assert est.total == best.estimate.total, best.describe()
-        assert (PP_KEY in best.overrides) == (PP_KEY in keys)
-    assert best.overrides[PP_KEY] == 1
+        assert (PP in best.changes) == (PP in keys)
+    assert best.changes[PP] == 1
     assert best.cost == pytest.approx(1.03 * 1.001 / 1.5)  # grad_accum=2, no bubble
-    plan_only(cfg, resolved, str(tmp_path))
+    plan_only(resolve(cfg), str(tmp_path))
     out = capsys.readouterr().out
     assert "pipeline stages (1f1b, 2 micro-batches per micro-step, bubble " in out
     assert "worst stage: pp rank 0" in out
@@ -934,7 +928,7 @@ def test_float8_all_gather_halves_the_gathered_float8_weights():
             "precision=float8", "precision.float8_all_gather=false"
         ),
     }
-    out = {k: estimate_cfg(c, resolve(c), 2) for k, c in runs.items()}
+    out = {k: estimate_plan(resolve(c), 2) for k, c in runs.items()}
     n = 128
     for unit in out["f8"][0].units:
         assert unit.float8_numel == (12 * n * n if unit.path else 0), unit
@@ -969,7 +963,8 @@ def _plan(capsys, tmp_path, *overrides: str) -> str:
 
     cfg = _compose("trainer.plan_only=true", *overrides, "logger=none")
     keys = {o.split("=")[0] for o in overrides}
-    cfg, resolved = prepare(cfg, validate(cfg), user_keys=keys, run_dir=str(tmp_path))
+    validate(cfg)
+    cfg, resolved = prepare(cfg, user_keys=keys, run_dir=str(tmp_path))
     launch(cfg, str(tmp_path), resolved)
     return capsys.readouterr().out
 

@@ -52,13 +52,13 @@ def _round_trip(rank: int, world: int, src: str, out: str, run_dir: str) -> dict
     x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     inputs, targets = x[:, :-1], x[:, 1:]
     resolved = resolve(cfg)
-    model = build_model(cfg, build_backend("fsdp2", "fp32", "cpu"), resolved).eval()
+    model = build_model(resolved, build_backend("fsdp2", "fp32", "cpu")).eval()
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         loaded = model(inputs)[0]
     result = {"load": (loaded - logits_of_transformers(Path(src), inputs)).abs().max()}
-    optimizer = build_optimizer(model, cfg, resolved)
+    optimizer = build_optimizer(model, cfg, resolved.spec)
     model.train()
     losses = []
     for _ in range(3):
@@ -188,7 +188,7 @@ def test_llama_family_loads_hugging_face_llama_weights(tiny_llama_dir):
         "trainer.devices=1",
     )
     validate(cfg)
-    model = build_model(cfg, build_backend("none", "fp32", "cpu"), resolve(cfg)).eval()
+    model = build_model(resolve(cfg), build_backend("none", "fp32", "cpu")).eval()
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         ours = model(x)[0]
@@ -201,8 +201,12 @@ def test_pretrained_vocabulary_does_not_follow_the_tokenizer(tiny_llama_dir):
 
     cfg = make_cfg("model=hf", f"model.pretrained={tiny_llama_dir}")
     resolved = resolve(cfg)
-    follow_tokenizer_vocab(cfg, resolved, {"vocab_size": 100}, set())
+    follow_tokenizer_vocab(
+        cfg, resolved.spec, resolved.model_config, {"vocab_size": 100}, set()
+    )
     assert cfg.model.vocab_size is None  # the checkpoint's 256 stays
     with pytest.raises(CONFIG_ERRORS) as info:
-        follow_tokenizer_vocab(cfg, resolved, {"vocab_size": 300}, set())
+        follow_tokenizer_vocab(
+            cfg, resolved.spec, resolved.model_config, {"vocab_size": 300}, set()
+        )
     assert "use the model's own tokenizer" in one_line(info.value)

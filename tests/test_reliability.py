@@ -222,7 +222,7 @@ def test_no_run_bigger_than_the_machine(tmp_path):
     from src.harness import compose_config
     from src.planner.constants import available_memory
     from src.planner.run import machine_check, oversubscribed
-    from src.planner.run_estimate import estimate_cfg
+    from src.planner.run_estimate import estimate_plan
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     big = subprocess.run(
@@ -248,8 +248,8 @@ def test_no_run_bigger_than_the_machine(tmp_path):
     def check(*overrides: str, ranks: int) -> None:
         cfg = compose_config("model=tiny", "trainer.grad_accum=1", *overrides)
         resolved = validate(cfg)
-        _, est = estimate_cfg(cfg, resolved, resolved.world_size)
-        machine_check(cfg, resolved, est, ranks)
+        _, est = estimate_plan(resolved, resolved.world_size)
+        machine_check(resolved, est, ranks)
 
     check(ranks=2)  # the default run on the tiny model
     have = available_memory()[0]

@@ -41,7 +41,7 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
     def refused(*overrides: str) -> str:
         cfg = make_cfg(*overrides)
         with pytest.raises(ConfigError) as err:
-            prepare(cfg, validate(cfg), set())
+            prepare(cfg, set())
         return str(err.value)
 
     line = refused("data=synthetic", "data.num_tokens=40")
@@ -56,7 +56,7 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
     line = refused(*tokens[:2], f"data.val_path={tmp_path}/odd.bin")
     assert line.startswith("data.val_path: ") and "has 3 bytes" in line
     cfg = make_cfg("data=synthetic", "data.num_tokens=20000", "data.val_fraction=0")
-    prepare(cfg, validate(cfg), set())  # no validation split: nothing to check
+    prepare(cfg, set())  # no validation split: nothing to check
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from src.data.sources import GlobalBatches, TokenStream
 from src.errors import ConfigError
 from src.models import get_spec
 from src.models.generate import KVCache, generate
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.runs.compare import main as compare_main
 from src.runs.compose import open_run
 from src.runs.evaluation import EVAL_FILE
@@ -66,7 +66,8 @@ def train_run(run_dir: Path, *overrides: str) -> dict:
     hydra_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, hydra_dir / "config.yaml")
     OmegaConf.save(OmegaConf.create(list(overrides)), hydra_dir / "overrides.yaml")
-    cfg, resolved = prepare(cfg, validate(cfg))
+    validate(cfg)
+    cfg, resolved = prepare(cfg)
     return run_rank(cfg, str(run_dir), resolved)
 
 
@@ -139,7 +140,7 @@ def llama_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def opened(run_dir: Path, changes: dict) -> tuple[Path, DictConfig, Resolved]:
+def opened(run_dir: Path, changes: dict) -> tuple[Path, DictConfig, RunPlan]:
     """sample.py's and eval.py's steps before the ranks start: the checkpoint and
     the run's config, changed and prepared."""
     _, checkpoint, cfg, resolved = open_run(str(run_dir), lambda _: changes)
@@ -149,7 +150,7 @@ def opened(run_dir: Path, changes: dict) -> tuple[Path, DictConfig, Resolved]:
 def _greedy_both_ways(device, cfg, resolved, checkpoint, n: int) -> dict:
     """On one rank: greedy texts with and without the KV cache, and the logits of a
     prompt fed whole and in three pieces through the cache."""
-    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    model, _, step = load_model(resolved, checkpoint, device)
     tokenizer = run_tokenizer(cfg)
     kw = dict(max_new_tokens=n, temperature=0.0, device=device, num_samples=2)
     cached = sample_texts(model, resolved, tokenizer, [PROMPT], **kw)[0]
@@ -211,7 +212,7 @@ def test_sample_every_logs_samples_while_training(llama_run):
 
 
 def _hf_both_ways(device, cfg, resolved, checkpoint) -> dict:
-    model, _, _ = load_model(cfg, resolved, checkpoint, device)
+    model, _, _ = load_model(resolved, checkpoint, device)
     tokenizer = run_tokenizer(cfg)
     kw = dict(max_new_tokens=30, device=device, num_samples=2)
     model.train()  # as trainer.sample_every finds it

@@ -246,10 +246,10 @@ def test_plan_only_shows_the_2d_layout_and_shard_group_bytes(tmp_path, capsys):
     # Twice the global batch on twice the ranks: the same micro-batch per rank, so
     # the two estimates peak at the same moment and their parts compare one to one.
     cfg = make_cfg("model=tiny", "trainer.devices=8", "trainer.batch_size=32", *HSDP)
-    hsdp = plan_only(cfg, resolve(cfg), str(tmp_path / "hsdp"))
+    hsdp = plan_only(resolve(cfg), str(tmp_path / "hsdp"))
     assert "world size 8: 2 x 4 mesh (replicate x shard)" in capsys.readouterr().out
     cfg = make_cfg("model=tiny", "trainer.devices=4")
-    full = plan_only(cfg, resolve(cfg), str(tmp_path / "full"))
+    full = plan_only(resolve(cfg), str(tmp_path / "full"))
     # 8 ranks as 2 x 4 hold per rank what 4-way full sharding holds.
     assert hsdp.bytes_per_rank() == full.bytes_per_rank()
     summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())

@@ -227,9 +227,7 @@ def test_bad_tensor_parallel_configs_fail_in_one_line(overrides, key, says):
 def test_plan_only_knows_tensor_parallelism(tmp_path, capsys):
     def plan(*overrides):
         cfg = make_cfg("model=llama_tiny", "trainer.devices=4", *overrides)
-        return plan_only(
-            cfg, resolve(cfg), str(tmp_path / "_".join(overrides) or "fsdp")
-        )
+        return plan_only(resolve(cfg), str(tmp_path / "_".join(overrides) or "fsdp"))
 
     fsdp4 = plan()
     out = capsys.readouterr().out

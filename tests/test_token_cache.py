@@ -227,7 +227,9 @@ def test_bad_inputs_fail_in_one_line(tmp_path):
 @pytest.mark.parametrize("model", ["small", "llama_tiny"])
 def test_vocab_follows_tokenizer_unless_user_set(tmp_path, capsys, model):
     cfg = cfg_for(tmp_path, "data=text", "data.tokenizer=bpe", f"model={model}")
-    follow_tokenizer_vocab(cfg, resolve(cfg), {"vocab_size": 1000}, user_keys=set())
+    follow_tokenizer_vocab(
+        cfg, *_model(resolve(cfg)), {"vocab_size": 1000}, user_keys=set()
+    )
     assert cfg.model.vocab_size == 1024  # padded to a multiple of 64
     assert (
         "model.vocab_size=1024: follows data.tokenizer=bpe" in capsys.readouterr().out
@@ -235,20 +237,26 @@ def test_vocab_follows_tokenizer_unless_user_set(tmp_path, capsys, model):
     cfg.model.vocab_size = 999
     with pytest.raises(CONFIG_ERRORS) as info:
         follow_tokenizer_vocab(
-            cfg, resolve(cfg), {"vocab_size": 1000}, {"model.vocab_size"}
+            cfg, *_model(resolve(cfg)), {"vocab_size": 1000}, {"model.vocab_size"}
         )
     assert one_line(info.value) == (
         "model.vocab_size: vocabulary of 999 is smaller than data.tokenizer=bpe's "
         "(1000 ids, up to 999); drop the override or set it >= 1000"
     )
-    follow_tokenizer_vocab(cfg, resolve(cfg), {"vocab_size": 900}, {"model.vocab_size"})
+    follow_tokenizer_vocab(
+        cfg, *_model(resolve(cfg)), {"vocab_size": 900}, {"model.vocab_size"}
+    )
     assert cfg.model.vocab_size == 999  # the user's value stands
     # Loaded weights fix the vocabulary, whoever set it.
     cfg.model.pretrained = str(tmp_path)
-    follow_tokenizer_vocab(cfg, resolve(cfg), {"vocab_size": 900}, user_keys=set())
+    follow_tokenizer_vocab(
+        cfg, *_model(resolve(cfg)), {"vocab_size": 900}, user_keys=set()
+    )
     assert cfg.model.vocab_size == 999
     with pytest.raises(CONFIG_ERRORS) as info:
-        follow_tokenizer_vocab(cfg, resolve(cfg), {"vocab_size": 1000}, user_keys=set())
+        follow_tokenizer_vocab(
+            cfg, *_model(resolve(cfg)), {"vocab_size": 1000}, user_keys=set()
+        )
     assert one_line(info.value).startswith("model.pretrained: vocabulary of 999 is")
 
 
@@ -378,3 +386,8 @@ def test_a_full_cache_disk_is_one_line_with_the_path_and_free_space(tmp_path):
     with pytest.raises(OSError):  # any other failure is its own
         with build_lock(str(cache / "tokens-0123")):
             raise OSError(errno.EIO, "I/O error")
+
+
+def _model(plan):
+    """A run plan's model: its spec and config."""
+    return plan.spec, plan.model_config

@@ -66,7 +66,7 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 def test_weight_decay_only_on_matrices():
     cfg = make_cfg("model=tiny")
     model = GPT(get_spec("gpt").make_config(cfg.model))
-    decay, no_decay = build_optimizer(model, cfg, resolve(cfg)).param_groups
+    decay, no_decay = build_optimizer(model, cfg, resolve(cfg).spec).param_groups
     assert decay["weight_decay"] == cfg.trainer.weight_decay
     assert no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"])
@@ -78,7 +78,7 @@ def test_weight_decay_only_on_matrices():
 
 def test_plan_only_allocates_nothing_and_writes_the_plan(tmp_path, capsys):
     cfg = make_cfg("model=gpt2_xl", "trainer.plan_only=true", "sharding.policy=block")
-    plan = plan_only(cfg, resolve(cfg), str(tmp_path))
+    plan = plan_only(resolve(cfg), str(tmp_path))
     assert len(plan.units) == cfg.model.n_layer + 1  # every block + the root
     assert plan.total_numel > 1.5e9
     assert "wrap plan:" in capsys.readouterr().out

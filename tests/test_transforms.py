@@ -154,22 +154,21 @@ def test_selective_rejects_a_block_split_into_smaller_units():
     # From the command line: one line naming the key, before any rank starts (the
     # planner's meta build, also per pipeline stage), not a failure on every rank.
     from src.errors import ConfigError
-    from src.planner.run_estimate import estimate_cfg
-    from src.planner.settings import AC_KEY
+    from src.planner.run_estimate import estimate_plan
     from src.resolved import resolve
     from tests.test_config import make_cfg
 
     split = (
         "model=llama_tiny",
-        f"{AC_KEY}=selective",
+        "sharding.activation_checkpointing=selective",
         "sharding.min_params=1e3",
     )
     for pp in ("1", "2"):
         cfg = make_cfg(*split, f"sharding.pipeline_parallel={pp}")
         with pytest.raises(ConfigError) as info:
-            estimate_cfg(cfg, resolve(cfg), 2)
+            estimate_plan(resolve(cfg), 2)
         assert str(info.value).startswith(
-            f"{AC_KEY}: selective needs each TransformerBlock to be one "
+            "sharding.activation_checkpointing: selective needs each TransformerBlock to be one "
             "sharding unit, and sharding.policy=size splits it: set sharding.policy="
         )
 

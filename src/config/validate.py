@@ -27,9 +27,8 @@ from src.planner.constants import budget_bytes
 from src.resolved import (
     FLOAT8_KEYS,
     LAYOUT_KEYS,
-    Resolved,
+    RunPlan,
     float8_linears,
-    layout_errors_named,
     resolve,
     resolve_devices,
     tensor_parallel_plan,
@@ -197,11 +196,11 @@ def check_pretrained_dir(cfg: DictConfig) -> None:
     )
 
 
-def check_pretrained(cfg: DictConfig, resolved: Resolved) -> None:
+def check_pretrained(resolved: RunPlan) -> None:
     """``model.pretrained`` (its directory checked by :func:`check_pretrained_dir`):
     tensors of the shapes of the configured model (read from the file headers and a
     meta-device build), for a family with a Hugging Face adapter."""
-    path = cfg.model.pretrained
+    path = resolved.pretrained
     if path is None:
         return
     spec, config = resolved.spec, resolved.model_config
@@ -260,7 +259,7 @@ def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:
         )
 
 
-def validate(cfg: DictConfig) -> Resolved:
+def validate(cfg: DictConfig) -> RunPlan:
     """Check what the schema's types cannot, so a bad run fails before any rank starts,
     and return what it resolved (world size, model spec and config, policy classes)
     for the launcher and the ranks.
@@ -283,15 +282,15 @@ def validate(cfg: DictConfig) -> Resolved:
     )
     check_pretrained_dir(cfg)  # first: model=hf reads its config from there
     resolved = resolve(cfg)
-    check_pretrained(cfg, resolved)
+    check_pretrained(resolved)
     _check_init(cfg, resolved.spec)
     _check_sharding(cfg, resolved.layout)
     _check_float8(cfg)
-    _check_tensor_parallel(cfg, resolved)
+    _check_tensor_parallel(resolved)
     _check_context_parallel(resolved)
-    _check_pipeline(cfg, resolved)
+    _check_pipeline(cfg, resolved.spec, resolved.model_config, resolved.layout.pp)
     _check_batches(cfg, resolved.layout)
-    _check_trainer(cfg, resolved)
+    _check_trainer(cfg, resolved.spec, resolved.model_config)
     # The chosen data source and logger check their own keys.
     _choice(cfg, "data.name", DATA_SOURCES)
     DATA_SOURCES[cfg.data.name].check(cfg.data)
@@ -336,8 +335,6 @@ def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
     _choice(cfg, "sharding.activation_checkpointing", (*CHECKPOINTING, "auto"))
     _positive_int(cfg, "sharding.activation_checkpointing_every")
     _choice(cfg, "precision.name", PRECISIONS)
-    with layout_errors_named():
-        backend.check_layout(layout)
     _check_fsdp2_knobs(s, layout.fsdp_shard)
     _require(
         backend.distributed or layout.world_size == 1,
@@ -357,12 +354,6 @@ def _check_float8(cfg: DictConfig) -> None:
             _require(value is None, key, f"{value!r}: read by precision=float8 only")
         return
     _choice(cfg, "precision.recipe", RECIPES)
-    _require(
-        backend.float8,
-        "precision.name",
-        f"float8 needs sharding={' or sharding='.join(with_capability('float8'))}, "
-        f"not sharding={cfg.sharding.backend}",
-    )
     if p.float8_all_gather:
         _require(
             p.recipe in ALL_GATHER_RECIPES,
@@ -381,32 +372,26 @@ def _check_float8(cfg: DictConfig) -> None:
     float8_linears(cfg)
 
 
-def _check_tensor_parallel(cfg: DictConfig, resolved: Resolved) -> None:
+def _check_tensor_parallel(resolved: RunPlan) -> None:
     """``sharding.sequence_parallel`` and the family's tensor-parallel plan for the
     shape (the tp degree itself is checked with the layout)."""
-    sp = cfg.sharding.sequence_parallel
+    sp = resolved.unit.sequence_parallel
     _require(
         sp is None or resolved.layout.tp > 1 or not sp,
         "sharding.sequence_parallel",
         f"true needs {LAYOUT_KEYS['tp']} > 1 (it shards along the tp ranks)",
     )
-    tensor_parallel_plan(cfg, resolved.spec, resolved.model_config, resolved.layout)
+    tensor_parallel_plan(resolved)
 
 
-def _check_context_parallel(resolved: Resolved) -> None:
-    """With context parallelism: the sequence splits into 2C equal chunks, and the
-    model can split its sequences (the family's check, naming its key)."""
+def _check_context_parallel(resolved: RunPlan) -> None:
+    """With context parallelism: the model can split its sequences (the family's
+    check, naming its key; the 2C chunks are the layout rule's, checked by
+    ``resolve``)."""
     cp = resolved.layout.cp
     if cp <= 1:
         return
     spec, config = resolved.spec, resolved.model_config
-    seq_len = spec.seq_len(config)
-    _require(
-        seq_len % (2 * cp) == 0,
-        LAYOUT_KEYS["cp"],
-        f"{cp} ranks split each sequence into 2 x {cp} chunks, which do not divide "
-        f"its {seq_len} tokens (the model's sequence length)",
-    )
     _require(
         spec.context_parallel is not None and spec.kv_width is not None,
         LAYOUT_KEYS["cp"],
@@ -420,15 +405,14 @@ PP_KEY = LAYOUT_KEYS["pp"]
 #: What a pipeline-parallel run does not do yet: the key, the value that is
 #: refused, and why.
 PP_UNSUPPORTED = (
-    ("precision.name", lambda v: v == "fp16_mixed", "fp16's gradient scaler"),
     ("sharding.sequence_parallel", lambda v: bool(v), "sequence parallelism"),
 )
 
 
-def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
+def _check_pipeline(cfg: DictConfig, spec: ModelSpec, config: Any, pp: int) -> None:
     """``sharding.pipeline_parallel`` and the ``sharding.pp_*`` keys: the backend,
     the mesh, the schedule, the family's layout and the stage cut."""
-    s, spec, pp = cfg.sharding, resolved.spec, resolved.layout.pp
+    s = cfg.sharding
     _choice(cfg, "sharding.pp_schedule", tuple(SCHEDULES))
     _positive_int(cfg, "sharding.pp_microbatches")
     if pp == 1:
@@ -447,7 +431,7 @@ def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
         f"model family {spec.name!r} has no pipeline layout (ModelSpec.pipeline) "
         "and per-parameter init",
     )
-    layout = keyed(PP_KEY, spec.pipeline, resolved.model_config)
+    layout = keyed(PP_KEY, spec.pipeline, config)
     for key, refuses, what in PP_UNSUPPORTED:
         value = OmegaConf.select(cfg, key)
         _require(
@@ -456,7 +440,7 @@ def _check_pipeline(cfg: DictConfig, resolved: Resolved) -> None:
             f"{value!r}: {what} with {PP_KEY} > 1 is not supported yet",
         )
     with torch.device("meta"):
-        model = spec.build(resolved.model_config, 0)
+        model = spec.build(config, 0)
     blocks = len(model.get_submodule(layout.blocks))
     stages = pp * SCHEDULES[s.pp_schedule].stages_per_rank
     keyed(
@@ -544,9 +528,9 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
     )
 
 
-def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
+def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
     """Export, the optimizer's numbers, timeouts, peak FLOPs and resuming."""
-    t, spec = cfg.trainer, resolved.spec
+    t = cfg.trainer
     _require(
         t.export in EXPORTS,
         "trainer.export",
@@ -558,7 +542,7 @@ def _check_trainer(cfg: DictConfig, resolved: Resolved) -> None:
         f"hf needs a Hugging Face adapter, which model family {spec.name!r} has not",
     )
     if t.export == "hf":  # a shape transformers' class cannot hold (GPT without bias)
-        keyed("trainer.export", spec.hf.hf_config, resolved.model_config)
+        keyed("trainer.export", spec.hf.hf_config, config)
     _require(t.lr > 0, "trainer.lr", f"got {t.lr}, expected > 0")
     _require(
         t.min_lr is None or 0 <= t.min_lr <= t.lr,

@@ -46,7 +46,6 @@ from src.data.token_cache import SPLITS, token_cache
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 from src.errors import ConfigError
 from src.registry import Registry, described, no_check, or_list
-from src.resolved import Resolved
 
 log = logging.getLogger(__name__)
 
@@ -253,17 +252,17 @@ def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
 
 
 def follow_tokenizer_vocab(
-    cfg: Any, resolved: Resolved, meta: dict, user_keys: set[str]
+    cfg: Any, spec: Any, model_config: Any, meta: dict, user_keys: set[str]
 ) -> bool:
     """The model's vocabulary follows the tokenizer (``meta`` of the token cache): the
     family's vocabulary key (``model.vocab_size`` for GPT and Llama) becomes the
     tokenizer's size rounded up to a multiple of :data:`VOCAB_MULTIPLE` (faster
     matmuls). It stays as it is when the user set it (it is in ``user_keys``, the
     command line's keys), when weights are loaded (``model.pretrained``) or when the
-    family fixes it; then it must hold every id of the tokenizer. ``resolved``: the
-    run object of ``cfg`` as it is. Returns whether ``cfg.model`` changed (its run
-    object is then out of date)."""
-    spec, vocab = resolved.spec, meta["vocab_size"]
+    family fixes it; then it must hold every id of the tokenizer. ``spec``,
+    ``model_config``: the run plan's model of ``cfg`` as it is. Returns whether
+    ``cfg.model`` changed (its run plan is then out of date)."""
+    vocab = meta["vocab_size"]
     key = f"model.{spec.vocab_key}" if spec.vocab_key else "model"
     if cfg.model.get("pretrained"):
         key, advice = "model.pretrained", "use the model's own tokenizer"
@@ -281,7 +280,7 @@ def follow_tokenizer_vocab(
         )
         cfg.model[spec.vocab_key] = padded
         return True
-    have = spec.vocab_size(resolved.model_config)
+    have = spec.vocab_size(model_config)
     if have < vocab:
         raise ConfigError(
             key,

@@ -9,19 +9,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from src.models.memory import ActivationBytes
 from src.planner.constants import EP_IMBALANCE
 from src.planner.estimate import Dispatch, RunShape
-from src.planner.settings import tp_layout
 from src.planner.trace import tp_local, traced_activation_bytes
-from src.resolved import Resolved, tensor_parallel_plan
+from src.resolved import RunPlan, tensor_parallel_plan
 
 
 def tp_activations(
-    cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     shape: RunShape,
     acts: ActivationBytes,
     model: torch.nn.Module | int,
@@ -42,8 +39,7 @@ def tp_activations(
     tp = resolved.layout.tp
     if tp == 1:
         return acts
-    spec, config = resolved.spec, resolved.model_config
-    tpp = tensor_parallel_plan(cfg, spec, config, tp_layout(cfg, resolved))
+    tpp = tensor_parallel_plan(resolved)
     full = activation_fn(resolved)(
         shape.micro_batch, shape.seq_len, shape.param_bytes, "full", 1
     )
@@ -65,7 +61,7 @@ def tp_activations(
 
 
 def cp_activations(
-    resolved: Resolved,
+    resolved: RunPlan,
     shape: RunShape,
     acts: ActivationBytes,
     model: torch.nn.Module | int,
@@ -96,7 +92,7 @@ def cp_activations(
     )
 
 
-def ep_dispatch(resolved: Resolved, shape: RunShape) -> Dispatch | None:
+def ep_dispatch(resolved: RunPlan, shape: RunShape) -> Dispatch | None:
     """Expert parallelism's dispatch beyond the traced activations (None: no EP, or
     a family that does not say its experts' shape). A balanced dispatch gives a rank
     its own share of the assignments, ``B T k / tp`` rows per MoE layer; the bound
@@ -131,7 +127,7 @@ def ep_dispatch(resolved: Resolved, shape: RunShape) -> Dispatch | None:
 
 
 def _blocks(
-    resolved: Resolved, shape: RunShape, model: torch.nn.Module | int
+    resolved: RunPlan, shape: RunShape, model: torch.nn.Module | int
 ) -> tuple[int, int]:
     """The model's blocks (``model``: the model or their number) and how many of
     them full activation checkpointing recomputes."""
@@ -150,7 +146,7 @@ def _blocks(
     return blocks, checkpointed
 
 
-def has_formula(resolved: Resolved) -> bool:
+def has_formula(resolved: RunPlan) -> bool:
     """Whether the model family's activation formula covers the run's model config
     (its spec's ``activation_bytes`` and ``formula_covers``); else it is traced."""
     spec = resolved.spec
@@ -160,7 +156,7 @@ def has_formula(resolved: Resolved) -> bool:
 
 
 def activation_fn(
-    resolved: Resolved, tp: int = 1, tp_plan: Any = None, trace: bool = False
+    resolved: RunPlan, tp: int = 1, tp_plan: Any = None, trace: bool = False
 ) -> Callable[..., ActivationBytes]:
     """The model family's activation formula (its spec's ``activation_bytes``), bound
     to the run's model config; for a family without one (``hf``, ``custom``) or a
@@ -183,7 +179,7 @@ def activation_fn(
     return _TRACED[key]
 
 
-def traced_locally(resolved: Resolved, tp_plan: Any) -> bool:
+def traced_locally(resolved: RunPlan, tp_plan: Any) -> bool:
     """Whether a run's activations under tensor parallelism are traced on one rank's
     local shapes: a model without a formula (:func:`has_formula`) always; one with a
     formula without sequence parallelism (its formula knows only the sequence split;
@@ -191,34 +187,30 @@ def traced_locally(resolved: Resolved, tp_plan: Any) -> bool:
     return not has_formula(resolved) or not tp_plan.sequence_parallel
 
 
-def run_activation_fn(
-    cfg: DictConfig, resolved: Resolved
-) -> Callable[..., ActivationBytes]:
-    """:func:`activation_fn` for ``cfg``'s tensor-parallel degree and plan."""
+def run_activation_fn(resolved: RunPlan) -> Callable[..., ActivationBytes]:
+    """:func:`activation_fn` for the run's tensor-parallel degree and plan."""
     tp = resolved.layout.tp
     if tp == 1:
         return activation_fn(resolved)
-    plan = tensor_parallel_plan(
-        cfg, resolved.spec, resolved.model_config, tp_layout(cfg, resolved)
-    )
+    plan = tensor_parallel_plan(resolved)
     if not traced_locally(resolved, plan):
         return activation_fn(resolved)
     return activation_fn(resolved, tp, plan, trace=True)
 
 
 def run_activations(
-    cfg: DictConfig, resolved: Resolved, shape: RunShape, model: torch.nn.Module
+    resolved: RunPlan, shape: RunShape, model: torch.nn.Module
 ) -> ActivationBytes:
     """One rank's activations of one micro-batch of ``shape`` (the run's tensor and
     context parallelism applied); ``model``: the run's meta model."""
-    acts = run_activation_fn(cfg, resolved)(
+    acts = run_activation_fn(resolved)(
         shape.micro_batch,
         shape.seq_len,
         shape.param_bytes,
         shape.checkpointing,
         shape.ac_every,
     )
-    acts = tp_activations(cfg, resolved, shape, acts, model)
+    acts = tp_activations(resolved, shape, acts, model)
     return cp_activations(resolved, shape, acts, model)
 
 

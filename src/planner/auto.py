@@ -1,4 +1,4 @@
-"""The values the planner chooses: every ``auto`` of :data:`AUTO_KEYS` (the search's
+"""The values the planner chooses: every ``auto`` of :data:`AUTO_FIELDS` (the search's
 cheapest fit) and the block policy where the size policy would split blocks."""
 
 from __future__ import annotations
@@ -6,77 +6,77 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from src.planner.constants import budget_bytes, machine_budget_bytes
 from src.planner.costs import Checkpointing, ac_cost
 from src.planner.estimate import fmt_bytes, with_margin
 from src.planner.inputs import build_meta_model, plan_of
 from src.planner.pipeline import stage_plans
-from src.planner.run_estimate import estimate_cfg
+from src.planner.run_estimate import estimate_plan
 from src.planner.search import Candidate, fmt_value, search, splits_blocks
-from src.planner.settings import (
-    AC_EVERY_KEY,
-    AC_KEY,
-    mem_margin,
-    pipeline_stages,
-    setting,
-    with_values,
-)
-from src.resolved import Resolved, resolve_devices, resolve_policies
+from src.planner.settings import AC, ACCUM, MIN_PARAMS, SYNC, mem_margin
+from src.resolved import OVERRIDES, RunPlan, field_of, resolve_policies, varied
 from src.sharding import backend_class
 
-#: The keys ``auto`` may stand for, and what the planner searches.
-AUTO_KEYS = ("sharding.min_params", "trainer.grad_accum", "trainer.grad_sync", AC_KEY)
+#: The run plan's fields ``auto`` may stand for, and what the planner searches.
+AUTO_FIELDS = (MIN_PARAMS, ACCUM, SYNC, AC)
 
 
-def auto_keys(cfg: DictConfig) -> list[str]:
-    return [k for k in AUTO_KEYS if OmegaConf.select(cfg, k, default=None) == "auto"]
+def auto_fields(plan: RunPlan) -> list[str]:
+    return [k for k in AUTO_FIELDS if _value(plan, k) == "auto"]
+
+
+def _value(plan: RunPlan, name: str) -> Any:
+    return plan.checkpointing.mode if name == AC else field_of(plan, name)
 
 
 #: Stand-ins for ``auto`` values, the search's starting point (costs are relative to it).
 _AUTO_START: dict[str, Any] = {
-    "sharding.min_params": 1e8,
-    "trainer.grad_accum": 1,
-    "trainer.grad_sync": "last",
-    AC_KEY: "none",
+    MIN_PARAMS: 1e8,
+    ACCUM: 1,
+    SYNC: "last",
+    f"{AC}.mode": "none",
 }
 
 
+def _start(name: str) -> str:
+    return f"{AC}.mode" if name == AC else name
+
+
 def resolve_auto(
-    cfg: DictConfig, resolved: Resolved, world: int | None = None
-) -> tuple[DictConfig, list[str]]:
-    """``cfg`` with every ``auto`` value of :data:`AUTO_KEYS` chosen by the planner:
-    the cheapest setting that fits the budget (``trainer.mem_budget_gib``, else this
-    machine's memory per rank), or the smallest estimate if none fits. Returns the
-    new config and one line per choice saying why."""
-    keys = auto_keys(cfg)
+    plan: RunPlan, world: int | None = None
+) -> tuple[RunPlan, list[str], dict[str, Any]]:
+    """``plan`` with every ``auto`` value of :data:`AUTO_FIELDS` chosen by the
+    planner: the cheapest setting that fits the budget (the plan's memory budget,
+    else this machine's memory per rank), or the smallest estimate if none fits.
+    Returns the new plan, one line per choice saying why, and the chosen values as
+    the overrides a user types (what the launcher records)."""
+    keys = auto_fields(plan)
     quiet = {}
-    accum = OmegaConf.select(cfg, "trainer.grad_accum")
-    if "trainer.grad_sync" in keys and accum == 1:
-        quiet["trainer.grad_sync"] = "last"  # one micro-batch: nothing to choose
-        keys.remove("trainer.grad_sync")
-    cfg = with_values(cfg, quiet) if quiet else cfg
+    if SYNC in keys and plan.batch.grad_accum == 1:
+        quiet[SYNC] = "last"  # one micro-batch: nothing to choose
+        keys.remove(SYNC)
+    plan = varied(plan, quiet) if quiet else plan
     if not keys:
-        return cfg, []
-    world = world or resolve_devices(cfg.trainer.devices)
-    budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
-    source = "trainer.mem_budget_gib"
+        return plan, [], _said(quiet)
+    world = world or plan.world_size
+    budget = budget_bytes(plan.budget.mem_budget)
+    source = OVERRIDES["budget.mem_budget"]
     if budget is None:
         budget, source = machine_budget_bytes(world), "this machine's memory per rank"
-    start = with_values(cfg, {k: _AUTO_START[k] for k in keys})
-    best, smallest = search(start, resolved, keys, budget, world)
+    start = varied(plan, {_start(k): _AUTO_START[_start(k)] for k in keys})
+    best, smallest = search(start, keys, budget, world)
     chosen = best or smallest
     values: dict[str, Any] = {}
     for k in keys:
-        v = chosen.overrides.get(k)
-        values[k] = v.mode if isinstance(v, Checkpointing) else v
+        v = chosen.changes.get(k)
+        values[_start(k)] = v.mode if isinstance(v, Checkpointing) else v
         if v is None:
-            values[k] = OmegaConf.select(start, k)
-    out = with_values(cfg, {**values, **chosen.settings()})
+            values[_start(k)] = _value(start, k)
+    changes = {**values, **chosen.fields()}
+    out = varied(plan, changes)
     est = chosen.estimate
     verdict = (
-        f"the cheapest setting whose estimate, {with_margin(est, mem_margin(cfg))}, "
+        f"the cheapest setting whose estimate, {with_margin(est, mem_margin(plan))}, "
         f"fits {fmt_bytes(budget)} "
         f"({source})"
         if best
@@ -84,26 +84,30 @@ def resolve_auto(
         f"{fmt_bytes(est.total)}"
     )
     reasons = [
-        f"auto: {k}={fmt_value(v)}: {verdict}" for k, v in values.items() if k != AC_KEY
+        f"auto: {OVERRIDES[k]}={fmt_value(v)}: {verdict}"
+        for k, v in values.items()
+        if k != f"{AC}.mode"
     ]
-    if AC_KEY in keys:
-        reasons.append(_ac_reason(out, resolved, chosen, world, verdict))
-    return out, reasons
+    if AC in keys:
+        reasons.append(_ac_reason(out, chosen, world, verdict))
+    return out, reasons, _said({**quiet, **changes})
 
 
-def _ac_reason(
-    cfg: DictConfig, resolved: Resolved, chosen: Candidate, world: int, verdict: str
-) -> str:
+def _said(changes: dict[str, Any]) -> dict[str, Any]:
+    return {OVERRIDES[k]: v for k, v in changes.items()}
+
+
+def _ac_reason(plan: RunPlan, chosen: Candidate, world: int, verdict: str) -> str:
     """Why ``auto`` checkpointing is what it is: which blocks, the recompute cost, and
     the estimate without any."""
-    ac = chosen.overrides.get(AC_KEY)
-    every = int(setting(cfg, AC_EVERY_KEY))
-    line = f"auto: {AC_KEY}={cfg.sharding.activation_checkpointing}"
+    ac = chosen.changes.get(AC)
+    key, every_key = OVERRIDES[f"{AC}.mode"], OVERRIDES[f"{AC}.every"]
+    line = f"auto: {key}={plan.checkpointing.mode}"
     if not isinstance(ac, Checkpointing) or ac.mode == "none":
         return f"{line}: {verdict}"
     if ac.mode == "full":
-        line += f" {AC_EVERY_KEY}={every}"
-    _, bare = estimate_cfg(with_values(cfg, {AC_KEY: "none"}), resolved, world)
+        line += f" {every_key}={plan.checkpointing.every}"
+    _, bare = estimate_plan(varied(plan, {f"{AC}.mode": "none"}), world)
     return (
         f"{line}: {ac.recomputed} of {ac.blocks} blocks recomputed in backward "
         f"(compute x{ac_cost(ac):.2f}); without checkpointing the estimate is "
@@ -111,44 +115,50 @@ def _ac_reason(
     )
 
 
-POLICY_KEYS = ("sharding.policy", "sharding.min_params")
+#: The fields whose user setting keeps the size policy (:func:`default_policy`).
+POLICY_FIELDS = ("wrap.policies", MIN_PARAMS)
 
 
 def default_policy(
-    cfg: DictConfig, resolved: Resolved, user_keys: set[str]
-) -> tuple[DictConfig, Resolved, str]:
-    """``cfg`` with the block policy when the size policy's threshold was not chosen for
-    this model: the user set neither key of :data:`POLICY_KEYS` and, with the group's
-    default ``sharding.min_params`` (tuned so each block of the CPU models is one unit),
-    the size policy would cut a block into several units (``model=llama3_8b``: one per
-    Linear, 227 units). One unit per block is what the planner's estimates assume for
-    selective checkpointing, and what FSDP users pick for large models. Returns the
-    config, its run object (``resolved`` with the block policy when it changed) and
-    the line saying so (empty when nothing changed)."""
-    s = cfg.sharding
+    plan: RunPlan, user_keys: set[str]
+) -> tuple[RunPlan, str, dict[str, Any]]:
+    """``plan`` with the block policy when the size policy's threshold was not chosen
+    for this model: the user set neither key of :data:`POLICY_FIELDS` and, with the
+    group's default threshold (tuned so each block of the CPU models is one unit),
+    the size policy would cut a block into several units (``model=llama3_8b``: one
+    per Linear, 227 units). One unit per block is what the planner's estimates assume
+    for selective checkpointing, and what FSDP users pick for large models. Returns
+    the plan (with the block policy when it changed), the line saying so (empty when
+    nothing changed) and the change as the override a user types."""
+    w = plan.wrap
     if (
-        set(POLICY_KEYS) & user_keys
-        or s.policy != "size"
-        or s.min_params == "auto"
-        or not backend_class(s.backend).shards_parameters
+        {OVERRIDES[f] for f in POLICY_FIELDS} & user_keys
+        or w.policies != ("size",)
+        or w.min_params == "auto"
+        or not backend_class(plan.backend).shards_parameters
     ):
-        return cfg, resolved, ""
-    units = with_values(cfg, {AC_KEY: "none"})  # the units do not depend on it
-    if pipeline_stages(cfg) > 1:  # the first stage's blocks tell (not the whole model)
-        plan = stage_plans(units, resolved, only=0).plans(resolved, resolved.world_size)
-        plan = plan[0][1]
+        return plan, "", {}
+    units = with_ac_none(plan)  # the units do not depend on it
+    if plan.layout.pp > 1:  # the first stage's blocks tell (not the whole model)
+        wplan = stage_plans(units, only=0).plans(plan, plan.world_size)[0][1]
     else:
-        plan = plan_of(resolved, build_meta_model(units, resolved), resolved.world_size)
-    if not splits_blocks(plan):
-        return cfg, resolved, ""
-    inside = sum(1 for u in plan.units if u.path)
-    block = replace(resolved, policies=resolve_policies("block"))
+        wplan = plan_of(plan, build_meta_model(units), plan.world_size)
+    if not splits_blocks(wplan):
+        return plan, "", {}
+    inside = sum(1 for u in wplan.units if u.path)
+    block = replace(plan, wrap=replace(w, policies=resolve_policies("block")))
+    policy, min_params = OVERRIDES["wrap.policies"], OVERRIDES[MIN_PARAMS]
     return (
-        with_values(cfg, {"sharding.policy": "block"}),
         block,
         (
-            f"sharding.policy=block: with sharding.min_params={fmt_value(s.min_params)} the "
-            f"size policy would make {inside} units, splitting model={cfg.model.name}'s blocks; "
-            "one unit per block (set sharding.policy or sharding.min_params to choose)"
+            f"{policy}=block: with {min_params}={fmt_value(w.min_params)} the "
+            f"size policy would make {inside} units, splitting "
+            f"model={plan.model_name}'s blocks; one unit per block (set {policy} or "
+            f"{min_params} to choose)"
         ),
+        {policy: "block"},
     )
+
+
+def with_ac_none(plan: RunPlan) -> RunPlan:
+    return varied(plan, {f"{AC}.mode": "none"})

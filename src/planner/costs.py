@@ -11,13 +11,16 @@ from typing import Any
 import torch
 
 from src.planner.settings import (
-    AC_EVERY_KEY,
-    AC_KEY,
-    CP_KEY,
-    EP_KEY,
-    PP_KEY,
-    PP_MICRO_KEY,
-    PRECISION_KEY,
+    AC,
+    ACCUM,
+    CP,
+    DEVICES,
+    EP,
+    MICRO,
+    MIN_PARAMS,
+    PP,
+    PRECISION,
+    SYNC,
 )
 from src.sharding import get_precision
 from src.sharding.pipeline import bubble_fraction
@@ -52,9 +55,10 @@ class Checkpointing:
     recomputed: int  # blocks checkpointed
     blocks: int  # blocks in the model
 
-    def overrides(self) -> dict[str, Any]:
-        every = {AC_EVERY_KEY: self.every} if self.mode == "full" else {}
-        return {AC_KEY: self.mode, **every}
+    def fields(self) -> dict[str, Any]:
+        """As the run plan's fields (``every``: of ``full`` only)."""
+        every = {f"{AC}.every": self.every} if self.mode == "full" else {}
+        return {f"{AC}.mode": self.mode, **every}
 
     def __str__(self) -> str:
         if self.mode == "none":
@@ -85,23 +89,23 @@ def cost_factors(
     """Each change's factor of :func:`change_cost`, named as the console shows it."""
     out: list[tuple[str, float]] = []
     for key, value in ovr.items():
-        if key not in currents or key in (PP_KEY, PP_MICRO_KEY):
+        if key not in currents or key in (PP, MICRO):
             continue  # pipeline keys: pipeline_cost (the search); the batch: none
         old = currents[key]
-        if key == AC_KEY:
+        if key == AC:
             out.append((f"checkpointing {value}", ac_cost(value) / ac_cost(old)))
-        elif key == "trainer.grad_accum":
+        elif key == ACCUM:
             doublings = max(0.0, math.log2(value / old))
             factor = COST["grad_accum_doubling"] ** doublings * COST["other_change"]
             out.append((f"grad_accum {old} -> {value}", factor))
-        elif key == "trainer.grad_sync":
+        elif key == SYNC:
             every = COST["sync_every"] if value == "every" else COST["other_change"]
             out.append((f"grad_sync {value}", every))
-        elif key == "sharding.min_params":
+        elif key == MIN_PARAMS:
             lower = math.log10(float(old)) - math.log10(value) if old > 0 else 0
             factor = COST["min_params_decade_down"] ** max(0.0, lower)
             out.append((f"min_params {value:g}", factor * COST["other_change"]))
-        elif key == CP_KEY:
+        elif key == CP:
             doubling = COST["cp_doubling"]
             factor = doubling ** math.log2(value / old)
             out.append(
@@ -110,17 +114,17 @@ def cost_factors(
                     factor,
                 )
             )
-        elif key == EP_KEY:
+        elif key == EP:
             doubling = COST["ep_doubling"]
             factor = doubling ** abs(math.log2(value / old))
             out.append(
                 (f"expert_parallel {old} -> {value} (x{doubling:g} a doubling)", factor)
             )
-        elif key == "trainer.devices":
+        elif key == DEVICES:
             factor = COST["ranks_doubling"] ** math.log2(value / old)
             doubling = COST["ranks_doubling"]
             out.append((f"devices {old} -> {value} (x{doubling:g} a doubling)", factor))
-        elif key == PRECISION_KEY:
+        elif key == PRECISION:
             factor = precision_cost(value, *device) / precision_cost(old, *device)
             out.append((f"precision {value}", factor))
     return out

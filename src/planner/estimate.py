@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from src.models.memory import ActivationBytes
 from src.planner.constants import CONSTANTS_SOURCE, process_bytes, runtime_bytes
-from src.planner.settings import MARGIN_KEY
+from src.resolved import OVERRIDES
 from src.sharding import GIB, MIB, WrapPlan, backend_class
 
 
@@ -449,7 +449,7 @@ def with_margin(est: Estimate, margin: float) -> str:
     if not margin:
         return fmt_bytes(est.total)
     return (
-        f"{fmt_bytes(est.total)} (+{margin:.0%} safety margin, {MARGIN_KEY}: "
+        f"{fmt_bytes(est.total)} (+{margin:.0%} safety margin, {OVERRIDES['budget.margin']}: "
         f"{fmt_bytes(needed(est, margin))})"
     )
 

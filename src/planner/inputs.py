@@ -10,21 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from src.errors import ConfigError
-from src.observe.loggers import LOGGERS, logger_kind
+from src.observe.loggers import LOGGERS
 from src.planner.constants import process_bytes
 from src.planner.estimate import RunShape
-from src.planner.settings import (
-    AC_EVERY_KEY,
-    AC_KEY,
-    PREFETCH_KEY,
-    device_type,
-    setting,
-    with_values,
-)
-from src.resolved import Resolved, float8_linears
+from src.planner.settings import device_type
+from src.resolved import OVERRIDES, RunPlan, varied
 from src.sharding import (
     ParallelLayout,
     WrapPlan,
@@ -35,48 +27,50 @@ from src.sharding import (
 from src.sharding.transforms import SplitBlockError
 
 
-def build_meta_model(cfg: DictConfig, resolved: Resolved) -> torch.nn.Module:
-    """The model of ``cfg`` (its family and config: ``resolved``'s) on the meta device,
-    units recorded by the ``plan`` backend (nothing is allocated)."""
+def build_meta_model(plan: RunPlan) -> torch.nn.Module:
+    """The model of ``plan`` on the meta device, units recorded by the ``plan``
+    backend (nothing is allocated)."""
     from src.build import build_model
 
-    cfg = with_ac_chosen(cfg)
-    with plan_backend(cfg, resolved) as backend:
-        return build_model(cfg, backend, resolved, init_device="meta")
+    plan = with_ac_chosen(plan)
+    with plan_backend(plan) as backend:
+        return build_model(plan, backend, init_device="meta")
 
 
-def with_ac_chosen(cfg: DictConfig) -> DictConfig:
-    if setting(cfg, AC_KEY) == "auto":  # not chosen yet: the units are alike
-        return with_values(cfg, {AC_KEY: "none"})
-    return cfg
+def with_ac_chosen(plan: RunPlan) -> RunPlan:
+    if plan.checkpointing.mode == "auto":  # not chosen yet: the units are alike
+        return varied(plan, {"checkpointing.mode": "none"})
+    return plan
 
 
 @contextlib.contextmanager
-def plan_backend(cfg: DictConfig, resolved: Resolved) -> Iterator[Any]:
+def plan_backend(plan: RunPlan) -> Iterator[Any]:
     """The ``plan`` backend the meta builds record units with; selective checkpointing
     of a block the policy splits is a config error here, before any rank starts."""
-    tp = resolved.layout.tp  # the model is tensor-parallelised on meta for real
+    tp = plan.layout.tp  # the model is tensor-parallelised on meta for real
     # and its experts recorded as split over the ep ranks (each gathers E / ep)
-    ep = resolved.layout.ep
+    ep = plan.layout.ep
     layout = ParallelLayout(tp * ep, tp=tp, ep=ep)
     backend = build_backend(
-        "plan", cfg.precision.name, "cpu", layout=layout, float8=float8_linears(cfg)
+        "plan", plan.precision, "cpu", layout=layout, float8=plan.float8
     )
+    ac, policy = OVERRIDES["checkpointing.mode"], OVERRIDES["wrap.policies"]
     try:
         yield backend
     except SplitBlockError as err:
+        policies = ",".join(plan.wrap.policies)
         raise ConfigError(
-            AC_KEY,
+            ac,
             f"selective needs each {err.block} to be one sharding unit, and "
-            f"sharding.policy={cfg.sharding.policy} splits it: set "
-            "sharding.policy=block or a larger sharding.min_params, or "
-            f"{AC_KEY}=full",
+            f"{policy}={policies} splits it: set "
+            f"{policy}=block or a larger {OVERRIDES['wrap.min_params']}, or "
+            f"{ac}=full",
         ) from None
     finally:
         backend.close()  # tensor parallelism's fake process group, if any
 
 
-def plan_of(resolved: Resolved, model: torch.nn.Module, world: int) -> WrapPlan:
+def plan_of(resolved: RunPlan, model: torch.nn.Module, world: int) -> WrapPlan:
     """The wrap plan of ``model`` (built by :func:`build_meta_model`) on ``world``
     ranks holding it (a stage's, under pipeline parallelism), with the run's HSDP
     replicas and tensor-parallel degree."""
@@ -87,59 +81,54 @@ def plan_of(resolved: Resolved, model: torch.nn.Module, world: int) -> WrapPlan:
 FSDP2_PREFETCH = 1
 
 
-def _prefetch(cfg: DictConfig) -> int:
+def _prefetch(plan: RunPlan) -> int:
     """Units gathered ahead in backward (0: off; null: FSDP2's own depth)."""
-    depth = setting(cfg, PREFETCH_KEY)
+    depth = plan.unit.backward_prefetch
     return FSDP2_PREFETCH if depth is None else int(depth)
 
 
-def run_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
-    """The :class:`RunShape` of ``cfg`` on ``world`` ranks (``auto`` values must be
-    resolved first)."""
-    t, s = cfg.trainer, cfg.sharding
-    prec = get_precision(cfg.precision.name)
-    f8 = float8_linears(cfg)
-    accum = int(t.grad_accum)
+def run_shape(plan: RunPlan, world: int) -> RunShape:
+    """The :class:`RunShape` of ``plan`` on ``world`` ranks (``auto`` values must be
+    chosen first)."""
+    b, prec, f8, layout = plan.batch, plan.precision, plan.float8, plan.layout
+    accum = int(b.grad_accum)
     # the busiest rank's share; the ranks of a tensor-parallel group share rows
     per_rank = math.ceil(
-        t.batch_size
-        / accum
-        / max(1, world // (resolved.layout.tp * resolved.layout.cp))
+        b.batch_size / accum / max(1, world // (layout.tp * layout.cp))
     )
     return RunShape(
-        backend=s.backend,
+        backend=plan.backend,
         world=world,
         micro_batch=max(1, per_rank),
         # each rank's tokens of a sequence (context parallelism: 1/C of them)
-        seq_len=int(resolved.spec.seq_len(resolved.model_config)) // resolved.layout.cp,
+        seq_len=int(b.seq_len) // layout.cp,
         grad_accum=accum,
-        grad_sync=str(setting(cfg, "trainer.grad_sync")),
+        grad_sync=str(b.grad_sync),
         param_bytes=prec.param_dtype.itemsize,
         float8_all_gather=bool(f8 and f8.all_gather),
         reduce_bytes=prec.reduce_dtype.itemsize,
-        reshard_after_forward=s.reshard_after_forward,
-        checkpointing=str(setting(cfg, AC_KEY)),
-        ac_every=int(setting(cfg, AC_EVERY_KEY)),
-        prefetch=_prefetch(cfg),
-        device=device_type(cfg),
+        reshard_after_forward=plan.unit.reshard_after_forward,
+        checkpointing=str(plan.checkpointing.mode),
+        ac_every=int(plan.checkpointing.every),
+        prefetch=_prefetch(plan),
+        device=device_type(plan),
     )
 
 
-def family_process_bytes(cfg: DictConfig, resolved: Resolved, device: str) -> int:
-    """The process baseline of a run of ``cfg``: its model family's imports, its
+def family_process_bytes(plan: RunPlan, device: str) -> int:
+    """The process baseline of a run of ``plan``: its model family's imports, its
     logger's (rank 0 holds the sinks; the peak is the max over ranks),
-    torch.compile's with ``sharding.compile=true`` and torchao's float8 with
-    ``precision=float8``."""
-    option = LOGGERS.get(logger_kind(cfg))
-    imports = resolved.spec.imports + (option.imports if option else ())
-    if OmegaConf.select(cfg, "sharding.compile", default=False):
+    torch.compile's with compile on and torchao's float8 with float8 linears."""
+    option = LOGGERS.get(plan.budget.logger)
+    imports = plan.spec.imports + (option.imports if option else ())
+    if plan.unit.compile:
         imports += ("torch.compile",)
-    if float8_linears(cfg) is not None:
+    if plan.float8 is not None:
         imports += ("torchao.float8",)
     return process_bytes(device, imports)
 
 
-def lower_bound_reason(resolved: Resolved, device: str, precision: str) -> str:
+def lower_bound_reason(resolved: RunPlan, device: str, precision: str) -> str:
     """Why a run's peak grows past any fixed estimate ('' where it does not): a model
     that routes tokens to experts, in a low precision on a CPU, where oneDNN keeps
     memory for every new token-count shape of the experts' matmuls (fp32 does not;

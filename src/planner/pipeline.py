@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from omegaconf import DictConfig
 
 from src.models.memory import ActivationBytes
 from src.planner.activations import activation_fn, run_activation_fn, tp_activations
@@ -21,12 +20,7 @@ from src.planner.inputs import (
     run_shape,
     with_ac_chosen,
 )
-from src.planner.settings import (
-    PP_MICRO_KEY,
-    pipeline_stages,
-    setting,
-)
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.sharding import Unit, WrapPlan
 from src.sharding.pipeline import (
     SCHEDULES,
@@ -82,7 +76,7 @@ class StagePlans:
         )
 
     def plans(
-        self, resolved: Resolved, world: int
+        self, resolved: RunPlan, world: int
     ) -> list[tuple[PipelineRank, WrapPlan]]:
         """Each rank's wrap plan on its stage's ``world / P`` ranks."""
         cache: dict[tuple, WrapPlan] = {}
@@ -122,29 +116,27 @@ def _merged_plan(plans: list[WrapPlan]) -> WrapPlan:
     )
 
 
-def stage_plans(
-    cfg: DictConfig, resolved: Resolved, only: int | None = None
-) -> StagePlans:
-    """The pp ranks of ``cfg`` and their stages built on meta (``only``: just that
+def stage_plans(resolved: RunPlan, only: int | None = None) -> StagePlans:
+    """The pp ranks of the run plan and their stages built on meta (``only``: just that
     rank's, built under its own block indices)."""
     from src.build import build_stages, rank_stages
 
-    cfg = with_ac_chosen(cfg)
-    pp, s = pipeline_stages(cfg), cfg.sharding
+    resolved = with_ac_chosen(resolved)
+    pp, s = resolved.layout.pp, resolved.pipeline
     ranks, built = [], {}
     used: set[int] = set()  # modules already built from the skeleton
-    with plan_backend(cfg, resolved) as backend:
-        cut = rank_stages(cfg, resolved, pp, 0 if only is None else only)
+    with plan_backend(resolved) as backend:
+        cut = rank_stages(resolved, pp, 0 if only is None else only)
         for r in range(pp) if only is None else [only]:
-            ids = local_stages(r, pp, SCHEDULES[s.pp_schedule].stages_per_rank)
+            ids = local_stages(r, pp, SCHEDULES[s.schedule].stages_per_rank)
             rank = PipelineRank(
                 r,
                 tuple(ids),
                 tuple(len(cut.ranges[i]) for i in ids),
                 cut.n_stages,
-                str(s.pp_schedule),
+                str(s.schedule),
                 pp,
-                int(s.pp_microbatches),
+                int(s.microbatches),
             )
             ranks.append(rank)
             sig = StagePlans.signature(rank)
@@ -159,9 +151,9 @@ def stage_plans(
                     if m is not part and m._parameters
                 }
                 if modules & used:
-                    mine = rank_stages(cfg, resolved, pp, r)
+                    mine = rank_stages(resolved, pp, r)
                 used |= modules
-                built[sig] = build_stages(cfg, backend, resolved, mine)
+                built[sig] = build_stages(resolved, backend, mine)
     return StagePlans(ranks, built, sum(len(r) for r in cut.ranges))
 
 
@@ -336,14 +328,14 @@ def worst_rank(
     )
 
 
-def pipeline_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
+def pipeline_shape(resolved: RunPlan, world: int) -> RunShape:
     """:func:`run_shape` of one pipeline stage: its ``world / P`` ranks, one pipeline
     micro-batch (each data-parallel rank's rows of a micro-step split
     ``sharding.pp_microbatches`` ways; the busiest rank's share)."""
-    shape = run_shape(cfg, resolved, world)
-    t = cfg.trainer
-    stage = resolved.layout.stage(world // pipeline_stages(cfg))
-    rows = t.batch_size / shape.grad_accum / stage.dp / int(setting(cfg, PP_MICRO_KEY))
+    shape = run_shape(resolved, world)
+    stage = resolved.layout.stage(world // resolved.layout.pp)
+    m = int(resolved.pipeline.microbatches)
+    rows = resolved.batch.batch_size / shape.grad_accum / stage.dp / m
     return replace(
         shape,
         world=stage.world_size,
@@ -353,37 +345,34 @@ def pipeline_shape(cfg: DictConfig, resolved: Resolved, world: int) -> RunShape:
 
 
 def whole_activations(
-    cfg: DictConfig, resolved: Resolved, shape: RunShape, n_blocks: int
+    resolved: RunPlan, shape: RunShape, n_blocks: int
 ) -> tuple[Callable[[str, int], ActivationBytes], int]:
     """The whole model's activations of one micro-batch of ``shape`` per
     checkpointing mode (tensor parallelism applied), and one block's input (the
     tensor at a stage boundary)."""
-    fn = run_activation_fn(cfg, resolved)
+    fn = run_activation_fn(resolved)
     args = (shape.micro_batch, shape.seq_len, shape.param_bytes)
 
     @functools.cache
     def whole(mode: str, every: int) -> ActivationBytes:
         mode_shape = replace(shape, checkpointing=mode, ac_every=every)
-        return tp_activations(
-            cfg, resolved, mode_shape, fn(*args, mode, every), n_blocks
-        )
+        return tp_activations(resolved, mode_shape, fn(*args, mode, every), n_blocks)
 
     boundary = activation_fn(resolved)(*args, "full", 1).saved // n_blocks
     return whole, boundary
 
 
 def pipeline_estimates(
-    cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     world: int,
     plans: StagePlans | None = None,
 ) -> list[tuple[WrapPlan, Estimate]]:
     """Each pp rank's wrap plan and estimate (``sharding.pipeline_parallel > 1``)."""
-    plans = plans or stage_plans(cfg, resolved)
-    shape = pipeline_shape(cfg, resolved, world)
+    plans = plans or stage_plans(resolved)
+    shape = pipeline_shape(resolved, world)
     n_blocks = plans.n_blocks
-    whole, boundary = whole_activations(cfg, resolved, shape, n_blocks)
-    process = family_process_bytes(cfg, resolved, shape.device)
+    whole, boundary = whole_activations(resolved, shape, n_blocks)
+    process = family_process_bytes(resolved, shape.device)
     return [
         (
             plan,
@@ -400,14 +389,16 @@ def pipeline_estimates(
     ]
 
 
-def pipeline_report(cfg: DictConfig, estimates: list[tuple[WrapPlan, Estimate]]) -> str:
+def pipeline_report(
+    resolved: RunPlan, estimates: list[tuple[WrapPlan, Estimate]]
+) -> str:
     """Each pp rank's peak, the worst named, and what the schedule costs in time."""
-    s = cfg.sharding
-    pp, m = pipeline_stages(cfg), int(s.pp_microbatches)
+    s = resolved.pipeline
+    pp, m = resolved.layout.pp, int(s.microbatches)
     _, worst = worst_stage(estimates)
     lines = [
-        f"pipeline stages ({s.pp_schedule}, {m} micro-batches per micro-step, "
-        f"{bubble_line(str(s.pp_schedule), pp, m)}):"
+        f"pipeline stages ({s.schedule}, {m} micro-batches per micro-step, "
+        f"{bubble_line(str(s.schedule), pp, m)}):"
     ]
     for _, e in estimates:
         lines.append(f"  {e.stage:<44} {fmt_bytes(e.total):>12} peak at {e.phase}")

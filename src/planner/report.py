@@ -10,10 +10,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from src.observe.loggers import Logger
-from src.planner.auto import AUTO_KEYS
+from src.planner.auto import AUTO_FIELDS
 from src.planner.constants import budget_bytes
 from src.planner.costs import (
     cost_factors,
@@ -30,9 +29,8 @@ from src.planner.pipeline import (
     stage_plans,
     worst_stage,
 )
-from src.planner.run_estimate import estimate_cfg
+from src.planner.run_estimate import estimate_plan
 from src.planner.search import (
-    BATCH_KEY,
     Candidate,
     ac_options,
     cp_options,
@@ -41,35 +39,31 @@ from src.planner.search import (
     splitting_batch,
 )
 from src.planner.settings import (
-    AC_EVERY_KEY,
-    AC_KEY,
-    CP_KEY,
-    EP_KEY,
-    PP_KEY,
-    PP_MICRO_KEY,
-    PRECISION_KEY,
+    AC,
+    BATCH,
+    CP,
+    DEVICES,
+    EP,
+    MICRO,
+    PP,
+    PRECISION,
+    SYNC,
     accelerator_name,
     mem_margin,
-    pipeline_stages,
-    setting,
-    with_values,
 )
-from src.resolved import Resolved, resolve_devices
+from src.resolved import OVERRIDES, RunPlan, field_of, varied
 from src.schema import GRAD_SYNC
 from src.sharding import GIB, WrapPlan, get_precision
 
 log = logging.getLogger(__name__)
 
 
-def grad_sync_costs(
-    cfg: DictConfig, resolved: Resolved, world: int, model: torch.nn.Module
-) -> str:
+def grad_sync_costs(resolved: RunPlan, world: int, model: torch.nn.Module) -> str:
     """Both gradient-accumulation modes side by side (memory and collectives)."""
-    accum = int(cfg.trainer.grad_accum)
-    lines = ["gradient accumulation modes (trainer.grad_sync):"]
+    accum = int(resolved.batch.grad_accum)
+    lines = [f"gradient accumulation modes ({OVERRIDES[SYNC]}):"]
     for mode in GRAD_SYNC:
-        sync = with_values(cfg, {"trainer.grad_sync": mode})
-        _, est = estimate_cfg(sync, resolved, world, model)
+        _, est = estimate_plan(varied(resolved, {SYNC: mode}), world, model)
         scatters = 1 if mode == "last" else accum
         lines.append(
             f"  {mode:<5} {fmt_bytes(est.total):>12} peak, {scatters} gradient reduction(s)"
@@ -78,15 +72,13 @@ def grad_sync_costs(
     return "\n".join(lines)
 
 
-def fit_report(
-    cfg: DictConfig, resolved: Resolved, est: Estimate, world: int
-) -> tuple[str, dict]:
+def fit_report(resolved: RunPlan, est: Estimate, world: int) -> tuple[str, dict]:
     """The verdict against ``trainer.mem_budget_gib`` (and, if it does not fit, the
     cheapest change that does); empty when no budget is set."""
-    budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
+    budget = budget_bytes(resolved.budget.mem_budget)
     if budget is None:
         return "", {}
-    pct = mem_margin(cfg)
+    pct = mem_margin(resolved)
     need = needed(est, pct)
     margin = budget - need
     info = {
@@ -103,79 +95,79 @@ def fit_report(
     lines = [
         f"does not fit: needs {with_margin(est, pct)} > budget {fmt_bytes(budget)} per rank"
     ]
-    fixed = bool(OmegaConf.select(cfg, FIXED_DEVICES_KEY, default=False))
-    keys = [*AUTO_KEYS, PRECISION_KEY, PP_KEY, *([] if fixed else ["trainer.devices"])]
-    if len(ep_options(cfg, resolved)) > 1:  # an MoE model: its experts can split
-        keys.append(EP_KEY)
+    fixed = resolved.budget.fixed_devices
+    keys = [*AUTO_FIELDS, PRECISION, PP, *([] if fixed else [DEVICES])]
+    if len(ep_options(resolved)) > 1:  # an MoE model: its experts can split
+        keys.append(EP)
     found = fit_search(
-        cfg, resolved, keys, budget, world, max_world=world * 64, complete_batch=True
+        resolved, keys, budget, world, max_world=world * 64, complete_batch=True
     )
-    if found.best is None and len(cp_options(cfg, resolved)) > 1:
+    if found.best is None and len(cp_options(resolved)) > 1:
         # context parallelism last: it helps once a micro-batch is one sequence, and
         # searching it multiplies the points by its degrees
         with_cp = fit_search(
-            cfg, resolved, [*keys, CP_KEY], budget, world, max_world=world * 64,
+            resolved, [*keys, CP], budget, world, max_world=world * 64,
             complete_batch=True,
         )  # fmt: skip
         smaller = with_cp.smallest.estimate.total < found.smallest.estimate.total
         if with_cp.best is not None or smaller:
             found = with_cp
-    here = f"trainer.devices={world}"
+    here, fixed_key = (
+        f"{OVERRIDES[DEVICES]}={world}",
+        OVERRIDES["budget.fixed_devices"],
+    )
     if found.best is None:
         lines.append(
             "no searched change fits"
-            + (f" at {here} ({FIXED_DEVICES_KEY}=true)" if fixed else "")
+            + (f" at {here} ({fixed_key}=true)" if fixed else "")
             + f"; the smallest estimate is {fmt_bytes(found.smallest.estimate.total)}"
             f" with {found.smallest.describe()}"
         )
         return "\n".join(lines), info
-    lines.append(proposal_line("cheapest change that fits", cfg, found.best, budget))
+    lines.append(
+        proposal_line("cheapest change that fits", resolved, found.best, budget)
+    )
     info["fix"] = found.best.describe()
     if found.best_here is None and found.smallest_here is not None:
         small = found.smallest_here
         lines.append(
-            f"at {here} ({FIXED_DEVICES_KEY}=true) no searched change fits; the "
+            f"at {here} ({fixed_key}=true) no searched change fits; the "
             f"smallest estimate there is {fmt_bytes(small.estimate.total)} "
             f"({small.describe()})"
         )
     elif found.best_here is not found.best:
-        title = f"cheapest change that fits at {here} ({FIXED_DEVICES_KEY}=true)"
-        lines.append(proposal_line(title, cfg, found.best_here, budget))
+        title = f"cheapest change that fits at {here} ({fixed_key}=true)"
+        lines.append(proposal_line(title, resolved, found.best_here, budget))
         info["fix_at_devices"] = found.best_here.describe()
-    lines.extend(effects(cfg, est, found.best))
+    lines.extend(effects(resolved, est, found.best))
     if found.best_here is not None and found.best_here is not found.best:
-        lines.extend(effects(cfg, est, found.best_here))
+        lines.extend(effects(resolved, est, found.best_here))
     return "\n".join(lines), info
 
 
-#: The key that keeps the planner's proposals at the configured device count.
-FIXED_DEVICES_KEY = "trainer.fixed_devices"
-
-
-def proposal_line(title: str, cfg: DictConfig, best: Candidate, budget: int) -> str:
+def proposal_line(title: str, resolved: RunPlan, best: Candidate, budget: int) -> str:
     """A proposal: the overrides that run as printed (the batch included where the
     ranks change), its estimate and headroom, and its relative cost factor by
     factor."""
-    pct = mem_margin(cfg)
+    pct = mem_margin(resolved)
     m = budget - needed(best.estimate, pct)
     return (
         f"{title}: {best.describe()} -> {with_margin(best.estimate, pct)} (headroom "
-        f"{fmt_bytes(m)}; {cost_line(cfg, best)})"
+        f"{fmt_bytes(m)}; {cost_line(resolved, best)})"
     )
 
 
-def cost_line(cfg: DictConfig, best: Candidate) -> str:
+def cost_line(resolved: RunPlan, best: Candidate) -> str:
     """What a proposal's relative cost measures, and its factors."""
-    currents = {k: setting(cfg, k) for k in best.overrides}
-    currents["trainer.devices"] = resolve_devices(cfg.trainer.devices)
-    currents[PRECISION_KEY] = cfg.precision.name
-    ac = best.overrides.get(AC_KEY)
+    currents = {k: field_of(resolved, k) for k in best.changes}
+    currents[DEVICES] = resolved.world_size
+    currents[PRECISION] = resolved.precision.name
+    ac = best.changes.get(AC)
     if ac is not None:  # as the search's starting point: the configured checkpointing
-        currents[AC_KEY] = ac_options(
-            str(setting(cfg, AC_KEY)), int(setting(cfg, AC_EVERY_KEY)), ac.blocks
-        )[0]
-    device = (best.estimate.shape.device, accelerator_name(cfg))
-    factors = cost_factors(currents, best.overrides, device)
+        cur = resolved.checkpointing
+        currents[AC] = ac_options(str(cur.mode), int(cur.every), ac.blocks)[0]
+    device = (best.estimate.shape.device, accelerator_name(resolved))
+    factors = cost_factors(currents, best.changes, device)
     rest = best.cost / math.prod(f for _, f in factors) if factors else best.cost
     if abs(rest - 1) > 1e-9:
         factors.append(("pipeline bubble", rest))
@@ -186,22 +178,22 @@ def cost_line(cfg: DictConfig, best: Candidate) -> str:
     )
 
 
-def effects(cfg: DictConfig, est: Estimate, best: Candidate) -> list[str]:
+def effects(resolved: RunPlan, est: Estimate, best: Candidate) -> list[str]:
     """What a proposal changes besides memory: a new global batch, the pipeline,
     the precision."""
     lines = []
-    if BATCH_KEY in best.overrides:
-        batch = best.overrides[BATCH_KEY]
+    if BATCH in best.changes:
+        batch = best.changes[BATCH]
         lines.append(
-            f"{BATCH_KEY}={batch} (was {cfg.trainer.batch_size}) changes the "
+            f"{OVERRIDES[BATCH]}={batch} (was {resolved.batch.batch_size}) changes the "
             "training: each data-parallel rank needs whole sequences of the global "
             "batch, so it grows (the learning rate may want retuning)"
         )
-    if PP_KEY in best.overrides:
-        lines.append(pipeline_effects(cfg, best))
-    if PRECISION_KEY in best.overrides:
-        name = best.overrides[PRECISION_KEY]
-        device = (est.shape.device, accelerator_name(cfg))
+    if PP in best.changes:
+        lines.append(pipeline_effects(resolved, best))
+    if PRECISION in best.changes:
+        name = best.changes[PRECISION]
+        device = (est.shape.device, accelerator_name(resolved))
         lines.append(
             f"precision={name} changes more than memory: "
             f"{get_precision(name).effects}; compute x"
@@ -211,21 +203,21 @@ def effects(cfg: DictConfig, est: Estimate, best: Candidate) -> list[str]:
     return lines
 
 
-def pipeline_effects(cfg: DictConfig, best: Candidate) -> str:
+def pipeline_effects(resolved: RunPlan, best: Candidate) -> str:
     """What a proposed stage count changes besides memory."""
-    s = cfg.sharding
-    pp = best.overrides[PP_KEY]
-    m = best.overrides.get(PP_MICRO_KEY, int(s.pp_microbatches))
-    schedule = str(s.pp_schedule)
+    s, key = resolved.pipeline, OVERRIDES[PP]
+    pp = best.changes[PP]
+    m = best.changes.get(MICRO, int(s.microbatches))
+    schedule = str(s.schedule)
     if pp == 1:
-        was = pipeline_stages(cfg)
+        was = resolved.layout.pp
         return (
-            f"{PP_KEY}=1 changes more than memory: no pipeline, so no bubble (the "
-            f"{bubble_line(schedule, was, int(s.pp_microbatches))} of a step now); "
+            f"{key}=1 changes more than memory: no pipeline, so no bubble (the "
+            f"{bubble_line(schedule, was, int(s.microbatches))} of a step now); "
             "every rank holds shards of all the blocks"
         )
     return (
-        f"{PP_KEY}={pp} changes more than memory: {pp} stages of the model's "
+        f"{key}={pp} changes more than memory: {pp} stages of the model's "
         f"blocks, each sharded over {best.estimate.shape.world} ranks; "
         f"{schedule} over {m} micro-batches idles each rank for the "
         f"{bubble_line(schedule, pp, m)} of a step (compute "
@@ -234,16 +226,15 @@ def pipeline_effects(cfg: DictConfig, best: Candidate) -> str:
     )
 
 
-def uneven_batch(cfg: DictConfig, resolved: Resolved, world: int) -> str:
+def uneven_batch(resolved: RunPlan, world: int) -> str:
     """A warning line when ``trainer.batch_size`` does not split into
     ``trainer.grad_accum`` micro-batches of whole sequences on each data-parallel
     rank of ``world`` (and, pipelined, into ``sharding.pp_microbatches`` pipeline
     micro-batches; the estimate plans the busiest rank's share, at least one
     sequence; a run refuses such a batch); empty when it splits."""
-    t = cfg.trainer
-    batch, accum = int(t.batch_size), int(t.grad_accum)
-    pp = pipeline_stages(cfg)
-    m = int(setting(cfg, PP_MICRO_KEY)) if pp > 1 else 1
+    batch, accum = int(resolved.batch.batch_size), int(resolved.batch.grad_accum)
+    pp = resolved.layout.pp
+    m = int(resolved.pipeline.microbatches) if pp > 1 else 1
     dp = resolved.layout.stage(world // pp).dp
     if splitting_batch(batch, resolved.layout, world, accum, pp, m) == batch:
         return ""
@@ -258,21 +249,19 @@ def uneven_batch(cfg: DictConfig, resolved: Resolved, world: int) -> str:
 
 
 def plan_only(
-    cfg: DictConfig, resolved: Resolved, run_dir: str, world_size: int | None = None
+    resolved: RunPlan, run_dir: str, world_size: int | None = None
 ) -> WrapPlan:
     """Print the wrap plan, the per-rank training peak estimate part by part, the
     gradient-accumulation modes and, with ``trainer.mem_budget_gib``, the verdict,
     for ``trainer.devices`` ranks; no rank starts and nothing is allocated (the model
     is built on the meta device with the recording-only ``plan`` backend)."""
-    world = world_size or resolve_devices(cfg.trainer.devices)
+    world = world_size or resolved.world_size
     stages: dict[str, Any] = {}
-    if pipeline_stages(cfg) > 1:  # each stage planned, never the whole model
-        estimates = pipeline_estimates(cfg, resolved, world)
+    if resolved.layout.pp > 1:  # each stage planned, never the whole model
+        estimates = pipeline_estimates(resolved, world)
         plan, est = worst_stage(estimates)
         # the worst rank's own blocks (alike ranks share one build)
-        rank, plan = stage_plans(cfg, resolved, only=est.pp_rank).plans(
-            resolved, world
-        )[0]
+        rank, plan = stage_plans(resolved, only=est.pp_rank).plans(resolved, world)[0]
         plan = replace(
             plan,
             layout=replace(plan.layout, world_size=world, pp=rank.pp),
@@ -280,22 +269,22 @@ def plan_only(
             num_stages=rank.n_stages,
         )
         log.info(plan.tree())
-        log.info(pipeline_report(cfg, estimates))
+        log.info(pipeline_report(resolved, estimates))
         log.info(est.table())
         stages = {
             "worst_pp_rank": est.pp_rank,
             "stage_total_gib": [e.total / GIB for _, e in estimates],
         }
     else:
-        model = build_meta_model(cfg, resolved)
-        plan, est = estimate_cfg(cfg, resolved, world, model)
+        model = build_meta_model(resolved)
+        plan, est = estimate_plan(resolved, world, model)
         log.info(plan.tree())
         log.info(est.table())
-    if uneven_batch(cfg, resolved, world):
-        log.warning(uneven_batch(cfg, resolved, world))
-    if pipeline_stages(cfg) == 1:
-        log.info(grad_sync_costs(cfg, resolved, world, model))
-    verdict, info = fit_report(cfg, resolved, est, world)
+    if uneven_batch(resolved, world):
+        log.warning(uneven_batch(resolved, world))
+    if resolved.layout.pp == 1:
+        log.info(grad_sync_costs(resolved, world, model))
+    verdict, info = fit_report(resolved, est, world)
     if verdict:
         log.info(verdict)
     logger = Logger.files(run_dir)

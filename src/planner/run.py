@@ -8,10 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from omegaconf import DictConfig
 
 from src.errors import ConfigError
-from src.planner.auto import AUTO_KEYS, default_policy, resolve_auto
+from src.planner.auto import AUTO_FIELDS, default_policy, resolve_auto
 from src.planner.constants import available_memory
 from src.planner.estimate import (
     Estimate,
@@ -20,39 +19,33 @@ from src.planner.estimate import (
     planned_peak_gib,
     with_margin,
 )
-from src.planner.run_estimate import estimate_cfg
+from src.planner.run_estimate import estimate_plan
 from src.planner.search import search
-from src.planner.settings import (
-    PP_KEY,
-    PRECISION_KEY,
-    mem_margin,
-    run_budget_bytes,
-    setting,
-)
-from src.resolved import Resolved, resolve_devices
+from src.planner.settings import PP, PRECISION, mem_margin, run_budget_bytes
+from src.resolved import OVERRIDES, RunPlan
 from src.sharding import GIB
 
 
-def budget_check(cfg: DictConfig, resolved: Resolved) -> tuple[float, float] | None:
-    """``(needed GiB, budget GiB)`` when the planner says ``cfg`` cannot fit its budget
-    (``trainer.mem_budget_gib``, else ``sweep.mem_cap_gib``); None when it fits or no
-    budget is set. For sweeps: such points are skipped, not launched."""
-    budget = run_budget_bytes(cfg)
+def budget_check(resolved: RunPlan) -> tuple[float, float] | None:
+    """``(needed GiB, budget GiB)`` when the planner says the run cannot fit its
+    budget (``trainer.mem_budget_gib``, else ``sweep.mem_cap_gib``); None when it
+    fits or no budget is set. For sweeps: such points are skipped, not launched."""
+    budget = run_budget_bytes(resolved)
     if budget is None:
         return None
-    cfg, _ = resolve_auto(cfg, resolved)
-    _, est = estimate_cfg(cfg, resolved, resolve_devices(cfg.trainer.devices))
-    need = needed(est, mem_margin(cfg))
+    resolved, _, _ = resolve_auto(resolved)
+    _, est = estimate_plan(resolved, resolved.world_size)
+    need = needed(est, mem_margin(resolved))
     return (need / GIB, budget / GIB) if need > budget else None
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class Planned:
     """What the planner decides for a run before its ranks start (:func:`plan_run`)."""
 
-    cfg: DictConfig  # every ``auto`` value chosen; the block policy where chosen
-    resolved: Resolved  # its run object (with the block policy where chosen)
+    resolved: RunPlan  # every ``auto`` value chosen; the block policy where chosen
     reasons: tuple[str, ...]  # one line per choice: the policy's, then each auto's
+    overrides: dict  # the choices as the overrides a user types (the run's record)
     estimate: Estimate | None = None  # the run's peak (a pipeline: its worst stage's)
     unplanned: str = ""  # why there is no estimate, where one was asked for
 
@@ -73,13 +66,12 @@ class RunPlan:
 
 
 def plan_run(
-    cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     user_keys: set[str],
     world: int | None = None,
     estimate: bool = True,
     say: Callable[[str], object] | None = None,
-) -> RunPlan:
+) -> Planned:
     """The planner's answer for a run about to start, in one call: the block policy
     where the size policy would split blocks (:func:`default_policy`; ``user_keys``:
     the keys the user set), every ``auto`` value chosen for ``world`` ranks
@@ -88,17 +80,17 @@ def plan_run(
     before the ranks start so each run logs it beside what it measures. A config
     error is raised; any other failure to estimate (e.g. a custom model the meta
     device cannot build) is said in ``unplanned``: training does not depend on it."""
-    cfg, resolved, policy = default_policy(cfg, resolved, user_keys)
-    cfg, reasons = resolve_auto(cfg, resolved, world)
+    resolved, policy, chose = default_policy(resolved, user_keys)
+    resolved, reasons, auto = resolve_auto(resolved, world)
     reasons = [policy, *reasons] if policy else reasons
     if say is not None:
         for line in reasons:
             say(line)
-    plan = RunPlan(cfg, resolved, tuple(reasons))
+    plan = Planned(resolved, tuple(reasons), {**chose, **auto})
     if not estimate:
         return plan
     try:
-        _, est = estimate_cfg(cfg, resolved, world or resolved.world_size)
+        _, est = estimate_plan(resolved, world or resolved.world_size)
     except ConfigError:  # a config every rank would fail on: said before they start
         raise
     except Exception as err:
@@ -106,48 +98,44 @@ def plan_run(
     return replace(plan, estimate=est)
 
 
-#: ``trainer.memory_check``: false starts a run the planner says this machine
-#: cannot hold (:func:`machine_check`).
-MEMORY_CHECK_KEY = "trainer.memory_check"
 #: Ranks per core past which a CPU run is said to be oversubscribed.
 _RANKS_PER_CORE = 2
 
 
-def machine_check(
-    cfg: DictConfig, resolved: Resolved, est: Estimate, local_ranks: int
-) -> None:
+def machine_check(resolved: RunPlan, est: Estimate, local_ranks: int) -> None:
     """No run bigger than the machine, before any rank allocates: the planner's
     per-rank figure (with its safety margin) against one GPU's memory, or, on CPU,
     times ``local_ranks`` (the ranks on this host) against ``MemAvailable``. Too
-    big is a ConfigError naming :data:`MEMORY_CHECK_KEY` with the figure and the
+    big is a ConfigError naming ``trainer.memory_check`` with the figure and the
     cheapest change of sharding, precision or pipeline that fits (searched only
     then: a start that fits costs one read of /proc/meminfo)."""
-    if not setting(cfg, MEMORY_CHECK_KEY):
+    if not resolved.budget.memory_check:
         return
     if (est.shape.device == "cuda") != torch.cuda.is_available():
         return  # planned for another machine's device (an accelerator budget)
     have, what = available_memory()
     ranks = 1 if est.shape.device == "cuda" else max(1, local_ranks)
-    need = needed(est, mem_margin(cfg))
+    need = needed(est, mem_margin(resolved))
     if need * ranks <= have:
         return
-    shown = with_margin(est, mem_margin(cfg))
+    shown = with_margin(est, mem_margin(resolved))
     figure = f"{shown} per rank" + (
         f" x {ranks} ranks = {fmt_bytes(need * ranks)}" if ranks > 1 else ""
     )
+    key = OVERRIDES["budget.memory_check"]
     raise ConfigError(
-        MEMORY_CHECK_KEY,
+        key,
         f"the planner's estimate of this run, {figure}, is more than this "
-        f"machine's {what}, {fmt_bytes(have)}; {_cheapest_fit(cfg, resolved, have // ranks)}; "
-        f"set {MEMORY_CHECK_KEY}=false to start it anyway",
+        f"machine's {what}, {fmt_bytes(have)}; {_cheapest_fit(resolved, have // ranks)}; "
+        f"set {key}=false to start it anyway",
     )
 
 
-def _cheapest_fit(cfg: DictConfig, resolved: Resolved, budget: int) -> str:
+def _cheapest_fit(resolved: RunPlan, budget: int) -> str:
     """The cheapest change of the same ranks that fits ``budget`` per rank, said."""
-    keys = [*AUTO_KEYS, PRECISION_KEY, PP_KEY]
+    keys = [*AUTO_FIELDS, PRECISION, PP]
     try:
-        best, smallest = search(cfg, resolved, keys, budget, resolved.world_size)
+        best, smallest = search(resolved, keys, budget, resolved.world_size)
     except Exception as err:  # the refusal stands without a proposal
         return f"no change searched ({type(err).__name__}: {err})"
     if best is not None:

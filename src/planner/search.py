@@ -1,5 +1,6 @@
-"""The fit search: every point of the searched keys' values, its estimate and cost;
-the cheapest point that fits a budget and the one with the smallest estimate."""
+"""The fit search: every point of the searched fields' values (the run plan's, varied
+with ``dataclasses.replace``), its estimate and cost; the cheapest point that fits a
+budget and the one with the smallest estimate."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from src.models.memory import ActivationBytes
 from src.planner.activations import (
@@ -29,21 +29,22 @@ from src.planner.inputs import (
 )
 from src.planner.pipeline import StagePlans, stage_plans, whole_activations, worst_rank
 from src.planner.settings import (
-    AC_EVERY_KEY,
-    AC_KEY,
-    CP_KEY,
-    EP_KEY,
-    PP_KEY,
-    PP_MICRO_KEY,
-    PRECISION_KEY,
+    AC,
+    ACCUM,
+    BATCH,
+    CP,
+    DEVICES,
+    EP,
+    MICRO,
+    MIN_PARAMS,
+    PP,
+    PRECISION,
+    SYNC,
     accelerator_name,
     device_type,
     mem_margin,
-    pipeline_stages,
-    setting,
-    with_values,
 )
-from src.resolved import Resolved
+from src.resolved import OVERRIDES, RunPlan, field_of, varied
 from src.schema import GRAD_SYNC
 from src.sharding import (
     PRECISIONS,
@@ -51,7 +52,9 @@ from src.sharding import (
     WrapPlan,
     backend_class,
     get_precision,
+    refusal,
 )
+from src.sharding.layout import refused_with
 from src.sharding.pipeline import SCHEDULES, microbatches_problem
 
 MIN_PARAMS_CANDIDATES = (1e5, 1e6, 1e7, 1e8, 1e9)
@@ -59,30 +62,35 @@ MIN_PARAMS_CANDIDATES = (1e5, 1e6, 1e7, 1e8, 1e9)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One point of the search: overrides of ``cfg``, its estimate and its cost."""
+    """One point of the search: its changes of the run plan's fields, its estimate
+    and its cost."""
 
-    overrides: dict[str, Any]
+    changes: dict[str, Any]
     estimate: Estimate
     cost: float
 
     def describe(self) -> str:
+        every = OVERRIDES[f"{AC}.every"]
         shown = {
             k: v
             for k, v in self.settings().items()
-            if not (k == AC_EVERY_KEY and v == 1)  # the default: every block
+            if not (k == every and v == 1)  # the default: every block
         }
         # the precision is a config group: picked as precision=<name>
-        shown = {
-            ("precision" if k == PRECISION_KEY else k): v for k, v in shown.items()
-        }
+        group = OVERRIDES[PRECISION]
+        shown = {("precision" if k == group else k): v for k, v in shown.items()}
         return " ".join(f"{k}={fmt_value(v)}" for k, v in shown.items()) or "as is"
 
-    def settings(self) -> dict[str, Any]:
-        """The overrides as config keys (checkpointing: its mode and every k)."""
+    def fields(self) -> dict[str, Any]:
+        """The changes as plain plan fields (checkpointing: its mode and every k)."""
         out: dict[str, Any] = {}
-        for k, v in self.overrides.items():
-            out.update(v.overrides() if isinstance(v, Checkpointing) else {k: v})
+        for k, v in self.changes.items():
+            out.update(v.fields() if isinstance(v, Checkpointing) else {k: v})
         return out
+
+    def settings(self) -> dict[str, Any]:
+        """The changes as the overrides a user types (:data:`OVERRIDES`)."""
+        return {OVERRIDES[k]: v for k, v in self.fields().items()}
 
 
 def fmt_value(v: Any) -> str:
@@ -108,7 +116,7 @@ def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
     return list(dict.fromkeys(out))  # the first of equal points
 
 
-def _n_blocks(resolved: Resolved) -> int:
+def _n_blocks(resolved: RunPlan) -> int:
     """How many blocks the checkpointing transform targets in the run's model."""
     from src.planner.trace import block_order
 
@@ -119,48 +127,42 @@ def _n_blocks(resolved: Resolved) -> int:
 
 
 def _options(
-    cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     keys: Iterable[str],
     world: int,
     max_world: int,
 ):
-    """The values the search tries for each key (the current one first)."""
-    t = cfg.trainer
+    """The values the search tries for each field (the current one first)."""
+    batch = resolved.batch.batch_size
     out: dict[str, list] = {}
     for key in keys:
-        if key == "trainer.devices":
-            cur = world
-        elif key == PP_KEY:
-            cur = pipeline_stages(cfg)
-        else:
-            cur = setting(cfg, key)
-        if key == "sharding.min_params":
+        cur = world if key == DEVICES else field_of(resolved, key)
+        if key == MIN_PARAMS:
             vals = list(MIN_PARAMS_CANDIDATES)
-        elif key == "trainer.grad_accum":
-            vals = [a for a in range(1, t.batch_size + 1) if t.batch_size % a == 0]
-        elif key == "trainer.grad_sync":
+        elif key == ACCUM:
+            vals = [a for a in range(1, batch + 1) if batch % a == 0]
+        elif key == SYNC:
             vals = list(GRAD_SYNC)
-        elif key == AC_KEY:
-            every = int(setting(cfg, AC_EVERY_KEY))
-            out[key] = ac_options(str(cur), every, _n_blocks(resolved))
+        elif key == AC:
+            ac = resolved.checkpointing
+            out[key] = ac_options(str(ac.mode), int(ac.every), _n_blocks(resolved))
             continue
-        elif key == "trainer.devices":
+        elif key == DEVICES:
             vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
-        elif key == PRECISION_KEY:
-            device = (device_type(cfg), accelerator_name(cfg))
+        elif key == PRECISION:
+            device = (device_type(resolved), accelerator_name(resolved))
             vals = [
                 p
                 for p in PRECISIONS
                 if precision_cost(p, *device) < math.inf
                 and not lower_bound_reason(resolved, device[0], p)
             ]
-        elif key == PP_KEY:
-            vals = pipeline_options(cfg, resolved, world)
-        elif key == CP_KEY:
-            vals = cp_options(cfg, resolved)
-        elif key == EP_KEY:
-            vals = ep_options(cfg, resolved)
+        elif key == PP:
+            vals = pipeline_options(resolved, world)
+        elif key == CP:
+            vals = cp_options(resolved)
+        elif key == EP:
+            vals = ep_options(resolved)
         else:
             continue
         out[key] = ([cur] if cur is not None else []) + [v for v in vals if v != cur]
@@ -168,8 +170,7 @@ def _options(
 
 
 def _degree_options(
-    cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     capability: str,
     hook: str,
     refused: bool,
@@ -183,7 +184,7 @@ def _degree_options(
     if (
         refused
         or fn is None
-        or not getattr(backend_class(cfg.sharding.backend), capability)
+        or not getattr(backend_class(resolved.backend), capability)
     ):
         return []
     try:
@@ -194,23 +195,21 @@ def _degree_options(
     return [] if listed is None else [1, *listed]
 
 
-def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[int]:
+def pipeline_options(resolved: RunPlan, world: int) -> list[int]:
     """The stage counts the fit search tries on ``world`` ranks: none (1), and 2, 4,
     8, 16 where they divide the ranks with the run's tp and replica groups and leave each stage a
     block, where the backend and the model family can pipeline (none with
-    ``sharding.pp_split`` or sequence parallelism set: they fix the layout)."""
-    s = cfg.sharding
-    per_rank = SCHEDULES[str(s.pp_schedule)].stages_per_rank
+    a stage cut or sequence parallelism set: they fix the layout)."""
+    per_rank = SCHEDULES[str(resolved.pipeline.schedule)].stages_per_rank
     blocks = _n_blocks(resolved)
     layout = resolved.layout
     group = layout.tp * layout.cp * layout.dp_replicate
     fixed = (
         resolved.spec.init_tensor is None
-        or bool(s.pp_split)
-        or OmegaConf.select(cfg, "sharding.sequence_parallel") is True
+        or bool(resolved.pipeline.split)
+        or resolved.unit.sequence_parallel is True
     )
     return _degree_options(
-        cfg,
         resolved,
         "pipeline_parallel",
         "pipeline",
@@ -223,34 +222,30 @@ def pipeline_options(cfg: DictConfig, resolved: Resolved, world: int) -> list[in
     )
 
 
-def cp_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+def cp_options(resolved: RunPlan) -> list[int]:
     """The cp degrees the fit search tries: none (1), and 2, 4, 8 where the backend
-    and the model can split sequences, the run has no pipeline and the 2C chunks
-    divide the sequence (a point whose ranks the degree does not divide, with the
-    tp and replica groups, is skipped)."""
-    spec = resolved.spec
-    seq = spec.seq_len(resolved.model_config)
-    refused = spec.kv_width is None or pipeline_stages(cfg) > 1
+    and the model can split sequences and the run's other degrees take cp (the one
+    rule, :func:`src.sharding.layout.refusal`, judges each point: its 2C chunks, its
+    ranks)."""
+    refused = resolved.spec.kv_width is None or refused_with("cp", resolved.layout)
     return _degree_options(
-        cfg,
         resolved,
         "context_parallel",
         "context_parallel",
         refused,
-        lambda _: [c for c in (2, 4, 8) if seq % (2 * c) == 0],
+        lambda _: [2, 4, 8],
     )
 
 
-def ep_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
+def ep_options(resolved: RunPlan) -> list[int]:
     """The expert-parallel degrees the fit search tries: none (1), and 2, 4, 8, 16,
     32, 64 that divide the model's experts, where the backend and the model can
-    split experts (an HF MoE model without a ``base_model_ep_plan``: not) and the run
-    has no pipeline or context parallelism (EP refuses them). A point whose ranks the
-    degree does not fit is skipped (the shard ranks; with tensor parallelism, tp
-    times a divisor of them)."""
-    refused = resolved.layout.cp > 1 or pipeline_stages(cfg) > 1
+    split experts (an HF MoE model without a ``base_model_ep_plan``: not) and the
+    run's other degrees take ep (the one rule). A point whose ranks the degree does
+    not fit is skipped (the shard ranks; with tensor parallelism, tp times a divisor
+    of them)."""
+    refused = refused_with("ep", resolved.layout)
     return _degree_options(
-        cfg,
         resolved,
         "expert_parallel",
         "num_experts",
@@ -262,8 +257,7 @@ def ep_options(cfg: DictConfig, resolved: Resolved) -> list[int]:
 
 
 def search(
-    cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     keys: Iterable[str],
     budget: int,
     world: int,
@@ -273,9 +267,9 @@ def search(
     the point with the smallest estimate. Deterministic: equal costs keep the order
     in which :func:`_options` lists the values (the current value first). One meta
     model per ``sharding.min_params`` value; everything else is arithmetic. The
-    search varies sharding and trainer keys, never the model: ``resolved`` serves
-    every point."""
-    found = fit_search(cfg, resolved, keys, budget, world, max_world)
+    search varies sharding and batch fields, never the model: ``resolved`` varied
+    serves every point."""
+    found = fit_search(resolved, keys, budget, world, max_world)
     return found.best, found.smallest
 
 
@@ -292,8 +286,7 @@ class Found:
 
 
 def fit_search(
-    cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     keys: Iterable[str],
     budget: int,
     world: int,
@@ -305,15 +298,15 @@ def fit_search(
     ``trainer.batch_size`` (fewer sequences than data-parallel ranks x
     micro-batches, or an uneven split) also sets the smallest batch that splits,
     so that it runs as printed (the plan-only proposals; never ``auto``)."""
-    options = _options(cfg, resolved, keys, world, max_world or world)
-    margin = mem_margin(cfg)
-    points = _Points.of(cfg, resolved, options, world, complete_batch)
+    options = _options(resolved, keys, world, max_world or world)
+    margin = mem_margin(resolved)
+    points = _Points.of(resolved, options, world, complete_batch)
     best = here = smallest = smallest_here = None
     for point in _product(options):
         cand = points.candidate(point)
         if cand is None:
             continue
-        same = cand.overrides.get("trainer.devices", world) == world
+        same = cand.changes.get(DEVICES, world) == world
         total = cand.estimate.total
         if smallest is None or total < smallest.estimate.total:
             smallest = cand
@@ -336,8 +329,7 @@ class _Points:
     is built once for many points (meta models, wrap and stage plans, a pipeline's
     whole-model activations)."""
 
-    cfg: DictConfig
-    resolved: Resolved
+    resolved: RunPlan
     options: dict[str, list]
     currents: dict[str, Any]  # the values the search starts from (each key's first)
     world: int
@@ -363,23 +355,21 @@ class _Points:
     @classmethod
     def of(
         cls,
-        cfg: DictConfig,
-        resolved: Resolved,
+        resolved: RunPlan,
         options: dict[str, list],
         world: int,
         complete_batch: bool = False,
     ) -> _Points:
-        base = run_shape(cfg, resolved, world)
-        device = (base.device, accelerator_name(cfg))
-        acts = run_activation_fn(cfg, resolved)
-        process = family_process_bytes(cfg, resolved, base.device)
+        base = run_shape(resolved, world)
+        device = (base.device, accelerator_name(resolved))
+        acts = run_activation_fn(resolved)
+        process = family_process_bytes(resolved, base.device)
         return cls(
-            cfg,
             resolved,
             options,
             {k: values[0] for k, values in options.items()},
             world,
-            int(cfg.trainer.batch_size),
+            int(resolved.batch.batch_size),
             base,
             device,
             acts,
@@ -387,28 +377,41 @@ class _Points:
             tp=resolved.layout.tp,
             cur_cp=resolved.layout.cp,
             seq_len=int(resolved.spec.seq_len(resolved.model_config)),
-            cur_mp=float(cfg.sharding.min_params),
-            cur_pp=pipeline_stages(cfg),
-            cur_m=int(setting(cfg, PP_MICRO_KEY)),
-            schedule=str(setting(cfg, "sharding.pp_schedule")),
+            cur_mp=float(resolved.wrap.min_params),
+            cur_pp=resolved.layout.pp,
+            cur_m=int(resolved.pipeline.microbatches),
+            schedule=str(resolved.pipeline.schedule),
             complete_batch=complete_batch,
         )
 
     def candidate(self, point: dict[str, Any]) -> Candidate | None:
         """``point``'s estimate and cost; None for a point the search skips."""
-        mp = float(point.get("sharding.min_params", self.cur_mp))
-        w = int(point.get("trainer.devices", self.world))
-        accum = int(point.get("trainer.grad_accum", self.base.grad_accum))
-        pp = int(point.get(PP_KEY, self.cur_pp))
-        cp = int(point.get(CP_KEY, self.cur_cp))
-        ep = int(point.get(EP_KEY, self.resolved.layout.ep))
-        if self.batch % accum or (cp > 1 and pp > 1) or (ep > 1 and (pp > 1 or cp > 1)):
-            return None
-        if w % (cp * self.tp * self.resolved.layout.dp_replicate):
+        mp = float(point.get(MIN_PARAMS, self.cur_mp))
+        w = int(point.get(DEVICES, self.world))
+        accum = int(point.get(ACCUM, self.base.grad_accum))
+        pp = int(point.get(PP, self.cur_pp))
+        cp = int(point.get(CP, self.cur_cp))
+        ep = int(point.get(EP, self.resolved.layout.ep))
+        if self.batch % accum or self._refused(point, w, pp, cp, ep):
             return None
         if pp > 1:
             return self._pipelined(point, mp, w, accum, pp)
         return self._unpipelined(point, mp, w, accum, cp, ep)
+
+    def _refused(
+        self, point: dict[str, Any], w: int, pp: int, cp: int, ep: int
+    ) -> bool:
+        """Whether the one rule refuses the point's layout (its degrees, backend,
+        precision and sequence); ep's fit to the shard ranks is judged where the
+        point is estimated."""
+        try:
+            degrees = replace(self.resolved.layout, world_size=w, pp=pp, cp=cp, ep=1)
+        except LayoutError:
+            return True  # the degrees do not divide the ranks
+        prec = point.get(PRECISION, self.resolved.precision.name)
+        if refusal(degrees, backend_class(self.resolved.backend), prec, self.seq_len):
+            return True
+        return ep > 1 and refused_with("ep", degrees)
 
     def _changed(
         self, point: dict[str, Any], w: int, accum: int, pp: int = 1, m: int = 1
@@ -419,14 +422,14 @@ class _Points:
         if self.complete_batch:
             batch = splitting_batch(self.batch, self.resolved.layout, w, accum, pp, m)
             if batch != self.batch:
-                changed[BATCH_KEY] = batch
+                changed[BATCH] = batch
         return changed
 
     def _shape(self, point: dict[str, Any], **changes: Any) -> RunShape:
         """The run's shape in ``point``'s precision and checkpointing, ``changes``
         made."""
-        prec = get_precision(point.get(PRECISION_KEY, self.cfg.precision.name))
-        ac = point.get(AC_KEY)
+        prec = get_precision(point.get(PRECISION, self.resolved.precision.name))
+        ac = point.get(AC)
         return replace(
             self.base,
             param_bytes=prec.param_dtype.itemsize,
@@ -439,18 +442,16 @@ class _Points:
     def _unpipelined(
         self, point: dict[str, Any], mp: float, w: int, accum: int, cp: int, ep: int
     ) -> Candidate | None:
-        cfg, base, tp = self.cfg, self.base, self.tp
+        base, tp = self.base, self.tp
         resolved = self._with_ep(ep, w)
         if resolved is None:
             return None  # ep does not divide the point's shard ranks
         if (mp, ep) not in self.models:  # its units (selective is checked on them)
-            with_mp = with_values(
-                cfg, {"sharding.min_params": mp, AC_KEY: "none", EP_KEY: ep}
-            )
-            self.models[mp, ep] = build_meta_model(with_mp, resolved)
+            with_mp = varied(resolved, {MIN_PARAMS: mp, f"{AC}.mode": "none"})
+            self.models[mp, ep] = build_meta_model(with_mp)
         if (mp, w, ep) not in self.plans:
             self.plans[mp, w, ep] = plan_of(resolved, self.models[mp, ep], w)
-        plan, ac = self.plans[mp, w, ep], point.get(AC_KEY)
+        plan, ac = self.plans[mp, w, ep], point.get(AC)
         if ac is not None and ac.mode == "selective" and splits_blocks(plan):
             return None  # selective needs each block a unit of its own (transforms.py)
         shape = self._shape(
@@ -459,7 +460,7 @@ class _Points:
             grad_accum=accum,
             micro_batch=max(1, math.ceil(self.batch / accum / max(1, w // (tp * cp)))),
             seq_len=self.seq_len // cp,
-            grad_sync=str(point.get("trainer.grad_sync", base.grad_sync)),
+            grad_sync=str(point.get(SYNC, base.grad_sync)),
         )
         a = self.acts(
             shape.micro_batch,
@@ -469,7 +470,7 @@ class _Points:
             shape.ac_every,
         )
         if tp > 1:
-            a = tp_activations(cfg, resolved, shape, a, self.models[mp, ep])
+            a = tp_activations(resolved, shape, a, self.models[mp, ep])
         a = cp_activations(resolved, shape, a, self.models[mp, ep], cp)
         dispatch = ep_dispatch(resolved, shape)
         est = estimate(plan, shape, a, self.process, dispatch=dispatch)
@@ -478,7 +479,7 @@ class _Points:
         cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)
         return Candidate(changed, est, cost)
 
-    def _with_ep(self, ep: int, w: int) -> Resolved | None:
+    def _with_ep(self, ep: int, w: int) -> RunPlan | None:
         """The run with ``ep`` expert-parallel ranks (None: ``ep`` does not divide
         the shard ranks of ``w``)."""
         layout = self.resolved.layout
@@ -495,19 +496,16 @@ class _Points:
         base, schedule = self.base, self.schedule
         if mp != self.cur_mp or (pp != self.cur_pp and w != self.world):
             return None  # other stage counts: at the current ranks; units as set
-        if point.get("trainer.grad_sync", base.grad_sync) != base.grad_sync:
+        if point.get(SYNC, base.grad_sync) != base.grad_sync:
             return None  # no effect: each schedule reduces at its end
         m = max(self.cur_m, pp)
         if microbatches_problem(schedule, pp, m):
             return None  # the schedule cannot split m micro-batches over pp ranks
         ranks = self._stage_ranks(mp, pp, m, w)
-        ac = point.get(AC_KEY)
+        ac = point.get(AC)
         if ac is not None and ac.mode == "selective":
             if any(splits_blocks(plan) for _, plan in ranks):
                 return None
-        prec = get_precision(point.get(PRECISION_KEY, self.cfg.precision.name))
-        if prec.name == "fp16_mixed":
-            return None  # its gradient scaler does not pipeline yet (config.py)
         rows = self.batch / accum / max(1, w // (self.tp * pp)) / m
         shape = self._shape(
             point,
@@ -519,14 +517,12 @@ class _Points:
         n_blocks = self.staged[mp, pp].n_blocks
         at = (shape.micro_batch, shape.param_bytes)
         if at not in self.wholes:
-            self.wholes[at] = whole_activations(
-                self.cfg, self.resolved, shape, n_blocks
-            )
+            self.wholes[at] = whole_activations(self.resolved, shape, n_blocks)
         whole, boundary = self.wholes[at]
         est = worst_rank(ranks, shape, whole, n_blocks, boundary, self.process)
         changed = self._changed(point, w, accum, pp, m)
         if m != self.cur_m:
-            changed[PP_MICRO_KEY] = m
+            changed[MICRO] = m
         cost = change_cost(self.currents, changed, self.device) * (
             pipeline_cost(schedule, pp, m)
             / pipeline_cost(schedule, self.cur_pp, self.cur_m)
@@ -537,15 +533,17 @@ class _Points:
         """Each pp rank's plan with ``pp`` stages of ``mp``'s units on ``w`` ranks
         (built once per ``(mp, pp)``, planned once per rank count)."""
         if (mp, pp) not in self.staged:
-            at = {"sharding.min_params": mp, PP_KEY: pp, PP_MICRO_KEY: m}
-            at[AC_KEY] = "none"  # its units (selective is checked on them below)
-            self.staged[mp, pp] = stage_plans(with_values(self.cfg, at), self.resolved)
+            at = varied(self._staged_plan(mp, pp, m), {f"{AC}.mode": "none"})
+            self.staged[mp, pp] = stage_plans(at)  # (selective is checked below)
         if (mp, pp, w) not in self.staged_plans:
             self.staged_plans[mp, pp, w] = self.staged[mp, pp].plans(self.resolved, w)
         return self.staged_plans[mp, pp, w]
 
-
-BATCH_KEY = "trainer.batch_size"
+    def _staged_plan(self, mp: float, pp: int, m: int) -> RunPlan:
+        """The run with ``pp`` stages of ``mp``'s units, ``m`` micro-batches (at the
+        run's ranks: other stage counts are searched there only)."""
+        layout = replace(self.resolved.layout, pp=pp, cp=1, ep=1)  # (the rule)
+        return replace(varied(self.resolved, {MIN_PARAMS: mp, MICRO: m}), layout=layout)
 
 
 def splitting_batch(

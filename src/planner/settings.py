@@ -1,99 +1,62 @@
-"""What the planner reads of a config: the keys it reads and searches, its one reader
-of a key (:func:`setting`), the pipeline stages it plans (:func:`pipeline_stages`), the
+"""What the planner reads of a run plan: the fields its search varies (plan field
+names, never config keys: :data:`src.resolved.OVERRIDES` says them as overrides), the
 budget, margin and device an estimate is for."""
 
 from __future__ import annotations
 
-import copy
-from typing import Any
-
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.planner.constants import ACCELERATORS_GIB, budget_bytes
-from src.resolved import LAYOUT_KEYS, Resolved
-from src.sharding import ParallelLayout
+from src.resolved import RunPlan
 
-AC_KEY = "sharding.activation_checkpointing"
-AC_EVERY_KEY = "sharding.activation_checkpointing_every"
-PREFETCH_KEY = "sharding.backward_prefetch"
-PRECISION_KEY = "precision.name"
-PP_KEY = LAYOUT_KEYS["pp"]
-CP_KEY = LAYOUT_KEYS["cp"]
-EP_KEY = LAYOUT_KEYS["ep"]
-PP_MICRO_KEY = "sharding.pp_microbatches"
-MARGIN_KEY = "trainer.mem_margin"
-
-
-_ABSENT = object()
-
-
-def setting(cfg: DictConfig, key: str) -> Any:
-    """``cfg``'s value of ``key``; the composed config has every key (its value's one
-    home is the group's YAML), so the planner holds no defaults of its own."""
-    value = OmegaConf.select(cfg, key, default=_ABSENT)
-    if value is _ABSENT:
-        raise KeyError(f"the planner needs {key}, which this config has not")
-    return value
+#: The run plan's fields the fit search varies (see :func:`src.resolved.varied`).
+DEVICES = "layout.world_size"
+PP = "layout.pp"
+CP = "layout.cp"
+EP = "layout.ep"
+PRECISION = "precision"
+AC = "checkpointing"  # a :class:`~src.planner.costs.Checkpointing` (mode and every)
+MICRO = "pipeline.microbatches"
+BATCH = "batch.batch_size"
+ACCUM = "batch.grad_accum"
+SYNC = "batch.grad_sync"
+MIN_PARAMS = "wrap.min_params"
 
 
-def pipeline_stages(cfg: DictConfig) -> int:
-    """The pipeline stages ``cfg`` plans: a key the fit search changes, so read from
-    the config being planned (the run's other degrees: ``resolved.layout.stage``)."""
-    return int(setting(cfg, PP_KEY))
+def mem_margin(plan: RunPlan) -> float:
+    """The safety margin of a fit (``budget.margin``)."""
+    return float(plan.budget.margin)
 
 
-def tp_layout(cfg: DictConfig, resolved: Resolved) -> ParallelLayout:
-    """The run's tensor-parallel degree with the pipeline stages ``cfg`` plans: what
-    a tensor-parallel plan reads of a layout (``resolved.tensor_parallel_plan``)."""
-    tp, pp = resolved.layout.tp, pipeline_stages(cfg)
-    return ParallelLayout(tp * pp, pp=pp, tp=tp)
-
-
-def with_values(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
-    """A copy of ``cfg`` with ``overrides`` (config keys to values) set."""
-    out = copy.deepcopy(cfg)
-    with open_dict(out):
-        for key, value in overrides.items():
-            OmegaConf.update(out, key, value, force_add=True)
-    return out
-
-
-def mem_margin(cfg: DictConfig) -> float:
-    """The safety margin of a fit (``trainer.mem_margin``)."""
-    return float(setting(cfg, MARGIN_KEY))
-
-
-def run_budget_bytes(cfg: DictConfig) -> int | None:
-    """The per-rank budget a run is judged against: ``trainer.mem_budget_gib``, else
-    ``sweep.mem_cap_gib``; None when neither is set."""
-    budget = budget_bytes(OmegaConf.select(cfg, "trainer.mem_budget_gib"))
+def run_budget_bytes(plan: RunPlan) -> int | None:
+    """The per-rank budget a run is judged against: its memory budget, else a
+    sweep's cap; None when neither is set."""
+    budget = budget_bytes(plan.budget.mem_budget)
     if budget is None:
-        cap = OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None)
-        budget = budget_bytes(cap, "sweep.mem_cap_gib")
+        budget = budget_bytes(plan.budget.sweep_cap, "sweep.mem_cap_gib")
     return budget
 
 
-def _named_accelerator(cfg: DictConfig) -> str | None:
-    """The accelerator ``trainer.mem_budget_gib`` names (as budget_bytes reads it)."""
-    budget = OmegaConf.select(cfg, "trainer.mem_budget_gib", default=None)
+def _named_accelerator(plan: RunPlan) -> str | None:
+    """The accelerator the memory budget names (as budget_bytes reads it)."""
+    budget = plan.budget.mem_budget
     if isinstance(budget, str) and budget.strip().lower() in ACCELERATORS_GIB:
         return budget.strip().lower()
     return None
 
 
-def accelerator_name(cfg: DictConfig) -> str:
-    """The accelerator the estimate is for: the one ``trainer.mem_budget_gib`` names,
-    else this machine's GPU; empty on a CPU."""
-    named = _named_accelerator(cfg)
+def accelerator_name(plan: RunPlan) -> str:
+    """The accelerator the estimate is for: the one the memory budget names, else
+    this machine's GPU; empty on a CPU."""
+    named = _named_accelerator(plan)
     if named:
         return named
     return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
 
 
-def device_type(cfg: DictConfig) -> str:
+def device_type(plan: RunPlan) -> str:
     """The device the estimate is for: a named accelerator budget means CUDA;
     otherwise this machine's."""
-    if _named_accelerator(cfg) or torch.cuda.is_available():
+    if _named_accelerator(plan) or torch.cuda.is_available():
         return "cuda"
     return "cpu"

@@ -23,7 +23,7 @@ from src.cli_help import CONF_DIR
 from src.config.validate import validate
 from src.data.pinning import pinned_data, read_pin
 from src.errors import ConfigError, keyed
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.runs.branches import (
     Completed,
     branch_point,
@@ -312,7 +312,7 @@ def open_run(
     trust_remote_code: bool = False,
     splits: tuple[str, ...] = (),
     ckpt: str = "latest",
-) -> tuple[Path, Path, DictConfig, Resolved]:
+) -> tuple[Path, Path, DictConfig, RunPlan]:
     """The start of sample.py and eval.py: the run dir and checkpoint of ``run=``, and
     the config the checkpoint was saved with (else the run's record) typed by today's
     schema (:func:`compose_run`), changed by
@@ -337,8 +337,8 @@ def open_run(
         given = changes(cfg)
     cfg = with_changes(cfg, given)
     with read_as_recorded(source, set(given), "run"):
-        resolved = validate(cfg)
+        validate(cfg)
     first = ("run", str(run_dir), record) if record else None
     check_writable(cfg, first, wandb=record is not None)
-    cfg, resolved = prepare(cfg, resolved, override_keys(overrides), splits=splits)
+    cfg, resolved = prepare(cfg, override_keys(overrides), splits=splits)
     return run_dir, checkpoint, cfg, resolved

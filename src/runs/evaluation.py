@@ -26,7 +26,7 @@ from src.data.mixture import make_batches, whole_stream
 from src.data.pinning import read_pin
 from src.data.sources import DATA_SOURCES, corpus_changes, load_splits
 from src.errors import ConfigError
-from src.resolved import Resolved, world_size
+from src.resolved import RunPlan, world_size
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.trainer.step import evaluate
@@ -88,13 +88,13 @@ def eval_changes(eval_cfg: DictConfig, run_cfg: DictConfig) -> dict[str, Any]:
 def eval_rank(
     device: torch.device,
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     checkpoint: Path,
     opts: dict[str, Any],
 ) -> dict[str, Any]:
     """One rank of eval.py: the mean loss of the run's model from ``checkpoint`` on
     ``opts``' split, batches and batch size (None: the run's)."""
-    model, backend, step = load_model(cfg, resolved, checkpoint, device)
+    model, backend, step = load_model(resolved, checkpoint, device)
     t, spec, config = cfg.trainer, resolved.spec, resolved.model_config
     train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
     stream = {"train": train, "val": val}.get(opts["split"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from src.checkpoint.folders import (
 from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError, keyed
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.runs.branches import BRANCHES
 from src.runs.resume import RECORD, recorded_config
 from src.sharding import Backend
@@ -183,20 +184,20 @@ def run_tokenizer(cfg: DictConfig) -> Tokenizer:
 
 
 def load_model(
-    cfg: DictConfig, resolved: Resolved, checkpoint: Path, device: torch.device
+    resolved: RunPlan, checkpoint: Path, device: torch.device
 ) -> tuple[nn.Module, Backend, int]:
     """This rank's part of the run's model with ``checkpoint``'s weights, its backend
-    and the checkpoint's step. ``cfg``: as ``launch.prepare`` returned it."""
-    cfg = with_changes(cfg, {"model.pretrained": None})  # the checkpoint has them
-    backend = make_backend(cfg, device, resolved.layout)
-    model = build_model(cfg, backend, resolved)
+    and the checkpoint's step. ``resolved``: as ``launch.prepare`` returned it."""
+    resolved = replace(resolved, pretrained=None)  # the checkpoint has them
+    backend = make_backend(resolved, device)
+    model = build_model(resolved, backend)
     state = Checkpointer(checkpoint.parent).load_model(checkpoint, model, verify=False)
     model.eval()
     return model, backend, state["step"]
 
 
 def on_ranks(
-    fn: Any, cfg: DictConfig, resolved: Resolved, checkpoint: Path, opts: dict
+    fn: Any, cfg: DictConfig, resolved: RunPlan, checkpoint: Path, opts: dict
 ) -> Any:
     """``fn(device, cfg, resolved, checkpoint, opts)`` on the run's ranks (sample.py's
     and eval.py's ``devices``); rank 0's result, None on a rank > 0 under torchrun."""
@@ -208,13 +209,13 @@ def on_ranks(
 def sample_rank(
     device: torch.device,
     cfg: DictConfig,
-    resolved: Resolved,
+    resolved: RunPlan,
     checkpoint: Path,
     opts: dict[str, Any],
 ) -> dict[str, Any]:
     """One rank of sample.py: the run's model from ``checkpoint``, then ``opts``'
     samples (``sample_texts``' keywords and ``prompt``); returns them with the step."""
-    model, _, step = load_model(cfg, resolved, checkpoint, device)
+    model, _, step = load_model(resolved, checkpoint, device)
     opts = dict(opts)
     texts = sample_texts(
         model, resolved, run_tokenizer(cfg), [opts.pop("prompt")], device=device, **opts

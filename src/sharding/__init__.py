@@ -18,7 +18,7 @@ from .backends import (
     set_prefetch,
     with_capability,
 )
-from .layout import Axis, LayoutError, ParallelLayout, ParallelMesh
+from .layout import Axis, LayoutError, ParallelLayout, ParallelMesh, refusal
 from .parallelize import Parallelize, UnitSteps, parallelize_decoder
 from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
@@ -45,6 +45,7 @@ from .wrap import (
 
 __all__ = [
     "Axis",
+    "refusal",
     "BACKENDS",
     "CHECKPOINTING",
     "DEFAULT_EXCLUDE_WRAP_MODULES",

@@ -43,7 +43,7 @@ from src.registry import Registry
 from .context_parallel import ContextParallel
 from .expert_parallel import expert_parallelize, plan_experts
 from .float8 import Float8, byte_all_gather
-from .layout import LayoutError, ParallelLayout, ParallelMesh
+from .layout import ParallelLayout, ParallelMesh, refusal
 from .parallelize import Parallelize, UnitSteps, parallelize_decoder
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
@@ -209,7 +209,7 @@ class Backend:
             self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         #: the run's parallel layout (default: every rank shards, nothing else)
         self.layout = layout or ParallelLayout(self.world_size)
-        self.check_layout(self.layout)
+        self.check_layout(self.layout, precision.name)
         if self.distributed and self.layout.world_size != self.world_size:
             raise ValueError(
                 f"a layout of {self.layout.world_size} ranks on a process group of "
@@ -223,35 +223,12 @@ class Backend:
         self.cp: ContextParallel | None = None
 
     @classmethod
-    def check_layout(cls, layout: ParallelLayout) -> None:
-        """:class:`LayoutError` (naming the dimension) for a degree above 1 that this
-        backend cannot take: the one place capabilities are read against degrees."""
-        needs = (
-            ("dp_replicate", "hybrid", "hybrid sharding"),
-            ("tp", "tensor_parallel", "tensor parallelism"),
-            ("pp", "pipeline_parallel", "pipeline parallelism"),
-            ("ep", "expert_parallel", "expert parallelism"),
-            ("cp", "context_parallel", "context parallelism"),
-        )
-        for dim, capability, what in needs:
-            if layout.size(dim) > 1 and not getattr(cls, capability):
-                raise LayoutError(
-                    dim,
-                    f"{what} needs sharding="
-                    f"{' or sharding='.join(with_capability(capability))}, "
-                    f"not sharding={cls.name}",
-                )
-        if layout.cp > 1 and layout.pp > 1:
-            raise LayoutError(
-                "cp", "context parallelism with pipeline parallelism is not built"
-            )
-        for dim, what in (("pp", "pipeline"), ("cp", "context")):
-            if layout.ep > 1 and layout.size(dim) > 1:
-                raise LayoutError(
-                    "ep",
-                    f"expert parallelism with {what} parallelism is not built yet; "
-                    "use one of them",
-                )
+    def check_layout(cls, layout: ParallelLayout, precision: str | None = None) -> None:
+        """:class:`LayoutError` (naming the dimension) where this backend cannot run
+        ``layout`` (in ``precision``): the one rule, :func:`layout.refusal`."""
+        err = refusal(layout, cls, precision)
+        if err is not None:
+            raise err
 
     def _build_mesh(self) -> None:
         """Build the layout's mesh (the groups units shard on, tp, cp, ep)."""

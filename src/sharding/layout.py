@@ -191,6 +191,85 @@ class ParallelLayout:
         return "".join(parts)
 
 
+#: The degrees that do not run together (each pair: the first named when both are
+#: above 1), and what is not built.
+NOT_TOGETHER = (
+    ("cp", "pp", "context parallelism with pipeline parallelism is not built"),
+    ("ep", "pp", "expert parallelism with pipeline parallelism is not built yet"),
+    ("ep", "cp", "expert parallelism with context parallelism is not built yet"),
+)
+
+#: A degree above 1 and the backend capability it needs (``Backend.CAPABILITIES``).
+NEEDS = (
+    ("dp_replicate", "hybrid", "hybrid sharding"),
+    ("tp", "tensor_parallel", "tensor parallelism"),
+    ("pp", "pipeline_parallel", "pipeline parallelism"),
+    ("ep", "expert_parallel", "expert parallelism"),
+    ("cp", "context_parallel", "context parallelism"),
+)
+
+
+def refusal(
+    layout: ParallelLayout,
+    backend: type | None = None,
+    precision: str | None = None,
+    seq_len: int | None = None,
+) -> LayoutError | None:
+    """Why ``layout`` cannot run with ``backend`` (a ``Backend`` class), the precision
+    named ``precision`` and a model of ``seq_len`` tokens per sequence: a
+    :class:`LayoutError` naming the dimension (``precision``: the precision), None
+    when it can. The one rule that
+    validation, the backends and the planner's search all ask (each argument left
+    out is not checked)."""
+    if backend is not None:
+        for dim, capability, what in NEEDS:
+            if layout.size(dim) > 1 and not getattr(backend, capability):
+                from .backends import with_capability  # the registry: one floor
+
+                able = " or sharding=".join(with_capability(capability))
+                return LayoutError(
+                    dim, f"{what} needs sharding={able}, not sharding={backend.name}"
+                )
+    for dim, other, why in NOT_TOGETHER:
+        if layout.size(dim) > 1 and layout.size(other) > 1:
+            return LayoutError(dim, f"{why}; use one of them")
+    if backend is not None and precision is not None and not backend.float8:
+        from .precision import PRECISIONS
+
+        if precision in PRECISIONS and PRECISIONS[precision].float8:
+            from .backends import with_capability
+
+            able = " or sharding=".join(with_capability("float8"))
+            return LayoutError(
+                "precision",
+                f"float8 needs sharding={able}, not sharding={backend.name}",
+            )
+    if precision == "fp16_mixed" and layout.pp > 1:
+        return LayoutError(
+            "precision",
+            f"{precision!r}: fp16's gradient scaler with pipeline parallelism is not "
+            "supported yet",
+        )
+    cp = layout.cp
+    if seq_len is not None and cp > 1 and seq_len % (2 * cp):
+        return LayoutError(
+            "cp",
+            f"{cp} ranks split each sequence into 2 x {cp} chunks, which do not "
+            f"divide its {seq_len} tokens (the model's sequence length)",
+        )
+    return None
+
+
+def refused_with(dim: str, layout: ParallelLayout) -> bool:
+    """Whether a ``dim`` degree above 1 cannot join ``layout``'s other degrees
+    (:data:`NOT_TOGETHER`): the planner's search skips such degrees."""
+    return any(
+        layout.size(b if a == dim else a) > 1
+        for a, b, _ in NOT_TOGETHER
+        if dim in (a, b)
+    )
+
+
 class ParallelMesh:
     """A layout's device mesh, built once, and the named groups taken from it: the
     one holder of each group (the backend, the experts and the pipeline read them

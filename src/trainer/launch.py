@@ -68,7 +68,7 @@ from src.observe.logs import (
 from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.report import plan_only
 from src.planner.run import machine_check, oversubscribed, plan_run
-from src.resolved import Resolved, resolve, under_torchrun
+from src.resolved import RunPlan, resolve, under_torchrun, with_overrides
 from src.trainer.faults import (
     RANK_REPORTS,
     RESTART_CAUSE_ENV,
@@ -103,18 +103,16 @@ log = logging.getLogger(__name__)
 
 def prepare(
     cfg: DictConfig,
-    resolved: Resolved,
     user_keys: set[str] | None = None,
     run_dir: str | None = None,
     splits: tuple[str, ...] | None = None,
     pin: DataPin | None = None,
-) -> tuple[DictConfig, Resolved]:
+) -> tuple[DictConfig, RunPlan]:
     """What the ranks start from, decided once before any starts: ``cfg`` with its
     interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
     data ready in the token cache, the model's vocabulary following the tokenizer and
-    every ``auto`` value chosen, and its :class:`Resolved` run object: ``resolved``
-    (what ``validate()`` resolved from ``cfg`` as composed), built again only when
-    the model's vocabulary followed the tokenizer, then read by the planner.
+    every ``auto`` value chosen, and its :class:`RunPlan` (resolved again only when
+    the model's vocabulary followed the tokenizer), read by the planner.
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
     ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
@@ -126,6 +124,7 @@ def prepare(
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
     composed = OmegaConf.to_container(cfg)  # what a checkpoint records
+    resolved = resolve(cfg)
     set_log_level(cfg.trainer.log_level)
     user_keys = job_user_keys() if user_keys is None else user_keys
     if pin is not None:  # recorded as the run's config, read as its own file
@@ -142,7 +141,8 @@ def prepare(
             run_dir is not None and _is_rank0(),
             pin,
         )
-    if meta is not None and follow_tokenizer_vocab(cfg, resolved, meta, user_keys):
+    model = (resolved.spec, resolved.model_config)
+    if meta is not None and follow_tokenizer_vocab(cfg, *model, meta, user_keys):
         # The model is final now: its run object is built from it, once.
         resolved = resolve(cfg)
     if splits != () and not cfg.trainer.plan_only:
@@ -155,14 +155,14 @@ def prepare(
     # choices and logs its estimate beside what it measures: planned once, by rank 0.
     rank0 = _is_rank0()
     run = plan_run(
-        cfg,
         resolved,
         user_keys,
         _world_from_env(),
         estimate=rank0 and not cfg.trainer.plan_only,
         say=log.info if rank0 else None,
     )
-    cfg, resolved = run.cfg, replace(run.resolved, run_config=composed)
+    cfg = with_overrides(cfg, run.overrides)  # the planner's choices, recorded
+    resolved = replace(run.resolved, run_config=composed)
     if not rank0 or cfg.trainer.plan_only:
         return cfg, resolved
     if run.unplanned:  # training does not depend on it
@@ -172,7 +172,7 @@ def prepare(
     if splits is None:  # a training run: no bigger than this machine
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or resolved.world_size
         if run.estimate is not None:
-            machine_check(cfg, resolved, run.estimate, local)
+            machine_check(resolved, run.estimate, local)
         if oversubscribed(local):
             log.warning("%s", oversubscribed(local))
     return cfg, replace(
@@ -187,7 +187,7 @@ def _world_from_env() -> int | None:
     return int(os.environ.get("WORLD_SIZE", 0)) or None  # set under torchrun
 
 
-def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] | None:
+def launch(cfg: DictConfig, run_dir: str, resolved: RunPlan) -> dict[str, Any] | None:
     """Run training for ``cfg`` (from :func:`prepare`) on its ranks and return the
     run's summary (rank 0's); exit non-zero, showing the first failed rank's error
     once, if any rank fails. With ``trainer.plan_only`` no rank starts: the wrap plan
@@ -197,7 +197,7 @@ def launch(cfg: DictConfig, run_dir: str, resolved: Resolved) -> dict[str, Any] 
         stop_rank_server()  # no rank will be forked from it
     if cfg.trainer.plan_only:
         if _is_rank0():
-            plan_only(cfg, resolved, run_dir, world_size=world or resolved.world_size)
+            plan_only(resolved, run_dir, world_size=world or resolved.world_size)
         return None
     if under_torchrun():
         # A failed rank says so in one line, as the local launcher does (with
@@ -255,7 +255,7 @@ def own_run_dir(run_dir: str) -> Iterator[None]:
         yield
 
 
-def admitted(run_dir: str, resolved: Resolved) -> Resolved:
+def admitted(run_dir: str, resolved: RunPlan) -> RunPlan:
     """The run passed every check before its ranks: write what it records of its
     data into ``run_dir`` (nothing is written there before: a refused command leaves
     no trace); ``resolved`` without it (the ranks need none of it)."""
@@ -286,7 +286,7 @@ def preflight(run_dir: str) -> None:
 
 
 def _launch_local(
-    cfg: DictConfig, run_dir: str, resolved: Resolved
+    cfg: DictConfig, run_dir: str, resolved: RunPlan
 ) -> dict[str, Any] | None:
     """The ranks on this machine: in this process (1) or under the elastic agent."""
     nprocs = resolved.world_size
@@ -338,7 +338,7 @@ def _run_local_ranks(
     config: LaunchConfig,
     cfg: DictConfig,
     run_dir: str,
-    resolved: Resolved,
+    resolved: RunPlan,
     spec: LogSpec,
 ) -> dict[int, Any]:
     """The ranks' return values; a failed rank is reported in one line (exit 1), a
@@ -537,7 +537,7 @@ def _start_local_ranks(
 
 
 def _rank_entry(
-    cfg: DictConfig, run_dir: str, resolved: Resolved, spec: LogSpec
+    cfg: DictConfig, run_dir: str, resolved: RunPlan, spec: LogSpec
 ) -> dict[str, Any]:
     # Module level so the spawned ranks can unpickle it.
     die_with_launcher()  # first: a rank never outlives its launcher
@@ -708,7 +708,7 @@ def _call_on_rank(fn: Callable[..., Any], timeout_s: float, *args: Any) -> Any:
 
 
 def run_rank(
-    cfg: DictConfig, run_dir: str, resolved: Resolved, spec: LogSpec | None = None
+    cfg: DictConfig, run_dir: str, resolved: RunPlan, spec: LogSpec | None = None
 ) -> dict[str, Any]:
     """One rank: join the group, train, leave the group; returns the summary. A stop
     signal ends training after the current step with a checkpoint (:class:`Stopped`);

@@ -57,9 +57,9 @@ from src.observe.profiling import (
     oom_error,
     watch_cuda_oom,
 )
-from src.resolved import Resolved
+from src.resolved import RunPlan
 from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
-from src.sharding.float8 import is_float8_linear
+from src.sharding.float8 import Float8, is_float8_linear
 from src.trainer.best import EARLY_STOP, Best
 from src.trainer.faults import signal_point, stop_signal
 from src.trainer.optimizer import build_optimizer, lr_lambda
@@ -85,10 +85,9 @@ def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
     logger.log_table("wrap_plan", plan.rows())
 
 
-def log_float8(model: nn.Module, backend: Backend) -> None:
+def log_float8(model: nn.Module, backend: Backend, f8: Float8) -> None:
     """Once per run: how many linear layers compute in float8, and on a CPU that
     they run at CPU speed (there for correctness)."""
-    f8 = backend.float8_linears
     n = sum(is_float8_linear(m) for m in model.modules())
     where = (
         "; on CPU the float8 matmuls run at CPU speed (for correctness, not speed)"
@@ -119,7 +118,7 @@ class Trainer:
         cfg: DictConfig,
         run_dir: str,
         device: torch.device,
-        resolved: Resolved,
+        resolved: RunPlan,
         logger: Logger | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
@@ -140,13 +139,13 @@ class Trainer:
         cfg, t, rank = self.cfg, self.cfg.trainer, self.rank
         torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
         self._start_time = time.perf_counter()
-        self.backend = make_backend(cfg, self.device, self.resolved.layout)
+        self.backend = make_backend(self.resolved, self.device)
         # Before the model's memory phase starts: rank 0's CPU peak-FLOP/s probe
         # allocates matrices that are no part of training's peak.
         self.meter = self._throughput_meter()
         self._build_data()
         self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg, self.resolved)
+        self.optimizer = build_optimizer(self.model, cfg, self.resolved.spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg)
         )
@@ -204,10 +203,10 @@ class Trainer:
         self.pipeline = None  # the layout's pp > 1: this rank's stages
         self._whole: nn.Module | None = None  # ... and the model without them
         if self.backend.layout.pp > 1:
-            self.pipeline = build_pipeline(self.cfg, self.backend, self.resolved)
+            self.pipeline = build_pipeline(self.resolved, self.backend)
             self.model = self.pipeline.model
         else:
-            self.model = build_model(self.cfg, self.backend, self.resolved)
+            self.model = build_model(self.resolved, self.backend)
         self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
         self.plan = wrap_plan(self.model, self.backend.layout)
         if self.pipeline is not None:  # the plan is this rank's stages
@@ -218,8 +217,8 @@ class Trainer:
         # root is in eval (after validation or sampling), not at every step.
         self.model.train()
         log_wrap_plan(self.plan, self.logger, self.rank)
-        if self.backend.float8_linears is not None and self.rank == 0:
-            log_float8(self.model, self.backend)
+        if self.resolved.float8 is not None and self.rank == 0:
+            log_float8(self.model, self.backend, self.resolved.float8)
         self.num_params = sum(u.numel for u in self.plan.units) or sum(
             p.numel() for p in self.model.parameters()
         )
@@ -496,7 +495,7 @@ class Trainer:
         if self.pipeline is None:
             return self.model
         if self._whole is None:
-            self._whole = unpipelined_model(self.cfg, self.resolved, self.device)
+            self._whole = unpipelined_model(self.resolved, self.device)
         self.pipeline.gather_into(self._whole)
         return self._whole
 
@@ -717,7 +716,7 @@ def train(
     cfg: DictConfig,
     run_dir: str,
     device: torch.device,
-    resolved: Resolved,
+    resolved: RunPlan,
 ) -> dict[str, Any]:
     """Train on this rank (the process group is already initialised); rank 0 logs to
     the console, ``run_dir`` (metrics.jsonl, summary.json) and wandb. ``resolved``:

@@ -11,18 +11,18 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from src.resolved import Resolved
+from src.models import ModelSpec
 from src.schema import MIN_LR_RATIO
 from src.sharding import canonical_name
 
 
 def build_optimizer(
-    model: nn.Module, cfg: DictConfig, resolved: Resolved
+    model: nn.Module, cfg: DictConfig, spec: ModelSpec
 ) -> torch.optim.AdamW:
     """AdamW with weight decay except where the family's no-decay rule says (biases
     and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
     views, so the live tensors cannot tell)."""
-    no_decay_name = resolved.spec.no_decay
+    no_decay_name = spec.no_decay
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

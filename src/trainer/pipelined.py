@@ -16,19 +16,18 @@ with the stages' weights gathered into it (``Pipeline.gather_into``).
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from src.build import build_model, make_backend
 from src.data.sources import GlobalBatches
-from src.resolved import Resolved
-from src.sharding import Backend, ParallelLayout
+from src.resolved import RunPlan
+from src.sharding import Backend
 from src.sharding.pipeline import Pipeline
-from src.trainer.sampling import SAMPLING_CHANGES
+from src.trainer.sampling import sampling_plan
 
 
 def pipeline_train_step(
@@ -80,19 +79,10 @@ def pipeline_evaluate(
     return pipeline.share(total / max(1, len(batches)))
 
 
-def unpipelined_model(
-    cfg: DictConfig, resolved: Resolved, device: torch.device
-) -> nn.Module:
+def unpipelined_model(resolved: RunPlan, device: torch.device) -> nn.Module:
     """The run's model without pipeline stages (nor tensor parallelism: sampling's
     changes), sharded over all of the run's ranks, on the meta device filled by
     the family's init; ``Pipeline.gather_into`` gives it the trained weights."""
-    cfg = copy.deepcopy(cfg)
-    for key, value in SAMPLING_CHANGES.items():
-        OmegaConf.update(cfg, key, value, force_add=True)
-    model = build_model(
-        cfg,
-        make_backend(cfg, device, ParallelLayout(resolved.world_size)),
-        resolved,
-        "meta",
-    )
+    whole = sampling_plan(resolved)
+    model = build_model(whole, make_backend(whole, device), "meta")
     return model.eval()

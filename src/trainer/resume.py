@@ -26,7 +26,7 @@ from src.checkpoint.folders import (
 from src.checkpoint.values import checked_extra
 from src.data.mixture import MIX_STATE
 from src.errors import ConfigError
-from src.resolved import Resolved
+from src.models import ModelSpec
 from src.trainer.best import EARLY_STOP
 from src.trainer.faults import RESTART_CAUSE_ENV
 from src.trainer.optimizer import apply_hyperparameters
@@ -231,17 +231,20 @@ def init_checkpoint(init_from: str, verify: Any, on_skip: Any = None) -> Path:
     return path
 
 
-def check_init_from(cfg: DictConfig, resolved: Resolved, run_dir: str | Path) -> None:
+def check_init_from(
+    cfg: DictConfig, spec: ModelSpec, model_config: Any, run_dir: str | Path
+) -> None:
     """Before any rank starts: the checkpoint ``trainer.init_from`` names exists, is
     intact (:meth:`Checkpointer.verify`) and holds the run's model's tensors (names
     and shapes, against a meta-device build); a ConfigError naming the key (and the
     first tensor that differs) otherwise. Nothing when it does not apply
-    (:func:`init_applies`). ``cfg``, ``resolved``: as ``launch.prepare`` returns
-    them (the vocabulary following the tokenizer)."""
+    (:func:`init_applies`). ``cfg`` and the run plan's model (``spec``,
+    ``model_config``): as ``launch.prepare`` returns them (the vocabulary following
+    the tokenizer)."""
     if not init_applies(cfg, run_dir):
         return
     with torch.device("meta"):
-        model = resolved.spec.build(resolved.model_config, 0)
+        model = spec.build(model_config, 0)
     path = init_checkpoint(cfg.trainer.init_from, Checkpointer(run_dir).verify)
     try:
         Checkpointer(path.parent).check_model(path, model, INIT_HINT)

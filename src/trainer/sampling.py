@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
 from src.models.generate import generate
-from src.resolved import LAYOUT_KEYS, Resolved, world_size
+from src.resolved import LAYOUT_KEYS, RunPlan, world_size
+from src.sharding import ParallelLayout
 
 # A trained run opened again (sample.py, eval.py, a PP run's whole model): sharded
 # over its ranks only (the checkpoint, DCP, loads on any layout; an HSDP, TP or PP
@@ -41,6 +43,20 @@ SAMPLING_CHANGES = {
     "sharding.compile": False,  # each new length would compile again
     **SHARDED_ONLY,
 }
+
+
+def sampling_plan(plan: RunPlan) -> RunPlan:
+    """``plan`` as :data:`SAMPLING_CHANGES` has it: sharded over all its ranks only,
+    without checkpointing or compile."""
+    return replace(
+        plan,
+        layout=ParallelLayout(plan.world_size),
+        checkpointing=replace(plan.checkpointing, mode="none"),
+        pipeline=replace(plan.pipeline, split=()),
+        unit=replace(plan.unit, compile=False, sequence_parallel=None),
+    )
+
+
 # A family that decodes through its own generate() (Hugging Face) calls into the
 # model's inner modules, past the root unit's hooks: it gets the whole model, one rank.
 WHOLE_MODEL = {"trainer.devices": 1, "sharding.backend": "none"}
@@ -107,7 +123,7 @@ def _broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sample_texts(
     model: nn.Module,
-    resolved: Resolved,
+    resolved: RunPlan,
     tokenizer: Tokenizer,
     prompts: list[str],
     *,
