@@ -401,11 +401,21 @@ def float8_linears(cfg: DictConfig) -> Float8 | None:
     if not get_precision(p.name).float8:
         return None
     all_gather = p.float8_all_gather
-    if all_gather is None:
-        all_gather = (
-            p.recipe in ALL_GATHER_RECIPES
-            and backend_class(cfg.sharding.backend).shards_parameters
+    shards = backend_class(cfg.sharding.backend).shards_parameters
+    if all_gather and p.recipe not in ALL_GATHER_RECIPES:
+        raise ConfigError(
+            "precision.float8_all_gather",
+            f"true needs precision.recipe={' or '.join(ALL_GATHER_RECIPES)}, not "
+            f"{p.recipe} (torchao casts whole weights for the all-gather)",
         )
+    if all_gather and not shards:
+        raise ConfigError(
+            "precision.float8_all_gather",
+            "true needs a backend that shards parameters, not "
+            f"sharding={cfg.sharding.backend}",
+        )
+    if all_gather is None:
+        all_gather = p.recipe in ALL_GATHER_RECIPES and shards
     return keyed(
         "precision.recipe", Float8, p.recipe, tuple(p.float8_skip or ()), all_gather
     )

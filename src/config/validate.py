@@ -28,7 +28,6 @@ from src.resolved import (
     FLOAT8_KEYS,
     LAYOUT_KEYS,
     RunPlan,
-    float8_linears,
     resolve,
     resolve_devices,
     tensor_parallel_plan,
@@ -51,7 +50,7 @@ from src.sharding import (
     ParallelLayout,
     with_capability,
 )
-from src.sharding.float8 import ALL_GATHER_RECIPES, RECIPES, device_problem
+from src.sharding.float8 import RECIPES, device_problem
 from src.sharding.pipeline import SCHEDULES, microbatches_problem, split_blocks
 
 
@@ -354,22 +353,9 @@ def _check_float8(cfg: DictConfig) -> None:
             _require(value is None, key, f"{value!r}: read by precision=float8 only")
         return
     _choice(cfg, "precision.recipe", RECIPES)
-    if p.float8_all_gather:
-        _require(
-            p.recipe in ALL_GATHER_RECIPES,
-            "precision.float8_all_gather",
-            f"true needs precision.recipe={' or '.join(ALL_GATHER_RECIPES)}, not "
-            f"{p.recipe} (torchao casts whole weights for the all-gather)",
-        )
-        _require(
-            backend.shards_parameters,
-            "precision.float8_all_gather",
-            f"true needs a backend that shards parameters, not sharding={backend.name}",
-        )
     if torch.cuda.is_available():
         problem = device_problem(torch.device("cuda", 0))
         _require(problem is None, "precision.name", f"float8: {problem}")
-    float8_linears(cfg)
 
 
 def _check_tensor_parallel(resolved: RunPlan) -> None:
