@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class _State:
 
     environ: dict[str, str]
     cwd: str
+    argv: list[str]
+    path: list[str]
     loggers: dict[str, tuple]
     handlers: dict[int, tuple]
     logging_disable: int
@@ -107,6 +110,8 @@ class _State:
         return cls(
             environ=dict(os.environ),
             cwd=os.getcwd(),
+            argv=list(sys.argv),
+            path=list(sys.path),
             loggers={
                 name: (
                     logger.level,
@@ -143,6 +148,9 @@ class _State:
             os.environ.update(self.environ)
         if os.getcwd() != self.cwd:
             os.chdir(self.cwd)
+        sys.argv[:] = self.argv  # run_cli quotes it in place
+        if sys.path != self.path:
+            sys.path[:] = self.path
         self._restore_logging()
 
         for sig, before in self.signals.items():
@@ -206,6 +214,20 @@ class _State:
         if captured != self.warnings_captured:
             logging.captureWarnings(self.warnings_captured)
         warnings.formatwarning = self.formatwarning
+
+
+@pytest.fixture
+def stop_handlers_restored():
+    """For a test whose code installs the stop signals' handlers the way a command's
+    process keeps them (a multirun job's ``stop_before_start``, an in-process
+    launch's ``after_the_run``): they are put back after it. Asking for this says
+    the change is the code's own; any other test that changes a handler fails
+    (``_state_restored``)."""
+    saved = {s: signal.getsignal(s) for s in _SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 def _restored(request) -> Any:
