@@ -18,6 +18,16 @@ import torch
 import torch.distributed as dist
 
 
+def pytest_configure(config):
+    """A suite started in the background (``nohup python -m pytest ... &``: a shell
+    without job control starts it with SIGINT ignored, and every process it starts,
+    the xdist workers, train.py and its ranks, inherits that) runs as from a terminal
+    or CI: Python's own Ctrl-C handler. (That inherited SIGINT, not a test, was the
+    worker "left with SIGINT ignored" of tests/test_cli.py's comment.)"""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _token_cache_in_tmp(tmp_path_factory):
     """The token cache (data.cache_dir's default, $SHARDWRAP_CACHE) of every test and
