@@ -218,7 +218,10 @@ def test_ctrl_c_while_a_command_imports_is_one_line():
             sys.executable,
             "-c",
             # against the handler it started with: a SIGINT ignored by the test's
-            # own process (inherited across exec) is not the import's doing
+            # own process (inherited across exec) is not the import's doing. (The
+            # worker found so was started in the background, `nohup pytest &`, whose
+            # shell ignores SIGINT for it; tests/conftest.py now restores Python's
+            # handler at start, and fails a test that leaves a handler changed.)
             "import signal\n"
             "before = signal.getsignal(signal.SIGINT)\n"
             "import eval, sample, train\n"

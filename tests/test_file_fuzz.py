@@ -26,6 +26,7 @@ from src.checkpoint.meta import read_checkpoint_meta
 from src.checkpoint.values import checked_extra
 from tests import forge
 from tests.distributed import HANG_S
+from tests.records import said
 
 # ------------------------------------------------------------------ checkpoints
 
@@ -589,8 +590,9 @@ def test_fuzz_token_cache(tmp_path, caplog):
         with caplog.at_level(logging.INFO, logger="src.data.token_cache"):
             again = prepare_data(cfg.data, progress=False)
         assert {**again, "build_s": 0} == {**first, "build_s": 0}, name
-        lines = [r.getMessage() for r in caplog.records]
-        damaged = [ln for ln in lines if "is damaged" in ln]
+        lines = said(caplog, "src.data.token_cache")
+        damaged = [ln for ln in lines if ln.startswith("token cache: ")]
+        damaged = [ln for ln in damaged if " is damaged (" in ln]
         assert len(damaged) == 1 and damaged[0].endswith("rebuilding it"), (
             name,
             lines,
@@ -644,7 +646,7 @@ def test_fuzz_eval_json_is_kept_aside_never_overwritten(tmp_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="src.runs.evaluation"):
             write_record(run_dir, new)
-        (line,) = [r.getMessage() for r in caplog.records]
+        (line,) = said(caplog, "src.runs.evaluation")
         assert "is damaged" in line and "kept as eval.json.damaged-1" in line, line
         aside = run_dir / "eval.json.damaged-1"
         assert aside.is_symlink() or aside.exists(), name
@@ -684,7 +686,7 @@ def test_fuzz_metrics_jsonl_rows_on_resume(tmp_path, caplog):
             # 5, 6, the torn one (the bad one is said apart)
             assert sink.drop_rows_after(4) == {METRICS_FILE: 3}, name
         sink.finish(0)
-        (line,) = [r.getMessage() for r in caplog.records]
+        (line,) = said(caplog, "src.observe.loggers")
         assert "1 damaged row(s)" in line and "metrics.jsonl.damaged-1" in line, line
         assert (run_dir / "metrics.jsonl.damaged-1").read_bytes().startswith(original)
         kept = (run_dir / METRICS_FILE).read_text()
@@ -882,7 +884,7 @@ def test_fuzz_summary_lock_and_tokenizer_config(tmp_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="src.trainer.sweep"):
             assert _read_json(path) == {}, name
-        (line,) = [r.getMessage() for r in caplog.records]
+        (line,) = said(caplog, "src.trainer.sweep")
         assert line.startswith(f"{path} is damaged"), line
 
         if name != "a directory":

@@ -16,6 +16,7 @@ from src.resolved import model_config, model_spec, resolve
 from src.sharding import build_backend, wrap_plan
 from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed
+from tests.records import said
 
 FAMILIES = ["tiny_gpt2", "tiny_llama", "tiny_qwen2", "tiny_gpt_neox"]
 
@@ -160,7 +161,8 @@ def test_a_configs_dtype_never_changes_the_training_dtype(tmp_path, caplog, key)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="src.models.hf"):
             config = HFConfig(config=str(path), block_size=16)
-        lines = [r.getMessage() for r in caplog.records if "dtype" in r.getMessage()]
+        # the tmp path (named after this test) holds "dtype": the message's words
+        lines = [m for m in said(caplog, "src.models.hf") if " says dtype " in m]
         assert lines == [
             f"model.config: {path} says dtype {dtype}; not used: precision sets "
             "the training dtype (parameters are built in float32)"

@@ -21,6 +21,7 @@ from src.resolved import resolve
 from src.sharding import build_backend
 from src.trainer.loop import train
 from tests.distributed import run_distributed
+from tests.records import said
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = 'héllo wörld,\n\t"quoted" zß€ 😀 <0x00> <|end>\x00 and more text. ' * 3
@@ -253,7 +254,7 @@ def test_export_warns_when_autotokenizer_encodes_unlike_the_run(tmp_path, caplog
                 model, tmp_path / family, resolved.spec.hf, resolved.model_config,
                 tokenizer,
             )  # fmt: skip
-        lines = [r.getMessage() for r in caplog.records]
+        lines = said(caplog, "src.checkpoint.export")
         expected = [
             f"trainer.export=hf: AutoTokenizer opens {tmp_path / family} as "
             "Qwen2Tokenizer, which encodes "

@@ -18,6 +18,7 @@ from src.resolved import resolve
 from src.sharding import build_backend
 from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed
+from tests.records import said
 from tests.test_pretrained import (
     logits_of_transformers,
     make_cfg,
@@ -238,7 +239,8 @@ def test_a_config_directorys_code_runs_only_when_trusted(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="src.models.hf"):
         validate(cfg)
     assert (directory / "ran").exists()
-    assert "model.trust_remote_code=true: running the code in" in caplog.text
+    (line,) = said(caplog, "src.models.hf", starts="model.trust_remote_code=true")
+    assert line.startswith("model.trust_remote_code=true: running the code in ")
     model = build_model(resolve(cfg), build_backend("none", "fp32", "cpu"))
     assert type(model.hf).__name__ == "TinyCustomForCausalLM"
     x = torch.randint(0, 256, (2, 16))

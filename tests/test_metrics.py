@@ -30,6 +30,7 @@ from src.observe.metrics import (
     reset_peak_memory,
 )
 from tests.distributed import run_distributed
+from tests.records import records, said
 from tests.wandb_offline import read_wandb_offline_history, read_wandb_offline_run
 
 MIB = 2**20
@@ -204,7 +205,7 @@ def test_mfu_above_one_is_omitted_with_one_line(caplog, monkeypatch):
         first, second = meter.step(2, log=True), meter.step(3, log=True)
     assert "mfu" not in first and "mfu" not in second
     assert first["tokens_per_s"] == pytest.approx(1000.0)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = said(caplog, "src.observe.metrics")
     assert len(lines) == 1 and lines[0].startswith("MFU omitted")
     # the one rule, also bench.mfu's: a fraction, or none above the peak
     assert metrics.model_flops_utilization(3.0, 6.0) == 0.5
@@ -263,8 +264,8 @@ def test_contended_windows_are_logged_said_once_and_summarised(monkeypatch, capl
         rows = [meter.step(step, log=True) for step in (1, 2, 3)]
     assert rows[0] is None  # the warm-up window
     assert [r["cpu_wait"] for r in rows[1:]] == pytest.approx([0.5, 0.75])
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and said[0].startswith("steps 2-2: this rank's threads")
+    lines = said(caplog, metrics.__name__)
+    assert len(lines) == 1 and lines[0].startswith("steps 2-2: this rank's threads")
     assert meter.contention() == pytest.approx(
         {"cpu_wait_max": 0.75, "cpu_wait_others_max": 0.75}
     )
@@ -276,7 +277,8 @@ def test_contended_windows_are_logged_said_once_and_summarised(monkeypatch, capl
     with caplog.at_level("WARNING", logger=metrics.__name__):
         assert quiet.step(1, log=True) is None
         assert quiet.step(2, log=True)["cpu_wait"] == pytest.approx(0.5)
-    assert caplog.records == [] and "cpu_wait_others_max" not in quiet.contention()
+    assert said(caplog, metrics.__name__) == []
+    assert "cpu_wait_others_max" not in quiet.contention()
     assert metrics.contended(meter.contention())
     assert not metrics.contended({"cpu_wait_max": 0.05, "probe_cpu_wait": 0.02})
     assert metrics.contended({"probe_cpu_wait": 0.3})
@@ -338,14 +340,14 @@ def test_windows_say_whose_threads_held_the_cores_once_each(monkeypatch, caplog)
     others = [r["cpu_wait_others"] for r in rows[1:]]
     assert own == pytest.approx([0.4, 0.4 * 0.5 / 10.5, 0.4 * 0.5 / 10.5])
     assert others == pytest.approx([0.0, 0.4 * 10 / 10.5, 0.4 * 10 / 10.5])
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 2
+    lines = said(caplog, metrics.__name__)
+    assert len(lines) == 2
     assert (
         "for the run's own threads: 2 ranks x 2 threads per rank on 2 cores"
-        in (said[0])
+        in (lines[0])
     )
-    assert "OMP_NUM_THREADS=1" in said[0] and "trainer.devices" in said[0]
-    assert said[1].startswith("steps 3-3: ") and "other processes held" in said[1]
+    assert "OMP_NUM_THREADS=1" in lines[0] and "trainer.devices" in lines[0]
+    assert lines[1].startswith("steps 3-3: ") and "other processes held" in lines[1]
     summary = meter.contention()
     assert summary["cpu_wait_own_max"] == pytest.approx(0.4)
     assert summary["cpu_wait_others_max"] == pytest.approx(0.4 * 10 / 10.5)
@@ -374,7 +376,7 @@ def test_an_own_wait_with_threads_that_fit_the_cores_says_nothing(monkeypatch, c
     with caplog.at_level("WARNING", logger=metrics.__name__):
         row = [meter.step(step, log=True) for step in (1, 2)][1]
     assert row["cpu_wait_own"] == pytest.approx(0.2) and row["cpu_wait_others"] == 0
-    assert caplog.records == []
+    assert said(caplog, metrics.__name__) == []
 
 
 def _orphan_busy_loop() -> int:
@@ -684,7 +686,7 @@ def test_closing_line_compares_planned_and_measured_peak(tmp_path, caplog):
                           "planned_peak_gib": 1.0, **more})  # fmt: skip
         with caplog.at_level(logging.INFO, logger="src.observe.loggers"):
             sink.finish(0)
-        return caplog.records
+        return records(caplog, "src.observe.loggers")
 
     near = close(1.1)
     assert (

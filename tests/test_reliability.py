@@ -26,6 +26,7 @@ from src.trainer.faults import (
     stopped_at_once,
 )
 from src.trainer.launch import _quiet_launcher_logs, preflight
+from tests.records import said
 
 
 def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
@@ -170,7 +171,7 @@ def test_preflight_checks_the_run_dir_is_writable(tmp_path, caplog):
     (tmp_path / "summary.json").write_text('{"steps": 4, "attempts": [')
     with caplog.at_level(logging.WARNING, logger="src.observe.attempts"):
         set_aside_damaged_summary(tmp_path)
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = said(caplog, "src.observe.attempts")
     assert line.startswith(f"{tmp_path}/summary.json is damaged (")
     assert line.endswith(
         f"kept as {tmp_path}/summary.json.damaged-1; this run's summary leaves out "

@@ -16,6 +16,7 @@ import pytest
 from src.config.validate import validate
 from src.errors import ConfigError
 from src.trainer.launch import prepare
+from tests.records import said
 from tests.test_researcher_ux import ONE_RANK, one_config_error, run
 from tests.test_train import make_cfg
 
@@ -130,7 +131,9 @@ def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, cap
     assert [r["best"] for r in rows] == [str(r is best) for r in rows]
     assert "tokenizer" not in rows[0]  # one tokenizer: no column
     assert compared(*sorted(sweep.glob("*"))) == rows  # the glob's files left out
-    assert "multirun.yaml: not a run dir, left out" in caplog.text
+    assert f"{sweep}/multirun.yaml: not a run dir, left out" in said(
+        caplog, "src.runs.compare"
+    )
 
     caplog.clear()
     rows = compared(sweep, bpe)
@@ -145,7 +148,7 @@ def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, cap
     assert not any(r["best"] == "True" for r in rows)
     table = (tmp_path / "out2" / "compare.md").read_text()
     assert "**" not in table  # no bold best
-    warned = [r.message for r in caplog.records if "no best run marked" in r.message]
+    warned = said(caplog, "src.trainer.sweep", starts="no best run marked")
     assert warned == [
         "no best run marked: the runs use different tokenizers (byte (256 tokens): 2 "
         f"run(s); {rows[2]['tokenizer']}: 1 run(s)), so their losses and tokens/s do "

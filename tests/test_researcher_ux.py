@@ -24,6 +24,7 @@ from src.registry import key_help
 from src.schema import MIN_LR_RATIO, ShardingConfig
 from src.trainer.optimizer import final_lr, lr_lambda
 from tests.distributed import HANG_S
+from tests.records import records, said
 from tests.test_config import assert_fails_naming, make_cfg
 from tests.test_token_cache import cfg_for, write_corpus
 from tests.wandb_offline import offline_run_files, read_wandb_offline_records
@@ -174,14 +175,12 @@ def test_a_bpe_smaller_than_asked_says_so_and_is_named_by_its_size(tmp_path, cap
         meta = prepare_data(cfg.data, verbose=True, progress=False)
     size = meta["vocab_size"]
     assert size < 2048
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warned = [r.getMessage() for r in records(caplog) if r.levelno == logging.WARNING]
     assert warned == [
         f"data.bpe_vocab_size=2048: the training split yields only {size} tokens "
         f"(the BPE ran out of pairs to merge); the tokenizer has {size}"
     ]
-    cached = [
-        r.getMessage() for r in caplog.records if "token cache:" in r.getMessage()
-    ]
+    cached = said(caplog, "src.data.token_cache", starts="token cache: ")
     assert f"bpe-{size}, vocab {size}" in cached[0]
     assert tokenizer_of(cfg.data).name == f"bpe-{size}"  # the export's name too
 
@@ -219,8 +218,9 @@ def test_the_projects_warnings_are_plain_lines(caplog):
         warnings.simplefilter("always")
         warnings.warn_explicit(notice, UserWarning, ours, 396)
         warnings.warn_explicit("old", FutureWarning, "/lib/torch/x.py", 7)
-    assert caplog.records[0].getMessage() == notice
-    assert caplog.records[1].getMessage().startswith("/lib/torch/x.py:7: FutureWarning")
+    first, second = records(caplog, "py.warnings")
+    assert first.getMessage() == notice
+    assert second.getMessage().startswith("/lib/torch/x.py:7: FutureWarning")
     logging.captureWarnings(False)
 
 
@@ -268,4 +268,5 @@ def test_run_figures_weigh_attempts_and_keep_a_disturbed_probe_out(tmp_path, cap
     summary.write_text(json.dumps({"attempts": [{**first, "measured_s": "30"}]}))
     with caplog.at_level(logging.WARNING, logger="src.observe.attempts"):
         assert earlier_attempts(tmp_path, 110) == []
-    assert "earlier attempts left out of the summary" in caplog.text
+    (line,) = said(caplog, "src.observe.attempts")
+    assert line.startswith(f"{summary}: earlier attempts left out of the summary (")

@@ -27,6 +27,7 @@ from src.observe.loggers import FileSink
 from src.runs.compose import resume_config, take_branch
 from src.runs.resume import RECORD, attempt_subdir
 from src.trainer.optimizer import apply_hyperparameters, lr_lambda
+from tests.records import said
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["model=tiny", "data=synthetic", "logger=none", "trainer.max_steps=6"]
@@ -79,15 +80,21 @@ def test_a_resume_from_the_run_dir_alone_takes_the_checkpoints_config(run_dir, c
         cfg, user_keys = _resume(run_dir, "trainer.resume=auto")
     assert cfg.model.name == "tiny" and cfg.trainer.max_steps == 6
     assert cfg.trainer.lr == 0.002 and cfg.trainer.resume == "auto"
-    assert "model" in user_keys and "resume" not in caplog.text
+    # nothing said: no "resuming ... with N change(s)" (the tmp path, named after
+    # this test, holds "resume": a word of any line would match it)
+    assert "model" in user_keys and said(caplog, "src.runs.compose") == []
     caplog.clear()
     with caplog.at_level(logging.INFO):
         cfg, _ = _resume(
             run_dir, "trainer.resume=auto", "trainer.lr=0.3", "trainer.val_every=1"
         )
     assert (cfg.trainer.lr, cfg.trainer.val_every, cfg.model.n_layer) == (0.3, 1, 2)
-    assert "  trainer.lr: 0.002 -> 0.3" in caplog.text
-    assert "  trainer.val_every: 100 -> 1" in caplog.text
+    changes = said(caplog, "src.runs.compose")
+    assert changes[0].startswith(f"resuming {run_dir} with 2 change(s) to its ")
+    assert sorted(changes[1:]) == [
+        "  trainer.lr: 0.002 -> 0.3",
+        "  trainer.val_every: 100 -> 1",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -471,7 +478,7 @@ def test_a_start_removes_what_interrupted_writes_left_and_nothing_else(
         assert not (tmp_path / name).exists(), name
     for name in kept:
         assert (tmp_path / name).exists(), name
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = said(caplog, "src.trainer.faults")
     assert line.startswith(
         "removed what writes that did not finish (a full disk, a killed run) left in "
         f"{tmp_path}: checkpoints/.old.step_00000004, checkpoints/.tmp.step_00000006, "
@@ -511,7 +518,7 @@ def test_the_token_cache_removes_what_killed_builds_left(tmp_path, caplog):
     assert sorted(p.name for p in cache.iterdir() if p.name in left) == []
     for name in kept:
         assert (cache / name).exists(), name
-    (line,) = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    (line,) = said(caplog, "src.data.token_cache", starts="token cache: removed ")
     assert line == (
         "token cache: removed what interrupted builds (killed, or a full disk) left "
         f"in {cache}: {', '.join(left[1:])}, {left[0]}"
@@ -633,7 +640,7 @@ def test_a_resume_before_the_newest_checkpoint_sets_the_newer_timeline_aside(
     assert cfg.trainer.resume.endswith("step_00000002")
     (branch,) = (run_dir / BRANCHES).iterdir()
     assert branch.name.endswith("_after_step_2")
-    (line,) = [r.getMessage() for r in caplog.records if "branch" in r.getMessage()]
+    (line,) = said(caplog, starts="trainer.resume: a branch ")
     assert line == (
         "trainer.resume: a branch from step 2 (step_00000002, while the run's "
         "newest checkpoint is step_00000004): what the run dir held after it (2 "
@@ -664,7 +671,8 @@ def test_a_resume_before_the_newest_checkpoint_sets_the_newer_timeline_aside(
     caplog.clear()
     with caplog.at_level(logging.INFO):  # the branch's own newest: no branch
         _resume(run_dir, "trainer.resume=auto")
-    assert "branch" not in caplog.text and len(list(branch.parent.iterdir())) == 1
+    assert said(caplog, starts="trainer.resume: a branch ") == []
+    assert len(list(branch.parent.iterdir())) == 1
 
     # A set-aside at step 1 killed after its record: the next command finishes it
     # before it looks at the run (resume=auto then takes step_1).
@@ -727,14 +735,10 @@ def test_a_completed_run_says_so_and_a_longer_one_branches_at_its_checkpoint(
     before = _files(run_dir)
     with caplog.at_level(logging.INFO), pytest.raises(Completed):
         _resume(run_dir, "trainer.resume=auto")
-    assert (
-        caplog.records[-1]
-        .getMessage()
-        .startswith(
-            f"nothing to train: {run_dir} completed its 6 steps (summary.json; its "
-            "newest checkpoint: step_00000004, trainer.ckpt_final=false); its records "
-            "are kept"
-        )
+    assert said(caplog)[-1].startswith(
+        f"nothing to train: {run_dir} completed its 6 steps (summary.json; its "
+        "newest checkpoint: step_00000004, trainer.ckpt_final=false); its records "
+        "are kept"
     )
     assert _files(run_dir) == before
     hidden = run_dir.parent / f"{run_dir.name}-checkpoints"

@@ -19,6 +19,7 @@ from src.checkpoint.folders import complete_checkpoints, hold, reading
 from src.observe.csv_logger import CsvSink
 from src.runs import from_run
 from src.trainer.sweep_plan import never_ran, planned_jobs
+from tests.records import said
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,8 @@ def test_keep_last_leaves_the_checkpoint_a_reader_holds(tmp_path, caplog, monkey
             _save(directory, 3, keep_last=1)
     names = [p.name for p in complete_checkpoints(directory)]
     assert names == ["step_00000001", "step_00000003"]  # step 2 pruned, 1 read
-    (line,) = [r.getMessage() for r in caplog.records if "keep_last" in r.getMessage()]
+    # the pruner's own line (not torch DCP's records, which carry this tmp path)
+    (line,) = said(caplog, "src.checkpoint.dcp", starts="keep_last: ")
     assert (
         line == f"keep_last: {directory}/step_00000001 kept for now: it is being read"
     )
@@ -68,7 +70,7 @@ def test_keep_last_leaves_the_checkpoint_a_reader_holds(tmp_path, caplog, monkey
     assert [p.name for p in complete_checkpoints(directory)] == ["step_00000004"]
     assert picks == ["step_00000003", "step_00000001"]
     assert checkpoint == directory / "step_00000001"
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = said(caplog, "src.runs.from_run")
     assert line == (
         f"checkpoint {directory}/step_00000003 was deleted by its live run "
         "(trainer.keep_last) as it was opened; taking the newest one again"
@@ -87,7 +89,7 @@ def test_a_resume_counts_each_files_rows_and_sets_a_hand_added_one_aside(
     path.write_text("\n".join(rows) + "\n")
     with caplog.at_level(logging.WARNING, logger="src.observe.loggers"):
         assert CsvSink(path).drop_rows_after(2) == {"metrics.csv": 2}
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = said(caplog, "src.observe.loggers")
     assert line == (
         f"{path}: 1 damaged row(s) (not a row with a numeric step) dropped; the file "
         "as it was is kept as metrics.csv.damaged-1"
