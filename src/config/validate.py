@@ -344,9 +344,10 @@ def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
 
 
 def _check_float8(cfg: DictConfig) -> None:
-    """precision=float8's keys (null under another precision), the backend, the
-    layout and the GPU it needs (sm89+)."""
-    p, backend = cfg.precision, BACKENDS[cfg.sharding.backend]
+    """precision=float8's keys (null under another precision) and the GPU it needs
+    (sm89+); its all-gather keys are checked where they are read
+    (``src.resolved.float8_linears``)."""
+    p = cfg.precision
     if not PRECISIONS[p.name].float8:
         for key in FLOAT8_KEYS:
             value = OmegaConf.select(cfg, key)
