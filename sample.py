@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 
 from src.checkpoint.folders import reading
 from src.config.cli import exit_on_config_error, run_cli
+from src.config.run_plan import model_spec
 from src.config.validate import validate_sample
-from src.resolved import model_spec
 from src.runs.compose import open_run
 from src.runs.from_run import on_ranks, run_tokenizer, sample_rank
 from src.trainer.sampling import sampling_changes

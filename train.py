@@ -26,6 +26,7 @@ from src.planner.run import budget_check
 from src.planner.settings import run_budget_bytes
 from src.runs.branches import Completed
 from src.runs.compose import continue_run, take_branch
+from src.runs.sweep import check_objective, run_job
 from src.trainer.faults import stop_before_start
 from src.trainer.launch import (
     admitted,
@@ -36,7 +37,6 @@ from src.trainer.launch import (
     prepare,
 )
 from src.trainer.resume import check_init_from
-from src.trainer.sweep import check_objective, run_job
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from src.util import markdown_table
+from src.text import markdown_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 

@@ -83,7 +83,7 @@ def planned_activations(cfg, resolved, ranks: int) -> int:
 
 
 def measure(args: argparse.Namespace, ranks: int, cp: int) -> dict:
-    from src.resolved import resolve
+    from src.config.run_plan import resolve
 
     cfg = compose_cfg(args, ranks, cp)
     resolved = resolve(cfg)

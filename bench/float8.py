@@ -116,7 +116,7 @@ def _rank(rank: int, world: int, cfg, resolved, out: str) -> dict:
 
 def run(model: str, world: int, steps: int, *overrides: str) -> dict:
     """Rank 0's result of ``steps`` steps of ``model`` on ``world`` ranks."""
-    from src.resolved import resolve
+    from src.config.run_plan import resolve
 
     cfg = compose_cfg(model, world, steps, *overrides)
     resolved = resolve(cfg)

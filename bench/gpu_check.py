@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from bench.common import machine
-from src.util import markdown_table
+from src.text import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -317,7 +317,7 @@ def _ab_rank(
 
 def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
     """Per-step wall (rank 0) and CPU (both ranks) of each arm after the warm-up."""
-    from src.resolved import resolve
+    from src.config.run_plan import resolve
 
     cfg = compose_trainer_cfg(args, s)
     arms = list(args.ab_arms)

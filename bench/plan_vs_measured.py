@@ -502,9 +502,9 @@ def ordinary(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from src.config.run_plan import resolve, with_overrides
     from src.planner.auto import resolve_auto
     from src.planner.run_estimate import estimate_plan
-    from src.resolved import resolve, with_overrides
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(

@@ -74,7 +74,7 @@ def _load(mode: str, directory: str):
 
         return AutoModelForCausalLM.from_pretrained(directory)
     from src.build import build_model
-    from src.resolved import resolve
+    from src.config.run_plan import resolve
     from src.sharding import build_backend
 
     cfg = _cfg(directory)

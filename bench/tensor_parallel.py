@@ -104,7 +104,7 @@ def _rank(
 def measure(args: argparse.Namespace, layout: list[str], instrument=None) -> dict:
     """``layout`` on WORLD ranks (``instrument``: see ``_rank``); the ranks' own
     results under ``ranks``."""
-    from src.resolved import resolve
+    from src.config.run_plan import resolve
 
     cfg = compose_cfg(args, layout)
     resolved = resolve(cfg)

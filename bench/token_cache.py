@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import append_to_benchmarks
-from src.util import markdown_table
+from src.text import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_TIME = re.compile(r"data ready in ([0-9.]+)s")

@@ -36,7 +36,7 @@ from bench.common import append_to_benchmarks
 from bench.init_memory import malloc_trim, rss_bytes
 from src.harness import run_distributed
 from src.observe.metrics import set_malloc_mmap_threshold
-from src.util import markdown_table
+from src.text import markdown_table
 
 MIB = 2**20
 MODES = ("none", "full", "selective")

@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 from src.checkpoint.export import load_hf_weights
+from src.config.run_plan import RunPlan, tensor_parallel_plan
 from src.models.spec import lm_loss
-from src.resolved import RunPlan, tensor_parallel_plan
 from src.sharding import (
     Backend,
     TiedParametersWarning,

@@ -12,6 +12,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
+#: Set to "1" when the user asked for tracebacks inline (``HYDRA_FULL_ERROR=1``):
+#: ``run_cli`` sets Hydra's own variable for itself, so the choice is kept here.
+FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; ``str()`` is one line naming the key."""
@@ -23,7 +27,7 @@ class ConfigError(ValueError):
 
 def not_writable(key: str, path: str, what: str, problem: str) -> ConfigError:
     """The one-line error for a directory ``what`` writes to that cannot be written
-    (``problem``: :func:`src.util.unwritable`'s reason), naming the ``key`` (or
+    (``problem``: :func:`src.files.unwritable`'s reason), naming the ``key`` (or
     environment variable) that moves it."""
     return ConfigError(
         key, f"{what} writes to {path}: {problem}; set {key} to a writable directory"

@@ -34,10 +34,10 @@ RANK_MODULES = ["src.runs.compose", "src.trainer.launch"]
 
 
 def compose_config(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
-    """conf/config.yaml composed with ``overrides``, typed by src/schema.py."""
+    """conf/config.yaml composed with ``overrides``, typed by src/config/schema.py."""
     from hydra import compose, initialize_config_dir
 
-    import src.schema  # noqa: F401  (registers the schema)
+    import src.config.schema  # noqa: F401  (registers the schema)
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(

@@ -1,7 +1,7 @@
 """Named options of one kind (model families, data sources, loggers, backends,
 precisions, wrap policies): a dict that refuses a second entry under a taken name, so
 a plug-in cannot silently replace another; and :func:`described`, a schema field with
-its one-line ``--help`` text (src/cli_help.py reads it), so a key's type and its
+its one-line ``--help`` text (src/config/cli_help.py reads it), so a key's type and its
 meaning live together."""
 
 from __future__ import annotations

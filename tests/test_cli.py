@@ -10,12 +10,12 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from src.cli_help import described_keys, is_schema_option, user_options
 from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
+from src.config.cli_help import described_keys, is_schema_option, user_options
+from src.config.run_plan import resolve, with_overrides
 from src.config.validate import validate
 from src.data.corpus import resolve_files
 from src.planner.auto import default_policy
-from src.resolved import resolve, with_overrides
 from tests.distributed import HANG_S
 from tests.test_config import CONF, ROOT, make_cfg
 
@@ -118,12 +118,12 @@ def test_every_key_of_every_option_has_a_description():
 def test_help_lines_that_list_names_read_the_registries(monkeypatch):
     """A new backend, precision, policy, logger, data source or model family shows
     in --help by itself: those lines are made from the registries when shown."""
+    from src.config.schema import PrecisionConfig, ShardingConfig
     from src.data.sources import DATA_SOURCES, DataConfig
     from src.models import get_spec
     from src.models.spec import _REGISTRY
     from src.observe.loggers import LOGGERS, LoggerConfig
     from src.registry import key_help
-    from src.schema import PrecisionConfig, ShardingConfig
     from src.sharding import BACKENDS, PRECISIONS
     from src.sharding.policies import POLICIES
 

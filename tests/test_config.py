@@ -13,9 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.run_plan import resolve_devices
 from src.config.validate import refuse_null_groups, reject_non_finite, validate
 from src.harness import compose_config
-from src.resolved import resolve_devices
 from src.sharding.policies import policy_names
 from tests.distributed import HANG_S
 
@@ -344,8 +344,8 @@ def test_a_group_set_to_null_is_one_line(monkeypatch, capsys):
     """``trainer=null`` failed inside Hydra's defaults list with a
     traceback: one line naming the group and its options, exit status 2, before
     Hydra runs anything."""
-    from src.cli_help import user_groups
     from src.config.cli import run_cli
+    from src.config.cli_help import user_groups
 
     def main() -> None:
         raise AssertionError("must not run")

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 
 import eval as eval_py
 from bench.context_parallel import compose_cfg, measure_rank, planned_activations
+from src.config.run_plan import OVERRIDES, resolve, with_overrides
 from src.config.validate import validate
 from src.harness import CONF_DIR
 from src.models.hf import SHIPPED
@@ -32,7 +33,6 @@ from src.planner.report import fit_report
 from src.planner.run_estimate import estimate_plan
 from src.planner.search import search
 from src.planner.settings import AC, CP, DEVICES
-from src.resolved import OVERRIDES, resolve, with_overrides
 from src.sharding import GIB
 from src.sharding.context_parallel import (
     chunk_positions,

@@ -48,8 +48,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
+from src.config.run_plan import OVERRIDES
 from src.config.validate import validate
-from src.resolved import OVERRIDES
 from src.trainer.launch import override_keys
 from tests.distributed import run_distributed
 from tests.test_config import run_train

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from src.config.run_plan import resolve
 from src.config.validate import validate
-from src.resolved import resolve
 from src.trainer.launch import prepare, run_rank, run_ranks
 from src.trainer.loop import train
 from tests.distributed import HANG_S

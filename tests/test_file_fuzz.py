@@ -865,8 +865,8 @@ def test_fuzz_summary_lock_and_tokenizer_config(tmp_path, caplog):
 
     from src.config.cli import CONFIG_ERRORS
     from src.data.tokenizer import byte_level_hf, load_path_tokenizer
+    from src.runs.sweep import _read_json
     from src.trainer.faults import run_dir_lock
-    from src.trainer.sweep import _read_json
 
     summary = {"val_loss": 2.5, "steps": 4}
     tokenizer_dir = tmp_path / "tok"
@@ -882,9 +882,9 @@ def test_fuzz_summary_lock_and_tokenizer_config(tmp_path, caplog):
         path.write_text(json.dumps(summary))
         mutate(path)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="src.trainer.sweep"):
+        with caplog.at_level(logging.WARNING, logger="src.runs.sweep"):
             assert _read_json(path) == {}, name
-        (line,) = said(caplog, "src.trainer.sweep")
+        (line,) = said(caplog, "src.runs.sweep")
         assert line.startswith(f"{path} is damaged"), line
 
         if name != "a directory":
@@ -921,7 +921,7 @@ def test_fuzz_run_record_yaml(tmp_path):
     from src.errors import ConfigError
     from src.runs.from_run import run_config
     from src.runs.resume import run_record
-    from src.trainer.sweep import collect_dirs
+    from src.runs.sweep import collect_dirs
 
     marker = tmp_path / "MARKER"
     files = {

@@ -10,9 +10,9 @@ import torch
 
 from src.build import build_model
 from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.run_plan import model_config, model_spec, resolve
 from src.config.validate import validate
 from src.harness import compose_config
-from src.resolved import model_config, model_spec, resolve
 from src.sharding import build_backend, wrap_plan
 from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed

@@ -14,10 +14,10 @@ from hydra import compose, initialize_config_dir
 from src.build import build_model
 from src.checkpoint.export import export_model_hf
 from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.run_plan import resolve
 from src.config.validate import validate
 from src.data.sources import tokenizer_of
 from src.data.tokenizer import BPE_EOS, byte_tokenizer
-from src.resolved import resolve
 from src.sharding import build_backend
 from src.trainer.loop import train
 from tests.distributed import run_distributed

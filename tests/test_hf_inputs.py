@@ -13,8 +13,8 @@ from safetensors import safe_open
 from src.build import build_model
 from src.checkpoint.export import export_model_hf
 from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.run_plan import resolve
 from src.config.validate import validate
-from src.resolved import resolve
 from src.sharding import build_backend
 from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed

@@ -17,18 +17,15 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest floor first. A floor may import any floor below it; the layers sharing a floor
 # do not import each other.
 LAYERS: list[set[str]] = [
-    {"registry", "util", "errors", "entry"},
-    {"cli_help"},
+    {"registry", "files", "text", "errors", "entry"},
     {"sharding"},
     {"models"},
-    {"resolved"},
     {"data", "observe"},
-    {"schema"},
     {"checkpoint"},
+    {"config"},
     {"build"},
     {"planner"},
     {"trainer"},
-    {"config"},
     {"runs"},
     {"harness"},
 ]

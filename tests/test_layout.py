@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from src.resolved import LAYOUT_KEYS
+from src.config.run_plan import LAYOUT_KEYS
 from src.sharding import BACKENDS, LayoutError, ParallelLayout
 
 from .test_config import config_error

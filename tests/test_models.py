@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.cli_help import is_schema_option, user_options
+from src.config.cli_help import is_schema_option, user_options
+from src.config.run_plan import model_config, model_spec, resolve
 from src.config.validate import validate
 from src.harness import compose_config
 from src.models import families, get_spec
-from src.resolved import model_config, model_spec, resolve
 from src.sharding import wrap
 from src.trainer.loop import train
 from src.trainer.optimizer import build_optimizer

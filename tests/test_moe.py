@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from src.config.run_plan import LAYOUT_KEYS
 from src.models.moe import (
     MoEConfig,
     MoETransformer,
@@ -16,7 +17,6 @@ from src.models.moe import (
     init_tensor,
     moe_layers,
 )
-from src.resolved import LAYOUT_KEYS
 from tests.test_config import assert_fails_naming, config_error
 
 CFG = dict(
@@ -235,10 +235,10 @@ def test_the_fit_search_proposes_expert_parallelism_for_an_moe_model(tp):
     """Between the peaks of EP1 and EP8 on 8 ranks, only splitting the experts fits:
     the search proposes sharding.expert_parallel, and its estimate is that of the
     run with it; with TP2 too (the ep group whole tp groups)."""
+    from src.config.run_plan import OVERRIDES, resolve, with_overrides
     from src.planner.run_estimate import estimate_plan
     from src.planner.search import search
     from src.planner.settings import EP
-    from src.resolved import OVERRIDES, resolve, with_overrides
     from tests.test_config import make_cfg
 
     cfg = make_cfg(
@@ -278,10 +278,10 @@ def test_the_planned_expert_dispatch_states_its_bound(overrides, ratio, says):
     """The estimate's expert dispatch part: the rows a rank receives above its own
     share (balanced), under the bound the note states, kept in every MoE layer, and
     one layer's send and receive buffers; it is a part of the EP run's estimate."""
+    from src.config.run_plan import resolve
     from src.planner.activations import ep_dispatch
     from src.planner.inputs import run_shape
     from src.planner.run_estimate import estimate_plan
-    from src.resolved import resolve
     from tests.test_config import make_cfg
 
     cfg = make_cfg(

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import src.schema  # noqa: F401  (registers the base_config schema for compose)
+import src.config.schema  # noqa: F401  (registers the base_config schema for compose)
+from src.config.run_plan import model_config, model_spec, resolve
 from src.harness import compose_config
 from src.observe import metrics
 from src.planner.estimate import PARTS
-from src.resolved import model_config, model_spec, resolve
 from tests.distributed import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent

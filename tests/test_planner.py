@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import src.schema  # noqa: F401  (registers the base_config schema for compose)
+import src.config.schema  # noqa: F401  (registers the base_config schema for compose)
+from src.config.run_plan import (
+    budget_bytes,
+    resolve,
+    tensor_parallel_plan,
+    varied,
+    with_overrides,
+)
 from src.harness import compose_config
 from src.models import GPT, GPTConfig
 from src.models.gpt import activation_bytes
@@ -24,7 +31,6 @@ from src.planner.constants import (
     IMPORT_BYTES,
     PROCESS_BYTES,
     RUNTIME_BYTES,
-    budget_bytes,
 )
 from src.planner.costs import precision_cost
 from src.planner.estimate import RunShape, estimate, needed, planned_peak_gib
@@ -48,7 +54,6 @@ from src.planner.settings import (
     accelerator_name,
     device_type,
 )
-from src.resolved import resolve, tensor_parallel_plan, varied, with_overrides
 from src.sharding import BACKENDS, MIB, Backend, Unit, WrapPlan
 from src.sharding.backends import FSDP1Backend
 from src.sharding.ddp import DDPBackend

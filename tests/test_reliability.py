@@ -200,7 +200,7 @@ def test_a_full_disk_at_start_up_is_one_line_with_the_free_space(tmp_path, monke
     (the full disk itself: tests/test_faults.py's /dev/full run)."""
     import errno
 
-    from src import util
+    from src import files as util
 
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

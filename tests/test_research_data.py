@@ -148,7 +148,7 @@ def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, cap
     assert not any(r["best"] == "True" for r in rows)
     table = (tmp_path / "out2" / "compare.md").read_text()
     assert "**" not in table  # no bold best
-    warned = said(caplog, "src.trainer.sweep", starts="no best run marked")
+    warned = said(caplog, "src.runs.sweep", starts="no best run marked")
     assert warned == [
         "no best run marked: the runs use different tokenizers (byte (256 tokens): 2 "
         f"run(s); {rows[2]['tokenizer']}: 1 run(s)), so their losses and tokens/s do "

@@ -22,12 +22,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import eval as eval_py
+from src.config.run_plan import RunPlan
 from src.config.validate import validate
 from src.data.sources import GlobalBatches, TokenStream
 from src.errors import ConfigError
 from src.models import get_spec
 from src.models.generate import KVCache, generate
-from src.resolved import RunPlan
 from src.runs.compare import main as compare_main
 from src.runs.compose import open_run
 from src.runs.evaluation import EVAL_FILE

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from src.cli_help import is_schema_option, user_options
+from src.config.cli_help import is_schema_option, user_options
+from src.config.schema import MIN_LR_RATIO, ShardingConfig
 from src.config.validate import validate
 from src.data.sources import prepare_data, tokenizer_of
 from src.observe.logs import capture_warnings
 from src.registry import key_help
-from src.schema import MIN_LR_RATIO, ShardingConfig
 from src.trainer.optimizer import final_lr, lr_lambda
 from tests.distributed import HANG_S
 from tests.records import records, said

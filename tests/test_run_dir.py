@@ -437,7 +437,7 @@ def test_a_start_removes_what_interrupted_writes_left_and_nothing_else(
     from src.trainer.faults import remove_interrupted_writes
 
     dead, alive = _dead_pid(), os.getpid()
-    mark = f".tmp-shardwrap-{dead}"  # atomic_path's marker (src/util.py)
+    mark = f".tmp-shardwrap-{dead}"  # atomic_path's marker (src/files.py)
     ckpts = tmp_path / "checkpoints"
     for name in (".tmp.step_00000006", "step_00000004", ".old.step_00000004"):
         (ckpts / name).mkdir(parents=True)

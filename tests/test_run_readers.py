@@ -18,7 +18,7 @@ from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import complete_checkpoints, hold, reading
 from src.observe.csv_logger import CsvSink
 from src.runs import from_run
-from src.trainer.sweep_plan import never_ran, planned_jobs
+from src.runs.sweep_plan import never_ran, planned_jobs
 from tests.records import said
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +148,7 @@ def test_a_sweep_stopped_names_its_jobs_that_never_ran(tmp_path):
 
 @pytest.mark.parametrize("first", [0, 2])
 def test_the_never_ran_line_counts_from_the_job_it_names(first):
-    from src.trainer import sweep_plan as sweep
+    from src.runs import sweep_plan as sweep
 
     sweep._planned[:] = [["a=1", "b=2"], ["a=1", "b=3"], ["a=1", "b=4"]]
     line = never_ran(15, first)

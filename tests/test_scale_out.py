@@ -19,10 +19,10 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from src.config.run_plan import resolve
 from src.config.validate import validate
 from src.models import GPT, GPTConfig
 from src.planner.report import plan_only
-from src.resolved import resolve
 from src.sharding import (
     ParallelLayout,
     build_backend,

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from src.config.cli import exit_on_config_error
 from src.errors import ConfigError
 from src.harness import compose_config
-from src.trainer.sweep import (
+from src.runs.sweep import (
     STATUS_FILE,
     collect,
     error_line,
@@ -251,7 +251,7 @@ def test_slurm_launcher_preset_composes():
     default = _compose()
     assert default.hydra.launcher._target_.endswith("BasicLauncher")
     assert default.hydra.callbacks.sweep_summary._target_ == (
-        "src.trainer.sweep.SweepSummary"
+        "src.runs.sweep.SweepSummary"
     )
 
 
@@ -441,7 +441,7 @@ def test_recorded_overrides_keep_their_interpolations(tmp_path):
     sweep row lost its overrides, and sample.py, eval.py and a resume stopped)."""
     from src.runs.from_run import run_config
     from src.runs.resume import run_record
-    from src.trainer.sweep import _overrides
+    from src.runs.sweep import _overrides
 
     record = tmp_path / ".hydra"
     record.mkdir()
@@ -473,8 +473,8 @@ def test_a_job_without_its_objective_records_strict_json(
     job (``python train.py -m model=tiny trainer.plan_only=true
     trainer.devices=2,4``). The record is JSON: the objective null, the row
     completed."""
-    import src.trainer.sweep as sweep
-    from src.util import read_json
+    import src.runs.sweep as sweep
+    from src.files import read_json
 
     monkeypatch.setattr(sweep, "is_multirun", lambda: True)
     _fake_sweep(tmp_path, [({"trainer.devices": 2}, {"loss": 5.0})], {})

@@ -22,10 +22,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import eval as eval_py
+from src.config.run_plan import resolve
 from src.config.validate import validate
 from src.harness import CONF_DIR
 from src.planner.report import plan_only
-from src.resolved import resolve
 from src.runs.from_run import RUN_CONFIG, RUN_OVERRIDES
 from src.trainer.launch import run_rank
 from src.trainer.loop import train

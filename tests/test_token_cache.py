@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from src.config.cli import CONFIG_ERRORS, one_line
+from src.config.run_plan import resolve
 from src.config.validate import validate
 from src.data.sources import follow_tokenizer_vocab, load_splits, prepare_data
 from src.data.tokenizer import BPE_EOS, load_path_tokenizer
 from src.harness import compose_config
-from src.resolved import resolve
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from src.config.run_plan import resolve
 from src.harness import compose_config
 from src.models import GPT, get_spec
 from src.planner.report import plan_only
-from src.resolved import resolve
 from src.trainer.launch import cpu_threads
 from src.trainer.loop import train
 from src.trainer.optimizer import build_optimizer, lr_lambda

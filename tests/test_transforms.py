@@ -153,9 +153,9 @@ def test_selective_rejects_a_block_split_into_smaller_units():
 
     # From the command line: one line naming the key, before any rank starts (the
     # planner's meta build, also per pipeline stage), not a failure on every rank.
+    from src.config.run_plan import resolve
     from src.errors import ConfigError
     from src.planner.run_estimate import estimate_plan
-    from src.resolved import resolve
     from tests.test_config import make_cfg
 
     split = (

@@ -48,9 +48,9 @@ from src.data.tokenizer import (
     save_hf_tokenizer,
     special_ids,
 )
+from src.files import atomic_path, parse_json
 from src.sharding import canonical_name
-from src.sharding.layout import flat_mesh
-from src.util import atomic_path, collective_device, parse_json
+from src.sharding.layout import collective_device, flat_mesh
 
 log = logging.getLogger(__name__)
 

@@ -227,7 +227,7 @@ def _newest_good(
 # ------------------------------------------------ directories published whole
 #: Where a directory published whole (the ``hf/`` export) is written before its
 #: rename, and where the copy it replaces waits until the new one is in place: names
-#: only this project gives (src/util.py's marker), found and undone at the next
+#: only this project gives (src/files.py's marker), found and undone at the next
 #: start (:func:`drop_unpublished`).
 _ASIDE = ".tmp-shardwrap-dir"
 _REPLACED = ".old-shardwrap-dir"

@@ -32,7 +32,7 @@ from src.checkpoint.folders import INDEX, MARKER, META, step_of
 from src.checkpoint.ranks import _distributed, _world_size, this_rank
 from src.checkpoint.rng import _rng_file
 from src.checkpoint.values import _to_json
-from src.util import MAX_JSON, file_crc32, parse_json
+from src.files import MAX_JSON, file_crc32, parse_json
 
 # 2: meta.json holds per-file checksums; 3: the marker holds meta.json's CRC-32
 FORMAT_VERSION = 3

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.util import collective_device
+from src.sharding.layout import collective_device
 
 
 def _distributed() -> bool:

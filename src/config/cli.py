@@ -26,12 +26,11 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.cli_help import is_schema_option, option_keys, user_groups, user_options
+from src.config.cli_help import is_schema_option, option_keys, user_groups, user_options
+from src.config.schema import Config
 from src.config.validate import refuse_null_groups
-from src.errors import ConfigError, RunError
+from src.errors import FULL_ERROR_ENV, ConfigError, RunError
 from src.observe.logs import error_line
-from src.schema import Config
-from src.trainer.faults import FULL_ERROR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ def exit_on_config_error() -> Iterator[None]:
         line = f"{'config error' if config else 'error'}: {one_line(err)}"
         error_line(log, line)  # stderr (and train.log once Hydra set it up)
         exit_ = SystemExit(2 if config else 1)
-        exit_.add_note(line)  # what a sweep records for the job (src/trainer/sweep.py)
+        exit_.add_note(line)  # what a sweep records for the job (src/runs/sweep.py)
         raise exit_ from err
 
 

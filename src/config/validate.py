@@ -17,22 +17,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from src.cli_help import is_schema_option, user_groups, user_options
-from src.data.sources import DATA_SOURCES
-from src.errors import ConfigError, keyed
-from src.models import ModelSpec
-from src.observe.loggers import LOGGERS
-from src.observe.logs import LOG_LEVELS
-from src.planner.constants import budget_bytes
-from src.resolved import (
+from src.config.cli_help import is_schema_option, user_groups, user_options
+from src.config.run_plan import (
     FLOAT8_KEYS,
     LAYOUT_KEYS,
     RunPlan,
+    budget_bytes,
     resolve,
     resolve_devices,
     tensor_parallel_plan,
 )
-from src.schema import (
+from src.config.schema import (
     CKPT_CHOICES,
     DIRECTIONS,
     EVAL_SPLITS,
@@ -43,6 +38,11 @@ from src.schema import (
     OBJECTIVES,
     RESUME_SCHEDULES,
 )
+from src.data.sources import DATA_SOURCES
+from src.errors import ConfigError, keyed
+from src.models import ModelSpec
+from src.observe.loggers import LOGGERS
+from src.observe.logs import LOG_LEVELS
 from src.sharding import (
     BACKENDS,
     CHECKPOINTING,
@@ -142,7 +142,7 @@ def reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
 
 def refuse_schemas(cfg: DictConfig) -> None:
     """``model=schema/<family>``, ``data=base_<source>`` and ``logger=schema/<name>``
-    are the types of a group's options (registered by src/schema.py), not
+    are the types of a group's options (registered by src/config/schema.py), not
     options: picked on the command line they give a node without a preset's values
     (an 8B-parameter default Llama, ``data.name`` unset). Refused, naming the options
     of conf/."""
@@ -346,7 +346,7 @@ def _check_sharding(cfg: DictConfig, layout: ParallelLayout) -> None:
 def _check_float8(cfg: DictConfig) -> None:
     """precision=float8's keys (null under another precision) and the GPU it needs
     (sm89+); its all-gather keys are checked where they are read
-    (``src.resolved.float8_linears``)."""
+    (``src.config.run_plan.float8_linears``)."""
     p = cfg.precision
     if not PRECISIONS[p.name].float8:
         for key in FLOAT8_KEYS:

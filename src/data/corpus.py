@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from src.errors import ConfigError, not_writable
-from src.util import free_space, read_json, unwritable, write_json_atomic
+from src.files import free_space, read_json, unwritable, write_json_atomic
 
 #: How a file holds its documents.
 DATA_FORMATS = ("text", "jsonl", "parquet")

@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from src.util import atomic_path, read_json_object, write_json_atomic
+from src.files import atomic_path, read_json_object, write_json_atomic
 
 #: In the run dir: what the run's tokens were made from.
 DATA_RECORD = "data.json"

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from src.data.corpus import DIGESTS_FILE, EOD, Corpus, build_lock, digest
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
-from src.util import read_json
+from src.files import read_json
 
 log = logging.getLogger(__name__)
 

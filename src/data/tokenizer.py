@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from src.data.corpus import EOD, Corpus, CorpusError, build_lock, digest
-from src.util import atomic_path, read_json_object
+from src.files import atomic_path, read_json_object
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from src.files import read_json
 from src.models import hf_experts, hf_routing
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
 from src.sharding.context_parallel import ContextParallel
@@ -51,7 +52,6 @@ from src.sharding.tensor_parallel import (
     TPPlan,
     styles_from_strings,
 )
-from src.util import read_json
 
 SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hf_configs"
 PREFIX = "hf."  # our parameter names: "hf." + the transformers model's own

@@ -179,7 +179,7 @@ class ModelSpec:
     # Optional: a context the planner traces the model's activations in (fake
     # tensors, src/planner/trace.py), for a family whose code branches on them.
     trace_context: Callable[[], contextlib.AbstractContextManager] | None = None
-    # The --help line of each key of ``config_cls`` (src/cli_help.py), beyond
+    # The --help line of each key of ``config_cls`` (src/config/cli_help.py), beyond
     # SHARED_KEY_HELP; the schema carries them as its fields' metadata.
     key_help: Mapping[str, str] = field(default_factory=dict)
 

@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from src.files import keep_aside, read_json
 from src.observe.loggers import SUMMARY_FILE
-from src.util import keep_aside, read_json
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from src.errors import ConfigError
+from src.files import atomic_path
 from src.observe.loggers import (
     LOGGERS,
     ConsoleSink,
@@ -27,7 +28,7 @@ from src.observe.loggers import (
     set_aside_damaged,
 )
 from src.registry import described
-from src.util import atomic_path, plural
+from src.text import plural
 
 
 @dataclass

@@ -31,9 +31,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from src.errors import ConfigError
+from src.files import atomic_path, json_default, keep_aside, write_json_atomic
 from src.observe.metrics import contended
 from src.registry import Registry, described, no_check, or_list
-from src.util import atomic_path, json_default, keep_aside, plural, write_json_atomic
+from src.text import plural
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from src.sharding import GIB
-from src.util import collective_device
+from src.sharding.layout import collective_device
 
 log = logging.getLogger(__name__)
 

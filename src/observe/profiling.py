@@ -42,7 +42,8 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from src.errors import RunError
-from src.util import markdown_table, write_json_atomic
+from src.files import write_json_atomic
+from src.text import markdown_table
 
 log = logging.getLogger(__name__)
 # libkineto's own start/stop lines on stderr (read when the profiler first starts; the

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from src.config.run_plan import RunPlan, tensor_parallel_plan
 from src.models.memory import ActivationBytes
 from src.planner.constants import EP_IMBALANCE
 from src.planner.estimate import Dispatch, RunShape
 from src.planner.trace import tp_local, traced_activation_bytes
-from src.resolved import RunPlan, tensor_parallel_plan
 
 
 def tp_activations(

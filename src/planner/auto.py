@@ -6,7 +6,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from src.planner.constants import budget_bytes, machine_budget_bytes
+from src.config.run_plan import (
+    OVERRIDES,
+    RunPlan,
+    budget_bytes,
+    field_of,
+    resolve_policies,
+    varied,
+)
+from src.planner.constants import machine_budget_bytes
 from src.planner.costs import Checkpointing, ac_cost
 from src.planner.estimate import fmt_bytes, with_margin
 from src.planner.inputs import build_meta_model, plan_of
@@ -14,7 +22,6 @@ from src.planner.pipeline import stage_plans
 from src.planner.run_estimate import estimate_plan
 from src.planner.search import Candidate, fmt_value, search, splits_blocks
 from src.planner.settings import AC, ACCUM, MIN_PARAMS, SYNC, mem_margin
-from src.resolved import OVERRIDES, RunPlan, field_of, resolve_policies, varied
 from src.sharding import backend_class
 
 #: The run plan's fields ``auto`` may stand for, and what the planner searches.

@@ -1,53 +1,16 @@
-"""What the planner knows of machines: the memory of the accelerators a budget can name,
-the calibrated runtime and process constants (bench/plan_vs_measured.py,
-docs/benchmarks.md) and a budget in bytes."""
+"""What the planner knows of machines: the calibrated runtime and process constants
+(bench/plan_vs_measured.py, docs/benchmarks.md) and this machine's memory. The
+accelerators a budget can name, and a budget in bytes, are resolved with the run plan
+(src/config/run_plan.py)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
-from src.errors import ConfigError
 from src.sharding import GIB, MIB
-
-#: Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
-#: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
-ACCELERATORS_GIB: dict[str, float] = {
-    "a100_40gb": 39.4,
-    "a100_80gb": 79.2,
-    "h100_80gb": 79.1,
-    "h100_94gb": 93.1,
-    "h200": 139.8,
-    "b200": 178.4,
-    "l40s": 44.4,
-    "a10g": 22.0,
-    "mi300x": 191.5,
-}
-
-
-def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
-    """``trainer.mem_budget_gib`` in bytes: GiB per rank, or a named accelerator from
-    :data:`ACCELERATORS_GIB`; None when unset."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        name = value.strip().lower()
-        if name in ACCELERATORS_GIB:
-            return int(ACCELERATORS_GIB[name] * GIB)
-        try:
-            value = float(name)
-        except ValueError:
-            raise ConfigError(
-                key,
-                f"got {value!r}, expected GiB per rank (> 0) or one of: "
-                + ", ".join(ACCELERATORS_GIB),
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(key, f"got {value!r}, expected GiB per rank > 0")
-    return int(value * GIB)
 
 
 def available_memory() -> tuple[int, str]:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from src.config.run_plan import OVERRIDES
 from src.models.memory import ActivationBytes
 from src.planner.constants import CONSTANTS_SOURCE, process_bytes, runtime_bytes
-from src.resolved import OVERRIDES
 from src.sharding import GIB, MIB, WrapPlan, backend_class
 
 

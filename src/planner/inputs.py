@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from src.config.run_plan import OVERRIDES, RunPlan, varied
 from src.errors import ConfigError
 from src.observe.loggers import LOGGERS
 from src.planner.constants import process_bytes
 from src.planner.estimate import RunShape
 from src.planner.settings import device_type
-from src.resolved import OVERRIDES, RunPlan, varied
 from src.sharding import (
     ParallelLayout,
     WrapPlan,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from src.config.run_plan import RunPlan
 from src.models.memory import ActivationBytes
 from src.planner.activations import activation_fn, run_activation_fn, tp_activations
 from src.planner.estimate import Estimate, RunShape, estimate, fmt_bytes
@@ -20,7 +21,6 @@ from src.planner.inputs import (
     run_shape,
     with_ac_chosen,
 )
-from src.resolved import RunPlan
 from src.sharding import Unit, WrapPlan
 from src.sharding.pipeline import (
     SCHEDULES,

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from src.config.run_plan import OVERRIDES, RunPlan, budget_bytes, field_of, varied
+from src.config.schema import GRAD_SYNC
 from src.observe.loggers import Logger
 from src.planner.auto import AUTO_FIELDS
-from src.planner.constants import budget_bytes
 from src.planner.costs import (
     cost_factors,
     pipeline_cost,
@@ -51,8 +52,6 @@ from src.planner.settings import (
     accelerator_name,
     mem_margin,
 )
-from src.resolved import OVERRIDES, RunPlan, field_of, varied
-from src.schema import GRAD_SYNC
 from src.sharding import GIB, WrapPlan, get_precision
 
 log = logging.getLogger(__name__)

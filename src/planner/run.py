@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from src.config.run_plan import OVERRIDES, RunPlan
 from src.errors import ConfigError
 from src.planner.auto import AUTO_FIELDS, default_policy, resolve_auto
 from src.planner.constants import available_memory
@@ -22,7 +23,6 @@ from src.planner.estimate import (
 from src.planner.run_estimate import estimate_plan
 from src.planner.search import search
 from src.planner.settings import PP, PRECISION, mem_margin, run_budget_bytes
-from src.resolved import OVERRIDES, RunPlan
 from src.sharding import GIB
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from src.config.run_plan import RunPlan
 from src.planner.activations import ep_dispatch, has_formula, run_activations
 from src.planner.estimate import Estimate, estimate
 from src.planner.inputs import (
@@ -14,7 +15,6 @@ from src.planner.inputs import (
     run_shape,
 )
 from src.planner.pipeline import pipeline_estimates, worst_stage
-from src.resolved import RunPlan
 from src.sharding import WrapPlan
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from src.config.run_plan import OVERRIDES, RunPlan, field_of, varied
+from src.config.schema import GRAD_SYNC
 from src.models.memory import ActivationBytes
 from src.planner.activations import (
     cp_activations,
@@ -44,8 +46,6 @@ from src.planner.settings import (
     device_type,
     mem_margin,
 )
-from src.resolved import OVERRIDES, RunPlan, field_of, varied
-from src.schema import GRAD_SYNC
 from src.sharding import (
     PRECISIONS,
     LayoutError,

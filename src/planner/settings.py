@@ -1,15 +1,14 @@
 """What the planner reads of a run plan: the fields its search varies (plan field
-names, never config keys: :data:`src.resolved.OVERRIDES` says them as overrides), the
+names, never config keys: :data:`src.config.run_plan.OVERRIDES` says them as overrides), the
 budget, margin and device an estimate is for."""
 
 from __future__ import annotations
 
 import torch
 
-from src.planner.constants import ACCELERATORS_GIB, budget_bytes
-from src.resolved import RunPlan
+from src.config.run_plan import ACCELERATORS_GIB, RunPlan, budget_bytes
 
-#: The run plan's fields the fit search varies (see :func:`src.resolved.varied`).
+#: The run plan's fields the fit search varies (see :func:`src.config.run_plan.varied`).
 DEVICES = "layout.world_size"
 PP = "layout.pp"
 CP = "layout.cp"

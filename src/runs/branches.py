@@ -32,8 +32,9 @@ from omegaconf import DictConfig
 from src.checkpoint.export import CONSOLIDATED_FILE, HF_EXPORT_DIR
 from src.checkpoint.folders import complete_checkpoints, run_checkpoints, step_of
 from src.errors import ConfigError
+from src.files import read_json, write_json_atomic
 from src.observe.loggers import SUMMARY_FILE, build_logger
-from src.util import plural, read_json, write_json_atomic
+from src.text import plural
 
 BRANCHES = "branches"
 BRANCH_RECORD = "branch.json"  # in each branch dir: where it starts, and when

@@ -1,6 +1,6 @@
 """Compare runs: ``python -m src.runs.compare RUN_DIR_OR_SWEEP_DIR...``.
 
-The table is the sweep summary's (src/trainer/sweep.py ``collect_dirs`` and
+The table is the sweep summary's (src/runs/sweep.py ``collect_dirs`` and
 ``summary_table``: each run's final figures from its ``summary.json``, the overrides
 that differ between the runs as columns, the value a run ran with where it did not
 set one, the best run by the first run's ``sweep.objective`` unless the runs'
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from src.observe.loggers import METRICS_FILE
-from src.trainer.sweep import collect_dirs, job_dirs, summary_table, write_csv
+from src.runs.sweep import collect_dirs, job_dirs, summary_table, write_csv
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from src.checkpoint.folders import META, resolve_resume, run_checkpoints
-from src.cli_help import CONF_DIR
+from src.config.cli_help import CONF_DIR
+from src.config.run_plan import RunPlan
 from src.config.validate import validate
 from src.data.pinning import pinned_data, read_pin
 from src.errors import ConfigError, keyed
-from src.resolved import RunPlan
 from src.runs.branches import (
     Completed,
     branch_point,

@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from src.config.run_plan import RunPlan, world_size
 from src.data.corpus import Corpus
 from src.data.mixture import make_batches, whole_stream
 from src.data.pinning import read_pin
 from src.data.sources import DATA_SOURCES, corpus_changes, load_splits
 from src.errors import ConfigError
-from src.resolved import RunPlan, world_size
+from src.files import keep_aside, read_json, write_json_atomic
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.trainer.step import evaluate
-from src.util import keep_aside, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from src.checkpoint.folders import (
     run_checkpoints,
     step_of,
 )
+from src.config.run_plan import RunPlan
 from src.data.sources import DATA_SOURCES, tokenizer_of
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError, keyed
-from src.resolved import RunPlan
 from src.runs.branches import BRANCHES
 from src.runs.resume import RECORD, recorded_config
 from src.sharding import Backend

@@ -30,9 +30,9 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from src.checkpoint.folders import META, complete_checkpoints, run_checkpoints
+from src.files import read_json, read_yaml
 from src.observe.loggers import METRICS_FILE
 from src.trainer.faults import LOCK_FILE, holds, live_ranks
-from src.util import read_json, read_yaml
 
 RECORD = ".hydra"
 ATTEMPTS = f"{RECORD}/attempts"

@@ -20,14 +20,15 @@ from src.checkpoint.folders import META, is_complete, run_checkpoints
 from src.config.cli import exit_on_config_error
 from src.data.tokenizer import cache_path
 from src.errors import ConfigError, not_writable
+from src.files import planted_file, unwritable
 from src.models.hf import remote_code_dir
 from src.observe.loggers import logs_to_wandb, wandb_dirs
 from src.runs.branches import BRANCHES
 from src.runs.resume import RECORD
+from src.runs.sweep import job_dirs
 from src.sharding.transforms import compile_cache_dir
+from src.text import plural
 from src.trainer.faults import LOCK_FILE, RANK_REPORTS
-from src.trainer.sweep import job_dirs
-from src.util import planted_file, plural, unwritable
 
 
 def written_dirs(cfg: DictConfig, wandb: bool = True) -> list[tuple[str, str, str]]:

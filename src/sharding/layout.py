@@ -28,7 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -338,3 +341,11 @@ def flat_mesh(device_type: str, world_size: int) -> DeviceMesh:
     """A 1-D mesh over all ``world_size`` ranks (reading or writing a whole tensor
     as each rank's slice of it, whatever the run's layout)."""
     return ParallelLayout(world_size).build_mesh(device_type).world
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor must be for a collective on ``group`` (default: the world):
+    this rank's GPU under NCCL, else the CPU (gloo)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from src.util import plural
+from src.text import plural
 
 from .backends import canonical_name
 from .float8 import is_float8_linear

@@ -51,6 +51,7 @@ from src.checkpoint.folders import (
 )
 from src.entry import STOP_SIGNALS
 from src.errors import (
+    FULL_ERROR_ENV,
     DiskFull,
     PeerExited,
     PeerUnresponsive,
@@ -58,15 +59,14 @@ from src.errors import (
     RunError,
     Stopped,
 )
+from src.files import atomic_path, free_space, interrupted_writes, parse_json
 from src.observe.profiling import PROFILE_DIR
-from src.util import atomic_path, free_space, interrupted_writes, parse_json
 
 log = logging.getLogger(__name__)
 
 # Set when the user asked for full tracebacks (HYDRA_FULL_ERROR=1, which the command
 # line also sets for its own use): failures are then shown with their traceback, not
 # one line.
-FULL_ERROR_ENV = "SHARDWRAP_FULL_ERROR"
 LOCK_FILE = "run.lock"
 RANK_REPORTS = "ranks"  # in the run dir: torchrun's logs and each rank's error report
 #: Set by the launcher for ranks it restarts after a failure (elastic restart): the

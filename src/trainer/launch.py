@@ -44,6 +44,7 @@ from torch.multiprocessing.spawn import ProcessContext
 
 from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import run_checkpoints, step_of
+from src.config.run_plan import RunPlan, resolve, under_torchrun, with_overrides
 from src.data.pinning import DataPin, pinned_data
 from src.data.sources import (
     check_split_sizes,
@@ -55,6 +56,7 @@ from src.data.sources import (
 )
 from src.entry import die_with_launcher, rank_start_method, stop_rank_server
 from src.errors import ConfigError, RunDirBusy, RunError, Stopped
+from src.files import unwritable
 from src.observe.attempts import set_aside_damaged_summary
 from src.observe.logs import (
     LogSpec,
@@ -68,7 +70,6 @@ from src.observe.logs import (
 from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.report import plan_only
 from src.planner.run import machine_check, oversubscribed, plan_run
-from src.resolved import RunPlan, resolve, under_torchrun, with_overrides
 from src.trainer.faults import (
     RANK_REPORTS,
     RESTART_CAUSE_ENV,
@@ -96,7 +97,6 @@ from src.trainer.faults import (
     tell_ranks,
 )
 from src.trainer.loop import train
-from src.util import unwritable
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from src.checkpoint.export import (
     export_model_hf,
 )
 from src.checkpoint.folders import run_checkpoints
+from src.config.run_plan import RunPlan
 from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
 from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
@@ -57,9 +58,9 @@ from src.observe.profiling import (
     oom_error,
     watch_cuda_oom,
 )
-from src.resolved import RunPlan
 from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
 from src.sharding.float8 import Float8, is_float8_linear
+from src.text import plural
 from src.trainer.best import EARLY_STOP, Best
 from src.trainer.faults import signal_point, stop_signal
 from src.trainer.optimizer import build_optimizer, lr_lambda
@@ -71,7 +72,6 @@ from src.trainer.pipelined import (
 from src.trainer.resume import ORIGIN, init_weights, resume
 from src.trainer.sampling import sample_texts
 from src.trainer.step import check_finite, evaluate, global_mean, train_step
-from src.util import plural
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from src.config.schema import MIN_LR_RATIO
 from src.models import ModelSpec
-from src.schema import MIN_LR_RATIO
 from src.sharding import canonical_name
 
 

@@ -23,8 +23,8 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.build import build_model, make_backend
+from src.config.run_plan import RunPlan
 from src.data.sources import GlobalBatches
-from src.resolved import RunPlan
 from src.sharding import Backend
 from src.sharding.pipeline import Pipeline
 from src.trainer.sampling import sampling_plan

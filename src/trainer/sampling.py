@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from src.config.run_plan import LAYOUT_KEYS, RunPlan, world_size
 from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
 from src.models.generate import generate
-from src.resolved import LAYOUT_KEYS, RunPlan, world_size
 from src.sharding import ParallelLayout
 
 # A trained run opened again (sample.py, eval.py, a PP run's whole model): sharded

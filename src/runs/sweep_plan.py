@@ -1,5 +1,5 @@
 """A multirun's plan of jobs, and the line that ends a sweep stopped by a signal:
-which of its jobs never ran (src/trainer/sweep.py ``run_job``)."""
+which of its jobs never ran (src/runs/sweep.py ``run_job``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from src.util import plural
+from src.text import plural
 
 #: The multirun's jobs, each its overrides (None: one its sweeper draws as it goes,
 #: as Optuna does), planned at its start (:class:`SweepSummary`).

@@ -1,6 +1,6 @@
-"""Small helpers every layer uses, with no home in any one feature: atomic file
-writes, strict JSON and CRC-32 reads, Markdown tables, the device a collective
-needs."""
+"""Reading and writing files as data: atomic writes, strict JSON and YAML reads
+(bounded, checked where read), CRC-32 sums, free space and writability checks,
+keeping a damaged file aside."""
 
 from __future__ import annotations
 
@@ -14,21 +14,19 @@ import shutil
 import stat
 import tempfile
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 #: The temporary name :func:`atomic_path` writes ``<name>`` under:
 #: ``<name>.tmp-shardwrap-<PID>``, a marker only this project's writers use, so a
 #: clean-up never takes a user's own ``notes.txt.tmp-20240101`` for one.
 ATOMIC_MARK = ".tmp-shardwrap-"
+
+
 _ATOMIC_TMP = re.compile(r".+" + re.escape(ATOMIC_MARK) + r"(\d+)")
 
 
-@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path to write ``path``'s new content to; renamed onto ``path`` when
     the block succeeds (readers never see half a file), removed when it fails (a
@@ -206,6 +204,7 @@ _RUN_FILES = (
     "job_status.json",
 )
 
+
 #: Devices a run's file may link to: what is written there is discarded, or
 #: refused as on a full disk (tests/test_faults.py's full-disk run writes there).
 _SINKS = ("/dev/null", "/dev/full")
@@ -291,31 +290,3 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     )
     with atomic_path(path) as tmp:
         tmp.write_text(text)
-
-
-def plural(n: int, word: str) -> str:
-    """``1 unit``, ``5 units``: a count and its noun."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Rows of ``{column: cell}`` (the first row's keys are the columns) as a Markdown
-    table; a ``|`` inside a cell is escaped."""
-    if not rows:
-        return "(no rows)"
-    keys = list(rows[0])
-
-    def line(cells: Iterable[Any]) -> str:
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-
-    lines = [line(keys), "|" + "---|" * len(keys)]
-    lines += [line(r.get(k, "") for k in keys) for r in rows]
-    return "\n".join(lines)
-
-
-def collective_device(group: Any = None) -> torch.device:
-    """Where a tensor must be for a collective on ``group`` (default: the world):
-    this rank's GPU under NCCL, else the CPU (gloo)."""
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -35,6 +35,7 @@ from src.models.spec import import_module_class
 from src.sharding.backends import backend_class
 from src.sharding.float8 import ALL_GATHER_RECIPES, Float8
 from src.sharding.layout import LayoutError, ParallelLayout, refusal
+from src.sharding.plan import GIB
 from src.sharding.policies import policy_names
 from src.sharding.precision import Precision, get_precision
 
@@ -466,3 +467,40 @@ def model_config(cfg: DictConfig) -> Any:
         return model_spec(cfg).make_config(cfg.model)
     except ValueError as err:
         raise _model_error(err) from None
+
+
+#: Memory per device (GiB) of the accelerators ``trainer.mem_budget_gib`` can name: the
+#: total the driver reports (nvidia-smi / rocm-smi), not the marketing figure.
+ACCELERATORS_GIB: dict[str, float] = {
+    "a100_40gb": 39.4,
+    "a100_80gb": 79.2,
+    "h100_80gb": 79.1,
+    "h100_94gb": 93.1,
+    "h200": 139.8,
+    "b200": 178.4,
+    "l40s": 44.4,
+    "a10g": 22.0,
+    "mi300x": 191.5,
+}
+
+
+def budget_bytes(value: Any, key: str = "trainer.mem_budget_gib") -> int | None:
+    """``trainer.mem_budget_gib`` in bytes: GiB per rank, or a named accelerator from
+    :data:`ACCELERATORS_GIB`; None when unset."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in ACCELERATORS_GIB:
+            return int(ACCELERATORS_GIB[name] * GIB)
+        try:
+            value = float(name)
+        except ValueError:
+            raise ConfigError(
+                key,
+                f"got {value!r}, expected GiB per rank (> 0) or one of: "
+                + ", ".join(ACCELERATORS_GIB),
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(key, f"got {value!r}, expected GiB per rank > 0")
+    return int(value * GIB)

@@ -26,7 +26,7 @@ from src.registry import key_help
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Groups of conf/ that are Hydra's own or hold config files, not options to pick.
 NOT_GROUPS = ("hydra", "hf_configs")
-# ConfigStore entries that type a group's options (src/schema.py); picking one
+# ConfigStore entries that type a group's options (src/config/schema.py); picking one
 # gives an empty, untyped-by-a-preset node, so they are not options.
 SCHEMA_PREFIXES = ("schema/", "base_")
 

@@ -19,7 +19,7 @@ At the end of a multirun the :class:`SweepSummary` callback (``hydra.callbacks``
 ``conf/hydra/callbacks/sweep_summary.yaml``) reads every job dir of the sweep and writes
 ``sweep_summary.csv``, ``sweep_summary.md`` and ``sweep_summary.png`` into the sweep
 dir, and logs them to a wandb run of ``job_type="sweep-summary"`` in the sweep's group.
-``python -m src.trainer.sweep <sweep dir>`` does the same for an existing sweep dir.
+``python -m src.runs.sweep <sweep dir>`` does the same for an existing sweep dir.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.config.schema import OBJECTIVES
 from src.data.pinning import DATA_RECORD
 from src.errors import ConfigError
+from src.files import read_json, read_yaml, write_json_atomic
 from src.observe.metrics import CONTENDED, contended
-from src.schema import OBJECTIVES
+from src.runs.sweep_plan import job_number, never_ran, plan_jobs, swept_keys
+from src.text import markdown_table
 from src.trainer.faults import late_stop, stop_before_start, stopped_by_signal
-from src.trainer.sweep_plan import job_number, never_ran, plan_jobs, swept_keys
-from src.util import markdown_table, read_json, read_yaml, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ INIT_DEVICES = ("cpu", "cuda", "meta")
 #: or on every one (src/planner/ searches them, src/trainer/loop.py acts on them).
 GRAD_SYNC = ("last", "every")
 #: ``sweep.objective`` -> its own direction (``sweep.direction=null``); read by
-#: src/trainer/sweep.py.
+#: src/runs/sweep.py.
 OBJECTIVES = {"val_loss": "min", "loss": "min", "tokens_per_s": "max"}
 DIRECTIONS = ("min", "max")
 EXPORTS = (False, True, "hf")
@@ -232,7 +232,7 @@ class TrainerConfig:
 
 @dataclass
 class SweepConfig:
-    """Read by src/trainer/sweep.py: what a job returns to a sweeper and which job of
+    """Read by src/runs/sweep.py: what a job returns to a sweeper and which job of
     a sweep is the best (``objective``, ``direction``: null is the objective's own,
     min for losses, max for tokens_per_s); a job whose peak memory is above the cap
     scores below every job within it."""
