@@ -27,6 +27,7 @@ ATOMIC_MARK = ".tmp-shardwrap-"
 _ATOMIC_TMP = re.compile(r".+" + re.escape(ATOMIC_MARK) + r"(\d+)")
 
 
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path to write ``path``'s new content to; renamed onto ``path`` when
     the block succeeds (readers never see half a file), removed when it fails (a

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from src.registry import key_help
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Groups of conf/ that are Hydra's own or hold config files, not options to pick.
 NOT_GROUPS = ("hydra", "hf_configs")
 # ConfigStore entries that type a group's options (src/config/schema.py); picking one
