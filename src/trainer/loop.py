@@ -36,6 +36,7 @@ from src.checkpoint.folders import run_checkpoints
 from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
 from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
+from src.observe import live_memory
 from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
 from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
@@ -209,6 +210,8 @@ class Trainer:
         else:
             self.model = build_model(self.cfg, self.backend, self.resolved)
         self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
+        # CPU: peak_mem_gib from here on is the memory in use at a step's moments
+        live_memory.watch(self.model, self.device)
         self.plan = wrap_plan(self.model, self.backend.layout)
         if self.pipeline is not None:  # the plan is this rank's stages
             roles = self.pipeline.roles
