@@ -25,7 +25,11 @@ launcher computes it) against ``peak_mem_gib`` (the max over ranks of VmHWM from
 model's build on, the process included).
 
     python -m bench.plan_vs_measured [--steps 3] [--configs NAME ...] [--append-docs]
-    python -m bench.plan_vs_measured --ordinary [--holdout | --audit] [--configs NAME ...] [--measured FILE]
+    python -m bench.plan_vs_measured --ordinary [--holdout | --audit | --grid] [--configs NAME ...] [--measured FILE] [--jobs N]
+
+``--grid``: bench/plan_grid.py's EP, CP, float8 and combined runs (issue 56), with its
+dense twins; ``--jobs N`` runs N of them at once (memory figures, not speed: they do
+not depend on the load).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import publish
+from bench.plan_grid import GRID
 from src.harness import compose_config, run_distributed
 from src.sharding import MIB
 
@@ -439,6 +444,19 @@ def planned_gib(overrides: list[str]) -> float | None:
     return resolved.planned_peak_gib
 
 
+def _phase(overrides: list[str]) -> str:
+    """The moment the planner puts the peak at, for ``python train.py <overrides>``."""
+    from src.planner.run_estimate import estimate_cfg
+    from src.resolved import resolve
+
+    cfg = compose_config(*overrides)
+    try:
+        _, est = estimate_cfg(cfg, resolve(cfg), int(cfg.trainer.devices))
+    except Exception:  # noqa: BLE001 - a row without its moment still has figures
+        return "-"
+    return est.phase if est is not None else "-"
+
+
 def run_ordinary(overrides: list[str], steps: int) -> float:
     """``peak_mem_gib`` of ``python train.py <overrides>`` run for ``steps`` steps."""
     root = Path(__file__).resolve().parent.parent
@@ -451,23 +469,49 @@ def run_ordinary(overrides: list[str], steps: int) -> float:
     return summary["peak_mem_gib"]
 
 
+def _measure_all(table, names, steps, known, store, jobs: int) -> None:
+    """Run the configurations ``names`` not yet in ``known``, ``jobs`` at a time,
+    storing each peak as it comes (a failed run is left out, said)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> None:
+        key = json.dumps(["ordinary", name, table[name], steps])
+        if key in known:
+            return
+        try:
+            known[key] = run_ordinary(table[name], steps)
+        except subprocess.CalledProcessError as err:
+            print(f"{name}: failed ({err})", flush=True)
+            return
+        if store:
+            store.write_text(json.dumps(known, indent=1))
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(one, names))
+    names[:] = [
+        n for n in names if json.dumps(["ordinary", n, table[n], steps]) in known
+    ]
+
+
 def ordinary(args) -> list[dict]:
     """The ``--ordinary`` table: planned against measured ``peak_mem_gib``."""
     store = Path(args.measured) if args.measured else None
     known = json.loads(store.read_text()) if store and store.exists() else {}
     rows = []
-    table = HOLDOUT if args.holdout else AUDIT if args.audit else ORDINARY
-    for name in args.configs or list(table):
+    table = (
+        HOLDOUT if args.holdout else AUDIT if args.audit else GRID if args.grid
+        else ORDINARY
+    )  # fmt: skip
+    names = [n for n in args.configs or list(table) if n in table]
+    _measure_all(table, names, args.steps, known, store, args.jobs)
+    for name in names:
         key = json.dumps(["ordinary", name, table[name], args.steps])
-        if key not in known:
-            known[key] = run_ordinary(table[name], args.steps)
-            if store:
-                store.write_text(json.dumps(known, indent=1))
         measured = known[key]
         planned = planned_gib(table[name])
         error = measured / planned - 1 if planned else None
         rows.append({
             "config": name,
+            **({"planned at": _phase(table[name])} if args.grid else {}),
             "overrides": " ".join(table[name]),
             "planned GiB": f"{planned:.3f}" if planned else "no estimate",
             "measured GiB": f"{measured:.3f}",
@@ -477,8 +521,12 @@ def ordinary(args) -> list[dict]:
         print(rows[-1], flush=True)
     errors = [abs(float(r["measured vs planned"].rstrip("%"))) for r in rows
               if r["measured vs planned"] != "-"]  # fmt: skip
+    signed = [float(r["measured vs planned"].rstrip("%")) for r in rows
+              if r["measured vs planned"] != "-"]  # fmt: skip
     summary = (
-        f"median |error| {statistics.median(errors):.1f}%, worst {max(errors):.1f}%, "
+        f"n {len(errors)}, median |error| {statistics.median(errors):.1f}%, worst "
+        f"{max(errors):.1f}% (most under {max(signed):+.1f}%, most over "
+        f"{min(signed):+.1f}%), "
         f"{sum(e <= 100 * TARGET for e in errors)} of {len(rows)} within "
         f"{TARGET:.0%}"
         if errors
@@ -488,7 +536,15 @@ def ordinary(args) -> list[dict]:
     publish(
         rows,
         "Planner in ordinary runs: the closing line's planned against measured peak"
-        + (", holdout" if args.holdout else ", audit" if args.audit else ""),
+        + (
+            ", holdout"
+            if args.holdout
+            else ", audit"
+            if args.audit
+            else ", grid"
+            if args.grid
+            else ""
+        ),  # fmt: skip
         "Each row is `python train.py <overrides> trainer.max_steps="
         f"{args.steps} trainer.val_every=0` with no allocator environment (the "
         "ranks set glibc's allocator themselves, trainer.malloc_mmap_threshold_kib"
@@ -509,7 +565,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--configs", nargs="+", choices=[*CONFIGS, *ORDINARY, *HOLDOUT, *AUDIT]
+        "--configs", nargs="+", choices=[*CONFIGS, *ORDINARY, *HOLDOUT, *AUDIT, *GRID]
     )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument(
@@ -527,6 +583,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="with --ordinary: the AUDIT configurations instead of ORDINARY",
     )
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="with --ordinary: bench/plan_grid.py's EP, CP, float8 and combined runs",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="with --ordinary: runs at once")
     p.add_argument("--append-docs", action="store_true")
     p.add_argument(
         "--measured",
