@@ -466,7 +466,12 @@ def run_ordinary(overrides: list[str], steps: int) -> float:
                 "trainer.progress=false", *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
         subprocess.run([sys.executable, "train.py", *args], cwd=root, check=True)
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    # the resident-set peak beside it (CPU), kept in --measured's file
+    _RSS[json.dumps(overrides)] = summary.get("peak_rss_gib")
     return summary["peak_mem_gib"]
+
+
+_RSS: dict[str, float | None] = {}
 
 
 def _measure_all(table, names, steps, known, store, jobs: int) -> None:
@@ -483,6 +488,9 @@ def _measure_all(table, names, steps, known, store, jobs: int) -> None:
         except subprocess.CalledProcessError as err:
             print(f"{name}: failed ({err})", flush=True)
             return
+        known[json.dumps(["rss", *json.loads(key)[1:]])] = _RSS.get(
+            json.dumps(table[name])
+        )
         if store:
             store.write_text(json.dumps(known, indent=1))
 
