@@ -517,6 +517,7 @@ def ordinary(args) -> list[dict]:
         measured = known[key]
         planned = planned_gib(table[name])
         error = measured / planned - 1 if planned else None
+        under = planned / measured - 1 if planned else None  # < 0: under-predicted
         rows.append({
             "config": name,
             **({"planned at": _phase(table[name])} if args.grid else {}),
@@ -524,17 +525,16 @@ def ordinary(args) -> list[dict]:
             "planned GiB": f"{planned:.3f}" if planned else "no estimate",
             "measured GiB": f"{measured:.3f}",
             "measured vs planned": f"{error:+.1%}" if error is not None else "-",
-            f"within {TARGET:.0%}": "yes" if error is not None and abs(error) <= TARGET else "NO",
+            "error": f"{under:+.1%}" if under is not None else "-",
+            f"within {TARGET:.0%}": "yes" if under is not None and abs(under) <= TARGET else "NO",
         })  # fmt: skip
         print(rows[-1], flush=True)
-    errors = [abs(float(r["measured vs planned"].rstrip("%"))) for r in rows
-              if r["measured vs planned"] != "-"]  # fmt: skip
-    signed = [float(r["measured vs planned"].rstrip("%")) for r in rows
-              if r["measured vs planned"] != "-"]  # fmt: skip
+    signed = [float(r["error"].rstrip("%")) for r in rows if r["error"] != "-"]
+    errors = [abs(e) for e in signed]
     summary = (
-        f"n {len(errors)}, median |error| {statistics.median(errors):.1f}%, worst "
-        f"{max(errors):.1f}% (most under {max(signed):+.1f}%, most over "
-        f"{min(signed):+.1f}%), "
+        f"error = planned / measured - 1: n {len(errors)}, median |error| "
+        f"{statistics.median(errors):.1f}%, worst {max(errors):.1f}% (most under "
+        f"{min(signed):+.1f}%, most over {max(signed):+.1f}%), "
         f"{sum(e <= 100 * TARGET for e in errors)} of {len(rows)} within "
         f"{TARGET:.0%}"
         if errors
