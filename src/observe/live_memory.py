@@ -17,8 +17,8 @@ included; blocks served by mmap are unmapped when freed and never in it): the
 resident set an allocator that returned every free byte at once would leave, the
 quantity the planner's constants were measured under (the 64 KiB threshold, where
 glibc kept little). It is sampled, not a high-water mark, at the moments a step
-peaks (docs/planner.md): after each block and each of its direct children in
-forward (their outputs' saved state), when each of those outputs' gradient is
+peaks (docs/planner.md): after each block in forward (the activations saved so
+far), when each block's and each of its direct children's output gradient is
 computed in backward (the head's: the loss backward moment; a block child's: the
 block's backward working set and its unit's unsharded gradients), at the end of
 the model's forward, and before and after each optimizer step. A peak inside one
@@ -107,6 +107,9 @@ class LiveMemory:
     # hooks: the moments of a step
     def _after_forward(self, module, args, output) -> None:
         self.sample()
+        self._hook_grad(module, args, output)
+
+    def _hook_grad(self, module, args, output) -> None:
         out = output[0] if isinstance(output, tuple | list) and output else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._on_grad)
@@ -118,12 +121,13 @@ class LiveMemory:
         self.sample()
 
     def attach(self, model: nn.Module) -> LiveMemory:
-        """Sample after the forward of ``model``, of its direct children, of every
-        item of an ``nn.ModuleList`` (the blocks) and of each block's direct children
-        (not inside a compiled block: a hook there would be traced), at the gradient
-        of each of their outputs, and around every optimizer step."""
-        for module in _moments(model):
-            self._hooks.append(module.register_forward_hook(self._after_forward))
+        """Sample after the forward of ``model``, of its direct children and of
+        every item of an ``nn.ModuleList`` (the blocks), at the gradient of each of
+        their outputs and of each block's direct children's (not inside a compiled
+        block: a hook there would be traced), and around every optimizer step."""
+        for module, in_forward in _moments(model):
+            hook = self._after_forward if in_forward else self._hook_grad
+            self._hooks.append(module.register_forward_hook(hook))
         self._hooks.append(optim.register_optimizer_step_pre_hook(self._on_step))
         self._hooks.append(optim.register_optimizer_step_post_hook(self._on_step))
         self.sample()
@@ -141,21 +145,23 @@ def _compiled(module: nn.Module) -> bool:
     )
 
 
-def _moments(model: nn.Module) -> list[nn.Module]:
-    """The modules whose forward ends a moment worth a sample (see :meth:`attach`)."""
-    picked = {id(model): model}
+def _moments(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The modules whose forward or output gradient is a moment worth a sample (see
+    :meth:`LiveMemory.attach`), each with whether its forward's end is one (a block's
+    children: their gradients only, the block's end samples their forward)."""
+    picked = {id(model): (model, True)}
     for child in model.children():
         if not isinstance(child, nn.ModuleList):
-            picked[id(child)] = child
+            picked[id(child)] = (child, True)
     for parent in model.modules():
         if not isinstance(parent, nn.ModuleList):
             continue
         for block in parent:
-            picked[id(block)] = block
+            picked[id(block)] = (block, True)
             if not _compiled(block):
                 for child in block.children():
                     if not isinstance(child, nn.ModuleList):
-                        picked[id(child)] = child
+                        picked.setdefault(id(child), (child, False))
     return list(picked.values())
 
 
