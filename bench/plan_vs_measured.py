@@ -505,6 +505,8 @@ def ordinary(args) -> list[dict]:
     """The ``--ordinary`` table: planned against measured ``peak_mem_gib``."""
     store = Path(args.measured) if args.measured else None
     known = json.loads(store.read_text()) if store and store.exists() else {}
+    pstore = Path(args.planned) if args.planned else None
+    plans = json.loads(pstore.read_text()) if pstore and pstore.exists() else {}
     rows = []
     table = (
         HOLDOUT if args.holdout else AUDIT if args.audit else GRID if args.grid
@@ -515,7 +517,12 @@ def ordinary(args) -> list[dict]:
     for name in names:
         key = json.dumps(["ordinary", name, table[name], args.steps])
         measured = known[key]
-        planned = planned_gib(table[name])
+        pkey = json.dumps(["planned", table[name]])
+        if pkey not in plans:
+            plans[pkey] = planned_gib(table[name])
+            if args.planned:
+                Path(args.planned).write_text(json.dumps(plans, indent=1))
+        planned = plans[pkey]
         error = measured / planned - 1 if planned else None
         under = planned / measured - 1 if planned else None  # < 0: under-predicted
         rows.append({
@@ -595,6 +602,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--grid",
         action="store_true",
         help="with --ordinary: bench/plan_grid.py's EP, CP, float8 and combined runs",
+    )
+    p.add_argument(
+        "--planned",
+        metavar="JSON",
+        help="with --ordinary: reuse the planned peaks stored in this file (by "
+        "overrides), store new ones there; delete it after a planner change",
     )
     p.add_argument("--jobs", type=int, default=1, help="with --ordinary: runs at once")
     p.add_argument("--append-docs", action="store_true")
