@@ -444,19 +444,6 @@ def planned_gib(overrides: list[str]) -> float | None:
     return resolved.planned_peak_gib
 
 
-def _phase(overrides: list[str]) -> str:
-    """The moment the planner puts the peak at, for ``python train.py <overrides>``."""
-    from src.planner.run_estimate import estimate_cfg
-    from src.resolved import resolve
-
-    cfg = compose_config(*overrides)
-    try:
-        _, est = estimate_cfg(cfg, resolve(cfg), int(cfg.trainer.devices))
-    except Exception:  # noqa: BLE001 - a row without its moment still has figures
-        return "-"
-    return est.phase if est is not None else "-"
-
-
 def run_ordinary(overrides: list[str], steps: int) -> float:
     """``peak_mem_gib`` of ``python train.py <overrides>`` run for ``steps`` steps."""
     root = Path(__file__).resolve().parent.parent
@@ -527,7 +514,6 @@ def ordinary(args) -> list[dict]:
         under = planned / measured - 1 if planned else None  # < 0: under-predicted
         rows.append({
             "config": name,
-            **({"planned at": _phase(table[name])} if args.grid else {}),
             "overrides": " ".join(table[name]),
             "planned GiB": f"{planned:.3f}" if planned else "no estimate",
             "measured GiB": f"{measured:.3f}",
