@@ -77,9 +77,9 @@ GRID: dict[str, list[str]] = {
     "moe 128x2 HSDP 2 x EP2": _moe(128, 2, 512, 8, 4, EP2, "sharding.replicate=2"),
     "moe 128x2 EP2 bf16": _moe(128, 2, 512, 8, 2, EP2, BF16),
     "moe 128x2 FSDP2 no EP seq 512": _moe(128, 2, 512, 8, 2),
-    "moe 128x2 EP2 seq 512 sigmoid bias": _moe(128, 2, 512, 8, 2, EP2,
+    "moe 128x2 EP2 seq 512 sigmoid aux-free": _moe(128, 2, 512, 8, 2, EP2,
                                               "model.score_func=sigmoid",
-                                              "model.load_balance=bias"),
+                                              "model.load_balance=aux_free"),
     # context parallelism
     "llama 4x256 seq 2048 CP2 accum 2": _llama(256, 4, 2048, 4, 2, CP2, ACC2),
     "llama 4x256 seq 2048 CP2 x FSDP2": _llama(256, 4, 2048, 8, 4, CP2),
