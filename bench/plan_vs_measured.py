@@ -559,11 +559,7 @@ def ordinary(args) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    from src.planner.auto import resolve_auto
-    from src.planner.run_estimate import estimate_cfg
-    from src.resolved import resolve
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--configs", nargs="+", choices=[*CONFIGS, *ORDINARY, *HOLDOUT, *AUDIT, *GRID]
@@ -603,7 +599,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="reuse the measured peaks stored in this file for configs whose "
         "overrides are unchanged, and store new ones there (run it in pieces)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from src.planner.auto import resolve_auto
+    from src.planner.run_estimate import estimate_cfg
+    from src.resolved import resolve
+
+    args = _parser().parse_args(argv)
     args.argv = argv
     if args.ordinary:
         return ordinary(args)
