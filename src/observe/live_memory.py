@@ -20,7 +20,8 @@ glibc kept little). It is sampled, not a high-water mark, at the moments a step
 peaks (docs/planner.md): after each block in forward (the activations saved so
 far), when each block's and each of its direct children's output gradient is
 computed in backward (the head's: the loss backward moment; a block child's: the
-block's backward working set and its unit's unsharded gradients), at the end of
+block's backward working set and its unit's unsharded gradients), after each
+child's forward in a checkpointed block (backward's recomputation), at the end of
 the model's forward, and before and after each optimizer step. A peak inside one
 kernel (shorter than a child module) is not seen; docs/planner.md says what that
 leaves out. The cost: a ``pread`` of /proc/self/statm (~3 us) and, when the
@@ -148,7 +149,8 @@ def _compiled(module: nn.Module) -> bool:
 def _moments(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     """The modules whose forward or output gradient is a moment worth a sample (see
     :meth:`LiveMemory.attach`), each with whether its forward's end is one (a block's
-    children: their gradients only, the block's end samples their forward)."""
+    children: their gradients only, the block's end samples their forward; in a
+    checkpointed block also their forward, which backward's recomputation reruns)."""
     picked = {id(model): (model, True)}
     for child in model.children():
         if not isinstance(child, nn.ModuleList):
@@ -158,10 +160,14 @@ def _moments(model: nn.Module) -> list[tuple[nn.Module, bool]]:
             continue
         for block in parent:
             picked[id(block)] = (block, True)
-            if not _compiled(block):
-                for child in block.children():
-                    if not isinstance(child, nn.ModuleList):
-                        picked.setdefault(id(child), (child, False))
+            if _compiled(block):
+                continue
+            # a checkpointed block (its forward replaced on the instance) recomputes
+            # its children in backward: their forward's end is then the moment
+            recomputed = "forward" in vars(block)
+            for child in block.children():
+                if not isinstance(child, nn.ModuleList):
+                    picked.setdefault(id(child), (child, recomputed))
     return list(picked.values())
 
 
