@@ -77,3 +77,17 @@ def test_the_hooks_sample_at_the_step_moments_and_see_the_saved_activations():
     finally:
         live_memory.stop()
     assert "peak_rss_gib" not in memory_metrics(torch.device("cpu"))
+
+
+def test_a_checkpointed_blocks_children_sample_their_forward_too():
+    """Backward's recomputation reruns a checkpointed block's children: their
+    forward's end is a moment there, and only there."""
+    from src.observe.live_memory import _moments
+
+    net = _Net()
+    plain = {id(m): fw for m, fw in _moments(net)}
+    child = net.blocks[0][0]
+    assert plain[id(net.blocks[0])] and not plain[id(child)]
+    net.blocks[0].forward = net.blocks[0].forward  # as checkpointing replaces it
+    ac = {id(m): fw for m, fw in _moments(net)}
+    assert ac[id(child)] and not ac[id(net.blocks[1][0])]
