@@ -21,7 +21,7 @@ measured = the max over ranks of (peak - baseline); error = estimate / measured 
 as ``python train.py <overrides>`` for a few steps (no allocator environment: the ranks
 set their own, ``trainer.malloc_mmap_threshold_kib``), and its closing line's two
 figures are compared: ``planned_peak_gib`` (the planner's, computed here as the
-launcher computes it) against ``peak_mem_gib`` (the max over ranks of VmHWM from the
+launcher computes it) against ``peak_mem_gib`` (the max over ranks of the memory in use (CPU: src/observe/live_memory.py) from the
 model's build on, the process included).
 
     python -m bench.plan_vs_measured [--steps 3] [--configs NAME ...] [--append-docs]
@@ -550,7 +550,7 @@ def ordinary(args) -> list[dict]:
         f"{args.steps} trainer.val_every=0` with no allocator environment (the "
         "ranks set glibc's allocator themselves, trainer.malloc_mmap_threshold_kib"
         "'s default); planned: the launcher's planned_peak_gib; measured: peak_mem_gib, the max "
-        "over ranks of VmHWM from the model's build on (the process included), the two "
+        "over ranks of the memory in use from the model's build on (CPU: resident set less glibc's free heap, sampled; the process included), the two "
         f"figures of the run's closing line. {summary}.",
         bench="plan_vs_measured",
         argv=args.argv,
