@@ -21,11 +21,15 @@ measured = the max over ranks of (peak - baseline); error = estimate / measured 
 as ``python train.py <overrides>`` for a few steps (no allocator environment: the ranks
 set their own, ``trainer.malloc_mmap_threshold_kib``), and its closing line's two
 figures are compared: ``planned_peak_gib`` (the planner's, computed here as the
-launcher computes it) against ``peak_mem_gib`` (the max over ranks of VmHWM from the
+launcher computes it) against ``peak_mem_gib`` (the max over ranks of the memory in use (CPU: src/observe/live_memory.py) from the
 model's build on, the process included).
 
     python -m bench.plan_vs_measured [--steps 3] [--configs NAME ...] [--append-docs]
-    python -m bench.plan_vs_measured --ordinary [--holdout | --audit] [--configs NAME ...] [--measured FILE]
+    python -m bench.plan_vs_measured --ordinary [--holdout | --audit | --grid] [--configs NAME ...] [--measured FILE] [--jobs N]
+
+``--grid``: bench/plan_grid.py's EP, CP, float8 and combined runs (issue 56), with its
+dense twins; ``--jobs N`` runs N of them at once (memory figures, not speed: they do
+not depend on the load).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import publish
+from bench.plan_grid import GRID
 from src.harness import compose_config, run_distributed
 from src.sharding import MIB
 
@@ -447,37 +452,81 @@ def run_ordinary(overrides: list[str], steps: int) -> float:
                 "trainer.progress=false", *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
         subprocess.run([sys.executable, "train.py", *args], cwd=root, check=True)
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    # the resident-set peak beside it (CPU), kept in --measured's file
+    _RSS[json.dumps(overrides)] = summary.get("peak_rss_gib")
     return summary["peak_mem_gib"]
+
+
+_RSS: dict[str, float | None] = {}
+
+
+def _measure_all(table, names, steps, known, store, jobs: int) -> None:
+    """Run the configurations ``names`` not yet in ``known``, ``jobs`` at a time,
+    storing each peak as it comes (a failed run is left out, said)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> None:
+        key = json.dumps(["ordinary", name, table[name], steps])
+        if key in known:
+            return
+        try:
+            known[key] = run_ordinary(table[name], steps)
+        except subprocess.CalledProcessError as err:
+            print(f"{name}: failed ({err})", flush=True)
+            return
+        known[json.dumps(["rss", *json.loads(key)[1:]])] = _RSS.get(
+            json.dumps(table[name])
+        )
+        if store:
+            store.write_text(json.dumps(known, indent=1))
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(one, names))
+    names[:] = [
+        n for n in names if json.dumps(["ordinary", n, table[n], steps]) in known
+    ]
 
 
 def ordinary(args) -> list[dict]:
     """The ``--ordinary`` table: planned against measured ``peak_mem_gib``."""
     store = Path(args.measured) if args.measured else None
     known = json.loads(store.read_text()) if store and store.exists() else {}
+    pstore = Path(args.planned) if args.planned else None
+    plans = json.loads(pstore.read_text()) if pstore and pstore.exists() else {}
     rows = []
-    table = HOLDOUT if args.holdout else AUDIT if args.audit else ORDINARY
-    for name in args.configs or list(table):
+    table = (
+        HOLDOUT if args.holdout else AUDIT if args.audit else GRID if args.grid
+        else ORDINARY
+    )  # fmt: skip
+    names = [n for n in args.configs or list(table) if n in table]
+    _measure_all(table, names, args.steps, known, store, args.jobs)
+    for name in names:
         key = json.dumps(["ordinary", name, table[name], args.steps])
-        if key not in known:
-            known[key] = run_ordinary(table[name], args.steps)
-            if store:
-                store.write_text(json.dumps(known, indent=1))
         measured = known[key]
-        planned = planned_gib(table[name])
+        pkey = json.dumps(["planned", table[name]])
+        if pkey not in plans:
+            plans[pkey] = planned_gib(table[name])
+            if args.planned:
+                Path(args.planned).write_text(json.dumps(plans, indent=1))
+        planned = plans[pkey]
         error = measured / planned - 1 if planned else None
+        under = planned / measured - 1 if planned else None  # < 0: under-predicted
         rows.append({
             "config": name,
             "overrides": " ".join(table[name]),
             "planned GiB": f"{planned:.3f}" if planned else "no estimate",
             "measured GiB": f"{measured:.3f}",
             "measured vs planned": f"{error:+.1%}" if error is not None else "-",
-            f"within {TARGET:.0%}": "yes" if error is not None and abs(error) <= TARGET else "NO",
+            "error": f"{under:+.1%}" if under is not None else "-",
+            f"within {TARGET:.0%}": "yes" if under is not None and abs(under) <= TARGET else "NO",
         })  # fmt: skip
         print(rows[-1], flush=True)
-    errors = [abs(float(r["measured vs planned"].rstrip("%"))) for r in rows
-              if r["measured vs planned"] != "-"]  # fmt: skip
+    signed = [float(r["error"].rstrip("%")) for r in rows if r["error"] != "-"]
+    errors = [abs(e) for e in signed]
     summary = (
-        f"median |error| {statistics.median(errors):.1f}%, worst {max(errors):.1f}%, "
+        f"error = planned / measured - 1: n {len(errors)}, median |error| "
+        f"{statistics.median(errors):.1f}%, worst {max(errors):.1f}% (most under "
+        f"{min(signed):+.1f}%, most over {max(signed):+.1f}%), "
         f"{sum(e <= 100 * TARGET for e in errors)} of {len(rows)} within "
         f"{TARGET:.0%}"
         if errors
@@ -487,12 +536,20 @@ def ordinary(args) -> list[dict]:
     publish(
         rows,
         "Planner in ordinary runs: the closing line's planned against measured peak"
-        + (", holdout" if args.holdout else ", audit" if args.audit else ""),
+        + (
+            ", holdout"
+            if args.holdout
+            else ", audit"
+            if args.audit
+            else ", grid"
+            if args.grid
+            else ""
+        ),  # fmt: skip
         "Each row is `python train.py <overrides> trainer.max_steps="
         f"{args.steps} trainer.val_every=0` with no allocator environment (the "
         "ranks set glibc's allocator themselves, trainer.malloc_mmap_threshold_kib"
         "'s default); planned: the launcher's planned_peak_gib; measured: peak_mem_gib, the max "
-        "over ranks of VmHWM from the model's build on (the process included), the two "
+        "over ranks of the memory in use from the model's build on (CPU: resident set less glibc's free heap, sampled; the process included), the two "
         f"figures of the run's closing line. {summary}.",
         bench="plan_vs_measured",
         argv=args.argv,
@@ -501,14 +558,10 @@ def ordinary(args) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    from src.config.run_plan import resolve, with_overrides
-    from src.planner.auto import resolve_auto
-    from src.planner.run_estimate import estimate_plan
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--configs", nargs="+", choices=[*CONFIGS, *ORDINARY, *HOLDOUT, *AUDIT]
+        "--configs", nargs="+", choices=[*CONFIGS, *ORDINARY, *HOLDOUT, *AUDIT, *GRID]
     )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument(
@@ -526,6 +579,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="with --ordinary: the AUDIT configurations instead of ORDINARY",
     )
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="with --ordinary: bench/plan_grid.py's EP, CP, float8 and combined runs",
+    )
+    p.add_argument(
+        "--planned",
+        metavar="JSON",
+        help="with --ordinary: reuse the planned peaks stored in this file (by "
+        "overrides), store new ones there; delete it after a planner change",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="with --ordinary: runs at once")
     p.add_argument("--append-docs", action="store_true")
     p.add_argument(
         "--measured",
@@ -533,7 +598,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="reuse the measured peaks stored in this file for configs whose "
         "overrides are unchanged, and store new ones there (run it in pieces)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from src.config.run_plan import resolve, with_overrides
+    from src.planner.auto import resolve_auto
+    from src.planner.run_estimate import estimate_plan
+
+    args = _parser().parse_args(argv)
     args.argv = argv
     if args.ordinary:
         return ordinary(args)

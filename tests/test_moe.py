@@ -305,3 +305,32 @@ def test_the_planned_expert_dispatch_states_its_bound(overrides, ratio, says):
     assert d.buffers == int((1 + ratio) * balanced * 64 * 4)
     _, est = estimate_plan(resolve(cfg), 4)
     assert est.parts["experts"] >= d.saved and "experts" in est.notes
+
+
+@pytest.mark.parametrize("every, kept", [(1, 0), (2, 1)])
+def test_ep_dispatch_counts_only_the_moe_layers_checkpointing_keeps(every, kept):
+    """Under full activation checkpointing a checkpointed MoE layer keeps its input
+    only: the extra received rows are saved in the layers it keeps (every
+    ``ac_every``-th block recomputed, the fewest counted) and live again, one layer's,
+    while a checkpointed block's backward recomputes it (in the buffers term)."""
+    from src.config.run_plan import resolve
+    from src.planner.activations import ep_dispatch
+    from src.planner.inputs import run_shape
+    from tests.test_config import make_cfg
+
+    def dispatch(*more):
+        cfg = make_cfg("model=moe_tiny", "model.max_seq_len=32",
+                       "trainer.batch_size=8", "trainer.devices=2",
+                       "sharding.expert_parallel=2", *more)  # fmt: skip
+        resolved = resolve(cfg)
+        return ep_dispatch(resolved, run_shape(resolved, 2))
+
+    plain = dispatch()
+    ac = dispatch(
+        "sharding.activation_checkpointing=full",
+        f"sharding.activation_checkpointing_every={every}",
+    )
+    one_layer = plain.saved // 2  # moe_tiny: 2 MoE layers
+    assert ac.saved == one_layer * kept
+    assert ac.buffers == plain.buffers + one_layer
+    assert f"kept in {kept} of 2 MoE layers" in ac.note

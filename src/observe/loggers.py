@@ -395,7 +395,13 @@ class ConsoleSink(Sink):
         if planned and isinstance(measured, int | float):
             drift = measured / planned - 1
             # the quantity both figures are: CUDA summaries carry the reserved peak
-            of = "CUDA max allocated" if "peak_reserved_gib" in s else "RSS high-water"
+            of = (
+                "CUDA max allocated"
+                if "peak_reserved_gib" in s
+                else "in use"
+                if "peak_rss_gib" in s
+                else "RSS high-water"
+            )
             stage = s.get("planned_peak_pp_rank")
             worst = "" if stage is None else f" (worst stage: pp rank {stage})"
             figures += (

@@ -7,8 +7,10 @@ Conventions (see docs/metrics.md):
 - MFU = achieved model FLOP/s per rank / peak FLOP/s per rank. Model FLOPs per token are
   the caller's (forward + backward of the model, no recomputation); the peak comes from a
   table of known accelerators, a user override, or on CPU a short matmul probe.
-- ``peak_mem_gib`` is the CUDA caching allocator's peak allocated bytes on GPU and the
-  process's peak resident set (VmHWM) on CPU.
+- ``peak_mem_gib`` is the CUDA caching allocator's peak allocated bytes on GPU; on CPU
+  the peak memory in use, the resident set less glibc's free heap, sampled at a step's
+  moments once a trainer watches its model (src/observe/live_memory.py), else the
+  peak resident set (VmHWM), which ``peak_rss_gib`` reports beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from src.observe import live_memory
 from src.sharding import GIB
 from src.sharding.layout import collective_device
 
@@ -706,6 +709,8 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     else:
         _reset_cpu_peak_rss()
+        if live_memory.active() is not None:
+            live_memory.active().reset()
 
 
 def memory_metrics(device: torch.device, prefix: str = "") -> dict:
@@ -713,7 +718,9 @@ def memory_metrics(device: torch.device, prefix: str = "") -> dict:
 
     GPU: the caching allocator's peak allocated (``peak_mem_gib``) and reserved bytes,
     allocation retries (cudaMalloc failed, cache flushed and retried: a sign of
-    fragmentation near the limit) and OOMs. CPU: the peak resident set.
+    fragmentation near the limit) and OOMs. CPU: the peak memory in use where a
+    sampler watches the model (:mod:`src.observe.live_memory`), with the peak resident
+    set beside it (``peak_rss_gib``); else the peak resident set.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -725,7 +732,10 @@ def memory_metrics(device: torch.device, prefix: str = "") -> dict:
             "ooms": stats.get("num_ooms", 0),
         }
     else:
-        out = {"peak_mem_gib": cpu_peak_rss_bytes() / GIB}
+        rss, live = cpu_peak_rss_bytes() / GIB, live_memory.active()
+        out = {"peak_mem_gib": live.peak / GIB if live else rss}
+        if live:
+            out["peak_rss_gib"] = rss
     return {prefix + k: v for k, v in out.items()}
 
 

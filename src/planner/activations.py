@@ -116,14 +116,33 @@ def ep_dispatch(resolved: RunPlan, shape: RunShape) -> Dispatch | None:
         why = f"no capacity: assumed {EP_IMBALANCE:g}x a balanced dispatch"
     rows = min(bound, balanced * layout.ep)
     act = shape.param_bytes
-    saved = (rows - balanced) * es.saved_per_row * act * es.layers
-    buffers = (balanced + rows) * es.dim * act
+    extra = (rows - balanced) * es.saved_per_row * act  # one MoE layer's
+    recomputed = _checkpointed_moe_layers(shape, es.layers)
+    kept = es.layers - recomputed
+    # a checkpointed layer keeps its input only: its extra rows live again only
+    # while its block's backward recomputes it (one layer at a time)
+    saved = extra * kept
+    buffers = (balanced + rows) * es.dim * act + (extra if recomputed else 0)
+    where = (
+        "in every MoE layer"
+        if not recomputed
+        else f"kept in {kept} of {es.layers} MoE layers (the rest checkpointed: "
+        "one layer's, recomputed in its backward)"
+    )
     note = (
         f"EP{layout.ep}: a rank receives up to {rows / balanced:.2f}x its own "
-        f"{balanced:.0f} rows per MoE layer ({why}), in every MoE layer; + one "
+        f"{balanced:.0f} rows per MoE layer ({why}), {where}; + one "
         "layer's all-to-all send and receive buffers"
     )
     return Dispatch(saved=int(saved), buffers=int(buffers), note=note)
+
+
+def _checkpointed_moe_layers(shape: RunShape, moe_layers: int) -> int:
+    """How many of ``moe_layers`` full activation checkpointing recomputes: every
+    ``ac_every``-th block, counted on the safe side (the fewest, floor)."""
+    if shape.checkpointing != "full":
+        return 0
+    return moe_layers // max(1, shape.ac_every)
 
 
 def _blocks(

@@ -37,6 +37,7 @@ from src.config.run_plan import RunPlan
 from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
 from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
+from src.observe import live_memory
 from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
 from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
@@ -208,6 +209,8 @@ class Trainer:
         else:
             self.model = build_model(self.resolved, self.backend)
         self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
+        # CPU: peak_mem_gib from here on is the memory in use at a step's moments
+        live_memory.watch(self.model, self.device)
         self.plan = wrap_plan(self.model, self.backend.layout)
         if self.pipeline is not None:  # the plan is this rank's stages
             roles = self.pipeline.roles
