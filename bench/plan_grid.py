@@ -101,7 +101,7 @@ GRID: dict[str, list[str]] = {
     "gpt 4x256 float8 rowwise": _gpt(4, 256, 512, 8, 2, *F8,
                                      "precision.recipe=rowwise"),
     # combinations
-    "moe 128x2 EP2 x CP2": _moe(128, 2, 1024, 4, 4, EP2, CP2),
+    "gpt 4x256 seq 1024 CP2 AC full": _gpt(4, 256, 1024, 4, 2, CP2, AC),
     "moe 128x4 EP2 AC full accum 2": _moe(128, 4, 512, 8, 2, EP2, AC, ACC2),
     "llama 4x256 CP2 float8": _llama(256, 4, 1024, 4, 2, CP2, *F8),
     "gpt 4x256 float8 HSDP 2x2": _gpt(4, 256, 512, 8, 4, *F8, "sharding.replicate=2"),

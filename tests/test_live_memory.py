@@ -91,3 +91,28 @@ def test_a_checkpointed_blocks_children_sample_their_forward_too():
     net.blocks[0].forward = net.blocks[0].forward  # as checkpointing replaces it
     ac = {id(m): fw for m, fw in _moments(net)}
     assert ac[id(child)] and not ac[id(net.blocks[1][0])]
+
+
+class _Attend(nn.Module):
+    """A block child whose backward peaks inside it: (rows x rows) scores."""
+
+    def forward(self, x):
+        return torch.softmax(x @ x.T, -1) @ x
+
+
+def test_a_peak_inside_a_childs_backward_is_sampled_after_its_nodes():
+    # the scores (2048 x 2048 fp32, 16 MiB) and their gradient live only inside the
+    # child's backward: the module moments alone miss them (issue 56, CP attention)
+    net = nn.ModuleList([nn.Sequential(nn.Linear(256, 256), _Attend())])
+    x = torch.randn(2048, 256)
+    peaks = {}
+    for inside in (False, True):
+        lm = LiveMemory()
+        lm.inside = inside
+        lm.attach(net)
+        net[0](x).sum().backward()
+        lm.reset()  # the next backward's peak only
+        net[0](x).sum().backward()
+        peaks[inside] = lm.peak
+        lm.detach()
+    assert peaks[True] - peaks[False] > 12 * MIB

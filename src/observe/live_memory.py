@@ -21,10 +21,12 @@ peaks (docs/planner.md): after each block in forward (the activations saved so
 far), when each block's and each of its direct children's output gradient is
 computed in backward (the head's: the loss backward moment; a block child's: the
 block's backward working set and its unit's unsharded gradients), after each
-child's forward in a checkpointed block (backward's recomputation), at the end of
-the model's forward, and before and after each optimizer step. A peak inside one
-kernel (shorter than a child module) is not seen; docs/planner.md says what that
-leaves out. The cost: a ``pread`` of /proc/self/statm (~3 us) and, when the
+autograd node of a block child's backward (up to 64 a child: a peak inside the
+child, attention's (T/C x T) scores and their gradient under context parallelism,
+missed by 15% between module moments, issue 56), after each child's forward in a
+checkpointed block (backward's recomputation), at the end of the model's forward,
+and before and after each optimizer step. A peak inside one kernel is not seen;
+docs/planner.md says what that leaves out. The cost: a ``pread`` of /proc/self/statm (~3 us) and, when the
 resident set is above the peak so far, a ``mallinfo2()`` (~30 us on a fragmented
 heap) per sample, a few dozen samples per micro-batch.
 """
@@ -60,6 +62,9 @@ def _mallinfo2():
     return fn
 
 
+#: The autograd nodes per module :meth:`LiveMemory._hook_nodes` samples after.
+_NODES = 64
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -77,6 +82,8 @@ class LiveMemory:
         self.peak_live = 0  # malloc's bytes in use (uordblks + hblkhd), at the peak
         self.samples = 0
         self._hooks: list = []
+        # sample after the autograd nodes inside each block child's backward too
+        self.inside = True
 
     @property
     def available(self) -> bool:
@@ -114,6 +121,27 @@ class LiveMemory:
         out = output[0] if isinstance(output, tuple | list) and output else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._on_grad)
+            if self.inside:
+                self._hook_nodes(out.grad_fn, args)
+
+    def _hook_nodes(self, node, args) -> None:
+        """Sample after each autograd node between the module's output and its
+        inputs computes its gradients (its inputs' gradients and its output's still
+        alive): a peak inside a child's backward (attention's (T/C x T) scores and
+        their gradient, issue 56) falls between two of these, not between two
+        modules. At most :data:`_NODES` nodes per module."""
+        stop = {a.grad_fn for a in args if isinstance(a, torch.Tensor)}
+        todo, seen = [node], set()
+        while todo and len(seen) < _NODES:
+            n = todo.pop()
+            if n is None or n in stop or n in seen:
+                continue
+            seen.add(n)
+            n.register_hook(self._after_node)
+            todo.extend(f for f, _ in n.next_functions)
+
+    def _after_node(self, grad_inputs, grad_outputs) -> None:
+        self.sample()
 
     def _on_grad(self, grad) -> None:
         self.sample()
