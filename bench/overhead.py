@@ -220,7 +220,8 @@ def minimal_process(launcher: str, out_dir: str) -> None:
         s = json.load(f)
     s["betas"] = tuple(s["betas"])
     if launcher == "spawn":
-        run_distributed(_spawn_rank, WORLD, s, out_dir)
+        # no harness timeout: a large shape on a loaded machine runs past 300 s
+        run_distributed(_spawn_rank, WORLD, s, out_dir, timeout=24 * 3600)
         return
     from torch.distributed.launcher.api import elastic_launch
 
