@@ -60,17 +60,44 @@ ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 
 
+# --shape: (model config, its overrides, global batch). ``default``: train.py's
+# default model; ``gpt-4x512``: 4 MiB block activations (issue 55); ``llama-32k``: a
+# 32k vocabulary at sequence 1024, small enough for 2 CPU cores.
+SHAPES = {
+    "default": ("small", (), 16),
+    "gpt-4x512": (
+        "small",
+        ("n_layer=4", "n_embd=512", "n_head=8", "vocab_size=8192", "block_size=256"),
+        8,
+    ),
+    "llama-32k": (
+        "llama_tiny",
+        ("dim=256", "n_layers=2", "n_heads=4", "n_kv_heads=2", "vocab_size=32000",
+         "max_seq_len=1024", "multiple_of=64"),
+        2,
+    ),
+}  # fmt: skip
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """``model=<config>`` and its ``model.<key>=<value>`` overrides (both sides)."""
+    return [f"model={args.model}", *(f"model.{o}" for o in args.model_set)]
+
+
 def load_settings(args: argparse.Namespace) -> dict:
     """The model shape and trainer hyper-parameters both sides use."""
-    model = compose_config(f"model={args.model}").model
+    from dataclasses import asdict
+
+    from src.config.run_plan import resolve
+
+    r = resolve(compose_config(*model_overrides(args), "data=synthetic"))
     trainer = OmegaConf.load(ROOT / "conf" / "trainer" / "default.yaml")
     data = OmegaConf.load(ROOT / "conf" / "data" / "synthetic.yaml")
     return {
-        "shape": {
-            k: model[k]
-            for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
-        }
-        | {"dropout": float(model.dropout), "bias": bool(model.bias)},
+        "family": r.spec.name,
+        "shape": asdict(r.model_config),
+        "seq_len": int(r.spec.seq_len(r.model_config)),
+        "vocab_size": int(r.model_config.vocab_size),
         "batch_size": args.batch_size,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -104,7 +131,7 @@ def _minimal_setup(s: dict, mesh, root_reshard: bool | None = None):
 
     from src.models import get_spec
 
-    spec = get_spec("gpt")
+    spec = get_spec(s["family"])
     config = spec.config_cls(**s["shape"])
     model = spec.build(config, s["seed"])
     blocks = spec.block_classes(config)
@@ -143,19 +170,13 @@ def minimal_train(s: dict, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from src.data.sources import GlobalBatches, load_splits
-    from src.models import get_spec
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(s["seed"])
     mesh = init_device_mesh("cpu", (world,))
-    cfg = get_spec("gpt").config_cls(**s["shape"])
     model, optimizer, scheduler = _minimal_setup(s, mesh)
-    train_split, _ = load_splits(
-        synthetic_data(s),
-        cfg.vocab_size,
-        s["seed"],
-    )
-    batches = GlobalBatches(train_split, s["batch_size"], cfg.block_size, s["seed"])
+    train_split, _ = load_splits(synthetic_data(s), s["vocab_size"], s["seed"])
+    batches = GlobalBatches(train_split, s["batch_size"], s["seq_len"], s["seed"])
 
     losses, stamps = [], {}
     progress = open(  # rank 0's log points, read by run_side
@@ -199,7 +220,8 @@ def minimal_process(launcher: str, out_dir: str) -> None:
         s = json.load(f)
     s["betas"] = tuple(s["betas"])
     if launcher == "spawn":
-        run_distributed(_spawn_rank, WORLD, s, out_dir)
+        # no harness timeout: a large shape on a loaded machine runs past 300 s
+        run_distributed(_spawn_rank, WORLD, s, out_dir, timeout=24 * 3600)
         return
     from torch.distributed.launcher.api import elastic_launch
 
@@ -296,12 +318,10 @@ def _ab_rank(
     steps = {a: _ab_arm(a, s, cfg, resolved, mesh, out_dir) for a in arms}
     train_split, _ = load_splits(
         synthetic_data(s),
-        s["shape"]["vocab_size"],
+        s["vocab_size"],
         s["seed"],
     )
-    batches = GlobalBatches(
-        train_split, s["batch_size"], s["shape"]["block_size"], s["seed"]
-    )
+    batches = GlobalBatches(train_split, s["batch_size"], s["seq_len"], s["seed"])
     out = {a: {"wall": [], "cpu": [], "loss": []} for a in arms}
     for step in range(s["steps"]):
         k = step % len(arms)
@@ -339,7 +359,7 @@ def run_ab(args: argparse.Namespace, s: dict) -> list[dict]:
             {
                 "arm": arm,
                 "step ms (median)": f"{wall * 1e3:.1f}",
-                "tokens/s": _fmt_tps(s["batch_size"] * s["shape"]["block_size"] / wall),
+                "tokens/s": _fmt_tps(s["batch_size"] * s["seq_len"] / wall),
                 "arm / first (tokens/s)": f"{base[0] / wall:.3f}",
                 "CPU ms/step, both ranks (median)": f"{cpu * 1e3:.1f}",
                 "CPU: arm / first": f"{cpu / base[1]:.3f}",
@@ -459,7 +479,7 @@ def trainer_command(s: dict, args: argparse.Namespace, run_dir: str) -> list[str
     return [
         sys.executable,
         "train.py",
-        f"model={args.model}",
+        *model_overrides(args),
         "data=synthetic",
         "sharding.policy=block",
         f"trainer.devices={WORLD}",
@@ -477,10 +497,11 @@ def trainer_command(s: dict, args: argparse.Namespace, run_dir: str) -> list[str
     ]
 
 
-def run_trainer(s: dict, args: argparse.Namespace) -> dict:
+def run_trainer(s: dict, args: argparse.Namespace, extra: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         metrics = os.path.join(run_dir, "metrics.jsonl")
-        result = run_side(trainer_command(s, args, run_dir), metrics, s)
+        cmd = trainer_command(s, args, run_dir)
+        result = run_side([*cmd[:-1], *extra, cmd[-1]], metrics, s)
         with open(metrics) as f:
             records = [json.loads(line) for line in f]
     logged = [r for r in records if "loss" in r]
@@ -498,8 +519,19 @@ def run_trainer(s: dict, args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small")
-    p.add_argument("--batch-size", type=int, default=16, help="global, in sequences")
+    p.add_argument("--shape", default="default", choices=sorted(SHAPES))
+    p.add_argument("--model", default=None, help="a conf/model config (over --shape's)")
+    p.add_argument(
+        "--model-set", nargs="*", default=None, help="model KEY=VALUE overrides"
+    )
+    p.add_argument("--batch-size", type=int, default=None, help="global, in sequences")
+    p.add_argument(
+        "--mmap",
+        nargs="*",
+        default=[],
+        help="trainer.malloc_mmap_threshold_kib values: one trainer side each "
+        "(alternated with the others in each repeat); none: the trainer's default",
+    )
     p.add_argument("--steps", type=int, default=60)
     p.add_argument(
         "--warmup", type=int, default=10, help="steps left out of the timing"
@@ -533,6 +565,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--worker", nargs=2, metavar=("LAUNCHER", "DIR"), help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
+    model, model_set, batch = SHAPES[args.shape]
+    args.model = args.model or model
+    args.model_set = list(model_set) if args.model_set is None else args.model_set
+    args.batch_size = args.batch_size or batch
     if args.warmup % args.log_every or args.steps % args.log_every or args.warmup <= 0:
         p.error("--warmup and --steps must be positive multiples of --log-every")
     if args.steps <= args.warmup:
@@ -554,6 +590,49 @@ def _paired_row(ratios: list[float]) -> dict[str, str]:
     return {
         "paired windows": f"{statistics.median(ratios):.3f}",
         "paired IQR": f"{q1:.3f}-{q3:.3f}",
+    }
+
+
+def _side_line(r: dict, tokens_per_step: int) -> str:
+    return (
+        f"{tokens_per_step / r['step_s']:,.0f} tokens/s, CPU {r['cpu_per_step']:.3f} "
+        f"s/step (sys {r['sys_per_step']:.3f}, {r['faults_per_step']:,.0f} page "
+        f"faults; launcher {r['launcher_cpu_share']:.1%} of a core, ranks "
+        f"{r['ranks_cpu_share']:.0%} each); s/step per window: "
+        + " ".join(f"{w:.3f}" for w in r["windows"])
+    )
+
+
+def _paired(r: dict, t: dict) -> list[float]:
+    """Window i of a minimal side over window i of trainer side ``t`` (same steps)."""
+    return [m / w for m, w in zip(r["windows"], t["windows"], strict=True)]
+
+
+def _row(repeat, side: str, t: str, res: dict, ratios, tokens_per_step: int) -> dict:
+    """One side's row of one repeat, against trainer side ``t``."""
+    r, tr = res[side], res[t]
+    common = set(tr["losses"]) & set(r["losses"])
+    dloss = max(abs(tr["losses"][k] - r["losses"][k]) for k in common)
+    return {
+        "repeat": repeat,
+        "side": side,
+        "against": t,
+        "tokens/s": _fmt_tps(tokens_per_step / r["step_s"]),
+        "tokens/s (median window)": _fmt_tps(tokens_per_step / r["median_step_s"]),
+        "trainer / this": f"{r['step_s'] / tr['step_s']:.3f}",
+        "(median window)": f"{r['median_step_s'] / tr['median_step_s']:.3f}",
+        "CPU s/step": f"{r['cpu_per_step']:.3f}",
+        "CPU: this / trainer": f"{r['cpu_per_step'] / tr['cpu_per_step']:.3f}",
+        "sys CPU s/step": f"{r['sys_per_step']:.3f}",
+        "page faults/step": f"{r['faults_per_step']:,.0f}",
+        "launcher CPU": f"{r['launcher_cpu_share']:.1%}",
+        "rank CPU/wall": f"{r['ranks_cpu_share']:.2f}",
+        "max dloss": "-" if side == t else f"{dloss:.1e}",
+        **(
+            {"paired windows": "-", "paired IQR": "-"}
+            if side == t
+            else _paired_row(ratios)
+        ),
     }
 
 
@@ -585,75 +664,44 @@ def main(argv: list[str] | None = None) -> list[dict]:
             append=args.append_docs,
         )
         return rows
-    tokens_per_step = s["batch_size"] * s["shape"]["block_size"]
-    sides = ["trainer"] + [f"minimal-{m}" for m in args.minimal]
+    tokens_per_step = s["batch_size"] * s["seq_len"]
+    trainers = [f"trainer@{m}" for m in args.mmap] if args.mmap else ["trainer"]
+    minimals = [f"minimal-{m}" for m in args.minimal]
+    sides = trainers + minimals
     rows = []
-    paired: dict[str, list[float]] = {side: [] for side in sides[1:]}
+    paired: dict[tuple[str, str], list[float]] = {
+        (t, m): [] for t in trainers for m in minimals
+    }
     for repeat in range(args.repeats):
         order = sides if repeat % 2 == 0 else sides[::-1]
         res = {}
         for side in order:
-            if side == "trainer":
-                r = run_trainer(s, args)
+            if side.startswith("trainer"):
+                mmap = side.partition("@")[2]
+                extra = [f"trainer.malloc_mmap_threshold_kib={mmap}"] if mmap else []
+                r = run_trainer(s, args, extra)
             else:
                 r = run_minimal(s, side.split("-", 1)[1])
             r["step_s"] = statistics.fmean(r["windows"])
             r["median_step_s"] = statistics.median(r["windows"])
             res[side] = r
             print(
-                f"repeat {repeat}: {side}: {tokens_per_step / r['step_s']:,.0f} tokens/s"
-                f", CPU {r['cpu_per_step']:.3f} s/step (sys {r['sys_per_step']:.3f}, "
-                f"{r['faults_per_step']:,.0f} page faults; launcher "
-                f"{r['launcher_cpu_share']:.1%} of a core, ranks "
-                f"{r['ranks_cpu_share']:.0%} each); s/step per window: "
-                + " ".join(f"{w:.3f}" for w in r["windows"]),
+                f"repeat {repeat}: {side}: " + _side_line(r, tokens_per_step),
                 flush=True,
             )
-        this_repeat = {  # window i of each minimal side against the trainer's
-            side: [
-                m / t
-                for m, t in zip(
-                    res[side]["windows"], res["trainer"]["windows"], strict=True
-                )
-            ]
-            for side in sides[1:]
-        }
-        for side in sides:
-            r, t = res[side], res["trainer"]
-            common = set(t["losses"]) & set(r["losses"])
-            dloss = max(abs(t["losses"][k] - r["losses"][k]) for k in common)
-            rows.append(
-                {
-                    "repeat": repeat,
-                    "side": side,
-                    "tokens/s": _fmt_tps(tokens_per_step / r["step_s"]),
-                    "tokens/s (median window)": _fmt_tps(
-                        tokens_per_step / r["median_step_s"]
-                    ),
-                    "trainer / this": f"{r['step_s'] / t['step_s']:.3f}",
-                    "(median window)": f"{r['median_step_s'] / t['median_step_s']:.3f}",
-                    "CPU s/step": f"{r['cpu_per_step']:.3f}",
-                    "CPU: this / trainer": f"{r['cpu_per_step'] / t['cpu_per_step']:.3f}",
-                    "sys CPU s/step": f"{r['sys_per_step']:.3f}",
-                    "page faults/step": f"{r['faults_per_step']:,.0f}",
-                    "launcher CPU": f"{r['launcher_cpu_share']:.1%}",
-                    "rank CPU/wall": f"{r['ranks_cpu_share']:.2f}",
-                    "max dloss": "-" if side == "trainer" else f"{dloss:.1e}",
-                    **(
-                        {"paired windows": "-", "paired IQR": "-"}
-                        if side == "trainer"
-                        else _paired_row(this_repeat[side])
-                    ),
-                }
-            )
-            if side != "trainer":
-                paired[side] += this_repeat[side]
-    for side in sides[1:]:
-        mine = [r for r in rows if r["side"] == side]
+        for t in trainers:
+            for side in [t, *minimals]:
+                ratios = _paired(res[side], res[t]) if side != t else []
+                rows.append(_row(repeat, side, t, res, ratios, tokens_per_step))
+                if side != t:
+                    paired[(t, side)] += ratios
+    for (t, side), ratios in paired.items():
+        mine = [r for r in rows if r["side"] == side and r["against"] == t]
         rows.append(
             {
                 "repeat": "median",
                 "side": side,
+                "against": t,
                 **{
                     k: f"{statistics.median(float(r[k]) for r in mine):.3f}"
                     for k in (
@@ -662,15 +710,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "CPU: this / trainer",
                     )
                 },
-                **_paired_row(paired[side]),
+                **_paired_row(ratios),
             }
         )
     publish(
         rows,
-        f"Trainer overhead against a minimal FSDP2 loop, model={args.model}, "
+        f"Trainer overhead against a minimal FSDP2 loop, shape {args.shape} "
+        f"({' '.join(model_overrides(args))}), "
         f"{WORLD} gloo ranks",
-        f"Same GPT, synthetic tokens, global batch {s['batch_size']} x "
-        f"{s['shape']['block_size']}, FSDP2 per block + root, fp32, AdamW, clip "
+        f"Same model, synthetic tokens, global batch {s['batch_size']} x "
+        f"{s['seq_len']}, FSDP2 per block + root, fp32, AdamW, clip "
         f"{s['grad_clip']}, 1 thread per rank, {s['steps']} steps. Throughput "
         f"over steps ({s['warmup']}, {s['steps']}] in windows of "
         f"{s['log_every']} steps: trainer from metrics.jsonl, minimal timed on "

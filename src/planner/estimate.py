@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from src.config.run_plan import OVERRIDES
 from src.models.memory import ActivationBytes
 from src.planner.constants import CONSTANTS_SOURCE, process_bytes, runtime_bytes
+from src.planner.optimizer_step import NOTE as OPTIMIZER_STEP_NOTE
+from src.planner.optimizer_step import optimizer_step_transient
 from src.sharding import GIB, MIB, WrapPlan, backend_class
 
 
@@ -354,6 +356,8 @@ def estimate(
     parts = {k: int(phases[phase][k]) for k in PARTS}
     source = CONSTANTS_SOURCE.get(s.device, CONSTANTS_SOURCE["cuda"])
     notes["runtime"] = notes["process"] = f"{s.device}: {source}"
+    if phase == "optimizer step":
+        notes["transient"] = OPTIMIZER_STEP_NOTE
     if dispatch is not None:
         notes["experts"] = dispatch.note
     return Estimate(parts=parts, phase=phase, shape=shape, notes=notes)
@@ -369,9 +373,8 @@ def _moments(
 ) -> dict[str, dict[str, int]]:
     """The parts of each moment of a step (``base``: those every moment holds alike;
     ``held``: the gradients held through backward, :func:`_accumulated`)."""
-    # The update's temporaries: torch's foreach AdamW (CUDA) one fp32 copy of all
-    # local states, the per-tensor one (CPU) about one parameter's.
-    opt_temp = h.params if s.device == "cuda" else h.largest_shard
+    # The update's temporaries: foreach AdamW's copy (src/planner/optimizer_step.py).
+    opt_temp = optimizer_step_transient(h.params)
     # The last block's all-gather in forward: every earlier block's activations are
     # saved (a one-unit model gathers before any).
     before_last = acts.saved - acts.saved // n_blocks if n_blocks else 0

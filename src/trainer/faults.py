@@ -536,6 +536,26 @@ def stop_signal(device: torch.device) -> int:
     return int(flag.item())
 
 
+def mean_and_stop(value: torch.Tensor) -> tuple[float, int]:
+    """The mean over ranks of a per-rank scalar (as ``step.global_mean``) and the stop
+    signal any rank received (as :func:`stop_signal`), in one all-reduce: a step's
+    loss and its stop check share one collective (issue 55). The vector is ``[value,
+    one slot per signal number]``, summed: element-wise, so the value's sum is
+    global_mean's to the bit; a slot counts the ranks that received its signal, and
+    the highest signal counted is stop_signal's MAX."""
+    signum = _requested or _told()
+    flags = torch.zeros(signal.NSIG, dtype=value.dtype, device=value.device)
+    if 0 < signum < signal.NSIG:
+        flags[signum] = 1
+    both = torch.cat([value.detach().reshape(1), flags])
+    world = 1
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    total, *counts = both.tolist()
+    return total / world, max((i for i, n in enumerate(counts) if n), default=0)
+
+
 def resume_hint(stop: Stopped | None, run_dir: str, signum: int = 0) -> str:
     """The one line a stopped run ends with (``stop``: what the ranks did; None: no
     rank had started training when ``signum`` came)."""

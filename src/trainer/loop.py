@@ -63,7 +63,7 @@ from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
 from src.sharding.float8 import Float8, is_float8_linear
 from src.text import plural
 from src.trainer.best import EARLY_STOP, Best
-from src.trainer.faults import signal_point, stop_signal
+from src.trainer.faults import mean_and_stop, signal_point, stop_signal
 from src.trainer.optimizer import build_optimizer, lr_lambda
 from src.trainer.pipelined import (
     pipeline_evaluate,
@@ -437,7 +437,9 @@ class Trainer:
             raise oom_error(err, self.oom_snapshot, self.rank, step) from None
         family = self._after_step()
         self.scheduler.step()
-        self.loss = global_mean(loss)  # one scalar all-reduce: every rank sees it
+        # One all-reduce: the loss's global mean (every rank sees it) and the stop
+        # check's flags, read by stop_if_asked unless the step went on to more work.
+        self.loss, self.stop_signum = mean_and_stop(loss)
         if self.profiler is not None:
             self.profiler.after_step(step)
         self.skipped_steps += check_finite(
@@ -694,13 +696,24 @@ class Trainer:
                 log.info(self.best.line(step))
                 self.early_stop = self.summary["early_stop"] = self.best.summary(step)
                 break
-            self.stop_if_asked(step, None if not saved else path)
+            # after validation, sampling or a checkpoint a signal may have come since
+            # the step's all-reduce: ask again (a collective of its own)
+            busy = (
+                val_loss is not None
+                or saved
+                or (sample_every and step % sample_every == 0)
+            )
+            self.stop_if_asked(step, None if not saved else path, recheck=bool(busy))
         return self.finish()
 
-    def stop_if_asked(self, step: int, saved: Path | None) -> None:
-        """After a stop signal on any rank (a collective: all stop at this step), write
-        a checkpoint unless ``saved`` is this step's, and raise :class:`Stopped`."""
-        signum = stop_signal(self.backend.device)
+    def stop_if_asked(
+        self, step: int, saved: Path | None, recheck: bool = False
+    ) -> None:
+        """After a stop signal on any rank (all stop at this step), write a checkpoint
+        unless ``saved`` is this step's, and raise :class:`Stopped`. The signal is the
+        one the step's all-reduce carried (:func:`mean_and_stop`); ``recheck``: ask
+        again, a collective of its own."""
+        signum = stop_signal(self.backend.device) if recheck else self.stop_signum
         if not signum or step >= self.cfg.trainer.max_steps:
             return
         path = saved or self.checkpoint(step)

@@ -33,7 +33,9 @@ def build_optimizer(
         {"params": params, "weight_decay": wd}
         for params, wd in zip((decay, no_decay), _weight_decays(t), strict=True)
     ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas))
+    # foreach: one op per group, not per tensor (4-7% of a CPU step; torch's default
+    # on CUDA already). Its working set is a planner term (src/planner/optimizer_step.py).
+    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
 
 
 def _weight_decays(t: DictConfig) -> tuple[float, float]:
