@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from src.entry import quiet_torchao
 from src.files import read_json
 from src.models import hf_experts, hf_routing
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
@@ -56,6 +57,7 @@ from src.sharding.tensor_parallel import (
 SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hf_configs"
 PREFIX = "hf."  # our parameter names: "hf." + the transformers model's own
 log = logging.getLogger(__name__)
+quiet_torchao()  # transformers' imports import torchao: only its real errors show
 
 
 @dataclass

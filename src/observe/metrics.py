@@ -453,6 +453,7 @@ class ThroughputMeter:
         probe_cpu_wait_others: float | None = None,
         run_root: int | None = None,
         compute_threads: int | None = None,
+        peak_source: str | None = None,
     ) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -466,6 +467,23 @@ class ThroughputMeter:
         self.run_root, self.compute_threads = run_root, compute_threads
         self._cores = core_reading(run_root)
         self._mfu_dropped = False  # the MFU-above-100% line is said once
+        # A CPU probe's peak is one rank's with the cores its threads ask for; ranks
+        # whose threads outnumber the cores share them, and MFU against that peak
+        # says nothing of the model (it falls with every rank added): left out.
+        cores = len(_cores())
+        self.shared_cores = (
+            f"{compute_threads} threads of ranks on {cores} cores"
+            if peak_source == "probe" and cores and (compute_threads or 0) > cores
+            else None
+        )
+        if self.shared_cores and peak_flops_per_rank is not None:
+            log.warning(
+                "MFU left out: %s share them, so each rank reaches a fraction of the "
+                "peak its probe measured alone (fewer ranks, or OMP_NUM_THREADS "
+                "x trainer.devices <= the cores, for an MFU figure)",
+                self.shared_cores,
+            )
+            self.peak_flops_per_rank = None
         self._own_said = False  # the oversubscribed-run line is said once
         self.cpu_wait_max: float | None = None  # the most contended window's
         self.cpu_wait_others_max: float | None = None  # of it, other processes'
@@ -599,18 +617,27 @@ class ThroughputMeter:
             return
         self._own_said = True
         per_rank = torch.get_num_threads()
+        ranks = threads // per_rank
+        fits = max(1, cores // max(1, ranks))  # threads per rank that fit the cores
+        advice = (
+            f"set OMP_NUM_THREADS={fits} (fewer threads per rank) or fewer ranks "
+            "(trainer.devices)"
+            if fits < per_rank
+            else f"more ranks than cores: trainer.devices={max(1, cores // per_rank)}"
+            " or fewer"
+        )
         log.warning(
             "steps %d-%d: this rank's threads waited for a core %.0f%% of the time "
-            "for the run's own threads: %d ranks x %d threads per rank on %d cores "
-            "(cpu_wait_own in metrics.jsonl); set OMP_NUM_THREADS=%d (fewer threads "
-            "per rank) or fewer ranks (trainer.devices) for a faster run",
+            "for the run's own threads: %d ranks x %d thread%s per rank on %d cores "
+            "(cpu_wait_own in metrics.jsonl); %s for a faster run",
             first,
             last,
             100 * own,
-            threads // per_rank,
+            ranks,
             per_rank,
+            "" if per_rank == 1 else "s",
             cores,
-            max(1, cores // max(1, threads // per_rank)),
+            advice,
         )
 
     def _omit_mfu(self, achieved: float) -> None:
