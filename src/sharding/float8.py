@@ -26,7 +26,6 @@ import copy
 import dataclasses
 import fnmatch
 import importlib
-import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
