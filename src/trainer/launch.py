@@ -49,6 +49,7 @@ from src.data.pinning import DataPin, pinned_data
 from src.data.sources import (
     check_split_sizes,
     follow_tokenizer_vocab,
+    pretrained_tokenizer,
     prepare_data,
     split_sizes,
     tokenizer_of,
@@ -123,10 +124,12 @@ def prepare(
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
-    composed = OmegaConf.to_container(cfg)  # what a checkpoint records
-    resolved = resolve(cfg)
     set_log_level(cfg.trainer.log_level)
     user_keys = job_user_keys() if user_keys is None else user_keys
+    if pin is None and splits is None:  # a training run: the checkpoint's tokenizer
+        pretrained_tokenizer(cfg, user_keys, say=_is_rank0())
+    composed = OmegaConf.to_container(cfg)  # what a checkpoint records
+    resolved = resolve(cfg)
     if pin is not None:  # recorded as the run's config, read as its own file
         cfg.data = pinned_data(cfg.data, pin)
     meta = None
