@@ -49,8 +49,8 @@ from src.data.pinning import DataPin, pinned_data
 from src.data.sources import (
     check_split_sizes,
     follow_tokenizer_vocab,
-    pretrained_tokenizer,
     prepare_data,
+    pretrained_tokenizer,
     split_sizes,
     tokenizer_of,
     training_splits,
