@@ -467,9 +467,15 @@ class HFCausalLM(nn.Module):
             # a later stage's input is the previous one's hidden states; an earlier
             # stage's head is Absent, so its "logits" are its hidden states
             inputs = {"input_ids" if stage.first else "inputs_embeds": idx}
-            return self.hf(**inputs, **kwargs).logits
+            out = self.hf(**inputs, **kwargs).logits
+            hf_routing.aux_loss(self.hf)  # no whole-model loss here: dropped
+            return out
         logits = self.hf(input_ids=idx, **kwargs).logits
-        return logits, lm_loss(logits, targets)
+        loss = lm_loss(logits, targets)
+        aux = hf_routing.aux_loss(self.hf)  # MoE in training: router balance
+        if loss is not None and aux is not None:
+            loss = loss + (aux - aux.detach())  # the gradient's, not the value's
+        return logits, loss
 
 
 #: The name context parallelism's attention is registered under in transformers'
