@@ -748,8 +748,8 @@ def test_cpu_mfu_is_left_out_where_ranks_share_the_cores(monkeypatch, caplog):
     assert line.startswith("MFU left out: 4 threads of ranks on 2 cores share them")
     times = iter([0.0, 1.0, 2.0])
     # threads that fit the cores, or a datasheet's peak: MFU as before
-    assert meter(2, "probe").shared_cores is None
-    assert meter(4, "datasheet").shared_cores is None
+    assert not meter(2, "probe").shared_cores
+    assert not meter(4, "datasheet").shared_cores
 
 
 def test_closing_line_after_a_resume_gives_this_attempts_speed(tmp_path, caplog):
