@@ -250,8 +250,9 @@ class Trainer:
         if self.start_step == 0 and t.init_from is not None:
             self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
         self.best = Best.start(
-            t.keep_best, t.early_stop_patience, self.ckpt.directory, saved[EARLY_STOP]
-        )
+            t.keep_best, t.early_stop_patience, self.ckpt.directory, saved[EARLY_STOP],
+            t.early_stop_min_delta, t.warmup_steps,
+        )  # fmt: skip
         if self.mix is not None:
             gone = self.mix.restore(saved[MIX_STATE])
             if gone:
