@@ -109,11 +109,10 @@ def prepare(
     splits: tuple[str, ...] | None = None,
     pin: DataPin | None = None,
 ) -> tuple[DictConfig, RunPlan]:
-    """What the ranks start from, decided once before any starts: ``cfg`` with its
-    interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
-    data ready in the token cache, the model's vocabulary following the tokenizer and
-    every ``auto`` value chosen, and its :class:`RunPlan` (resolved again only when
-    the model's vocabulary followed the tokenizer), read by the planner.
+    """What the ranks start from, decided once before any starts: ``cfg`` resolved
+    (ranks have no Hydra context), the data in the token cache (a fresh run of a
+    ``model.pretrained`` with ``tokenizer.json``: that tokenizer), the vocabulary
+    following the tokenizer, every ``auto`` chosen, and its :class:`RunPlan`.
     ``user_keys``: the keys the user set (default: this Hydra job's command line);
     ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
