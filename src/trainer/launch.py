@@ -110,16 +110,15 @@ def prepare(
     pin: DataPin | None = None,
 ) -> tuple[DictConfig, RunPlan]:
     """What the ranks start from, decided once before any starts: ``cfg`` resolved
-    (ranks have no Hydra context), the data in the token cache (a fresh run of a
-    ``model.pretrained`` with ``tokenizer.json``: that tokenizer), the vocabulary
-    following the tokenizer, every ``auto`` chosen, and its :class:`RunPlan`.
-    ``user_keys``: the keys the user set (default: this Hydra job's command line);
+    (ranks have no Hydra context), the data in the token cache (tokenized by a fresh
+    run's ``model.pretrained``'s tokenizer.json if any), the vocabulary following the
+    tokenizer, every ``auto`` chosen, its :class:`RunPlan`. ``user_keys``: the keys
+    the user set (default: this Hydra job's command line);
     ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
     (default: training's, :func:`training_splits`; none: no data is read, the
-    tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data
-    (src/data/pinning.py), whose tokenizer file the ranks read and whose corpus the
-    data must still be. Bad input is a ``ConfigError``."""
+    tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data (its
+    tokenizer file read, its corpus still the data's). Bad input: ``ConfigError``."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
