@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -24,6 +25,37 @@ _rank_server = False  # start_rank_server() ran in this process
 #: life to that process (:func:`_die_with_parent`) as it imports this module.
 _SERVER_OF_ENV = "SHARDWRAP_RANK_SERVER_OF"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class _TorchaoImportNoise(logging.Filter):
+    """Drops what importing torchao logs on a build whose compiled extensions do not
+    load here (``Failed to load .../torchao/_C*.so``: a CPU, or another CUDA) and
+    torch's deprecation note on torchao's own enums; every other record of those
+    loggers (a real error) passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if record.name == "torchao":
+            return not (msg.startswith("Failed to load ") and "torchao/_C" in msg)
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            msg.startswith("%s is an Enum subclass")
+            and args
+            and getattr(args[0], "__module__", "").startswith("torchao")
+        )
+
+
+def quiet_torchao() -> None:
+    """Filter torchao's import noise (:class:`_TorchaoImportNoise`); called where
+    torchao is imported (float8, and transformers' imports of it in src/models/hf.py
+    and the commands), before it is. Idempotent."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _TorchaoImportNoise) for f in logger.filters):
+            logger.addFilter(_TorchaoImportNoise())
+
+
+quiet_torchao()  # every command imports this module first, its ranks too
 
 
 def _die_with_parent(parent: int) -> None:

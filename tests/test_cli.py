@@ -245,3 +245,40 @@ def test_ctrl_c_while_a_command_imports_is_one_line():
     )
     assert run.returncode == 130
     assert run.stderr == "stopped by SIGINT while starting; nothing to resume\n"
+
+
+def test_unparseable_prompt_says_how_to_quote_it(tmp_path):
+    """``sample.py prompt="def main("`` (the shell drops the quotes) is one line that
+    gives the form that works; that form parses and keeps the prompt as it was."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = subprocess.run(
+        [sys.executable, "sample.py", f"run={tmp_path}", "prompt=def main("],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert "Error parsing override" in line and "quote" in line
+    suggested = line.rpartition(": ")[2]
+    assert suggested == "'prompt=\"def main(\"'"
+    parser = OverridesParser.create()
+    for prompt in ("def main(", 'say "hi" (x)', "it's (x)", "y = f(a, b)"):
+        hint = one_line(_parse_error(f"prompt={prompt}"))
+        (arg,) = shlex.split(hint.rpartition(": ")[2])  # what the shell passes on
+        assert parser.parse_override(arg).value() == prompt
+
+
+def _parse_error(override: str) -> BaseException:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        OverridesParser.create().parse_overrides([override])
+    except OverrideParseException as err:
+        return err
+    raise AssertionError(f"{override} parsed")

@@ -115,3 +115,42 @@ def test_routing_metrics_are_transformers_router_logits_counted(name):
         model(idx)
     model.hf.model.layers[1] = torch.nn.Identity()
     assert after_step(model, 1) == {}
+
+
+@pytest.mark.parametrize("name", ["tiny_mixtral", "tiny_qwen3_moe"])
+def test_hf_moe_trains_with_the_router_aux_loss_as_transformers(name):
+    """In training an HF MoE model's gradient is transformers' own with
+    ``output_router_logits=True`` (the LM loss + router_aux_loss_coef x the balance
+    loss); the loss's value stays the LM loss; evaluation keeps no router logits
+    (issue 57 item 2)."""
+    from src.models.spec import lm_loss
+
+    model = build(HFConfig(config=name), seed=0)
+    text = model.hf.config.get_text_config()
+    assert text.router_aux_loss_coef > 0
+    idx = torch.randint(0, text.vocab_size, (2, 12), generator=torch.Generator())
+    targets = torch.randint(0, text.vocab_size, (2, 12), generator=torch.Generator())
+    model.train()
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    _, ours = model(idx, targets)
+    ours_grads = grads(ours)
+    # transformers' loss (its labels shifted inside: our targets are shifted already)
+    out = model.hf(idx, output_router_logits=True, use_cache=False)
+    assert out.aux_loss is not None
+    lm = lm_loss(out.logits, targets)
+    torch.testing.assert_close(ours.detach(), lm.detach(), rtol=1e-5, atol=1e-6)
+    theirs_grads = grads(lm + text.router_aux_loss_coef * out.aux_loss)
+    # the router weights get the balance loss's gradient: all match transformers'
+    assert len(ours_grads) == len(theirs_grads)
+    for a, b in zip(ours_grads, theirs_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    router = next(m for m in model.modules() if "_aux_coef" in m.__dict__)
+    model.eval()
+    with torch.no_grad():
+        model(idx, targets)
+    assert "_router_logits" not in router.__dict__

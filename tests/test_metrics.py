@@ -701,3 +701,108 @@ def test_closing_line_compares_planned_and_measured_peak(tmp_path, caplog):
     # a pipeline-parallel run's plan is its worst stage's, named
     staged = close(1.0, planned_peak_pp_rank=1)[0].getMessage()
     assert "planned 1.000 GiB (worst stage: pp rank 1), measured 1.000 GiB" in staged
+
+
+def test_one_thread_per_rank_oversubscribed_is_told_to_use_fewer_ranks(
+    monkeypatch, caplog
+):
+    """4 ranks x 1 thread on 2 cores: the line does not ask for OMP_NUM_THREADS=1 (it
+    is already one); fewer ranks is what helps (issue 57 item 10)."""
+    waits = iter([(0, 0), (50, 50), (110, 90)])
+    monkeypatch.setattr(metrics, "thread_times", lambda: {"1": next(waits)})
+    readings = iter(
+        [_reading(0, 0, 0, 0), _reading(10, 20, 20, 20), _reading(20, 40, 40, 40)]
+    )
+    monkeypatch.setattr(metrics, "core_reading", lambda root: next(readings))
+    monkeypatch.setattr(metrics.torch, "get_num_threads", lambda: 1)
+    times = iter([0.0, 1.0, 2.0])
+    meter = ThroughputMeter(
+        1000, 6000.0, 1e9, 1, clock=lambda: next(times), run_root=1, compute_threads=4
+    )
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        for step in (1, 2):
+            meter.step(step, log=True)
+    (line,) = said(caplog, metrics.__name__)
+    assert "4 ranks x 1 thread per rank on 2 cores" in line
+    assert "OMP_NUM_THREADS" not in line
+    assert "more ranks than cores: trainer.devices=2 or fewer" in line
+
+
+def test_cpu_mfu_is_left_out_where_ranks_share_the_cores(monkeypatch, caplog):
+    """A probe's peak is one rank's alone; 4 ranks' threads on 2 cores reach a
+    fraction of it each, so no MFU (in the rows or the attempt), said once why."""
+    monkeypatch.setattr(metrics, "_cores", lambda: [0, 1])
+    times = iter([0.0, 1.0, 2.0])
+
+    def meter(threads: int, source: str) -> ThroughputMeter:
+        return ThroughputMeter(
+            1000, 6000.0, 1e9, 4, clock=lambda: next(times), compute_threads=threads,
+            peak_source=source,
+        )  # fmt: skip
+
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        shared = meter(4, "probe")
+        rows = [shared.step(step, log=True) for step in (1, 2)]
+    assert "mfu" not in rows[1] and "mfu" not in shared.measured()
+    (line,) = said(caplog, metrics.__name__)
+    assert line.startswith("MFU left out: 4 threads of ranks on 2 cores share them")
+    times = iter([0.0, 1.0, 2.0])
+    # threads that fit the cores, or a datasheet's peak: MFU as before
+    assert not meter(2, "probe").shared_cores
+    assert not meter(4, "datasheet").shared_cores
+
+
+def test_closing_line_after_a_resume_gives_this_attempts_speed(tmp_path, caplog):
+    """The run's tokens/s over all attempts stays in summary.json; the closing line
+    of a resume gives its own, or says it measured none (issue 57 item 10)."""
+    import logging
+
+    from src.observe.loggers import ConsoleSink
+
+    first = {"start_step": 0, "end_step": 20, "wall_time_s": 10.0,
+             "measured_s": 8.0, "measured_steps": 16, "tokens_per_s": 1000.0,
+             "world_size": 1, "mfu": 0.2}  # fmt: skip
+
+    def close(this: dict) -> str:
+        caplog.clear()
+        sink = ConsoleSink(tmp_path)
+        sink.log_summary({"loss": 1.0, "steps": 30, "tokens_per_s": 1000.0,
+                          "mfu": 0.2, "attempts": [first, this]})  # fmt: skip
+        with caplog.at_level(logging.INFO, logger="src.observe.loggers"):
+            sink.finish(0)
+        return records(caplog, "src.observe.loggers")[0].getMessage()
+
+    resumed = {"start_step": 20, "end_step": 30, "wall_time_s": 5.0}
+    measured = close({**resumed, "measured_s": 4.0, "measured_steps": 8,
+                      "tokens_per_s": 500.0, "world_size": 1, "mfu": 0.1})  # fmt: skip
+    assert "tokens/s 500" in measured and "MFU 10.0%" in measured
+    assert "1,000" not in measured
+    unmeasured = close(resumed)
+    assert "tokens/s 1,000" not in unmeasured and "MFU" not in unmeasured
+    assert "tokens/s not measured since the resume (10 steps" in unmeasured
+
+
+def test_torchao_import_noise_is_filtered_and_real_errors_are_not():
+    """Importing torchao (through float8, or transformers through src/models/hf.py)
+    logs no ``Failed to load ... .so`` nor torch's note on torchao's enums; another
+    torchao warning still shows."""
+    code = textwrap.dedent(
+        """
+        import logging
+        import src.models.hf
+        from src.sharding.float8 import _torchao_float8
+        import transformers.quantizers.quantizer_torchao
+        _torchao_float8()
+        logging.getLogger("torchao").warning("Failed to load the model: a real one")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert ".so" not in out.stderr and "Enum subclass" not in out.stderr
+    assert "a real one" in out.stderr

@@ -210,3 +210,55 @@ def test_pretrained_vocabulary_does_not_follow_the_tokenizer(tiny_llama_dir):
             cfg, resolved.spec, resolved.model_config, {"vocab_size": 300}, set()
         )
     assert "use the model's own tokenizer" in one_line(info.value)
+
+
+def _byte_tokenizer_json(path: Path, extra: int = 0) -> None:
+    """A byte-level tokenizer.json of 256 + ``extra`` ids (the byte ``\\n`` ends a
+    document)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    vocab.update({f"<extra_{i}>": 256 + i for i in range(extra)})
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.save(str(path))
+
+
+def test_pretrained_dir_with_a_tokenizer_uses_it_by_default(tmp_path, caplog):
+    """``model=hf model.pretrained=DIR`` with DIR/tokenizer.json: data.tokenizer is DIR
+    (a line says so; the recorded config and data.json hold it); data.tokenizer on the
+    command line keeps the user's; a tokenizer.json bigger than the embedding is one
+    line (issue 57 item 1)."""
+    import logging
+
+    from src.trainer.launch import prepare
+
+    model_dir = save_tiny(tmp_path / "llama", "tiny_llama")  # vocabulary 256
+    _byte_tokenizer_json(model_dir / "tokenizer.json")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def main():\n    return 42\n" * 400)
+    args = ("model=hf", f"model.pretrained={model_dir}", "data=files",
+            f"data.paths={corpus}", f"data.cache_dir={tmp_path}/cache",
+            "data.eos_token='Ċ'", "sharding=none", "trainer.devices=1",
+            "logger=none")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="src.data.sources"):
+        cfg, plan = prepare(make_cfg(*args), set(), run_dir=str(tmp_path / "run"))
+    assert cfg.data.tokenizer == str(model_dir)
+    assert plan.run_config["data"]["tokenizer"] == str(model_dir)  # the recorded one
+    assert plan.data_record is not None
+    assert str(model_dir) in str(plan.data_record.fields["tokenizer"])
+    assert any(
+        r.getMessage().startswith(f"data.tokenizer={model_dir}: the pretrained model's")
+        for r in caplog.records
+    )
+    cfg, _ = prepare(make_cfg(*args, "data.tokenizer=byte"), {"data.tokenizer"})
+    assert cfg.data.tokenizer == "byte"  # the user's choice stays
+    _byte_tokenizer_json(model_dir / "tokenizer.json", extra=44)  # 300 ids
+    with pytest.raises(CONFIG_ERRORS) as info:
+        prepare(make_cfg(*args), user_keys=set())
+    message = one_line(info.value)
+    assert "\n" not in message and message.startswith("model.pretrained: vocabulary")
+    assert "does not fit its own weights" in message

@@ -330,3 +330,27 @@ def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
         )
         with pytest.raises(ConfigError, match=f"^data.weights: {re.escape(why)}"):
             validate(cfg)
+
+
+def test_early_stopping_min_delta_and_warmup_validations_not_counted(tmp_path):
+    """``trainer.early_stop_min_delta``: a val_loss better by no more than it is no
+    improvement; validations at steps inside ``trainer.warmup_steps`` are not counted
+    (issue 57 item 8). The keys reach the trainer's Best from the config."""
+    from src.config.validate import validate
+    from src.harness import compose_config
+    from src.trainer.best import Best
+
+    best = Best.start(0, 3, tmp_path, None, min_delta=0.05, warmup=20)
+    for step, loss in [(10, 5.0), (20, 5.1), (30, 4.97), (40, 4.96)]:
+        best.seen(step, loss)
+        assert not best.exhausted, step  # 20: in warmup; 30, 40: by less than 0.05
+    best.seen(50, 4.99)
+    assert best.exhausted and (best.best, best.best_step, best.since) == (5.0, 10, 3)
+    plain = Best.start(0, 2, tmp_path, None)  # the defaults: every validation counts
+    for step, loss in [(10, 5.0), (20, 5.1), (30, 4.97)]:
+        plain.seen(step, loss)
+    assert (plain.best, plain.since) == (4.97, 0)
+    cfg = compose_config("trainer.early_stop_min_delta=0.01")
+    assert cfg.trainer.early_stop_min_delta == 0.01
+    with pytest.raises(Exception, match="trainer.early_stop_min_delta"):
+        validate(compose_config("trainer.early_stop_min_delta=-1"))

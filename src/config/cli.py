@@ -78,7 +78,9 @@ def one_line(err: BaseException) -> str:
         options = [o for o in err.options if not is_schema_option(o)]
         return f"{group}: no option {wanted!r}, expected one of: {', '.join(options)}"
     if isinstance(err, OverrideParseException):
-        return f"{err.override}: {err.message.splitlines()[0]}"
+        line = f"{err.override}: {err.message.splitlines()[0]}"
+        hint = _quoting_hint(err.override or "")
+        return f"{line}; {hint}" if hint else line
     cause = err if isinstance(err, OmegaConfBaseException) else err.__cause__
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         msg = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
@@ -90,6 +92,22 @@ def one_line(err: BaseException) -> str:
                 msg = _unchosen_group(cause.full_key) or msg
         return f"{cause.full_key}: {msg}"
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def _quoting_hint(override: str) -> str | None:
+    """How to write an override whose value Hydra's lexer stops in (``(``, ``:``, a
+    quote...): the value in Hydra's quotes, inside the shell's."""
+    key, eq, value = override.partition("=")
+    if not eq or not value or value[:1] in "'\"[{" or key.startswith("-"):
+        return None  # already quoted, or a list/dict: the parse error says where
+    if '"' not in value:
+        inner = f'{key}="{value}"'
+    elif "'" not in value:
+        inner = f"{key}='{value}'"
+    else:
+        inner = key + '="' + value.replace('"', '\\"') + '"'
+    shell = "'" + inner.replace("'", "'\\''") + "'"
+    return f"quote the value for Hydra, and that for the shell: {shell}"
 
 
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)

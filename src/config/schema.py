@@ -184,6 +184,9 @@ class TrainerConfig:
     early_stop_patience: int = described(
         "stop when val_loss has not improved for N validations (0 = off)"
     )
+    early_stop_min_delta: float = described(
+        "early stopping: a val_loss is better when below the best by more than this"
+    )
     ckpt_async: bool = described("write checkpoints in the background")
     resume: str | None = described(
         "null, auto (newest in the run dir) or a checkpoint path"

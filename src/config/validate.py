@@ -462,6 +462,11 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
             f"{t[key]} ranks checkpoints by val_loss, but trainer.val_every="
             f"{t.val_every} trainer.val_batches={t.val_batches} never validate",
         )
+    _require(
+        t.early_stop_min_delta >= 0,
+        "trainer.early_stop_min_delta",
+        f"{t.early_stop_min_delta} is negative (an improvement is by more than it)",
+    )
     _positive_int(cfg, "trainer.max_restarts", minimum=0)
     _positive_int(cfg, "trainer.sample_every", minimum=0)
     _positive_int(cfg, "trainer.sample_tokens")

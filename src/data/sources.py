@@ -24,6 +24,7 @@ results whatever the number of ranks, and resuming needs only the step.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -251,6 +252,36 @@ def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     return load_tokenizer(data_cfg, corpus, verbose=False)
 
 
+#: A Hugging Face checkpoint's own tokenizer, in the ``model.pretrained`` directory.
+PRETRAINED_TOKENIZER = "tokenizer.json"
+
+
+def pretrained_tokenizer(cfg: Any, user_keys: set[str], say: bool = True) -> bool:
+    """A fine-tune of a pretrained model reads its text with the model's own
+    tokenizer: where ``model.pretrained`` holds ``tokenizer.json`` and the data has a
+    tokenizer the user did not set (``data.tokenizer`` not in ``user_keys``),
+    ``data.tokenizer`` becomes that directory, said in one line (``say``: rank 0),
+    and so recorded in the run's config and data.json. Returns whether it changed."""
+    pretrained = OmegaConf.select(cfg, "model.pretrained")
+    if not pretrained or "tokenizer" not in cfg.data or "data.tokenizer" in user_keys:
+        return False
+    directory = os.path.abspath(os.path.expanduser(str(pretrained)))
+    if not os.path.isfile(os.path.join(directory, PRETRAINED_TOKENIZER)):
+        return False
+    if os.path.abspath(os.path.expanduser(str(cfg.data.tokenizer))) == directory:
+        return False
+    if say:
+        log.info(
+            "data.tokenizer=%s: the pretrained model's own (%s in model.pretrained; "
+            "data.tokenizer=%s on the command line to keep that one)",
+            directory,
+            PRETRAINED_TOKENIZER,
+            cfg.data.tokenizer,
+        )
+    cfg.data.tokenizer = directory
+    return True
+
+
 def follow_tokenizer_vocab(
     cfg: Any, spec: Any, model_config: Any, meta: dict, user_keys: set[str]
 ) -> bool:
@@ -266,6 +297,14 @@ def follow_tokenizer_vocab(
     key = f"model.{spec.vocab_key}" if spec.vocab_key else "model"
     if cfg.model.get("pretrained"):
         key, advice = "model.pretrained", "use the model's own tokenizer"
+        directory = os.path.abspath(os.path.expanduser(str(cfg.model.pretrained)))
+        if os.path.isfile(os.path.join(directory, PRETRAINED_TOKENIZER)):
+            same = os.path.abspath(os.path.expanduser(str(cfg.data.tokenizer)))
+            advice = (
+                f"the directory's {PRETRAINED_TOKENIZER} does not fit its own weights"
+                if same == directory
+                else f"drop data.tokenizer to use the model's own ({PRETRAINED_TOKENIZER})"
+            )
     elif spec.vocab_key is None:
         advice = "use the model's own tokenizer"
     elif key in user_keys:

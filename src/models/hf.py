@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from src.entry import quiet_torchao
 from src.files import read_json
 from src.models import hf_experts, hf_routing
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
@@ -56,6 +57,7 @@ from src.sharding.tensor_parallel import (
 SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hf_configs"
 PREFIX = "hf."  # our parameter names: "hf." + the transformers model's own
 log = logging.getLogger(__name__)
+quiet_torchao()  # transformers' imports import torchao: only its real errors show
 
 
 @dataclass
@@ -465,9 +467,15 @@ class HFCausalLM(nn.Module):
             # a later stage's input is the previous one's hidden states; an earlier
             # stage's head is Absent, so its "logits" are its hidden states
             inputs = {"input_ids" if stage.first else "inputs_embeds": idx}
-            return self.hf(**inputs, **kwargs).logits
+            out = self.hf(**inputs, **kwargs).logits
+            hf_routing.aux_loss(self.hf)  # no whole-model loss here: dropped
+            return out
         logits = self.hf(input_ids=idx, **kwargs).logits
-        return logits, lm_loss(logits, targets)
+        loss = lm_loss(logits, targets)
+        aux = hf_routing.aux_loss(self.hf)  # MoE in training: router balance
+        if loss is not None and aux is not None:
+            loss = loss + (aux - aux.detach())  # the gradient's, not the value's
+        return logits, loss
 
 
 #: The name context parallelism's attention is registered under in transformers'

@@ -359,6 +359,30 @@ _CLOSING_FIGURES = (
 )
 
 
+def _this_attempts_speed(s: dict) -> tuple[dict, str]:
+    """A resumed run's closing line gives this attempt's tokens/s and MFU, not the
+    run's over earlier attempts (summary.json keeps those): where this attempt
+    measured none (too few steps for a window past warm-up), they are left out and
+    said so."""
+    attempts = s.get("attempts") or []
+    if len(attempts) < 2 or not isinstance(attempts[-1], dict):
+        return s, ""
+    this = attempts[-1]
+    out = {k: v for k, v in s.items() if k not in ("tokens_per_s", "mfu")}
+    if isinstance(this.get("tokens_per_s"), int | float):
+        out["tokens_per_s"] = this["tokens_per_s"]
+        if isinstance(this.get("mfu"), int | float):
+            out["mfu"] = this["mfu"]
+        return out, ""
+    steps = this.get("end_step", 0) - this.get("start_step", 0)
+    return out, (
+        f", tokens/s not measured since the resume ({steps} steps, within warm-up; "
+        "the earlier attempts' in summary.json)"
+        if "tokens_per_s" in s
+        else ""
+    )
+
+
 class ConsoleSink(Sink):
     """At the end of a successful training run, the summary a user reads first."""
 
@@ -376,12 +400,14 @@ class ConsoleSink(Sink):
             return  # failed, or not a training run (plan-only prints its own)
         # Other processes held the cores: tokens/s and MFU move with their load.
         busy = " (a busy machine: cpu_wait_max)" if contended(s) else ""
+        s, speed_note = _this_attempts_speed(s)
         figures = ", ".join(
             f"{label} {fmt.format(s[key])}" + (busy if key == "tokens_per_s" else "")
             for key, label, fmt in _CLOSING_FIGURES
             if isinstance(s.get(key), int | float)
             and not (key == "peak_mem_gib" and s.get("planned_peak_gib"))
         )
+        figures += speed_note
         if isinstance(s.get("validation"), str):  # e.g. no validation split
             figures += f", validation {s['validation']}"
         early = s.get("early_stop")

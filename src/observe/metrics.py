@@ -453,11 +453,10 @@ class ThroughputMeter:
         probe_cpu_wait_others: float | None = None,
         run_root: int | None = None,
         compute_threads: int | None = None,
+        peak_source: str | None = None,
     ) -> None:
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
-        self.peak_flops_per_rank = peak_flops_per_rank
-        self.world_size = world_size
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_flops_per_rank, self.world_size = peak_flops_per_rank, world_size
         self.clock = clock
         self._mark: tuple[int, float] | None = None
         self._threads = thread_times()  # the window's start, for cpu_wait
@@ -466,10 +465,21 @@ class ThroughputMeter:
         self.run_root, self.compute_threads = run_root, compute_threads
         self._cores = core_reading(run_root)
         self._mfu_dropped = False  # the MFU-above-100% line is said once
+        # A CPU probe's peak is one rank's alone: ranks whose threads outnumber the
+        # cores share them, and MFU against it falls with each rank added: left out.
+        cores, threads = len(_cores()), compute_threads or 0
+        shared = peak_source == "probe" and 0 < cores < threads
+        self.shared_cores = shared and f"{threads} threads of ranks on {cores} cores"
+        if shared and peak_flops_per_rank is not None:
+            log.warning(
+                "MFU left out: %s share them, each rank reaching a fraction of the peak "
+                "its probe measured alone (OMP_NUM_THREADS x trainer.devices <= the "
+                "cores for an MFU figure)", self.shared_cores,
+            )  # fmt: skip
+            self.peak_flops_per_rank = None
         self._own_said = False  # the oversubscribed-run line is said once
-        self.cpu_wait_max: float | None = None  # the most contended window's
-        self.cpu_wait_others_max: float | None = None  # of it, other processes'
-        self.cpu_wait_own_max: float | None = None  # the run's own threads'
+        # the most contended window's cpu_wait; of it, others' and the run's own
+        self.cpu_wait_max = self.cpu_wait_others_max = self.cpu_wait_own_max = None
         self.probe_cpu_wait = probe_cpu_wait  # the peak probe's (Peak.cpu_wait)
         self.probe_cpu_wait_others = probe_cpu_wait_others  # of it, others'
         self.measured_steps, self.measured_s = 0, 0.0  # every reported window's
@@ -599,19 +609,18 @@ class ThroughputMeter:
             return
         self._own_said = True
         per_rank = torch.get_num_threads()
+        ranks = threads // per_rank
+        fits = max(1, cores // max(1, ranks))  # threads per rank that fit the cores
+        advice = (f"set OMP_NUM_THREADS={fits} (fewer threads per rank) or fewer ranks "
+                  "(trainer.devices)" if fits < per_rank else "more ranks than cores: "
+                  f"trainer.devices={max(1, cores // per_rank)} or fewer")  # fmt: skip
         log.warning(
             "steps %d-%d: this rank's threads waited for a core %.0f%% of the time "
-            "for the run's own threads: %d ranks x %d threads per rank on %d cores "
-            "(cpu_wait_own in metrics.jsonl); set OMP_NUM_THREADS=%d (fewer threads "
-            "per rank) or fewer ranks (trainer.devices) for a faster run",
-            first,
-            last,
-            100 * own,
-            threads // per_rank,
-            per_rank,
-            cores,
-            max(1, cores // max(1, threads // per_rank)),
-        )
+            "for the run's own threads: %d ranks x %d thread%s per rank on %d cores "
+            "(cpu_wait_own in metrics.jsonl); %s for a faster run",
+            first, last, 100 * own, ranks, per_rank, "" if per_rank == 1 else "s",
+            cores, advice,
+        )  # fmt: skip
 
     def _omit_mfu(self, achieved: float) -> None:
         # Above 100% the denominator is wrong (a probe measured on a busy machine, a

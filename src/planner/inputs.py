@@ -59,6 +59,14 @@ def plan_backend(plan: RunPlan) -> Iterator[Any]:
         yield backend
     except SplitBlockError as err:
         policies = ",".join(plan.wrap.policies)
+        if ep > 1:  # EP's experts are a unit of their own whatever the policy
+            raise ConfigError(
+                ac,
+                f"selective needs each {err.block} to be one sharding unit, and "
+                f"sharding.expert_parallel={ep} makes its experts a unit of their "
+                f"own (under any {policy}): set {ac}=full (it runs with expert "
+                "parallelism), or sharding.expert_parallel=1 to keep selective",
+            ) from None
         raise ConfigError(
             ac,
             f"selective needs each {err.block} to be one sharding unit, and "

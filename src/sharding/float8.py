@@ -26,7 +26,6 @@ import copy
 import dataclasses
 import fnmatch
 import importlib
-import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+from src.entry import quiet_torchao
 
 from .wrap import is_wrapped
 
@@ -49,19 +50,12 @@ _FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 
 def _torchao_float8() -> Any:
-    """``torchao.float8``, imported quietly (torchao logs a warning for each of its
-    compiled CUDA extensions that a CPU build cannot load)."""
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    try:
-        for q in quiet:
-            q.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torchao.float8 as float8
-    finally:
-        for q, level in zip(quiet, levels, strict=True):
-            q.setLevel(level)
+    """``torchao.float8``, imported without the noise of its compiled CUDA extensions
+    that this build cannot load (src/entry.py ``quiet_torchao``: only those lines)."""
+    quiet_torchao()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torchao.float8 as float8
     return float8
 
 

@@ -9,7 +9,10 @@ checkpoints on disk at the start, so it follows a resume and a branch (a branch'
 newer checkpoints are set aside before it starts).
 
 ``trainer.early_stop_patience=N``: training stops after ``N`` validations in a row
-without a lower ``val_loss`` than the best so far. Its state (the best, its step, the
+without a ``val_loss`` lower than the best so far by more than
+``trainer.early_stop_min_delta``; validations inside the learning-rate warmup
+(``trainer.warmup_steps``) are not counted (a better one there is still the best). Its
+state (the best, its step, the
 validations since) is saved in every checkpoint, so a resumed run counts on, and a
 run that stopped early resumes to "nothing to train".
 """
@@ -37,16 +40,24 @@ class Best:
     best_step: int = 0
     since: int = 0  # validations since it was reached
     kept: list[float] = field(default_factory=list)
+    min_delta: float = 0.0  # an improvement is a val_loss below best - min_delta
+    warmup: int = 0  # validations at steps <= warmup are not counted
 
     @classmethod
     def start(
-        cls, keep_best: int, patience: int, directory: Path, state: dict | None
+        cls,
+        keep_best: int,
+        patience: int,
+        directory: Path,
+        state: dict | None,
+        min_delta: float = 0.0,
+        warmup: int = 0,
     ) -> Best:
         """At the start of a run: the scores of the best checkpoints in
         ``directory``, and the early-stopping ``state`` of the checkpoint resumed
         (None: a fresh start)."""
         kept = [score for score, _ in best_checkpoints(directory, keep_best)]
-        best = cls(keep_best, patience, kept=kept)
+        best = cls(keep_best, patience, kept=kept, min_delta=min_delta, warmup=warmup)
         if state:
             best.best, best.best_step, best.since = (
                 state["best"],
@@ -58,9 +69,9 @@ class Best:
     def seen(self, step: int, val_loss: float) -> bool:
         """Count the validation of ``step``; returns whether its checkpoint is to be
         kept as one of the best (it then is counted as kept)."""
-        if self.best is None or val_loss < self.best:
+        if self.best is None or val_loss < self.best - self.min_delta:
             self.best, self.best_step, self.since = val_loss, step, 0
-        else:
+        elif step > self.warmup:  # a validation inside the warmup is not counted
             self.since += 1
         if not self.keep_best:
             return False

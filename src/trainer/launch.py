@@ -50,6 +50,7 @@ from src.data.sources import (
     check_split_sizes,
     follow_tokenizer_vocab,
     prepare_data,
+    pretrained_tokenizer,
     split_sizes,
     tokenizer_of,
     training_splits,
@@ -108,25 +109,25 @@ def prepare(
     splits: tuple[str, ...] | None = None,
     pin: DataPin | None = None,
 ) -> tuple[DictConfig, RunPlan]:
-    """What the ranks start from, decided once before any starts: ``cfg`` with its
-    interpolations resolved (ranks have no Hydra context for ``${hydra:...}``), the
-    data ready in the token cache, the model's vocabulary following the tokenizer and
-    every ``auto`` value chosen, and its :class:`RunPlan` (resolved again only when
-    the model's vocabulary followed the tokenizer), read by the planner.
-    ``user_keys``: the keys the user set (default: this Hydra job's command line);
+    """What the ranks start from, decided once before any starts: ``cfg`` resolved
+    (ranks have no Hydra context), the data in the token cache (tokenized by a fresh
+    run's ``model.pretrained``'s tokenizer.json if any), the vocabulary following the
+    tokenizer, every ``auto`` chosen, its :class:`RunPlan`. ``user_keys``: the keys
+    the user set (default: this Hydra job's command line);
     ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
     ``splits``: the data's splits the command reads, each checked to hold a window
     (default: training's, :func:`training_splits`; none: no data is read, the
-    tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data
-    (src/data/pinning.py), whose tokenizer file the ranks read and whose corpus the
-    data must still be. Bad input is a ``ConfigError``."""
+    tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data (its
+    tokenizer file read, its corpus still the data's). Bad input: ``ConfigError``."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
-    composed = OmegaConf.to_container(cfg)  # what a checkpoint records
-    resolved = resolve(cfg)
     set_log_level(cfg.trainer.log_level)
     user_keys = job_user_keys() if user_keys is None else user_keys
+    if pin is None and splits is None:  # a training run: the checkpoint's tokenizer
+        pretrained_tokenizer(cfg, user_keys, say=_is_rank0())
+    composed = OmegaConf.to_container(cfg)  # what a checkpoint records
+    resolved = resolve(cfg)
     if pin is not None:  # recorded as the run's config, read as its own file
         cfg.data = pinned_data(cfg.data, pin)
     meta = None

@@ -250,8 +250,9 @@ class Trainer:
         if self.start_step == 0 and t.init_from is not None:
             self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
         self.best = Best.start(
-            t.keep_best, t.early_stop_patience, self.ckpt.directory, saved[EARLY_STOP]
-        )
+            t.keep_best, t.early_stop_patience, self.ckpt.directory, saved[EARLY_STOP],
+            t.early_stop_min_delta, t.warmup_steps,
+        )  # fmt: skip
         if self.mix is not None:
             gone = self.mix.restore(saved[MIX_STATE])
             if gone:
@@ -289,7 +290,7 @@ class Trainer:
         t = self.cfg.trainer
         spec, model_cfg = self.resolved.spec, self.resolved.model_config
         block_size = spec.seq_len(model_cfg)
-        peak = waited = others = root = None
+        peak = waited = others = root = source = None
         if self.rank == 0:
             # rank 0 says whose threads held the cores (the run's or others')
             root = run_root()
@@ -299,7 +300,7 @@ class Trainer:
             )
             if found.warning:
                 log.warning("precision=%s: %s", self.cfg.precision.name, found.warning)
-            peak, waited = found.flops, found.cpu_wait
+            peak, waited, source = found.flops, found.cpu_wait, found.source
             split = split_between(waited, before, core_reading(root))
             others = waited if split is None else split[1]
             if others is not None and others > CONTENDED:
@@ -319,6 +320,7 @@ class Trainer:
             probe_cpu_wait_others=others,
             run_root=root,
             compute_threads=local * torch.get_num_threads(),
+            peak_source=source,
         )
 
     def startup_line(self) -> str:
