@@ -151,7 +151,7 @@ EP_TP = ("sharding.expert_parallel=2", "sharding.tensor_parallel=2")
 @pytest.mark.parametrize(
     "overrides, key, says",
     [
-        (("sharding.expert_parallel=3",), "ep", "4 ranks"),
+        (("sharding.expert_parallel=3",), "ep", "4 shard ranks"),
         (("sharding.expert_parallel=16", "trainer.devices=16"), "ep", "8 experts"),
         (("model=llama_tiny", "sharding.expert_parallel=2"), "ep", "dense model"),
         (

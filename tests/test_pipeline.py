@@ -267,17 +267,18 @@ def test_bad_pipeline_configs_fail_in_one_line(overrides, key, says):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "key"),
+    ("overrides", "key", "says"),
     [
-        (["trainer.devices=2", "precision=fp16_mixed"], "precision.name"),
+        (["trainer.devices=2", "precision=fp16_mixed"], "precision.name", "pipeline"),
         (
             ["trainer.devices=4", *TP2, "sharding.sequence_parallel=true"],
             "sharding.sequence_parallel",
+            "pipeline_parallel",
         ),
     ],
 )
-def test_what_pipelining_does_not_do_yet_fails_in_one_line(overrides, key):
-    assert_fails_naming([*overrides, *PP2], key, "pipeline_parallel")
+def test_what_pipelining_does_not_do_yet_fails_in_one_line(overrides, key, says):
+    assert_fails_naming([*overrides, *PP2], key, says)
 
 
 def _trained_and_exported(device, cfg, resolved, checkpoint, run_dir) -> dict:

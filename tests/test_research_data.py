@@ -42,6 +42,7 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
     def refused(*overrides: str) -> str:
         cfg = make_cfg(*overrides)
         with pytest.raises(ConfigError) as err:
+            validate(cfg)  # as train.py does, before prepare
             prepare(cfg, set())
         return str(err.value)
 

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 import uuid
 import warnings
@@ -531,10 +532,18 @@ def _start_local_ranks(
         return start(*a, envs=envs, **kw)
 
     local_elastic_agent.start_processes = start_with_this_environment
+    # torch's agent installs its handler for the signals it takes and never puts
+    # the old ones back: a process that launches again (a sweep's next job) keeps them.
+    handled = [getattr(signal, n) for n in config.signals_to_handle.split(",") if n]
+    before = {s: signal.getsignal(s) for s in handled}
     try:
         return elastic_launch(config, entry)(*args)
     finally:
         local_elastic_agent.start_processes = start
+        if threading.current_thread() is threading.main_thread():
+            for s, handler in before.items():
+                if handler is not None:  # None: not set from Python
+                    signal.signal(s, handler)
 
 
 def _rank_entry(
