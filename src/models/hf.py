@@ -467,15 +467,9 @@ class HFCausalLM(nn.Module):
             # a later stage's input is the previous one's hidden states; an earlier
             # stage's head is Absent, so its "logits" are its hidden states
             inputs = {"input_ids" if stage.first else "inputs_embeds": idx}
-            out = self.hf(**inputs, **kwargs).logits
-            hf_routing.aux_loss(self.hf)  # no whole-model loss here: dropped
-            return out
+            return self.hf(**inputs, **kwargs).logits
         logits = self.hf(input_ids=idx, **kwargs).logits
-        loss = lm_loss(logits, targets)
-        aux = hf_routing.aux_loss(self.hf)  # MoE in training: router balance
-        if loss is not None and aux is not None:
-            loss = loss + (aux - aux.detach())  # the gradient's, not the value's
-        return logits, loss
+        return logits, lm_loss(logits, targets)
 
 
 #: The name context parallelism's attention is registered under in transformers'

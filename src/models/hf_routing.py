@@ -12,11 +12,8 @@ not depend on the layout. A layer's ``aux_loss`` is the Switch balance loss
 transformers' ``load_balancing_loss_func`` computes for that layer (``E sum_e f_e
 P_e``, ``f_e`` the assignments to ``e`` per row, ``P_e`` its mean probability; top_k
 when balanced) over the step's rows on all ranks; ``moe/aux_loss`` is their sum times
-the config's ``router_aux_loss_coef``. In training, as transformers does with
-``output_router_logits=True``, :func:`aux_loss` adds ``router_aux_loss_coef`` x the
-model's own ``load_balancing_loss_func`` over the forward's router logits to the
-gradient (the logged loss stays the language model's, as the native family's).
-transformers' routers keep every
+the config's ``router_aux_loss_coef``, a metric: the trainer does not ask transformers
+for router logits, so nothing of it enters the loss. transformers' routers keep every
 assignment (no capacity): ``dropped`` is 0. A pipeline stage logs none (each holds
 some of the routers; the native family has no pipeline).
 """
@@ -24,7 +21,6 @@ some of the routers; the native family has no pipeline).
 from __future__ import annotations
 
 import fnmatch
-import sys
 from typing import Any
 
 import torch
@@ -42,8 +38,6 @@ from src.models.moe import (
 _STATS = "_routing_stats"  # the counts since the last after_step (on each router)
 _COEF = "_aux_coef"  # the config's router_aux_loss_coef (on each router)
 _SHAPE = "_routing_shape"  # (routers in the whole model, experts) (on each router)
-_LIVE = "_router_logits"  # this training forward's router logits (on each router)
-_TOP_K = "_top_k"  # the config's experts per token (on each router)
 
 
 def routers(base_model: nn.Module, hf_config: Any) -> list[nn.Module]:
@@ -62,26 +56,18 @@ def routers(base_model: nn.Module, hf_config: Any) -> list[nn.Module]:
 def count_routing(base_model: nn.Module, hf_config: Any, experts: int) -> None:
     """Hook each router of ``base_model`` (of ``experts`` experts) to count its
     routing in training."""
-    text = hf_config.get_text_config()
-    coef = float(getattr(text, "router_aux_loss_coef", 0.0))
-    top_k = int(getattr(text, "num_experts_per_tok", 1))
+    coef = float(getattr(hf_config.get_text_config(), "router_aux_loss_coef", 0.0))
     found = routers(base_model, hf_config)
     for router in found:
-        router.__dict__.update({_COEF: coef, _STATS: None, _TOP_K: top_k})
+        router.__dict__.update({_COEF: coef, _STATS: None})
         router.__dict__[_SHAPE] = (len(found), experts)
         router.register_forward_hook(_count)
 
 
+@torch.no_grad()
 def _count(router: nn.Module, args: tuple, output: tuple) -> None:
     if not router.training or recomputing():
         return
-    if router.__dict__[_COEF]:  # for the loss: with its graph
-        router.__dict__[_LIVE] = output[0]
-    with torch.no_grad():
-        _add_counts(router, output)
-
-
-def _add_counts(router: nn.Module, output: tuple) -> None:
     logits, _, chosen = output
     probs = logits.detach().float().softmax(-1)
     counts = torch.zeros(probs.size(-1), dtype=torch.float64, device=probs.device)
@@ -116,20 +102,3 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
         aux = E * ((counts / n) * (probs / n)).sum()
         rows.update(layer_metrics(layer, counts, 0, aux.item(), (entropy / n).item()))
     return overall_metrics(rows, found[0][1].__dict__[_COEF])
-
-
-def aux_loss(hf_model: nn.Module) -> torch.Tensor | None:
-    """``router_aux_loss_coef`` x the balance loss of this training forward's router
-    logits, by the model's own ``load_balancing_loss_func`` (transformers' loss with
-    ``output_router_logits=True``); None where no router kept logits (evaluation, a
-    coefficient of 0) or the model's module has no such function. Each router's
-    logits are taken (a pipeline stage's too: none is kept past its forward)."""
-    found = [m for m in hf_model.modules() if m.__dict__.get(_LIVE) is not None]
-    logits = tuple(m.__dict__.pop(_LIVE) for m in found)
-    func = getattr(
-        sys.modules.get(type(hf_model).__module__), "load_balancing_loss_func", None
-    )
-    if not logits or func is None:
-        return None
-    experts, top_k = found[0].__dict__[_SHAPE][1], found[0].__dict__[_TOP_K]
-    return found[0].__dict__[_COEF] * func(logits, experts, top_k, None)
