@@ -233,4 +233,4 @@ def test_only_the_layout_builds_a_mesh_and_only_validation_reads_degree_keys():
 
 #: Where the config's layout keys may be read as attributes: its validation
 #: (validate.py, and the resolve() it calls, which makes the layout from them).
-VALIDATION = {"config/validate.py", "resolved.py"}
+VALIDATION = {"config/validate.py", "config/run_plan.py"}
