@@ -2,13 +2,13 @@
 process, model=small (overrides: another shape), the same step with and without the
 sampler attached, alternated 12 times, median CPU time (process_time) of each.
 
-    python -m bench.sampler_cost [OVERRIDES ...]
+    python -m bench.sampler_cost [--reps N] [OVERRIDES ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
 import torch
@@ -18,7 +18,12 @@ from src.harness import compose_config
 from src.observe.live_memory import LiveMemory
 
 
-def main(argv: list[str]) -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="config overrides (key=value)")
+    parser.add_argument("--reps", type=int, default=12, help="alternations")
+    args = parser.parse_args(argv)
+    argv, reps = args.overrides, args.reps
     torch.set_num_threads(1)
     r = resolve(compose_config("data=synthetic", *argv))
     model = r.spec.build(r.model_config, 0)
@@ -34,7 +39,7 @@ def main(argv: list[str]) -> dict:
     for _ in range(3):
         step()
     lm, cpu = LiveMemory(), {"off": [], "on": []}
-    for rep in range(12):
+    for rep in range(reps):
         for arm in ("on", "off") if rep % 2 else ("off", "on"):
             if arm == "on":
                 lm.attach(model)
@@ -45,11 +50,11 @@ def main(argv: list[str]) -> dict:
                 lm.detach()
     on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     row = {"overrides": " ".join(argv) or "(model=small)", "samples/step":
-           round(lm.samples / 12), "off ms": round(off * 1e3, 1),
+           round(lm.samples / reps), "off ms": round(off * 1e3, 1),
            "on ms": round(on * 1e3, 1), "on / off": round(on / off, 3)}  # fmt: skip
     print(row)
     return row
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

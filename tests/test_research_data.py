@@ -159,12 +159,14 @@ def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, cap
 
 # ------------------------------------------------- best checkpoints, early stopping
 
+WARMUP = 4  # validations at steps <= WARMUP are not counted by early stopping
 EARLY = [
     *ONE_RANK,
     "data=synthetic",  # random tokens: val_loss stops improving within steps
     "data.num_tokens=20000",
     "logger=none",
     "trainer.max_steps=40",
+    f"trainer.warmup_steps={WARMUP}",
     "trainer.val_every=2",
     "trainer.val_batches=1",
     "trainer.log_every=2",
@@ -206,7 +208,9 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(tmp_path):
     best, since, stop = None, 0, None
     for step, value in vals.items():  # the rule, applied to the logged val_loss
         best, since = (
-            (step, 0) if best is None or value < vals[best] else (best, since + 1)
+            (step, 0)
+            if best is None or value < vals[best]
+            else (best, since + (step > WARMUP))
         )
         if since == 2:
             stop = step
