@@ -26,15 +26,21 @@ child, attention's (T/C x T) scores and their gradient under context parallelism
 missed by 15% between module moments, issue 56), after each child's forward in a
 checkpointed block (backward's recomputation), at the end of the model's forward,
 and before and after each optimizer step. A peak inside one kernel is not seen;
-docs/planner.md says what that leaves out. The cost: a ``pread`` of /proc/self/statm (~3 us) and, when the
-resident set is above the peak so far, a ``mallinfo2()`` (~30 us on a fragmented
-heap) per sample, a few dozen samples per micro-batch.
+docs/planner.md says what that leaves out.
+
+The cost: a ``pread`` of /proc/self/statm (~3-10 us) and, when the resident set is
+above the peak so far, a ``mallinfo2()`` (~30 us on a fragmented heap) per sample,
+plus the hooks' own calls: hundreds of samples a step, 5-10% of a one-process step
+of the default model. So a trainer samples only the steps it logs
+(:func:`sampling`): the steps are alike, and the peak of the logged ones is the
+run's at a tenth of the cost (``trainer.log_every=10``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -203,20 +209,44 @@ def _moments(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 _ACTIVE: LiveMemory | None = None
 
 
-def watch(model: nn.Module, device: torch.device) -> LiveMemory | None:
-    """Attach this process's sampler to ``model`` on a CPU rank with glibc (None on
-    CUDA, where the caching allocator counts its own peak, or without mallinfo2):
-    from then on ``memory_metrics`` reports its peak as ``peak_mem_gib``."""
-    global _ACTIVE
+#: The model the active sampler watches (attached around each sampled step).
+_WATCHED: nn.Module | None = None
+
+
+def watch(
+    model: nn.Module, device: torch.device, attach: bool = True
+) -> LiveMemory | None:
+    """This process's sampler for ``model`` on a CPU rank with glibc (None on CUDA,
+    where the caching allocator counts its own peak, or without mallinfo2): from
+    then on ``memory_metrics`` reports its peak as ``peak_mem_gib``. Attached now,
+    or (``attach=False``) only inside :func:`sampling`."""
+    global _ACTIVE, _WATCHED
     if torch.device(device).type != "cpu":
         return None
-    if _ACTIVE is not None:
-        _ACTIVE.detach()
+    stop()
     sampler = LiveMemory()
     if not sampler.available:
         return None
-    _ACTIVE = sampler.attach(model)
+    _ACTIVE, _WATCHED = sampler, model
+    if attach:
+        sampler.attach(model)
+    else:
+        sampler.sample()
     return _ACTIVE
+
+
+@contextmanager
+def sampling(on: bool):
+    """Sample the step run inside at its moments when ``on`` (the watched model's
+    hooks attached for it, removed after); else nothing is hooked or read."""
+    if not on or _ACTIVE is None or _ACTIVE._hooks:
+        yield
+        return
+    _ACTIVE.attach(_WATCHED)
+    try:
+        yield
+    finally:
+        _ACTIVE.detach()
 
 
 def active() -> LiveMemory | None:
@@ -225,7 +255,7 @@ def active() -> LiveMemory | None:
 
 def stop() -> None:
     """Detach this process's sampler (a test's model, a finished run)."""
-    global _ACTIVE
+    global _ACTIVE, _WATCHED
     if _ACTIVE is not None:
         _ACTIVE.detach()
-    _ACTIVE = None
+    _ACTIVE = _WATCHED = None

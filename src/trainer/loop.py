@@ -209,8 +209,9 @@ class Trainer:
         else:
             self.model = build_model(self.resolved, self.backend)
         self.init_mem = reduce_max_min(memory_metrics(self.device, prefix="init_"))
-        # CPU: peak_mem_gib from here on is the memory in use at a step's moments
-        live_memory.watch(self.model, self.device)
+        # CPU: peak_mem_gib from here on is the memory in use at the moments of the
+        # logged steps (sampling every step costs 5-10% of a small model's step)
+        live_memory.watch(self.model, self.device, attach=False)
         self.plan = wrap_plan(self.model, self.backend.layout)
         if self.pipeline is not None:  # the plan is this rank's stages
             roles = self.pipeline.roles
@@ -407,6 +408,19 @@ class Trainer:
         return after(self.model, replicas)
 
     # -- the parts of a step ------------------------------------------------------------
+    def _train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward and the optimizer step of ``step``: this rank's loss
+        and the gradient norm."""
+        if self.pipeline is not None:
+            return pipeline_train_step(
+                self.pipeline, self.batches, step - 1, self.backend,
+                self.optimizer, self.cfg,
+            )  # fmt: skip
+        return train_step(
+            self.model, self.batches, step - 1, self.backend, self.optimizer,
+            self.scaler, self.cfg,
+        )  # fmt: skip
+
     def step(self, step: int) -> dict[str, Any] | None:
         """Optimizer step ``step`` (1-based). At a log point (the first and the last
         step, every ``trainer.log_every``) its row is logged and returned, else None."""
@@ -415,26 +429,10 @@ class Trainer:
         if self.profiler is not None:
             self.profiler.before_step(step)
         signal_point("step", step)  # a test's Ctrl-C, mid-step (src/trainer/faults.py)
+        log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
         try:
-            if self.pipeline is not None:
-                loss, grad_norm = pipeline_train_step(
-                    self.pipeline,
-                    self.batches,
-                    step - 1,
-                    self.backend,
-                    self.optimizer,
-                    self.cfg,
-                )
-            else:
-                loss, grad_norm = train_step(
-                    self.model,
-                    self.batches,
-                    step - 1,
-                    self.backend,
-                    self.optimizer,
-                    self.scaler,
-                    self.cfg,
-                )
+            with live_memory.sampling(log_now):
+                loss, grad_norm = self._train_step(step)
         except torch.OutOfMemoryError as err:
             raise oom_error(err, self.oom_snapshot, self.rank, step) from None
         family = self._after_step()
@@ -451,7 +449,6 @@ class Trainer:
         self.tokens_seen += self.meter.tokens_per_step
         if self.mix is not None:
             self.mix.count(step - 1, t.grad_accum)
-        log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
         speed = self.meter.step(step, log=log_now)  # None before the first full window
         if not log_now:
             return None
