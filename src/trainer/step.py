@@ -13,6 +13,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.checkpoint.dcp import Checkpointer
+from src.data.packing import Documents
 from src.data.sources import GlobalBatches
 from src.errors import RunError
 from src.sharding import Backend
@@ -25,11 +26,34 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def forward_kwargs(backend: Backend, x: torch.Tensor) -> dict:
+def forward_kwargs(
+    backend: Backend, x: torch.Tensor, documents: Documents | None = None
+) -> dict:
     """The model's forward arguments beside the tokens ``x`` (this rank's share):
     with context parallelism, their global positions and the backend's
-    ``ContextParallel`` (src/sharding/context_parallel.py); none without it."""
-    return {} if backend.cp is None else backend.cp.forward_kwargs(x)
+    ``ContextParallel`` (src/sharding/context_parallel.py); with
+    ``data.packing=documents``, their document ids; none without either."""
+    if backend.cp is not None:
+        return backend.cp.forward_kwargs(x)
+    return {} if documents is None else {"docs": documents.ids(x)}
+
+
+def counted_weights(
+    batch: list[tuple[torch.Tensor, torch.Tensor]], backend: Backend
+) -> list[float]:
+    """What each micro-batch's mean loss is multiplied by so that the step's loss
+    (and gradient) is the mean over the targets that count (not -1) of the whole
+    global batch, however they fall on micro-batches and ranks: its counted
+    targets x data-parallel ranks / the global count (one all-reduce; the ranks of
+    a tp group read the same rows, so the world's sum counts them that often).
+    FSDP and DDP then average the gradients over the data-parallel ranks."""
+    counts = torch.tensor([float((y != -1).sum()) for _, y in batch])
+    total = counts.sum().to(backend.device)
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    replicas = backend.world_size // backend.dp_size
+    total = float(total) / replicas
+    return [float(n) * backend.dp_size / max(total, 1.0) for n in counts]
 
 
 def train_step(
@@ -40,9 +64,11 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     cfg: DictConfig,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's share
-    of the loss and the global gradient norm (before clipping)."""
+    of the loss and the global gradient norm (before clipping). ``documents``:
+    ``data.packing=documents`` (src/data/packing.py)."""
     t = cfg.trainer
     # Read once: each DictConfig lookup costs ~20 us of CPU, and the loop is per step.
     accum, every, clip = t.grad_accum, t.grad_sync == "every", t.grad_clip
@@ -51,8 +77,11 @@ def train_step(
     if not model.training:  # after evaluation; train() walks every module (~130 us)
         model.train()
     loss_sum = torch.zeros((), device=backend.device)
-    for micro in range(accum):
-        x, y = batches.get(step, micro, rank, world)
+    batch = [batches.get(step, micro, rank, world) for micro in range(accum)]
+    if documents is not None:  # no loss at a document's first token
+        batch = [(x, documents.targets(x, y)) for x, y in batch]
+        weights = counted_weights(batch, backend)
+    for micro, (x, y) in enumerate(batch):
         # context parallelism: this rank's 1/C of each sequence (the cp ranks of a
         # group read the same rows)
         x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
@@ -66,8 +95,10 @@ def train_step(
         ):
             with backend.autocast():
                 # the logits are not kept through backward
-                loss = model(x, y, **forward_kwargs(backend, x))[1]
-            if accum > 1:  # x / 1 == x: no autograd node for nothing
+                loss = model(x, y, **forward_kwargs(backend, x, documents))[1]
+            if documents is not None:  # the mean over the global batch's targets
+                loss = loss * weights[micro]
+            elif accum > 1:  # x / 1 == x: no autograd node for nothing
                 loss = loss / accum
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
@@ -85,16 +116,26 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
-    """Mean loss over the fixed validation batches (the same in every run)."""
+def evaluate(
+    model: nn.Module,
+    batches: list,
+    backend: Backend,
+    documents: Documents | None = None,
+) -> float:
+    """Mean loss over the fixed validation batches (the same in every run); with
+    ``documents``, over their counted targets (as :func:`train_step`)."""
     model.eval()
     total = torch.zeros((), device=backend.device)
-    for x, y in batches:
+    if documents is not None:
+        batches = [(x, documents.targets(x, y)) for x, y in batches]
+        weights = counted_weights(batches, backend)
+    for i, (x, y) in enumerate(batches):
         x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
         with backend.autocast(), backend.loss_context():
-            _, loss = model(x, y, **forward_kwargs(backend, x))
-        total += loss.float()
-    return global_mean(total / max(1, len(batches)))
+            _, loss = model(x, y, **forward_kwargs(backend, x, documents))
+        total += loss.float() * (1 if documents is None else weights[i])
+    n = len(batches) if documents is None else 1
+    return global_mean(total / max(1, n))
 
 
 class NonFiniteLossError(RunError):
