@@ -1,0 +1,165 @@
+"""``data.packing=documents`` (src/data/packing.py, src/models/attention.py): document
+ids from the end-of-document token, positions that restart, attention that never
+crosses a document (equal to running each document alone, fp32), no loss at a
+document's first token, the step's loss as the mean over the global batch's counted
+targets, the attention FLOPs counted, and what is refused in one line. One process;
+the multi-rank layouts join tests/test_tensor_parallel.py's launches."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from src.data.packing import Documents
+from src.models import get_spec
+from src.models.attention import attention_kernel, document_positions
+from src.trainer.step import counted_weights
+from tests.test_config import assert_fails_naming
+
+EOS = 0
+DOCS = Documents(EOS)
+SHAPES = {
+    "gpt": dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=32),
+    "llama": dict(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32,
+        multiple_of=16,
+    ),
+    "moe": dict(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32,
+        multiple_of=16, num_experts=4, top_k=2, moe_hidden_dim=16,
+        shared_hidden_dim=16, capacity_factor=None,
+    ),
+}  # fmt: skip
+# Two rows of 20 tokens: three documents (7, 5 and 8 tokens, each ending with EOS
+# but the last, cut by the window), and one that ends at the row's last token.
+LENGTHS = ([7, 5, 8], [20])
+
+
+def model_of(family: str) -> torch.nn.Module:
+    spec = get_spec(family)
+    return spec.build(spec.config_cls(**SHAPES[family]), 0).eval()
+
+
+def packed(lengths=LENGTHS, seed: int = 0) -> torch.Tensor:
+    """Rows of random tokens (never EOS) with an EOS ending every document but a
+    row's last."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for row in lengths:
+        x = torch.randint(1, 64, (sum(row),), generator=gen)
+        for end in torch.tensor(row).cumsum(0)[:-1]:
+            x[end - 1] = EOS
+        rows.append(x)
+    return torch.stack(rows)
+
+
+def test_document_ids_and_positions_restart_after_each_end_token():
+    x = packed()
+    docs = DOCS.ids(x)
+    assert docs[0].tolist() == [0] * 7 + [1] * 5 + [2] * 8  # EOS ends its document
+    assert docs[1].tolist() == [0] * 20
+    pos = document_positions(docs)
+    assert pos[0].tolist() == [*range(7), *range(5), *range(8)]
+    assert pos[1].tolist() == list(range(20))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_document_does_not_see_the_one_before(family):
+    """Changing the first document's tokens leaves the second's logits as they
+    were with documents, and changes them with stream packing."""
+    model, x = model_of(family), packed()
+    changed = x.clone()
+    changed[0, :6] = (changed[0, :6] + 1) % 63 + 1  # still no EOS
+    with torch.no_grad():
+        same = [model(t, docs=DOCS.ids(t))[0][0, 7:] for t in (x, changed)]
+        stream = [model(t)[0][0, 7:] for t in (x, changed)]
+    torch.testing.assert_close(same[0], same[1], rtol=0, atol=1e-6)
+    assert (stream[0] - stream[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
+def test_documents_equal_each_document_run_alone(family):
+    """Per token, the logits and the gradients of the packed batch with documents
+    are those of each document run alone (fp32, 1e-5)."""
+    model, x = model_of(family), packed()
+    logits, _ = model(x, docs=DOCS.ids(x))
+    torch.autograd.backward(logits.square().sum())
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = []
+    for row, lengths in enumerate(LENGTHS):
+        start = 0
+        for n in lengths:
+            alone.append(model(x[row : row + 1, start : start + n])[0])
+            start += n
+    alone = torch.cat(alone, dim=1).view_as(logits)
+    torch.autograd.backward(alone.square().sum())
+    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_drops_each_documents_first_token_and_is_the_counted_mean():
+    model, x = model_of("llama"), packed()
+    y = torch.cat([x[:, 1:], torch.full((2, 1), 5)], dim=1)  # the next tokens
+    targets = DOCS.targets(x, y)
+    assert (targets == -1).nonzero().tolist() == [[0, 6], [0, 11]]  # after each EOS
+    with torch.no_grad():
+        logits, loss = model(x, targets, docs=DOCS.ids(x))
+    logp = F.log_softmax(logits.double(), -1)
+    counted = [
+        -logp[b, t, y[b, t]] for b in range(2) for t in range(20) if x[b, t] != EOS
+    ]
+    assert len(counted) == 38
+    assert abs(loss.item() - torch.stack(counted).mean().item()) < 1e-6
+
+
+def test_micro_batch_weights_give_the_mean_over_the_global_batchs_targets():
+    """Micro-batches with different counted targets weigh by their counts: the
+    weighted sum of their means is the mean over all their targets (as one batch);
+    the tp ranks that read the same rows are counted once."""
+    y1 = torch.tensor([[1, -1, 2, 3]])  # 3 counted
+    y2 = torch.tensor([[-1, -1, -1, 4]])  # 1 counted
+    one = SimpleNamespace(world_size=1, dp_size=1, device=torch.device("cpu"))
+    assert counted_weights([(None, y1), (None, y2)], one) == [0.75, 0.25]
+    losses = torch.tensor([[0.5, 9.0, 1.5, 2.5], [9.0, 9.0, 9.0, 4.0]])
+    means = [losses[0][[0, 2, 3]].mean(), losses[1][3]]
+    weighted = means[0] * 0.75 + means[1] * 0.25
+    assert abs(weighted.item() - (0.5 + 1.5 + 2.5 + 4.0) / 4) < 1e-6
+
+
+def test_attention_span_counts_the_documents_squares():
+    # (7^2 + 5^2 + 8^2 + 20^2) / 40 tokens: what a token's query sees, full square
+    assert DOCS.attention_span(packed()) == pytest.approx((49 + 25 + 64 + 400) / 40)
+    assert attention_kernel(torch.device("cpu")) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "overrides, key, says",
+    [
+        (["data.packing=document"], "data.packing", "expected one of: stream"),
+        (["data=synthetic", "data.packing=documents"], "data.packing", "data=text"),
+        (
+            ["model=hf", "model.config=tiny_llama", "data.packing=documents"],
+            "data.packing",
+            "takes no document ids",
+        ),
+        (
+            ["trainer.devices=2", "sharding.context_parallel=2",
+             "data.packing=documents"],
+            "sharding.context_parallel",
+            "within documents",
+        ),
+        (
+            ["trainer.devices=2", "sharding.pipeline_parallel=2",
+             "data.packing=documents"],
+            "sharding.pipeline_parallel",
+            "within documents",
+        ),
+    ],
+)  # fmt: skip
+def test_what_documents_does_not_build_fails_in_one_line(overrides, key, says):
+    assert_fails_naming(["model=tiny", *overrides], key, says)
