@@ -60,6 +60,9 @@ FAMILIES = {
 TP2 = ["sharding.tensor_parallel=2"]
 AC = ["sharding.activation_checkpointing=full"]
 CKPT = ["trainer.ckpt_every=1", "trainer.keep_last=0"]
+# data.packing=documents (tests/test_documents.py): byte text, whose documents end
+# with EOS; two micro-batches whose counted targets differ across ranks
+DOCS = ["data=text", "data.packing=documents", "trainer.grad_accum=2"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -70,13 +73,17 @@ def resume_from(root: Path, name: str, step: int) -> list[str]:
     return [f"trainer.resume={root / name / 'checkpoints' / f'step_{step:08d}'}"]
 
 
+def base_of(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """RUN, without its synthetic data keys for a run choosing its own ``data=``."""
+    own_data = any(o.startswith("data=") for o in overrides)
+    return [o for o in RUN if not (own_data and o.startswith("data"))]
+
+
 def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> None:
     """Train each named run in turn on the same process group, its config saved as
-    train.py saves it (for eval.py). A run choosing its own ``data=`` leaves
-    RUN's synthetic data keys out."""
+    train.py saves it (for eval.py)."""
     for name, overrides in runs.items():
-        own_data = any(o.startswith("data=") for o in overrides)
-        base = [o for o in RUN if not (own_data and o.startswith("data"))]
+        base = base_of(overrides)
         cfg = make_cfg(*base, *overrides)
         if rank == 0:
             (Path(root) / name / ".hydra").mkdir(parents=True, exist_ok=True)
@@ -86,7 +93,8 @@ def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) ->
 
 
 def one_rank(root: Path, name: str, *overrides: str) -> None:
-    cfg = make_cfg(*RUN, "sharding=none", "trainer.devices=1", *overrides)
+    one = ["sharding=none", "trainer.devices=1"]
+    cfg = make_cfg(*base_of(overrides), *one, *overrides)
     run_rank(cfg, str(root / name), validate(cfg))
 
 
@@ -100,6 +108,8 @@ def runs(root) -> Path:
     for family, model in FAMILIES.items():
         export = ["trainer.export=hf"] if family == "llama" else []
         one_rank(root, f"one_{family}", *model, *export)
+    for family in ("gpt", "llama"):
+        one_rank(root, f"one_{family}_docs", *FAMILIES[family], *DOCS)
     pretrained = [f"model.pretrained={root / 'one_llama' / 'hf'}"]
     one_rank(root, "one_pretrained", *FAMILIES["llama"], *pretrained)
     gpt, llama = FAMILIES["gpt"], FAMILIES["llama"]
@@ -116,6 +126,8 @@ def runs(root) -> Path:
             "chain_tp_again": [*gpt, *TP2, *resume_from(root, "chain_fsdp4", 3)],
             "export_tp": [*llama, *TP2, "trainer.export=hf"],
             "pretrained_tp": [*llama, *TP2, *pretrained],
+            "tp2_fsdp2_gpt_docs": [*gpt, *TP2, *AC, *DOCS],
+            "tp2_fsdp2_llama_docs": [*llama, *TP2, *DOCS],
         },
     )
     run_distributed(
@@ -146,6 +158,10 @@ def test_tensor_parallel_matches_one_rank(runs):
     gpt = losses(runs / "one_gpt")
     assert_close(losses(runs / "hsdp_tp"), gpt, range(1, 5))
     assert_close(losses(runs / "tp2_gpt_no_sp"), gpt, range(1, 5))
+    for family in ("gpt", "llama"):  # attention, positions and loss per document
+        ref = losses(runs / f"one_{family}_docs")
+        assert len(set(ref.values())) == 4 and ref != losses(runs / f"one_{family}")
+        assert_close(losses(runs / f"tp2_fsdp2_{family}_docs"), ref, range(1, 5))
 
 
 @pytest.mark.slow
