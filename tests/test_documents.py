@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from src.data.packing import Documents
 from src.models import get_spec
 from src.models.attention import attention_kernel, document_positions
+from src.models.memory import ActivationBytes
 from src.trainer.step import counted_weights
 from tests.test_config import assert_fails_naming
 
@@ -163,3 +164,39 @@ def test_attention_span_counts_the_documents_squares():
 )  # fmt: skip
 def test_what_documents_does_not_build_fails_in_one_line(overrides, key, says):
     assert_fails_naming(["model=tiny", *overrides], key, says)
+
+
+def test_planner_counts_the_masks_autograd_keeps():
+    """What autograd saves more with documents (the mask's fp32 copy SDPA keeps in
+    each block, the per-row positions) is the planner's term less the boolean mask
+    (alive through the forward) and plain packing's one row of positions."""
+    from src.config.run_plan import resolve
+    from src.harness import compose_config
+    from src.planner.activations import documents_activations
+    from src.planner.estimate import RunShape
+
+    cfg = compose_config("model=tiny", "model.block_size=16", "data.packing=documents")
+    resolved = resolve(cfg)
+    model = resolved.spec.build(resolved.model_config, 0).train()
+    B, T, layers = 2, 16, resolved.model_config.n_layer
+    x = packed(([7, 9], [16]))
+
+    def saved(**docs) -> int:
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, x, **docs)
+        return sum(kept.values())
+
+    zero = ActivationBytes(0, 0, 0, 0)
+    shape = RunShape(backend="none", world=1, micro_batch=B, seq_len=T)
+    planned = documents_activations(resolved, shape, zero, layers)
+    assert planned.saved == layers * B * T * T * 4 + B * T * T + 8 * B * T
+    measured = saved(docs=DOCS.ids(x)) - saved()
+    assert measured == planned.saved - B * T * T - 8 * T
