@@ -17,7 +17,7 @@ from src.data.packing import Documents
 from src.models import get_spec
 from src.models.attention import attention_kernel, document_positions
 from src.models.memory import ActivationBytes
-from src.trainer.step import counted_weights
+from src.trainer.step import counted_weights, within_documents
 from tests.test_config import assert_fails_naming
 
 EOS = 0
@@ -130,6 +130,18 @@ def test_micro_batch_weights_give_the_mean_over_the_global_batchs_targets():
     means = [losses[0][[0, 2, 3]].mean(), losses[1][3]]
     weighted = means[0] * 0.75 + means[1] * 0.25
     assert abs(weighted.item() - (0.5 + 1.5 + 2.5 + 4.0) / 4) < 1e-6
+
+
+def test_a_micro_batch_without_counted_targets_weighs_nothing_and_stays_finite():
+    one = SimpleNamespace(world_size=1, dp_size=1, device=torch.device("cpu"))
+    x = packed()
+    ends = torch.full((1, 6), EOS)  # every target follows an end token
+    batch, weights = within_documents([(x, x.roll(-1, 1)), (ends, ends + 1)], DOCS, one)
+    assert weights == [1.0, 0.0] and batch[1][1].tolist() == [[1] * 6]
+    model = model_of("gpt")
+    loss = model(*batch[1], docs=DOCS.ids(ends))[1] * weights[1]
+    loss.backward()
+    assert loss.item() == 0 and all(p.grad.isfinite().all() for p in model.parameters())
 
 
 def test_attention_span_counts_the_documents_squares():

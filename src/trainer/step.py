@@ -56,6 +56,21 @@ def counted_weights(
     return [float(n) * backend.dp_size / max(total, 1.0) for n in counts]
 
 
+def within_documents(
+    batch: list[tuple[torch.Tensor, torch.Tensor]],
+    documents: Documents,
+    backend: Backend,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[float]]:
+    """The micro-batches with their document-boundary targets dropped, and their
+    :func:`counted_weights`. One without a counted target keeps its targets at
+    weight 0: its mean over none would be NaN, and so would NaN x 0."""
+    counted = [(x, documents.targets(x, y)) for x, y in batch]
+    weights = counted_weights(counted, backend)
+    return [
+        c if w else b for b, c, w in zip(batch, counted, weights, strict=True)
+    ], weights
+
+
 def train_step(
     model: nn.Module,
     batches: GlobalBatches,
@@ -79,8 +94,7 @@ def train_step(
     loss_sum = torch.zeros((), device=backend.device)
     batch = [batches.get(step, micro, rank, world) for micro in range(accum)]
     if documents is not None:  # no loss at a document's first token
-        batch = [(x, documents.targets(x, y)) for x, y in batch]
-        weights = counted_weights(batch, backend)
+        batch, weights = within_documents(batch, documents, backend)
     for micro, (x, y) in enumerate(batch):
         # context parallelism: this rank's 1/C of each sequence (the cp ranks of a
         # group read the same rows)
@@ -127,8 +141,7 @@ def evaluate(
     model.eval()
     total = torch.zeros((), device=backend.device)
     if documents is not None:
-        batches = [(x, documents.targets(x, y)) for x, y in batches]
-        weights = counted_weights(batches, backend)
+        batches, weights = within_documents(batches, documents, backend)
     for i, (x, y) in enumerate(batches):
         x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
         with backend.autocast(), backend.loss_context():
