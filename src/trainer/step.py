@@ -47,13 +47,12 @@ def counted_weights(
     targets x data-parallel ranks / the global count (one all-reduce; the ranks of
     a tp group read the same rows, so the world's sum counts them that often).
     FSDP and DDP then average the gradients over the data-parallel ranks."""
-    counts = torch.tensor([float((y != -1).sum()) for _, y in batch])
-    total = counts.sum().to(backend.device)
+    counts = [int((y != -1).sum()) for _, y in batch]
+    total = torch.tensor(sum(counts), dtype=torch.int64, device=backend.device)
     if dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    replicas = backend.world_size // backend.dp_size
-    total = float(total) / replicas
-    return [float(n) * backend.dp_size / max(total, 1.0) for n in counts]
+    total = int(total) // (backend.world_size // backend.dp_size)  # tp replicas
+    return [n * backend.dp_size / max(total, 1) for n in counts]
 
 
 def within_documents(
@@ -66,9 +65,8 @@ def within_documents(
     weight 0: its mean over none would be NaN, and so would NaN x 0."""
     counted = [(x, documents.targets(x, y)) for x, y in batch]
     weights = counted_weights(counted, backend)
-    return [
-        c if w else b for b, c, w in zip(batch, counted, weights, strict=True)
-    ], weights
+    kept = [c if w else b for b, c, w in zip(batch, counted, weights, strict=True)]
+    return kept, weights
 
 
 def train_step(
