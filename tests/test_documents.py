@@ -70,13 +70,16 @@ def test_document_ids_and_positions_restart_after_each_end_token():
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_a_document_does_not_see_the_one_before(family):
     """Changing the first document's tokens leaves the second's logits as they
-    were with documents, and changes them with stream packing."""
+    were with documents, and changes them with stream packing; a batch of single
+    documents gives stream's logits."""
     model, x = model_of(family), packed()
     changed = x.clone()
     changed[0, :6] = (changed[0, :6] + 1) % 63 + 1  # still no EOS
     with torch.no_grad():
         same = [model(t, docs=DOCS.ids(t))[0][0, 7:] for t in (x, changed)]
         stream = [model(t)[0][0, 7:] for t in (x, changed)]
+        one = x[1:]  # a row that is one document: plain causal attention
+        torch.testing.assert_close(model(one, docs=DOCS.ids(one))[0], model(one)[0])
     torch.testing.assert_close(same[0], same[1], rtol=0, atol=1e-6)
     assert (stream[0] - stream[1]).abs().max() > 1e-3
 

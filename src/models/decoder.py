@@ -102,7 +102,8 @@ class Decoder(nn.Module):
                 f"sequence length {length} exceeds {self.context_key} {self.context}"
             )
         mask = None
-        if docs is not None:
+        # a batch whose rows are one document each is plain causal attention
+        if docs is not None and bool(docs[:, -1].any()):
             mask = document_mask(docs, self.training and self.attention_dropout > 0)
             positions = document_positions(docs) if positions is None else positions
         if positions is None:
