@@ -5,7 +5,9 @@ each step's global loss must agree with one-process training within 1e-5 whateve
 the layout: TP2 on 2 ranks, TP2 x FSDP2 and HSDP x TP (2 x 1 x 2) on 4 ranks, for the
 GPT, Llama and a Hugging Face Llama, with full activation checkpointing. Checkpoints
 resume across layouts (TP2 x FSDP2 -> FSDP4 -> TP2 x FSDP2), ``trainer.export=hf`` and
-``model.pretrained`` work under TP. Starting ranks is what costs time, so the runs
+``model.pretrained`` work under TP, and so does ``data.packing=documents`` (TP2 x
+FSDP2, two micro-batches: the loss is the mean over the global batch's counted
+targets, tests/test_documents.py). Starting ranks is what costs time, so the runs
 share one 4-rank and one 2-rank launch (module-scoped fixture); the references run
 in this process.
 """
