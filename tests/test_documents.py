@@ -121,14 +121,24 @@ def test_loss_drops_each_documents_first_token_and_is_the_counted_mean():
     assert abs(loss.item() - torch.stack(counted).mean().item()) < 1e-6
 
 
+def one_rank() -> SimpleNamespace:
+    """What :func:`counted_weights` reads of a one-rank backend."""
+    return SimpleNamespace(
+        world_size=1,
+        dp_size=1,
+        layout=SimpleNamespace(cp=1),
+        device=torch.device("cpu"),
+        shard_sequence=lambda *t: t,
+    )
+
+
 def test_micro_batch_weights_give_the_mean_over_the_global_batchs_targets():
     """Micro-batches with different counted targets weigh by their counts: the
     weighted sum of their means is the mean over all their targets (as one batch);
     the tp ranks that read the same rows are counted once."""
     y1 = torch.tensor([[1, -1, 2, 3]])  # 3 counted
     y2 = torch.tensor([[-1, -1, -1, 4]])  # 1 counted
-    one = SimpleNamespace(world_size=1, dp_size=1, device=torch.device("cpu"))
-    assert counted_weights([(None, y1), (None, y2)], one) == [0.75, 0.25]
+    assert counted_weights([(None, y1), (None, y2)], one_rank()) == [0.75, 0.25]
     losses = torch.tensor([[0.5, 9.0, 1.5, 2.5], [9.0, 9.0, 9.0, 4.0]])
     means = [losses[0][[0, 2, 3]].mean(), losses[1][3]]
     weighted = means[0] * 0.75 + means[1] * 0.25
@@ -136,10 +146,11 @@ def test_micro_batch_weights_give_the_mean_over_the_global_batchs_targets():
 
 
 def test_a_micro_batch_without_counted_targets_weighs_nothing_and_stays_finite():
-    one = SimpleNamespace(world_size=1, dp_size=1, device=torch.device("cpu"))
     x = packed()
     ends = torch.full((1, 6), EOS)  # every target follows an end token
-    batch, weights = within_documents([(x, x.roll(-1, 1)), (ends, ends + 1)], DOCS, one)
+    batch, weights = within_documents(
+        [(x, x.roll(-1, 1)), (ends, ends + 1)], DOCS, one_rank()
+    )
     assert weights == [1.0, 0.0] and batch[1][1].tolist() == [[1] * 6]
     model = model_of("gpt")
     loss = model(*batch[1], docs=DOCS.ids(ends))[1] * weights[1]
@@ -162,12 +173,6 @@ def test_attention_span_counts_the_documents_squares():
             ["model=hf", "model.config=tiny_llama", "data.packing=documents"],
             "data.packing",
             "takes no document ids",
-        ),
-        (
-            ["trainer.devices=2", "sharding.context_parallel=2",
-             "data.packing=documents"],
-            "sharding.context_parallel",
-            "within documents",
         ),
         (
             ["trainer.devices=2", "sharding.pipeline_parallel=2",

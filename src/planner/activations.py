@@ -243,7 +243,8 @@ def documents_activations(
     model: torch.nn.Module | int,
 ) -> ActivationBytes:
     """What attention within documents (``data.packing=documents``) adds: the
-    per-row positions (int64, ``B T``); with SDPA (the CPU's kernel,
+    per-row positions (int64, ``B T``); with context parallelism a (T/C x T) mask
+    per row, no longer one for all; else with SDPA (the CPU's kernel,
     src/models/attention.py) the boolean (B, 1, T, T) mask, made once per forward,
     and the copy of it in the compute dtype that SDPA makes and saves in each
     attention call of a block that is not checkpointed (a checkpointed block's
@@ -254,6 +255,10 @@ def documents_activations(
         return acts
     rows, seq = shape.micro_batch, shape.seq_len
     positions = 8 * rows * seq
+    cp = resolved.layout.cp
+    if cp > 1:  # its one additive mask (cp_activations) becomes one per row
+        per_row = seq * seq * cp * shape.param_bytes
+        return replace(acts, saved=acts.saved + positions + (rows - 1) * per_row)
     if attention_kernel(torch.device(shape.device)) == "flex":
         return replace(acts, saved=acts.saved + positions)
     blocks, checkpointed = _blocks(resolved, shape, model)

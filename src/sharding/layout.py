@@ -203,11 +203,8 @@ NOT_TOGETHER = (
 )
 
 #: The degrees document-masked attention (packing by documents) does not run with:
-#: their stages or sequence shards would need each micro-batch's document ids.
-NOT_WITH_DOCUMENTS = (
-    ("cp", "context parallelism"),
-    ("pp", "pipeline parallelism"),
-)
+#: each stage would need its micro-batch's document ids.
+NOT_WITH_DOCUMENTS = (("pp", "pipeline parallelism"),)
 
 #: A degree above 1 and the backend capability it needs (``Backend.CAPABILITIES``).
 NEEDS = (

@@ -16,6 +16,7 @@ from src.checkpoint.dcp import Checkpointer
 from src.data.packing import Documents
 from src.data.sources import GlobalBatches
 from src.errors import RunError
+from src.models.attention import document_positions
 from src.sharding import Backend
 
 
@@ -27,15 +28,34 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def forward_kwargs(
-    backend: Backend, x: torch.Tensor, documents: Documents | None = None
+    backend: Backend, x: torch.Tensor, docs: torch.Tensor | None = None
 ) -> dict:
     """The model's forward arguments beside the tokens ``x`` (this rank's share):
     with context parallelism, their global positions and the backend's
     ``ContextParallel`` (src/sharding/context_parallel.py); with
-    ``data.packing=documents``, their document ids; none without either."""
-    if backend.cp is not None:
-        return backend.cp.forward_kwargs(x)
-    return {} if documents is None else {"docs": documents.ids(x)}
+    ``data.packing=documents``, the document ids ``docs`` of the whole rows (under
+    context parallelism the ``ContextParallel`` keeps them for its mask, and the
+    positions are this rank's share of those within documents); none without
+    either."""
+    if backend.cp is None:
+        return {} if docs is None else {"docs": docs}
+    kwargs = backend.cp.forward_kwargs(x, docs)
+    if docs is not None:
+        kwargs["positions"] = backend.cp.shard(document_positions(docs))
+    return kwargs
+
+
+def on_rank(
+    backend: Backend,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    documents: Documents | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A micro-batch on this rank's device, its share of each sequence (context
+    parallelism), and the whole rows' document ids (None: stream packing)."""
+    x, y = x.to(backend.device), y.to(backend.device)
+    docs = None if documents is None else documents.ids(x)
+    return (*backend.shard_sequence(x, y), docs)
 
 
 def counted_weights(
@@ -43,16 +63,18 @@ def counted_weights(
 ) -> list[float]:
     """What each micro-batch's mean loss is multiplied by so that the step's loss
     (and gradient) is the mean over the targets that count (not -1) of the whole
-    global batch, however they fall on micro-batches and ranks: its counted
-    targets x data-parallel ranks / the global count (one all-reduce; the ranks of
-    a tp group read the same rows, so the world's sum counts them that often).
-    FSDP and DDP then average the gradients over the data-parallel ranks."""
-    counts = [int((y != -1).sum()) for _, y in batch]
+    global batch, however they fall on micro-batches and ranks: this rank's
+    counted targets (its share of each sequence under context parallelism) x the
+    ranks FSDP averages gradients over (data-parallel x cp) / the global count
+    (one all-reduce; the ranks of a tp group read the same rows, so the world's
+    sum counts them that often)."""
+    counts = [int((backend.shard_sequence(y)[0] != -1).sum()) for _, y in batch]
     total = torch.tensor(sum(counts), dtype=torch.int64, device=backend.device)
     if dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    total = int(total) // (backend.world_size // backend.dp_size)  # tp replicas
-    return [n * backend.dp_size / max(total, 1) for n in counts]
+    averaged = backend.dp_size * backend.layout.cp  # ranks with their own targets
+    total = int(total) // (backend.world_size // averaged)  # tp replicas
+    return [n * averaged / max(total, 1) for n in counts]
 
 
 def within_documents(
@@ -96,7 +118,7 @@ def train_step(
     for micro, (x, y) in enumerate(batch):
         # context parallelism: this rank's 1/C of each sequence (the cp ranks of a
         # group read the same rows)
-        x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
+        x, y, docs = on_rank(backend, x, y, documents)
         # trainer.grad_sync=last: gradients are reduced across ranks only on the
         # last micro-step (unsharded ones are held until then); every: each time.
         sync = micro == accum - 1 or every
@@ -107,7 +129,7 @@ def train_step(
         ):
             with backend.autocast():
                 # the logits are not kept through backward
-                loss = model(x, y, **forward_kwargs(backend, x, documents))[1]
+                loss = model(x, y, **forward_kwargs(backend, x, docs))[1]
             if documents is not None:  # the mean over the global batch's targets
                 loss = loss * weights[micro]
             elif accum > 1:  # x / 1 == x: no autograd node for nothing
@@ -141,9 +163,9 @@ def evaluate(
     if documents is not None:
         batches, weights = within_documents(batches, documents, backend)
     for i, (x, y) in enumerate(batches):
-        x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
+        x, y, docs = on_rank(backend, x, y, documents)
         with backend.autocast(), backend.loss_context():
-            _, loss = model(x, y, **forward_kwargs(backend, x, documents))
+            _, loss = model(x, y, **forward_kwargs(backend, x, docs))
         total += loss.float() * (1 if documents is None else weights[i])
     n = len(batches) if documents is None else 1
     return global_mean(total / max(1, n))
