@@ -106,6 +106,19 @@ def test_documents_equal_each_document_run_alone(family):
         torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("config", ["tiny_llama", "tiny_gpt2"])
+def test_hugging_face_models_take_positions_that_restart(config):
+    """transformers builds the mask of packed sequences from position ids that
+    restart (RoPE, and GPT-2's learned positions): each document as alone."""
+    from src.models.hf import HFConfig, build
+
+    model, x = build(HFConfig(config=config), seed=0).eval(), packed()
+    with torch.no_grad():
+        logits = model(x, docs=DOCS.ids(x))[0]
+        alone = [model(x[:1, a:b])[0] for a, b in ((0, 7), (7, 12), (12, 20))]
+    torch.testing.assert_close(logits[:1], torch.cat(alone, 1), rtol=0, atol=1e-5)
+
+
 def test_loss_drops_each_documents_first_token_and_is_the_counted_mean():
     model, x = model_of("llama"), packed()
     y = torch.cat([x[:, 1:], torch.full((2, 1), 5)], dim=1)  # the next tokens
@@ -170,7 +183,8 @@ def test_attention_span_counts_the_documents_squares():
         (["data.packing=document"], "data.packing", "expected one of: stream"),
         (["data=synthetic", "data.packing=documents"], "data.packing", "data=text"),
         (
-            ["model=hf", "model.config=tiny_llama", "data.packing=documents"],
+            ["model=custom", "model._target_=tests.test_models.TinyLM",
+             "data.packing=documents"],
             "data.packing",
             "takes no document ids",
         ),
