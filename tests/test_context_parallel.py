@@ -44,7 +44,14 @@ from src.sharding.context_parallel import (
 from src.trainer.launch import run_rank
 from tests.distributed import run_distributed
 from tests.test_config import assert_fails_naming
-from tests.test_tensor_parallel import FAMILIES, RUN, TP2, losses, resume_from
+from tests.test_tensor_parallel import (
+    DOCUMENTS,
+    FAMILIES,
+    TP2,
+    base_of,
+    losses,
+    resume_from,
+)
 from tests.test_tensor_parallel import _train_runs as train_runs
 from tests.test_train import make_cfg, read_rows
 
@@ -116,7 +123,8 @@ def _launch(rank: int, world: int, root: str, runs: dict, cfg, resolved) -> int:
 
 
 def one_rank(root: Path, name: str, *overrides: str) -> None:
-    cfg = make_cfg(*RUN, *ACCUM_VAL, "sharding=none", "trainer.devices=1", *overrides)
+    one = ["sharding=none", "trainer.devices=1"]
+    cfg = make_cfg(*base_of(overrides), *ACCUM_VAL, *one, *overrides)
     run_rank(cfg, str(root / name), validate(cfg))
 
 
@@ -125,7 +133,9 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("context_parallel")
     for family, model in FAMILIES.items():
         one_rank(root, f"one_{family}", *model)
-    gpt = FAMILIES["gpt"]
+    gpt, llama = FAMILIES["gpt"], FAMILIES["llama"]
+    for family in ("gpt", "llama"):
+        one_rank(root, f"one_{family}_docs", *FAMILIES[family], *DOCUMENTS)
     ac = {"gpt": ["sharding.activation_checkpointing=full"]}
     acts_cfg = compose_cfg(ACTS, 4, 2)
     acts_resolved = resolve(acts_cfg)
@@ -146,6 +156,10 @@ def runs(tmp_path_factory) -> Path:
             # a CP2 x FSDP2 checkpoint resumed on FSDP4
             "chain_cp": [*gpt, *CP2, *ACCUM_VAL, *CKPT],
             "chain_fsdp4": [*gpt, *ACCUM_VAL, *CKPT, *resume_from(root, "chain_cp", 2)],
+            # data.packing=documents: each rank's share of the document ids and the
+            # whole rows' ids in its mask over the gathered keys
+            "cp2_fsdp2_gpt_docs": [*gpt, *CP2, *ACCUM_VAL, *ac["gpt"], *DOCUMENTS],
+            "cp2_tp2_llama_docs": [*llama, *CP2, *TP2, *ACCUM_VAL, *DOCUMENTS],
         },
         acts_cfg,
         acts_resolved,
@@ -177,6 +191,13 @@ def test_context_parallel_matches_one_rank(runs):
             assert_close(val_losses(runs / f"{layout}_{family}"), val, (2, 4))
     # HSDP: 2 replicas x CP2 (each replica's 2 ranks split each sequence)
     assert_close(losses(runs / "hsdp_cp2_gpt"), losses(runs / "one_gpt"), range(1, 5))
+    for family, layout in (("gpt", "cp2_fsdp2"), ("llama", "cp2_tp2")):  # documents
+        one = runs / f"one_{family}_docs"
+        assert losses(one) != losses(runs / f"one_{family}")
+        assert_close(losses(runs / f"{layout}_{family}_docs"), losses(one), range(1, 5))
+        assert_close(
+            val_losses(runs / f"{layout}_{family}_docs"), val_losses(one), (2, 4)
+        )
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ each step's global loss must agree with one-process training within 1e-5 whateve
 the layout: TP2 on 2 ranks, TP2 x FSDP2 and HSDP x TP (2 x 1 x 2) on 4 ranks, for the
 GPT, Llama and a Hugging Face Llama, with full activation checkpointing. Checkpoints
 resume across layouts (TP2 x FSDP2 -> FSDP4 -> TP2 x FSDP2), ``trainer.export=hf`` and
-``model.pretrained`` work under TP. Starting ranks is what costs time, so the runs
+``model.pretrained`` work under TP, and so does ``data.packing=documents`` (TP2 x
+FSDP2, two micro-batches: the loss is the mean over the global batch's counted
+targets, tests/test_documents.py; its CP runs: tests/test_context_parallel.py). Starting ranks is what costs time, so the runs
 share one 4-rank and one 2-rank launch (module-scoped fixture); the references run
 in this process.
 """
@@ -60,6 +62,10 @@ FAMILIES = {
 TP2 = ["sharding.tensor_parallel=2"]
 AC = ["sharding.activation_checkpointing=full"]
 CKPT = ["trainer.ckpt_every=1", "trainer.keep_last=0"]
+# data.packing=documents (tests/test_documents.py): byte text, whose documents end
+# with EOS; two micro-batches whose counted targets differ across ranks
+DOCUMENTS = ["data=text", "data.packing=documents"]
+DOCS = [*DOCUMENTS, "trainer.grad_accum=2"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -70,13 +76,17 @@ def resume_from(root: Path, name: str, step: int) -> list[str]:
     return [f"trainer.resume={root / name / 'checkpoints' / f'step_{step:08d}'}"]
 
 
+def base_of(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """RUN, without its synthetic data keys for a run choosing its own ``data=``."""
+    own_data = any(o.startswith("data=") for o in overrides)
+    return [o for o in RUN if not (own_data and o.startswith("data"))]
+
+
 def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> None:
     """Train each named run in turn on the same process group, its config saved as
-    train.py saves it (for eval.py). A run choosing its own ``data=`` leaves
-    RUN's synthetic data keys out."""
+    train.py saves it (for eval.py)."""
     for name, overrides in runs.items():
-        own_data = any(o.startswith("data=") for o in overrides)
-        base = [o for o in RUN if not (own_data and o.startswith("data"))]
+        base = base_of(overrides)
         cfg = make_cfg(*base, *overrides)
         if rank == 0:
             (Path(root) / name / ".hydra").mkdir(parents=True, exist_ok=True)
@@ -86,7 +96,8 @@ def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) ->
 
 
 def one_rank(root: Path, name: str, *overrides: str) -> None:
-    cfg = make_cfg(*RUN, "sharding=none", "trainer.devices=1", *overrides)
+    one = ["sharding=none", "trainer.devices=1"]
+    cfg = make_cfg(*base_of(overrides), *one, *overrides)
     run_rank(cfg, str(root / name), validate(cfg))
 
 
@@ -100,6 +111,7 @@ def runs(root) -> Path:
     for family, model in FAMILIES.items():
         export = ["trainer.export=hf"] if family == "llama" else []
         one_rank(root, f"one_{family}", *model, *export)
+    one_rank(root, "one_gpt_docs", *FAMILIES["gpt"], *DOCS)
     pretrained = [f"model.pretrained={root / 'one_llama' / 'hf'}"]
     one_rank(root, "one_pretrained", *FAMILIES["llama"], *pretrained)
     gpt, llama = FAMILIES["gpt"], FAMILIES["llama"]
@@ -116,6 +128,7 @@ def runs(root) -> Path:
             "chain_tp_again": [*gpt, *TP2, *resume_from(root, "chain_fsdp4", 3)],
             "export_tp": [*llama, *TP2, "trainer.export=hf"],
             "pretrained_tp": [*llama, *TP2, *pretrained],
+            "tp2_fsdp2_gpt_docs": [*gpt, *TP2, *AC, *DOCS],
         },
     )
     run_distributed(
@@ -146,6 +159,11 @@ def test_tensor_parallel_matches_one_rank(runs):
     gpt = losses(runs / "one_gpt")
     assert_close(losses(runs / "hsdp_tp"), gpt, range(1, 5))
     assert_close(losses(runs / "tp2_gpt_no_sp"), gpt, range(1, 5))
+    # documents: GPT's per-row positions sequence-sharded as its tokens (Llama's
+    # RoPE under TP: CP2 x TP2 in tests/test_context_parallel.py)
+    ref = losses(runs / "one_gpt_docs")
+    assert len(set(ref.values())) == 4 and ref != gpt
+    assert_close(losses(runs / "tp2_fsdp2_gpt_docs"), ref, range(1, 5))
 
 
 @pytest.mark.slow

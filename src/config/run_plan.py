@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from src.data.packing import PACKINGS
+from src.data.sources import DATA_SOURCES
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec, get_spec
 from src.models.spec import import_module_class
@@ -84,12 +86,19 @@ class Unit:
 @dataclass(frozen=True)
 class Batch:
     """The batch geometry: sequences per step, micro-batches per step (or
-    ``auto``), how their gradients reduce, and the model's sequence length."""
+    ``auto``), how their gradients reduce, the model's sequence length and how a
+    window reads its documents (``data.packing``: src/data/packing.py)."""
 
     batch_size: int
     grad_accum: Any
     grad_sync: str
     seq_len: int
+    packing: str = PACKINGS[0]
+
+    @property
+    def documents(self) -> bool:
+        """Attention, positions and the loss within documents."""
+        return self.packing == "documents"
 
 
 @dataclass(frozen=True)
@@ -160,11 +169,13 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
     spec, config = model_spec(cfg), model_config(cfg)
     check_expert_parallel(layout, spec, config)
     precision = keyed("precision.name", get_precision, cfg.precision.name)
+    packing = data_packing(cfg, spec)
     check_runnable(
         layout,
         keyed("sharding.backend", backend_class, s.backend),
         precision.name,
         spec.seq_len(config),
+        packing == "documents",
     )
     return RunPlan(
         planned_peak_gib=planned_peak_gib,
@@ -193,7 +204,9 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
             s.reshard_after_forward,
             s.sequence_parallel,
         ),
-        batch=Batch(t.batch_size, t.grad_accum, t.grad_sync, spec.seq_len(config)),
+        batch=Batch(
+            t.batch_size, t.grad_accum, t.grad_sync, spec.seq_len(config), packing
+        ),
         budget=Budget(
             OmegaConf.select(cfg, "trainer.mem_budget_gib"),
             OmegaConf.select(cfg, "sweep.mem_cap_gib", default=None),
@@ -231,6 +244,7 @@ OVERRIDES = {
     "batch.batch_size": "trainer.batch_size",
     "batch.grad_accum": "trainer.grad_accum",
     "batch.grad_sync": "trainer.grad_sync",
+    "batch.packing": "data.packing",
     "budget.margin": "trainer.mem_margin",
     "budget.mem_budget": "trainer.mem_budget_gib",
     "budget.memory_check": "trainer.memory_check",
@@ -306,14 +320,41 @@ def layout_errors_named() -> Iterator[None]:
 
 
 def check_runnable(
-    layout: ParallelLayout, backend: type, precision: str, seq_len: int
+    layout: ParallelLayout,
+    backend: type,
+    precision: str,
+    seq_len: int,
+    documents: bool = False,
 ) -> None:
     """ConfigError naming the key of the dimension the one rule refuses
     (:func:`src.sharding.layout.refusal`)."""
-    err = refusal(layout, backend, precision, seq_len)
+    err = refusal(layout, backend, precision, seq_len, documents)
     if err is not None:
         with layout_errors_named():
             raise err
+
+
+def data_packing(cfg: DictConfig, spec: ModelSpec) -> str:
+    """``data.packing`` (a config without it: the default), ConfigError naming it
+    for a value not in :data:`PACKINGS`, or ``documents`` where the model family
+    or the data source cannot take document ids."""
+    key = OVERRIDES["batch.packing"]
+    value = OmegaConf.select(cfg, key, default=PACKINGS[0])
+    if value not in PACKINGS:
+        raise ConfigError(key, f"got {value!r}, expected one of: {', '.join(PACKINGS)}")
+    if value == "documents" and not spec.documents:
+        raise ConfigError(
+            key,
+            f"documents: model family {spec.name!r} takes no document ids (its "
+            "attention is not masked per document); use stream",
+        )
+    if value == "documents" and not DATA_SOURCES[cfg.data.name].tokenized:
+        raise ConfigError(
+            key,
+            f"documents needs a tokenizer's end-of-document token: data=text or "
+            f"files, not data={cfg.data.name}; use stream",
+        )
+    return value
 
 
 def check_expert_parallel(layout: ParallelLayout, spec: ModelSpec, config: Any) -> None:

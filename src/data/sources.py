@@ -42,6 +42,7 @@ from src.data.mixture import (
     normalised,
     source_names,
 )
+from src.data.packing import PACKINGS
 from src.data.pinning import DataPin, data_changes, data_record
 from src.data.token_cache import SPLITS, token_cache
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
@@ -420,6 +421,15 @@ class DataConfig:
 
     name: str = described(
         lambda: f"the source: {or_list(DATA_SOURCES)} (pick with data=...)"
+    )
+    # keyword-only: the sources' own keys (no default here) may follow it
+    packing: str = field(
+        default=PACKINGS[0],
+        kw_only=True,
+        metadata={
+            "help": f"how windows read their documents: {or_list(PACKINGS)} "
+            "(documents: attention and positions per document)"
+        },
     )
 
 

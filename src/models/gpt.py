@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from src.models.attention import attend
 from src.models.decoder import Decoder
 from src.models.generate import LayerKV
 from src.models.memory import ActivationBytes, block_activations
@@ -144,6 +144,7 @@ class CausalSelfAttention(nn.Module):
         cache: LayerKV | None = None,
         *,
         cp: ContextParallel | None = None,
+        mask: object = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         # q, k, v of this rank's heads: all of them, or n_head / tp under tensor
@@ -156,10 +157,8 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if cp is not None:  # this rank's queries over the gathered keys and values
             y = cp.attention(q, k, v, dropout_p=dropout)
-        elif cache is None:
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=True
-            )
+        elif cache is None:  # causal, or within documents (``mask``)
+            y = attend(q, k, v, mask, dropout_p=dropout)
         else:  # decoding: the new tokens attend over the cached ones too
             y = cache.attend(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
@@ -197,8 +196,9 @@ class Block(nn.Module):
         cache: LayerKV | None = None,
         *,
         cp: ContextParallel | None = None,
+        mask: object = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, cp=cp)
+        x = x + self.attn(self.ln_1(x), cache, cp=cp, mask=mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -246,8 +246,18 @@ class GPT(Decoder):
     def context(self) -> int:
         return self.config.block_size
 
+    @property
+    def attention_dropout(self) -> float:
+        return self.config.dropout
+
     def embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.wte(idx) + self.wpe(positions))
+        if positions.dim() == 1:
+            return self.drop(self.wte(idx) + self.wpe(positions))
+        # Per-document positions (B, T), looked up sequence-major: tensor
+        # parallelism's sequence-sharded output (dim 0) then splits them as it
+        # splits the tokens' embeddings (dim 1).
+        pos = self.wpe(positions.t().flatten()).unflatten(0, (-1, idx.size(0)))
+        return self.drop(self.wte(idx) + pos.transpose(0, 1))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -472,6 +482,7 @@ register(
         kv_cache=True,
         tp_plan=tp_plan,
         context_parallel=lambda config: None,  # every config
+        documents=True,
         kv_width=lambda config: config.n_embd,
         pipeline=lambda config: PipelineLayout(
             blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head")

@@ -44,6 +44,7 @@ import torch.nn as nn
 from src.entry import quiet_torchao
 from src.files import read_json
 from src.models import hf_experts, hf_routing
+from src.models.attention import document_positions
 from src.models.spec import HFAdapter, ModelSpec, lm_loss, name_generator, register
 from src.sharding.context_parallel import ContextParallel
 from src.sharding.pipeline import PipelineLayout, StageRole
@@ -450,14 +451,19 @@ class HFCausalLM(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         cp: ContextParallel | None = None,
+        docs: torch.Tensor | None = None,
     ):
         """As the native families' (src/models/decoder.py): ``positions`` (T,) are
         the position ids (default: transformers' own, ``0..T-1``); with ``cp`` the
         attention layers run :data:`CP_ATTENTION`, which transformers hands the
         ``cp`` object as the keyword :data:`CP_KWARG` (its forward passes unknown
-        keywords down to the attention functions)."""
+        keywords down to the attention functions). ``docs`` (B, T): the position
+        ids restart at each document, from which transformers (5) builds its mask
+        of packed sequences (attention within each)."""
         self._context_parallel_attention(cp is not None)
         kwargs: dict[str, Any] = {"use_cache": False}
+        if docs is not None and positions is None:
+            positions = document_positions(docs)
         if positions is not None:
             kwargs["position_ids"] = positions.expand(idx.size(0), -1)
         if cp is not None:
@@ -745,6 +751,7 @@ register(
         ),
         tp_plan=tp_plan,
         context_parallel=check_context_parallel,
+        documents=True,
         kv_width=kv_width,
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.attention import attend
 from src.models.decoder import Decoder
 from src.models.generate import LayerKV
 from src.models.memory import ActivationBytes, block_activations
@@ -132,10 +133,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For the (T,) ``positions`` (after any cached tokens; global ones under
-        context parallelism)."""
+        context parallelism), or (B, T) ones (per document): (B, 1, T, head_dim)."""
         pos = positions.to(self.inv_freq.device, torch.float32)
-        freqs = pos[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim): both halves
+        freqs = pos[..., None] * self.inv_freq.float()  # (..., T, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, head_dim): both halves
+        if emb.dim() == 3:  # one row of positions per sequence: broadcast over heads
+            emb = emb[:, None]
         return emb.cos(), emb.sin()
 
 
@@ -177,6 +180,7 @@ class Attention(nn.Module):
         cache: LayerKV | None = None,
         *,
         cp: ContextParallel | None = None,
+        mask: object = None,
     ):
         B, T, _ = x.shape
         # Head counts come from the widths (-1): under tensor parallelism each rank
@@ -188,8 +192,8 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         if cp is not None:  # this rank's queries over the gathered keys and values
             y = cp.attention(q, k, v, enable_gqa=gqa)
-        elif cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif cache is None:  # causal, or within documents (``mask``)
+            y = attend(q, k, v, mask, enable_gqa=gqa)
         else:  # decoding: the new tokens attend over the cached ones too
             y = cache.attend(q, k, v, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -239,8 +243,10 @@ class TransformerBlock(nn.Module):
         cache: LayerKV | None = None,
         *,
         cp: ContextParallel | None = None,
+        mask: object = None,
     ):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, cp=cp)
+        h = self.attention(self.attention_norm(x), cos, sin, cache, cp=cp, mask=mask)
+        x = x + h
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -524,6 +530,7 @@ register(
         kv_cache=True,
         tp_plan=tp_plan,
         context_parallel=lambda config: None,  # every config
+        documents=True,
         kv_width=lambda config: config.kv_heads * config.head_dim,
         pipeline=lambda config: PipelineLayout(
             blocks="layers", first=("tok_embeddings",), last=("norm", "output")

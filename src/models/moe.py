@@ -622,6 +622,7 @@ register(
         init_tensor=init_tensor,
         seq_len=lambda config: config.max_seq_len,
         kv_cache=True,
+        documents=True,
         routes_tokens=lambda config: len(config.moe_layers) > 0,
         tp_plan=tp_plan,
         after_step=after_step,

@@ -126,6 +126,9 @@ class ModelSpec:
     # (config) -> the key (= value) width of one attention layer (kv heads x head
     # dim): what context parallelism gathers per layer, for the planner.
     kv_width: Callable[[Any], int] | None = None
+    # data.packing=documents: the forward takes ``docs=`` (B, T) document ids and
+    # keeps attention and positions within them (src/models/attention.py).
+    documents: bool = False
     # Optional: Hugging Face names and config (model.pretrained, trainer.export=hf).
     hf: HFAdapter | None = None
     # Optional, for the planner (src/planner/activations.py): (config, micro_batch,

@@ -6,11 +6,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from src.config.run_plan import RunPlan, tensor_parallel_plan
+from src.models.attention import attention_kernel
 from src.models.memory import ActivationBytes
 from src.planner.constants import EP_IMBALANCE
 from src.planner.estimate import Dispatch, RunShape
@@ -230,7 +232,43 @@ def run_activations(
         shape.ac_every,
     )
     acts = tp_activations(resolved, shape, acts, model)
-    return cp_activations(resolved, shape, acts, model)
+    acts = cp_activations(resolved, shape, acts, model)
+    return documents_activations(resolved, shape, acts, model)
+
+
+def documents_activations(
+    resolved: RunPlan,
+    shape: RunShape,
+    acts: ActivationBytes,
+    model: torch.nn.Module | int,
+) -> ActivationBytes:
+    """What attention within documents (``data.packing=documents``) adds: the
+    per-row positions (int64, ``B T``); with context parallelism a (T/C x T) mask
+    per row, no longer one for all; else with SDPA (the CPU's kernel,
+    src/models/attention.py) the boolean (B, 1, T, T) mask, made once per forward,
+    and the copy of it in the compute dtype that SDPA makes and saves in each
+    attention call of a block that is not checkpointed (a checkpointed block's
+    while its backward recomputes it). Left out: FlexAttention's block mask (a few
+    bytes per 128 x 128 block) and Llama's per-row RoPE tables (``B T head_dim``
+    fp32 cos and sin, where plain packing keeps ``T head_dim``)."""
+    if not resolved.batch.documents:
+        return acts
+    rows, seq = shape.micro_batch, shape.seq_len
+    positions = 8 * rows * seq
+    cp = resolved.layout.cp
+    if cp > 1:  # its one additive mask (cp_activations) becomes one per row
+        per_row = seq * seq * cp * shape.param_bytes
+        return replace(acts, saved=acts.saved + positions + (rows - 1) * per_row)
+    if attention_kernel(torch.device(shape.device)) == "flex":
+        return replace(acts, saved=acts.saved + positions)
+    blocks, checkpointed = _blocks(resolved, shape, model)
+    square = rows * seq * seq  # the boolean mask's bytes
+    copy = square * shape.param_bytes
+    return replace(
+        acts,
+        saved=acts.saved + positions + square + copy * (blocks - checkpointed),
+        block_transient=acts.block_transient + (copy if checkpointed else 0),
+    )
 
 
 _TRACED: dict[tuple[str, str, int], Callable[..., ActivationBytes]] = {}

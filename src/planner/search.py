@@ -409,7 +409,9 @@ class _Points:
         except LayoutError:
             return True  # the degrees do not divide the ranks
         prec = point.get(PRECISION, self.resolved.precision.name)
-        if refusal(degrees, backend_class(self.resolved.backend), prec, self.seq_len):
+        backend = backend_class(self.resolved.backend)
+        documents = self.resolved.batch.documents
+        if refusal(degrees, backend, prec, self.seq_len, documents):
             return True
         return ep > 1 and refused_with("ep", degrees)
 

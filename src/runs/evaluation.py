@@ -24,8 +24,14 @@ from omegaconf import DictConfig, OmegaConf
 from src.config.run_plan import RunPlan, world_size
 from src.data.corpus import Corpus
 from src.data.mixture import make_batches, whole_stream
+from src.data.packing import Documents
 from src.data.pinning import read_pin
-from src.data.sources import DATA_SOURCES, corpus_changes, load_splits
+from src.data.sources import (
+    DATA_SOURCES,
+    corpus_changes,
+    load_splits,
+    tokenizer_of,
+)
 from src.errors import ConfigError
 from src.files import keep_aside, read_json, write_json_atomic
 from src.runs.from_run import load_model, run_tokenizer
@@ -105,7 +111,11 @@ def eval_rank(
     n = opts["batches"] or t.val_batches
     n = windows.covering_batches() if n == "all" else int(n)
     world, rank = dist.get_world_size(), dist.get_rank()
-    loss = evaluate(model, windows.val_batches(n, rank, world), backend)
+    # data.packing=documents: scored within documents, as the run trained
+    documents = None
+    if resolved.batch.documents:
+        documents = Documents(tokenizer_of(cfg.data).eos_id)
+    loss = evaluate(model, windows.val_batches(n, rank, world), backend, documents)
     return {
         "step": step,
         "loss": loss,

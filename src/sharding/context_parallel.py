@@ -9,12 +9,15 @@ global indices of the tokens kept. Attention gathers K and V over the group
 gradients back to their rank) and masks by global position, so any kernel
 works, on gloo too: SDPA gets an additive (T/C x T) mask, made once per forward and
 shared by every layer (at very long sequences its T^2/C elements are what a
-mask-free per-chunk kernel would save; not built).
+mask-free per-chunk kernel would save; not built). Given the whole rows' document
+ids (packing by documents), the mask also keeps each query within its document:
+one (T/C x T) mask per row.
 
 The loss is each rank's mean over its T/C tokens: all ranks hold the same number of
 (never ignored) tokens, so the mean of the ranks' means is the mean over the
 sequences, and FSDP averaging gradients over ``dp_shard x cp`` gives the gradient
-of the global batch's mean exactly as without CP.
+of the global batch's mean exactly as without CP. (Packing by documents ignores
+some targets: the trainer's step then weighs each rank's mean by its count.)
 
 A model is given context parallelism as arguments of its forward
 (:meth:`ContextParallel.forward_kwargs`: the global ``positions`` of the rank's
@@ -105,6 +108,8 @@ class ContextParallel:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self._mask: tuple[tuple, torch.Tensor] | None = None
+        # the whole sequences' document ids of this forward (None: one each)
+        self._docs: torch.Tensor | None = None
 
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's two chunks of ``t`` along ``dim`` (the sequence)."""
@@ -115,10 +120,15 @@ class ContextParallel:
         """The global positions of this rank's ``local_len`` tokens."""
         return chunk_positions(local_len * self.size, self.size, self.rank).to(device)
 
-    def forward_kwargs(self, local: torch.Tensor) -> dict[str, Any]:
+    def forward_kwargs(
+        self, local: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> dict[str, Any]:
         """What a model's forward takes for this rank's tokens ``local`` (rows,
         T/C): their global ``positions`` and this object as ``cp``, which its
-        attention layers call (:meth:`attention`)."""
+        attention layers call (:meth:`attention`). ``docs`` (rows, T): the whole
+        sequences' document ids, which the attention then stays within (until
+        :meth:`entered` ends; the caller gives the positions within documents)."""
+        self._docs, self._mask = docs, None
         return {"positions": self.positions(local.size(1), local.device), "cp": self}
 
     def attention(
@@ -145,15 +155,20 @@ class ContextParallel:
         key = (local_len, dtype, device)
         if self._mask is None or self._mask[0] != key:
             q_pos = self.positions(local_len, device)
-            kv_pos = gathered_positions(local_len * self.size, self.size)
-            self._mask = key, position_mask(q_pos, kv_pos.to(device), dtype)
+            kv_pos = gathered_positions(local_len * self.size, self.size).to(device)
+            mask = position_mask(q_pos, kv_pos, dtype)
+            if self._docs is not None:  # and within documents: (rows, 1, T/C, T)
+                docs = self._docs.to(device)
+                same = self.shard(docs)[:, :, None] == docs[:, kv_pos][:, None, :]
+                mask = mask.masked_fill(~same[:, None], float("-inf"))
+            self._mask = key, mask
         return self._mask[1]
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
-        """The mask made inside (:meth:`mask`) is dropped on leaving: it lives as
-        long as a forward and its backward."""
+        """The mask made inside (:meth:`mask`) and the document ids are dropped on
+        leaving: they live as long as a forward and its backward."""
         try:
             yield
         finally:
-            self._mask = None
+            self._mask = self._docs = None

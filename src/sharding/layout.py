@@ -202,6 +202,10 @@ NOT_TOGETHER = (
     ("ep", "cp", "expert parallelism with context parallelism is not built yet"),
 )
 
+#: The degrees document-masked attention (packing by documents) does not run with:
+#: each stage would need its micro-batch's document ids.
+NOT_WITH_DOCUMENTS = (("pp", "pipeline parallelism"),)
+
 #: A degree above 1 and the backend capability it needs (``Backend.CAPABILITIES``).
 NEEDS = (
     ("dp_replicate", "hybrid", "hybrid sharding"),
@@ -217,9 +221,11 @@ def refusal(
     backend: type | None = None,
     precision: str | None = None,
     seq_len: int | None = None,
+    documents: bool = False,
 ) -> LayoutError | None:
     """Why ``layout`` cannot run with ``backend`` (a ``Backend`` class), the precision
-    named ``precision`` and a model of ``seq_len`` tokens per sequence: a
+    named ``precision``, a model of ``seq_len`` tokens per sequence and attention
+    within documents (``documents``): a
     :class:`LayoutError` naming the dimension (``precision``: the precision), None
     when it can. The one rule that
     validation, the backends and the planner's search all ask (each argument left
@@ -236,6 +242,13 @@ def refusal(
     for dim, other, why in NOT_TOGETHER:
         if layout.size(dim) > 1 and layout.size(other) > 1:
             return LayoutError(dim, f"{why}; use one of them")
+    for dim, what in NOT_WITH_DOCUMENTS if documents else ():
+        if layout.size(dim) > 1:
+            return LayoutError(
+                dim,
+                f"{what} with attention within documents (packing by documents) is "
+                "not built yet; use 1 or stream packing",
+            )
     if backend is not None and precision is not None and not backend.float8:
         from .precision import PRECISIONS
 

@@ -35,8 +35,10 @@ from src.checkpoint.export import (
 from src.checkpoint.folders import run_checkpoints
 from src.config.run_plan import RunPlan
 from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
+from src.data.packing import Documents, mean_attention_span
 from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
+from src.models.attention import kernel_line
 from src.observe import live_memory
 from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
 from src.observe.loggers import Logger, build_logger
@@ -188,6 +190,12 @@ class Trainer:
             MixCounter(self.batches) if isinstance(train_split, MixedStream) else None
         )
         self.tokenizer = tokenizer_of(self.cfg.data) if t.sample_every else None
+        self.documents = None  # data.packing=documents: its end-of-document id
+        if self.resolved.batch.documents:
+            self.documents = Documents(tokenizer_of(self.cfg.data).eos_id)
+            # MFU counts the attention the document mask computes
+            span = mean_attention_span(self.documents, self.batches, t.max_steps)
+            self.meter.flops_per_token = spec.flops_per_token(model_cfg, span)
         self.val_set = []
         self.no_val_split = len(val_split) == 0  # data.val_fraction=0
         if self.no_val_split and t.val_every and t.val_batches:
@@ -337,6 +345,11 @@ class Trainer:
                 f"{s.pp_microbatches} micro-batches (units: pp rank 0's stages)"
             )
         tokens = self.meter.tokens_per_step
+        if self.documents is not None:
+            dropout = getattr(self.model, "attention_dropout", 0.0) > 0
+            hsdp += (
+                f" | attention within documents: {kernel_line(self.device, dropout)}"
+            )
         return (
             f"run: {self.num_params / 1e6:.2f}M params | {s.backend}{units}{hsdp} | "
             f"{cfg.precision.name} | checkpointing {s.activation_checkpointing} | "
@@ -418,7 +431,7 @@ class Trainer:
             )  # fmt: skip
         return train_step(
             self.model, self.batches, step - 1, self.backend, self.optimizer,
-            self.scaler, self.cfg,
+            self.scaler, self.cfg, self.documents,
         )  # fmt: skip
 
     def step(self, step: int) -> dict[str, Any] | None:
@@ -485,7 +498,7 @@ class Trainer:
                 pipeline_evaluate(self.pipeline, self.val_set, self.backend)
             )
         else:
-            val_loss = evaluate(self.model, self.val_set, self.backend)
+            val_loss = evaluate(self.model, self.val_set, self.backend, self.documents)
         self.logger.log({"val_loss": val_loss, "tokens_seen": self.tokens_seen}, step)
         self.summary["val_loss"] = val_loss
         log.info("step %d: val_loss %.4f", step, val_loss)

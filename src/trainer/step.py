@@ -13,8 +13,10 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.checkpoint.dcp import Checkpointer
+from src.data.packing import Documents
 from src.data.sources import GlobalBatches
 from src.errors import RunError
+from src.models.attention import document_positions
 from src.sharding import Backend
 
 
@@ -25,11 +27,68 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def forward_kwargs(backend: Backend, x: torch.Tensor) -> dict:
+def forward_kwargs(
+    backend: Backend, x: torch.Tensor, docs: torch.Tensor | None = None
+) -> dict:
     """The model's forward arguments beside the tokens ``x`` (this rank's share):
     with context parallelism, their global positions and the backend's
-    ``ContextParallel`` (src/sharding/context_parallel.py); none without it."""
-    return {} if backend.cp is None else backend.cp.forward_kwargs(x)
+    ``ContextParallel`` (src/sharding/context_parallel.py); with
+    ``data.packing=documents``, the document ids ``docs`` of the whole rows (under
+    context parallelism the ``ContextParallel`` keeps them for its mask, and the
+    positions are this rank's share of those within documents); none without
+    either."""
+    if backend.cp is None:
+        return {} if docs is None else {"docs": docs}
+    kwargs = backend.cp.forward_kwargs(x, docs)
+    if docs is not None:
+        kwargs["positions"] = backend.cp.shard(document_positions(docs))
+    return kwargs
+
+
+def on_rank(
+    backend: Backend,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    documents: Documents | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A micro-batch on this rank's device, its share of each sequence (context
+    parallelism), and the whole rows' document ids (None: stream packing)."""
+    x, y = x.to(backend.device), y.to(backend.device)
+    docs = None if documents is None else documents.ids(x)
+    return (*backend.shard_sequence(x, y), docs)
+
+
+def counted_weights(
+    batch: list[tuple[torch.Tensor, torch.Tensor]], backend: Backend
+) -> list[float]:
+    """What each micro-batch's mean loss is multiplied by so that the step's loss
+    (and gradient) is the mean over the targets that count (not -1) of the whole
+    global batch, however they fall on micro-batches and ranks: this rank's
+    counted targets (its share of each sequence under context parallelism) x the
+    ranks FSDP averages gradients over (data-parallel x cp) / the global count
+    (one all-reduce; the ranks of a tp group read the same rows, so the world's
+    sum counts them that often)."""
+    counts = [int((backend.shard_sequence(y)[0] != -1).sum()) for _, y in batch]
+    total = torch.tensor(sum(counts), dtype=torch.int64, device=backend.device)
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    averaged = backend.dp_size * backend.layout.cp  # ranks with their own targets
+    total = int(total) // (backend.world_size // averaged)  # tp replicas
+    return [n * averaged / max(total, 1) for n in counts]
+
+
+def within_documents(
+    batch: list[tuple[torch.Tensor, torch.Tensor]],
+    documents: Documents,
+    backend: Backend,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[float]]:
+    """The micro-batches with their document-boundary targets dropped, and their
+    :func:`counted_weights`. One without a counted target keeps its targets at
+    weight 0: its mean over none would be NaN, and so would NaN x 0."""
+    counted = [(x, documents.targets(x, y)) for x, y in batch]
+    weights = counted_weights(counted, backend)
+    kept = [c if w else b for b, c, w in zip(batch, counted, weights, strict=True)]
+    return kept, weights
 
 
 def train_step(
@@ -40,9 +99,11 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     cfg: DictConfig,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's share
-    of the loss and the global gradient norm (before clipping)."""
+    of the loss and the global gradient norm (before clipping). ``documents``:
+    ``data.packing=documents`` (src/data/packing.py)."""
     t = cfg.trainer
     # Read once: each DictConfig lookup costs ~20 us of CPU, and the loop is per step.
     accum, every, clip = t.grad_accum, t.grad_sync == "every", t.grad_clip
@@ -51,11 +112,13 @@ def train_step(
     if not model.training:  # after evaluation; train() walks every module (~130 us)
         model.train()
     loss_sum = torch.zeros((), device=backend.device)
-    for micro in range(accum):
-        x, y = batches.get(step, micro, rank, world)
+    batch = [batches.get(step, micro, rank, world) for micro in range(accum)]
+    if documents is not None:  # no loss at a document's first token
+        batch, weights = within_documents(batch, documents, backend)
+    for micro, (x, y) in enumerate(batch):
         # context parallelism: this rank's 1/C of each sequence (the cp ranks of a
         # group read the same rows)
-        x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
+        x, y, docs = on_rank(backend, x, y, documents)
         # trainer.grad_sync=last: gradients are reduced across ranks only on the
         # last micro-step (unsharded ones are held until then); every: each time.
         sync = micro == accum - 1 or every
@@ -66,8 +129,10 @@ def train_step(
         ):
             with backend.autocast():
                 # the logits are not kept through backward
-                loss = model(x, y, **forward_kwargs(backend, x))[1]
-            if accum > 1:  # x / 1 == x: no autograd node for nothing
+                loss = model(x, y, **forward_kwargs(backend, x, docs))[1]
+            if documents is not None:  # the mean over the global batch's targets
+                loss = loss * weights[micro]
+            elif accum > 1:  # x / 1 == x: no autograd node for nothing
                 loss = loss / accum
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
@@ -85,16 +150,25 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, backend: Backend) -> float:
-    """Mean loss over the fixed validation batches (the same in every run)."""
+def evaluate(
+    model: nn.Module,
+    batches: list,
+    backend: Backend,
+    documents: Documents | None = None,
+) -> float:
+    """Mean loss over the fixed validation batches (the same in every run); with
+    ``documents``, over their counted targets (as :func:`train_step`)."""
     model.eval()
     total = torch.zeros((), device=backend.device)
-    for x, y in batches:
-        x, y = backend.shard_sequence(x.to(backend.device), y.to(backend.device))
+    if documents is not None:
+        batches, weights = within_documents(batches, documents, backend)
+    for i, (x, y) in enumerate(batches):
+        x, y, docs = on_rank(backend, x, y, documents)
         with backend.autocast(), backend.loss_context():
-            _, loss = model(x, y, **forward_kwargs(backend, x))
-        total += loss.float()
-    return global_mean(total / max(1, len(batches)))
+            _, loss = model(x, y, **forward_kwargs(backend, x, docs))
+        total += loss.float() * (1 if documents is None else weights[i])
+    n = len(batches) if documents is None else 1
+    return global_mean(total / max(1, n))
 
 
 class NonFiniteLossError(RunError):
