@@ -458,6 +458,22 @@ def test_float8_gets_the_block_policy_where_bf16_mixed_does(shape):
     assert units["float8"] == units["bf16_mixed"] > 6, units
 
 
+def test_float8_plans_every_pipeline_stage_with_tensor_parallelism():
+    """Plan-only builds each pipeline rank's stages on meta one after another, the
+    float8 TP styles of each asking the tp group's backend: the second stage asked
+    a process group the first build had destroyed (no estimate for float8 PP2 x TP2,
+    issue 55)."""
+    from src.planner.pipeline import stage_plans
+
+    cfg = compose_config(*GRID_MODELS["llama"], "precision=float8", "trainer.devices=4",
+                         "sharding.pipeline_parallel=2", "sharding.tensor_parallel=2")  # fmt: skip
+    stages = stage_plans(validate(cfg))
+    assert len(stages.ranks) == 2 and not dist.is_initialized()
+    for built in stages.built.values():
+        # its 2 of llama_tiny's 4 blocks: q k v o, w1 w2 w3 each
+        assert sum(is_float8_linear(m) for s in built for m in s.modules()) == 14
+
+
 #: init_from's sources, each trained with float8 on 2 ranks: a dense model (TP, PP)
 #: and the native MoE family (EP; its source on EP2)
 SOURCES = {
