@@ -35,6 +35,7 @@ def _gpt(layers: int, width: int, seq: int, batch: int, ranks: int, *more: str):
 
 EP2, EP4 = "sharding.expert_parallel=2", "sharding.expert_parallel=4"
 CP2 = "sharding.context_parallel=2"
+PP2 = "sharding.pipeline_parallel=2"
 AC = "sharding.activation_checkpointing=full"
 ACC2 = "trainer.grad_accum=2"
 F8 = ["precision=float8", "sharding.policy=block"]
@@ -106,6 +107,10 @@ GRID: dict[str, list[str]] = {
     "llama 4x256 CP2 float8": _llama(256, 4, 1024, 4, 2, CP2, *F8),
     "gpt 4x256 float8 HSDP 2x2": _gpt(4, 256, 512, 8, 4, *F8, "sharding.replicate=2"),
     "moe 128x2 EP2 float8": _moe(128, 2, 512, 8, 2, EP2, *F8),
+    "gpt 4x256 float8 PP2 x FSDP2, 4 ranks": _gpt(4, 256, 512, 8, 4, *F8, PP2),
+    "llama 4x256 float8 PP2 x TP2, 4 ranks": _llama(256, 4, 512, 8, 4, *F8, PP2,
+                                                    "sharding.tensor_parallel=2"),
+    "moe 128x2 EP4 float8, 4 ranks": _moe(128, 2, 512, 8, 4, EP4, *F8),
     # dense twins (issue 56)
     "gpt 6x1024 seq 64": _gpt(6, 1024, 64, 16, 2),
     "llama 4x256 seq 2048": _llama(256, 4, 2048, 4, 2),

@@ -557,7 +557,8 @@ class PlanBackend(_FSDPBackend):
         if tp > 1:
             # The plan needs the tp-local shapes: the model is tensor-parallelised on
             # meta for real, over a process group that communicates nothing (torch's
-            # fake backend), alive until finish_build.
+            # fake backend), alive until close (a pipeline's stages are built one
+            # after another with it).
             if dist.is_initialized() and dist.get_backend() == "fake":
                 dist.destroy_process_group()  # left by a build that failed
             if dist.is_initialized():
@@ -576,15 +577,6 @@ class PlanBackend(_FSDPBackend):
 
     def split_experts(self, module: nn.Module) -> None:
         plan_experts(module, self.layout.ep, self.layout.ep_shard)
-
-    def finish_build(
-        self,
-        model: nn.Module,
-        init_device: torch.device,
-        init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None,
-    ) -> nn.Module:
-        self.close()
-        return super().finish_build(model, init_device, init_fn)
 
     def close(self) -> None:
         """Destroy the fake process group (also after a build that failed)."""
