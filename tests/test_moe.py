@@ -4,6 +4,8 @@ the balance loss in the gradient but not the loss's value, and bad keys."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from src.models.moe import (
     init_tensor,
     moe_layers,
 )
-from tests.test_config import assert_fails_naming, config_error
+from tests.test_config import assert_fails_naming, config_error, run_train
 
 CFG = dict(
     dim=32,
@@ -334,3 +336,59 @@ def test_ep_dispatch_counts_only_the_moe_layers_checkpointing_keeps(every, kept)
     assert ac.saved == one_layer * kept
     assert ac.buffers == plain.buffers + one_layer
     assert f"kept in {kept} of 2 MoE layers" in ac.note
+
+
+def test_a_collapsed_layer_is_said_once_after_its_windows():
+    """src/observe/routing.py: a layer above the ratio at COLLAPSE_WINDOWS logged
+    steps in a row is one line naming it (once); a dip below restarts its count."""
+    from src.observe.routing import COLLAPSE_WINDOWS, RoutingWatch
+
+    watch = RoutingWatch()
+    key0, key1 = "moe/layer0/load_max_over_mean", "moe/layer1/load_max_over_mean"
+    lines = []
+    values1 = [3.9, 1.2, 3.9, 3.9, 3.9, 3.9, 3.9]  # a dip after the first window
+    for i, v1 in enumerate(values1):
+        lines += watch.see({key0: 1.1, key1: v1, "moe/load_max_over_mean": v1}, i * 5)
+    assert watch.above == {0: 0, 1: len(values1) - 2}
+    (line,) = lines
+    step = 5 * (1 + COLLAPSE_WINDOWS)
+    assert line.startswith(f"step {step}: MoE routing collapsed in layer 1: ")
+    assert "3.90x its share" in line and "model.aux_loss_coef" in line
+    assert watch.collapsed == {1: {"step": step, "max_over_mean": 3.9}}
+    assert watch.metrics() == {"moe/collapsed_layers": 1}
+    assert RoutingWatch().metrics() == {}  # a dense model logs no such column
+
+
+def test_a_run_whose_routing_collapses_says_so_in_its_log_and_summary(tmp_path):
+    """moe_tiny without balancing collapses in its warmup (one expert takes every
+    token: 4.00x its share, 8 experts top 2): the run says so, once per layer, in
+    train.log and summary.json (``routing_collapse``), and logs
+    ``moe/collapsed_layers``."""
+    import json
+
+    out = run_train(
+        "model=moe_tiny", "model.load_balance=none", "trainer.devices=1",
+        "trainer.max_steps=12", "trainer.log_every=4", "trainer.warmup_steps=4",
+        "trainer.val_every=0", "logger=none", "trainer.progress=false",
+        f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = (out.stdout + out.stderr).splitlines()
+    said = [ln for ln in printed if "MoE routing collapsed" in ln]
+    assert len(said) == 2, printed[-30:]
+    for layer, line in enumerate(said):
+        found = re.fullmatch(
+            rf"step 12: MoE routing collapsed in layer {layer}: its busiest expert "
+            r"took (\d\.\d\d)x its share of the tokens at the last 3 logged steps "
+            r"\(above 2x\); raise model.aux_loss_coef or model.bias_update_rate, or "
+            r"see docs/models.md \(routing balance\)",
+            line,
+        )
+        assert found and float(found.group(1)) > 3.5, line  # 4.00: every token
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["routing_collapse"].keys() == {"0", "1"}
+    assert all(v["step"] == 12 for v in summary["routing_collapse"].values())
+    rows = [
+        json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["moe/collapsed_layers"] for r in rows if "loss" in r] == [0, 0, 0, 2]

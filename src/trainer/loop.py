@@ -61,6 +61,7 @@ from src.observe.profiling import (
     oom_error,
     watch_cuda_oom,
 )
+from src.observe.routing import RoutingWatch
 from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
 from src.sharding.float8 import Float8, is_float8_linear
 from src.text import plural
@@ -129,6 +130,7 @@ class Trainer:
         self.logger = logger or Logger()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.summary: dict[str, Any] = {}
+        self.routing = RoutingWatch()  # a mixture of experts' collapse, said once
         self.skipped_steps = 0
         self.start_step = 0
         self.extended: dict[str, Any] | None = None  # resume_schedule=extend
@@ -476,6 +478,12 @@ class Trainer:
             **self._planned(),
             **family,
         }
+        collapsed = self.routing.see(family, step)
+        metrics.update(self.routing.metrics())
+        if self.routing.collapsed:
+            self.summary["routing_collapse"] = {
+                str(k): v for k, v in self.routing.collapsed.items()
+            }
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.get_scale()
             metrics["skipped_steps"] = self.skipped_steps
@@ -487,6 +495,8 @@ class Trainer:
             # On the console without the bar; in train.log either way.
             extra = None if self.bar.disable else FILE_ONLY
             log.info(interval_line(step, metrics), extra=extra)
+            for line in collapsed:
+                log.warning(line)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
         return metrics
 
