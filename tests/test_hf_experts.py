@@ -115,3 +115,37 @@ def test_routing_metrics_are_transformers_router_logits_counted(name):
         model(idx)
     model.hf.model.layers[1] = torch.nn.Identity()
     assert after_step(model, 1) == {}
+
+
+@pytest.mark.parametrize("name", ["tiny_mixtral", "tiny_qwen3_moe"])
+def test_the_router_aux_loss_is_in_the_gradient_as_transformers_adds_it(name):
+    """Issue 57: in training the gradient is that of transformers' own loss with
+    ``output_router_logits=True`` (the language model's plus ``router_aux_loss_coef``
+    x ``load_balancing_loss_func`` over every layer's router logits); the returned
+    loss stays the language model's. Across ranks: tests/test_expert_parallel.py."""
+    from src.models.spec import lm_loss
+
+    model = build(HFConfig(config=name), seed=0).train()
+    text = model.hf.config.get_text_config()
+    assert text.router_aux_loss_coef > 0
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, text.vocab_size, (3, 10), generator=gen)
+    targets = torch.randint(0, text.vocab_size, (3, 10), generator=gen)
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    _, loss = model(idx, targets)
+    loss.backward()
+    ours = grads()
+    out = model.hf(input_ids=idx, output_router_logits=True, use_cache=False)
+    lm = lm_loss(out.logits, targets)
+    assert loss.item() == pytest.approx(lm.item(), abs=1e-6)
+    (lm + text.router_aux_loss_coef * out.aux_loss).backward()
+    theirs = grads()
+    routers = [n for n in theirs if ".gate.weight" in n and "experts" not in n]
+    assert routers and all(ours[n].abs().sum() > 0 for n in routers)
+    for n in theirs:
+        torch.testing.assert_close(ours[n], theirs[n], rtol=1e-5, atol=1e-7)

@@ -473,9 +473,15 @@ class HFCausalLM(nn.Module):
             # a later stage's input is the previous one's hidden states; an earlier
             # stage's head is Absent, so its "logits" are its hidden states
             inputs = {"input_ids" if stage.first else "inputs_embeds": idx}
-            return self.hf(**inputs, **kwargs).logits
+            out = self.hf(**inputs, **kwargs).logits
+            hf_routing.drop_parts(self.hf)  # a stage's forward has no loss to add to
+            return out
         logits = self.hf(input_ids=idx, **kwargs).logits
-        return logits, lm_loss(logits, targets)
+        loss = lm_loss(logits, targets)
+        aux = hf_routing.balance_loss(self.hf) if self.training else None
+        if loss is not None and aux is not None:
+            loss = loss + (aux - aux.detach())  # the gradient, not the logged value
+        return logits, loss
 
 
 #: The name context parallelism's attention is registered under in transformers'

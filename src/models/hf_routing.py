@@ -12,8 +12,18 @@ not depend on the layout. A layer's ``aux_loss`` is the Switch balance loss
 transformers' ``load_balancing_loss_func`` computes for that layer (``E sum_e f_e
 P_e``, ``f_e`` the assignments to ``e`` per row, ``P_e`` its mean probability; top_k
 when balanced) over the step's rows on all ranks; ``moe/aux_loss`` is their sum times
-the config's ``router_aux_loss_coef``, a metric: the trainer does not ask transformers
-for router logits, so nothing of it enters the loss. transformers' routers keep every
+the config's ``router_aux_loss_coef``.
+
+In the gradient (:func:`balance_loss`, added by the model's forward as transformers
+adds it with ``output_router_logits``): transformers' ``load_balancing_loss_func`` over
+all the forward's routers at once, ``E sum_e f_e P_e`` with ``f_e`` the assignments
+to ``e`` over the rows of every layer and ``P_e`` the mean probability, times
+``router_aux_loss_coef``. The assignments are counted over all ranks (one all-reduce
+of E + 1 numbers a forward), the probabilities are this rank's mean: averaged over
+the ranks as every gradient is, that is the loss of the whole batch on one rank, so
+the gradient does not depend on the layout (a rank's own counts did: issue 57). The
+logged ``loss`` stays the language model's. A pipeline stage adds none (its forward
+returns no loss). transformers' routers keep every
 assignment (no capacity): ``dropped`` is 0. A pipeline stage logs none (each holds
 some of the routers; the native family has no pipeline).
 """
@@ -24,6 +34,7 @@ import fnmatch
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from src.models.hf_experts import expert_patterns
@@ -38,6 +49,7 @@ from src.models.moe import (
 _STATS = "_routing_stats"  # the counts since the last after_step (on each router)
 _COEF = "_aux_coef"  # the config's router_aux_loss_coef (on each router)
 _SHAPE = "_routing_shape"  # (routers in the whole model, experts) (on each router)
+_AUX = "_aux_parts"  # this forward's (assignments, probabilities with grad, rows)
 
 
 def routers(base_model: nn.Module, hf_config: Any) -> list[nn.Module]:
@@ -64,11 +76,25 @@ def count_routing(base_model: nn.Module, hf_config: Any, experts: int) -> None:
         router.register_forward_hook(_count)
 
 
-@torch.no_grad()
 def _count(router: nn.Module, args: tuple, output: tuple) -> None:
     if not router.training or recomputing():
         return
     logits, _, chosen = output
+    if router.__dict__[_COEF] and torch.is_grad_enabled():
+        assigned = torch.zeros(logits.size(-1), device=logits.device)
+        assigned.scatter_add_(
+            0, chosen.reshape(-1), torch.ones_like(assigned[:1]).expand(chosen.numel())
+        )
+        router.__dict__[_AUX] = (
+            assigned,
+            logits.float().softmax(-1).sum(0),
+            float(logits.size(0)),
+        )
+    with torch.no_grad():
+        _stats(router, logits, chosen)
+
+
+def _stats(router: nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> None:
     probs = logits.detach().float().softmax(-1)
     counts = torch.zeros(probs.size(-1), dtype=torch.float64, device=probs.device)
     ones = torch.ones(chosen.numel(), dtype=counts.dtype, device=counts.device)
@@ -102,3 +128,28 @@ def after_step(model: nn.Module, replicas: int = 1) -> dict[str, float]:
         aux = E * ((counts / n) * (probs / n)).sum()
         rows.update(layer_metrics(layer, counts, 0, aux.item(), (entropy / n).item()))
     return overall_metrics(rows, found[0][1].__dict__[_COEF])
+
+
+def drop_parts(base_model: nn.Module) -> None:
+    """Forget the forward's parts of the balance loss (nothing will add it)."""
+    for m in base_model.modules():
+        m.__dict__.pop(_AUX, None)
+
+
+def balance_loss(base_model: nn.Module) -> torch.Tensor | None:
+    """``router_aux_loss_coef`` x transformers' balance loss of the forward just run
+    (see the module docstring), with gradients through this rank's probabilities;
+    None when no router kept its parts (evaluation, a zero coefficient)."""
+    found = [m for m in base_model.modules() if m.__dict__.get(_AUX) is not None]
+    if not found:
+        return None
+    parts = [m.__dict__.pop(_AUX) for m in found]
+    layers, rows = len(parts), parts[0][2]
+    assigned = torch.stack([a for a, _, _ in parts]).sum(0)
+    counted = torch.cat([assigned, assigned.new_tensor([rows])])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counted)  # replicas count alike: f is a ratio of the sums
+    share = counted[:-1] / (layers * counted[-1])
+    prob = torch.stack([p for _, p, _ in parts]).sum(0) / (layers * rows)
+    E = share.numel()
+    return found[0].__dict__[_COEF] * E * (share * prob).sum()
