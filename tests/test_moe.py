@@ -392,3 +392,23 @@ def test_a_run_whose_routing_collapses_says_so_in_its_log_and_summary(tmp_path):
         json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["moe/collapsed_layers"] for r in rows if "loss" in r] == [0, 0, 0, 2]
+
+
+def test_aux_free_adds_the_complementary_sequence_loss_at_its_coefficient():
+    """DeepSeek-V3: the bias, and the sequence-wise loss at aux_loss_coef (0: none),
+    in the gradient only; moe_deepseek_v3 carries the published 0.001 and 0.0001."""
+    from src.harness import compose_config
+
+    grads = {}
+    for coef in (0.0, 1.0):
+        torch.manual_seed(0)
+        config = MoEConfig(**CFG, load_balance="aux_free", aux_loss_coef=coef)
+        model = MoETransformer(config)
+        model(*tokens())[1].backward()
+        grads[coef] = moe_layers(model)[0].router.gate.weight.grad.clone()
+        assert (moe_layers(model)[0].aux_loss is None) == (coef == 0)
+    assert not torch.allclose(grads[0.0], grads[1.0])
+    m = compose_config("model=moe_deepseek_v3").model
+    assert (m.load_balance, m.bias_update_rate, m.aux_loss_coef) == (
+        "aux_free", 0.001, 0.0001,
+    )  # fmt: skip

@@ -32,7 +32,9 @@ assignments, times num_experts; P: the mean score), summed over layers, to the
 gradient (the logged ``loss`` stays the language-model loss; the auxiliary loss is
 logged beside it); ``aux_free`` moves each ``expert_bias`` by ``bias_update_rate``
 towards balance after every optimizer step, from the step's token counts over all
-ranks, outside autograd (:func:`after_step`); ``none`` does neither.
+ranks, outside autograd (:func:`after_step`), and adds the same sequence-wise loss
+at ``aux_loss_coef`` as DeepSeek-V3's complementary one (its 0.0001; 0: none);
+``none`` does neither.
 
 The experts run as grouped matmuls (``torch._grouped_mm`` with ``offs``: one kernel per
 weight over all experts) where it runs for the device and dtype, else as a loop over
@@ -327,7 +329,9 @@ class MoE(nn.Module):
         if self.training:
             # outside the loss, the balance loss is only a metric: no graph (which
             # activation checkpointing's recompute would not make again)
-            in_loss = c.load_balance == "aux_loss"
+            in_loss = c.load_balance == "aux_loss" or (
+                c.load_balance == "aux_free" and c.aux_loss_coef > 0
+            )
             with torch.set_grad_enabled(in_loss and torch.is_grad_enabled()):
                 aux = balance_loss(scores, experts)
             self.aux_loss = aux if in_loss else None
@@ -608,7 +612,9 @@ register(
             "norm_topk_prob": "MoE: renormalise the chosen experts' gates to sum 1",
             "load_balance": "MoE: aux_loss, aux_free (DeepSeek-V3's router bias) "
             "or none",
-            "aux_loss_coef": "MoE: weight of the balance loss (load_balance=aux_loss)",
+            "aux_loss_coef": "MoE: weight of the sequence-wise balance loss "
+            "(load_balance=aux_loss; with aux_free DeepSeek-V3's complementary one, "
+            "0: none)",
             "bias_update_rate": "MoE: step of the router bias per optimizer step "
             "(load_balance=aux_free)",
             "capacity_factor": "MoE: tokens per expert per sequence, times "
