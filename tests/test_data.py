@@ -85,7 +85,7 @@ def test_tokens_are_memmapped(tmp_path):
 
 def test_tokens_yaml_and_errors(tmp_path):
     cfg = data_cfg("data=tokens")
-    assert set(cfg) == {"name", "train_path", "val_path"}
+    assert set(cfg) == {"name", "train_path", "val_path", "packing"}
     cfg.train_path = str(tmp_path / "missing.bin")
     with pytest.raises(ValueError, match=r"^data\.train_path: no such file .*missing"):
         load_splits(cfg, 1000, seed=0)
