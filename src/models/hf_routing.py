@@ -80,25 +80,19 @@ def _count(router: nn.Module, args: tuple, output: tuple) -> None:
     if not router.training or recomputing():
         return
     logits, _, chosen = output
-    if router.__dict__[_COEF] and torch.is_grad_enabled():
-        assigned = torch.zeros(logits.size(-1), device=logits.device)
-        assigned.scatter_add_(
-            0, chosen.reshape(-1), torch.ones_like(assigned[:1]).expand(chosen.numel())
-        )
-        router.__dict__[_AUX] = (
-            assigned,
-            logits.float().softmax(-1).sum(0),
-            float(logits.size(0)),
-        )
-    with torch.no_grad():
-        _stats(router, logits, chosen)
-
-
-def _stats(router: nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> None:
-    probs = logits.detach().float().softmax(-1)
+    in_loss = bool(router.__dict__[_COEF]) and torch.is_grad_enabled()
+    with torch.set_grad_enabled(in_loss):  # the probabilities, for both uses
+        probs = logits.float().softmax(-1)
     counts = torch.zeros(probs.size(-1), dtype=torch.float64, device=probs.device)
     ones = torch.ones(chosen.numel(), dtype=counts.dtype, device=counts.device)
     counts.scatter_add_(0, chosen.reshape(-1), ones)
+    if in_loss:
+        router.__dict__[_AUX] = (counts.float(), probs.sum(0), float(probs.size(0)))
+    with torch.no_grad():
+        _stats(router, probs.detach(), counts)
+
+
+def _stats(router: nn.Module, probs: torch.Tensor, counts: torch.Tensor) -> None:
     entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
     rows = torch.tensor(float(probs.size(0)), dtype=torch.float64, device=probs.device)
     row = torch.cat([counts, probs.sum(0).double(), entropy.double()[None], rows[None]])

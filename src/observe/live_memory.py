@@ -87,6 +87,7 @@ class LiveMemory:
         self.peak = 0  # bytes in use, the max of the samples
         self.peak_live = 0  # malloc's bytes in use (uordblks + hblkhd), at the peak
         self.samples = 0
+        self.watched: nn.Module | None = None  # the model :func:`sampling` hooks
         self._hooks: list = []
         # sample after the autograd nodes inside each block child's backward too
         self.inside = True
@@ -209,10 +210,6 @@ def _moments(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 _ACTIVE: LiveMemory | None = None
 
 
-#: The model the active sampler watches (attached around each sampled step).
-_WATCHED: nn.Module | None = None
-
-
 def watch(
     model: nn.Module, device: torch.device, attach: bool = True
 ) -> LiveMemory | None:
@@ -220,14 +217,14 @@ def watch(
     where the caching allocator counts its own peak, or without mallinfo2): from
     then on ``memory_metrics`` reports its peak as ``peak_mem_gib``. Attached now,
     or (``attach=False``) only inside :func:`sampling`."""
-    global _ACTIVE, _WATCHED
+    global _ACTIVE
     if torch.device(device).type != "cpu":
         return None
     stop()
     sampler = LiveMemory()
     if not sampler.available:
         return None
-    _ACTIVE, _WATCHED = sampler, model
+    _ACTIVE, sampler.watched = sampler, model
     if attach:
         sampler.attach(model)
     else:
@@ -242,7 +239,7 @@ def sampling(on: bool):
     if not on or _ACTIVE is None or _ACTIVE._hooks:
         yield
         return
-    _ACTIVE.attach(_WATCHED)
+    _ACTIVE.attach(_ACTIVE.watched)
     try:
         yield
     finally:
@@ -255,7 +252,7 @@ def active() -> LiveMemory | None:
 
 def stop() -> None:
     """Detach this process's sampler (a test's model, a finished run)."""
-    global _ACTIVE, _WATCHED
+    global _ACTIVE
     if _ACTIVE is not None:
         _ACTIVE.detach()
-    _ACTIVE = _WATCHED = None
+    _ACTIVE = None
