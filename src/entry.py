@@ -20,7 +20,7 @@ from typing import Any
 #: The signals that stop a run after a checkpoint (src/trainer/faults.py); a rank
 #: starts with them blocked until its own handler is in place.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
-_rank_server = False  # start_rank_server() ran in this process
+_rank_server = False  # start_rank_server() ran in this process (its ranks fork)
 #: Set only while the rank server starts, to the launcher's PID: the server ties its
 #: life to that process (:func:`_die_with_parent`) as it imports this module.
 _SERVER_OF_ENV = "SHARDWRAP_RANK_SERVER_OF"
@@ -160,6 +160,8 @@ def start_rank_server() -> None:
     if "LOCAL_RANK" in os.environ:
         return
     _rank_server = True
+    if _no_rank_starts(sys.argv[1:]):  # planned as if ranks would fork
+        return
     multiprocessing.set_forkserver_preload(_rank_preload())
     # The resource tracker (a process of its own) unlinks what a killed launcher
     # left registered (torch elastic's queues and event), as it should, but warns
@@ -178,12 +180,20 @@ def start_rank_server() -> None:
     atexit.register(stop_rank_server)
 
 
+def _no_rank_starts(argv: list[str]) -> bool:
+    """The command line says no rank will fork (the plan alone, or one rank, which
+    runs in this process): the server's imports would only cost CPU (~4 s)."""
+    said = {a.lstrip("+").lower() for a in argv}
+    return bool(said & {"trainer.plan_only=true", "trainer.devices=1"})
+
+
 _TRACKER_WARNING = "resource_tracker"  # how its leak warning starts (no colon: -W)
 
 
 def rank_start_method() -> str:
-    """How local ranks start: forked from the rank server when the command started
-    one (:func:`start_rank_server`), else spawned (a library caller, a test: a new
+    """How local ranks start: forked from the rank server when the command starts
+    one (:func:`start_rank_server`; a plan-only command plans its ranks so), else
+    spawned (a library caller, a test: a new
     interpreter that imports what the rank needs)."""
     return "forkserver" if _rank_server else "spawn"
 

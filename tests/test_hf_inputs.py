@@ -89,20 +89,40 @@ def _moe_round_trips(rank: int, world: int, cases: list[tuple[str, str]]) -> dic
     return results
 
 
+def save_fused(src: Path, dst: Path) -> Path:
+    """``src``'s model saved with the names and fused experts transformers 5 holds in
+    memory (``mlp.experts.gate_up_proj`` [E, 2I, H]), which it opens as well."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 @pytest.mark.slow
 def test_moe_weights_round_trip_in_save_pretrained_layout(tmp_path):
     """Mixtral and Qwen3-MoE (one tensor per expert on disk, fused in memory) on 2
     ranks with FSDP2: load -> logits equal -> a step -> export in save_pretrained's
-    layout -> from_pretrained -> logits equal; and Qwen3-MoE's load and export with
-    FSDP1."""
+    layout -> from_pretrained -> logits equal; the same from their fused in-memory
+    layout (issue 57/13); and Qwen3-MoE's load and export with FSDP1."""
     from transformers import AutoModelForCausalLM
 
-    cases = []
+    cases, per_expert = [], {}
     for name in MOE:
         src = save_tiny(tmp_path / name, name)
         assert any(".experts.0." in n for n in tensor_names(src))  # per expert
-        validate(make_cfg("model=hf", f"model.pretrained={src}"))
-        cases.append((str(src), str(tmp_path / f"{name}_out")))
+        fused = save_fused(src, tmp_path / f"{name}_fused")
+        assert any(n.endswith("experts.gate_up_proj") for n in tensor_names(fused))
+        for directory in (src, fused):
+            validate(make_cfg("model=hf", f"model.pretrained={directory}"))
+            cases.append((str(directory), str(tmp_path / f"{directory.name}_out")))
+            per_expert[str(directory)] = src
     results = run_distributed(_moe_round_trips, 2, cases)
     for r in results:
         assert r["fsdp1"]["load"] < 1e-5 and r["fsdp1"]["export"] < 1e-5, r
@@ -111,7 +131,8 @@ def test_moe_weights_round_trip_in_save_pretrained_layout(tmp_path):
             assert r[src]["load"] < 1e-5 and r[src]["export"] < 1e-5, (src, r)
             assert r[src]["moved"] > 1e-4  # the step changed the weights
             assert 0.4 < r[src]["expert_share"] < 0.6  # each rank holds half
-        assert tensor_names(Path(out)) == tensor_names(Path(src))
+        # exported in save_pretrained's layout whichever layout it was read from
+        assert tensor_names(Path(out)) == tensor_names(per_expert[src])
         _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not any(info.values()), info  # nothing missing, unexpected, ...
 

@@ -5,6 +5,7 @@ python -m bench.plan_time)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import src.config.schema  # noqa: F401  (registers the base_config schema for co
 from src.config.run_plan import model_config, model_spec, resolve
 from src.harness import compose_config
 from src.observe import metrics
+from src.planner.constants import FORKED_RANK_SAVING, MIB, PROCESS_BYTES
 from src.planner.estimate import PARTS
 from tests.distributed import HANG_S
 
@@ -104,6 +106,9 @@ def test_plan_only_13b_subprocess_allocates_nothing(tmp_path):
     assert "(world size 8)" in result["stdout"]
     assert "per-rank training peak estimate" in result["stdout"]
     assert "activations (saved)" in result["stdout"]
+    # planned as this command's 8 ranks would start: forked from its rank server
+    forked = (PROCESS_BYTES["cpu"] - FORKED_RANK_SAVING["cpu"]) / MIB
+    assert re.search(rf"process baseline +{forked:.1f} MiB", result["stdout"])
 
     # 12.9B fp32 parameters are 47.9 GiB; planning on meta stays at the runtime's size.
     model_bytes = 4 * _num_params("gpt_13b")

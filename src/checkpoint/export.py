@@ -229,6 +229,15 @@ def check_hf_shapes(
             )
 
 
+def stored_layout(layout: HFLayout, directory: str | Path, part: bool = False):
+    """``layout`` as the checkpoint in ``directory`` stores it (save_pretrained's
+    per-expert tensors or the in-memory fused ones, :meth:`HFLayout.as_stored`),
+    checked against it (:func:`check_hf_shapes`)."""
+    layout = layout.as_stored(hf_checkpoint_shapes(directory))
+    check_hf_shapes(layout.disk_shapes, directory, part)
+    return layout
+
+
 def _hf_named_state(
     model: nn.Module,
     to_hf_name: Callable[[str], str],
@@ -375,7 +384,7 @@ def load_hf_weights(
     collective: every rank calls it."""
     state, hf_names = _hf_named_state(model, to_hf_name, transposed)
     layout, ours = _layout(state, hf_names, skeleton)
-    check_hf_shapes(layout.disk_shapes, directory, part)
+    layout = stored_layout(layout, directory, part)
     on_disk = {d: state[ours[m]] for m, d in layout.renames.items()}
     spread = _world_spread()
     for group in layout.groups:

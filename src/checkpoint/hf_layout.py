@@ -18,6 +18,7 @@ saving). :class:`HFLayout` applies that same conversion, nothing copied from it:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,28 @@ class HFLayout:
                 f"cannot follow transformers' weight conversion of "
                 f"{type(skeleton).__name__} tensor by tensor (at {odd[0][0]!r})"
             )
+
+    def as_stored(self, found: Mapping[str, tuple]) -> HFLayout:
+        """This layout for a checkpoint holding ``found`` (name -> shape): a tensor
+        it holds under its in-memory name and shape (transformers 5's fused experts,
+        ``mlp.experts.gate_up_proj``, which transformers opens too) is read as is,
+        and a group converts only when some of its tensors are not held so."""
+
+        def held(name: str) -> bool:
+            return tuple(found.get(name, ())) == self.shapes[name]
+
+        if self.skeleton is None or not any(map(held, self.shapes)):
+            return self
+        layout = copy.copy(self)
+        layout.renames = {n: n if held(n) else d for n, d in self.renames.items()}
+        layout.groups = [g for g in self.groups if not all(map(held, g.names))]
+        for group in self.groups:
+            if group not in layout.groups:
+                layout.renames.update({n: n for n in group.names})
+        layout.disk_shapes = {d: self.shapes[n] for n, d in layout.renames.items()}
+        for group in layout.groups:
+            layout.disk_shapes.update(group.disk)
+        return layout
 
     @property
     def converts(self) -> bool:

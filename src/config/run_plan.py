@@ -106,7 +106,9 @@ class Budget:
     """What the planner judges a run against: the per-rank budget (GiB or an
     accelerator's name), a sweep's cap, the safety margin, whether a start bigger
     than the machine is refused, whether proposals keep the device count, and the
-    logger (its imports are part of the process baseline)."""
+    logger (its imports are part of the process baseline) and whether the ranks fork
+    from a rank server that has only imported (a smaller baseline: the launcher
+    says so, nothing in the config does)."""
 
     mem_budget: Any = None
     sweep_cap: Any = None
@@ -114,6 +116,7 @@ class Budget:
     memory_check: bool = True
     fixed_devices: bool = False
     logger: str = "wandb"
+    forked_ranks: bool = False
 
 
 @dataclass(frozen=True)

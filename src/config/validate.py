@@ -209,7 +209,7 @@ def check_pretrained(resolved: RunPlan) -> None:
         f"model family {spec.name!r} has no Hugging Face adapter to load weights with",
     )
     path = os.path.expanduser(path)
-    from src.checkpoint.export import check_hf_shapes
+    from src.checkpoint.export import stored_layout
     from src.checkpoint.hf_layout import HFLayout
 
     with torch.device("meta"):
@@ -221,7 +221,7 @@ def check_pretrained(resolved: RunPlan) -> None:
     layout = keyed(
         "model.pretrained", HFLayout, spec.hf.converting_model(config), shapes
     )
-    keyed("model.pretrained", check_hf_shapes, layout.disk_shapes, path)
+    keyed("model.pretrained", stored_layout, layout, path)
 
 
 def _check_fsdp2_knobs(s: DictConfig, shard_size: int) -> None:

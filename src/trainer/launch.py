@@ -156,6 +156,8 @@ def prepare(
     # when chosen, is in both the config and the object it returns. Rank 0 says its
     # choices and logs its estimate beside what it measures: planned once, by rank 0.
     rank0 = _is_rank0()
+    if forked_ranks(resolved):
+        resolved = replace(resolved, budget=replace(resolved.budget, forked_ranks=True))
     run = plan_run(
         resolved,
         user_keys,
@@ -183,6 +185,12 @@ def prepare(
         planned_peak_pp_rank=run.planned_peak_pp_rank,
         data_record=meta and meta.get("record"),
     )
+
+
+def forked_ranks(resolved: RunPlan) -> bool:
+    """Whether this command's ranks fork from its rank server (several local ranks
+    started here, never under torchrun; plan-only plans the run it would start)."""
+    return rank_start_method() == "forkserver" and resolved.world_size > 1
 
 
 def _world_from_env() -> int | None:
