@@ -66,7 +66,7 @@ SKIPPED = {
     ("python", "-c"): "a Python one-liner: makes or reads files for the commands "
     "beside it (docs/models.md's tiny Mixtral; tests/test_hf_inputs.py runs that "
     "round trip)",
-    ("python", "-m", "src.runs.compare"): "reads earlier runs' dirs (run by "
+    ("python", "compare.py"): "reads earlier runs' dirs (run by "
     "tests/test_research_loop.py on two trained runs, and by "
     "tests/test_research_data.py on a sweep dir and runs of two tokenizers)",
 }

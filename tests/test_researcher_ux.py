@@ -6,9 +6,11 @@ across a resume (metrics.jsonl, the closing line, wandb's x-axis)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -120,6 +122,7 @@ def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["validation"] == "none: data.val_fraction=0"
     assert "val_loss" not in summary and summary["tokens_seen"] == 4 * 16 * 64
+    shutil.copytree(run_dir, tmp_path / "before")  # the run as it was, for compare
 
     again = run(
         "train.py",
@@ -162,6 +165,39 @@ def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
 
     line = one_config_error(run("eval.py", f"run={run_dir}", cache=cache))
     assert line.startswith("data.val_fraction: 0: there is no validation split")
+
+    # compare.py, run from elsewhere, shows what the resume changed as columns (issue
+    # 57/3), each run as it ended, and ranks them by the figure asked for
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "compare.py"), "before", "run", "--no-plot"]
+        + ["--out", "cmp", "--metric", "loss"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["job"]: r for r in csv.DictReader(open(tmp_path / "cmp/compare.csv"))}
+    assert {k: rows["before"][k] for k in RESUMED} == {
+        "trainer.max_steps": "4",
+        "trainer.batch_size": "16",
+        "trainer.resume_schedule": "keep",
+    }
+    assert {k: rows["run"][k] for k in RESUMED} == {
+        "trainer.max_steps": "6",
+        "trainer.batch_size": "8",
+        "trainer.resume_schedule": "extend",
+    }
+    assert (rows["before"]["tokens_seen"], rows["run"]["tokens_seen"]) == (
+        "4096",
+        "5120",
+    )
+    best = [job for job, r in rows.items() if r["best"] == "True"]
+    losses = {job: float(r["loss"]) for job, r in rows.items()}
+    assert best == [min(losses, key=losses.get)]
+
+
+RESUMED = ("trainer.max_steps", "trainer.batch_size", "trainer.resume_schedule")
 
 
 def test_a_bpe_smaller_than_asked_says_so_and_is_named_by_its_size(tmp_path, caplog):

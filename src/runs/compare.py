@@ -1,11 +1,11 @@
-"""Compare runs: ``python -m src.runs.compare RUN_DIR_OR_SWEEP_DIR...``.
+"""Compare runs: ``python compare.py RUN_DIR_OR_SWEEP_DIR...`` (from any directory).
 
 The table is the sweep summary's (src/runs/sweep.py ``collect_dirs`` and
 ``summary_table``: each run's final figures from its ``summary.json``, the overrides
-that differ between the runs as columns, the value a run ran with where it did not
-set one, the best run by the first run's ``sweep.objective`` unless the runs'
+that differ between the runs as columns (with what a resume changed), the value a run ran with where it did not
+set one, the best run by ``--metric`` or the first run's ``sweep.objective`` unless the runs'
 tokenizers differ); the plot shows loss (and val_loss, dashed), tokens/s and peak
-memory per rank over steps, one line per run, from each run's ``metrics.jsonl``.
+memory per rank over steps or tokens seen (``--x``), one line per run, from each run's ``metrics.jsonl``.
 Both are written to ``--out`` (``compare.{md,csv,png}``) and the table is logged.
 A sweep dir (Hydra's ``multirun.yaml`` in it) stands for its job dirs; what a shell
 glob of one adds besides them (``multirun.yaml``, the summary's files, its wandb
@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from src.config.schema import OBJECTIVES
 from src.observe.loggers import METRICS_FILE
 from src.runs.sweep import collect_dirs, job_dirs, summary_table, write_csv
 
@@ -34,6 +35,8 @@ PANELS = (
     ("tokens_per_s", "tokens/s (global)"),
     ("peak_mem_gib", "peak GiB per rank"),
 )
+#: What the plot's x-axis may be: every metrics.jsonl row has both.
+X_AXES = ("step", "tokens_seen")
 
 
 def run_names(dirs: Sequence[Path]) -> list[str]:
@@ -45,8 +48,9 @@ def run_names(dirs: Sequence[Path]) -> list[str]:
     return [str(d.relative_to(common)) or d.name for d in dirs]
 
 
-def series(run_dir: Path, key: str) -> tuple[list[int], list[float]]:
-    """``(steps, values)`` of ``key`` in the run's metrics.jsonl."""
+def series(run_dir: Path, key: str, x: str = "step") -> tuple[list[int], list[float]]:
+    """``(x values, values)`` of ``key`` in the run's metrics.jsonl, over ``x``
+    (``step`` or ``tokens_seen``)."""
     steps, values = [], []
     path = run_dir / METRICS_FILE
     lines = path.read_bytes().splitlines() if path.is_file() else []
@@ -57,8 +61,8 @@ def series(run_dir: Path, key: str) -> tuple[list[int], list[float]]:
             continue  # a row cut short by a crash, or damaged (not UTF-8 JSON)
         if not isinstance(row, dict):
             continue
-        if isinstance(row.get(key), int | float) and "step" in row:
-            steps.append(row["step"])
+        if isinstance(row.get(key), int | float) and x in row:
+            steps.append(row[x])
             values.append(row[key])
     return steps, values
 
@@ -103,8 +107,11 @@ def labels(
     ]
 
 
-def plot(path: Path, dirs: Sequence[Path], names: Sequence[str]) -> None:
-    """One figure: a panel per :data:`PANELS` entry, one line per run over steps."""
+def plot(
+    path: Path, dirs: Sequence[Path], names: Sequence[str], x: str = "step"
+) -> None:
+    """One figure: a panel per :data:`PANELS` entry, one line per run over ``x``
+    (:data:`X_AXES`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -114,13 +121,13 @@ def plot(path: Path, dirs: Sequence[Path], names: Sequence[str]) -> None:
     for i, (run_dir, name) in enumerate(zip(dirs, names, strict=True)):
         color = f"C{i % 10}"
         for ax, (key, _) in zip(axes, PANELS, strict=True):
-            ax.plot(*series(run_dir, key), marker=".", color=color, label=name)
-        axes[0].plot(*series(run_dir, "val_loss"), linestyle="--", color=color)
+            ax.plot(*series(run_dir, key, x), marker=".", color=color, label=name)
+        axes[0].plot(*series(run_dir, "val_loss", x), linestyle="--", color=color)
     for ax, (_, label) in zip(axes, PANELS, strict=True):
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="best")
-    axes[-1].set_xlabel("step")
+    axes[-1].set_xlabel(x)
     fig.suptitle(f"{len(dirs)} runs")
     fig.savefig(path, dpi=110)
 
@@ -129,12 +136,16 @@ def compare(
     run_dirs: Sequence[str | os.PathLike],
     out: str | os.PathLike,
     make_plot: bool = True,
+    metric: str | None = None,
+    x: str = "step",
 ) -> list[dict]:
     """Write ``compare.{md,csv,png}`` into ``out`` for ``run_dirs`` (run dirs or
-    sweep dirs, :func:`expand`); returns the rows."""
+    sweep dirs, :func:`expand`); returns the rows. ``metric``: the figure the best
+    run has (default: the first run's ``sweep.objective``); ``x``: the plot's x-axis."""
     dirs = expand(run_dirs)
     names = run_names(dirs)
-    keys, rows, goal = collect_dirs(dirs, names)
+    goal = (metric, OBJECTIVES[metric]) if metric else None
+    keys, rows, goal = collect_dirs(dirs, names, goal)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / STEM
@@ -142,7 +153,7 @@ def compare(
     table = summary_table(keys, rows, goal[0])
     stem.with_suffix(".md").write_text(table)
     if make_plot:
-        plot(stem.with_suffix(".png"), dirs, labels(names, keys, rows))
+        plot(stem.with_suffix(".png"), dirs, labels(names, keys, rows), x)
     log.info("%d runs compared (%s.{md,csv,png}):\n%s", len(rows), stem, table)
     return rows
 
@@ -157,9 +168,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--out", default=".", help="where compare.{md,csv,png} go")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--metric",
+        choices=OBJECTIVES,
+        help="the figure the best run has (default: the first run's sweep.objective)",
+    )
+    parser.add_argument("--x", choices=X_AXES, default="step", help="plot x-axis")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    compare(args.run_dirs, args.out, make_plot=not args.no_plot)
+    compare(args.run_dirs, args.out, not args.no_plot, args.metric, args.x)
 
 
 if __name__ == "__main__":

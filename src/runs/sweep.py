@@ -39,11 +39,13 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoint.folders import complete_checkpoints, run_checkpoints
 from src.config.schema import OBJECTIVES
 from src.data.pinning import DATA_RECORD
 from src.errors import ConfigError
 from src.files import read_json, read_yaml, write_json_atomic
 from src.observe.metrics import CONTENDED, contended
+from src.runs.resume import checkpoint_config, differences
 from src.runs.sweep_plan import job_number, never_ran, plan_jobs, swept_keys
 from src.text import markdown_table
 from src.trainer.faults import late_stop, stop_before_start, stopped_by_signal
@@ -55,6 +57,7 @@ SUMMARY_STEM = "sweep_summary"  # .csv, .md, .png in the sweep dir
 FAILED = float("-inf")
 # The run's figures in the table, from its summary.json (see src/trainer/loop.py).
 METRICS = (
+    "tokens_seen",
     "tokens_per_s",
     "mfu",
     "peak_mem_gib",
@@ -71,6 +74,7 @@ METRICS = (
 SPEED = ("tokens_per_s", "mfu")
 # Markdown header and format of each figure.
 _MD_FORMAT = {
+    "tokens_seen": ("tokens", "{:,}"),
     "tokens_per_s": ("tokens/s", "{:,.0f}"),
     "mfu": ("MFU", "{:.2%}"),
     "peak_mem_gib": ("peak GiB", "{:.3f}"),
@@ -303,6 +307,32 @@ def _job_config(job_dir: Path) -> DictConfig:
         return OmegaConf.create()
 
 
+def effective_config(run_dir: Path) -> DictConfig:
+    """The config a run ended with: its latest checkpoint's (a resume may change
+    ``trainer.max_steps``, the batch, ...), else its record's."""
+    for checkpoint in reversed(complete_checkpoints(run_checkpoints(run_dir))):
+        config = checkpoint_config(checkpoint)
+        if config is not None:
+            return OmegaConf.create(config)
+    return _job_config(run_dir)
+
+
+def resumed_changes(run_dir: Path, config: DictConfig) -> dict[str, str]:
+    """``{key: value}`` of what the run's resumes changed: ``config`` (its
+    :func:`effective_config`) against its record, as overrides are written."""
+    return {
+        key: override_text(after)
+        for key, _, after in differences(_job_config(run_dir), config)
+    }
+
+
+def override_text(value: Any) -> str:
+    """``value`` as a command line writes it (``true``, ``null``, ``0.1``)."""
+    if isinstance(value, bool) or value is None:
+        return OmegaConf.to_yaml({"v": value}).split(": ", 1)[1].strip()
+    return str(value)
+
+
 def collect(
     sweep_dir: str | os.PathLike,
 ) -> tuple[list[str], list[dict], tuple[str, str]]:
@@ -319,20 +349,27 @@ def collect(
 
 
 def collect_dirs(
-    dirs: Sequence[Path], names: Sequence[str] | None = None
+    dirs: Sequence[Path],
+    names: Sequence[str] | None = None,
+    goal: tuple[str, str] | None = None,
 ) -> tuple[list[str], list[dict], tuple[str, str]]:
     """:func:`collect` of the run dirs ``dirs`` (one sweep's jobs, or runs compared by
-    src/runs/compare.py); ``names``: each row's ``job`` (default: the job number).
-    A run that did not set a key of the table shows the value it ran with (its
-    recorded config). Runs of different tokenizers are not ranked (no ``best``; a
-    warning says why) and get a ``tokenizer`` column."""
-    overrides, damaged = [], {}
+    src/runs/compare.py); ``names``: each row's ``job`` (default: the job number);
+    ``goal``: the ``(figure, direction)`` the best row has (default: the first run's
+    objective). Each run is described as it ended: its overrides with what its
+    resumes changed (:func:`resumed_changes`), and a run that did not set a key of
+    the table shows the value it ran with (:func:`effective_config`). Runs of
+    different tokenizers are not ranked (no ``best``; a warning says why) and get a
+    ``tokenizer`` column."""
+    overrides, configs, damaged = [], [], {}
     for d in dirs:
+        configs.append(effective_config(d))
         try:
             overrides.append(_overrides(d))
         except ValueError as err:  # the row says so; the other rows stand
             overrides.append({})
             damaged[d] = str(err)
+        overrides[-1].update(resumed_changes(d, configs[-1]))
     keys = swept_keys(overrides)
     tokenizers = [tokenizer_label(d) for d in dirs]
     if len(set(tokenizers)) > 1:
@@ -344,7 +381,7 @@ def collect_dirs(
         status = record.get("status") or ("completed" if summary else "unknown")
         if status in ("failed", "skipped"):
             summary = {}  # figures of a failed run are partial
-        config = _job_config(job_dir)
+        config = configs[i]
         cap = OmegaConf.select(config, "sweep.mem_cap_gib", default=None)
         peak = summary.get("peak_mem_gib")
         if status == "completed" and cap is not None and peak is not None:
@@ -363,7 +400,7 @@ def collect_dirs(
             "job_dir": str(job_dir),
         }
         rows.append(row)
-    goal = objective_of(_job_config(dirs[0]) if dirs else None)
+    goal = goal or objective_of(configs[0] if dirs else None)
     best = best_row(rows, *goal) if len(set(tokenizers)) <= 1 else None
     if best is not None:
         best["best"] = True
@@ -414,7 +451,7 @@ def _ran_with(job_dir: Path, config: DictConfig, key: str) -> str:
         if isinstance(choice, str):
             return choice
     value = _select(config, key)
-    return "" if value is None else str(value)
+    return "" if value is None else override_text(value)
 
 
 def best_row(rows: list[dict], name: str, direction: str) -> dict | None:
