@@ -5,6 +5,9 @@ BPE, opened by AutoTokenizer) and the tokenizer's special ids in config.json."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from src.data.sources import tokenizer_of
 from src.data.tokenizer import BPE_EOS, byte_tokenizer
 from src.sharding import build_backend
 from src.trainer.loop import train
-from tests.distributed import run_distributed
+from tests.distributed import HANG_S, run_distributed
 from tests.records import said
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,3 +263,54 @@ def test_export_warns_when_autotokenizer_encodes_unlike_the_run(tmp_path, caplog
             "Qwen2Tokenizer, which encodes "
         ]
         assert [x[: len(expected[0])] for x in lines] == (expected if warned else [])
+
+
+def test_exports_during_training_and_of_any_checkpoint_after(tmp_path):
+    """``trainer.export_every`` writes each step's export into exports/step_N/ (issue
+    57/6), the last one equal to the run's final ``trainer.export``; export.py writes
+    any checkpoint of the run after it ended, as the trainer does (the same tensors),
+    into its step's export dir or ``out``; a bad key of export.py is one line."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "offline"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+            timeout=HANG_S, env=env,
+        )  # fmt: skip
+
+    trained = run(
+        "train.py", "model=tiny", "data=text", "trainer.devices=1", "logger=none",
+        "trainer.max_steps=2", "trainer.val_every=0", "trainer.progress=false",
+        "trainer.ckpt_every=1", "trainer.export=hf", "trainer.export_every=1",
+        f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    steps = sorted(p.name for p in (run_dir / "exports").iterdir())
+    assert steps == ["step_00000001", "step_00000002"]
+
+    def tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+        (file,) = hf_dir.glob("*.safetensors")
+        return load_file(file)
+
+    final = tensors(run_dir / "hf")
+    last = tensors(run_dir / "exports" / "step_00000002" / "hf")
+    first = tensors(run_dir / "exports" / "step_00000001" / "hf")
+    assert all(torch.equal(final[k], last[k]) for k in final)
+    assert any(not torch.equal(final[k], first[k]) for k in final)  # a step apart
+
+    step1 = run_dir / "checkpoints" / "step_00000001"
+    tool = run("export.py", f"run={step1}", f"out={tmp_path / 'tool'}")
+    assert tool.returncode == 0, tool.stderr
+    assert f"(step 1) to {tmp_path / 'tool' / 'hf'}" in tool.stdout
+    again = tensors(tmp_path / "tool" / "hf")
+    assert again.keys() == first.keys()
+    assert all(torch.equal(again[k], first[k]) for k in first)
+
+    bad = run("export.py", f"run={run_dir}", "format=onnx")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "config error: format: got 'onnx', expected one of: hf, safetensors"
+    )

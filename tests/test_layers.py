@@ -220,8 +220,9 @@ def test_the_planner_reads_no_config_keys() -> None:
 
 #: The most functions in src/ that may take both the raw config and the run plan
 #: (resolution's hand-over to the launcher and the ranks: prepare, launch, the
-#: Trainer, the ranks of sample.py and eval.py).
-MAX_CONFIG_AND_PLAN = 10
+#: Trainer, the ranks of sample.py, eval.py and export.py, which ``on_ranks`` calls
+#: with both).
+MAX_CONFIG_AND_PLAN = 11
 
 
 def config_and_plan(src: Path = SRC) -> list[str]:

@@ -58,6 +58,7 @@ from src.checkpoint.folders import (
     deleting,
     drop_partial,
     is_complete,
+    step_dir,
     step_of,
 )
 from src.checkpoint.index import _read_index
@@ -223,7 +224,7 @@ class Checkpointer:
                 self._group = dist.new_group(backend="gloo")
 
     def path_for(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}"
+        return step_dir(self.directory, step)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint; temporary and unmarked dirs are ignored."""

@@ -468,6 +468,32 @@ def export_hf(
     all_agree(error, "export")
 
 
+def export_model(
+    model: nn.Module,
+    path: str | Path,
+    hf: Any = None,
+    model_config: Any = None,
+    tokenizer: Tokenizer | None = None,
+    written: Callable[[], None] | None = None,
+) -> str:
+    """Write ``model`` (whole on these ranks) to ``path``: with ``hf`` (its family's
+    adapter) a Hugging Face dir (:func:`export_model_hf`, with ``tokenizer``: rank
+    0's), else one consolidated safetensors file (:func:`export_consolidated`). What
+    ``trainer.export`` and export.py write. A collective; returns what, in words."""
+    if hf is None:
+        export_consolidated(model, path)
+        return "consolidated weights"
+    export_model_hf(model, path, hf, model_config, tokenizer, written=written)
+    return "weights, config.json" + (
+        f" and the {tokenizer.name} tokenizer" if tokenizer else ""
+    )
+
+
+def export_name(hf: bool) -> str:
+    """The name of an export in a run dir or a step's export dir."""
+    return HF_EXPORT_DIR if hf else CONSOLIDATED_FILE
+
+
 def export_model_hf(
     model: nn.Module,
     directory: str | Path,

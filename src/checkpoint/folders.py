@@ -41,6 +41,17 @@ def run_checkpoints(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def run_exports(run_dir: str | Path) -> Path:
+    """Where a run keeps the exports of its steps (``trainer.export_every``, export.py):
+    one ``step_N`` dir each, as :func:`step_dir` names them."""
+    return Path(run_dir) / "exports"
+
+
+def step_dir(directory: str | Path, step: int) -> Path:
+    """The ``step_N`` dir of ``step`` under ``directory`` (checkpoints, exports)."""
+    return Path(directory) / f"step_{step:08d}"
+
+
 def step_of(path: Path) -> int | None:
     """The step of a ``step_N`` checkpoint dir (None for any other name)."""
     match = _STEP_DIR.fullmatch(path.name)

@@ -199,6 +199,9 @@ class TrainerConfig:
         "resuming with another max_steps: keep (refuse) or extend"
     )
     export: Any = described("at the end: false, true (model.safetensors) or hf")
+    export_every: int = described(
+        "also export every N steps, as trainer.export, into exports/step_N (0: never)"
+    )
     max_restarts: int = described("restarts of the whole group after a rank fails")
     timeout_s: float = described("collective timeout; a silent rank is named after it")
     plan_only: bool = described(
@@ -307,8 +310,25 @@ class EvalConfig:
     trust_remote_code: bool = MISSING  # run the code the run's config names
 
 
+@dataclass
+class ExportConfig:
+    """``export.py`` (conf/export.yaml): a run's checkpoint written as weights."""
+
+    run: str = MISSING  # a run dir of train.py, or a checkpoint in one
+    ckpt: str = MISSING  # latest or best (lowest recorded val_loss)
+    format: str = MISSING  # one of EXPORT_FORMATS
+    out: str | None = MISSING  # null: <run dir>/exports/step_N/
+    devices: Any = MISSING  # ranks: an int >= 1 or auto
+    trust_remote_code: bool = MISSING  # run the code the run's config names
+
+
 _store.store(name="base_sample", node=SampleConfig)
 _store.store(name="base_eval", node=EvalConfig)
+_store.store(name="base_export", node=ExportConfig)
+
+#: export.py's ``format``: a Hugging Face dir, or one consolidated safetensors file
+#: (``trainer.export=hf`` and ``true``).
+EXPORT_FORMATS = ("hf", "safetensors")
 
 #: ``ckpt=`` of sample.py and eval.py: the run's newest checkpoint, or its best one.
 CKPT_CHOICES = ("latest", "best")

@@ -31,6 +31,7 @@ from src.config.schema import (
     CKPT_CHOICES,
     DIRECTIONS,
     EVAL_SPLITS,
+    EXPORT_FORMATS,
     EXPORTS,
     GRAD_SYNC,
     INIT_DEVICES,
@@ -535,6 +536,12 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
     )
     if t.export == "hf":  # a shape transformers' class cannot hold (GPT without bias)
         keyed("trainer.export", spec.hf.hf_config, config)
+    _require(
+        t.export_every >= 0 and (not t.export_every or t.export),
+        "trainer.export_every",
+        f"got {t.export_every}, expected 0 or, with trainer.export=true or hf (what "
+        "each export writes), the steps between exports",
+    )
     _require(t.lr > 0, "trainer.lr", f"got {t.lr}, expected > 0")
     _require(
         t.min_lr is None or 0 <= t.min_lr <= t.lr,
@@ -582,6 +589,14 @@ def validate_sample(cfg: DictConfig) -> None:
         "top_k",
         f"got {cfg.top_k}, expected null or an integer >= 1",
     )
+    keyed("devices", resolve_devices, cfg.devices)
+
+
+def validate_export(cfg: DictConfig) -> None:
+    """export.py's own keys (the run's config is checked by :func:`validate`)."""
+    reject_unknown_keys(cfg)
+    _choice(cfg, "ckpt", CKPT_CHOICES)
+    _choice(cfg, "format", EXPORT_FORMATS)
     keyed("devices", resolve_devices, cfg.devices)
 
 

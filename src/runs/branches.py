@@ -30,7 +30,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from src.checkpoint.export import CONSOLIDATED_FILE, HF_EXPORT_DIR
-from src.checkpoint.folders import complete_checkpoints, run_checkpoints, step_of
+from src.checkpoint.folders import (
+    complete_checkpoints,
+    run_checkpoints,
+    run_exports,
+    step_of,
+)
 from src.errors import ConfigError
 from src.files import read_json, write_json_atomic
 from src.observe.loggers import SUMMARY_FILE, build_logger
@@ -154,25 +159,28 @@ def finish_set_asides(cfg: DictConfig, run_dir: str) -> None:
             write_json_atomic(directory / BRANCH_RECORD, {**record, "complete": True})
 
 
+def _move_steps_after(steps: Path, step: int, directory: Path, what: str) -> list[str]:
+    """Move the ``step_N`` dirs of ``steps`` (a run's checkpoints or exports) past
+    ``step`` into ``directory``; what moved, in words."""
+    later = (
+        sorted((p for p in steps.iterdir() if (step_of(p) or 0) > step), key=step_of)
+        if steps.is_dir()
+        else []
+    )
+    if not later:
+        return []
+    (directory / steps.name).mkdir(exist_ok=True)
+    for path in later:
+        os.rename(path, directory / steps.name / path.name)
+    names = later[0].name + (f"..{later[-1].name}" if len(later) > 1 else "")
+    return [f"{plural(len(later), what)} {names}"]
+
+
 def _move_after(cfg: DictConfig, run_dir: str, step: int, directory: Path) -> list[str]:
     """The moves of :func:`set_aside` (each a rename: none lost if a kill cuts the
     set-aside short; doing them again moves only what is still in place)."""
-    checkpoints = run_checkpoints(run_dir)
-    later = (
-        sorted(
-            (p for p in checkpoints.iterdir() if (step_of(p) or 0) > step),
-            key=step_of,
-        )
-        if checkpoints.is_dir()
-        else []
-    )
-    moved = []
-    if later:
-        (directory / checkpoints.name).mkdir(exist_ok=True)
-        for path in later:
-            os.rename(path, directory / checkpoints.name / path.name)
-        names = later[0].name + (f"..{later[-1].name}" if len(later) > 1 else "")
-        moved.append(f"{plural(len(later), 'checkpoint')} {names}")
+    moved = _move_steps_after(run_checkpoints(run_dir), step, directory, "checkpoint")
+    moved += _move_steps_after(run_exports(run_dir), step, directory, "export")
     logger = build_logger(cfg, run_dir, 0, begin=False)
     try:
         moved += logger.set_aside_after(step, directory)

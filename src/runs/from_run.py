@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.build import build_model, make_backend
 from src.checkpoint.damage import CheckpointError
 from src.checkpoint.dcp import Checkpointer, best_checkpoints
+from src.checkpoint.export import export_model
 from src.checkpoint.folders import (
     complete_checkpoints,
     hold,
@@ -204,6 +205,24 @@ def on_ranks(
     return run_ranks(
         fn, resolved.world_size, cfg.trainer.timeout_s, cfg, resolved, checkpoint, opts
     )
+
+
+def export_rank(
+    device: torch.device,
+    cfg: DictConfig,
+    resolved: RunPlan,
+    checkpoint: Path,
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """One rank of export.py: the run's model from ``checkpoint`` written to
+    ``opts["path"]`` (``opts["hf"]``: a Hugging Face dir with the run's tokenizer,
+    else one consolidated file); returns the step and what was written."""
+    model, _, step = load_model(resolved, checkpoint, device)
+    hf = resolved.spec.hf if opts["hf"] else None
+    rank0 = torch.distributed.get_rank() == 0
+    tokenizer = tokenizer_of(cfg.data) if hf and rank0 else None  # None: token ids
+    what = export_model(model, opts["path"], hf, resolved.model_config, tokenizer)
+    return {"step": step, "what": what}
 
 
 def sample_rank(

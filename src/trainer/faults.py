@@ -47,6 +47,7 @@ from src.checkpoint.folders import (
     drop_partial,
     drop_unpublished,
     run_checkpoints,
+    run_exports,
     saving_step,
 )
 from src.entry import STOP_SIGNALS
@@ -277,6 +278,9 @@ def remove_interrupted_writes(run_dir: str | os.PathLike) -> list[Path]:
     run_dir = Path(run_dir)
     removed = drop_partial(run_checkpoints(run_dir))
     removed += drop_unpublished(run_dir / HF_EXPORT_DIR)
+    exports = run_exports(run_dir)
+    for step in sorted(exports.iterdir()) if exports.is_dir() else ():
+        removed += drop_unpublished(step / HF_EXPORT_DIR)
     for sub in _ATOMIC_DIRS:
         if sub and (run_dir / sub).is_symlink():
             continue

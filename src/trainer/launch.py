@@ -156,10 +156,8 @@ def prepare(
     # when chosen, is in both the config and the object it returns. Rank 0 says its
     # choices and logs its estimate beside what it measures: planned once, by rank 0.
     rank0 = _is_rank0()
-    if forked_ranks(resolved):
-        resolved = replace(resolved, budget=replace(resolved.budget, forked_ranks=True))
     run = plan_run(
-        resolved,
+        as_ranks_start(resolved),
         user_keys,
         _world_from_env(),
         estimate=rank0 and not cfg.trainer.plan_only,
@@ -187,10 +185,13 @@ def prepare(
     )
 
 
-def forked_ranks(resolved: RunPlan) -> bool:
-    """Whether this command's ranks fork from its rank server (several local ranks
-    started here, never under torchrun; plan-only plans the run it would start)."""
-    return rank_start_method() == "forkserver" and resolved.world_size > 1
+def as_ranks_start(resolved: RunPlan) -> RunPlan:
+    """``resolved`` saying whether its ranks fork from this command's rank server
+    (several local ranks started here, never under torchrun; plan-only plans the run
+    it would start): their process baseline is smaller."""
+    if rank_start_method() != "forkserver" or resolved.world_size == 1:
+        return resolved
+    return replace(resolved, budget=replace(resolved.budget, forked_ranks=True))
 
 
 def _world_from_env() -> int | None:

@@ -26,13 +26,8 @@ from tqdm import tqdm
 
 from src.build import build_model, build_pipeline, make_backend
 from src.checkpoint.dcp import SCORE, Checkpointer, best_checkpoints
-from src.checkpoint.export import (
-    CONSOLIDATED_FILE,
-    HF_EXPORT_DIR,
-    export_consolidated,
-    export_model_hf,
-)
-from src.checkpoint.folders import run_checkpoints
+from src.checkpoint.export import export_model, export_name
+from src.checkpoint.folders import run_checkpoints, run_exports, step_dir
 from src.config.run_plan import RunPlan
 from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
 from src.data.packing import Documents, mean_attention_span
@@ -638,32 +633,30 @@ class Trainer:
         if "mfu" not in self.summary:
             self.summary.pop("mfu", None)
 
-    def export_path(self) -> Path:
-        """Where ``trainer.export`` writes (``hf/``, or the consolidated file)."""
-        name = HF_EXPORT_DIR if self.cfg.trainer.export == "hf" else CONSOLIDATED_FILE
-        return Path(self.run_dir) / name
+    def export_path(self, step: int | None = None) -> Path:
+        """Where ``trainer.export`` writes (``hf/``, or the consolidated file): in the
+        run dir, or for ``step`` (``trainer.export_every``) in its export dir."""
+        where = Path(self.run_dir)
+        if step is not None:
+            where = step_dir(run_exports(where), step)
+        return where / export_name(self.cfg.trainer.export == "hf")
 
-    def export(self) -> None:
-        """Write the model as ``trainer.export`` asks (a collective)."""
-        export_path = self.export_path()
-        if self.cfg.trainer.export == "hf":
-            # The run's tokenizer goes next to the weights (rank 0 writes).
-            tokenizer = tokenizer_of(self.cfg.data) if self.rank == 0 else None
-            export_model_hf(
-                self.whole_model(),
-                export_path,
-                self.resolved.spec.hf,
-                self.resolved.model_config,
-                tokenizer,
-                written=lambda: signal_point("export"),  # a test's kill
-            )
-            what = "weights, config.json" + (
-                f" and the {tokenizer.name} tokenizer" if tokenizer else ""
-            )
-        else:
-            export_consolidated(self.whole_model(), export_path)
-            what = "consolidated weights"
-        log.info("exported %s to %s", what, export_path)
+    def export(self, step: int | None = None) -> None:
+        """Write the model as ``trainer.export`` asks (a collective), at the end or
+        for ``step`` (:meth:`export_path`)."""
+        path = self.export_path(step)
+        hf = self.cfg.trainer.export == "hf"
+        # The run's tokenizer goes next to the weights (rank 0 writes).
+        tokenizer = tokenizer_of(self.cfg.data) if hf and self.rank == 0 else None
+        what = export_model(
+            self.whole_model(),
+            path,
+            self.resolved.spec.hf if hf else None,
+            self.resolved.model_config,
+            tokenizer,
+            written=lambda: signal_point("export"),  # a test's kill
+        )
+        log.info("exported %s to %s", what, path)
 
     def fit(self) -> dict[str, Any]:
         """Build, then every step with validation and checkpoints when due, finish."""
@@ -691,11 +684,12 @@ class Trainer:
                 self.export()
             return {}
         # Read once: a DictConfig lookup costs ~20 us of CPU, at every step.
-        max_steps, val_every, sample_every, ckpt_every = (
+        max_steps, val_every, sample_every, ckpt_every, export_every = (
             t.max_steps,
             t.val_every,
             t.sample_every,
             t.ckpt_every,
+            t.export_every,
         )
         for step in range(self.start_step + 1, max_steps + 1):
             self.step(step)
@@ -714,6 +708,8 @@ class Trainer:
             )
             if saved:
                 path = self.checkpoint(step, val_loss)
+            if export_every and step % export_every == 0:
+                self.export(step)
             if stop:
                 log.info(self.best.line(step))
                 self.early_stop = self.summary["early_stop"] = self.best.summary(step)
