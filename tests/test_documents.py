@@ -188,12 +188,6 @@ def test_attention_span_counts_the_documents_squares():
             "data.packing",
             "takes no document ids",
         ),
-        (
-            ["trainer.devices=2", "sharding.pipeline_parallel=2",
-             "data.packing=documents"],
-            "sharding.pipeline_parallel",
-            "within documents",
-        ),
     ],
 )  # fmt: skip
 def test_what_documents_does_not_build_fails_in_one_line(overrides, key, says):
