@@ -8,9 +8,8 @@ model shard by shard, and loads the pretrained weights into the shards.
 
 from __future__ import annotations
 
-import functools
-
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -135,7 +134,9 @@ def build_pipeline(plan: RunPlan, backend: Backend) -> Pipeline:
     stages = build_stages(plan, backend, cut)
     # packing by documents: each micro-batch's summed loss, weighed per counted
     # target (src/trainer/pipelined.py), as micro-batches count unequally
-    loss = functools.partial(lm_loss, reduction="sum") if plan.batch.documents else lm_loss
+    loss = (
+        functools.partial(lm_loss, reduction="sum") if plan.batch.documents else lm_loss
+    )
     return Pipeline(
         stages,
         pipe.schedule,

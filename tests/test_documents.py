@@ -171,6 +171,81 @@ def test_a_micro_batch_without_counted_targets_weighs_nothing_and_stays_finite()
     assert loss.item() == 0 and all(p.grad.isfinite().all() for p in model.parameters())
 
 
+def test_mfu_counts_the_attention_each_document_computes():
+    """A packed batch's FLOPs with documents (``flops_per_token`` at its attention
+    span, what MFU counts) are those of running each document alone (what a kernel
+    that skips the masked blocks computes: FlexAttention's block mask), counted by
+    FlopCounterMode (SDPA's math backend: attention as bmm's); stream's (``T``) are
+    the packed batch's, more by exactly the attention across documents."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    spec = get_spec("gpt")
+    cfg = spec.config_cls(n_layer=1, n_head=2, n_embd=64, vocab_size=64, block_size=64)
+    model, lengths = spec.build(cfg, 0), ([10, 20, 34], [64])
+    x = packed(lengths)
+
+    def counted(*rows: torch.Tensor) -> int:
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            for row in rows:
+                model(row)[0].sum().backward()
+        return counter.get_total_flops()
+
+    alone = counted(x[:1, :10], x[:1, 10:30], x[:1, 30:], x[1:])
+    span = DOCS.attention_span(x)
+    assert span == (100 + 400 + 34**2 + 64**2) / 128
+    documents, stream = (spec.flops_per_token(cfg, s) * x.numel() for s in (span, 64))
+    assert abs(alone / documents - 1) < 0.03, (alone, documents)
+    assert counted(x) - alone == pytest.approx(stream - documents, rel=1e-9)
+
+
+def test_sampling_decodes_within_one_document():
+    """sample.py's and trainer.sample_every's decoding (``sample_texts``) of a run
+    packed by documents: a prompt's earlier documents are not attended (its texts
+    are the last document's, prompted alone), and each text ends before the first
+    end token it draws (stream packing's texts, same draws, cut there)."""
+    from src.config.run_plan import resolve
+    from src.data.tokenizer import byte_tokenizer
+    from src.harness import compose_config
+    from src.trainer.sampling import sample_texts
+
+    within, stream = (
+        resolve(compose_config("model=tiny", f"data.packing={p}"))
+        for p in ("documents", "stream")
+    )
+    model, tokenizer = within.spec.build(within.model_config, 0), byte_tokenizer()
+    kw = dict(num_samples=16, max_new_tokens=16, temperature=1.0, seed=0)
+    kw["device"] = torch.device("cpu")
+    drawn = sample_texts(model, stream, tokenizer, ["second"], **kw)[0]
+    assert sum("\0" in t for t in drawn) > 1  # the end token is drawn
+    texts = sample_texts(model, within, tokenizer, ["first\0second", "second"], **kw)
+    assert texts[0] == texts[1] == [t.split("\0")[0] for t in drawn]
+
+
+def test_eval_scores_a_run_with_its_packing(tmp_path):
+    """eval.py on a run packed by documents scores within documents, as the run
+    validated: its val_loss (one rank, in this process)."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    import eval as eval_py
+    from src.harness import CONF_DIR
+    from tests.test_research_loop import train_run
+
+    train_run(
+        tmp_path, "model=tiny", "model.block_size=32", "data=text",
+        "data.max_bytes=100000", "data.packing=documents", "logger=none",
+        "trainer.devices=1", "trainer.max_steps=2", "trainer.val_every=2",
+        "trainer.val_batches=2", "trainer.batch_size=4", "trainer.progress=false",
+        "trainer.peak_tflops=1",
+    )  # fmt: skip
+    val_loss = json.loads((tmp_path / "summary.json").read_text())["val_loss"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        entry = eval_py.evaluate_run(compose("eval", [f"run={tmp_path}", "devices=1"]))
+    assert entry["step"] == 2 and abs(entry["loss"] - val_loss) < 1e-6, entry
+
+
 def test_attention_span_counts_the_documents_squares():
     # (7^2 + 5^2 + 8^2 + 20^2) / 40 tokens: what a token's query sees, full square
     assert DOCS.attention_span(packed()) == pytest.approx((49 + 25 + 64 + 400) / 40)

@@ -49,7 +49,9 @@ class Documents:
         """A decoded ``row`` (the prompt's ``start`` tokens, then the new ones) up
         to its first new end-of-document token, left out: the document ends."""
         new = row[start:]
-        return row[:start] + new[: new.index(self.eos_id) if self.eos_id in new else None]
+        return (
+            row[:start] + new[: new.index(self.eos_id) if self.eos_id in new else None]
+        )
 
     def attention_span(self, x: torch.Tensor) -> float:
         """The keys a token's query sees under the full-square count of a sequence

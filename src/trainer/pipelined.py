@@ -45,12 +45,12 @@ def pipeline_train_step(
     same on every stage) and the global gradient norm (before clipping)."""
     t = cfg.trainer
     rank, world = backend.dp_rank, backend.dp_size
-    scale = 1.0 / (cfg.sharding.pp_microbatches * t.grad_accum)
+    mean = 1.0 / (cfg.sharding.pp_microbatches * t.grad_accum)
     for m in pipeline.modules:
         m.train()
     batch = [batches.get(step, micro, rank, world) for micro in range(t.grad_accum)]
     loss_sum = torch.zeros((), device=backend.device)
-    for x, y, scale, inputs in on_stages(batch, backend, documents, scale):
+    for x, y, scale, inputs in on_stages(batch, backend, documents, mean):
         with backend.loss_context():
             loss_sum += pipeline.step(x, y, scale, **inputs)
     pipeline.sync_shared_grads()
@@ -78,7 +78,9 @@ def on_stages(
     if documents is None:
         return [(x, y, scale, {}) for x, y in batch]
     counted = [(x, documents.targets(x, y)) for x, y in batch]
-    per_target = per_counted_target(sum(int((y != -1).sum()) for _, y in counted), backend)
+    per_target = per_counted_target(
+        sum(int((y != -1).sum()) for _, y in counted), backend
+    )
     return [(x, y, per_target, {"docs": documents.ids(x)}) for x, y in counted]
 
 
@@ -95,8 +97,8 @@ def pipeline_evaluate(
     for m in pipeline.modules:
         m.eval()
     total = torch.zeros((), device=backend.device)
-    scale = 1 / (pipeline.microbatches * max(1, len(batches)))
-    for x, y, scale, inputs in on_stages(batches, backend, documents, scale):
+    mean = 1 / (pipeline.microbatches * max(1, len(batches)))
+    for x, y, scale, inputs in on_stages(batches, backend, documents, mean):
         with backend.loss_context():
             total += pipeline.step(x, y, scale, train=False, **inputs)
     return pipeline.share(total)
