@@ -109,14 +109,26 @@ def test_documents_equal_each_document_run_alone(family):
 @pytest.mark.parametrize("config", ["tiny_llama", "tiny_gpt2"])
 def test_hugging_face_models_take_positions_that_restart(config):
     """transformers builds the mask of packed sequences from position ids that
-    restart (RoPE, and GPT-2's learned positions): each document as alone."""
+    restart (RoPE, and GPT-2's learned positions): each document's logits and the
+    gradients of its tokens' losses as alone (fp32, 1e-5)."""
     from src.models.hf import HFConfig, build
 
-    model, x = build(HFConfig(config=config), seed=0).eval(), packed()
-    with torch.no_grad():
-        logits = model(x, docs=DOCS.ids(x))[0]
-        alone = [model(x[:1, a:b])[0] for a, b in ((0, 7), (7, 12), (12, 20))]
-    torch.testing.assert_close(logits[:1], torch.cat(alone, 1), rtol=0, atol=1e-5)
+    model, x = build(HFConfig(config=config), seed=0).eval(), packed()[:1]
+    y = x.roll(-1, 1)  # each token's loss, summed: the same targets both ways
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+    logits = model(x, docs=DOCS.ids(x))[0]
+    loss(logits).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = [model(x[:, a:b])[0] for a, b in ((0, 7), (7, 12), (12, 20))]
+    alone = torch.cat(alone, 1)
+    loss(alone).backward()
+    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_loss_drops_each_documents_first_token_and_is_the_counted_mean():
@@ -222,9 +234,10 @@ def test_sampling_decodes_within_one_document():
     assert texts[0] == texts[1] == [t.split("\0")[0] for t in drawn]
 
 
-def test_eval_scores_a_run_with_its_packing(tmp_path):
-    """eval.py on a run packed by documents scores within documents, as the run
-    validated: its val_loss (one rank, in this process)."""
+def test_resume_and_eval_keep_the_runs_packing(tmp_path):
+    """A run packed by documents (two micro-batches) resumed from its step 2 gives
+    the uninterrupted run's losses exactly; eval.py scores it within documents, as
+    the run validated (one rank, in this process)."""
     import json
 
     from hydra import compose, initialize_config_dir
@@ -232,18 +245,30 @@ def test_eval_scores_a_run_with_its_packing(tmp_path):
     import eval as eval_py
     from src.harness import CONF_DIR
     from tests.test_research_loop import train_run
+    from tests.test_train import read_rows
 
-    train_run(
-        tmp_path, "model=tiny", "model.block_size=32", "data=text",
-        "data.max_bytes=100000", "data.packing=documents", "logger=none",
-        "trainer.devices=1", "trainer.max_steps=2", "trainer.val_every=2",
+    run = [
+        "model=tiny", "model.block_size=32", "data=text", "data.max_bytes=100000",
+        "data.packing=documents", "logger=none", "trainer.devices=1",
+        "trainer.max_steps=4", "trainer.grad_accum=2", "trainer.val_every=4",
         "trainer.val_batches=2", "trainer.batch_size=4", "trainer.progress=false",
-        "trainer.peak_tflops=1",
-    )  # fmt: skip
-    val_loss = json.loads((tmp_path / "summary.json").read_text())["val_loss"]
+        "trainer.peak_tflops=1", "trainer.ckpt_every=2", "trainer.keep_last=0", "trainer.log_every=1",
+    ]  # fmt: skip
+    train_run(tmp_path / "whole", *run)
+    step_2 = tmp_path / "whole" / "checkpoints" / "step_00000002"
+    train_run(tmp_path / "resumed", *run, f"trainer.resume={step_2}")
+
+    def rows(name: str) -> dict[int, tuple]:
+        lines = read_rows(tmp_path / name)
+        return {r["step"]: (r["loss"], r.get("val_loss")) for r in lines if "loss" in r}
+
+    whole, resumed = rows("whole"), rows("resumed")
+    assert sorted(resumed) == [3, 4] and all(whole[s] == resumed[s] for s in (3, 4))
+    val_loss = json.loads((tmp_path / "whole" / "summary.json").read_text())["val_loss"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        entry = eval_py.evaluate_run(compose("eval", [f"run={tmp_path}", "devices=1"]))
-    assert entry["step"] == 2 and abs(entry["loss"] - val_loss) < 1e-6, entry
+        cfg = compose("eval", [f"run={tmp_path / 'whole'}", "devices=1"])
+        entry = eval_py.evaluate_run(cfg)
+    assert entry["step"] == 4 and abs(entry["loss"] - val_loss) < 1e-6, entry
 
 
 def test_attention_span_counts_the_documents_squares():
