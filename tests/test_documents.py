@@ -2,8 +2,11 @@
 ids from the end-of-document token, positions that restart, attention that never
 crosses a document (equal to running each document alone, fp32), no loss at a
 document's first token, the step's loss as the mean over the global batch's counted
-targets, the attention FLOPs counted, and what is refused in one line. One process;
-the multi-rank layouts join tests/test_tensor_parallel.py's launches."""
+targets, the attention FLOPs counted (those of each document alone), sampling within
+one document, an exact resume, eval.py's scoring, and what is refused in one line.
+One process; the multi-rank layouts join the launches of tests/test_tensor_parallel.py
+(TP2 x FSDP2), test_context_parallel.py (CP2), test_pipeline.py (PP2) and
+test_expert_parallel.py (EP2 x FSDP2)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ The loss is the same as without pipelining: each of the ``trainer.grad_accum``
 micro-steps runs the schedule over its micro-batch (split into
 ``sharding.pp_microbatches`` pipeline micro-batches), each pipeline micro-batch's mean
 loss scaled by ``1 / (pp_microbatches * grad_accum)``, so the gradients sum to those
-of the global batch's mean loss; tied parameters' gradients are then summed over the
+of the global batch's mean loss (packed by documents: each pipeline micro-batch's
+summed loss weighed per counted target of the global batch, every stage given its
+micro-batch's document ids); tied parameters' gradients are then summed over the
 stages holding them, and clipping uses the norm over all stages.
 
 What needs the model whole (``trainer.sample_every``'s decoding, ``trainer.export``)
