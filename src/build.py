@@ -9,6 +9,7 @@ model shard by shard, and loads the pretrained weights into the shards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -131,13 +132,18 @@ def build_pipeline(plan: RunPlan, backend: Backend) -> Pipeline:
     pipe, pp_mesh = plan.pipeline, backend.parallel.pp
     cut = rank_stages(plan, backend.layout.pp, pp_mesh.get_local_rank())
     stages = build_stages(plan, backend, cut)
+    # packing by documents: each micro-batch's summed loss, weighed per counted
+    # target (src/trainer/pipelined.py), as micro-batches count unequally
+    loss = (
+        functools.partial(lm_loss, reduction="sum") if plan.batch.documents else lm_loss
+    )
     return Pipeline(
         stages,
         pipe.schedule,
         pipe.microbatches,
         pp_mesh,
         backend.device,
-        lm_loss,
+        loss,
         cut.holder(stages),
     )
 

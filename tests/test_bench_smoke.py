@@ -61,6 +61,24 @@ def test_init_memory_tiny(docs_untouched):
     assert cpu["peak - baseline (GiB)"] < none["peak - baseline (GiB)"]
 
 
+def test_documents_tiny(docs_untouched):
+    """bench.documents' speed table at one short sequence (its memory runs, two
+    train.py processes, left out): documents count less attention than stream."""
+    from bench import documents
+
+    argv = ["--seq-lens", "128", "--tokens", "256", "--steps", "1", "--pairs", "1"]
+    rows = documents.main([*argv, "--memory-seq", "0", "--peak-seconds", "0.02"])
+    stream, within = rows
+    assert (stream["packing"], within["packing"]) == ("stream", "documents")
+    assert (
+        float(within["span (keys/query)"]) < float(stream["span (keys/query)"]) == 128
+    )
+    assert float(within["attn GFLOP/step"]) < float(stream["attn GFLOP/step"])
+    assert float(within["tokens/s"].replace(",", "")) > 0 and within["MFU"].endswith(
+        "%"
+    )
+
+
 def test_mfu_tiny(docs_untouched):
     threads = torch.get_num_threads()
     try:

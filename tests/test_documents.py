@@ -2,8 +2,11 @@
 ids from the end-of-document token, positions that restart, attention that never
 crosses a document (equal to running each document alone, fp32), no loss at a
 document's first token, the step's loss as the mean over the global batch's counted
-targets, the attention FLOPs counted, and what is refused in one line. One process;
-the multi-rank layouts join tests/test_tensor_parallel.py's launches."""
+targets, the attention FLOPs counted (those of each document alone), sampling within
+one document, an exact resume, eval.py's scoring, and what is refused in one line.
+One process; the multi-rank layouts join the launches of tests/test_tensor_parallel.py
+(TP2 x FSDP2), test_context_parallel.py (CP2), test_pipeline.py (PP2) and
+test_expert_parallel.py (EP2 x FSDP2)."""
 
 from __future__ import annotations
 
@@ -109,14 +112,26 @@ def test_documents_equal_each_document_run_alone(family):
 @pytest.mark.parametrize("config", ["tiny_llama", "tiny_gpt2"])
 def test_hugging_face_models_take_positions_that_restart(config):
     """transformers builds the mask of packed sequences from position ids that
-    restart (RoPE, and GPT-2's learned positions): each document as alone."""
+    restart (RoPE, and GPT-2's learned positions): each document's logits and the
+    gradients of its tokens' losses as alone (fp32, 1e-5)."""
     from src.models.hf import HFConfig, build
 
-    model, x = build(HFConfig(config=config), seed=0).eval(), packed()
-    with torch.no_grad():
-        logits = model(x, docs=DOCS.ids(x))[0]
-        alone = [model(x[:1, a:b])[0] for a, b in ((0, 7), (7, 12), (12, 20))]
-    torch.testing.assert_close(logits[:1], torch.cat(alone, 1), rtol=0, atol=1e-5)
+    model, x = build(HFConfig(config=config), seed=0).eval(), packed()[:1]
+    y = x.roll(-1, 1)  # each token's loss, summed: the same targets both ways
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+    logits = model(x, docs=DOCS.ids(x))[0]
+    loss(logits).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = [model(x[:, a:b])[0] for a, b in ((0, 7), (7, 12), (12, 20))]
+    alone = torch.cat(alone, 1)
+    loss(alone).backward()
+    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_loss_drops_each_documents_first_token_and_is_the_counted_mean():
@@ -171,6 +186,94 @@ def test_a_micro_batch_without_counted_targets_weighs_nothing_and_stays_finite()
     assert loss.item() == 0 and all(p.grad.isfinite().all() for p in model.parameters())
 
 
+def test_mfu_counts_the_attention_each_document_computes():
+    """A packed batch's FLOPs with documents (``flops_per_token`` at its attention
+    span, what MFU counts) are those of running each document alone (what a kernel
+    that skips the masked blocks computes: FlexAttention's block mask), counted by
+    FlopCounterMode (SDPA's math backend: attention as bmm's); stream's (``T``) are
+    the packed batch's, more by exactly the attention across documents."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    spec = get_spec("gpt")
+    cfg = spec.config_cls(n_layer=1, n_head=2, n_embd=64, vocab_size=64, block_size=64)
+    model, lengths = spec.build(cfg, 0), ([10, 20, 34], [64])
+    x = packed(lengths)
+
+    def counted(*rows: torch.Tensor) -> int:
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            for row in rows:
+                model(row)[0].sum().backward()
+        return counter.get_total_flops()
+
+    alone = counted(x[:1, :10], x[:1, 10:30], x[:1, 30:], x[1:])
+    span = DOCS.attention_span(x)
+    assert span == (100 + 400 + 34**2 + 64**2) / 128
+    documents, stream = (spec.flops_per_token(cfg, s) * x.numel() for s in (span, 64))
+    assert abs(alone / documents - 1) < 0.03, (alone, documents)
+    assert counted(x) - alone == pytest.approx(stream - documents, rel=1e-9)
+
+
+def test_sampling_decodes_within_one_document():
+    """sample.py's and trainer.sample_every's decoding (``sample_texts``) of a run
+    packed by documents: a prompt's earlier documents are not attended (its texts
+    are the last document's, prompted alone), and each text ends before the first
+    end token it draws (stream packing's texts, same draws, cut there)."""
+    from src.config.run_plan import resolve
+    from src.data.tokenizer import byte_tokenizer
+    from src.harness import compose_config
+    from src.trainer.sampling import sample_texts
+
+    within, stream = (
+        resolve(compose_config("model=tiny", f"data.packing={p}"))
+        for p in ("documents", "stream")
+    )
+    model, tokenizer = within.spec.build(within.model_config, 0), byte_tokenizer()
+    kw = dict(num_samples=16, max_new_tokens=16, temperature=1.0, seed=0)
+    kw["device"] = torch.device("cpu")
+    drawn = sample_texts(model, stream, tokenizer, ["second"], **kw)[0]
+    assert sum("\0" in t for t in drawn) > 1  # the end token is drawn
+    texts = sample_texts(model, within, tokenizer, ["first\0second", "second"], **kw)
+    assert texts[0] == texts[1] == [t.split("\0")[0] for t in drawn]
+
+
+def test_resume_and_eval_keep_the_runs_packing(tmp_path):
+    """A run packed by documents (two micro-batches) resumed from its step 2 gives
+    the uninterrupted run's losses exactly; eval.py scores it within documents, as
+    the run validated (one rank, in this process)."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    import eval as eval_py
+    from src.harness import CONF_DIR
+    from tests.test_research_loop import train_run
+    from tests.test_train import read_rows
+
+    run = [
+        "model=tiny", "model.block_size=32", "data=text", "data.max_bytes=100000",
+        "data.packing=documents", "logger=none", "trainer.devices=1",
+        "trainer.max_steps=4", "trainer.grad_accum=2", "trainer.val_every=4",
+        "trainer.val_batches=2", "trainer.batch_size=4", "trainer.progress=false",
+        "trainer.peak_tflops=1", "trainer.ckpt_every=2", "trainer.keep_last=0", "trainer.log_every=1",
+    ]  # fmt: skip
+    train_run(tmp_path / "whole", *run)
+    step_2 = tmp_path / "whole" / "checkpoints" / "step_00000002"
+    train_run(tmp_path / "resumed", *run, f"trainer.resume={step_2}")
+
+    def rows(name: str) -> dict[int, tuple]:
+        lines = read_rows(tmp_path / name)
+        return {r["step"]: (r["loss"], r.get("val_loss")) for r in lines if "loss" in r}
+
+    whole, resumed = rows("whole"), rows("resumed")
+    assert sorted(resumed) == [3, 4] and all(whole[s] == resumed[s] for s in (3, 4))
+    val_loss = json.loads((tmp_path / "whole" / "summary.json").read_text())["val_loss"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", [f"run={tmp_path / 'whole'}", "devices=1"])
+        entry = eval_py.evaluate_run(cfg)
+    assert entry["step"] == 4 and abs(entry["loss"] - val_loss) < 1e-6, entry
+
+
 def test_attention_span_counts_the_documents_squares():
     # (7^2 + 5^2 + 8^2 + 20^2) / 40 tokens: what a token's query sees, full square
     assert DOCS.attention_span(packed()) == pytest.approx((49 + 25 + 64 + 400) / 40)
@@ -187,12 +290,6 @@ def test_attention_span_counts_the_documents_squares():
              "data.packing=documents"],
             "data.packing",
             "takes no document ids",
-        ),
-        (
-            ["trainer.devices=2", "sharding.pipeline_parallel=2",
-             "data.packing=documents"],
-            "sharding.pipeline_parallel",
-            "within documents",
         ),
     ],
 )  # fmt: skip

@@ -13,6 +13,8 @@ real on 4 CPU ranks (one launch that checks several things together):
   whole ``[num_experts, ...]`` tensors whatever the layout;
 - the MoE metrics are in metrics.jsonl, the same on every layout;
 - the planner's peak per rank is within 10% of the measured one on the EP run;
+- with ``data.packing=documents`` (byte text, two micro-batches) EP2 x FSDP2 trains
+  with one rank's losses within 1e-5 (each document alone: tests/test_documents.py);
 - HF Mixtral (model=hf, its ``base_model_ep_plan``) on EP2 x TP2 and HF Qwen3-MoE on
   EP2 x FSDP2 train with one rank's fp32 losses and routing metrics within 1e-5,
   and Mixtral's ``trainer.export=hf`` (whole experts gathered) opens in
@@ -66,6 +68,15 @@ HF_RUN = (
 )
 #: HF Qwen3-MoE's: Mixtral's, another architecture, no export.
 QWEN_RUN = (*HF_RUN[:1], "model.config=tiny_qwen3_moe", *HF_RUN[2:4])
+#: data.packing=documents on byte text (its documents end with EOS), two
+#: micro-batches whose counted targets differ.
+DOCS_RUN = [
+    *(o for o in RUN if not o.startswith("data")),
+    "data=text",
+    "data.max_bytes=100000",
+    "data.packing=documents",
+    "trainer.grad_accum=2",
+]
 #: EP2 x TP2 (sequence parallel, the MoE family's default with tp).
 EP_TP = ("sharding.expert_parallel=2", "sharding.tensor_parallel=2")
 
@@ -94,7 +105,7 @@ def _layouts(device: torch.device, root: str, planned) -> dict:
     resumed from its step 2, and so are EP2 x TP2 (a checkpoint each step), HSDP
     (2 replicas) x EP2 and EP4 (every rank an ep rank: experts not FSDP-sharded, as
     EP2 on 2 ranks), EP2 x FSDP2 resumed from EP2 x TP2's step 3; HF Mixtral on EP2 x TP2, HF Qwen3-MoE on
-    EP2 x FSDP2."""
+    EP2 x FSDP2; EP2 x FSDP2 with documents."""
     root_dir = Path(root)
     cfg, resolved = planned
     summaries = {"ep": train(cfg, str(root_dir / "ep"), device, resolved)}
@@ -106,6 +117,7 @@ def _layouts(device: torch.device, root: str, planned) -> dict:
         "ep4": (RUN, "sharding.expert_parallel=4", _step(root_dir / "ep", 2)),
         "hf": (_hf_run(), *EP_TP),
         "qwen": (_hf_run(QWEN_RUN), "sharding.expert_parallel=2"),
+        "docs": (DOCS_RUN, "sharding.expert_parallel=2"),
     }
     for name, (base, *overrides) in runs.items():
         cfg = _cfg("trainer.devices=4", *overrides, base=base)
@@ -125,6 +137,8 @@ def test_expert_parallel_equals_one_rank_and_checkpoints_cross_layouts(tmp_path)
     for name, model in (("hf_one", HF_RUN), ("qwen_one", QWEN_RUN)):
         cfg = _cfg("trainer.devices=1", base=_hf_run(model))
         run_rank(cfg, str(tmp_path / name), validate(cfg))
+    cfg = _cfg("trainer.devices=1", base=DOCS_RUN)
+    run_rank(cfg, str(tmp_path / "docs_one"), validate(cfg))
     cfg = _cfg("trainer.devices=4", *EP)
     validate(cfg)
     planned = prepare(cfg, user_keys=set())
@@ -147,6 +161,11 @@ def test_expert_parallel_equals_one_rank_and_checkpoints_cross_layouts(tmp_path)
             assert abs(other[step]["loss"] - one[step]["loss"]) < 1e-5, step
             assert abs(other[step]["grad_norm"] / one[step]["grad_norm"] - 1) < 1e-5
     assert abs(back[4]["loss"] - ep[4]["loss"]) < 1e-5  # EP2 x TP2 -> EP2 x FSDP2
+    # documents: each rank's tokens dispatched with its own rows' masks
+    docs_one, docs = _rows(tmp_path / "docs_one"), _rows(tmp_path / "docs")
+    assert sorted(docs) == [1, 2, 3, 4] and docs_one[1]["loss"] != one[1]["loss"]
+    for step in (1, 2, 3, 4):
+        assert abs(docs[step]["loss"] - docs_one[step]["loss"]) < 1e-5, step
 
     # routing metrics: in metrics.jsonl, counted over all ranks, the same on every
     # layout (tokens per expert are whole numbers: equal, not close)

@@ -11,7 +11,9 @@ interleaved PP2 x HSDP with gradient accumulation, from ``model.pretrained``. A 
 FSDP2 checkpoint resumes exactly on FSDP over 4 ranks, and that run's checkpoint on
 PP2 x TP2. A PP run on text exports (``trainer.export``: the trained weights
 exactly), samples while it trains, and its run dir opens in ``eval.py`` and
-``sample.py`` without stages. One 4-rank and one 2-rank launch hold all the runs; the
+``sample.py`` without stages. With ``data.packing=documents`` (each stage given its
+micro-batch's document ids) PP2 trains and validates with Llama's losses on one
+rank (its RoPE positions restart in the second stage too). One 4-rank and one 2-rank launch hold all the runs; the
 references and the tools run in this process.
 """
 
@@ -90,6 +92,16 @@ TEXT = [
     "trainer.export=hf",
 ]
 
+# data.packing=documents (tests/test_documents.py) on byte text: two micro-steps
+# whose counted targets differ, each split into the pipeline's two micro-batches
+DOCS = [
+    "data=text",
+    "data.max_bytes=100000",
+    "data.packing=documents",
+    *ACCUM,
+    "trainer.val_every=2",
+]
+
 # A Hugging Face model sampling while it trains (its own generate(), no validation).
 HF_TEXT = [
     "data=text",
@@ -110,6 +122,7 @@ def runs(tmp_path_factory) -> Path:
     # from one_gpt's export, with grad_accum=2 (its micro-steps draw other rows)
     from_export = [f"model.pretrained={root / 'one_gpt' / 'hf'}", *ACCUM]
     one_rank(root, "one_gpt_accum", *gpt, *from_export)
+    one_rank(root, "one_llama_docs", *fams["llama"], *DOCS)
     # as one_rank, RUN's synthetic data keys left out (as _train_runs does)
     own_data = [o for o in RUN if not o.startswith("data")]
     hf_text = make_cfg(
@@ -161,6 +174,7 @@ def runs(tmp_path_factory) -> Path:
             "pp2_hf_text": [*fams["hf"], *PP2, *HF_TEXT],
             # every schedule offered trains on gloo: GPipe too
             "pp2_gpipe_gpt": [*gpt, *PP2, "sharding.pp_schedule=gpipe"],
+            "pp2_llama_docs": [*fams["llama"], *PP2, *DOCS],
         },
     )
     return root
@@ -174,6 +188,22 @@ def test_pipeline_matches_one_rank(runs):
         for layout in ("pp2", "interleaved_fsdp2", "pp2_tp2"):
             assert_close(losses(runs / f"{layout}_{family}"), ref, range(1, 5))
     assert_close(losses(runs / "pp2_gpipe_gpt"), losses(runs / "one_gpt"), range(1, 5))
+
+
+@pytest.mark.slow
+def test_documents_under_pipelining_match_one_rank(runs):
+    """Each stage masks and positions its micro-batch by its document ids; the loss
+    and the validation loss are the means over the counted targets, however they
+    fall on the pipeline's micro-batches."""
+
+    def values(name: str, key: str) -> dict[int, float]:
+        return {r["step"]: r[key] for r in read_rows(runs / name) if key in r}
+
+    ref = losses(runs / "one_llama_docs")
+    assert len(set(ref.values())) == 4 and ref != losses(runs / "one_llama")
+    assert_close(losses(runs / "pp2_llama_docs"), ref, range(1, 5))
+    val = values("one_llama_docs", "val_loss")
+    assert_close(values("pp2_llama_docs", "val_loss"), val, (2, 4))
 
 
 @pytest.mark.slow

@@ -178,7 +178,6 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
         keyed("sharding.backend", backend_class, s.backend),
         precision.name,
         spec.seq_len(config),
-        packing == "documents",
     )
     return RunPlan(
         planned_peak_gib=planned_peak_gib,
@@ -327,11 +326,10 @@ def check_runnable(
     backend: type,
     precision: str,
     seq_len: int,
-    documents: bool = False,
 ) -> None:
     """ConfigError naming the key of the dimension the one rule refuses
     (:func:`src.sharding.layout.refusal`)."""
-    err = refusal(layout, backend, precision, seq_len, documents)
+    err = refusal(layout, backend, precision, seq_len)
     if err is not None:
         with layout_errors_named():
             raise err

@@ -39,6 +39,20 @@ class Documents:
         target there is the next document's first token."""
         return y.masked_fill(x == self.eos_id, -1)
 
+    def last(self, ids: list[int]) -> list[int]:
+        """A prompt's last document: the tokens after its last end-of-document
+        token (the end token alone where none follow: a document starts)."""
+        ends = [i for i, t in enumerate(ids) if t == self.eos_id]
+        return (ids[ends[-1] + 1 :] or [self.eos_id]) if ends else ids
+
+    def until_end(self, row: list[int], start: int) -> list[int]:
+        """A decoded ``row`` (the prompt's ``start`` tokens, then the new ones) up
+        to its first new end-of-document token, left out: the document ends."""
+        new = row[start:]
+        return (
+            row[:start] + new[: new.index(self.eos_id) if self.eos_id in new else None]
+        )
+
     def attention_span(self, x: torch.Tensor) -> float:
         """The keys a token's query sees under the full-square count of a sequence
         (T for plain causal attention, as FLOP counts take it): the mean over the

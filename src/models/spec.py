@@ -272,13 +272,18 @@ def name_generator(seed: int, name: str) -> torch.Generator:
     )
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
-    """Mean next-token cross-entropy over all positions, in fp32; targets equal to -1
-    are ignored; None without targets."""
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor | None, reduction: str = "mean"
+) -> torch.Tensor | None:
+    """Mean (or with ``reduction="sum"``, summed) next-token cross-entropy over all
+    positions, in fp32; targets equal to -1 are ignored; None without targets."""
     if targets is None:
         return None
     loss = F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
+        logits.float().view(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=-1,
+        reduction=reduction,
     )
     # Vocabulary-sharded logits (tensor parallelism's loss_parallel) give the loss as
     # a DTensor replicated on every tp rank: its value, differentiable, as a tensor

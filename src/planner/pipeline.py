@@ -12,7 +12,12 @@ import torch
 
 from src.config.run_plan import RunPlan
 from src.models.memory import ActivationBytes
-from src.planner.activations import activation_fn, run_activation_fn, tp_activations
+from src.planner.activations import (
+    activation_fn,
+    documents_activations,
+    run_activation_fn,
+    tp_activations,
+)
 from src.planner.estimate import Estimate, RunShape, estimate, fmt_bytes
 from src.planner.inputs import (
     family_process_bytes,
@@ -348,15 +353,16 @@ def whole_activations(
     resolved: RunPlan, shape: RunShape, n_blocks: int
 ) -> tuple[Callable[[str, int], ActivationBytes], int]:
     """The whole model's activations of one micro-batch of ``shape`` per
-    checkpointing mode (tensor parallelism applied), and one block's input (the
-    tensor at a stage boundary)."""
+    checkpointing mode (tensor parallelism and packing by documents applied), and
+    one block's input (the tensor at a stage boundary)."""
     fn = run_activation_fn(resolved)
     args = (shape.micro_batch, shape.seq_len, shape.param_bytes)
 
     @functools.cache
     def whole(mode: str, every: int) -> ActivationBytes:
         mode_shape = replace(shape, checkpointing=mode, ac_every=every)
-        return tp_activations(resolved, mode_shape, fn(*args, mode, every), n_blocks)
+        acts = tp_activations(resolved, mode_shape, fn(*args, mode, every), n_blocks)
+        return documents_activations(resolved, mode_shape, acts, n_blocks)
 
     boundary = activation_fn(resolved)(*args, "full", 1).saved // n_blocks
     return whole, boundary

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from src.config.run_plan import RunPlan
-from src.planner.activations import ep_dispatch, has_formula, run_activations
+from src.models.memory import ActivationBytes
+from src.planner.activations import (
+    documents_activations,
+    ep_dispatch,
+    has_formula,
+    run_activations,
+)
 from src.planner.estimate import Estimate, estimate
 from src.planner.inputs import (
     build_meta_model,
@@ -15,7 +21,7 @@ from src.planner.inputs import (
     run_shape,
 )
 from src.planner.pipeline import pipeline_estimates, worst_stage
-from src.sharding import WrapPlan
+from src.sharding import MIB, WrapPlan
 
 
 def estimate_plan(
@@ -38,6 +44,12 @@ def estimate_plan(
         est = estimate(plan, shape, acts, process, dispatch=dispatch)
         if not has_formula(resolved):
             est.notes["activations"] = "traced: one block per block class, fake tensors"
+        if resolved.batch.documents:  # the mask's own term, said beside its part
+            zero = ActivationBytes(0, 0, 0, 0)
+            mask = documents_activations(resolved, shape, zero, model).saved
+            est.notes["activations"] = (
+                f"documents' mask and positions {mask / MIB:.1f} MiB"
+            )
         if resolved.layout.ep > 1:
             _expert_parallel_notes(est, resolved.layout.ep)
     est.caveat = lower_bound_reason(resolved, est.shape.device, resolved.precision.name)

@@ -409,9 +409,7 @@ class _Points:
         except LayoutError:
             return True  # the degrees do not divide the ranks
         prec = point.get(PRECISION, self.resolved.precision.name)
-        backend = backend_class(self.resolved.backend)
-        documents = self.resolved.batch.documents
-        if refusal(degrees, backend, prec, self.seq_len, documents):
+        if refusal(degrees, backend_class(self.resolved.backend), prec, self.seq_len):
             return True
         return ep > 1 and refused_with("ep", degrees)
 

@@ -202,10 +202,6 @@ NOT_TOGETHER = (
     ("ep", "cp", "expert parallelism with context parallelism is not built yet"),
 )
 
-#: The degrees document-masked attention (packing by documents) does not run with:
-#: each stage would need its micro-batch's document ids.
-NOT_WITH_DOCUMENTS = (("pp", "pipeline parallelism"),)
-
 #: A degree above 1 and the backend capability it needs (``Backend.CAPABILITIES``).
 NEEDS = (
     ("dp_replicate", "hybrid", "hybrid sharding"),
@@ -221,15 +217,12 @@ def refusal(
     backend: type | None = None,
     precision: str | None = None,
     seq_len: int | None = None,
-    documents: bool = False,
 ) -> LayoutError | None:
     """Why ``layout`` cannot run with ``backend`` (a ``Backend`` class), the precision
-    named ``precision``, a model of ``seq_len`` tokens per sequence and attention
-    within documents (``documents``): a
+    named ``precision`` and a model of ``seq_len`` tokens per sequence: a
     :class:`LayoutError` naming the dimension (``precision``: the precision), None
-    when it can. The one rule that
-    validation, the backends and the planner's search all ask (each argument left
-    out is not checked)."""
+    when it can. The one rule that validation, the backends and the planner's
+    search all ask (each argument left out is not checked)."""
     if backend is not None:
         for dim, capability, what in NEEDS:
             if layout.size(dim) > 1 and not getattr(backend, capability):
@@ -242,13 +235,6 @@ def refusal(
     for dim, other, why in NOT_TOGETHER:
         if layout.size(dim) > 1 and layout.size(other) > 1:
             return LayoutError(dim, f"{why}; use one of them")
-    for dim, what in NOT_WITH_DOCUMENTS if documents else ():
-        if layout.size(dim) > 1:
-            return LayoutError(
-                dim,
-                f"{what} with attention within documents (packing by documents) is "
-                "not built yet; use 1 or stream packing",
-            )
     if backend is not None and precision is not None and not backend.float8:
         from .precision import PRECISIONS
 

@@ -411,21 +411,28 @@ class Pipeline:
 
     # -- a step ---------------------------------------------------------------------
     def step(
-        self, x: torch.Tensor, y: torch.Tensor, scale: float, train: bool = True
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        scale: float,
+        train: bool = True,
+        **inputs: torch.Tensor,
     ) -> torch.Tensor:
         """Run the schedule over one batch (split into the micro-batches): forward
-        and, with ``train``, backward (gradients accumulate). Returns the sum over
-        micro-batches of ``loss * scale`` on the last stage's ranks, 0 elsewhere."""
+        and, with ``train``, backward (gradients accumulate). ``inputs``: keyword
+        tensors every stage's forward takes (batch first, split with it). Returns
+        the sum over micro-batches of ``loss * scale`` on the last stage's ranks, 0
+        elsewhere."""
         self._scale = scale
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         target = y if self.last else None
         if train:  # the losses are all it needs: no stage keeps its logits
             self.schedule.step(
-                *args, target=target, losses=losses, return_outputs=False
+                *args, target=target, losses=losses, return_outputs=False, **inputs
             )
         else:
-            self.schedule.eval(*args, target=target, losses=losses)
+            self.schedule.eval(*args, target=target, losses=losses, **inputs)
         total = torch.zeros((), device=x.device)
         for loss in losses:
             total += loss.detach().float()

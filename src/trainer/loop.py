@@ -424,7 +424,7 @@ class Trainer:
         if self.pipeline is not None:
             return pipeline_train_step(
                 self.pipeline, self.batches, step - 1, self.backend,
-                self.optimizer, self.cfg,
+                self.optimizer, self.cfg, self.documents,
             )  # fmt: skip
         return train_step(
             self.model, self.batches, step - 1, self.backend, self.optimizer,
@@ -500,7 +500,9 @@ class Trainer:
         signal_point("validation")  # a test's Ctrl-C (src/trainer/faults.py)
         if self.pipeline is not None:
             val_loss = global_mean(
-                pipeline_evaluate(self.pipeline, self.val_set, self.backend)
+                pipeline_evaluate(
+                    self.pipeline, self.val_set, self.backend, self.documents
+                )
             )
         else:
             val_loss = evaluate(self.model, self.val_set, self.backend, self.documents)

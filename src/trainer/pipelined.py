@@ -6,7 +6,9 @@ The loss is the same as without pipelining: each of the ``trainer.grad_accum``
 micro-steps runs the schedule over its micro-batch (split into
 ``sharding.pp_microbatches`` pipeline micro-batches), each pipeline micro-batch's mean
 loss scaled by ``1 / (pp_microbatches * grad_accum)``, so the gradients sum to those
-of the global batch's mean loss; tied parameters' gradients are then summed over the
+of the global batch's mean loss (packed by documents: each pipeline micro-batch's
+summed loss weighed per counted target of the global batch, every stage given its
+micro-batch's document ids); tied parameters' gradients are then summed over the
 stages holding them, and clipping uses the norm over all stages.
 
 What needs the model whole (``trainer.sample_every``'s decoding, ``trainer.export``)
@@ -24,10 +26,12 @@ from omegaconf import DictConfig
 
 from src.build import build_model, make_backend
 from src.config.run_plan import RunPlan
+from src.data.packing import Documents
 from src.data.sources import GlobalBatches
 from src.sharding import Backend
 from src.sharding.pipeline import Pipeline
 from src.trainer.sampling import sampling_plan
+from src.trainer.step import per_counted_target
 
 
 def pipeline_train_step(
@@ -37,19 +41,20 @@ def pipeline_train_step(
     backend: Backend,
     optimizer: torch.optim.Optimizer,
     cfg: DictConfig,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns this rank's data-parallel share of the loss (the
     same on every stage) and the global gradient norm (before clipping)."""
     t = cfg.trainer
     rank, world = backend.dp_rank, backend.dp_size
-    scale = 1.0 / (cfg.sharding.pp_microbatches * t.grad_accum)
+    mean = 1.0 / (cfg.sharding.pp_microbatches * t.grad_accum)
     for m in pipeline.modules:
         m.train()
+    batch = [batches.get(step, micro, rank, world) for micro in range(t.grad_accum)]
     loss_sum = torch.zeros((), device=backend.device)
-    for micro in range(t.grad_accum):
-        x, y = batches.get(step, micro, rank, world)
+    for x, y, scale, inputs in on_stages(batch, backend, documents, mean):
         with backend.loss_context():
-            loss_sum += pipeline.step(x.to(backend.device), y.to(backend.device), scale)
+            loss_sum += pipeline.step(x, y, scale, **inputs)
     pipeline.sync_shared_grads()
     grad_norm = pipeline.clip_grad_norm_(t.grad_clip or math.inf)
     optimizer.step()
@@ -59,24 +64,46 @@ def pipeline_train_step(
     return pipeline.share(loss_sum), grad_norm
 
 
+def on_stages(
+    batch: list[tuple[torch.Tensor, torch.Tensor]],
+    backend: Backend,
+    documents: Documents | None,
+    scale: float,
+) -> list[tuple[torch.Tensor, torch.Tensor, float, dict]]:
+    """Each batch on the device with what multiplies the loss of each of its
+    pipeline micro-batches and the keyword inputs of every stage: ``scale`` (of
+    the mean loss) and none; with ``documents``, the loss is summed
+    (``build_pipeline``) and weighed per counted target, so the step's loss is
+    the mean over the global batch's (src/trainer/step.py), and the stages get
+    the document ids."""
+    batch = [(x.to(backend.device), y.to(backend.device)) for x, y in batch]
+    if documents is None:
+        return [(x, y, scale, {}) for x, y in batch]
+    counted = [(x, documents.targets(x, y)) for x, y in batch]
+    per_target = per_counted_target(
+        sum(int((y != -1).sum()) for _, y in counted), backend
+    )
+    return [(x, y, per_target, {"docs": documents.ids(x)}) for x, y in counted]
+
+
 @torch.no_grad()
 def pipeline_evaluate(
-    pipeline: Pipeline, batches: list, backend: Backend
+    pipeline: Pipeline,
+    batches: list,
+    backend: Backend,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
-    """Mean loss over the fixed validation batches, through the pipeline (forward
-    only), on every stage; its ``step.global_mean`` is the loss without pipelining."""
+    """Mean loss over the fixed validation batches (with ``documents``, over their
+    counted targets), through the pipeline (forward only), on every stage; its
+    ``step.global_mean`` is the loss without pipelining."""
     for m in pipeline.modules:
         m.eval()
     total = torch.zeros((), device=backend.device)
-    for x, y in batches:
+    mean = 1 / (pipeline.microbatches * max(1, len(batches)))
+    for x, y, scale, inputs in on_stages(batches, backend, documents, mean):
         with backend.loss_context():
-            total += pipeline.step(
-                x.to(backend.device),
-                y.to(backend.device),
-                1 / pipeline.microbatches,
-                train=False,
-            )
-    return pipeline.share(total / max(1, len(batches)))
+            total += pipeline.step(x, y, scale, train=False, **inputs)
+    return pipeline.share(total)
 
 
 def unpipelined_model(resolved: RunPlan, device: torch.device) -> nn.Module:

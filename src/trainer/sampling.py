@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from src.config.run_plan import LAYOUT_KEYS, RunPlan, world_size
+from src.data.packing import Documents
 from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
 from src.models.generate import generate
@@ -138,15 +139,20 @@ def sample_texts(
     """``num_samples`` texts (prompt and continuation) for each prompt, decoded on
     every rank in step. An empty prompt starts from the end-of-document token.
     Temperature 0 is greedy decoding; the random draws come from their own
-    generator seeded by ``seed`` (the global RNG streams are left alone)."""
+    generator seeded by ``seed`` (the global RNG streams are left alone). A run
+    packed by documents (``data.packing=documents``) decodes within one: from the
+    prompt's last document, each text ending before its first new end token."""
     spec, config = resolved.spec, resolved.model_config
     # The whole model, root included: the training step restores train mode only when
     # the root is in eval (src/trainer/step.py), and a family's generate() may set a
     # submodule alone.
     model.eval()
     out = []
+    documents = Documents(tokenizer.eos_id) if resolved.batch.documents else None
     for prompt in prompts:
         ids = tokenizer.encode_text(prompt) or [tokenizer.eos_id]
+        if documents is not None:
+            ids = documents.last(ids)
         idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
         if spec.generate is not None:
             with torch.random.fork_rng(), _root_gathered(model):
@@ -167,5 +173,8 @@ def sample_texts(
                 kv_cache=kv_cache and spec.kv_cache,
                 agree=_broadcast_from_rank0,
             )
-        out.append([tokenizer.decode(row.tolist()) for row in tokens])
+        rows = [row.tolist() for row in tokens]
+        if documents is not None:
+            rows = [documents.until_end(row, len(ids)) for row in rows]
+        out.append([tokenizer.decode(row) for row in rows])
     return out

@@ -69,12 +69,19 @@ def counted_weights(
     (one all-reduce; the ranks of a tp group read the same rows, so the world's
     sum counts them that often)."""
     counts = [int((backend.shard_sequence(y)[0] != -1).sum()) for _, y in batch]
-    total = torch.tensor(sum(counts), dtype=torch.int64, device=backend.device)
+    per_target = per_counted_target(sum(counts), backend)
+    return [n * per_target for n in counts]
+
+
+def per_counted_target(count: int, backend: Backend) -> float:
+    """What one of this rank's ``count`` counted targets weighs in the step's mean
+    (:func:`counted_weights`; a collective over all ranks)."""
+    total = torch.tensor(count, dtype=torch.int64, device=backend.device)
     if dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     averaged = backend.dp_size * backend.layout.cp  # ranks with their own targets
-    total = int(total) // (backend.world_size // averaged)  # tp replicas
-    return [n * averaged / max(total, 1) for n in counts]
+    total = int(total) // (backend.world_size // averaged)  # tp and pp replicas
+    return averaged / max(total, 1)
 
 
 def within_documents(
