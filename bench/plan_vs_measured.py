@@ -435,8 +435,12 @@ def _row(name: str, cfg, est, measured: int, base: int) -> dict:
 def planned_gib(overrides: list[str]) -> float | None:
     """The planner's ``planned_peak_gib`` for ``python train.py <overrides>``: the
     launcher's own path (:func:`src.trainer.launch.prepare`)."""
+    from src import entry
     from src.trainer.launch import prepare
 
+    # planned as the measured command starts its ranks: forked from its rank server
+    # (src/entry.py), whose baseline is smaller (planner FORKED_RANK_SAVING)
+    entry._rank_server = True
     cfg = compose_config(*overrides)
     keys = {o.lstrip("+").split("=", 1)[0] for o in overrides}
     _, resolved = prepare(cfg, user_keys=keys)
