@@ -39,6 +39,7 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+import src.trainer.launch as launch_module
 from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
 from src.config.run_plan import OVERRIDES
 from src.config.validate import validate
@@ -297,6 +299,11 @@ class Outcome:
     min_steps: int = 1  # the fewest steps its config allows (a profiled window's end)
 
 
+def _forked() -> str:
+    """How ``python train.py`` starts its local ranks (src/entry.py)."""
+    return "forkserver"
+
+
 def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
     """``point`` as train.py's main() takes it, in-process: compose, validate,
     ``prepare`` (the token cache, the planner's choices and estimate) and, for a
@@ -314,7 +321,9 @@ def prepare_point(command: Command, point: list[str], run_dir: Path) -> Outcome:
                 return outcome  # Hydra prints the config or the help, and exits
             HydraConfig.instance().set_config(full)  # the command line's keys
             run_dir.mkdir(parents=True, exist_ok=True)
-            cfg, resolved = prepare(cfg, run_dir=str(run_dir))
+            # planned as the command plans: its ranks fork from its rank server
+            with mock.patch.object(launch_module, "rank_start_method", _forked):
+                cfg, resolved = prepare(cfg, run_dir=str(run_dir))
             outcome.world, outcome.plan_only = (
                 resolved.world_size,
                 cfg.trainer.plan_only,
