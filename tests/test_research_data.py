@@ -16,21 +16,24 @@ import pytest
 from src.config.validate import validate
 from src.errors import ConfigError
 from src.trainer.launch import prepare
+from tests.commands import refused
 from tests.records import said
 from tests.test_researcher_ux import ONE_RANK, one_config_error, run
 from tests.test_train import make_cfg
 
 
-@pytest.mark.slow
-def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
+def test_a_split_too_small_is_named_before_any_rank_for_every_source(
+    tmp_path, monkeypatch, capsys
+):
     """``data=synthetic`` and ``data=tokens`` had no split-size check: a split
     smaller than one window stopped inside a rank (``ValueError: data.num_tokens:
-    split has 19 tokens``). Now one line naming the key that sizes it."""
-    cache = tmp_path / "cache"
+    split has 19 tokens``). Now one line naming the key that sizes it (train.py
+    in-process up to its refusal, tests/commands.py)."""
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(tmp_path / "cache"))
     args = [*ONE_RANK, "data=synthetic", "data.num_tokens=20000"]
-    out = run(
-        "train.py", *args, "data.val_fraction=0.001", f"hydra.run.dir={tmp_path}/a",
-        cache=cache,
+    out = refused(
+        monkeypatch, capsys, "train.py", *args, "data.val_fraction=0.001",
+        f"hydra.run.dir={tmp_path}/a",
     )  # fmt: skip
     line = one_config_error(out)
     assert line.startswith(
@@ -39,23 +42,23 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
     )
     assert not (tmp_path / "a" / "ranks").exists()  # no rank started
 
-    def refused(*overrides: str) -> str:
+    def refusal(*overrides: str) -> str:
         cfg = make_cfg(*overrides)
         with pytest.raises(ConfigError) as err:
             validate(cfg)  # as train.py does, before prepare
             prepare(cfg, set())
         return str(err.value)
 
-    line = refused("data=synthetic", "data.num_tokens=40")
+    line = refusal("data=synthetic", "data.num_tokens=40")
     assert line.startswith("data.num_tokens: the training split has 38 tokens, fewer")
     good, short = tmp_path / "train.bin", tmp_path / "val.bin"
     np.arange(1000, dtype=np.uint16).tofile(good)
     np.arange(30, dtype=np.uint16).tofile(short)
     tokens = ["data=tokens", f"data.train_path={good}", f"data.val_path={short}"]
-    line = refused(*tokens)
+    line = refusal(*tokens)
     assert line.startswith("data.val_path: the validation split has 30 tokens, fewer")
     (tmp_path / "odd.bin").write_bytes(b"abc")
-    line = refused(*tokens[:2], f"data.val_path={tmp_path}/odd.bin")
+    line = refusal(*tokens[:2], f"data.val_path={tmp_path}/odd.bin")
     assert line.startswith("data.val_path: ") and "has 3 bytes" in line
     cfg = make_cfg("data=synthetic", "data.num_tokens=20000", "data.val_fraction=0")
     prepare(cfg, set())  # no validation split: nothing to check
@@ -192,7 +195,9 @@ def _expected_kept(vals: dict[int, float], last: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_best_checkpoints_and_early_stopping_across_resume_and_branch(tmp_path):
+def test_best_checkpoints_and_early_stopping_across_resume_and_branch(
+    tmp_path, monkeypatch, capsys
+):
     """``trainer.keep_best=2 trainer.early_stop_patience=2``: training stops after 2
     validations without a lower val_loss (one console line, the summary, the closing
     line); the 2 best checkpoints survive ``keep_last=1``; a resume has nothing to
@@ -244,8 +249,11 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(tmp_path):
     entry = json.loads((run_dir / "eval.json").read_text())[-1]
     assert entry["checkpoint"].endswith(f"step_{best:08d}")
     assert entry["loss"] == pytest.approx(vals[best], abs=1e-5)
-    line = one_config_error(
-        run("eval.py", f"run={entry['checkpoint']}", "ckpt=best", cache=cache)
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
+    line = one_config_error(  # in-process up to its refusal (tests/commands.py)
+        refused(
+            monkeypatch, capsys, "eval.py", f"run={entry['checkpoint']}", "ckpt=best"
+        )
     )
     assert line.startswith("ckpt: best picks among a run's checkpoints")
 
