@@ -16,7 +16,7 @@ import pytest
 from src.config.validate import validate
 from src.errors import ConfigError
 from src.trainer.launch import prepare
-from tests.commands import refused
+from tests.commands import in_process
 from tests.records import said
 from tests.test_researcher_ux import ONE_RANK, one_config_error, run
 from tests.test_train import make_cfg
@@ -31,7 +31,7 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(
     in-process up to its refusal, tests/commands.py)."""
     monkeypatch.setenv("SHARDWRAP_CACHE", str(tmp_path / "cache"))
     args = [*ONE_RANK, "data=synthetic", "data.num_tokens=20000"]
-    out = refused(
+    out = in_process(
         monkeypatch, capsys, "train.py", *args, "data.val_fraction=0.001",
         f"hydra.run.dir={tmp_path}/a",
     )  # fmt: skip
@@ -251,7 +251,7 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(
     assert entry["loss"] == pytest.approx(vals[best], abs=1e-5)
     monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
     line = one_config_error(  # in-process up to its refusal (tests/commands.py)
-        refused(
+        in_process(
             monkeypatch, capsys, "eval.py", f"run={entry['checkpoint']}", "ckpt=best"
         )
     )

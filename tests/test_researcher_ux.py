@@ -23,7 +23,7 @@ from src.data.sources import prepare_data, tokenizer_of
 from src.observe.logs import capture_warnings
 from src.registry import key_help
 from src.trainer.optimizer import final_lr, lr_lambda
-from tests.commands import refused
+from tests.commands import in_process
 from tests.distributed import HANG_S
 from tests.records import records, said
 from tests.test_config import assert_fails_naming, make_cfg
@@ -55,7 +55,7 @@ def run(script: str, *args: str, cache: Path) -> subprocess.CompletedProcess:
 
 def one_config_error(out: subprocess.CompletedProcess | tuple[int, str, str]) -> str:
     """The one line a refused command prints (exit status 2); ``out``: a process,
-    or :func:`tests.commands.refused`'s (status, stdout, stderr)."""
+    or :func:`tests.commands.in_process`'s (status, stdout, stderr)."""
     code, stdout, stderr = (
         out if isinstance(out, tuple) else (out.returncode, out.stdout, out.stderr)
     )
@@ -73,7 +73,7 @@ def test_mistakes_are_one_line_naming_the_key_and_the_fix(
     monkeypatch.setenv("SHARDWRAP_CACHE", str(tmp_path / "cache"))
 
     def command(script: str, *args: str) -> tuple[int, str, str]:
-        return refused(monkeypatch, capsys, script, *args)
+        return in_process(monkeypatch, capsys, script, *args)
 
     line = one_config_error(command("train.py", "model=tinyy"))
     real = [o for o in user_options("model") if not is_schema_option(o)]

@@ -27,7 +27,7 @@ from src.observe.loggers import FileSink
 from src.runs.compose import resume_config, take_branch
 from src.runs.resume import RECORD, attempt_subdir
 from src.trainer.optimizer import apply_hyperparameters, lr_lambda
-from tests.commands import refused
+from tests.commands import in_process
 from tests.records import said
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,7 +304,7 @@ def test_train_then_resume_from_the_run_dir_alone(tmp_path, monkeypatch, capsys)
     cfg = compose_config(*RUN, "trainer.lr=0.03")
     assert rows[5]["lr"] == pytest.approx(0.03 * lr_lambda(cfg)(4))
 
-    code, _, err = refused(monkeypatch, capsys, "train.py", where)  # in-process
+    code, _, err = in_process(monkeypatch, capsys, "train.py", where)  # in-process
     assert code == 2
     assert err.strip().startswith("config error: trainer.resume: null, but")
     assert len(err.strip().splitlines()) == 1
@@ -878,13 +878,14 @@ def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
+def test_a_run_keeps_its_data_and_tokenizer(tmp_path, monkeypatch, capsys):
     """Issue 48 item 1's repros on a BPE run: its corpus rewritten (size and mtime
     kept) and a file added, the resume is refused in one line naming both, before
     anything is tokenized or recorded; eval.py scores the changed files but says so
-    and records run_data=false (and names the damaged checkpoint it passes over); with the corpus and the BPE cache deleted sample.py
-    decodes with the run's own tokenizer file (never trained again); a tokenizer
-    file that is not the run's is refused naming it."""
+    and records run_data=false (and names the damaged checkpoint it passes over);
+    with the corpus and the BPE cache deleted sample.py decodes with the run's own
+    tokenizer file (never trained again); a tokenizer file that is not the run's is
+    refused naming it. (The refusals: the command in-process, tests/commands.py.)"""
     corpus, cache, run = tmp_path / "corpus", tmp_path / "cache", tmp_path / "run"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
@@ -907,9 +908,11 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
     target.write_text(target.read_text().replace("alpha", "ALPHA"))
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
     (corpus / "3.txt").write_text("omega " * 50)
-    resumed = _train(f"hydra.run.dir={run}", "trainer.resume=auto")
-    assert resumed.returncode == 2, resumed.stderr[-2000:]
-    assert resumed.stderr.splitlines() == [
+    code, _, err = in_process(
+        monkeypatch, capsys, "train.py", f"hydra.run.dir={run}", "trainer.resume=auto"
+    )
+    assert code == 2, err[-2000:]
+    assert err.splitlines() == [
         f"config error: data.paths: the run trained on other data: {target} (its "
         f"contents changed), {corpus}/3.txt (added); a resume keeps the "
         "checkpoint's data and tokenizer (restore the files, or train another in a "
@@ -943,13 +946,13 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
     assert not list(cache.glob("bpe-*"))  # read from the run, not trained again
 
     (run / "tokenizer.json").write_text("{}")
-    forged = _tool("sample.py", f"run={run}", *sample)
-    assert forged.returncode == 2
-    assert forged.stderr.startswith(
+    code, _, err = in_process(monkeypatch, capsys, "sample.py", f"run={run}", *sample)
+    assert code == 2
+    assert err.startswith(
         f"config error: run: {run}/tokenizer.json is not the tokenizer the run "
         "trained with (SHA-256 "
     )
-    assert len(forged.stderr.splitlines()) == 1
+    assert len(err.splitlines()) == 1
 
 
 def test_a_recorded_config_is_data_checked_where_it_is_read(run_dir):
