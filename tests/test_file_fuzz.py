@@ -404,9 +404,9 @@ def test_forged_checkpoints_refused_by_train_sample_and_eval(
     line and the payload never runs. (train.py's rank refuses it, in a process of
     its own; sample.py and eval.py run in-process, tests/commands.py.)"""
     from tests.commands import in_process
-    from tests.test_train import run_cmd
     from tests.test_hf_inputs import custom_code_dir
     from tests.test_research_loop import train_run
+    from tests.test_train import run_cmd
 
     run = [
         "model=tiny",
