@@ -105,7 +105,9 @@ def test_mistakes_are_one_line_naming_the_key_and_the_fix(
 
 
 @pytest.mark.slow
-def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
+def test_no_validation_split_and_tokens_seen_across_a_resume(
+    tmp_path, monkeypatch, capsys
+):
     """``data.val_fraction=0`` trains without validation, said at the start and in
     the summary; ``tokens_seen`` counts every step's tokens across a resume that
     halves the batch (metrics.jsonl, summary, closing line, wandb's x-axis); eval.py
@@ -170,7 +172,10 @@ def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
     history = [r["history"]["item"] for r in records if r.get("type") == "history"]
     assert history[-1]["train/tokens_seen"] == 5120
 
-    line = one_config_error(run("eval.py", f"run={run_dir}", cache=cache))
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
+    line = one_config_error(
+        in_process(monkeypatch, capsys, "eval.py", f"run={run_dir}")
+    )
     assert line.startswith("data.val_fraction: 0: there is no validation split")
 
 
