@@ -14,17 +14,21 @@ import sys
 PLAN_ONLY = "trainer.plan_only=true"
 
 
-def in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, str]:
+def in_process(
+    monkeypatch, capsys, script: str, *args: str, one_rank: bool = False
+) -> tuple[int, str, str]:
     """``(exit status, stdout, stderr)`` of ``python script args`` (train.py,
     eval.py, sample.py), which must not train: a train.py that reaches its launch
-    fails the test, unless ``args`` ask for plan-only (whose launch starts no rank)."""
+    fails the test, unless ``args`` ask for plan-only (whose launch starts no rank)
+    or ``one_rank`` says it trains on one rank (in the launching process, as
+    ``trainer.devices=1`` does; ask for ``stop_handlers_restored``)."""
     from hydra.core.hydra_config import HydraConfig
 
     from src.config.cli import run_cli
     from src.observe.logs import PROJECT_LOGGER, ConsoleHandler
 
     module = importlib.import_module(script.removesuffix(".py"))
-    if hasattr(module, "launch") and PLAN_ONLY not in args:
+    if hasattr(module, "launch") and PLAN_ONLY not in args and not one_rank:
 
         def launch(*_, **__):
             raise AssertionError(f"{script} {' '.join(args)}: it would train")

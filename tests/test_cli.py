@@ -17,7 +17,6 @@ from src.config.validate import validate
 from src.data.corpus import resolve_files
 from src.planner.auto import default_policy
 from tests.commands import in_process
-from tests.distributed import HANG_S
 from tests.test_config import CONF, ROOT, make_cfg
 
 
@@ -132,16 +131,12 @@ def test_help_lines_that_list_names_read_the_registries(monkeypatch):
         assert "brand_new" in key_help(schema, name), (schema, name)
 
 
-def test_help_lists_options_not_schemas_and_describes_every_key():
-    out = subprocess.run(
-        [sys.executable, "train.py", "model=llama_tiny", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
+def test_help_lists_options_not_schemas_and_describes_every_key(monkeypatch, capsys):
+    """``python train.py model=llama_tiny --help``, in-process (tests/commands.py)."""
+    code, text, err = in_process(
+        monkeypatch, capsys, "train.py", "model=llama_tiny", "--help"
     )
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
+    assert code == 0, err
     groups = text.split("== Groups (group=option) ==")[1].split("==")[0]
     assert "schema" not in groups and "base_" not in groups
     # every option of conf/data/ (a new source's YAML included), none of its schemas
