@@ -160,6 +160,16 @@ def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, cap
     ]
 
 
+def one_rank(monkeypatch, capsys, script: str, *args: str, cache: Path):
+    """:func:`tests.test_researcher_ux.run` in-process, the run on its one rank
+    (tests/commands.py; a test asks for ``stop_handlers_restored``)."""
+    import subprocess
+
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
+    code, out, err = in_process(monkeypatch, capsys, script, *args, one_rank=True)
+    return subprocess.CompletedProcess([script, *args], code, out, err)
+
+
 # ------------------------------------------------- best checkpoints, early stopping
 
 WARMUP = 4  # validations at steps <= WARMUP are not counted by early stopping
@@ -196,7 +206,7 @@ def _expected_kept(vals: dict[int, float], last: int) -> list[int]:
 
 @pytest.mark.slow
 def test_best_checkpoints_and_early_stopping_across_resume_and_branch(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
 ):
     """``trainer.keep_best=2 trainer.early_stop_patience=2``: training stops after 2
     validations without a lower val_loss (one console line, the summary, the closing
@@ -204,7 +214,8 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(
     train; ``eval.py ckpt=best`` scores the best checkpoint (its val_loss again); a
     branch from an older best keeps the best of its own timeline."""
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
-    out = run(
+    out = one_rank(
+        monkeypatch, capsys,
         "train.py", *EARLY, "trainer.early_stop_patience=2",
         f"hydra.run.dir={run_dir}", cache=cache,
     )  # fmt: skip
@@ -238,13 +249,20 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(
     assert summary["best_checkpoint"]["path"].endswith(f"step_{best:08d}")
     assert _kept(run_dir) == _expected_kept(vals, stop)
 
-    again = run(
-        "train.py", f"hydra.run.dir={run_dir}", "trainer.resume=auto", cache=cache
+    again = one_rank(
+        monkeypatch,
+        capsys,
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        "trainer.resume=auto",
+        cache=cache,
     )
     assert again.returncode == 0, again.stderr
     assert "(it stopped early: trainer.early_stop_patience=2)" in again.stdout
 
-    scored = run("eval.py", f"run={run_dir}", "ckpt=best", cache=cache)
+    scored = one_rank(
+        monkeypatch, capsys, "eval.py", f"run={run_dir}", "ckpt=best", cache=cache
+    )
     assert scored.returncode == 0, scored.stderr
     entry = json.loads((run_dir / "eval.json").read_text())[-1]
     assert entry["checkpoint"].endswith(f"step_{best:08d}")
@@ -260,7 +278,8 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(
     # A branch from the older of the two best: the set-aside timeline's best are not
     # its own; the best it keeps are those of its own val_loss.
     older = min(s for s in _kept(run_dir) if s != stop)
-    branch = run(
+    branch = one_rank(
+        monkeypatch, capsys,
         "train.py", f"hydra.run.dir={run_dir}",
         f"trainer.resume={run_dir}/checkpoints/step_{older:08d}",
         "trainer.early_stop_patience=0", f"trainer.max_steps={stop + 2}",
@@ -299,14 +318,16 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
-    tmp_path,
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
 ):
     """``data.paths=[a,b] data.weights=[3,1]``: each glob a source of its own token
     cache entry, sampled by weight; the realised shares in metrics.jsonl and the
     summary; a resume from the middle (into another run dir) gives the same losses
     and shares as the run that went through. Wrong weights: one line."""
     cache, run_dir, again = tmp_path / "cache", tmp_path / "run", tmp_path / "again"
-    out = run("train.py", *MIX, f"hydra.run.dir={run_dir}", cache=cache)
+    out = one_rank(
+        monkeypatch, capsys, "train.py", *MIX, f"hydra.run.dir={run_dir}", cache=cache
+    )
     assert out.returncode == 0, out.stderr
     record = json.loads((run_dir / "data.json").read_text())
     assert [(s["name"], s["paths"], s["weight"]) for s in record["mix"]] == [
@@ -322,7 +343,8 @@ def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
     assert 0.6 < mix["json"]["share"] < 0.9  # 128 rows drawn at 0.75
     assert {n: m["weight"] for n, m in mix.items()} == {"json": 0.75, "email": 0.25}
 
-    resumed = run(
+    resumed = one_rank(
+        monkeypatch, capsys,
         "train.py", *MIX, f"hydra.run.dir={again}",
         f"trainer.resume={run_dir}/checkpoints/step_00000004", cache=cache,
     )  # fmt: skip
