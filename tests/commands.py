@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from subprocess import CompletedProcess
 
 PLAN_ONLY = "trainer.plan_only=true"
 
@@ -56,3 +57,11 @@ def in_process(
             project.addHandler(handler)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def one_rank(monkeypatch, capsys, script: str, *args: str) -> CompletedProcess:
+    """:func:`in_process` of a command that runs on one rank (in the launching
+    process), as ``subprocess.run`` reports it (a test asks for
+    ``stop_handlers_restored``)."""
+    code, out, err = in_process(monkeypatch, capsys, script, *args, one_rank=True)
+    return CompletedProcess([script, *args], code, out, err)

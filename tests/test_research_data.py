@@ -16,6 +16,7 @@ import pytest
 from src.config.validate import validate
 from src.errors import ConfigError
 from src.trainer.launch import prepare
+from tests import commands
 from tests.commands import in_process
 from tests.records import said
 from tests.test_researcher_ux import ONE_RANK, one_config_error, run
@@ -162,12 +163,9 @@ def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, cap
 
 def one_rank(monkeypatch, capsys, script: str, *args: str, cache: Path):
     """:func:`tests.test_researcher_ux.run` in-process, the run on its one rank
-    (tests/commands.py; a test asks for ``stop_handlers_restored``)."""
-    import subprocess
-
+    (tests/commands.py)."""
     monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
-    code, out, err = in_process(monkeypatch, capsys, script, *args, one_rank=True)
-    return subprocess.CompletedProcess([script, *args], code, out, err)
+    return commands.one_rank(monkeypatch, capsys, script, *args)
 
 
 # ------------------------------------------------- best checkpoints, early stopping

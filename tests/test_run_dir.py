@@ -27,7 +27,7 @@ from src.observe.loggers import FileSink
 from src.runs.compose import resume_config, take_branch
 from src.runs.resume import RECORD, attempt_subdir
 from src.trainer.optimizer import apply_hyperparameters, lr_lambda
-from tests.commands import in_process
+from tests.commands import in_process, one_rank
 from tests.records import said
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,7 +265,9 @@ def _digest(run_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_train_then_resume_from_the_run_dir_alone(tmp_path, monkeypatch, capsys):
+def test_train_then_resume_from_the_run_dir_alone(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """``python train.py`` keeps its final checkpoint with no checkpoint key set;
     ``hydra.run.dir=DIR trainer.resume=auto`` then trains further with the run's own
     config (nothing retyped) and a changed learning rate, applied for real; a fresh
@@ -273,7 +275,11 @@ def test_train_then_resume_from_the_run_dir_alone(tmp_path, monkeypatch, capsys)
     the run's record. (A model change refused: tests/test_faults.py's damaged
     checkpoint test, and in-process above.)"""
     where = f"hydra.run.dir={tmp_path}"
-    first = _train(
+
+    def train(*args: str) -> subprocess.CompletedProcess:  # one rank, in-process
+        return one_rank(monkeypatch, capsys, "train.py", *args)
+
+    first = train(
         *RUN,
         "trainer.max_steps=4",
         "trainer.devices=1",
@@ -290,7 +296,7 @@ def test_train_then_resume_from_the_run_dir_alone(tmp_path, monkeypatch, capsys)
 
     more = [where, "trainer.resume=auto", "trainer.max_steps=6"]
     more += ["trainer.resume_schedule=extend", "trainer.lr=0.03"]
-    resumed = _train(*more)
+    resumed = train(*more)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-3000:]
     assert "  trainer.lr: 0.003 -> 0.03" in out
@@ -802,7 +808,9 @@ def _run_files(run_dir: Path) -> dict[str, bytes | None]:
 
 
 @pytest.mark.slow
-def test_a_run_dir_holds_one_timeline(tmp_path):
+def test_a_run_dir_holds_one_timeline(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """Issue 48 item 2's repros, one rank each: a run to step 6 (a checkpoint each
     step); a resume of its step 2 with keep_last=1 killed in step 4 sets steps 3-6
     aside, and resume=auto then goes on with the branch (keep_last had kept the
@@ -810,10 +818,14 @@ def test_a_run_dir_holds_one_timeline(tmp_path):
     completed run without its last checkpoint says it completed. (Another run's
     checkpoint into a dir holding a run, refused untouched: in-process,
     test_another_runs_checkpoint_into_a_dir_holding_a_run_is_refused.)"""
+
+    def train(*args: str) -> subprocess.CompletedProcess:  # in-process
+        return one_rank(monkeypatch, capsys, "train.py", *args)
+
     run = tmp_path / "A"
     base = [*RUN, "trainer.devices=1", "trainer.progress=false"]
     base += ["trainer.log_every=1", "trainer.peak_tflops=1"]
-    first = _train(
+    first = train(
         *base, "trainer.ckpt_every=1", "trainer.keep_last=10", f"hydra.run.dir={run}"
     )
     assert first.returncode == 0, first.stderr[-2000:]
@@ -848,7 +860,7 @@ def test_a_run_dir_holds_one_timeline(tmp_path):
     assert (branch / "metrics.jsonl").read_text() == "".join(rows[3:])
     aside = _files(branch)
 
-    auto = _train(f"hydra.run.dir={run}", "trainer.resume=auto")
+    auto = train(f"hydra.run.dir={run}", "trainer.resume=auto")
     out = auto.stdout + auto.stderr
     assert auto.returncode == 0, out[-2000:]
     assert "branch" not in out and "dropped" not in out and "nothing" not in out
@@ -861,31 +873,23 @@ def test_a_run_dir_holds_one_timeline(tmp_path):
 
     done = tmp_path / "C"
     before = _run_files(done)
-    again = _train(f"hydra.run.dir={done}", "trainer.resume=auto")
+    again = train(f"hydra.run.dir={done}", "trainer.resume=auto")
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.startswith(f"nothing to train: {done} completed its 6 steps")
     assert _run_files(done) == before
 
 
-def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, script, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 @pytest.mark.slow
-def test_a_run_keeps_its_data_and_tokenizer(tmp_path, monkeypatch, capsys):
+def test_a_run_keeps_its_data_and_tokenizer(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """Issue 48 item 1's repros on a BPE run: its corpus rewritten (size and mtime
     kept) and a file added, the resume is refused in one line naming both, before
     anything is tokenized or recorded; eval.py scores the changed files but says so
     and records run_data=false (and names the damaged checkpoint it passes over);
     with the corpus and the BPE cache deleted sample.py decodes with the run's own
     tokenizer file (never trained again); a tokenizer file that is not the run's is
-    refused naming it. (The refusals: the command in-process, tests/commands.py.)"""
+    refused naming it. (Each command in-process, tests/commands.py.)"""
     corpus, cache, run = tmp_path / "corpus", tmp_path / "cache", tmp_path / "run"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
@@ -894,8 +898,8 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path, monkeypatch, capsys):
         (corpus / f"{i}.txt").write_text("\n".join(lines))
     data = ["data=files", f"data.paths={corpus}/*.txt", f"data.cache_dir={cache}"]
     data += ["data.tokenizer=bpe", "data.bpe_vocab_size=300"]
-    first = _train(
-        *RUN[:1], "logger=none", *data, "trainer.max_steps=2", "trainer.devices=1",
+    first = one_rank(
+        monkeypatch, capsys, "train.py", *RUN[:1], "logger=none", *data, "trainer.max_steps=2", "trainer.devices=1",
         "trainer.progress=false", "trainer.ckpt_every=1", f"hydra.run.dir={run}",
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
@@ -926,7 +930,7 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path, monkeypatch, capsys):
     newest = run / "checkpoints" / "step_00000002"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-1] + b"?")  # damaged: skipped, and said
-    scored = _tool("eval.py", f"run={run}", "batches=1")
+    scored = one_rank(monkeypatch, capsys, "eval.py", f"run={run}", "batches=1")
     assert scored.returncode == 0, scored.stderr[-2000:]
     assert "eval: the run's data changed since it trained on it: " in scored.stdout
     assert (
@@ -940,7 +944,7 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path, monkeypatch, capsys):
     for bpe in cache.glob("bpe-*"):
         bpe.unlink()
     sample = ["max_new_tokens=4", "num_samples=1", "prompt=alpha beta"]
-    sampled = _tool("sample.py", f"run={run}", *sample)
+    sampled = one_rank(monkeypatch, capsys, "sample.py", f"run={run}", *sample)
     assert sampled.returncode == 0, sampled.stderr[-2000:]
     assert "\nalpha beta" in sampled.stdout
     assert not list(cache.glob("bpe-*"))  # read from the run, not trained again
