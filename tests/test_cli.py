@@ -16,7 +16,7 @@ from src.config.run_plan import resolve, with_overrides
 from src.config.validate import validate
 from src.data.corpus import resolve_files
 from src.planner.auto import default_policy
-from tests.distributed import HANG_S
+from tests.commands import in_process
 from tests.test_config import CONF, ROOT, make_cfg
 
 
@@ -59,26 +59,17 @@ def test_home_paths_as_the_docs_write_them(tmp_path, monkeypatch):
     assert quote_paths(kept) == kept
 
 
-def test_home_path_reaches_the_check_that_names_it(tmp_path, monkeypatch):
-    """End to end through train.py: the documented form reaches validation, which
-    names the expanded directory (nothing there), instead of Hydra's lexer error."""
+def test_home_path_reaches_the_check_that_names_it(tmp_path, monkeypatch, capsys):
+    """End to end through train.py (in-process, tests/commands.py): the documented
+    form reaches validation, which names the expanded directory (nothing there),
+    instead of Hydra's lexer error."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "model=hf",
-            "model.pretrained=~/ckpt/my-llama",
-            "trainer.plan_only=true",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
+    code, _, err = in_process(
+        monkeypatch, capsys, "train.py", "model=hf", "model.pretrained=~/ckpt/my-llama",
+        "trainer.plan_only=true", f"hydra.run.dir={tmp_path}/run",
+    )  # fmt: skip
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"config error: model.pretrained: no such directory '{tmp_path}/ckpt/my-llama'"
     ]
 
@@ -140,16 +131,12 @@ def test_help_lines_that_list_names_read_the_registries(monkeypatch):
         assert "brand_new" in key_help(schema, name), (schema, name)
 
 
-def test_help_lists_options_not_schemas_and_describes_every_key():
-    out = subprocess.run(
-        [sys.executable, "train.py", "model=llama_tiny", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
+def test_help_lists_options_not_schemas_and_describes_every_key(monkeypatch, capsys):
+    """``python train.py model=llama_tiny --help``, in-process (tests/commands.py)."""
+    code, text, err = in_process(
+        monkeypatch, capsys, "train.py", "model=llama_tiny", "--help"
     )
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
+    assert code == 0, err
     groups = text.split("== Groups (group=option) ==")[1].split("==")[0]
     assert "schema" not in groups and "base_" not in groups
     # every option of conf/data/ (a new source's YAML included), none of its schemas
@@ -247,22 +234,19 @@ def test_ctrl_c_while_a_command_imports_is_one_line():
     assert run.stderr == "stopped by SIGINT while starting; nothing to resume\n"
 
 
-def test_unparseable_prompt_says_how_to_quote_it(tmp_path):
+def test_unparseable_prompt_says_how_to_quote_it(tmp_path, monkeypatch, capsys):
     """``sample.py prompt="def main("`` (the shell drops the quotes) is one line that
-    gives the form that works; that form parses and keeps the prompt as it was."""
+    gives the form that works (sample.py in-process, tests/commands.py); that form
+    parses and keeps the prompt as it was."""
     import shlex
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    out = subprocess.run(
-        [sys.executable, "sample.py", f"run={tmp_path}", "prompt=def main("],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
+    code, _, err = in_process(
+        monkeypatch, capsys, "sample.py", f"run={tmp_path}", "prompt=def main("
     )
-    assert out.returncode == 2
-    (line,) = out.stderr.strip().splitlines()
+    assert code == 2
+    (line,) = err.strip().splitlines()
     assert "Error parsing override" in line and "quote" in line
     suggested = line.rpartition(": ")[2]
     assert suggested == "'prompt=\"def main(\"'"

@@ -17,6 +17,7 @@ from src.config.run_plan import resolve_devices
 from src.config.validate import refuse_null_groups, reject_non_finite, validate
 from src.harness import compose_config
 from src.sharding.policies import policy_names
+from tests.commands import in_process
 from tests.distributed import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +212,6 @@ def run_train(*args: str, timeout: float = HANG_S, cwd: Path = ROOT):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "key"),
     [
@@ -220,13 +220,19 @@ def run_train(*args: str, timeout: float = HANG_S, cwd: Path = ROOT):
         ("sharding.exclude_wrap_modules=[torch.nn.LayerNom]", "sharding.exclude"),
     ],
 )
-def test_cli_config_error_is_one_line_on_stderr(override, key, tmp_path):
-    out = run_train(override, f"hydra.run.dir={tmp_path}/run")
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1, out.stderr
+def test_cli_config_error_is_one_line_on_stderr(
+    override, key, tmp_path, monkeypatch, capsys
+):
+    """train.py in-process (tests/commands.py); a real process's one line:
+    test_faults.py, test_run_dir.py."""
+    code, out, err = in_process(
+        monkeypatch, capsys, "train.py", override, f"hydra.run.dir={tmp_path}/run"
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith(f"config error: {key}")
-    assert "Traceback" not in out.stderr + out.stdout
+    assert "Traceback" not in err + out
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -274,23 +280,22 @@ def test_every_registry_refuses_a_taken_name():
         register(get_spec("gpt"))
 
 
-@pytest.mark.slow
-def test_an_option_whose_yaml_does_not_name_itself_says_so(tmp_path):
+def test_an_option_whose_yaml_does_not_name_itself_says_so(
+    tmp_path, monkeypatch, capsys
+):
     """A new option's YAML (here on Hydra's search path) that leaves out the key
     naming it (``data.name``) fails in one line naming that key and the option, not
-    as "an internal schema was picked"."""
+    as "an internal schema was picked" (train.py in-process, tests/commands.py)."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.yaml").write_text(
         "defaults:\n  - base_synthetic\n  - _self_\nnum_tokens: 20000\n"
     )
-    run = run_train(
-        f"hydra.searchpath=[file://{tmp_path}]",
-        "data=mine",
-        "trainer.plan_only=true",
-        f"hydra.run.dir={tmp_path}/run",
-    )
-    assert run.returncode == 2
-    assert run.stderr.strip().splitlines() == [
+    code, _, err = in_process(
+        monkeypatch, capsys, "train.py", f"hydra.searchpath=[file://{tmp_path}]",
+        "data=mine", "trainer.plan_only=true", f"hydra.run.dir={tmp_path}/run",
+    )  # fmt: skip
+    assert code == 2
+    assert err.strip().splitlines() == [
         "config error: data.name: not set by the data=mine option; its YAML must set "
         "it (docs/architecture.md, Where to add)"
     ]

@@ -53,8 +53,8 @@ from src.config.cli import CONFIG_ERRORS, one_line, quote_paths
 from src.config.run_plan import OVERRIDES
 from src.config.validate import validate
 from src.trainer.launch import override_keys
+from tests.commands import in_process
 from tests.distributed import run_distributed
-from tests.test_config import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -717,11 +717,12 @@ def test_shown_output_is_what_the_command_prints(command, prepared, real_runs):
     assert shown_mismatches(command.output, printed) == [], printed
 
 
-def test_the_composed_config_prints():
-    """``python train.py --cfg job`` (README), as a user runs it."""
-    out = run_train("--cfg", "job", timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "trainer:\n" in out.stdout and "max_steps: 300" in out.stdout
+def test_the_composed_config_prints(monkeypatch, capsys):
+    """``python train.py --cfg job`` (README), as a user runs it (in-process:
+    tests/commands.py)."""
+    code, out, err = in_process(monkeypatch, capsys, "train.py", "--cfg", "job")
+    assert code == 0, err[-3000:]
+    assert "trainer:\n" in out and "max_steps: 300" in out
 
 
 def test_python_blocks_import_what_exists_and_md_files_named_exist():

@@ -209,28 +209,27 @@ def test_expert_parallel_equals_one_rank_and_checkpoints_cross_layouts(tmp_path)
         torch.testing.assert_close(ep_w[k], w, rtol=0, atol=1e-4, msg=k)
 
 
-def test_selective_checkpointing_with_ep_refusal_names_what_works(tmp_path):
+def test_selective_checkpointing_with_ep_refusal_names_what_works(
+    tmp_path, monkeypatch, capsys
+):
     """``sharding.activation_checkpointing=selective`` with expert parallelism: the
     refusal's advice does not loop (no sharding.policy=block, which EP's expert unit
-    ignores); each thing it names plans (issue 57 item 14)."""
-    import subprocess
-    import sys
+    ignores); each thing it names plans (issue 57 item 14). train.py plan-only,
+    in-process (tests/commands.py)."""
+    from tests.commands import in_process
 
-    from tests.test_config import ROOT
-
-    def plan(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "train.py", "model=moe_tiny", "trainer.devices=2",
-             "trainer.plan_only=true", "logger=none", *args,
-             f"hydra.run.dir={tmp_path}/{len(args)}{args[-1][-4:]}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
+    def plan(*args: str) -> tuple[int, str, str]:
+        return in_process(
+            monkeypatch, capsys, "train.py", "model=moe_tiny", "trainer.devices=2",
+            "trainer.plan_only=true", "logger=none", *args,
+            f"hydra.run.dir={tmp_path}/{len(args)}{args[-1][-4:]}",
         )  # fmt: skip
 
     ep, selective = "sharding.expert_parallel=2", "sharding.activation_checkpointing"
-    out = plan(ep, f"{selective}=selective")
-    assert out.returncode == 2
-    (line,) = out.stderr.strip().splitlines()
+    code, _, err = plan(ep, f"{selective}=selective")
+    assert code == 2
+    (line,) = err.strip().splitlines()
     assert "sharding.policy=block" not in line
     assert f"set {selective}=full" in line and "sharding.expert_parallel=1" in line
-    assert plan(ep, f"{selective}=full").returncode == 0
-    assert plan("sharding.expert_parallel=1", f"{selective}=selective").returncode == 0
+    assert plan(ep, f"{selective}=full")[0] == 0
+    assert plan("sharding.expert_parallel=1", f"{selective}=selective")[0] == 0

@@ -393,13 +393,17 @@ def test_fuzz_checkpoints(checkpoint, tmp_path):
 # ------------------------------------------------------- the command lines
 
 
-def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
+def test_forged_checkpoints_refused_by_train_sample_and_eval(
+    tmp_path, monkeypatch, capsys
+):
     """A run's checkpoint forged (an index pickle reaching os.system through a
     dotted name, the same through ``planner``, a bytes entry whose bytes are a
     pickle, a tensor's bytes that are a pickle; a recorded config naming a directory
     of code with model.trust_remote_code=true), each resealed:
     ``train.py trainer.resume=auto``, ``sample.py`` and ``eval.py`` refuse it in one
-    line and the payload never runs."""
+    line and the payload never runs. (train.py's rank refuses it, in a process of
+    its own; sample.py and eval.py run in-process, tests/commands.py.)"""
+    from tests.commands import in_process
     from tests.test_hf_inputs import custom_code_dir
     from tests.test_research_loop import train_run
     from tests.test_train import run_cmd
@@ -467,9 +471,13 @@ def test_forged_checkpoints_refused_by_train_sample_and_eval(tmp_path):
             args.append(f"hydra.run.dir={run_dir}")
         else:
             args = [f"{command}.py", f"run={run_dir}"]
-        out = run_cmd([sys.executable, *args], timeout=HANG_S)
-        text = out.stdout + out.stderr
-        assert out.returncode != 0 and "Traceback" not in text, text
+        if command == "train":
+            out = run_cmd([sys.executable, *args], timeout=HANG_S)
+            status, text = out.returncode, out.stdout + out.stderr
+        else:
+            status, *printed = in_process(monkeypatch, capsys, *args)
+            text = "".join(printed)
+        assert status != 0 and "Traceback" not in text, text
         lines = [ln for ln in text.splitlines() if "step_00000002" in ln]
         assert len(lines) == 1 and any(s in lines[0] for s in said), text
         assert not marker.exists(), f"{command}: the payload ran"

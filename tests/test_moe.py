@@ -19,7 +19,7 @@ from src.models.moe import (
     init_tensor,
     moe_layers,
 )
-from tests.test_config import assert_fails_naming, config_error, run_train
+from tests.test_config import assert_fails_naming, config_error
 
 CFG = dict(
     dim=32,
@@ -359,21 +359,27 @@ def test_a_collapsed_layer_is_said_once_after_its_windows():
     assert RoutingWatch().metrics() == {}  # a dense model logs no such column
 
 
-def test_a_run_whose_routing_collapses_says_so_in_its_log_and_summary(tmp_path):
+def test_a_run_whose_routing_collapses_says_so_in_its_log_and_summary(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """moe_tiny without balancing collapses in its warmup (one expert takes every
     token: 4.00x its share, 8 experts top 2): the run says so, once per layer, in
     train.log and summary.json (``routing_collapse``), and logs
-    ``moe/collapsed_layers``."""
+    ``moe/collapsed_layers``. (train.py on its one rank, in-process:
+    tests/commands.py.)"""
     import json
 
-    out = run_train(
+    from tests.commands import in_process
+
+    code, out, err = in_process(
+        monkeypatch, capsys, "train.py",
         "model=moe_tiny", "model.load_balance=none", "trainer.devices=1",
         "trainer.max_steps=12", "trainer.log_every=4", "trainer.warmup_steps=4",
         "trainer.val_every=0", "logger=none", "trainer.progress=false",
-        f"hydra.run.dir={tmp_path}",
+        f"hydra.run.dir={tmp_path}", one_rank=True,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    printed = (out.stdout + out.stderr).splitlines()
+    assert code == 0, err[-3000:]
+    printed = (out + err).splitlines()
     said = [ln for ln in printed if "MoE routing collapsed" in ln]
     assert len(said) == 2, printed[-30:]
     for layer, line in enumerate(said):

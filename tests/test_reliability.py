@@ -26,6 +26,7 @@ from src.trainer.faults import (
     stopped_at_once,
 )
 from src.trainer.launch import _quiet_launcher_logs, preflight
+from tests.commands import in_process
 from tests.records import said
 
 
@@ -211,31 +212,24 @@ def test_a_full_disk_at_start_up_is_one_line_with_the_free_space(tmp_path, monke
     )
 
 
-def test_no_run_bigger_than_the_machine(tmp_path):
+def test_no_run_bigger_than_the_machine(tmp_path, monkeypatch, capsys):
     """Issue 48 item 5: model=gpt_70b on this machine is refused before any rank
-    starts, in one line with the planner's figure, this machine's memory and the
-    cheapest fit (none here); the tiny model fits, and trainer.memory_check=false
-    insists; ranks far past the cores are said, as many as twice them are not."""
-    import subprocess
-    import sys
-
+    starts (train.py in-process, tests/commands.py), in one line with the planner's
+    figure, this machine's memory and the cheapest fit (none here); the tiny model
+    fits, and trainer.memory_check=false insists; ranks far past the cores are
+    said, as many as twice them are not."""
     from src.config.validate import validate
     from src.harness import compose_config
     from src.planner.constants import available_memory
     from src.planner.run import machine_check, oversubscribed
     from src.planner.run_estimate import estimate_plan
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    big = subprocess.run(
-        [sys.executable, "train.py", "model=gpt_70b", "logger=none"]
-        + ["trainer.progress=false", f"hydra.run.dir={tmp_path}/big"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert big.returncode == 2, big.stderr[-2000:]
-    (line,) = big.stderr.splitlines()
+    code, _, err = in_process(
+        monkeypatch, capsys, "train.py", "model=gpt_70b", "logger=none",
+        "trainer.progress=false", f"hydra.run.dir={tmp_path}/big",
+    )  # fmt: skip
+    assert code == 2, err[-2000:]
+    (line,) = err.splitlines()
     assert line.startswith(
         "config error: trainer.memory_check: the planner's estimate of this run, "
     )

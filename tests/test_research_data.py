@@ -16,21 +16,25 @@ import pytest
 from src.config.validate import validate
 from src.errors import ConfigError
 from src.trainer.launch import prepare
+from tests import commands
+from tests.commands import in_process
 from tests.records import said
 from tests.test_researcher_ux import ONE_RANK, one_config_error, run
 from tests.test_train import make_cfg
 
 
-@pytest.mark.slow
-def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
+def test_a_split_too_small_is_named_before_any_rank_for_every_source(
+    tmp_path, monkeypatch, capsys
+):
     """``data=synthetic`` and ``data=tokens`` had no split-size check: a split
     smaller than one window stopped inside a rank (``ValueError: data.num_tokens:
-    split has 19 tokens``). Now one line naming the key that sizes it."""
-    cache = tmp_path / "cache"
+    split has 19 tokens``). Now one line naming the key that sizes it (train.py
+    in-process up to its refusal, tests/commands.py)."""
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(tmp_path / "cache"))
     args = [*ONE_RANK, "data=synthetic", "data.num_tokens=20000"]
-    out = run(
-        "train.py", *args, "data.val_fraction=0.001", f"hydra.run.dir={tmp_path}/a",
-        cache=cache,
+    out = in_process(
+        monkeypatch, capsys, "train.py", *args, "data.val_fraction=0.001",
+        f"hydra.run.dir={tmp_path}/a",
     )  # fmt: skip
     line = one_config_error(out)
     assert line.startswith(
@@ -39,23 +43,23 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(tmp_path):
     )
     assert not (tmp_path / "a" / "ranks").exists()  # no rank started
 
-    def refused(*overrides: str) -> str:
+    def refusal(*overrides: str) -> str:
         cfg = make_cfg(*overrides)
         with pytest.raises(ConfigError) as err:
             validate(cfg)  # as train.py does, before prepare
             prepare(cfg, set())
         return str(err.value)
 
-    line = refused("data=synthetic", "data.num_tokens=40")
+    line = refusal("data=synthetic", "data.num_tokens=40")
     assert line.startswith("data.num_tokens: the training split has 38 tokens, fewer")
     good, short = tmp_path / "train.bin", tmp_path / "val.bin"
     np.arange(1000, dtype=np.uint16).tofile(good)
     np.arange(30, dtype=np.uint16).tofile(short)
     tokens = ["data=tokens", f"data.train_path={good}", f"data.val_path={short}"]
-    line = refused(*tokens)
+    line = refusal(*tokens)
     assert line.startswith("data.val_path: the validation split has 30 tokens, fewer")
     (tmp_path / "odd.bin").write_bytes(b"abc")
-    line = refused(*tokens[:2], f"data.val_path={tmp_path}/odd.bin")
+    line = refusal(*tokens[:2], f"data.val_path={tmp_path}/odd.bin")
     assert line.startswith("data.val_path: ") and "has 3 bytes" in line
     cfg = make_cfg("data=synthetic", "data.num_tokens=20000", "data.val_fraction=0")
     prepare(cfg, set())  # no validation split: nothing to check
@@ -157,6 +161,13 @@ def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, cap
     ]
 
 
+def one_rank(monkeypatch, capsys, script: str, *args: str, cache: Path):
+    """:func:`tests.test_researcher_ux.run` in-process, the run on its one rank
+    (tests/commands.py)."""
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
+    return commands.one_rank(monkeypatch, capsys, script, *args)
+
+
 # ------------------------------------------------- best checkpoints, early stopping
 
 WARMUP = 4  # validations at steps <= WARMUP are not counted by early stopping
@@ -192,14 +203,17 @@ def _expected_kept(vals: dict[int, float], last: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_best_checkpoints_and_early_stopping_across_resume_and_branch(tmp_path):
+def test_best_checkpoints_and_early_stopping_across_resume_and_branch(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """``trainer.keep_best=2 trainer.early_stop_patience=2``: training stops after 2
     validations without a lower val_loss (one console line, the summary, the closing
     line); the 2 best checkpoints survive ``keep_last=1``; a resume has nothing to
     train; ``eval.py ckpt=best`` scores the best checkpoint (its val_loss again); a
     branch from an older best keeps the best of its own timeline."""
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
-    out = run(
+    out = one_rank(
+        monkeypatch, capsys,
         "train.py", *EARLY, "trainer.early_stop_patience=2",
         f"hydra.run.dir={run_dir}", cache=cache,
     )  # fmt: skip
@@ -233,26 +247,37 @@ def test_best_checkpoints_and_early_stopping_across_resume_and_branch(tmp_path):
     assert summary["best_checkpoint"]["path"].endswith(f"step_{best:08d}")
     assert _kept(run_dir) == _expected_kept(vals, stop)
 
-    again = run(
-        "train.py", f"hydra.run.dir={run_dir}", "trainer.resume=auto", cache=cache
+    again = one_rank(
+        monkeypatch,
+        capsys,
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        "trainer.resume=auto",
+        cache=cache,
     )
     assert again.returncode == 0, again.stderr
     assert "(it stopped early: trainer.early_stop_patience=2)" in again.stdout
 
-    scored = run("eval.py", f"run={run_dir}", "ckpt=best", cache=cache)
+    scored = one_rank(
+        monkeypatch, capsys, "eval.py", f"run={run_dir}", "ckpt=best", cache=cache
+    )
     assert scored.returncode == 0, scored.stderr
     entry = json.loads((run_dir / "eval.json").read_text())[-1]
     assert entry["checkpoint"].endswith(f"step_{best:08d}")
     assert entry["loss"] == pytest.approx(vals[best], abs=1e-5)
-    line = one_config_error(
-        run("eval.py", f"run={entry['checkpoint']}", "ckpt=best", cache=cache)
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
+    line = one_config_error(  # in-process up to its refusal (tests/commands.py)
+        in_process(
+            monkeypatch, capsys, "eval.py", f"run={entry['checkpoint']}", "ckpt=best"
+        )
     )
     assert line.startswith("ckpt: best picks among a run's checkpoints")
 
     # A branch from the older of the two best: the set-aside timeline's best are not
     # its own; the best it keeps are those of its own val_loss.
     older = min(s for s in _kept(run_dir) if s != stop)
-    branch = run(
+    branch = one_rank(
+        monkeypatch, capsys,
         "train.py", f"hydra.run.dir={run_dir}",
         f"trainer.resume={run_dir}/checkpoints/step_{older:08d}",
         "trainer.early_stop_patience=0", f"trainer.max_steps={stop + 2}",
@@ -291,14 +316,16 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
-    tmp_path,
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
 ):
     """``data.paths=[a,b] data.weights=[3,1]``: each glob a source of its own token
     cache entry, sampled by weight; the realised shares in metrics.jsonl and the
     summary; a resume from the middle (into another run dir) gives the same losses
     and shares as the run that went through. Wrong weights: one line."""
     cache, run_dir, again = tmp_path / "cache", tmp_path / "run", tmp_path / "again"
-    out = run("train.py", *MIX, f"hydra.run.dir={run_dir}", cache=cache)
+    out = one_rank(
+        monkeypatch, capsys, "train.py", *MIX, f"hydra.run.dir={run_dir}", cache=cache
+    )
     assert out.returncode == 0, out.stderr
     record = json.loads((run_dir / "data.json").read_text())
     assert [(s["name"], s["paths"], s["weight"]) for s in record["mix"]] == [
@@ -314,7 +341,8 @@ def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
     assert 0.6 < mix["json"]["share"] < 0.9  # 128 rows drawn at 0.75
     assert {n: m["weight"] for n, m in mix.items()} == {"json": 0.75, "email": 0.25}
 
-    resumed = run(
+    resumed = one_rank(
+        monkeypatch, capsys,
         "train.py", *MIX, f"hydra.run.dir={again}",
         f"trainer.resume={run_dir}/checkpoints/step_00000004", cache=cache,
     )  # fmt: skip

@@ -25,6 +25,7 @@ from src.data.sources import prepare_data, tokenizer_of
 from src.observe.logs import capture_warnings
 from src.registry import key_help
 from src.trainer.optimizer import final_lr, lr_lambda
+from tests.commands import in_process
 from tests.distributed import HANG_S
 from tests.records import records, said
 from tests.test_config import assert_fails_naming, make_cfg
@@ -54,40 +55,49 @@ def run(script: str, *args: str, cache: Path) -> subprocess.CompletedProcess:
     )
 
 
-def one_config_error(out: subprocess.CompletedProcess) -> str:
-    """The one line a refused command prints (exit status 2)."""
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2, out.stderr + out.stdout
-    assert len(lines) == 1 and lines[0].startswith("config error: "), out.stderr
-    assert "Traceback" not in out.stderr + out.stdout
+def one_config_error(out: subprocess.CompletedProcess | tuple[int, str, str]) -> str:
+    """The one line a refused command prints (exit status 2); ``out``: a process,
+    or :func:`tests.commands.in_process`'s (status, stdout, stderr)."""
+    code, stdout, stderr = (
+        out if isinstance(out, tuple) else (out.returncode, out.stdout, out.stderr)
+    )
+    lines = stderr.strip().splitlines()
+    assert code == 2, stderr + stdout
+    assert len(lines) == 1 and lines[0].startswith("config error: "), stderr
+    assert "Traceback" not in stderr + stdout
     return lines[0].removeprefix("config error: ")
 
 
-@pytest.mark.slow
-def test_mistakes_are_one_line_naming_the_key_and_the_fix(tmp_path):
-    cache = tmp_path / "cache"
-    line = one_config_error(run("train.py", "model=tinyy", cache=cache))
+def test_mistakes_are_one_line_naming_the_key_and_the_fix(
+    tmp_path, monkeypatch, capsys
+):
+    """Each command run in-process up to its refusal (tests/commands.py)."""
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(tmp_path / "cache"))
+
+    def command(script: str, *args: str) -> tuple[int, str, str]:
+        return in_process(monkeypatch, capsys, script, *args)
+
+    line = one_config_error(command("train.py", "model=tinyy"))
     real = [o for o in user_options("model") if not is_schema_option(o)]
     assert line == f"model: no option 'tinyy', expected one of: {', '.join(real)}"
     assert "base_gpt" not in line and "llama3_1b" in line
 
     line = one_config_error(
-        run("eval.py", f"run={tmp_path}", "data.paths=/x/*.txt", cache=cache)
+        command("eval.py", f"run={tmp_path}", "data.paths=/x/*.txt")
     )
     assert line.startswith("data.paths: no data= option is chosen to hold it: add ")
     assert "data=files" in line
 
     missing = tmp_path / "no" / "such" / "step_00000100"
     args = [f"hydra.run.dir={tmp_path}/a", f"trainer.resume={missing}"]
-    line = one_config_error(run("train.py", *args, cache=cache))
+    line = one_config_error(command("train.py", *args))
     assert line == f"trainer.resume: '{missing}': no such file or directory"
 
     # Too small a validation split: named before any rank starts (it was a
     # ValueError inside a rank naming neither the split nor the key).
     args = ["model=tiny", "trainer.progress=false", "data=files", JSON_CORPUS]
     args.append("data.val_fraction=0.0005")
-    out = run("train.py", *args, f"hydra.run.dir={tmp_path}/b", cache=cache)
-    line = one_config_error(out)
+    line = one_config_error(command("train.py", *args, f"hydra.run.dir={tmp_path}/b"))
     assert line.startswith(
         "data.val_fraction: 0.0005 gives a validation split of 24 tokens, fewer "
         "than one window (a window is the model's sequence length + 1 = 65 tokens)"
@@ -97,7 +107,9 @@ def test_mistakes_are_one_line_naming_the_key_and_the_fix(tmp_path):
 
 
 @pytest.mark.slow
-def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
+def test_no_validation_split_and_tokens_seen_across_a_resume(
+    tmp_path, monkeypatch, capsys
+):
     """``data.val_fraction=0`` trains without validation, said at the start and in
     the summary; ``tokens_seen`` counts every step's tokens across a resume that
     halves the batch (metrics.jsonl, summary, closing line, wandb's x-axis); eval.py
@@ -163,7 +175,10 @@ def test_no_validation_split_and_tokens_seen_across_a_resume(tmp_path):
     history = [r["history"]["item"] for r in records if r.get("type") == "history"]
     assert history[-1]["train/tokens_seen"] == 5120
 
-    line = one_config_error(run("eval.py", f"run={run_dir}", cache=cache))
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(cache))
+    line = one_config_error(
+        in_process(monkeypatch, capsys, "eval.py", f"run={run_dir}")
+    )
     assert line.startswith("data.val_fraction: 0: there is no validation split")
 
     # compare.py, run from elsewhere, shows what the resume changed as columns (issue

@@ -27,6 +27,7 @@ from src.observe.loggers import FileSink
 from src.runs.compose import resume_config, take_branch
 from src.runs.resume import RECORD, attempt_subdir
 from src.trainer.optimizer import apply_hyperparameters, lr_lambda
+from tests.commands import in_process, one_rank
 from tests.records import said
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +120,11 @@ def test_a_change_the_checkpoint_cannot_take_is_refused_naming_the_key(
 
 
 def test_max_steps_changes_with_resume_schedule_extend(run_dir):
+    """Refused without extend, saying how; taken with it."""
+    with pytest.raises(ConfigError) as err:
+        _resume(run_dir, "trainer.resume=auto", "trainer.max_steps=9")
+    assert str(err.value).startswith("trainer.max_steps: got 9, but")
+    assert "trainer.max_steps=6" in str(err.value)
     cfg, _ = _resume(
         run_dir,
         "trainer.resume=auto",
@@ -259,14 +265,21 @@ def _digest(run_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_train_then_resume_from_the_run_dir_alone(tmp_path):
+def test_train_then_resume_from_the_run_dir_alone(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """``python train.py`` keeps its final checkpoint with no checkpoint key set;
     ``hydra.run.dir=DIR trainer.resume=auto`` then trains further with the run's own
     config (nothing retyped) and a changed learning rate, applied for real; a fresh
-    start there and a model change are refused in one line before any rank starts;
-    no attempt rewrites the run's record."""
+    start there is refused in one line before any rank starts; no attempt rewrites
+    the run's record. (A model change refused: tests/test_faults.py's damaged
+    checkpoint test, and in-process above.)"""
     where = f"hydra.run.dir={tmp_path}"
-    first = _train(
+
+    def train(*args: str) -> subprocess.CompletedProcess:  # one rank, in-process
+        return one_rank(monkeypatch, capsys, "train.py", *args)
+
+    first = train(
         *RUN,
         "trainer.max_steps=4",
         "trainer.devices=1",
@@ -283,7 +296,7 @@ def test_train_then_resume_from_the_run_dir_alone(tmp_path):
 
     more = [where, "trainer.resume=auto", "trainer.max_steps=6"]
     more += ["trainer.resume_schedule=extend", "trainer.lr=0.03"]
-    resumed = _train(*more)
+    resumed = train(*more)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-3000:]
     assert "  trainer.lr: 0.003 -> 0.03" in out
@@ -297,15 +310,12 @@ def test_train_then_resume_from_the_run_dir_alone(tmp_path):
     cfg = compose_config(*RUN, "trainer.lr=0.03")
     assert rows[5]["lr"] == pytest.approx(0.03 * lr_lambda(cfg)(4))
 
-    fresh = _train(where)
-    assert fresh.returncode == 2
-    assert fresh.stderr.strip().startswith("config error: trainer.resume: null, but")
-    assert len(fresh.stderr.strip().splitlines()) == 1
-    other = _train(where, "trainer.resume=auto", "model.n_layer=1")
-    assert other.returncode == 2
-    assert "config error: model.n_layer: 2 was recorded by checkpoint" in other.stderr
+    code, _, err = in_process(monkeypatch, capsys, "train.py", where)  # in-process
+    assert code == 2
+    assert err.strip().startswith("config error: trainer.resume: null, but")
+    assert len(err.strip().splitlines()) == 1
     assert _digest(tmp_path) == record
-    assert len(list((tmp_path / RECORD / "attempts").iterdir())) == 3
+    assert len(list((tmp_path / RECORD / "attempts").iterdir())) == 2
 
 
 def test_eval_says_its_split_and_scores_all_of_given_data():
@@ -399,6 +409,12 @@ def test_an_unwritable_dir_is_one_line_naming_the_key_before_hydra_logs(
     assert code == 2
     assert line.startswith(f"config error: {key}: ") and "\n" not in line, line
     assert f"set {key} to a writable directory" in line
+    if args == [f"hydra.run.dir={tmp_path}/file/run"]:
+        assert line == (
+            f"config error: hydra.run.dir: the run writes to {tmp_path}/file/run: "
+            f"{tmp_path}/file is not a directory; set hydra.run.dir to a writable "
+            "directory"
+        )
     if env.get("HOME"):
         assert f"(or HOME, {env['HOME']}: it is there by default)" in line
     assert not (run_dir / "train.log").exists() and not (run_dir / ".hydra").exists()
@@ -534,14 +550,17 @@ def _files(directory: Path) -> dict[str, bytes | None]:
 
 
 @pytest.mark.slow
-def test_a_command_writes_nothing_into_a_run_it_does_not_own(tmp_path):
+def test_a_command_writes_nothing_into_a_run_it_does_not_own(
+    tmp_path, monkeypatch, capsys
+):
     """Issue 48 item 3: a run dir is written only once its lock is held, and never
     inside another run. A resume, and a fresh start with other data, of a run dir
     in use are refused in one line with nothing in the run dir written (data.json
     was, by prepare, before the refusal), no corpus tokenized; a run dir inside a
     run's checkpoints (a checkpoint, or a new name there) or its record is refused
     before Hydra creates it; a train.log that is a directory is one line, not a
-    traceback of Hydra's logging set-up."""
+    traceback of Hydra's logging set-up. (Those two are train.py's command line run
+    in-process up to its job, :func:`_start`: the refusals are its Hydra callback's.)"""
     from src.trainer.faults import run_dir_lock
 
     victim = tmp_path / "victim"
@@ -577,20 +596,20 @@ def test_a_command_writes_nothing_into_a_run_it_does_not_own(tmp_path):
         (victim / ".hydra" / "x", f"is inside the run {victim} (its .hydra/x)"),
     ):
         before = _files(victim)
-        run = _train(*RUN, f"hydra.run.dir={inside}")
-        assert run.returncode == 2 and run.stdout == "", run.stderr
-        assert run.stderr.startswith(f"config error: hydra.run.dir: {inside} {where}")
-        assert len(run.stderr.splitlines()) == 1, run.stderr
-        assert _files(victim) == before
+        capsys.readouterr()
+        code, line = _start(monkeypatch, tmp_path, f"hydra.run.dir={inside}")
+        assert code == 2 and capsys.readouterr() == ("", f"{line}\n"), line
+        assert line.startswith(f"config error: hydra.run.dir: {inside} {where}")
+        assert "\n" not in line and _files(victim) == before
 
     (tmp_path / "b" / "train.log").mkdir(parents=True)
-    run = _train(*RUN, f"hydra.run.dir={tmp_path / 'b'}")
-    assert run.returncode == 2, run.stderr
-    assert run.stderr == (
+    code, line = _start(monkeypatch, tmp_path, f"hydra.run.dir={tmp_path / 'b'}")
+    assert code == 2 and capsys.readouterr() == ("", f"{line}\n"), line
+    assert line == (
         f"config error: hydra.run.dir: the run writes to {tmp_path / 'b'}: train.log "
         "is a directory, not the file the run writes there; it writes only to its "
         "own regular files there: remove it (or set hydra.run.dir to another "
-        "directory)\n"
+        "directory)"
     )
 
 
@@ -789,23 +808,29 @@ def _run_files(run_dir: Path) -> dict[str, bytes | None]:
 
 
 @pytest.mark.slow
-def test_a_run_dir_holds_one_timeline(tmp_path):
+def test_a_run_dir_holds_one_timeline(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """Issue 48 item 2's repros, one rank each: a run to step 6 (a checkpoint each
     step); a resume of its step 2 with keep_last=1 killed in step 4 sets steps 3-6
     aside, and resume=auto then goes on with the branch (keep_last had kept the
-    old step_6 and deleted the branch's own, and auto said "nothing to train");
-    another run's checkpoint into a dir holding a run is refused untouched; a
-    completed run without its last checkpoint says it completed."""
+    old step_6 and deleted the branch's own, and auto said "nothing to train"); a
+    completed run without its last checkpoint says it completed. (Another run's
+    checkpoint into a dir holding a run, refused untouched: in-process,
+    test_another_runs_checkpoint_into_a_dir_holding_a_run_is_refused.)"""
+
+    def train(*args: str) -> subprocess.CompletedProcess:  # in-process
+        return one_rank(monkeypatch, capsys, "train.py", *args)
+
     run = tmp_path / "A"
     base = [*RUN, "trainer.devices=1", "trainer.progress=false"]
     base += ["trainer.log_every=1", "trainer.peak_tflops=1"]
-    first = _train(
+    first = train(
         *base, "trainer.ckpt_every=1", "trainer.keep_last=10", f"hydra.run.dir={run}"
     )
     assert first.returncode == 0, first.stderr[-2000:]
     rows = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]
-    shutil.copytree(run, tmp_path / "B")
     shutil.copytree(run, tmp_path / "C")
     for step in (5, 6):  # C: a completed run whose newest checkpoint is step 4
         shutil.rmtree(tmp_path / "C" / "checkpoints" / f"step_{step:08d}")
@@ -835,7 +860,7 @@ def test_a_run_dir_holds_one_timeline(tmp_path):
     assert (branch / "metrics.jsonl").read_text() == "".join(rows[3:])
     aside = _files(branch)
 
-    auto = _train(f"hydra.run.dir={run}", "trainer.resume=auto")
+    auto = train(f"hydra.run.dir={run}", "trainer.resume=auto")
     out = auto.stdout + auto.stderr
     assert auto.returncode == 0, out[-2000:]
     assert "branch" not in out and "dropped" not in out and "nothing" not in out
@@ -846,44 +871,25 @@ def test_a_run_dir_holds_one_timeline(tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] == 6
     assert _files(branch) == aside
 
-    other = tmp_path / "B"
-    before = _run_files(other)
-    foreign = _train(f"hydra.run.dir={other}", f"trainer.resume={ckpts}/step_00000006")
-    assert foreign.returncode == 2, foreign.stderr[-2000:]
-    assert foreign.stderr.startswith(
-        f"config error: trainer.resume: {ckpts}/step_00000006 is not a checkpoint of "
-        f"this run ({other}/checkpoints) but another's, and {other} holds a run"
-    )
-    assert len(foreign.stderr.splitlines()) == 1
-    assert "resume it into a new dir" in foreign.stderr
-    assert _run_files(other) == before
-
     done = tmp_path / "C"
     before = _run_files(done)
-    again = _train(f"hydra.run.dir={done}", "trainer.resume=auto")
+    again = train(f"hydra.run.dir={done}", "trainer.resume=auto")
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.startswith(f"nothing to train: {done} completed its 6 steps")
     assert _run_files(done) == before
 
 
-def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, script, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 @pytest.mark.slow
-def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
+def test_a_run_keeps_its_data_and_tokenizer(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """Issue 48 item 1's repros on a BPE run: its corpus rewritten (size and mtime
     kept) and a file added, the resume is refused in one line naming both, before
     anything is tokenized or recorded; eval.py scores the changed files but says so
-    and records run_data=false (and names the damaged checkpoint it passes over); with the corpus and the BPE cache deleted sample.py
-    decodes with the run's own tokenizer file (never trained again); a tokenizer
-    file that is not the run's is refused naming it."""
+    and records run_data=false (and names the damaged checkpoint it passes over);
+    with the corpus and the BPE cache deleted sample.py decodes with the run's own
+    tokenizer file (never trained again); a tokenizer file that is not the run's is
+    refused naming it. (Each command in-process, tests/commands.py.)"""
     corpus, cache, run = tmp_path / "corpus", tmp_path / "cache", tmp_path / "run"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
@@ -892,8 +898,8 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
         (corpus / f"{i}.txt").write_text("\n".join(lines))
     data = ["data=files", f"data.paths={corpus}/*.txt", f"data.cache_dir={cache}"]
     data += ["data.tokenizer=bpe", "data.bpe_vocab_size=300"]
-    first = _train(
-        *RUN[:1], "logger=none", *data, "trainer.max_steps=2", "trainer.devices=1",
+    first = one_rank(
+        monkeypatch, capsys, "train.py", *RUN[:1], "logger=none", *data, "trainer.max_steps=2", "trainer.devices=1",
         "trainer.progress=false", "trainer.ckpt_every=1", f"hydra.run.dir={run}",
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
@@ -906,9 +912,11 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
     target.write_text(target.read_text().replace("alpha", "ALPHA"))
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
     (corpus / "3.txt").write_text("omega " * 50)
-    resumed = _train(f"hydra.run.dir={run}", "trainer.resume=auto")
-    assert resumed.returncode == 2, resumed.stderr[-2000:]
-    assert resumed.stderr.splitlines() == [
+    code, _, err = in_process(
+        monkeypatch, capsys, "train.py", f"hydra.run.dir={run}", "trainer.resume=auto"
+    )
+    assert code == 2, err[-2000:]
+    assert err.splitlines() == [
         f"config error: data.paths: the run trained on other data: {target} (its "
         f"contents changed), {corpus}/3.txt (added); a resume keeps the "
         "checkpoint's data and tokenizer (restore the files, or train another in a "
@@ -922,7 +930,7 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
     newest = run / "checkpoints" / "step_00000002"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-1] + b"?")  # damaged: skipped, and said
-    scored = _tool("eval.py", f"run={run}", "batches=1")
+    scored = one_rank(monkeypatch, capsys, "eval.py", f"run={run}", "batches=1")
     assert scored.returncode == 0, scored.stderr[-2000:]
     assert "eval: the run's data changed since it trained on it: " in scored.stdout
     assert (
@@ -936,19 +944,19 @@ def test_a_run_keeps_its_data_and_tokenizer(tmp_path):
     for bpe in cache.glob("bpe-*"):
         bpe.unlink()
     sample = ["max_new_tokens=4", "num_samples=1", "prompt=alpha beta"]
-    sampled = _tool("sample.py", f"run={run}", *sample)
+    sampled = one_rank(monkeypatch, capsys, "sample.py", f"run={run}", *sample)
     assert sampled.returncode == 0, sampled.stderr[-2000:]
     assert "\nalpha beta" in sampled.stdout
     assert not list(cache.glob("bpe-*"))  # read from the run, not trained again
 
     (run / "tokenizer.json").write_text("{}")
-    forged = _tool("sample.py", f"run={run}", *sample)
-    assert forged.returncode == 2
-    assert forged.stderr.startswith(
+    code, _, err = in_process(monkeypatch, capsys, "sample.py", f"run={run}", *sample)
+    assert code == 2
+    assert err.startswith(
         f"config error: run: {run}/tokenizer.json is not the tokenizer the run "
         "trained with (SHA-256 "
     )
-    assert len(forged.stderr.splitlines()) == 1
+    assert len(err.splitlines()) == 1
 
 
 def test_a_recorded_config_is_data_checked_where_it_is_read(run_dir):

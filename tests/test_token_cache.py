@@ -4,8 +4,6 @@ the token cache (reuse, invalidation, one builder) and bad input, on files made 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from src.config.validate import validate
 from src.data.sources import follow_tokenizer_vocab, load_splits, prepare_data
 from src.data.tokenizer import BPE_EOS, load_path_tokenizer
 from src.harness import compose_config
+from tests.commands import in_process
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -260,28 +259,18 @@ def test_vocab_follows_tokenizer_unless_user_set(tmp_path, capsys, model):
     assert one_line(info.value).startswith("model.pretrained: vocabulary of 999 is")
 
 
-def test_train_py_stops_on_bad_data_before_any_rank(tmp_path):
+def test_train_py_stops_on_bad_data_before_any_rank(tmp_path, monkeypatch, capsys):
+    """train.py in-process up to its refusal (tests/commands.py: it fails if the
+    command would reach its launch)."""
     jsonl = tmp_path / "bad.jsonl"
     jsonl.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(CONF.parent / "train.py"),
-            "data=files",
-            f"data.paths={jsonl}",
-            "data.format=jsonl",
-            "logger=none",
-            f"hydra.run.dir={run_dir}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=CONF.parent,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
-        f"config error: {jsonl}:2: no 'text' key (data.text_key)"
-    )
+    code, _, err = in_process(
+        monkeypatch, capsys, "train.py", "data=files", f"data.paths={jsonl}",
+        "data.format=jsonl", "logger=none", f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    assert code == 2
+    assert err.strip() == f"config error: {jsonl}:2: no 'text' key (data.text_key)"
     assert not (run_dir / "ranks").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
