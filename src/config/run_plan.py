@@ -107,8 +107,8 @@ class Budget:
     accelerator's name), a sweep's cap, the safety margin, whether a start bigger
     than the machine is refused, whether proposals keep the device count, and the
     logger (its imports are part of the process baseline) and whether the ranks fork
-    from a rank server that has only imported (a smaller baseline: the launcher
-    says so, nothing in the config does)."""
+    from a rank server (a smaller baseline, planner ``FORKED_RANK_SAVING``: the
+    launcher says so, nothing in the config does)."""
 
     mem_budget: Any = None
     sweep_cap: Any = None
