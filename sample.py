@@ -11,7 +11,7 @@ from src.entry import quiet_ctrl_c, start_rank_server, started
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
-    start_rank_server()  # the ranks' imports, alongside the ones below
+    start_rank_server("devices", given=True)  # devices=N>1: the ranks' imports
 
 import logging
 

@@ -137,7 +137,7 @@ def _rank_preload() -> list[str]:
     return ["__main__", *by_name, "torch._dynamo"]
 
 
-def start_rank_server() -> None:
+def start_rank_server(ranks_key: str = "trainer.devices", given: bool = False) -> None:
     """Start the process the local ranks are forked from, importing this command
     (``__main__`` and so everything it imports) while this process does the same.
     A spawned rank imported torch, Hydra and the project itself after the launcher
@@ -149,8 +149,12 @@ def start_rank_server() -> None:
     :data:`STOP_SIGNALS` blocked, which every rank inherits as
     a spawned rank inherited the launcher's mask (src/trainer/faults.py unblocks
     them once a rank's handler is in place). Not under torchrun, whose ranks are
-    this command itself: there this process dies with torchrun's agent, its parent. :func:`stop_rank_server` ends it when no rank will start
-    here (one rank, plan-only, a config error)."""
+    this command itself: there this process dies with torchrun's agent, its parent.
+    :func:`stop_rank_server` ends it when no rank will start here (one rank,
+    plan-only, a config error); it is not started when the command line says so
+    already (:func:`_no_rank_starts`: ``ranks_key``, the command's key of its rank
+    count; ``given``: one rank unless that key is given, as sample.py's, eval.py's
+    and export.py's ``devices``)."""
     global _rank_server
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun rank: its parent is torchrun's agent, which a kill -9 ends
@@ -160,7 +164,7 @@ def start_rank_server() -> None:
     if "LOCAL_RANK" in os.environ:
         return
     _rank_server = True
-    if _no_rank_starts(sys.argv[1:]):  # planned as if ranks would fork
+    if _no_rank_starts(sys.argv[1:], ranks_key, given):  # planned as if they fork
         return
     multiprocessing.set_forkserver_preload(_rank_preload())
     # The resource tracker (a process of its own) unlinks what a killed launcher
@@ -180,11 +184,18 @@ def start_rank_server() -> None:
     atexit.register(stop_rank_server)
 
 
-def _no_rank_starts(argv: list[str]) -> bool:
+def _no_rank_starts(argv: list[str], ranks_key: str, given: bool) -> bool:
     """The command line says no rank will fork (the plan alone, or one rank, which
-    runs in this process): the server's imports would only cost CPU (~4 s)."""
-    said = {a.lstrip("+").lower() for a in argv}
-    return bool(said & {"trainer.plan_only=true", "trainer.devices=1"})
+    runs in this process): the server's imports would only cost CPU (~4 s).
+    ``ranks_key``: the key of the rank count; ``given``: more than one rank only
+    when that key is given."""
+    said = dict(a.lstrip("+").lower().partition("=")[::2] for a in argv)
+    ranks = said.get(ranks_key)
+    return (
+        said.get("trainer.plan_only") in ("true", "1")
+        or ranks == "1"
+        or (given and ranks is None)
+    )
 
 
 _TRACKER_WARNING = "resource_tracker"  # how its leak warning starts (no colon: -W)

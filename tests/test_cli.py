@@ -191,11 +191,12 @@ def test_ctrl_c_while_a_command_imports_is_one_line():
         ("train.py", "stop_before_start()"),
         ("sample.py", "started()"),
         ("eval.py", "started()"),
+        ("export.py", "started()"),
     ):
         body = ast.parse((ROOT / script).read_text()).body
         first, last = (ast.unparse(s) for s in (body[2], body[-1]))  # after imports
-        assert first == (
-            "if __name__ == '__main__':\n    quiet_ctrl_c()\n    start_rank_server()"
+        assert first.startswith(
+            "if __name__ == '__main__':\n    quiet_ctrl_c()\n    start_rank_server("
         ), script
         # Once imported, the command's own handler (or Python's) takes over.
         assert last.startswith(f"if __name__ == '__main__':\n    {ends}"), script
@@ -211,7 +212,7 @@ def test_ctrl_c_while_a_command_imports_is_one_line():
             # handler at start, and fails a test that leaves a handler changed.)
             "import signal\n"
             "before = signal.getsignal(signal.SIGINT)\n"
-            "import eval, sample, train\n"
+            "import eval, export, sample, train\n"
             "after = signal.getsignal(signal.SIGINT)\n"
             "assert after is before, (before, after)",
         ],
@@ -266,3 +267,21 @@ def _parse_error(override: str) -> BaseException:
     except OverrideParseException as err:
         return err
     raise AssertionError(f"{override} parsed")
+
+
+def test_no_rank_server_where_the_command_line_says_no_rank_forks():
+    """The rank server's imports (~4 s of CPU) are skipped where the command line
+    says no rank will fork: train.py's plan-only and one-rank commands, and the
+    tools (sample.py, eval.py, export.py) unless ``devices`` is given above one."""
+    from src.entry import _no_rank_starts
+
+    train = ("trainer.devices", False)
+    assert _no_rank_starts(["trainer.plan_only=true"], *train)
+    assert _no_rank_starts(["trainer.devices=1", "model=tiny"], *train)
+    assert not _no_rank_starts(["model=tiny"], *train)  # devices=auto: maybe more
+    assert not _no_rank_starts(["trainer.devices=2"], *train)
+    tool = ("devices", True)
+    assert _no_rank_starts(["run=runs/a"], *tool)
+    assert _no_rank_starts(["run=runs/a", "devices=1"], *tool)
+    assert not _no_rank_starts(["run=runs/a", "devices=2"], *tool)
+    assert not _no_rank_starts(["run=runs/a", "devices=auto"], *tool)
