@@ -25,8 +25,7 @@ from src.checkpoint.export import export_name
 from src.checkpoint.folders import reading, run_exports, step_dir, step_of
 from src.config.cli import exit_on_config_error, run_cli
 from src.config.run_plan import model_spec
-from src.config.validate import validate_export
-from src.errors import ConfigError, keyed
+from src.config.validate import check_hf_export, validate_export
 from src.runs.compose import open_run
 from src.runs.from_run import export_rank, on_ranks
 from src.trainer.sampling import sampling_changes
@@ -54,15 +53,13 @@ def _export(cfg: DictConfig) -> str | None:
             trust_remote_code=cfg.trust_remote_code,
             ckpt=cfg.ckpt,
         )
-        spec = resolved.spec
-        if hf and spec.hf is None:
-            raise ConfigError(
+        if hf:
+            check_hf_export(
+                resolved.spec,
+                resolved.model_config,
                 "format",
-                f"hf needs a Hugging Face adapter, which model family {spec.name!r} "
-                "has not; format=safetensors writes one consolidated file",
+                "; format=safetensors writes one consolidated file",
             )
-        if hf:  # a shape transformers' class cannot hold (GPT without bias)
-            keyed("format", spec.hf.hf_config, resolved.model_config)
         where = (
             Path(cfg.out)
             if cfg.out

@@ -529,13 +529,8 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
         "trainer.export",
         f"got {t.export!r}, expected false, true (model.safetensors) or hf",
     )
-    _require(
-        t.export != "hf" or spec.hf is not None,
-        "trainer.export",
-        f"hf needs a Hugging Face adapter, which model family {spec.name!r} has not",
-    )
-    if t.export == "hf":  # a shape transformers' class cannot hold (GPT without bias)
-        keyed("trainer.export", spec.hf.hf_config, config)
+    if t.export == "hf":
+        check_hf_export(spec, config, "trainer.export")
     _require(
         t.export_every >= 0 and (not t.export_every or t.export),
         "trainer.export_every",
@@ -590,6 +585,20 @@ def validate_sample(cfg: DictConfig) -> None:
         f"got {cfg.top_k}, expected null or an integer >= 1",
     )
     keyed("devices", resolve_devices, cfg.devices)
+
+
+def check_hf_export(spec: ModelSpec, config: Any, key: str, hint: str = "") -> None:
+    """A Hugging Face export of ``spec``'s model ``config`` (``trainer.export=hf``,
+    export.py's ``format=hf``) is possible: the family has an adapter, and
+    transformers' class holds the shape (GPT without bias it cannot); a
+    ConfigError naming ``key`` (with ``hint``) otherwise."""
+    _require(
+        spec.hf is not None,
+        key,
+        f"hf needs a Hugging Face adapter, which model family {spec.name!r} has not"
+        + hint,
+    )
+    keyed(key, spec.hf.hf_config, config)
 
 
 def validate_export(cfg: DictConfig) -> None:
