@@ -484,6 +484,7 @@ register(
         context_parallel=lambda config: None,  # every config
         documents=True,
         kv_width=lambda config: config.n_embd,
+        ffn_width=lambda config: 4 * config.n_embd,
         pipeline=lambda config: PipelineLayout(
             blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head")
         ),

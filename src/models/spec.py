@@ -126,6 +126,11 @@ class ModelSpec:
     # (config) -> the key (= value) width of one attention layer (kv heads x head
     # dim): what context parallelism gathers per layer, for the planner.
     kv_width: Callable[[Any], int] | None = None
+    # (config) -> the feed-forward's hidden width: under context parallelism and
+    # checkpointing, what a recomputed block's feed-forward frees before attention's
+    # backward holds the gathered K/V's gradient (src/planner/activations.py). None:
+    # the planner assumes it frees nothing.
+    ffn_width: Callable[[Any], int] | None = None
     # data.packing=documents: the forward takes ``docs=`` (B, T) document ids and
     # keeps attention and positions within them (src/models/attention.py).
     documents: bool = False

@@ -70,12 +70,17 @@ def cp_activations(
     cp: int | None = None,
 ) -> ActivationBytes:
     """One rank's activations under context parallelism of degree C (``cp``, default
-    the run's; unchanged for C = 1). ``acts`` are those of its T/C tokens (``shape.seq_len``); in each block
-    that is not checkpointed attention keeps the keys and values gathered from the
-    cp group (``2 B T kv_width`` elements, split over tp) instead of its own 1/C of
-    them, and all blocks share one (T/C x T) mask. One block's backward holds the gathered K/V's gradient and the
-    reduce-scatter's buffer (twice the gathered tensor), and a checkpointed block
-    gathers again when it is recomputed."""
+    the run's; unchanged for C = 1). ``acts`` are those of its T/C tokens
+    (``shape.seq_len``); in each block that is not checkpointed attention keeps the
+    keys and values gathered from the cp group (``2 B T kv_width`` elements, split
+    over tp) instead of its own 1/C of them, and all blocks share one (T/C x T) mask.
+    Backward adds the gathered K/V's gradient and the reduce-scatter's buffer (twice
+    the gathered tensor). A checkpointed block gathers again when it is recomputed;
+    its backward peaks inside the feed-forward's (traced: Llama 4 x 256, seq 1024,
+    CP2, full checkpointing), where that one gathered copy is alive, and attention's
+    backward adds the other two only once the feed-forward's hidden activations (two
+    of ``B T/C x ffn_width``, the family's ``ffn_width``; none where it has none) are
+    freed."""
     cp = cp or resolved.layout.cp
     if cp == 1:
         return acts
@@ -85,12 +90,16 @@ def cp_activations(
     seq = shape.seq_len * cp
     gathered = 2 * shape.micro_batch * seq * width * shape.param_bytes
     mask = shape.seq_len * seq * shape.param_bytes
-    recomputed = gathered if checkpointed else 0
+    backward = 2 * gathered if checkpointed < blocks else 0  # a block kept whole
+    if checkpointed:
+        ffn = spec.ffn_width(config) // resolved.layout.tp if spec.ffn_width else 0
+        freed = 2 * shape.micro_batch * shape.seq_len * ffn * shape.param_bytes
+        backward = max(backward, gathered + max(0, 2 * gathered - freed))
     return ActivationBytes(
         saved=acts.saved + gathered * (cp - 1) // cp * (blocks - checkpointed) + mask,
         head=acts.head,
         loss_transient=acts.loss_transient,
-        block_transient=acts.block_transient + 2 * gathered + recomputed,
+        block_transient=acts.block_transient + backward,
     )
 
 
