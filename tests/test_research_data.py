@@ -15,6 +15,8 @@ import pytest
 
 from src.config.validate import validate
 from src.errors import ConfigError
+from src.runs.compare import STEM as COMPARE_STEM
+from src.runs.compare import compare
 from src.trainer.launch import prepare
 from tests import commands
 from tests.commands import in_process
@@ -314,6 +316,15 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
 
 
+def _val_rows(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {
+        r["step"]: {k: v for k, v in r.items() if k.startswith("val")}
+        for r in map(json.loads, lines)
+        if "val_loss" in r
+    }
+
+
 @pytest.mark.slow
 def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
     tmp_path, monkeypatch, capsys, stop_handlers_restored
@@ -340,6 +351,22 @@ def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
     assert mix["json"]["share"] == rows[8]["share/json"]
     assert 0.6 < mix["json"]["share"] < 0.9  # 128 rows drawn at 0.75
     assert {n: m["weight"] for n, m in mix.items()} == {"json": 0.75, "email": 0.25}
+    # each source's validation loss beside the mixed one: 2 x 16 windows, 24 json and
+    # 8 email, all of 64 targets, so the mixed loss is their 3:1 mean
+    vals = _val_rows(run_dir)
+    assert sorted(vals) == [4, 8]
+    for row in vals.values():
+        json_loss, email_loss = row["val/json/loss"], row["val/email/loss"]
+        assert json_loss != email_loss
+        assert row["val_loss"] == pytest.approx(0.75 * json_loss + 0.25 * email_loss)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val/email/loss"] == vals[8]["val/email/loss"]
+    last = vals[8]
+    closing = (
+        f"val_loss {last['val_loss']:.4f} (json {last['val/json/loss']:.4f}, "
+        f"email {last['val/email/loss']:.4f})"
+    )
+    assert closing in out.stdout + out.stderr
 
     resumed = one_rank(
         monkeypatch, capsys,
@@ -352,6 +379,12 @@ def test_a_data_mixture_samples_by_weight_logs_its_shares_and_resumes_exactly(
     for step in (6, 8):
         for key in ("loss", "share/json", "share/email"):
             assert later[step][key] == rows[step][key]
+    assert _val_rows(again)[8] == vals[8]
+    # compare: a column per source
+    table = compare([run_dir, again], tmp_path / "compare", make_plot=False)
+    assert [r["val/json/loss"] for r in table] == [vals[8]["val/json/loss"]] * 2
+    header = (tmp_path / "compare" / f"{COMPARE_STEM}.md").read_text().splitlines()[0]
+    assert "| val json | val email |" in header
     assert json.loads((again / "summary.json").read_text())["data_mix"] == mix
 
     for bad, why in (

@@ -15,7 +15,8 @@ a resume continues it exactly. What each source has contributed (its tokens, a
 deterministic function of the steps) is counted by the trainer, saved in every
 checkpoint and logged (``share/<source>`` in metrics.jsonl, ``data_mix`` in
 summary.json). Validation draws each source's windows in proportion to its weight,
-evenly spaced over its val split, the same in every run.
+evenly spaced over its val split, the same in every run, and gives each source's
+loss beside the mixed one (``val/<source>/loss``, src/trainer/step.py).
 
 A source's name is its glob's last directory without a wildcard
 (``~/corpus/web/*.txt`` is ``web``; ``<stdlib>/json/*.py`` is ``json``), with its
@@ -190,23 +191,53 @@ class MixedBatches:
             n += 1
         return n
 
-    def val_batches(self, n: int, rank: int, world_size: int):
+    def val_batches(self, n: int, rank: int, world_size: int) -> ValBatches:
         """``n`` fixed batches: each source's share of the windows, evenly spaced over
-        its split, interleaved by position; the same in every run."""
+        its split, grouped by source (a batch holds one source but where two meet),
+        so that each source's loss (``val/<source>/loss``) costs few forwards beyond
+        the batches; the same in every run."""
         rows = self.parts[0]._rows(rank, world_size)
         quotas = self._quotas(n * self.global_batch_size)
-        src, offsets, keys = [], [], []
+        src, offsets = [], []
         for i, (part, q) in enumerate(zip(self.parts, quotas, strict=True)):
             if q == 0:
                 continue
             src.append(np.full(q, i))
             offsets.append(np.linspace(0, part._num_offsets - 1, q).astype(np.int64))
-            keys.append((np.arange(q) + 0.5) / q)
-        order = np.argsort(np.concatenate(keys), kind="stable")
-        src = np.concatenate(src)[order].reshape(n, -1)
-        offsets = np.concatenate(offsets)[order].reshape(n, -1)
+        src = np.concatenate(src).reshape(n, -1)
+        offsets = np.concatenate(offsets).reshape(n, -1)
+        return ValBatches(
+            [self._gather(s[rows], o[rows]) for s, o in zip(src, offsets, strict=True)],
+            names=self.stream.names,
+            row_sources=[torch.from_numpy(s[rows]) for s in src],
+            present=[np.unique(s).tolist() for s in src],
+        )
+
+
+class ValBatches(list):
+    """A mixture's validation batches (a list of ``(x, y)``) with, per batch, the
+    source index of each of this rank's rows (``row_sources``) and the sources in
+    the whole global batch (``present``: the same on every rank)."""
+
+    def __init__(
+        self,
+        batches: list,
+        names: Sequence[str],
+        row_sources: list[torch.Tensor],
+        present: list[list[int]],
+    ):
+        super().__init__(batches)
+        self.names = list(names)
+        self.row_sources = row_sources
+        self.present = present
+
+    def of_source(self, i: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(batch index, x, y)`` of each batch source ``i`` has rows in, its other
+        rows' targets -1 (not counted)."""
         return [
-            self._gather(s[rows], o[rows]) for s, o in zip(src, offsets, strict=True)
+            (b, x, torch.where(self.row_sources[b][:, None] == i, y, -1))
+            for b, (x, y) in enumerate(self)
+            if i in self.present[b]
         ]
 
 

@@ -219,6 +219,41 @@ def wandb_key(name: str) -> str:
     return f"{val}{name}" if name.startswith("val_") else f"{train}{name}"
 
 
+#: A mixture's validation loss of one source (data.weights), beside ``val_loss``.
+SOURCE_VAL = "val/{}/loss"
+
+
+def source_val_key(source: str) -> str:
+    """The metrics.jsonl / summary.json / wandb key of ``source``'s validation loss."""
+    return SOURCE_VAL.format(source)
+
+
+def source_of(key: str) -> str | None:
+    """The source of a per-source validation key (:func:`source_val_key`), or None."""
+    head, tail = SOURCE_VAL.split("{}")
+    if key.startswith(head) and key.endswith(tail) and len(key) > len(head + tail):
+        return key[len(head) : -len(tail)]
+    return None
+
+
+def source_val_losses(row: dict) -> dict[str, float]:
+    """``{source: loss}`` of the per-source validation losses in ``row`` (a metrics
+    row or a summary), in their order there."""
+    return {
+        source_of(k): v
+        for k, v in row.items()
+        if source_of(k) and isinstance(v, int | float)
+    }
+
+
+def val_line(row: dict) -> str:
+    """``val_loss 2.2160`` and, for a mixture, each source's: ``(web 2.1012, code
+    2.4410)``."""
+    sources = source_val_losses(row)
+    each = ", ".join(f"{n} {v:.4f}" for n, v in sources.items())
+    return f"val_loss {row['val_loss']:.4f}" + (f" ({each})" if each else "")
+
+
 RUN_ID_FILE = "run_id.json"  # in <run dir>/wandb/: the run's wandb id and name
 #: run_id.json's record of the run dir it was written in (its inode): a copy of the
 #: run dir has another, a move on the same file system the same.
@@ -402,7 +437,8 @@ class ConsoleSink(Sink):
         busy = " (a busy machine: cpu_wait_max)" if contended(s) else ""
         s, speed_note = _this_attempts_speed(s)
         figures = ", ".join(
-            f"{label} {fmt.format(s[key])}" + (busy if key == "tokens_per_s" else "")
+            (val_line(s) if key == "val_loss" else f"{label} {fmt.format(s[key])}")
+            + (busy if key == "tokens_per_s" else "")
             for key, label, fmt in _CLOSING_FIGURES
             if isinstance(s.get(key), int | float)
             and not (key == "peak_mem_gib" and s.get("planned_peak_gib"))

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config.run_plan import RunPlan, world_size
 from src.data.corpus import Corpus
-from src.data.mixture import make_batches, whole_stream
+from src.data.mixture import ValBatches, make_batches, whole_stream
 from src.data.packing import Documents
 from src.data.pinning import read_pin
 from src.data.sources import (
@@ -36,7 +36,7 @@ from src.errors import ConfigError
 from src.files import keep_aside, read_json, write_json_atomic
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.sampling import SHARDED_ONLY, spread_over
-from src.trainer.step import evaluate
+from src.trainer.step import evaluate, evaluate_sources
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +115,16 @@ def eval_rank(
     documents = None
     if resolved.batch.documents:
         documents = Documents(tokenizer_of(cfg.data).eos_id)
-    loss = evaluate(model, windows.val_batches(n, rank, world), backend, documents)
+    batches = windows.val_batches(n, rank, world)
+    sources = {}
+    if isinstance(batches, ValBatches):  # a mixture: as the run validates, by source
+        loss, sources = evaluate_sources(model, batches, backend, documents)
+    else:
+        loss = evaluate(model, batches, backend, documents)
     return {
         "step": step,
         "loss": loss,
+        **({"sources": sources} if sources else {}),
         "batches": n,
         "batch_size": batch,
         "tokens": n * batch * spec.seq_len(config),

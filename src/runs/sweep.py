@@ -44,6 +44,7 @@ from src.config.schema import OBJECTIVES
 from src.data.pinning import DATA_RECORD
 from src.errors import ConfigError
 from src.files import read_json, read_yaml, write_json_atomic
+from src.observe.loggers import source_of, source_val_key, source_val_losses
 from src.observe.metrics import CONTENDED, contended
 from src.runs.resume import checkpoint_config, differences
 from src.runs.sweep_plan import job_number, never_ran, plan_jobs, swept_keys
@@ -395,11 +396,13 @@ def collect_dirs(
             **{k: ovr[k] if k in ovr else _ran_with(job_dir, config, k) for k in keys},
             "status": status,
             **{m: summary.get(m) for m in METRICS},
+            **{source_val_key(n): v for n, v in source_val_losses(summary).items()},
             "best": False,
             "error": damaged.get(job_dir) or record.get("error", ""),
             "job_dir": str(job_dir),
         }
         rows.append(row)
+    rows = _same_columns(rows)
     goal = goal or objective_of(configs[0] if dirs else None)
     best = best_row(rows, *goal) if len(set(tokenizers)) <= 1 else None
     if best is not None:
@@ -470,6 +473,19 @@ def best_row(rows: list[dict], name: str, direction: str) -> dict | None:
     return pick(ok, key=lambda r: r[name])
 
 
+def _same_columns(rows: list[dict]) -> list[dict]:
+    """The rows with every per-source validation loss any of them has (a mixture's,
+    ``val/<source>/loss``), None where a run has none, after ``val_loss``."""
+    sources = list(dict.fromkeys(k for r in rows for k in r if source_of(k)))
+    out = []
+    for r in rows:
+        base = {k: v for k, v in r.items() if k not in sources}
+        at = list(base).index("val_loss") + 1
+        items = list(base.items())
+        out.append(dict(items[:at] + [(k, r.get(k)) for k in sources] + items[at:]))
+    return out
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -501,6 +517,8 @@ def summary_table(keys: list[str], rows: list[dict], goal: str = "val_loss") -> 
             cells[header] = f"**{text}**" if m == goal and r["best"] and text else text
             if m in SPEED and text and contended(r):
                 cells[header], marked = f"{cells[header]} \\*", True
+        for key in filter(source_of, r):  # a mixture's (None: a run without it)
+            cells[f"val {source_of(key)}"] = _cell("val_loss", r[key])
         if with_error:
             cells["error"] = r["error"]
         table.append(cells)

@@ -29,14 +29,20 @@ from src.checkpoint.dcp import SCORE, Checkpointer, best_checkpoints
 from src.checkpoint.export import export_model, export_name
 from src.checkpoint.folders import run_checkpoints, run_exports, step_dir
 from src.config.run_plan import RunPlan
-from src.data.mixture import MIX_STATE, MixCounter, MixedStream, make_batches
+from src.data.mixture import (
+    MIX_STATE,
+    MixCounter,
+    MixedStream,
+    ValBatches,
+    make_batches,
+)
 from src.data.packing import Documents, mean_attention_span
 from src.data.sources import load_splits, tokenizer_of
 from src.errors import Stopped
 from src.models.attention import kernel_line
 from src.observe import live_memory
 from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
-from src.observe.loggers import Logger, build_logger
+from src.observe.loggers import Logger, build_logger, source_val_key, val_line
 from src.observe.logs import FILE_ONLY
 from src.observe.metrics import (
     CONTENDED,
@@ -70,7 +76,13 @@ from src.trainer.pipelined import (
 )
 from src.trainer.resume import ORIGIN, init_weights, resume
 from src.trainer.sampling import sample_texts
-from src.trainer.step import check_finite, evaluate, global_mean, train_step
+from src.trainer.step import (
+    check_finite,
+    evaluate,
+    evaluate_sources,
+    global_mean,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -498,17 +510,24 @@ class Trainer:
     def validate(self, step: int) -> float:
         """The loss on the fixed validation batches, logged at ``step``."""
         signal_point("validation")  # a test's Ctrl-C (src/trainer/faults.py)
+        sources: dict[str, float] = {}
         if self.pipeline is not None:
             val_loss = global_mean(
                 pipeline_evaluate(
                     self.pipeline, self.val_set, self.backend, self.documents
                 )
             )
+        elif isinstance(self.val_set, ValBatches):  # a mixture: each source's too
+            val_loss, per_source = evaluate_sources(
+                self.model, self.val_set, self.backend, self.documents
+            )
+            sources = {source_val_key(n): v for n, v in per_source.items()}
         else:
             val_loss = evaluate(self.model, self.val_set, self.backend, self.documents)
-        self.logger.log({"val_loss": val_loss, "tokens_seen": self.tokens_seen}, step)
-        self.summary["val_loss"] = val_loss
-        log.info("step %d: val_loss %.4f", step, val_loss)
+        row = {"val_loss": val_loss, **sources}
+        self.logger.log({**row, "tokens_seen": self.tokens_seen}, step)
+        self.summary.update(row)
+        log.info("step %d: %s", step, val_line(row))
         self.meter.restart(step)  # validation time is not training throughput
         return val_loss
 

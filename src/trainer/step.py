@@ -1,5 +1,6 @@
 """One optimizer step and the validation loss, on every rank: :func:`train_step`
-(micro-batches, gradient sync, clipping), :func:`evaluate`, :func:`global_mean` (a
+(micro-batches, gradient sync, clipping), :func:`evaluate` (and a mixture's
+:func:`evaluate_sources`), :func:`global_mean` (a
 scalar's mean over ranks) and :func:`check_finite` (a NaN/inf loss stops the run)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.checkpoint.dcp import Checkpointer
+from src.data.mixture import ValBatches
 from src.data.packing import Documents
 from src.data.sources import GlobalBatches
 from src.errors import RunError
@@ -68,9 +70,17 @@ def counted_weights(
     ranks FSDP averages gradients over (data-parallel x cp) / the global count
     (one all-reduce; the ranks of a tp group read the same rows, so the world's
     sum counts them that often)."""
-    counts = [int((backend.shard_sequence(y)[0] != -1).sum()) for _, y in batch]
+    counts = counted(batch, backend)
     per_target = per_counted_target(sum(counts), backend)
     return [n * per_target for n in counts]
+
+
+def counted(
+    batch: list[tuple[torch.Tensor, torch.Tensor]], backend: Backend
+) -> list[int]:
+    """This rank's counted targets (not -1) of each micro-batch: its share of each
+    sequence under context parallelism."""
+    return [int((backend.shard_sequence(y)[0] != -1).sum()) for _, y in batch]
 
 
 def per_counted_target(count: int, backend: Backend) -> float:
@@ -176,6 +186,42 @@ def evaluate(
         total += loss.float() * (1 if documents is None else weights[i])
     n = len(batches) if documents is None else 1
     return global_mean(total / max(1, n))
+
+
+@torch.no_grad()
+def evaluate_sources(
+    model: nn.Module,
+    batches: ValBatches,
+    backend: Backend,
+    documents: Documents | None = None,
+) -> tuple[float, dict[str, float]]:
+    """A mixture's validation loss and each source's (``val/<source>/loss``): the
+    mean over each source's counted targets, one forward per batch and source in
+    it (batches are grouped by source, src/data/mixture.py); the mixed loss is the
+    mean over all of them, each source's weighed by its global count of targets.
+    A rank without a target of the source in a batch still runs the forward (the
+    collectives) at weight 0, on its own targets (no NaN)."""
+    model.eval()
+    losses, inverse = {}, []
+    for i, name in enumerate(batches.names):
+        items = batches.of_source(i)
+        if not items:  # no window of it in the split's share (a tiny weight)
+            continue
+        masked = [(x, y) for _, x, y in items]
+        if documents is not None:
+            masked = [(x, documents.targets(x, y)) for x, y in masked]
+        counts = counted(masked, backend)
+        per_target = per_counted_target(sum(counts), backend)
+        total = torch.zeros((), device=backend.device)
+        for (b, _, _), (x, y), n in zip(items, masked, counts, strict=True):
+            x, y, docs = on_rank(backend, x, y if n else batches[b][1], documents)
+            with backend.autocast(), backend.loss_context():
+                _, loss = model(x, y, **forward_kwargs(backend, x, docs))
+            total += loss.float() * (n * per_target)
+        losses[name] = global_mean(total)
+        inverse.append(1 / per_target)  # the source's targets, up to a constant
+    mixed = sum(v * w for v, w in zip(losses.values(), inverse, strict=True))
+    return mixed / sum(inverse), losses
 
 
 class NonFiniteLossError(RunError):
