@@ -9,6 +9,7 @@ model shard by shard, and loads the pretrained weights into the shards.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import logging
 import os
@@ -21,6 +22,7 @@ import torch.nn as nn
 
 from src.checkpoint.export import load_hf_weights
 from src.config.run_plan import RunPlan, tensor_parallel_plan
+from src.errors import ConfigError
 from src.models.spec import lm_loss
 from src.sharding import (
     Backend,
@@ -29,6 +31,8 @@ from src.sharding import (
     build_backend,
     build_policy,
     build_sharded_model,
+    canonical_name,
+    is_adapter,
     set_prefetch,
     wrap,
 )
@@ -212,7 +216,21 @@ def build_model(
             transform=transform,
             tp_plan=tensor_parallel_plan(plan, backend.layout),
             parallelize=spec.parallelize,
+            lora=plan.lora,
+            frozen=functools.partial(_matches, plan.freeze) if plan.freeze else None,
         )
+    if plan.lora is not None and not any(
+        is_adapter(n) for n, _ in model.named_parameters()
+    ):
+        names = sorted(
+            {n.split(".")[-2] for n, _ in model.named_parameters() if "." in n}
+        )
+        raise ConfigError(
+            "model.lora.targets",
+            f"{list(plan.lora.targets)} matches no linear layer of the model "
+            f"(its modules with weights: {', '.join(names[:12])})",
+        )
+    check_freeze(model, plan.freeze)
     set_prefetch(model, plan.unit.forward_prefetch, plan.unit.backward_prefetch)
     if pretrained:
         load_hf_weights(
@@ -224,6 +242,23 @@ def build_model(
             part=stage is not None,
         )
     return model
+
+
+def _matches(patterns: tuple[str, ...], name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def check_freeze(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """ConfigError naming ``trainer.freeze`` for a pattern that matches no parameter
+    of the model (by canonical name, fnmatch)."""
+    names = [canonical_name(n, model) for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError(
+                "trainer.freeze",
+                f"{pattern!r} matches no parameter of the model (names such as "
+                f"{', '.join(names[:3])}; fnmatch patterns, e.g. 'layers.0.*')",
+            )
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Sharded training matches unsharded training: same init, same data, fp32, 2 ranks.
+"""Sharded training matches unsharded training: same init, same data, fp32, 2 ranks
+(LoRA adapters too).
 
 For FSDP2 and FSDP1, at several ``min_num_params`` (down to many small units, up to
 nothing but the root) and with the tied embedding/head of the GPT, every step's global
@@ -14,7 +15,15 @@ import torch
 import torch.distributed as dist
 
 from src.models.gpt import GPT, GPTConfig, init_tensor
-from src.sharding import build_backend, build_policy, build_sharded_model, wrap_plan
+from src.sharding import (
+    LoraSpec,
+    build_backend,
+    build_policy,
+    build_sharded_model,
+    is_adapter,
+    trainable_counts,
+    wrap_plan,
+)
 from tests.distributed import run_distributed
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
@@ -123,3 +132,59 @@ def test_meta_init_equals_cpu_init_weights_and_losses():
         assert torch.equal(meta[0]["init"][name], value), name
     assert meta[0]["losses"] == cpu[0]["losses"]
     check_against_reference(meta)
+
+
+LORA = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=("c_attn", "c_fc"), seed=SEED)
+
+
+def lora_run(rank, world, backend_name, init_device):
+    """LoRA adapters on c_attn and c_fc, built as the model is (one build on meta,
+    one on cpu, in the same ranks); their training's losses, weights and counts."""
+    torch.manual_seed(rank)  # peft draws from the global generator: init by name
+    out = {}
+    for device in ("meta", "cpu") if init_device == "both" else (init_device,):
+        backend = build_backend(backend_name, "fp32", "cpu")
+        policy = build_policy(["block"], block_cls=GPT.block_cls)
+        model = build_sharded_model(
+            lambda: GPT(CFG, seed=SEED),
+            backend,
+            policy if world > 1 else None,
+            init_device=device,
+            init_fn=lambda name, t: init_tensor(name, t.shape, CFG, SEED),
+            lora=LORA,
+        )
+        init = full_state(model)
+        losses = train(model, backend, batches(), rank, world)
+        out[device] = {
+            "losses": losses,
+            "init": init,
+            "final": full_state(model),
+            "counts": trainable_counts(model),
+        }
+    return out
+
+
+@pytest.mark.slow
+def test_lora_adapters_train_alone_and_sharded_match_one_process():
+    """LoRA (peft's layers, added as each block is built): on 2 FSDP2 ranks the
+    losses and adapters equal one process's within 1e-5, the base weights are
+    bit-identical after training, the adapters' init is the same on meta and cpu
+    (by name), and only the adapters train."""
+    (ref,) = run_distributed(lora_run, 1, "none", "cpu")
+    ranks = run_distributed(lora_run, 2, "fsdp2", "both")
+    ref = ref["cpu"]
+    d, h = CFG.n_embd, 4 * CFG.n_embd
+    per_block = LORA.rank * ((d + 3 * d) + (d + h))  # c_attn (d -> 3d), c_fc (d -> h)
+    assert ref["counts"] == (CFG.n_layer * per_block, ref["counts"][1])
+    for run in (ranks[0]["meta"], ranks[0]["cpu"]):
+        assert run["counts"] == ref["counts"]
+        assert run["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
+        for name, value in ref["final"].items():
+            torch.testing.assert_close(run["final"][name], value, atol=1e-5, rtol=0)
+    for name, value in ranks[0]["cpu"]["init"].items():
+        assert torch.equal(ranks[0]["meta"]["init"][name], value), name
+    adapters = [n for n in ref["init"] if is_adapter(n)]
+    assert len(adapters) == 4 * CFG.n_layer
+    for name, before in ref["init"].items():  # the base as it was, the adapters not
+        assert torch.equal(before, ref["final"][name]) != is_adapter(name), name
+    assert ref["losses"][-1] < ref["losses"][0]

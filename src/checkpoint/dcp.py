@@ -82,7 +82,14 @@ from src.checkpoint.ranks import (
     this_rank,
 )
 from src.checkpoint.rng import RNG_DIR, _read_rng, _rng_file, _rng_state, _set_rng_state
-from src.checkpoint.values import _from_json, _split, json_like, plain_tensors
+from src.checkpoint.values import (
+    _from_json,
+    _split,
+    canonical_keys,
+    json_like,
+    own_keys,
+    plain_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +264,10 @@ class Checkpointer:
 
         rng_tensors, rng_scalars = _rng_state()  # before anything below draws from it
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
+        (model_sd, _), (optim_sd, _) = (
+            canonical_keys(model_sd),
+            canonical_keys(optim_sd),
+        )
         model_tensors, model_objects = _split(model_sd)
         optim_tensors, optim_objects = _split(optim_sd)
         model_tensors, optim_tensors = map(
@@ -436,6 +447,10 @@ class Checkpointer:
         path = Path(path)
         meta = self._meta(path, verify)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_DSD_OPTIONS)
+        (model_sd, model_keys), (optim_sd, optim_keys) = (
+            canonical_keys(model_sd),
+            canonical_keys(optim_sd),
+        )
         model_tensors, model_objects = _split(model_sd)
         optim_tensors, optim_objects = _split(optim_sd)
         wanted = {"model": model_tensors, "optim": optim_tensors}
@@ -460,8 +475,8 @@ class Checkpointer:
         set_state_dict(
             model,
             optimizer,
-            model_state_dict=model_tensors,
-            optim_state_dict=optim_tensors,
+            model_state_dict=own_keys(model_tensors, model_keys),
+            optim_state_dict=own_keys(optim_tensors, optim_keys),
             options=_DSD_OPTIONS,
         )
         if scheduler is not None:
@@ -490,9 +505,8 @@ class Checkpointer:
         error advises. Returns ``{"step": step, **extra}``."""
         path = Path(path)
         meta = self._meta(path, verify)
-        model_tensors, objects = _split(
-            get_model_state_dict(model, options=_DSD_OPTIONS)
-        )
+        state, keys = canonical_keys(get_model_state_dict(model, options=_DSD_OPTIONS))
+        model_tensors, objects = _split(state)
         wanted = {"model": model_tensors}
         with _as_error(path):
             index = _read_index(path, meta)
@@ -501,7 +515,7 @@ class Checkpointer:
             objects = json_like(meta["model_objects"], objects, "model_objects")
         _read_tensors(path, index, wanted)
         model_tensors.update(objects)
-        set_model_state_dict(model, model_tensors, options=_DSD_OPTIONS)
+        set_model_state_dict(model, own_keys(model_tensors, keys), options=_DSD_OPTIONS)
         return {**_from_json(meta["extra"]), "step": meta["step"]}
 
     def check_model(
@@ -514,7 +528,7 @@ class Checkpointer:
         meta = self._meta(path, verify=False)
         with _as_error(path):
             index = _read_index(path, meta)
-        tensors, _ = _split(model.state_dict())
+        tensors, _ = _split(canonical_keys(model.state_dict())[0])
         _check_same_tensors(path, index, {"model": tensors}, hint)
 
     def _meta(self, path: Path, verify: bool) -> dict:

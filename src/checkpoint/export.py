@@ -42,6 +42,7 @@ from src.checkpoint.dcp import dcp_errors, quiet_single_process
 from src.checkpoint.folders import aside, publish
 from src.checkpoint.hf_layout import HFLayout
 from src.checkpoint.ranks import all_agree, this_rank
+from src.checkpoint.values import canonical_keys, own_keys
 from src.data.tokenizer import (
     Tokenizer,
     hf_tokenizer_mismatch,
@@ -49,7 +50,7 @@ from src.data.tokenizer import (
     special_ids,
 )
 from src.files import atomic_path, parse_json
-from src.sharding import canonical_name
+from src.sharding import adapted_layers, canonical_name, is_adapter, merged_weights
 from src.sharding.layout import collective_device, flat_mesh
 
 log = logging.getLogger(__name__)
@@ -242,17 +243,21 @@ def _hf_named_state(
     model: nn.Module,
     to_hf_name: Callable[[str], str],
     transposed: Callable[[str], bool] | None = None,
+    merged: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The model's (sharded, never gathered) parameters by canonical name, each tied
     tensor once, as transformers holds them (``transposed`` names: the transpose, a
     sharded tensor of its own; each rank keeps only its slice), and canonical name ->
-    transformers name."""
+    transformers name. LoRA adapters are not transformers weights: left out, or
+    with ``merged`` (an export) merged into their base weights."""
     params = {canonical_name(n, model) for n, _ in model.named_parameters()}
     state = {
         k: plain_tensor(v)
-        for k, v in get_model_state_dict(model).items()
-        if k in params
+        for k, v in canonical_keys(get_model_state_dict(model))[0].items()
+        if k in params and not is_adapter(k)
     }
+    if merged:
+        state.update(merged_weights(model))
     if transposed is not None:
         state = {k: _transposed(v) if transposed(k) else v for k, v in state.items()}
     return state, {k: to_hf_name(k) for k in state}
@@ -400,7 +405,10 @@ def load_hf_weights(
         disk = {d: _whole(on_disk.pop(d)) for d in group.disk}
         for name, whole in layout.to_memory(group, disk).items():
             loaded[ours[name]] = _as_local(state[ours[name]], whole)
-    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    keys = canonical_keys(get_model_state_dict(model))[1]
+    set_model_state_dict(
+        model, own_keys(loaded, keys), options=StateDictOptions(strict=False)
+    )
 
 
 def export_hf(
@@ -431,7 +439,7 @@ def export_hf(
     ``bos_token_id`` and ``pad_token_id`` (the tokenizer's own, else None)."""
     directory = Path(directory)
     final, directory = directory, aside(directory)  # renamed into place at the end
-    state, hf_names = _hf_named_state(model, to_hf_name, transposed)
+    state, hf_names = _hf_named_state(model, to_hf_name, transposed, merged=True)
     layout, ours = _layout(state, hf_names, skeleton)
     out = {d: state[ours[m]] for m, d in layout.renames.items()}
     spread = _world_spread()
@@ -443,6 +451,7 @@ def export_hf(
     )
     with quiet_single_process(), dcp_errors(f"export to {directory}"):
         dcp.save(out, storage_writer=writer)
+    adapter = adapter_state(model, to_hf_name)  # a collective: every rank
     if written is not None:
         written()
     all_agree(None, "export")  # every rank is past the hook before rank 0 publishes
@@ -458,6 +467,8 @@ def export_hf(
                     setattr(hf_config, key, value)
                 save_hf_tokenizer(tokenizer, directory)
             hf_config.save_pretrained(directory)
+            if adapter is not None:
+                save_peft_adapter(*adapter, directory / PEFT_ADAPTER_DIR)
             shutil.rmtree(directory / "sharded", ignore_errors=True)
             publish(final)
             mismatch = tokenizer and hf_tokenizer_mismatch(tokenizer, final)
@@ -466,6 +477,60 @@ def export_hf(
         except Exception as exc:
             error = exc
     all_agree(error, "export")
+
+
+#: In a Hugging Face export of a LoRA run: the adapters alone, as peft saves them
+#: (``PeftModel.from_pretrained(base, <export>/adapter)``); the export itself holds
+#: the merged weights.
+PEFT_ADAPTER_DIR = "adapter"
+
+
+@torch.no_grad()
+def adapter_state(
+    model: nn.Module, to_hf_name: Callable[[str], str]
+) -> tuple[Any, dict[str, torch.Tensor]] | None:
+    """A LoRA run's adapters as peft names them on the transformers model
+    (``base_model.model.<module>.lora_A.weight``), whole, with their LoraConfig;
+    None without adapters. A collective (each adapter is gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    layers = adapted_layers(model)
+    if not layers:
+        return None
+    from peft import LoraConfig
+
+    from src.sharding.lora import ADAPTER
+
+    tensors, targets = {}, set()
+    first = layers[0][1]
+    for path, layer in layers:
+        module = to_hf_name(f"{path}.weight").removesuffix(".weight")
+        targets.add(module.rsplit(".", 1)[-1])
+        for part in ("lora_A", "lora_B"):
+            w = getattr(layer, part)[ADAPTER].weight
+            w = w.full_tensor() if isinstance(w, DTensor) else w
+            tensors[f"base_model.model.{module}.{part}.weight"] = w.detach().float()
+    config = LoraConfig(
+        r=first.r[ADAPTER],
+        lora_alpha=first.lora_alpha[ADAPTER],
+        lora_dropout=float(getattr(first.lora_dropout[ADAPTER], "p", 0.0)),
+        target_modules=sorted(targets),
+        task_type="CAUSAL_LM",
+    )
+    return config, tensors
+
+
+def save_peft_adapter(config: Any, tensors: dict, directory: Path) -> None:
+    """Write an adapter dir as peft's ``save_pretrained`` does: its
+    ``adapter_config.json`` (peft writes it) and ``adapter_model.safetensors``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file(
+        {k: v.contiguous().cpu() for k, v in tensors.items()},
+        directory / "adapter_model.safetensors",
+    )
 
 
 def export_model(

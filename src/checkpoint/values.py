@@ -13,6 +13,7 @@ import torch
 
 from src.checkpoint.damage import _as_error, _bad_value, _Damaged
 from src.checkpoint.folders import META
+from src.sharding import canonical_name
 
 
 def _to_json(obj: Any) -> Any:
@@ -39,6 +40,20 @@ def _from_json(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_from_json(v) for v in obj]
     return obj
+
+
+def canonical_keys(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``state`` (a flat model or optimizer state dict) under canonical names (a
+    LoRA layer's ``base_layer`` left out: the base weights are saved, loaded and
+    exported under the names a model without adapters has), and canonical -> the
+    model's own key, to set it back (:func:`own_keys`)."""
+    names = {canonical_name(k): k for k in state}
+    return {canonical_name(k): v for k, v in state.items()}, names
+
+
+def own_keys(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``state`` (canonical keys) under the model's own keys (:func:`canonical_keys`)."""
+    return {names.get(k, k): v for k, v in state.items()}
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -37,6 +37,7 @@ from src.models.spec import import_module_class
 from src.sharding.backends import backend_class
 from src.sharding.float8 import ALL_GATHER_RECIPES, Float8
 from src.sharding.layout import LayoutError, ParallelLayout, refusal
+from src.sharding.lora import LoraSpec
 from src.sharding.plan import GIB
 from src.sharding.policies import policy_names
 from src.sharding.precision import Precision, get_precision
@@ -141,6 +142,8 @@ class RunPlan:
     init_device: str = "cpu"
     pretrained: str | None = None
     seed: int = 0
+    lora: LoraSpec | None = None  # model.lora: adapters, the rest frozen
+    freeze: tuple[str, ...] = ()  # trainer.freeze: parameter-name patterns
     # The planner's predicted peak_mem_gib (set by the launcher before the ranks
     # start; None when not planned, e.g. the planner failed on a custom model).
     planned_peak_gib: float | None = None
@@ -221,6 +224,8 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
         init_device=cfg.model.init_device,
         pretrained=OmegaConf.select(cfg, "model.pretrained"),
         seed=t.seed,
+        lora=lora_spec(cfg, spec, layout),
+        freeze=tuple(OmegaConf.select(cfg, "trainer.freeze", default=None) or ()),
     )
 
 
@@ -333,6 +338,50 @@ def check_runnable(
     if err is not None:
         with layout_errors_named():
             raise err
+
+
+def lora_spec(
+    cfg: DictConfig, spec: ModelSpec, layout: ParallelLayout
+) -> LoraSpec | None:
+    """``model.lora`` as adapters (None: rank 0), ConfigError naming the key for a bad
+    value or a layout the adapters do not run on yet."""
+    lora = OmegaConf.select(cfg, "model.lora", default=None)
+    if lora is None or not lora.rank:
+        return None
+    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 0:
+        raise ConfigError(
+            "model.lora.rank", f"got {lora.rank!r}, expected an integer >= 0"
+        )
+    if not lora.alpha > 0:
+        raise ConfigError("model.lora.alpha", f"got {lora.alpha!r}, expected > 0")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(
+            "model.lora.dropout", f"got {lora.dropout!r}, expected in [0, 1)"
+        )
+    targets = tuple(lora.targets or spec.lora_targets)
+    if not targets:
+        raise ConfigError(
+            "model.lora.targets",
+            f"model family {spec.name!r} names no default targets; give the linear "
+            "layers' module names (fnmatch patterns)",
+        )
+    not_yet = {
+        "sharding.tensor_parallel": layout.tp > 1,
+        "sharding.pipeline_parallel": layout.pp > 1,
+        "sharding.backend": cfg.sharding.backend == "fsdp1",
+        "precision.name": cfg.precision.name == "float8",
+    }
+    for key, refused in not_yet.items():
+        if refused:
+            raise ConfigError(
+                "model.lora.rank",
+                f"LoRA adapters do not run with {key}={OmegaConf.select(cfg, key)} "
+                "yet (FSDP2, DDP or one rank, without float8); set model.lora.rank=0 "
+                f"or change {key}",
+            )
+    return LoraSpec(
+        lora.rank, float(lora.alpha), float(lora.dropout), targets, cfg.trainer.seed
+    )
 
 
 def data_packing(cfg: DictConfig, spec: ModelSpec) -> str:

@@ -194,6 +194,9 @@ class TrainerConfig:
     init_from: str | None = described(
         "a new run starts from this checkpoint or run dir's weights (step 0)"
     )
+    freeze: list[str] = described(
+        "parameters not trained, by canonical-name pattern (fnmatch): 'layers.0.*'"
+    )
     # one of RESUME_SCHEDULES
     resume_schedule: str = described(
         "resuming with another max_steps: keep (refuse) or extend"

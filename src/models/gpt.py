@@ -485,6 +485,7 @@ register(
         documents=True,
         kv_width=lambda config: config.n_embd,
         ffn_width=lambda config: 4 * config.n_embd,
+        lora_targets=("c_attn", "c_proj", "c_fc"),
         pipeline=lambda config: PipelineLayout(
             blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head")
         ),

@@ -759,6 +759,10 @@ register(
         context_parallel=check_context_parallel,
         documents=True,
         kv_width=kv_width,
+        lora_targets=(
+            *("q_proj", "k_proj", "v_proj", "o_proj"),
+            *("gate_proj", "up_proj", "down_proj"),
+        ),
         pipeline=pipeline_layout,
         routes_tokens=lambda config: routed_experts(config.hf_config) > 1,
         num_experts=ep_experts,

@@ -627,6 +627,8 @@ register(
         flops_per_token=flops_per_token,
         init_tensor=init_tensor,
         seq_len=lambda config: config.max_seq_len,
+        # attention and the shared expert (the routed experts are not nn.Linear)
+        lora_targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"),
         kv_cache=True,
         documents=True,
         routes_tokens=lambda config: len(config.moe_layers) > 0,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, get_type_hints
@@ -25,10 +24,25 @@ from torch.distributed.tensor import DTensor
 
 from src.models.memory import ActivationBytes
 from src.registry import Registry, described, or_list
+from src.sharding.backends import name_generator  # noqa: F401 (the families' init)
 from src.sharding.parallelize import Parallelize, parallelize_decoder
 
 # The keys of the ``model`` group every family shares (the family's own config
 # dataclass brings the rest, with its own field names), with their --help lines.
+
+
+@dataclass
+class LoraKeys:
+    """``model.lora``: low-rank adapters on the linear layers, the rest frozen."""
+
+    rank: int = described("LoRA adapters' rank (0: no adapters, the model trains)", 0)
+    alpha: float = described("the adapters' output is scaled by alpha / rank", 16.0)
+    dropout: float = described("dropout on the adapters' input", 0.0)
+    targets: list[str] | None = described(
+        "linear layers adapted (fnmatch on module names); null: the family's "
+        "attention and MLP projections",
+        None,
+    )
 
 
 @dataclass
@@ -40,6 +54,10 @@ class ModelKeys:
     # families with `hf`
     pretrained: str | None = described(
         "a local Hugging Face dir whose safetensors are loaded, sharded", None
+    )
+    lora: LoraKeys = field(
+        default_factory=LoraKeys,
+        metadata={"help": "LoRA adapters (model.lora.rank > 0), the base frozen"},
     )
 
 
@@ -131,6 +149,9 @@ class ModelSpec:
     # backward holds the gathered K/V's gradient (src/planner/activations.py). None:
     # the planner assumes it frees nothing.
     ffn_width: Callable[[Any], int] | None = None
+    # model.lora.targets' default: the module names of its attention and MLP
+    # projections (LoRA's usual targets). Empty: give model.lora.targets.
+    lora_targets: tuple[str, ...] = ()
     # data.packing=documents: the forward takes ``docs=`` (B, T) document ids and
     # keeps attention and positions within them (src/models/attention.py).
     documents: bool = False
@@ -266,15 +287,6 @@ def import_module_class(path: str) -> type[nn.Module]:
 
 
 # ------------------------------------------------- init by name (shared by families)
-
-
-def name_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator seeded from ``crc32(seed, name)``: one parameter's random init
-    depends on nothing else (not the build order, the wrap policy, the ranks or the
-    device). zlib.crc32, as Python's ``hash`` of a str changes between processes."""
-    return torch.Generator(device="cpu").manual_seed(
-        zlib.crc32(f"{seed}/{name}".encode())
-    )
 
 
 def lm_loss(

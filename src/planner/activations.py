@@ -242,7 +242,31 @@ def run_activations(
     )
     acts = tp_activations(resolved, shape, acts, model)
     acts = cp_activations(resolved, shape, acts, model)
-    return documents_activations(resolved, shape, acts, model)
+    acts = documents_activations(resolved, shape, acts, model)
+    return frozen_prefix_activations(resolved, acts, model)
+
+
+def frozen_prefix_activations(
+    resolved: RunPlan, acts: ActivationBytes, model: torch.nn.Module | int
+) -> ActivationBytes:
+    """``trainer.freeze`` of the embedding and the first k blocks: autograd records
+    nothing there (no parameter, and no input, needs a gradient), so those blocks
+    save no activations: their share of the saved ones is dropped."""
+    if isinstance(model, int) or not resolved.freeze:
+        return acts
+    classes = resolved.spec.block_classes(resolved.model_config)
+    blocks, frozen = 0, 0
+    for m in model.modules():  # module order: the embedding, then the blocks
+        trains = any(p.requires_grad for p in m.parameters(recurse=False))
+        if isinstance(m, classes):
+            blocks += 1
+            trains = any(p.requires_grad for p in m.parameters())
+            frozen += frozen == blocks - 1 and not trains
+        elif trains and blocks == 0:
+            return acts  # a trained parameter before the blocks (the embedding)
+    if not frozen:
+        return acts
+    return replace(acts, saved=acts.saved - acts.saved * frozen // max(1, blocks))
 
 
 def documents_activations(

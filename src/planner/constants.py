@@ -104,6 +104,12 @@ IMPORT_BYTES: dict[str, int] = {
     # parts the estimate counts (default GPT +36.9 MiB, llama_tiny +34.8: under
     # 1 MiB of either is float8 weights; docs/planner.md)
     "torchao.float8": 35 * MIB,
+    # model.lora: peft (its LoRA layers) imports transformers' model machinery and
+    # torchao: a forked rank of a LoRA run against the same run without adapters,
+    # +94 MiB in use at the peak, +112 with the gradients and AdamW state of the
+    # frozen weights it no longer holds (Llama 4 x 256, 2 ranks; a bare process:
+    # +142 MiB after torch alone, +122 after transformers)
+    "peft": 112 * MIB,
 }
 
 

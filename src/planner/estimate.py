@@ -181,6 +181,7 @@ class _Held:
     """What one rank's parameters and gradients take, by backend (bytes)."""
 
     params: int  # this rank's fp32 parameters
+    trained: int  # of them, those that train (their gradients, optimizer state)
     gathered: int  # all-gathered units alive in forward and backward
     sharded_grads: int  # gradients after their reduction (this rank's)
     unsharded_grads: int  # gradients before it (the whole model's)
@@ -226,22 +227,32 @@ def _held_sharded(
     # The unit whose backward ends last before the peak: the largest block, or
     # the root of a model that is one unit (its gradients are the whole model's).
     largest_unit = blocks[0] if blocks else root_bytes
-    numels = [u.local_numel for u in plan.units if u.path]
-    largest_numel = max(numels) if numels else (root.local_numel if root else 0)
-    shard_of_largest = max((u.bytes_per_rank for u in plan.units), default=0)
+    numels = [u.trained(u.local_numel) for u in plan.units if u.path]
+    largest_numel = (
+        max(numels) if numels else (root.trained(root.local_numel) if root else 0)
+    )
+    shard_of_largest = max((u.trained(u.bytes_per_rank) for u in plan.units), default=0)
+    trained = plan.trained_bytes_per_rank()
     return _Held(
         params=params,
+        trained=trained,
         gathered=root_bytes + sum(kept) + partly,
-        sharded_grads=params,
-        unsharded_grads=total * s.reduce_bytes,
-        final_grads=params,
+        sharded_grads=trained,
+        unsharded_grads=_trained_numel(plan, total) * s.reduce_bytes,
+        final_grads=trained,
         # A unit's unsharded gradients and the reduce-scatter's flat input, alive
         # together; the root's head gradient is held until the end of backward
         # (counted once: with no other unit it is the unit's own).
         unit_grads=largest_numel * (s.param_bytes + s.reduce_bytes),
-        root_grad=root.local_numel * s.param_bytes if blocks and root else 0,
+        root_grad=root.trained(root.local_numel) * s.param_bytes
+        if blocks and root
+        else 0,
         largest_shard=shard_of_largest,
-        mixed_precision=shard_of_largest // 4 * s.param_bytes if s.mixed else 0,
+        mixed_precision=max((u.bytes_per_rank for u in plan.units), default=0)
+        // 4
+        * s.param_bytes
+        if s.mixed
+        else 0,
         # FSDP2 copies a unit out of the all-gather's flat output into its own
         # unsharded parameters: both alive at once while the unit is gathered.
         gather_copy=largest_unit if s.gather_copy_out else 0,
@@ -259,29 +270,41 @@ def _held_unsharded(
     """DDP and one process: every rank holds the whole model."""
     root = next((u for u in plan.units if not u.path), None)
     has_blocks = any(u.path for u in plan.units)
-    root_numel = root.local_numel if root else 0
-    params = total * 4
+    root_numel = root.trained(root.local_numel) if root else 0
+    params, trained = total * 4, _trained_numel(plan, total) * 4
     buckets = 0
     if s.bucketed_gradients:
         # DDP copies gradients into its buckets (gradient_as_bucket_view=False),
         # allocated (and zeroed) when the model is wrapped: held in every moment.
-        buckets = total * 4
+        buckets = trained
         notes["grads"] = "+ DDP's gradient buckets, allocated at construction"
     return _Held(
         params=params,
+        trained=trained,
         gathered=0,
-        sharded_grads=total * 4,
-        unsharded_grads=total * 4,
-        final_grads=total * 4,
+        sharded_grads=trained,
+        unsharded_grads=trained,
+        final_grads=trained,
         unit_grads=0,
         # The head's gradient is the first one backward makes, held to its end.
         root_grad=root_numel * 4 if has_blocks else 0,
-        largest_shard=max((u.numel * 4 for u in plan.units), default=params),
+        largest_shard=max(
+            (u.trained(u.numel * 4) for u in plan.units), default=trained
+        ),
         # Autocast keeps a low-precision copy of each weight for backward.
         mixed_precision=total * s.param_bytes if s.mixed else 0,
         gather_copy=0,
         buckets=buckets,
     )
+
+
+def _trained_numel(plan: WrapPlan, total: int) -> int:
+    """Of ``total`` (elements one rank holds before data-parallel sharding), those
+    that train."""
+    whole = sum(u.local_numel for u in plan.units)
+    if not whole:
+        return total
+    return total * sum(u.trained(u.local_numel) for u in plan.units) // whole
 
 
 def _accumulated(h: _Held, s: RunShape, notes: dict[str, str]) -> int:
@@ -344,7 +367,7 @@ def estimate(
     base = {
         "params": h.params,
         "gathered_units": h.gathered,
-        "optimizer": s.optimizer_states * h.params,
+        "optimizer": s.optimizer_states * h.trained,
         "mixed_precision": h.mixed_precision,
         "pipeline": pipeline,
         "runtime": runtime_bytes(s.device, s.param_bytes),
@@ -374,7 +397,7 @@ def _moments(
     """The parts of each moment of a step (``base``: those every moment holds alike;
     ``held``: the gradients held through backward, :func:`_accumulated`)."""
     # The update's temporaries: foreach AdamW's copy (src/planner/optimizer_step.py).
-    opt_temp = optimizer_step_transient(h.params)
+    opt_temp = optimizer_step_transient(h.trained)
     # The last block's all-gather in forward: every earlier block's activations are
     # saved (a one-unit model gathers before any).
     before_last = acts.saved - acts.saved // n_blocks if n_blocks else 0

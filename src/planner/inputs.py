@@ -126,7 +126,8 @@ def run_shape(plan: RunPlan, world: int) -> RunShape:
 def family_process_bytes(plan: RunPlan, device: str) -> int:
     """The process baseline of a run of ``plan``: its model family's imports, its
     logger's (rank 0 holds the sinks; the peak is the max over ranks),
-    torch.compile's with compile on and torchao's float8 with float8 linears; less
+    torch.compile's with compile on, torchao's float8 with float8 linears and peft's
+    with LoRA adapters; less
     where its ranks fork from the rank server (``budget.forked_ranks``)."""
     option = LOGGERS.get(plan.budget.logger)
     imports = plan.spec.imports + (option.imports if option else ())
@@ -134,6 +135,8 @@ def family_process_bytes(plan: RunPlan, device: str) -> int:
         imports += ("torch.compile",)
     if plan.float8 is not None:
         imports += ("torchao.float8",)
+    if plan.lora is not None:
+        imports += ("peft",)
     return process_bytes(device, imports, plan.budget.forked_ranks)
 
 

@@ -1,6 +1,6 @@
 """Sharding API: shard-as-you-build (``enable_wrap``/``wrap``/``auto_wrap``) on FSDP2 and
 FSDP1, wrap policies, the run's parallel layout and its device mesh, backends, mixed
-precision, the parallelize steps (float8, TP, EP, activation checkpointing,
+precision, the parallelize steps (LoRA adapters, float8, TP, EP, activation checkpointing,
 torch.compile) and the wrap plan."""
 
 # The backends in their own files add themselves to BACKENDS on import (in this
@@ -13,12 +13,21 @@ from .backends import (
     build_backend,
     build_sharded_model,
     canonical_name,
+    fill_,
     fsdp1_wrapper,
     materialize_meta_,
     set_prefetch,
     with_capability,
 )
 from .layout import Axis, LayoutError, ParallelLayout, ParallelMesh, refusal
+from .lora import (
+    LoraSpec,
+    adapted_layers,
+    is_adapter,
+    lora_init,
+    merged_weights,
+    trainable_counts,
+)
 from .parallelize import Parallelize, UnitSteps, parallelize_decoder
 from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
 from .policies import (
@@ -74,6 +83,13 @@ __all__ = [
     "build_policy",
     "build_sharded_model",
     "canonical_name",
+    "fill_",
+    "is_adapter",
+    "adapted_layers",
+    "merged_weights",
+    "lora_init",
+    "LoraSpec",
+    "trainable_counts",
     "choose_auto_wrap_units",
     "enable_wrap",
     "fsdp1_wrapper",

@@ -25,6 +25,7 @@ import ctypes
 import functools
 import sys
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
@@ -44,6 +45,7 @@ from .context_parallel import ContextParallel
 from .expert_parallel import expert_parallelize, plan_experts
 from .float8 import Float8, byte_all_gather
 from .layout import ParallelLayout, ParallelMesh, refusal
+from .lora import LoraSpec, is_adapter
 from .parallelize import Parallelize, UnitSteps, parallelize_decoder
 from .policies import WrapPolicy
 from .precision import Precision, get_precision
@@ -267,7 +269,10 @@ class Backend:
         expert_parallelize(module, self.parallel, **defaults)
 
     def unit_steps(
-        self, transform: UnitTransform | None, tp_plan: TPPlan | None
+        self,
+        transform: UnitTransform | None,
+        tp_plan: TPPlan | None,
+        lora: LoraSpec | None = None,
     ) -> UnitSteps:
         """The parallelize steps of a build on this backend's mesh."""
         return UnitSteps(
@@ -275,6 +280,7 @@ class Backend:
             self.parallel,
             tp_plan,
             self.split_experts if self.layout.ep > 1 else None,
+            lora,
         )
 
     def loss_context(self) -> contextlib.AbstractContextManager:
@@ -640,12 +646,17 @@ def build_sharded_model(
     transform: UnitTransform | None = None,
     tp_plan: TPPlan | None = None,
     parallelize: Parallelize = parallelize_decoder,
+    lora: LoraSpec | None = None,
+    frozen: Callable[[str], bool] | None = None,
 ) -> nn.Module:
     """Build the model inside the wrap context, so units are sharded as they are built.
 
     ``parallelize`` (the family's, src/sharding/parallelize.py) runs with its steps
     bound to the backend's mesh: ``transform`` (float8, checkpointing, compile of
-    the blocks) and ``tp_plan`` (the model's, with tensor parallelism). On the meta
+    the blocks), ``tp_plan`` (the model's, with tensor parallelism) and ``lora``
+    (adapters on its linear layers, src/sharding/lora.py); ``frozen``: the
+    parameters (by canonical name) that do not train, frozen before the root is
+    wrapped (DDP registers what trains as it wraps). On the meta
     device nothing is allocated until the end, where each rank allocates and fills
     only its own shards with ``init_fn(canonical_name, param) -> full tensor``.
     """
@@ -661,17 +672,27 @@ def build_sharded_model(
         )
     if init_device.type == "meta" and init_fn is None and backend.allocates:
         raise ValueError("meta-device init needs an init_fn to materialise shards")
-    steps = backend.unit_steps(transform, backend.tp_plan)
+    steps = backend.unit_steps(transform, backend.tp_plan, lora)
+    if lora is not None and init_fn is not None:  # the adapters' names too
+        init_fn = lora.init_fn(init_fn)
     step = functools.partial(parallelize, steps=steps)
     with backend.wrap_context(policy, step), init_device:
         model = model_fn()  # each wrap()-annotated module: step, policy, units
         step(model, unit=False)  # the root as built (what no annotation held)
+        if frozen is not None:
+            for name, p in model.named_parameters():
+                if frozen(canonical_name(name, model)):
+                    p.requires_grad_(False)
         if backend.wraps_units and policy is not None:
             model = policy.finalize(model)  # units spanning annotations
         model = backend.wrap_root(model)  # the root last: a unit
     if not backend.wraps_units:
         step(model, unit=True)  # no units: the model is the one
-    return backend.finish_build(model, init_device, init_fn)
+    model = backend.finish_build(model, init_device, init_fn)
+    if lora is not None and backend.allocates and init_device.type != "meta":
+        # peft drew them from the global generator: by name, as on meta
+        fill_(model, lora.init_fn(), backend.device, is_adapter)
+    return model
 
 
 def set_prefetch(
@@ -696,7 +717,7 @@ def set_prefetch(
 
 
 _WRAPPER_SEGMENTS = frozenset(
-    {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+    {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "base_layer"}
 )
 
 
@@ -707,6 +728,15 @@ def canonical_name(name: str, model: nn.Module | None = None) -> str:
     if isinstance(model, DDP) and parts[:1] == ["module"]:
         parts = parts[1:]
     return ".".join(parts)
+
+
+def name_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from ``crc32(seed, name)``: one parameter's random init
+    depends on nothing else (not the build order, the wrap policy, the ranks or the
+    device). zlib.crc32, as Python's ``hash`` of a str changes between processes."""
+    return torch.Generator(device="cpu").manual_seed(
+        zlib.crc32(f"{seed}/{name}".encode())
+    )
 
 
 @torch.no_grad()
@@ -722,8 +752,24 @@ def materialize_meta_(
     normal (non-meta) build whatever the number of ranks.
     """
     model.to_empty(device=device)
+    fill_(model, init_fn, device)
+
+
+@torch.no_grad()
+def fill_(
+    model: nn.Module,
+    init_fn: Callable[[str, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    names: Callable[[str], bool] = lambda name: True,
+) -> None:
+    """Fill the (possibly sharded) parameters and buffers of ``model`` whose canonical
+    name ``names`` selects with ``init_fn(canonical_name, tensor)``'s full value,
+    each rank its own slice."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        full = init_fn(canonical_name(name, model), tensor).to(device)
+        name = canonical_name(name, model)
+        if not names(name):
+            continue
+        full = init_fn(name, tensor).to(device)
         if isinstance(tensor, DTensor):
             local = distribute_tensor(
                 full.to(tensor.dtype),

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch.nn as nn
 
 from .layout import ParallelMesh
+from .lora import LoraSpec, add_lora
 from .tensor_parallel import TPPlan, tensor_parallelize
 from .transforms import UnitTransform
 
@@ -34,6 +35,11 @@ class UnitSteps:
     tp_plan: TPPlan | None = None  # None: no tensor parallelism
     #: splits the expert modules under a module (None: no expert parallelism)
     experts: Callable[[nn.Module], None] | None = None
+    lora: LoraSpec | None = None  # the adapters (None: no LoRA)
+
+    def adapt(self, module: nn.Module) -> None:
+        if self.lora is not None:
+            add_lora(module, self.lora)
 
     def float8(self, module: nn.Module) -> None:
         self.transform.convert_float8(module)
@@ -62,6 +68,7 @@ class Parallelize(Protocol):
 def parallelize_decoder(module: nn.Module, steps: UnitSteps, *, unit: bool) -> None:
     """A decoder's parallelism (GPT, Llama, the MoE, Hugging Face's), in order."""
     # As built, whole: before the policy picks units inside the module.
+    steps.adapt(module)  # LoRA adapters on its linear layers, the rest frozen
     steps.float8(module)  # torchao's float8 TP styles take float8 linear layers
     steps.tensor_parallel(module)  # on the tp mesh, by the family's plan
     steps.expert_parallel(module)  # split over ep, sharded over the rest: units

@@ -37,10 +37,23 @@ class Unit:
     #: of those, the weights of its float8 linear layers (``precision=float8``),
     #: which FSDP2's float8 all-gather moves and holds at one byte each
     float8_numel: int = 0
+    #: of ``numel``, the elements that train (``requires_grad``: not frozen, not a
+    #: LoRA base weight); -1: all of them
+    trained_numel: int = -1
 
     def __post_init__(self) -> None:
         if self.local_numel < 0:
             self.local_numel = self.numel
+        if self.trained_numel < 0:
+            self.trained_numel = self.numel
+
+    def trained(self, n: int) -> int:
+        """The trained share of ``n`` (bytes or elements of this unit)."""
+        return (
+            n
+            if self.trained_numel == self.numel
+            else n * self.trained_numel // max(1, self.numel)
+        )
 
 
 @dataclass
@@ -153,6 +166,11 @@ class WrapPlan:
     def bytes_per_rank(self) -> int:
         return sum(u.bytes_per_rank for u in self.units)
 
+    def trained_bytes_per_rank(self) -> int:
+        """Of :meth:`bytes_per_rank`, the parameters that train (their gradients and
+        optimizer state are the model's)."""
+        return sum(u.trained(u.bytes_per_rank) for u in self.units)
+
 
 def wrap_plan(model: nn.Module, layout: ParallelLayout | int = 1) -> WrapPlan:
     """The units of a wrapped (or ``plan``-backend) model, in module order; bytes per
@@ -175,7 +193,21 @@ def wrap_plan(model: nn.Module, layout: ParallelLayout | int = 1) -> WrapPlan:
         )
     plan.total_numel = sum(u.numel for u in plan.units)
     _count_float8(model, plan.units)
+    _count_trained(model, plan.units)
     return plan
+
+
+def _owner(by_path: dict[str, Unit], path: str) -> Unit | None:
+    """The innermost unit around the module or parameter at ``path``."""
+    parts = path.split(".")
+    return next(
+        (
+            by_path[p]
+            for p in (".".join(parts[:i]) for i in range(len(parts), -1, -1))
+            if p in by_path
+        ),
+        None,
+    )
 
 
 def _count_float8(model: nn.Module, units: list[Unit]) -> None:
@@ -183,20 +215,25 @@ def _count_float8(model: nn.Module, units: list[Unit]) -> None:
     holds (a layer belongs to the innermost unit around it)."""
     by_path = {u.path: u for u in units}
     for name, module in model.named_modules():
-        if not is_float8_linear(module):
-            continue
-        path = canonical_name(name, model)
-        parts = path.split(".")
-        owner = next(
-            (
-                by_path[p]
-                for p in (".".join(parts[:i]) for i in range(len(parts), -1, -1))
-                if p in by_path
-            ),
-            None,
-        )
-        if owner is not None:
-            owner.float8_numel += module.weight.numel()
+        if is_float8_linear(module):
+            owner = _owner(by_path, canonical_name(name, model))
+            if owner is not None:
+                owner.float8_numel += module.weight.numel()
+
+
+def _count_trained(model: nn.Module, units: list[Unit]) -> None:
+    """Each unit's ``trained_numel``, where some parameter is frozen (LoRA's base
+    weights, ``trainer.freeze``)."""
+    params = list(model.named_parameters())
+    if all(p.requires_grad for _, p in params):
+        return
+    by_path = {u.path: u for u in units}
+    for u in units:
+        u.trained_numel = 0
+    for name, p in params:
+        owner = _owner(by_path, canonical_name(name, model).rpartition(".")[0])
+        if p.requires_grad and owner is not None:
+            owner.trained_numel += p.numel()
 
 
 def _class_name(module: nn.Module) -> str:

@@ -245,6 +245,12 @@ class Trainer:
         )
         if self.pipeline is not None:  # the plan is this rank's stage's
             self.num_params = self.resolved.spec.num_params(self.resolved.model_config)
+        # LoRA or trainer.freeze: what trains (the run header; summary.json)
+        self.trained_params = self.num_params  # a stage's plan: not the model's
+        if self.pipeline is None:
+            self.trained_params = sum(u.trained_numel for u in self.plan.units)
+        if self.trained_params < self.num_params:
+            self.summary["trainable_params"] = self.trained_params
 
     def _resume(self) -> None:
         """The checkpointer, and the state of the checkpoint resumed from (if any)."""
@@ -359,8 +365,11 @@ class Trainer:
             hsdp += (
                 f" | attention within documents: {kernel_line(self.device, dropout)}"
             )
+        params = f"{self.num_params / 1e6:.2f}M params"
+        if self.trained_params < self.num_params:
+            params = f"trainable {_millions(self.trained_params)} of {params}"
         return (
-            f"run: {self.num_params / 1e6:.2f}M params | {s.backend}{units}{hsdp} | "
+            f"run: {params} | {s.backend}{units}{hsdp} | "
             f"{cfg.precision.name} | checkpointing {s.activation_checkpointing} | "
             f"compile {'on' if s.compile else 'off'} | {self.world} x "
             f"{self.device.type} | batch {t.batch_size} x {tokens // t.batch_size} "
@@ -781,3 +790,10 @@ def train(
     # wandb run failed, so the next job of a sweep does not inherit it.
     with build_logger(cfg, run_dir, dist.get_rank(), begin=False) as logger:
         return Trainer(cfg, run_dir, device, resolved, logger).fit()
+
+
+def _millions(n: int) -> str:
+    """``0.84M``; below 100k ``18.7K``; below 1,000 the count."""
+    if n >= 100_000:
+        return f"{n / 1e6:.2f}M"
+    return f"{n / 1e3:.1f}K" if n >= 1_000 else str(n)

@@ -29,18 +29,25 @@ def build_optimizer(
             is_nd = no_decay_name(canonical_name(name, model))
             (no_decay if is_nd else decay).append(p)
     t = cfg.trainer
+    # An empty group (all of a LoRA run's trained weights decay) is left out: torch's
+    # distributed optimizer state cannot name one.
     groups = [
-        {"params": params, "weight_decay": wd}
-        for params, wd in zip((decay, no_decay), _weight_decays(t), strict=True)
+        {"params": params, "weight_decay": _weight_decay(t, nd), NO_DECAY: nd}
+        for params, nd in ((decay, False), (no_decay, True))
+        if params
     ]
     # foreach: one op per group, not per tensor (4-7% of a CPU step; torch's default
     # on CUDA already). Its working set is a planner term (src/planner/optimizer_step.py).
     return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
 
 
-def _weight_decays(t: DictConfig) -> tuple[float, float]:
-    """The weight decay of :func:`build_optimizer`'s two groups."""
-    return t.weight_decay, 0.0
+#: A param group's flag: its parameters take no weight decay.
+NO_DECAY = "no_decay"
+
+
+def _weight_decay(t: DictConfig, no_decay: bool) -> float:
+    """The weight decay of one of :func:`build_optimizer`'s groups."""
+    return 0.0 if no_decay else t.weight_decay
 
 
 def final_lr(t: DictConfig) -> float:
@@ -73,8 +80,14 @@ def apply_hyperparameters(
     scheduler's formula with this run's numbers, so an unchanged resume keeps it bit
     for bit."""
     t = cfg.trainer
-    for group, decay in zip(optimizer.param_groups, _weight_decays(t), strict=True):
-        group.update(weight_decay=decay, betas=tuple(t.betas), initial_lr=t.lr)
+    for i, group in enumerate(optimizer.param_groups):
+        # a checkpoint from before the flag: its two groups, decay first
+        no_decay = group.setdefault(NO_DECAY, i == 1)
+        group.update(
+            weight_decay=_weight_decay(t, no_decay),
+            betas=tuple(t.betas),
+            initial_lr=t.lr,
+        )
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
     for group, base, factor in zip(
         optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
