@@ -79,9 +79,24 @@ def test_freeze_keeps_the_matched_parameters_and_trains_the_rest(
     run_dir = tmp_path / "run"
     frozen = "trainer.freeze=[tok_embeddings.*,layers.0.*]"
     out = one_rank(
-        monkeypatch, capsys, "train.py", *RUN, frozen, f"hydra.run.dir={run_dir}"
-    )
+        monkeypatch, capsys, "train.py", *RUN, frozen, "trainer.health_every=2",
+        f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    # per-block health (issue 57 item 7): each block's norms on steps 2 and 4; the
+    # blocks' gradient norms make up grad_norm; frozen blocks have none
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    health = {r["step"]: r for r in rows if any(k.startswith("health/") for k in r)}
+    assert sorted(health) == [2, 4]
+    for row in health.values():
+        grads = {k: v for k, v in row.items() if k.endswith("/grad_norm")}
+        assert sorted(grads) == ["health/layers.1/grad_norm", "health/norm/grad_norm",
+                                 "health/output/grad_norm"]  # fmt: skip
+        assert sum(v * v for v in grads.values()) ** 0.5 == pytest.approx(
+            row["grad_norm"], rel=1e-5
+        )
+        assert row["health/tok_embeddings/param_norm"] > 0
+        assert "health/layers.0/param_norm" in row
     step2, step4 = (run_dir / "checkpoints" / f"step_0000000{s}" for s in (2, 4))
     before, after = _weights(step2, tmp_path), _weights(step4, tmp_path)
     for name, value in before.items():

@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from src.config.run_plan import resolve
 from src.config.validate import validate
 from src.errors import ConfigError
-from src.observe.loggers import RUN_ID_FILE, wandb_key
+from src.observe.keys import wandb_key
+from src.observe.loggers import RUN_ID_FILE
 from src.trainer.loop import train as train_rank
 from tests.distributed import HANG_S, run_distributed
 from tests.test_train import run_cmd

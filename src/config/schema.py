@@ -153,6 +153,9 @@ class TrainerConfig:
     )
     seed: int = described("seed of the model init and the batches")
     log_every: int = described("steps between logged rows (metrics.jsonl, wandb)")
+    health_every: int = described(
+        "steps between per-block parameter and gradient norms (0 = off; not fsdp1)"
+    )
     val_every: int = described("steps between validations (0 = none)")
     val_batches: int = described("batches per validation")
     sample_every: int = described(

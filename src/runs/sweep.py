@@ -44,7 +44,7 @@ from src.config.schema import OBJECTIVES
 from src.data.pinning import DATA_RECORD
 from src.errors import ConfigError
 from src.files import read_json, read_yaml, write_json_atomic
-from src.observe.loggers import source_of, source_val_key, source_val_losses
+from src.observe.keys import source_of, source_val_key, source_val_losses
 from src.observe.metrics import CONTENDED, contended
 from src.runs.resume import checkpoint_config, differences
 from src.runs.sweep_plan import job_number, never_ran, plan_jobs, swept_keys

@@ -394,9 +394,21 @@ def _by_mesh(params: Iterable[nn.Parameter]) -> dict[Any, list[nn.Parameter]]:
 def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     """The 2-norm of the gradients of ``params`` (a plain tensor), over every mesh
     they are sharded on: normed per mesh, then combined."""
+    return tensors_norm([p.grad for p in params if p.grad is not None])
+
+
+def tensors_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``tensors`` together (a plain tensor): DTensors normed per mesh
+    (a collective on each), then combined; plain ones as they are (replicated, or
+    one process's)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(
+            t
+        )
     norms = []
-    for group in _by_mesh(params).values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([t.detach() for t in group])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())

@@ -42,7 +42,8 @@ from src.errors import Stopped
 from src.models.attention import kernel_line
 from src.observe import live_memory
 from src.observe.attempts import ATTEMPTS, earlier_attempts, run_figures
-from src.observe.loggers import Logger, build_logger, source_val_key, val_line
+from src.observe.keys import source_val_key, val_line
+from src.observe.loggers import Logger, build_logger
 from src.observe.logs import FILE_ONLY
 from src.observe.metrics import (
     CONTENDED,
@@ -63,11 +64,12 @@ from src.observe.profiling import (
     watch_cuda_oom,
 )
 from src.observe.routing import RoutingWatch
-from src.sharding import Backend, WrapPlan, canonical_name, wrap_plan
-from src.sharding.float8 import Float8, is_float8_linear
+from src.sharding import canonical_name, wrap_plan
 from src.text import plural
 from src.trainer.best import EARLY_STOP, Best
 from src.trainer.faults import mean_and_stop, signal_point, stop_signal
+from src.trainer.header import log_float8, log_wrap_plan, millions
+from src.trainer.health import block_norms
 from src.trainer.optimizer import build_optimizer, lr_lambda
 from src.trainer.pipelined import (
     pipeline_evaluate,
@@ -88,30 +90,6 @@ log = logging.getLogger(__name__)
 
 #: ``summary.json``'s ``validation`` of a run without a validation split.
 NO_VAL_SPLIT = "none: data.val_fraction=0"
-
-
-def log_wrap_plan(plan: WrapPlan, logger: Logger, rank: int) -> None:
-    if plan.units:  # ddp and none have no units
-        log.info(plan.tree())
-    logger.log_table("wrap_plan", plan.rows())
-
-
-def log_float8(model: nn.Module, backend: Backend, f8: Float8) -> None:
-    """Once per run: how many linear layers compute in float8, and on a CPU that
-    they run at CPU speed (there for correctness)."""
-    n = sum(is_float8_linear(m) for m in model.modules())
-    where = (
-        "; on CPU the float8 matmuls run at CPU speed (for correctness, not speed)"
-        if backend.device.type == "cpu"
-        else ""
-    )
-    log.info(
-        "float8: %d linear layers (%s, all-gather in float8 %s)%s",
-        n,
-        f8.recipe,
-        "on" if f8.all_gather else "off",
-        where,
-    )
 
 
 class Trainer:
@@ -138,6 +116,11 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.summary: dict[str, Any] = {}
         self.routing = RoutingWatch()  # a mixture of experts' collapse, said once
+        # trainer.health_every: per-block norms (not with fsdp1: its flat shards)
+        self.health_every = int(cfg.trainer.get("health_every") or 0)
+        if resolved.backend == "fsdp1":
+            self.health_every = 0
+        self.health: dict[str, float] = {}
         self.skipped_steps = 0
         self.start_step = 0
         self.extended: dict[str, Any] | None = None  # resume_schedule=extend
@@ -367,7 +350,7 @@ class Trainer:
             )
         params = f"{self.num_params / 1e6:.2f}M params"
         if self.trained_params < self.num_params:
-            params = f"trainable {_millions(self.trained_params)} of {params}"
+            params = f"trainable {millions(self.trained_params)} of {params}"
         return (
             f"run: {params} | {s.backend}{units}{hsdp} | "
             f"{cfg.precision.name} | checkpointing {s.activation_checkpointing} | "
@@ -439,17 +422,26 @@ class Trainer:
         return after(self.model, replicas)
 
     # -- the parts of a step ------------------------------------------------------------
-    def _train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _train_step(
+        self, step: int, health: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward and the optimizer step of ``step``: this rank's loss
-        and the gradient norm."""
+        and the gradient norm; ``health``: each block's norms into ``self.health``."""
+        inspect = None
+        if health:
+            gather = self.pipeline is not None
+
+            def inspect() -> None:
+                self.health = block_norms(self.model, gather)
+
         if self.pipeline is not None:
             return pipeline_train_step(
                 self.pipeline, self.batches, step - 1, self.backend,
-                self.optimizer, self.cfg, self.documents,
+                self.optimizer, self.cfg, self.documents, inspect,
             )  # fmt: skip
         return train_step(
             self.model, self.batches, step - 1, self.backend, self.optimizer,
-            self.scaler, self.cfg, self.documents,
+            self.scaler, self.cfg, self.documents, inspect,
         )  # fmt: skip
 
     def step(self, step: int) -> dict[str, Any] | None:
@@ -460,10 +452,11 @@ class Trainer:
         if self.profiler is not None:
             self.profiler.before_step(step)
         signal_point("step", step)  # a test's Ctrl-C, mid-step (src/trainer/faults.py)
-        log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps
+        health = bool(self.health_every) and step % self.health_every == 0
+        log_now = step == 1 or step % t.log_every == 0 or step == t.max_steps or health
         try:
             with live_memory.sampling(log_now):
-                loss, grad_norm = self._train_step(step)
+                loss, grad_norm = self._train_step(step, health)
         except torch.OutOfMemoryError as err:
             raise oom_error(err, self.oom_snapshot, self.rank, step) from None
         family = self._after_step()
@@ -493,6 +486,7 @@ class Trainer:
             **reduce_max_min(memory_metrics(self.device)),
             **self._planned(),
             **family,
+            **(self.health if health else {}),
         }
         collapsed = self.routing.see(family, step)
         metrics.update(self.routing.metrics())
@@ -790,10 +784,3 @@ def train(
     # wandb run failed, so the next job of a sweep does not inherit it.
     with build_logger(cfg, run_dir, dist.get_rank(), begin=False) as logger:
         return Trainer(cfg, run_dir, device, resolved, logger).fit()
-
-
-def _millions(n: int) -> str:
-    """``0.84M``; below 100k ``18.7K``; below 1,000 the count."""
-    if n >= 100_000:
-        return f"{n / 1e6:.2f}M"
-    return f"{n / 1e3:.1f}K" if n >= 1_000 else str(n)

@@ -19,6 +19,7 @@ with the stages' weights gathered into it (``Pipeline.gather_into``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -42,9 +43,11 @@ def pipeline_train_step(
     optimizer: torch.optim.Optimizer,
     cfg: DictConfig,
     documents: Documents | None = None,
+    inspect: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns this rank's data-parallel share of the loss (the
-    same on every stage) and the global gradient norm (before clipping)."""
+    same on every stage) and the global gradient norm (before clipping).
+    ``inspect``: as :func:`src.trainer.step.train_step`'s."""
     t = cfg.trainer
     rank, world = backend.dp_rank, backend.dp_size
     mean = 1.0 / (cfg.sharding.pp_microbatches * t.grad_accum)
@@ -57,6 +60,8 @@ def pipeline_train_step(
             loss_sum += pipeline.step(x, y, scale, **inputs)
     pipeline.sync_shared_grads()
     grad_norm = pipeline.clip_grad_norm_(t.grad_clip or math.inf)
+    if inspect is not None:
+        inspect()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for m in pipeline.modules:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -117,10 +118,12 @@ def train_step(
     scaler: torch.amp.GradScaler | None,
     cfg: DictConfig,
     documents: Documents | None = None,
+    inspect: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's share
     of the loss and the global gradient norm (before clipping). ``documents``:
-    ``data.packing=documents`` (src/data/packing.py)."""
+    ``data.packing=documents`` (src/data/packing.py); ``inspect``: called with the
+    gradients reduced and clipped, before the optimizer step (per-block health)."""
     t = cfg.trainer
     # Read once: each DictConfig lookup costs ~20 us of CPU, and the loop is per step.
     accum, every, clip = t.grad_accum, t.grad_sync == "every", t.grad_clip
@@ -156,6 +159,8 @@ def train_step(
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = backend.clip_grad_norm_(model, clip or math.inf)
+    if inspect is not None:
+        inspect()
     if scaler:
         scaler.step(optimizer)
         scaler.update()
