@@ -23,6 +23,7 @@ from src.planner.estimate import (
 from src.planner.run_estimate import estimate_plan
 from src.planner.search import search
 from src.planner.settings import PP, PRECISION, mem_margin, run_budget_bytes
+from src.planner.step_time import StepTime, predicted_step
 from src.sharding import GIB
 
 
@@ -48,6 +49,8 @@ class Planned:
     overrides: dict  # the choices as the overrides a user types (the run's record)
     estimate: Estimate | None = None  # the run's peak (a pipeline: its worst stage's)
     unplanned: str = ""  # why there is no estimate, where one was asked for
+    step: StepTime | None = None  # the predicted step (src/planner/step_time.py)
+    unpredicted: str = ""  # why there is no predicted step, where one was asked for
 
     @property
     def planned_peak_gib(self) -> float | None:
@@ -90,12 +93,16 @@ def plan_run(
     if not estimate:
         return plan
     try:
-        _, est = estimate_plan(resolved, world or resolved.world_size)
+        wrap, est = estimate_plan(resolved, world or resolved.world_size)
     except ConfigError:  # a config every rank would fail on: said before they start
         raise
     except Exception as err:
         return replace(plan, unplanned=f"{type(err).__name__}: {err}")
-    return replace(plan, estimate=est)
+    try:  # a prediction is a figure beside the run, never in its way
+        step, why = predicted_step(resolved, wrap, world)
+    except Exception as err:
+        step, why = None, f"{type(err).__name__}: {err}"
+    return replace(plan, estimate=est, step=step, unpredicted=why)
 
 
 #: Ranks per core past which a CPU run is said to be oversubscribed.

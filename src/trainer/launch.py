@@ -169,6 +169,14 @@ def prepare(
         return cfg, resolved
     if run.unplanned:  # training does not depend on it
         log.warning("planner: no estimate for this run (%s)", run.unplanned)
+    if run.step is not None:
+        log.info(
+            "planner: step time %.1f ms predicted (%s)",
+            run.step.total_s * 1e3,
+            run.step.source,
+        )
+    elif run.unpredicted:
+        log.info("planner: no step time predicted (%s)", run.unpredicted)
     if run.lower_bound:
         log.warning("planner: the estimate is a lower bound: %s", run.lower_bound)
     if splits is None:  # a training run: no bigger than this machine
@@ -181,6 +189,7 @@ def prepare(
         resolved,
         planned_peak_gib=run.planned_peak_gib,
         planned_peak_pp_rank=run.planned_peak_pp_rank,
+        predicted=run.step.summary() if run.step else None,
         data_record=meta and meta.get("record"),
     )
 

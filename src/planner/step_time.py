@@ -1,0 +1,491 @@
+"""The step-time model: one optimizer step of a run plan on a device profile, term by
+term (docs/planner.md, "The step-time model"). Formula work over the run plan, the
+wrap plan's units and the family's FLOPs formula (``ModelSpec.flops_per_token``, the
+one MFU divides by); nothing is traced or run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from src.config.run_plan import RunPlan
+from src.models.memory import checkpointed_blocks
+from src.planner.profiles import (
+    COLLECTIVES,
+    GPU_LINKS,
+    DeviceProfile,
+    Link,
+    cpu_threads,
+    profile_for,
+)
+from src.sharding import WrapPlan
+from src.sharding.backends import backend_class
+from src.sharding.pipeline import bubble_fraction
+
+#: Elements read or written per token by one block's memory-bound work (forward and
+#: backward), in units of its width: two norms (read x, write y: 4), two residual adds
+#: (read 2, write 1: 6) and the MLP's activation over 4x the width (read and write:
+#: 8) in forward, 18; backward reads what forward wrote and writes the gradients,
+#: about twice that: 54.
+ELEMENTWISE_PER_LAYER = 54
+#: ... and by the loss per token, in units of the vocabulary, fp32: the logits
+#: written, log-softmax read and written, backward read and written, the gradient of
+#: the logits read by the head's matmul: 8.
+ELEMENTWISE_LOSS = 8
+#: Forward ops one block dispatches (a GPT block: 2 norms, 4 linears, the q/k/v split
+#: and views, attention, the activation, 2 residual adds, about 25); each costs the
+#: profile's ``op_s`` (a tiny op's forward and backward).
+OPS_PER_BLOCK = 25
+#: ... and the rest of the model (embedding, final norm, head, loss) and the step
+#: (zeroing, clipping, the optimizer's foreach ops).
+OPS_OUTSIDE_BLOCKS = 40
+#: Bytes AdamW's step and the gradient-norm clip move per local parameter (fp32):
+#: parameter, gradient and both moments read, parameter and moments written, the
+#: update's temporaries and the norm's read of the gradient: 16 elements of 4 bytes.
+OPTIMIZER_BYTES_PER_PARAM = 64
+#: The accelerators with a datasheet profile, as said.
+GPUS = ", ".join(name for name, *_ in GPU_LINKS)
+#: DDP's gradient buckets (torch's default ``bucket_cap_mb``).
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the model's formula work needs of its shape."""
+
+    layers: int
+    width: int  # the hidden size
+    vocab: int
+    seq_len: int
+    matmul_flops: float  # per token, forward and backward (6 N)
+    attention_flops: float  # per token, forward and backward
+    kv_width: int  # keys' (= values') width per layer (what CP gathers)
+    moe_layers: int = 0
+    top_k: int = 0
+
+    @property
+    def head_flops(self) -> float:
+        """The output head's share of ``matmul_flops`` (6 V d)."""
+        return 6.0 * self.vocab * self.width
+
+
+def model_shape(resolved: RunPlan, layers: int) -> ModelShape:
+    """The shape of ``resolved``'s model with ``layers`` blocks; the family's FLOPs
+    formula split into matmuls (at sequence length 0) and attention (the rest)."""
+    spec, config = resolved.spec, resolved.model_config
+    seq = int(resolved.batch.seq_len)
+    matmul = float(spec.flops_per_token(config, 0))
+    attention = float(spec.flops_per_token(config, seq)) - matmul
+    width = round(attention / (12 * layers * seq)) if layers and seq else 0
+    experts = spec.expert_shape(config, seq) if spec.expert_shape else None
+    return ModelShape(
+        layers=layers,
+        width=width,
+        vocab=int(spec.vocab_size(config)),
+        seq_len=seq,
+        matmul_flops=matmul,
+        attention_flops=attention,
+        kv_width=int(spec.kv_width(config)) if spec.kv_width else width,
+        moe_layers=experts.layers if experts else 0,
+        top_k=experts.top_k if experts else 0,
+    )
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the prediction: seconds per optimizer step, and how they come."""
+
+    name: str
+    seconds: float
+    how: str
+
+
+@dataclass
+class StepTime:
+    """A predicted step: its terms (the total is the step), the figures it gives."""
+
+    terms: list[Term]
+    total_s: float
+    tokens_per_step: int
+    world: int
+    model_flops_per_rank: float  # per step, for MFU (no recomputation)
+    peak_flops: float  # the profile's matmul rate a rank gets in the compute dtype
+    profile: DeviceProfile
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.total_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_rank / self.total_s / self.peak_flops
+
+    @property
+    def source(self) -> str:
+        """Which profile the figures come from, as said."""
+        return f"{self.profile.name} ({self.profile.source})"
+
+    def summary(self) -> dict[str, float]:
+        """The figures summary.json records."""
+        return {
+            "predicted_step_time_s": self.total_s,
+            "predicted_tokens_per_s": self.tokens_per_s,
+        }
+
+    def table(self) -> str:
+        """The prediction, term by term, as plan-only prints it."""
+        lines = [f"step time (predicted from {self.source}):"]
+        for t in self.terms:
+            lines.append(f"  {t.name:<34} {_ms(t.seconds):>12}  ({t.how})")
+        lines.append(
+            f"  {'step':<34} {_ms(self.total_s):>12}  {self.tokens_per_s:,.0f} "
+            f"tokens/s, {self.tokens_per_s / self.world:,.0f} per device, MFU "
+            f"{self.mfu:.1%}"
+        )
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f} ms"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one rank of this run gets of the profile."""
+
+    matmul: float  # FLOP/s in the compute dtype
+    memory: float  # bytes/s
+    op_s: float
+    dtype: str
+    threads: int
+    notes: tuple[str, ...] = ()
+
+
+def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
+    """The matmul rate, bandwidth and op time one of ``world`` ranks gets (on a CPU:
+    the ranks split the cores; more ranks than cores share them, each rate divided
+    by the ranks per core, said)."""
+    dtype = "fp32" if dtype_bytes >= 4 else "bf16"
+    notes = []
+    if dtype_bytes < 2:
+        notes.append("float8 matmuls counted at the bf16 rate")
+    if not profile.cores:  # a GPU: one rank per device
+        return Rates(
+            profile.matmul[dtype][1], profile.memory_bw[1], profile.op_s, dtype, 1,
+            tuple(notes),
+        )  # fmt: skip
+    threads = cpu_threads(world)
+    share = min(1.0, profile.cores / (world * threads))
+    if share < 1.0:
+        notes.append(
+            f"{world} ranks x {threads} thread(s) share {profile.cores} cores: each "
+            f"rank's rates are {share:.2f} of {threads} thread(s)'"
+        )
+    if world > 2:
+        notes.append("collectives as the probe measured them between 2 ranks")
+    return Rates(
+        profile.rate(profile.matmul[dtype], threads) * share,
+        profile.rate(profile.memory_bw, threads) * share,
+        profile.op_s / share,
+        dtype,
+        threads,
+        tuple(notes),
+    )
+
+
+def collective(link: Link, kind: str, ranks: int, nbytes: float) -> float:
+    """Seconds of one collective over ``ranks`` on ``link`` with a full tensor of
+    ``nbytes``: latency + factor (n - 1) / n bytes / bandwidth (a ring's)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    share = 1.0 if kind == "p2p" else (ranks - 1) / ranks
+    return link.latency_s + COLLECTIVES[kind] * share * nbytes / link.bandwidth
+
+
+def _link(profile: DeviceProfile, kind: str, ranks: int, inner: bool) -> Link:
+    """The link a group of ``ranks`` spans: within a node when the group is the
+    innermost dimension and fits one, or the whole run fits one node."""
+    within = ranks <= profile.ranks_per_node if inner else False
+    return (profile.links if within else profile.inter_links)[kind]
+
+
+def predict(
+    resolved: RunPlan, plan: WrapPlan, profile: DeviceProfile, world: int | None = None
+) -> StepTime:
+    """The step time of ``resolved`` on ``world`` ranks (default: its devices) with
+    ``plan``'s units (a pipeline's: its worst stage's) on ``profile``."""
+    from src.planner.search import n_blocks
+
+    world = world or resolved.world_size
+    shape = model_shape(resolved, n_blocks(resolved))
+    step = _Step(resolved, plan, profile, world, shape)
+    return step.result()
+
+
+class _Step:
+    """The terms of one step, computed once (:func:`predict`)."""
+
+    def __init__(self, resolved, plan, profile, world, shape: ModelShape) -> None:
+        self.r, self.plan, self.profile, self.world, self.m = (
+            resolved, plan, profile, world, shape,
+        )  # fmt: skip
+        lay = resolved.layout
+        self.lay = lay
+        self.accum = int(resolved.batch.grad_accum)
+        self.pp_micro = int(resolved.pipeline.microbatches) if lay.pp > 1 else 1
+        self.tokens = int(resolved.batch.batch_size) * shape.seq_len
+        self.pbytes = resolved.precision.param_dtype.itemsize
+        if resolved.float8 is not None:
+            self.pbytes = 1
+        self.rbytes = resolved.precision.reduce_dtype.itemsize
+        self.rates = rank_rates(profile, world, self.pbytes)
+        # a micro-batch's tokens on one rank (a pipeline micro-batch's, pipelined)
+        dp = max(1, lay.dp)
+        self.micro_tokens = self.tokens / dp / lay.cp / self.accum / self.pp_micro
+        self.micro = self.accum * self.pp_micro  # micro-batches a rank runs per step
+        self.local_layers = shape.layers / lay.pp
+
+    # -- compute ------------------------------------------------------------------
+
+    def compute_terms(self) -> list[Term]:
+        m, r, rates = self.m, self.r, self.rates
+        per_rank = self.tokens / self.world
+        rate = f"{rates.matmul / 1e9:,.1f} GFLOP/s {rates.dtype}"
+        mm = m.matmul_flops * per_rank
+        att = m.attention_flops * per_rank
+        ck = r.checkpointing
+        share = sum(checkpointed_blocks(m.layers, ck.mode, int(ck.every))) / max(
+            1, m.layers
+        )
+        elem = self._elementwise_bytes()
+        terms = [
+            Term("matmuls", mm / rates.matmul, f"{mm / 1e9:,.2f} GFLOP at {rate}"),
+            Term("attention", att / rates.matmul, f"{att / 1e9:,.2f} GFLOP at {rate}"),
+            Term(
+                "elementwise (memory-bound)",
+                elem / rates.memory,
+                f"{elem / 2**20:,.1f} MiB at {rates.memory / 1e9:,.1f} GB/s",
+            ),
+        ]
+        if ck.mode == "full":
+            blocks = (mm - m.head_flops * per_rank + att) * share / 3
+            terms.append(
+                Term(
+                    "recompute (checkpointing)",
+                    blocks / rates.matmul,
+                    f"full, {share:.0%} of blocks: their forward again, "
+                    f"{blocks / 1e9:,.2f} GFLOP",
+                )
+            )
+        elif ck.mode == "selective":
+            again = self._block_elementwise() / 3
+            terms.append(
+                Term(
+                    "recompute (checkpointing)",
+                    again / rates.memory,
+                    f"selective: the blocks' elementwise forward again, "
+                    f"{again / 2**20:,.1f} MiB",
+                )
+            )
+        ops = self.micro * (OPS_PER_BLOCK * self.local_layers + OPS_OUTSIDE_BLOCKS)
+        terms.append(
+            Term(
+                "op dispatch",
+                ops * rates.op_s,
+                f"{ops:,.0f} ops x {rates.op_s * 1e6:.1f} us",
+            )
+        )
+        return terms
+
+    def _block_elementwise(self) -> float:
+        m, lay = self.m, self.lay
+        per_layer = ELEMENTWISE_PER_LAYER * m.width / lay.tp * self.pbytes
+        return self.tokens / max(1, lay.dp) / lay.cp * per_layer * self.local_layers
+
+    def _elementwise_bytes(self) -> float:
+        loss = ELEMENTWISE_LOSS * self.m.vocab / self.lay.tp * 4
+        tokens = self.tokens / max(1, self.lay.dp) / self.lay.cp
+        return self._block_elementwise() + tokens * loss
+
+    def optimizer_term(self) -> Term:
+        local = self.plan.bytes_per_rank() / 4
+        nbytes = OPTIMIZER_BYTES_PER_PARAM * local
+        return Term(
+            "optimizer step",
+            nbytes / self.rates.memory,
+            f"AdamW and clipping over {local / 1e6:,.2f}M local parameters",
+        )
+
+    # -- communication --------------------------------------------------------------
+
+    def fsdp_comm(self) -> list[tuple[float, float]]:
+        """Per unit: (all-gather seconds, reduce-scatter seconds) per step."""
+        r, lay, p = self.r, self.lay, self.profile
+        n = lay.fsdp_shard if _shards(r.backend) else 1
+        if n <= 1:
+            return []
+        sync_every = str(r.batch.grad_sync) == "every" or self.accum == 1
+        scatters = self.accum if sync_every else 1
+        reshard = r.unit.reshard_after_forward is not False
+        ag, rs = _link(p, "all_gather", n, False), _link(p, "reduce_scatter", n, False)
+        out = []
+        for unit in self.plan.units:
+            gathered = unit.local_numel * self.pbytes
+            again = reshard and unit.path != "" and lay.pp == 1
+            gathers = self.micro * (2 if again else 1)
+            scatter = collective(
+                rs, "reduce_scatter", n, unit.local_numel * self.rbytes
+            )
+            out.append(
+                (
+                    gathers * collective(ag, "all_gather", n, gathered),
+                    scatters * scatter,
+                )
+            )
+        return out
+
+    def comm_terms(self) -> list[Term]:
+        r, lay, p, m = self.r, self.lay, self.profile, self.m
+        act = self.micro_tokens * m.width * self.pbytes  # one block input, one rank
+        layers = self.local_layers
+        terms = []
+        if r.backend == "ddp" and lay.dp > 1:
+            terms.append(self._ddp())
+        if _shards(r.backend) and lay.dp_replicate > 1:
+            nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
+            link = _link(p, "all_reduce", lay.dp_replicate, False)
+            t = len(self.plan.units) * collective(
+                link, "all_reduce", lay.dp_replicate, nbytes / len(self.plan.units)
+            )
+            terms.append(Term("HSDP all-reduce", t, f"{lay.dp_replicate} replicas"))
+        if lay.tp > 1:
+            link = _link(p, "all_reduce", lay.tp, True)
+            t = self.micro * layers * 4 * collective(link, "all_reduce", lay.tp, act)
+            terms.append(
+                Term("TP all-reduces", t, "2 in forward, 2 in backward per block")
+            )
+        if lay.cp > 1:
+            kv = 2 * self.micro_tokens * lay.cp * m.kv_width * self.pbytes
+            link = _link(p, "all_gather", lay.cp, True)
+            each = collective(link, "all_gather", lay.cp, kv)
+            each += collective(p.links["reduce_scatter"], "reduce_scatter", lay.cp, kv)
+            terms.append(
+                Term("CP K/V gathers", self.micro * layers * each,
+                     "K and V gathered per block, their gradients reduce-scattered")
+            )  # fmt: skip
+        if lay.ep > 1 and m.moe_layers:
+            sent = self.micro_tokens * m.top_k * m.width * self.pbytes * lay.ep
+            link = _link(p, "all_to_all", lay.ep, False)
+            t = (
+                self.micro
+                * m.moe_layers
+                / lay.pp
+                * 4
+                * collective(link, "all_to_all", lay.ep, sent)
+            )
+            terms.append(
+                Term("EP all-to-alls", t, "dispatch and combine, forward and backward")
+            )
+        if lay.pp > 1:
+            link = _link(p, "p2p", lay.pp, False)
+            transfers = 2 if lay.pp == 2 else 4
+            t = self.micro * transfers * collective(link, "p2p", 2, act)
+            terms.append(Term("PP send/recv", t, f"{transfers} per micro-batch"))
+        return terms
+
+    def _ddp(self) -> Term:
+        lay, p = self.lay, self.profile
+        nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
+        buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
+        link = _link(p, "all_reduce", lay.dp, False)
+        once = buckets * collective(link, "all_reduce", lay.dp, nbytes / buckets)
+        every = str(self.r.batch.grad_sync) == "every"
+        times = self.accum if every else 1
+        return Term(
+            "DDP all-reduce",
+            times * once,
+            f"{nbytes / 2**20:,.1f} MiB of gradients in {buckets} bucket(s), "
+            f"{times} time(s) per step",
+        )
+
+    # -- the step -----------------------------------------------------------------------
+
+    def result(self) -> StepTime:
+        compute = self.compute_terms()
+        comm = self.comm_terms()
+        compute_s = sum(t.seconds for t in compute)
+        units = self.fsdp_comm()
+        terms = list(compute)
+        if units:
+            terms.append(self._fsdp_term(units, compute_s))
+        terms += comm
+        if self.lay.pp > 1:
+            bubble = bubble_fraction(
+                str(self.r.pipeline.schedule), self.lay.pp, self.pp_micro
+            )
+            busy = sum(t.seconds for t in terms)
+            terms.append(
+                Term("pipeline bubble", busy * bubble / (1 - bubble),
+                     f"{bubble:.0%} of the step idle ({self.r.pipeline.schedule})")
+            )  # fmt: skip
+        terms.append(self.optimizer_term())
+        notes = list(self.rates.notes)
+        total = sum(t.seconds for t in terms)
+        return StepTime(
+            terms=terms,
+            total_s=total,
+            tokens_per_step=self.tokens,
+            world=self.world,
+            model_flops_per_rank=(self.m.matmul_flops + self.m.attention_flops)
+            * self.tokens
+            / self.world,
+            peak_flops=self.rates.matmul,
+            profile=self.profile,
+            notes=notes,
+        )
+
+    def _fsdp_term(self, units: list[tuple[float, float]], compute_s: float) -> Term:
+        """FSDP's collectives: each unit's next gather runs beside this unit's compute
+        where the profile overlaps (max of the two per unit, the first gather
+        exposed); else they add up."""
+        comm = sum(g + s for g, s in units)
+        n = self.lay.fsdp_shard
+        if not self.profile.overlap:
+            return Term(
+                "FSDP all-gather + reduce-scatter",
+                comm,
+                f"{len(units)} unit(s) over {n} ranks, not overlapped (gloo on the "
+                "cores the ranks compute on)",
+            )
+        total = sum(u.local_numel for u in self.plan.units) or 1
+        exposed = units[0][0] / self.micro
+        for unit, (g, s) in zip(self.plan.units, units, strict=True):
+            work = compute_s * unit.local_numel / total
+            exposed += max(0.0, g + s - work)
+        return Term(
+            "FSDP all-gather + reduce-scatter",
+            exposed,
+            f"{len(units)} unit(s) over {n} ranks, {comm * 1e3:,.2f} ms overlapped "
+            "with compute (the exposed part)",
+        )
+
+
+def _shards(backend: str) -> bool:
+    return backend_class(backend).shards_parameters
+
+
+def predicted_step(
+    resolved: RunPlan, plan: WrapPlan, world: int | None = None
+) -> tuple[StepTime | None, str]:
+    """``(prediction, '')`` of ``resolved`` on the profile of the device its plan is
+    for (:func:`~src.planner.profiles.profile_for`), or ``(None, why not)``."""
+    from src.planner.settings import accelerator_name, device_type
+
+    device, accelerator = device_type(resolved), accelerator_name(resolved)
+    profile = profile_for(device, accelerator)
+    if profile is None:
+        return None, f"no device profile for {accelerator!r} (datasheets: {GPUS})"
+    return predict(resolved, plan, profile, world), ""
