@@ -154,15 +154,16 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def cpu_threads(local_world: int) -> int:
+def cpu_threads(local_world: int, cores: int | None = None) -> int:
     """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (the user's
     choice: on a machine other processes share, one thread per rank runs far faster
     than threads that wait for each other; docs/benchmarks.md), else ``cores // local
-    ranks``, so the ranks on a machine do not oversubscribe it."""
+    ranks``, so the ranks on a machine do not oversubscribe it (``cores``: this
+    machine's unless given)."""
     wanted = os.environ.get("OMP_NUM_THREADS", "")
     if wanted.isdigit() and int(wanted) > 0:
         return int(wanted)
-    return max(1, available_cores() // local_world)
+    return max(1, (cores or available_cores()) // local_world)
 
 
 def _best(fn, repeats: int) -> float:

@@ -62,6 +62,27 @@ class Planned:
         """The pp rank the estimate is of (a pipeline's worst stage); else None."""
         return self.estimate.pp_rank if self.estimate else None
 
+    def recorded(self) -> dict:
+        """What the run plan records of the planner's answer (rank 0 logs it beside
+        what it measures): the planned peak, its pp rank, the predicted step."""
+        return {
+            "planned_peak_gib": self.planned_peak_gib,
+            "planned_peak_pp_rank": self.planned_peak_pp_rank,
+            "predicted": self.step.summary() if self.step else None,
+        }
+
+    @property
+    def step_line(self) -> str:
+        """The predicted step time as the run's start says it ('' where not asked)."""
+        if self.step is not None:
+            return (
+                f"planner: step time {self.step.total_s * 1e3:,.1f} ms predicted "
+                f"({self.step.source})"
+            )
+        return (
+            self.unpredicted and f"planner: no step time predicted ({self.unpredicted})"
+        )
+
     @property
     def lower_bound(self) -> str:
         """Why the run's peak may grow past the estimate ('' where it does not)."""
@@ -102,7 +123,10 @@ def plan_run(
         step, why = predicted_step(resolved, wrap, world)
     except Exception as err:
         step, why = None, f"{type(err).__name__}: {err}"
-    return replace(plan, estimate=est, step=step, unpredicted=why)
+    plan = replace(plan, estimate=est, step=step, unpredicted=why)
+    if say is not None and plan.step_line:
+        say(plan.step_line)
+    return plan
 
 
 #: Ranks per core past which a CPU run is said to be oversubscribed.

@@ -177,7 +177,7 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
             profile.matmul[dtype][1], profile.memory_bw[1], profile.op_s, dtype, 1,
             tuple(notes),
         )  # fmt: skip
-    threads = cpu_threads(world)
+    threads = cpu_threads(world, profile.cores)
     share = min(1.0, profile.cores / (world * threads))
     if share < 1.0:
         notes.append(

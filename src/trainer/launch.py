@@ -70,6 +70,7 @@ from src.observe.logs import (
     set_log_level,
 )
 from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
+from src.planner.profiles import cpu_threads
 from src.planner.report import plan_only
 from src.planner.run import machine_check, oversubscribed, plan_run
 from src.trainer.faults import (
@@ -169,14 +170,6 @@ def prepare(
         return cfg, resolved
     if run.unplanned:  # training does not depend on it
         log.warning("planner: no estimate for this run (%s)", run.unplanned)
-    if run.step is not None:
-        log.info(
-            "planner: step time %.1f ms predicted (%s)",
-            run.step.total_s * 1e3,
-            run.step.source,
-        )
-    elif run.unpredicted:
-        log.info("planner: no step time predicted (%s)", run.unpredicted)
     if run.lower_bound:
         log.warning("planner: the estimate is a lower bound: %s", run.lower_bound)
     if splits is None:  # a training run: no bigger than this machine
@@ -187,9 +180,7 @@ def prepare(
             log.warning("%s", oversubscribed(local))
     return cfg, replace(
         resolved,
-        planned_peak_gib=run.planned_peak_gib,
-        planned_peak_pp_rank=run.planned_peak_pp_rank,
-        predicted=run.step.summary() if run.step else None,
+        **run.recorded(),
         data_record=meta and meta.get("record"),
     )
 
@@ -650,18 +641,6 @@ def init_distributed(timeout_s: float) -> tuple[torch.device, Heartbeat | None]:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(local_world))
     return device, _join_group(timeout_s, "nccl" if cuda else "gloo")
-
-
-def cpu_threads(local_world: int) -> int:
-    """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (the user's
-    choice: on a machine other processes share, one thread per rank runs far faster
-    than threads that wait for each other; docs/benchmarks.md), else ``cores // local
-    ranks``, so the ranks on a machine do not oversubscribe it."""
-    wanted = os.environ.get("OMP_NUM_THREADS", "")
-    if wanted.isdigit() and int(wanted) > 0:
-        return int(wanted)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-    return max(1, (cores or os.cpu_count() or 1) // local_world)
 
 
 def _join_group(timeout_s: float, backend: str) -> Heartbeat | None:
