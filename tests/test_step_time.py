@@ -23,14 +23,17 @@ FLOPS, MEMORY = 1e9, 1e9
 
 
 def _profile(cores: int = 0, overlap: bool = False) -> DeviceProfile:
-    """Round figures: 1 GFLOP/s, 1 GB/s, 1 ms + bytes / 100 MB/s a collective."""
+    """Round figures: matmuls 1 GFLOP/s (fp32), attention half that, a copy 1 GB/s,
+    the activation function a quarter of it, 1 ms + bytes / 100 MB/s a collective."""
     link = {c: Link(LATENCY, BANDWIDTH) for c in COLLECTIVES}
     return DeviceProfile(
         name="test",
         source="by hand",
         cores=cores,
         matmul={"fp32": {1: FLOPS}, "bf16": {1: 2 * FLOPS}},
+        attention={"fp32": {1: FLOPS / 2}, "bf16": {1: FLOPS}},
         memory_bw={1: MEMORY},
+        activation_bw={1: MEMORY / 4},
         op_s=1e-6,
         links=link,
         inter_links=link,
@@ -49,31 +52,38 @@ def _predict(*overrides: str, profile: DeviceProfile | None = None):
 
 def test_compute_terms_are_6N_tokens_plus_attention_and_the_recompute():
     """model=tiny (2 layers, width 64, vocabulary 256, 64 tokens), 16 sequences on
-    one rank: matmuls 6 N per token (N: every parameter but the position table),
-    attention 12 L d T per token, at 1 GFLOP/s; full checkpointing runs the blocks'
-    forward again (a third of their matmuls, the head's left out, and attention)."""
+    one rank: matmuls 6 N per token (N: every parameter but the position table) at
+    the matmul rate, attention 12 L d T per token at the attention rate, GELU over
+    4 d per layer and token (5 fp32 widths moved) at its bandwidth, norms, residuals
+    (30 d) and the loss (8 V fp32) at the copy's; full checkpointing runs the blocks'
+    forward again (a third of their matmuls, the head's left out, and attention,
+    and 2 of the activation's 5 widths), selective the activation's alone."""
     resolved, _, step, terms = _predict("trainer.devices=1", "sharding=none")
     config = resolved.model_config
-    tokens = 16 * 64
-    n = count_params(config) - 64 * 64  # the position embedding is a lookup
+    tokens, layers, width, vocab = 16 * 64, 2, 64, 256
+    n = count_params(config) - 64 * width  # the position embedding is a lookup
     assert terms["matmuls"] == pytest.approx(6 * n * tokens / FLOPS)
-    attention = 12 * 2 * 64 * 64 * tokens
-    assert terms["attention"] == pytest.approx(attention / FLOPS)
+    attention = 12 * layers * width * 64 * tokens
+    assert terms["attention"] == pytest.approx(attention / (FLOPS / 2))
+    act = tokens * layers * 4 * width * 5 * 4
+    assert terms["activation function"] == pytest.approx(act / (MEMORY / 4))
+    rest = tokens * (layers * 30 * width * 4 + 8 * vocab * 4)
+    assert terms["norms, residuals, loss"] == pytest.approx(rest / MEMORY)
     assert step.model_flops_per_rank == pytest.approx(6 * n * tokens + attention)
     assert step.total_s == pytest.approx(sum(terms.values()))
     assert step.tokens_per_s == pytest.approx(tokens / step.total_s)
-    _, _, _, full = _predict(
-        "trainer.devices=1", "sharding=none", "sharding.activation_checkpointing=full"
-    )
-    head = 6 * 256 * 64 * tokens
-    again = (6 * n * tokens - head + attention) / 3
-    assert full["recompute (checkpointing)"] == pytest.approx(again / FLOPS)
+    head = 6 * vocab * width * tokens
+    again = (6 * n * tokens - head) / 3 / FLOPS + attention / 3 / (FLOPS / 2)
+    again_act = act * 2 / 5 / (MEMORY / 4)
+    ac = ("trainer.devices=1", "sharding=none", "sharding.activation_checkpointing")
+    _, _, _, full = _predict(*ac[:2], f"{ac[2]}=full")
+    assert full["recompute (checkpointing)"] == pytest.approx(again + again_act)
     # every 2nd of 2 blocks: half of that
-    _, _, _, half = _predict(
-        "trainer.devices=1", "sharding=none", "sharding.activation_checkpointing=full",
-        "sharding.activation_checkpointing_every=2",
-    )  # fmt: skip
-    assert half["recompute (checkpointing)"] == pytest.approx(again / 2 / FLOPS)
+    every = "sharding.activation_checkpointing_every=2"
+    _, _, _, half = _predict(*ac[:2], f"{ac[2]}=full", every)
+    assert half["recompute (checkpointing)"] == pytest.approx((again + again_act) / 2)
+    _, _, _, selective = _predict(*ac[:2], f"{ac[2]}=selective")
+    assert selective["recompute (checkpointing)"] == pytest.approx(again_act)
 
 
 def test_fsdp_collectives_per_unit_and_their_overlap():

@@ -2,9 +2,10 @@
 multiplies matrices, moves memory and talks to the other ranks.
 
 A CPU's profile is measured by a short probe (:func:`probe_cpu`, about a second:
-matmuls in fp32 and bf16 at one thread and at every core, a copy for memory bandwidth,
-a chain of tiny ops forward and backward for the per-op dispatch time, and gloo collectives between two ranks run as
-two threads of this process) and cached as JSON under ``$SHARDWRAP_PROFILE_DIR``
+matmuls and causal attention in fp32 and bf16 at one thread and at every core, a
+copy's and GELU's bandwidth, a chain of tiny ops forward and backward for the per-op
+dispatch time, and gloo collectives between two ranks run as two threads of this
+process) and cached as JSON under ``$SHARDWRAP_PROFILE_DIR``
 (default ``$SHARDWRAP_CACHE/profiles``, else ``~/.cache/shardwrap/profiles``), keyed by
 the machine's identity (CPU model, cores, torch version): a changed identity, or a file
 that is not a profile, is measured again. A GPU's profile is its datasheet's
@@ -42,6 +43,8 @@ COLLECTIVES = {
     "p2p": 1.0,
 }
 _DTYPES = ("fp32", "bf16")
+#: The cached profile's format: a file of another is measured again.
+PROFILE_FORMAT = 1
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -57,8 +60,10 @@ class Link:
 class DeviceProfile:
     """What the step-time model reads of a device.
 
-    ``matmul`` and ``memory_bw`` are per thread count (CPU: ``{1: ..., cores: ...}``)
-    or ``{1: ...}`` for a GPU; ``links`` per collective, within a node, and
+    The rates are per thread count (CPU: ``{1: ..., cores: ...}``) or ``{1: ...}``
+    for a GPU: matmuls and causal attention (forward and backward, FLOPs as the
+    family formula counts them) per dtype, a copy's bandwidth and the activation
+    function's (GELU forward and backward, 5 tensor-widths moved per element); ``links`` per collective, within a node, and
     ``inter_links`` across nodes (the CPU probe: the same); ``overlap``: whether a
     collective runs beside compute (a GPU's copy engines and NCCL kernels; a CPU's
     gloo threads take the cores the ranks compute on)."""
@@ -67,7 +72,9 @@ class DeviceProfile:
     source: str  # "probe ..." or "datasheet, not calibrated"
     cores: int  # CPU cores (0 on a GPU)
     matmul: dict[str, dict[int, float]]  # dtype -> threads -> FLOP/s
-    memory_bw: dict[int, float]  # threads -> bytes/s
+    attention: dict[str, dict[int, float]]  # dtype -> threads -> FLOP/s (causal SDPA)
+    memory_bw: dict[int, float]  # threads -> bytes/s (a copy)
+    activation_bw: dict[int, float]  # threads -> bytes/s of GELU forward + backward
     op_s: float  # one op's dispatch time (framework overhead, not its work)
     links: dict[str, Link]
     inter_links: dict[str, Link]
@@ -120,7 +127,9 @@ def gpu_profile(accelerator: str) -> DeviceProfile | None:
                 source="datasheet, not calibrated",
                 cores=0,
                 matmul=matmul,
+                attention=matmul,  # flash kernels: a share of it, not calibrated
                 memory_bw={1: memory},
+                activation_bw={1: memory},
                 op_s=_GPU_OP_S,
                 links=link,
                 inter_links=inter,
@@ -134,7 +143,8 @@ def gpu_profile(accelerator: str) -> DeviceProfile | None:
 
 
 def cpu_identity() -> dict[str, str | int]:
-    """What a CPU profile is valid for: the CPU model, its cores, torch's version."""
+    """What a CPU profile is valid for: the CPU model, its cores, torch's version
+    (and the file's format)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -144,7 +154,12 @@ def cpu_identity() -> dict[str, str | int]:
                     break
     except OSError:
         pass
-    return {"cpu": model, "cores": available_cores(), "torch": torch.__version__}
+    return {
+        "cpu": model,
+        "cores": available_cores(),
+        "torch": torch.__version__,
+        "format": PROFILE_FORMAT,
+    }
 
 
 def available_cores() -> int:
@@ -193,6 +208,31 @@ def _memory_bw(elements: int = 1 << 23) -> float:
     return 2.0 * 4 * elements / _best(lambda: dst.copy_(src), 5)
 
 
+def _attention_rate(dtype: torch.dtype) -> float:
+    """Causal SDPA forward and backward (2 x 4 heads of 256 x 64) in FLOP/s as the
+    family formula counts them (3 x 4 B H T^2 d: the full score matrix)."""
+    b, h, t, d = 2, 4, 256, 64
+    q = torch.randn(b, h, t, d).to(dtype).requires_grad_()
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out.sum().backward()
+
+    return 12.0 * b * h * t * t * d / _best(step, 3)
+
+
+def _activation_bw(elements: int = 1 << 20) -> float:
+    """GELU forward and backward over fp32 elements: 5 x 4 bytes each (read x, write
+    y; read x and the gradient, write the input's)."""
+    x = torch.randn(elements, requires_grad=True)
+    grad = torch.ones(elements)
+
+    def step() -> None:
+        torch.nn.functional.gelu(x).backward(grad)
+
+    return 20.0 * elements / _best(step, 3)
+
+
 def _op_seconds(blocks: int = 10) -> float:
     """One op's dispatch time, its backward included: a chain of tiny blocks (a
     16-wide linear, GELU, a residual add: 3 forward ops each) run forward and
@@ -209,20 +249,26 @@ def _op_seconds(blocks: int = 10) -> float:
     return _best(step, 5) / (3 * blocks)
 
 
-def _compute_figures(cores: int) -> tuple[dict, dict]:
-    """Matmul FLOP/s per dtype and memory bandwidth at one thread and at ``cores``."""
+def _compute_figures(cores: int) -> dict[str, dict]:
+    """The compute rates (:class:`DeviceProfile`) at one thread and at ``cores``."""
     threads = torch.get_num_threads()
-    matmul: dict[str, dict[int, float]] = {d: {} for d in _DTYPES}
-    memory: dict[int, float] = {}
+    out: dict[str, dict] = {
+        "matmul": {d: {} for d in _DTYPES},
+        "attention": {d: {} for d in _DTYPES},
+        "memory_bw": {},
+        "activation_bw": {},
+    }
     try:
         for count in sorted({1, cores}):
             torch.set_num_threads(count)
             for dtype in _DTYPES:
-                matmul[dtype][count] = _matmul_rate(_DTYPE_OF[dtype])
-            memory[count] = _memory_bw()
+                out["matmul"][dtype][count] = _matmul_rate(_DTYPE_OF[dtype])
+                out["attention"][dtype][count] = _attention_rate(_DTYPE_OF[dtype])
+            out["memory_bw"][count] = _memory_bw()
+            out["activation_bw"][count] = _activation_bw()
     finally:
         torch.set_num_threads(threads)
-    return matmul, memory
+    return out
 
 
 def _gloo_links(small: int = 2, large: int = 1 << 20) -> dict[str, Link]:
@@ -281,14 +327,13 @@ def probe_cpu() -> DeviceProfile:
     """Measure this CPU's profile (about a second on an idle 2-core machine)."""
     identity = cpu_identity()
     cores = int(identity["cores"])
-    matmul, memory = _compute_figures(cores)
+    rates = _compute_figures(cores)
     links = _gloo_links()
     return DeviceProfile(
         name=f"cpu: {identity['cpu']}, {cores} cores",
         source="probe",
         cores=cores,
-        matmul=matmul,
-        memory_bw=memory,
+        **rates,
         op_s=_op_seconds(),
         links=links,
         inter_links=links,
@@ -367,17 +412,19 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
     """A profile read back from disk, every field's type checked."""
     if not isinstance(raw, dict) or raw.get("identity") != identity:
         raise ValueError("not this machine's profile")
-    matmul = raw["matmul"]
-    if not isinstance(matmul, dict) or set(matmul) != set(_DTYPES):
-        raise ValueError("matmul does not name fp32 and bf16")
+    for key in ("matmul", "attention"):
+        if not isinstance(raw[key], dict) or set(raw[key]) != set(_DTYPES):
+            raise ValueError(f"{key} does not name fp32 and bf16")
     if not isinstance(raw["name"], str) or not isinstance(raw["overlap"], bool):
         raise TypeError("name or overlap has the wrong type")
     return DeviceProfile(
         name=raw["name"],
         source="probe",
         cores=int(_number(raw["cores"], "cores")),
-        matmul={d: _table(matmul[d], f"matmul.{d}") for d in _DTYPES},
+        matmul={d: _table(raw["matmul"][d], f"matmul.{d}") for d in _DTYPES},
+        attention={d: _table(raw["attention"][d], f"attention.{d}") for d in _DTYPES},
         memory_bw=_table(raw["memory_bw"], "memory_bw"),
+        activation_bw=_table(raw["activation_bw"], "activation_bw"),
         op_s=_number(raw["op_s"], "op_s"),
         links=_links(raw["links"], "links"),
         inter_links=_links(raw["inter_links"], "inter_links"),

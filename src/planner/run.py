@@ -95,6 +95,7 @@ def plan_run(
     world: int | None = None,
     estimate: bool = True,
     say: Callable[[str], object] | None = None,
+    predict: bool = False,
 ) -> Planned:
     """The planner's answer for a run about to start, in one call: the block policy
     where the size policy would split blocks (:func:`default_policy`; ``user_keys``:
@@ -103,7 +104,8 @@ def plan_run(
     to ``say`` as it is made, then (``estimate``) the run's estimate, computed once
     before the ranks start so each run logs it beside what it measures. A config
     error is raised; any other failure to estimate (e.g. a custom model the meta
-    device cannot build) is said in ``unplanned``: training does not depend on it."""
+    device cannot build) is said in ``unplanned``: training does not depend on it.
+    ``predict``: also its step time (src/planner/step_time.py), said to ``say``."""
     resolved, policy, chose = default_policy(resolved, user_keys)
     resolved, reasons, auto = resolve_auto(resolved, world)
     reasons = [policy, *reasons] if policy else reasons
@@ -119,6 +121,8 @@ def plan_run(
         raise
     except Exception as err:
         return replace(plan, unplanned=f"{type(err).__name__}: {err}")
+    if not predict:
+        return replace(plan, estimate=est)
     try:  # a prediction is a figure beside the run, never in its way
         step, why = predicted_step(resolved, wrap, world)
     except Exception as err:

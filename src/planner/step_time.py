@@ -23,12 +23,15 @@ from src.sharding import WrapPlan
 from src.sharding.backends import backend_class
 from src.sharding.pipeline import bubble_fraction
 
-#: Elements read or written per token by one block's memory-bound work (forward and
-#: backward), in units of its width: two norms (read x, write y: 4), two residual adds
-#: (read 2, write 1: 6) and the MLP's activation over 4x the width (read and write:
-#: 8) in forward, 18; backward reads what forward wrote and writes the gradients,
-#: about twice that: 54.
-ELEMENTWISE_PER_LAYER = 54
+#: Elements read or written per token by one block's norms and residual adds
+#: (forward and backward), in units of its width: two norms (read x, write y: 4) and
+#: two residual adds (read 2, write 1: 6) in forward, 10; backward reads what forward
+#: wrote and writes the gradients, about twice that: 30. At the copy bandwidth.
+ELEMENTWISE_PER_LAYER = 30
+#: The MLP's activation function's elements per token, in units of the width (GPT's
+#: 4x hidden; Llama's SwiGLU about 3.5x: counted as 4), forward and backward at the
+#: profile's activation bandwidth (5 tensor-widths moved per element).
+ACTIVATION_PER_LAYER = 4
 #: ... and by the loss per token, in units of the vocabulary, fp32: the logits
 #: written, log-softmax read and written, backward read and written, the gradient of
 #: the logits read by the head's matmul: 8.
@@ -148,6 +151,10 @@ class StepTime:
         return "\n".join(lines)
 
 
+def _flops(flops: float, rate: float, dtype: str) -> str:
+    return f"{flops / 1e9:,.2f} GFLOP at {rate / 1e9:,.1f} GFLOP/s {dtype}".rstrip()
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f} ms"
 
@@ -157,7 +164,9 @@ class Rates:
     """What one rank of this run gets of the profile."""
 
     matmul: float  # FLOP/s in the compute dtype
-    memory: float  # bytes/s
+    attention: float  # FLOP/s of causal attention, forward and backward
+    memory: float  # bytes/s of a copy
+    activation: float  # bytes/s of the activation function, forward and backward
     op_s: float
     dtype: str
     threads: int
@@ -172,23 +181,26 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
     notes = []
     if dtype_bytes < 2:
         notes.append("float8 matmuls counted at the bf16 rate")
-    if not profile.cores:  # a GPU: one rank per device
-        return Rates(
-            profile.matmul[dtype][1], profile.memory_bw[1], profile.op_s, dtype, 1,
-            tuple(notes),
-        )  # fmt: skip
-    threads = cpu_threads(world, profile.cores)
-    share = min(1.0, profile.cores / (world * threads))
+    threads, share = 1, 1.0
+    if profile.cores:  # a CPU: the ranks split its cores
+        threads = cpu_threads(world, profile.cores)
+        share = min(1.0, profile.cores / (world * threads))
     if share < 1.0:
         notes.append(
             f"{world} ranks x {threads} thread(s) share {profile.cores} cores: each "
             f"rank's rates are {share:.2f} of {threads} thread(s)'"
         )
-    if world > 2:
+    if profile.cores and world > 2:
         notes.append("collectives as the probe measured them between 2 ranks")
+
+    def rate(table: dict[int, float]) -> float:
+        return profile.rate(table, threads) * share
+
     return Rates(
-        profile.rate(profile.matmul[dtype], threads) * share,
-        profile.rate(profile.memory_bw, threads) * share,
+        rate(profile.matmul[dtype]),
+        rate(profile.attention[dtype]),
+        rate(profile.memory_bw),
+        rate(profile.activation_bw),
         profile.op_s / share,
         dtype,
         threads,
@@ -251,45 +263,26 @@ class _Step:
     # -- compute ------------------------------------------------------------------
 
     def compute_terms(self) -> list[Term]:
-        m, r, rates = self.m, self.r, self.rates
+        m, rates = self.m, self.rates
         per_rank = self.tokens / self.world
-        rate = f"{rates.matmul / 1e9:,.1f} GFLOP/s {rates.dtype}"
         mm = m.matmul_flops * per_rank
         att = m.attention_flops * per_rank
-        ck = r.checkpointing
-        share = sum(checkpointed_blocks(m.layers, ck.mode, int(ck.every))) / max(
-            1, m.layers
-        )
-        elem = self._elementwise_bytes()
+        elem, act = self._elementwise_bytes(), self._activation_bytes()
         terms = [
-            Term("matmuls", mm / rates.matmul, f"{mm / 1e9:,.2f} GFLOP at {rate}"),
-            Term("attention", att / rates.matmul, f"{att / 1e9:,.2f} GFLOP at {rate}"),
+            Term("matmuls", mm / rates.matmul, _flops(mm, rates.matmul, rates.dtype)),
+            Term("attention", att / rates.attention, _flops(att, rates.attention, "")),
             Term(
-                "elementwise (memory-bound)",
+                "activation function",
+                act / rates.activation,
+                f"{act / 2**20:,.1f} MiB at {rates.activation / 1e9:,.2f} GB/s",
+            ),
+            Term(
+                "norms, residuals, loss",
                 elem / rates.memory,
                 f"{elem / 2**20:,.1f} MiB at {rates.memory / 1e9:,.1f} GB/s",
             ),
         ]
-        if ck.mode == "full":
-            blocks = (mm - m.head_flops * per_rank + att) * share / 3
-            terms.append(
-                Term(
-                    "recompute (checkpointing)",
-                    blocks / rates.matmul,
-                    f"full, {share:.0%} of blocks: their forward again, "
-                    f"{blocks / 1e9:,.2f} GFLOP",
-                )
-            )
-        elif ck.mode == "selective":
-            again = self._block_elementwise() / 3
-            terms.append(
-                Term(
-                    "recompute (checkpointing)",
-                    again / rates.memory,
-                    f"selective: the blocks' elementwise forward again, "
-                    f"{again / 2**20:,.1f} MiB",
-                )
-            )
+        terms += self._recompute(mm - m.head_flops * per_rank, att, act)
         ops = self.micro * (OPS_PER_BLOCK * self.local_layers + OPS_OUTSIDE_BLOCKS)
         terms.append(
             Term(
@@ -300,15 +293,41 @@ class _Step:
         )
         return terms
 
-    def _block_elementwise(self) -> float:
-        m, lay = self.m, self.lay
-        per_layer = ELEMENTWISE_PER_LAYER * m.width / lay.tp * self.pbytes
-        return self.tokens / max(1, lay.dp) / lay.cp * per_layer * self.local_layers
+    def _recompute(self, blocks_mm: float, att: float, act: float) -> list[Term]:
+        """Checkpointing's second forward of its blocks (a third of their work:
+        forward is 1 of forward + backward's 3): ``full`` all of it, ``selective``
+        the activation function's (the matmul and attention outputs are kept)."""
+        ck, rates, layers = self.r.checkpointing, self.rates, self.m.layers
+        share = sum(checkpointed_blocks(layers, ck.mode, int(ck.every)))
+        share /= max(1, layers)
+        if ck.mode == "none" or not share:
+            return []
+        act_s = act * share * 2 / 5 / rates.activation  # forward: 2 of its 5 widths
+        if ck.mode == "selective":
+            return [Term("recompute (checkpointing)", act_s, "selective: the "
+                         "activation function's forward again")]  # fmt: skip
+        work = blocks_mm * share / 3 / rates.matmul + att * share / 3 / rates.attention
+        return [
+            Term(
+                "recompute (checkpointing)",
+                work + act_s,
+                f"full, {share:.0%} of blocks: their forward again",
+            )
+        ]
+
+    def _layer_tokens(self) -> float:
+        """Tokens one rank's blocks see per step (tp ranks split their width)."""
+        return self.tokens / max(1, self.lay.dp) / self.lay.cp * self.local_layers
+
+    def _activation_bytes(self) -> float:
+        width = ACTIVATION_PER_LAYER * self.m.width / self.lay.tp
+        return self._layer_tokens() * width * 5 * self.pbytes
 
     def _elementwise_bytes(self) -> float:
-        loss = ELEMENTWISE_LOSS * self.m.vocab / self.lay.tp * 4
-        tokens = self.tokens / max(1, self.lay.dp) / self.lay.cp
-        return self._block_elementwise() + tokens * loss
+        m, lay = self.m, self.lay
+        blocks = self._layer_tokens() * ELEMENTWISE_PER_LAYER * m.width * self.pbytes
+        loss = ELEMENTWISE_LOSS * m.vocab / lay.tp * 4
+        return blocks + self.tokens / max(1, lay.dp) / lay.cp * loss
 
     def optimizer_term(self) -> Term:
         local = self.plan.bytes_per_rank() / 4

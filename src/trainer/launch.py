@@ -163,6 +163,7 @@ def prepare(
         _world_from_env(),
         estimate=rank0 and not cfg.trainer.plan_only,
         say=log.info if rank0 else None,
+        predict=splits is None,  # a training run's step time
     )
     cfg = with_overrides(cfg, run.overrides)  # the planner's choices, recorded
     resolved = replace(run.resolved, run_config=composed)
