@@ -193,3 +193,18 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
         assert line.startswith(f"device profile {path} refused (") and "\n" not in line
         assert json.loads(path.read_text())["identity"] == identity  # written again
     assert len(probes) == 2 + len(forged)
+
+
+def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
+    """The real probe (about a second): every rate positive, at one thread and at
+    every core, each collective's latency and bandwidth; cached as measured."""
+    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
+    found = profiles.cpu_profile()
+    cores = profiles.available_cores()
+    assert found.cores == cores and found.name.endswith(f", {cores} cores")
+    for table in (*found.matmul.values(), *found.attention.values()):
+        assert set(table) == {1, cores} and min(table.values()) > 0
+    assert set(found.memory_bw) == set(found.activation_bw) == {1, cores}
+    assert found.op_s > 0 and set(found.links) == set(COLLECTIVES)
+    assert all(k.latency_s > 0 and k.bandwidth > 0 for k in found.links.values())
+    assert profiles.cpu_profile().matmul == found.matmul  # read back

@@ -44,7 +44,7 @@ COLLECTIVES = {
 }
 _DTYPES = ("fp32", "bf16")
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -63,10 +63,11 @@ class DeviceProfile:
     The rates are per thread count (CPU: ``{1: ..., cores: ...}``) or ``{1: ...}``
     for a GPU: matmuls and causal attention (forward and backward, FLOPs as the
     family formula counts them) per dtype, a copy's bandwidth and the activation
-    function's (GELU forward and backward, 5 tensor-widths moved per element); ``links`` per collective, within a node, and
-    ``inter_links`` across nodes (the CPU probe: the same); ``overlap``: whether a
-    collective runs beside compute (a GPU's copy engines and NCCL kernels; a CPU's
-    gloo threads take the cores the ranks compute on)."""
+    function's (GELU forward and backward, 5 tensor-widths moved per element);
+    ``links`` per collective within a node, ``inter_links`` across nodes (the CPU
+    probe: the same); ``overlap``: whether a collective runs beside compute (a
+    GPU's NCCL kernels do; a CPU's gloo threads take the cores the ranks compute
+    on)."""
 
     name: str
     source: str  # "probe ..." or "datasheet, not calibrated"
@@ -100,7 +101,7 @@ class DeviceProfile:
 #: Per accelerator (substring of its name, first match wins): memory bandwidth (B/s),
 #: NVLink bandwidth per direction (B/s) and the InfiniBand NIC per GPU (B/s), from
 #: NVIDIA's datasheets; latencies assumed (NCCL's small-message latency, ~10 us in a
-#: node, ~20 us across nodes). Not calibrated: ``bench.gpu_check`` on a lent GPU is.
+#: node, ~20 us across nodes). Not calibrated: no GPU run has measured them yet.
 GPU_LINKS: list[tuple[str, float, float, float]] = [
     ("B200", 8.0e12, 900e9, 50e9),  # HBM3e 8 TB/s, NVLink 5 1.8 TB/s, CX-7 400 Gb/s
     ("H200", 4.8e12, 450e9, 50e9),  # HBM3e 4.8 TB/s, NVLink 4 900 GB/s, 400 Gb/s
@@ -181,34 +182,36 @@ def cpu_threads(local_world: int, cores: int | None = None) -> int:
     return max(1, (cores or available_cores()) // local_world)
 
 
-def _best(fn, repeats: int) -> float:
+def _best(fn, repeats: int, clock=time.perf_counter) -> float:
+    """The shortest of ``repeats`` runs of ``fn`` by ``clock``: at one thread the
+    thread's CPU time (``time.thread_time``), which other processes' load on a
+    shared machine does not stretch; else wall time."""
     best = math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
-def _matmul_rate(dtype: torch.dtype) -> float:
+def _matmul_rate(dtype: torch.dtype, clock) -> float:
     """Best FLOP/s of square matmuls: 512 wide, or 256 where the dtype is emulated
     (one 256 matmul above 4 ms), so the probe stays short."""
     gen = torch.Generator().manual_seed(0)
     n = 256
     a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-    first = _best(lambda: torch.mm(a, b), 2)
-    if first < 4e-3:
+    if _best(lambda: torch.mm(a, b), 2, clock) < 4e-3:
         n = 512
         a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-    return 2.0 * n**3 / min(_best(lambda: torch.mm(a, b), 3), first * (n / 256) ** 3)
+    return 2.0 * n**3 / _best(lambda: torch.mm(a, b), 5, clock)
 
 
-def _memory_bw(elements: int = 1 << 23) -> float:
+def _memory_bw(clock, elements: int = 1 << 23) -> float:
     src, dst = torch.ones(elements), torch.empty(elements)
-    return 2.0 * 4 * elements / _best(lambda: dst.copy_(src), 5)
+    return 2.0 * 4 * elements / _best(lambda: dst.copy_(src), 5, clock)
 
 
-def _attention_rate(dtype: torch.dtype) -> float:
+def _attention_rate(dtype: torch.dtype, clock) -> float:
     """Causal SDPA forward and backward (2 x 4 heads of 256 x 64) in FLOP/s as the
     family formula counts them (3 x 4 B H T^2 d: the full score matrix)."""
     b, h, t, d = 2, 4, 256, 64
@@ -218,10 +221,10 @@ def _attention_rate(dtype: torch.dtype) -> float:
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         out.sum().backward()
 
-    return 12.0 * b * h * t * t * d / _best(step, 3)
+    return 12.0 * b * h * t * t * d / _best(step, 3, clock)
 
 
-def _activation_bw(elements: int = 1 << 20) -> float:
+def _activation_bw(clock, elements: int = 1 << 20) -> float:
     """GELU forward and backward over fp32 elements: 5 x 4 bytes each (read x, write
     y; read x and the gradient, write the input's)."""
     x = torch.randn(elements, requires_grad=True)
@@ -230,7 +233,7 @@ def _activation_bw(elements: int = 1 << 20) -> float:
     def step() -> None:
         torch.nn.functional.gelu(x).backward(grad)
 
-    return 20.0 * elements / _best(step, 3)
+    return 20.0 * elements / _best(step, 3, clock)
 
 
 def _op_seconds(blocks: int = 10) -> float:
@@ -246,11 +249,12 @@ def _op_seconds(blocks: int = 10) -> float:
             h = h + torch.nn.functional.gelu(layer(h))
         h.sum().backward()
 
-    return _best(step, 5) / (3 * blocks)
+    return _best(step, 5, time.thread_time) / (3 * blocks)
 
 
 def _compute_figures(cores: int) -> dict[str, dict]:
-    """The compute rates (:class:`DeviceProfile`) at one thread and at ``cores``."""
+    """The compute rates (:class:`DeviceProfile`) at one thread (timed by its CPU
+    time) and at ``cores`` (by wall time: other processes' load shows there)."""
     threads = torch.get_num_threads()
     out: dict[str, dict] = {
         "matmul": {d: {} for d in _DTYPES},
@@ -261,11 +265,13 @@ def _compute_figures(cores: int) -> dict[str, dict]:
     try:
         for count in sorted({1, cores}):
             torch.set_num_threads(count)
-            for dtype in _DTYPES:
-                out["matmul"][dtype][count] = _matmul_rate(_DTYPE_OF[dtype])
-                out["attention"][dtype][count] = _attention_rate(_DTYPE_OF[dtype])
-            out["memory_bw"][count] = _memory_bw()
-            out["activation_bw"][count] = _activation_bw()
+            clock = time.thread_time if count == 1 else time.perf_counter
+            for name in _DTYPES:
+                dtype = _DTYPE_OF[name]
+                out["matmul"][name][count] = _matmul_rate(dtype, clock)
+                out["attention"][name][count] = _attention_rate(dtype, clock)
+            out["memory_bw"][count] = _memory_bw(clock)
+            out["activation_bw"][count] = _activation_bw(clock)
     finally:
         torch.set_num_threads(threads)
     return out

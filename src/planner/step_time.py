@@ -371,7 +371,7 @@ class _Step:
         act = self.micro_tokens * m.width * self.pbytes  # one block input, one rank
         layers = self.local_layers
         terms = []
-        if r.backend == "ddp" and lay.dp > 1:
+        if not _shards(r.backend) and lay.dp > 1:  # replicated: DDP
             terms.append(self._ddp())
         if _shards(r.backend) and lay.dp_replicate > 1:
             nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
@@ -388,9 +388,11 @@ class _Step:
             )
         if lay.cp > 1:
             kv = 2 * self.micro_tokens * lay.cp * m.kv_width * self.pbytes
-            link = _link(p, "all_gather", lay.cp, True)
-            each = collective(link, "all_gather", lay.cp, kv)
-            each += collective(p.links["reduce_scatter"], "reduce_scatter", lay.cp, kv)
+            each = collective(
+                _link(p, "all_gather", lay.cp, True), "all_gather", lay.cp, kv
+            )
+            rs = _link(p, "reduce_scatter", lay.cp, True)
+            each += collective(rs, "reduce_scatter", lay.cp, kv)
             terms.append(
                 Term("CP K/V gathers", self.micro * layers * each,
                      "K and V gathered per block, their gradients reduce-scattered")
@@ -430,7 +432,7 @@ class _Step:
             f"{times} time(s) per step",
         )
 
-    # -- the step -----------------------------------------------------------------------
+    # -- the step ---------------------------------------------------------------
 
     def result(self) -> StepTime:
         compute = self.compute_terms()
