@@ -138,7 +138,10 @@ def test_ddp_pipeline_and_oversubscribed_cpu_terms(monkeypatch):
     )
     _, _, shared, eight = _predict("trainer.devices=8", profile=_profile(2))
     assert eight["matmuls"] == pytest.approx(one["matmuls"] / 8 * 4)  # 1/8 the work
-    assert any("8 ranks x 1 thread(s) share 2 cores" in n for n in shared.notes)
+    assert any(
+        "8 ranks x 1 thread(s) share 2 cores: each rank gets 1/4 " in n
+        for n in shared.notes
+    )
     assert not alone.notes
 
 

@@ -188,7 +188,7 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
     if share < 1.0:
         notes.append(
             f"{world} ranks x {threads} thread(s) share {profile.cores} cores: each "
-            f"rank's rates are {share:.2f} of {threads} thread(s)'"
+            f"rank gets 1/{1 / share:.3g} of {threads} thread(s)' rates"
         )
     if profile.cores and world > 2:
         notes.append("collectives as the probe measured them between 2 ranks")
@@ -217,10 +217,10 @@ def collective(link: Link, kind: str, ranks: int, nbytes: float) -> float:
     return link.latency_s + COLLECTIVES[kind] * share * nbytes / link.bandwidth
 
 
-def _link(profile: DeviceProfile, kind: str, ranks: int, inner: bool) -> Link:
-    """The link a group of ``ranks`` spans: within a node when the group is the
-    innermost dimension and fits one, or the whole run fits one node."""
-    within = ranks <= profile.ranks_per_node if inner else False
+def _link(profile: DeviceProfile, kind: str, span: int) -> Link:
+    """The link of a group whose ranks lie within ``span`` consecutive ranks (its
+    size times the inner degrees' product): a node's when they fit one."""
+    within = span <= profile.ranks_per_node
     return (profile.links if within else profile.inter_links)[kind]
 
 
@@ -349,7 +349,8 @@ class _Step:
         sync_every = str(r.batch.grad_sync) == "every" or self.accum == 1
         scatters = self.accum if sync_every else 1
         reshard = r.unit.reshard_after_forward is not False
-        ag, rs = _link(p, "all_gather", n, False), _link(p, "reduce_scatter", n, False)
+        span = n * lay.tp  # the shard ranks lie outside the tp ranks
+        ag, rs = _link(p, "all_gather", span), _link(p, "reduce_scatter", span)
         out = []
         for unit in self.plan.units:
             gathered = unit.local_numel * self.pbytes
@@ -375,13 +376,13 @@ class _Step:
             terms.append(self._ddp())
         if _shards(r.backend) and lay.dp_replicate > 1:
             nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
-            link = _link(p, "all_reduce", lay.dp_replicate, False)
+            link = _link(p, "all_reduce", lay.stage_size)
             t = len(self.plan.units) * collective(
                 link, "all_reduce", lay.dp_replicate, nbytes / len(self.plan.units)
             )
             terms.append(Term("HSDP all-reduce", t, f"{lay.dp_replicate} replicas"))
         if lay.tp > 1:
-            link = _link(p, "all_reduce", lay.tp, True)
+            link = _link(p, "all_reduce", lay.tp)
             t = self.micro * layers * 4 * collective(link, "all_reduce", lay.tp, act)
             terms.append(
                 Term("TP all-reduces", t, "2 in forward, 2 in backward per block")
@@ -389,9 +390,9 @@ class _Step:
         if lay.cp > 1:
             kv = 2 * self.micro_tokens * lay.cp * m.kv_width * self.pbytes
             each = collective(
-                _link(p, "all_gather", lay.cp, True), "all_gather", lay.cp, kv
+                _link(p, "all_gather", lay.cp * lay.tp), "all_gather", lay.cp, kv
             )
-            rs = _link(p, "reduce_scatter", lay.cp, True)
+            rs = _link(p, "reduce_scatter", lay.cp * lay.tp)
             each += collective(rs, "reduce_scatter", lay.cp, kv)
             terms.append(
                 Term("CP K/V gathers", self.micro * layers * each,
@@ -399,7 +400,7 @@ class _Step:
             )  # fmt: skip
         if lay.ep > 1 and m.moe_layers:
             sent = self.micro_tokens * m.top_k * m.width * self.pbytes * lay.ep
-            link = _link(p, "all_to_all", lay.ep, False)
+            link = _link(p, "all_to_all", lay.ep_shard * lay.tp * lay.cp)
             t = (
                 self.micro
                 * m.moe_layers
@@ -411,7 +412,7 @@ class _Step:
                 Term("EP all-to-alls", t, "dispatch and combine, forward and backward")
             )
         if lay.pp > 1:
-            link = _link(p, "p2p", lay.pp, False)
+            link = _link(p, "p2p", self.world)
             transfers = 2 if lay.pp == 2 else 4
             t = self.micro * transfers * collective(link, "p2p", 2, act)
             terms.append(Term("PP send/recv", t, f"{transfers} per micro-batch"))
@@ -421,7 +422,7 @@ class _Step:
         lay, p = self.lay, self.profile
         nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
         buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
-        link = _link(p, "all_reduce", lay.dp, False)
+        link = _link(p, "all_reduce", lay.stage_size)
         once = buckets * collective(link, "all_reduce", lay.dp, nbytes / buckets)
         every = str(self.r.batch.grad_sync) == "every"
         times = self.accum if every else 1
