@@ -7,7 +7,9 @@ machine's probed profile, src/planner/profiles.py) and the measured ``step_time_
 share of its window a rank's threads waited for a core other processes held
 (``cpu_wait_others``), with the step that share leaves (``alone``: measured x (1 -
 cpu_wait_others)), since on a shared machine the measured step stretches with other
-processes' load. Nothing is fitted to these runs: the profile is the probe's.
+processes' load. One thread per rank (``OMP_NUM_THREADS=1``: threads of one rank
+wait for each other on a shared machine). Nothing is fitted to these runs: the
+profile is the probe's.
 
     python -m bench.step_time_vs_measured [--configs NAME ...] [--steps 8] [--append-docs]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -54,6 +57,19 @@ CONFIGS: dict[str, list[str]] = {
     "gpt_28m_fsdp2": _MID,
     "gpt_28m_ddp_accum4": [*_MID, "sharding=ddp", "trainer.grad_accum=4"],
 }
+#: The same on one rank (no collective waits for a peer other processes hold off a
+#: core): the compute terms alone.
+_ONE = ["sharding=none", "trainer.devices=1", "trainer.batch_size=8"]
+CONFIGS |= {
+    "gpt_1rank": _ONE,
+    "gpt_1rank_ac_full": [*_ONE, "sharding.activation_checkpointing=full"],
+    "gpt_1rank_ac_selective": [*_ONE, "sharding.activation_checkpointing=selective"],
+    "gpt_1rank_accum4": [*_ONE, "trainer.grad_accum=4"],
+    "gpt_1rank_bf16": [*_ONE, "precision=bf16_mixed"],
+    "llama_1rank": [*_ONE, "model=llama_tiny"],
+    "moe_1rank": [*_ONE, "model=moe_tiny"],
+    "gpt_28m_1rank": [*_MID, *_ONE[:2], "trainer.batch_size=4"],
+}
 
 
 def run(overrides: list[str], steps: int) -> dict:
@@ -66,7 +82,7 @@ def run(overrides: list[str], steps: int) -> dict:
         ]  # fmt: skip
         subprocess.run(
             [sys.executable, "train.py", *args], cwd=ROOT, check=True,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         return json.loads((Path(run_dir) / "summary.json").read_text())
 

@@ -211,3 +211,29 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert found.op_s > 0 and set(found.links) == set(COLLECTIVES)
     assert all(k.latency_s > 0 and k.bandwidth > 0 for k in found.links.values())
     assert profiles.cpu_profile().matmul == found.matmul  # read back
+
+
+@pytest.mark.parametrize("preset", ["small", "llama_tiny", "moe_tiny"])
+def test_a_familys_forward_ops_are_what_its_forward_dispatches(preset):
+    """``ModelSpec.forward_ops`` (the dispatch term's count) against the ops a real
+    forward of the family's tiny preset dispatches (two sequences): within 10%."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from src.planner.search import n_blocks
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    resolved = resolve(compose_config(f"model={preset}", "data=synthetic"))
+    spec, config = resolved.spec, resolved.model_config
+    model = spec.build(config, 0)
+    idx = torch.randint(0, spec.vocab_size(config), (2, resolved.batch.seq_len))
+    with torch.no_grad(), Count():
+        model(idx, idx)
+    block, outside = spec.forward_ops
+    assert Count.ops == pytest.approx(block * n_blocks(resolved) + outside, rel=0.1)

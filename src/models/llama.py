@@ -532,6 +532,7 @@ register(
         context_parallel=lambda config: None,  # every config
         documents=True,
         kv_width=lambda config: config.kv_heads * config.head_dim,
+        forward_ops=(65, 35),
         pipeline=lambda config: PipelineLayout(
             blocks="layers", first=("tok_embeddings",), last=("norm", "output")
         ),

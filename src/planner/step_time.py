@@ -36,13 +36,6 @@ ACTIVATION_PER_LAYER = 4
 #: written, log-softmax read and written, backward read and written, the gradient of
 #: the logits read by the head's matmul: 8.
 ELEMENTWISE_LOSS = 8
-#: Forward ops one block dispatches (a GPT block: 2 norms, 4 linears, the q/k/v split
-#: and views, attention, the activation, 2 residual adds, about 25); each costs the
-#: profile's ``op_s`` (a tiny op's forward and backward).
-OPS_PER_BLOCK = 25
-#: ... and the rest of the model (embedding, final norm, head, loss) and the step
-#: (zeroing, clipping, the optimizer's foreach ops).
-OPS_OUTSIDE_BLOCKS = 40
 #: Bytes AdamW's step and the gradient-norm clip move per local parameter (fp32):
 #: parameter, gradient and both moments read, parameter and moments written, the
 #: update's temporaries and the norm's read of the gradient: 16 elements of 4 bytes.
@@ -283,7 +276,8 @@ class _Step:
             ),
         ]
         terms += self._recompute(mm - m.head_flops * per_rank, att, act)
-        ops = self.micro * (OPS_PER_BLOCK * self.local_layers + OPS_OUTSIDE_BLOCKS)
+        block, outside = self.r.spec.forward_ops
+        ops = self.micro * (block * self.local_layers + outside)
         terms.append(
             Term(
                 "op dispatch",
