@@ -19,6 +19,7 @@ from src.planner.profiles import (
     cpu_threads,
     profile_for,
 )
+from src.planner.search import n_blocks
 from src.sharding import WrapPlan
 from src.sharding.backends import backend_class
 from src.sharding.pipeline import bubble_fraction
@@ -28,14 +29,14 @@ from src.sharding.pipeline import bubble_fraction
 #: two residual adds (read 2, write 1: 6) in forward, 10; backward reads what forward
 #: wrote and writes the gradients, about twice that: 30. At the copy bandwidth.
 ELEMENTWISE_PER_LAYER = 30
-#: The MLP's activation function's elements per token, in units of the width (GPT's
-#: 4x hidden; Llama's SwiGLU about 3.5x: counted as 4), forward and backward at the
-#: profile's activation bandwidth (5 tensor-widths moved per element).
-ACTIVATION_PER_LAYER = 4
 #: ... and by the loss per token, in units of the vocabulary, fp32: the logits
 #: written, log-softmax read and written, backward read and written, the gradient of
 #: the logits read by the head's matmul: 8.
 ELEMENTWISE_LOSS = 8
+#: The MLP's activation function's elements per token, in units of the width (GPT's
+#: 4x hidden; Llama's SwiGLU about 3.5x: counted as 4), forward and backward at the
+#: profile's activation bandwidth (5 tensor-widths moved per element).
+ACTIVATION_PER_LAYER = 4
 #: Bytes AdamW's step and the gradient-norm clip move per local parameter (fp32):
 #: parameter, gradient and both moments read, parameter and moments written, the
 #: update's temporaries and the norm's read of the gradient: 16 elements of 4 bytes.
@@ -222,8 +223,6 @@ def predict(
 ) -> StepTime:
     """The step time of ``resolved`` on ``world`` ranks (default: its devices) with
     ``plan``'s units (a pipeline's: its worst stage's) on ``profile``."""
-    from src.planner.search import n_blocks
-
     world = world or resolved.world_size
     shape = model_shape(resolved, n_blocks(resolved))
     step = _Step(resolved, plan, profile, world, shape)
