@@ -15,7 +15,7 @@ from src.models.gpt import count_params
 from src.planner import profiles
 from src.planner.profiles import COLLECTIVES, DeviceProfile, Link, gpu_profile
 from src.planner.run_estimate import estimate_plan
-from src.planner.step_time import OPTIMIZER_BYTES_PER_PARAM, predict
+from src.planner.step_time import OPTIMIZER_BYTES_PER_PARAM, predict, predicted_step
 from src.sharding.pipeline import bubble_fraction
 
 LATENCY, BANDWIDTH = 1e-3, 1e8
@@ -152,6 +152,13 @@ def test_gpu_profiles_are_datasheets_and_say_so():
     assert gpu_profile("rtx_9999") is None
     _, _, step, _ = _predict("trainer.devices=8", "precision=bf16_mixed", profile=h100)
     assert "H100 (datasheet, not calibrated)" in step.table()
+    # a plan for an accelerator without a profile says so, and predicts nothing
+    cfg = compose_config("model=tiny", "trainer.mem_budget_gib=l40s")
+    resolved = resolve(cfg)
+    plan, _ = estimate_plan(resolved, resolved.world_size)
+    assert predicted_step(resolved, plan) == (
+        None, "no device profile for 'l40s' (datasheets: B200, H200, H100, A100)"
+    )  # fmt: skip
 
 
 def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(

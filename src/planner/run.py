@@ -123,10 +123,7 @@ def plan_run(
         return replace(plan, unplanned=f"{type(err).__name__}: {err}")
     if not predict:
         return replace(plan, estimate=est)
-    try:  # a prediction is a figure beside the run, never in its way
-        step, why = predicted_step(resolved, wrap, world)
-    except Exception as err:
-        step, why = None, f"{type(err).__name__}: {err}"
+    step, why = predicted_step(resolved, wrap, world)
     plan = replace(plan, estimate=est, step=step, unpredicted=why)
     if say is not None and plan.step_line:
         say(plan.step_line)

@@ -75,7 +75,8 @@ def model_shape(resolved: RunPlan, layers: int) -> ModelShape:
     matmul = float(spec.flops_per_token(config, 0))
     attention = float(spec.flops_per_token(config, seq)) - matmul
     width = round(attention / (12 * layers * seq)) if layers and seq else 0
-    experts = spec.expert_shape(config, seq) if spec.expert_shape else None
+    routed = spec.expert_shape and spec.num_experts and spec.num_experts(config)
+    experts = spec.expert_shape(config, seq) if routed else None
     return ModelShape(
         layers=layers,
         width=width,
@@ -500,7 +501,10 @@ def predicted_step(
     from src.planner.settings import accelerator_name, device_type
 
     device, accelerator = device_type(resolved), accelerator_name(resolved)
-    profile = profile_for(device, accelerator)
-    if profile is None:
-        return None, f"no device profile for {accelerator!r} (datasheets: {GPUS})"
-    return predict(resolved, plan, profile, world), ""
+    try:  # a prediction is a figure beside the plan, never in its way
+        profile = profile_for(device, accelerator)
+        if profile is None:
+            return None, f"no device profile for {accelerator!r} (datasheets: {GPUS})"
+        return predict(resolved, plan, profile, world), ""
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"
