@@ -44,7 +44,7 @@ COLLECTIVES = {
 }
 _DTYPES = ("fp32", "bf16")
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -183,9 +183,8 @@ def cpu_threads(local_world: int, cores: int | None = None) -> int:
 
 
 def _best(fn, repeats: int, clock=time.perf_counter) -> float:
-    """The shortest of ``repeats`` runs of ``fn`` by ``clock``: at one thread the
-    thread's CPU time (``time.thread_time``), which other processes' load on a
-    shared machine does not stretch; else wall time."""
+    """The shortest of ``repeats`` runs of ``fn`` by ``clock`` (the compute figures:
+    CPU time, which other processes' load on a shared machine does not stretch)."""
     best = math.inf
     for _ in range(repeats):
         t0 = clock()
@@ -195,15 +194,15 @@ def _best(fn, repeats: int, clock=time.perf_counter) -> float:
 
 
 def _matmul_rate(dtype: torch.dtype, clock) -> float:
-    """Best FLOP/s of square matmuls: 512 wide, or 256 where the dtype is emulated
-    (one 256 matmul above 4 ms), so the probe stays short."""
+    """Best FLOP/s of square matmuls: 512 wide, or 128 where the dtype is emulated
+    (a 128 matmul above 1 ms), so the probe stays short."""
     gen = torch.Generator().manual_seed(0)
-    n = 256
+    n = 128
     a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-    if _best(lambda: torch.mm(a, b), 2, clock) < 4e-3:
+    if _best(lambda: torch.mm(a, b), 2, clock) < 1e-3:
         n = 512
         a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-    return 2.0 * n**3 / _best(lambda: torch.mm(a, b), 5, clock)
+    return 2.0 * n**3 / _best(lambda: torch.mm(a, b), 3, clock)
 
 
 def _memory_bw(clock, elements: int = 1 << 23) -> float:
@@ -249,12 +248,20 @@ def _op_seconds(blocks: int = 10) -> float:
             h = h + torch.nn.functional.gelu(layer(h))
         h.sum().backward()
 
-    return _best(step, 5, time.thread_time) / (3 * blocks)
+    return _best(step, 3, time.thread_time) / (3 * blocks)
+
+
+def _cpu_clock(threads: int):
+    """One thread's figures by its CPU time (``time.thread_time``: other processes'
+    load does not stretch it, so they are the machine's alone); several threads'
+    by wall time (their CPU time is not read reliably at this scale), which holds
+    the load the probe met."""
+    return time.thread_time if threads == 1 else time.perf_counter
 
 
 def _compute_figures(cores: int) -> dict[str, dict]:
-    """The compute rates (:class:`DeviceProfile`) at one thread (timed by its CPU
-    time) and at ``cores`` (by wall time: other processes' load shows there)."""
+    """The compute rates (:class:`DeviceProfile`) at one thread and at ``cores``,
+    timed by the CPU time they get (:func:`_cpu_clock`)."""
     threads = torch.get_num_threads()
     out: dict[str, dict] = {
         "matmul": {d: {} for d in _DTYPES},
@@ -265,7 +272,7 @@ def _compute_figures(cores: int) -> dict[str, dict]:
     try:
         for count in sorted({1, cores}):
             torch.set_num_threads(count)
-            clock = time.thread_time if count == 1 else time.perf_counter
+            clock = _cpu_clock(count)
             for name in _DTYPES:
                 dtype = _DTYPE_OF[name]
                 out["matmul"][name][count] = _matmul_rate(dtype, clock)
