@@ -33,7 +33,32 @@ def _token_cache_in_tmp(tmp_path_factory):
     """The token cache (data.cache_dir's default, $SHARDWRAP_CACHE) of every test and
     of the train.py subprocesses they start lives in a session tmp dir, not ~/.cache."""
     os.environ["SHARDWRAP_CACHE"] = str(tmp_path_factory.mktemp("token_cache"))
+    _fixed_cpu_profile()
     yield
+
+
+def _fixed_cpu_profile() -> None:
+    """This machine's device profile in $SHARDWRAP_CACHE/profiles, fixed figures: the
+    step time every test's plan predicts is the same on any machine, and no
+    train.py a test starts runs the probe (tests/test_step_time.py runs it)."""
+    from src.planner.profiles import COLLECTIVES, DeviceProfile, Link, cpu_profile
+
+    link = {c: Link(2e-4, 1e9) for c in COLLECTIVES}
+    fixed = DeviceProfile(
+        name="cpu: the tests' fixed profile (tests/conftest.py)",
+        source="probe",
+        cores=2,
+        matmul={"fp32": {1: 5e10, 2: 9e10}, "bf16": {1: 1e10, 2: 1.8e10}},
+        attention={"fp32": {1: 2e10, 2: 3.6e10}, "bf16": {1: 1e10, 2: 1.8e10}},
+        memory_bw={1: 1e10, 2: 1.5e10},
+        activation_bw={1: 3e9, 2: 5e9},
+        op_s=2e-5,
+        links=link,
+        inter_links=link,
+        ranks_per_node=2,
+        overlap=False,
+    )
+    cpu_profile(lambda: fixed)
 
 
 @pytest.fixture(autouse=True, scope="session")

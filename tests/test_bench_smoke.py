@@ -18,6 +18,33 @@ def docs_untouched():
     assert after == before, "a smoke run appended to docs/benchmarks.md"
 
 
+def test_step_time_vs_measured_rows_from_the_runs_summaries(
+    docs_untouched, monkeypatch, capsys
+):
+    """bench.step_time_vs_measured on two runs' summaries (no run started): each
+    row's error against the measured step and against the step less the share its
+    threads waited for cores others held, and the median and worst of both."""
+    from bench import step_time_vs_measured as b
+
+    summaries = iter([
+        {"predicted_step_time_s": 0.1, "step_time_s": 0.3, "cpu_wait_others": 0.5,
+         "world_size": 2, "num_params": 840_000},
+        {"predicted_step_time_s": 0.2, "step_time_s": 0.2, "world_size": 1,
+         "num_params": 840_000},
+    ])  # fmt: skip
+    monkeypatch.setattr(b, "run", lambda overrides, steps: next(summaries))
+    first, second = b.main(["--configs", "gpt_fsdp2", "gpt_1rank"])
+    assert (first["error"], first["alone ms"], first["error alone"]) == (
+        "+200%",
+        150.0,
+        "+50%",
+    )
+    assert (second["error"], second["error alone"]) == ("+0%", "+0%")
+    out = capsys.readouterr().out
+    assert "median |error| 100%, worst 200%; against the step alone" in out
+    assert "median 25%, worst 50%" in out
+
+
 @pytest.mark.slow
 def test_init_memory_tiny(docs_untouched):
     # ~80 MB of fp32 parameters in 24 blocks of 3 MiB, on 2 gloo ranks.

@@ -393,6 +393,15 @@ def test_a_run_whose_routing_collapses_says_so_in_its_log_and_summary(
         assert found and float(found.group(1)) > 3.5, line  # 4.00: every token
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["routing_collapse"].keys() == {"0", "1"}
+    # the planner's predicted step beside the measured one (src/planner/step_time.py)
+    predicted, measured = summary["predicted_step_time_s"], summary["step_time_s"]
+    assert predicted > 0 and measured > 0
+    assert summary["predicted_tokens_per_s"] == pytest.approx(16 * 128 / predicted)
+    closing = [ln for ln in printed if ln.startswith("finished 12 steps")]
+    assert (
+        f"step time predicted {predicted * 1e3:,.1f} ms, measured "
+        f"{measured * 1e3:,.1f} ms ({measured / predicted - 1:+.0%})" in closing[0]
+    )
     assert all(v["step"] == 12 for v in summary["routing_collapse"].values())
     rows = [
         json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -161,6 +161,18 @@ def test_plan_only_in_process(tmp_path, capsys, model, world):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["wrap_units"] == len(plan.units)
     _check_estimate(summary, [u.numel for u in plan.units], model, world)
+    # the predicted step under the estimate, from this CPU's profile
+    assert "step time (predicted from cpu: " in printed
+    step = re.search(
+        r"\n  step +([\d,.]+) ms  ([\d,]+) tokens/s, ([\d,]+) per device", printed
+    )
+    assert step, printed[-2000:]
+    tokens_per_s = summary["predicted_tokens_per_s"]
+    assert float(step.group(1).replace(",", "")) == pytest.approx(
+        summary["predicted_step_time_s"] * 1e3, abs=0.01
+    )
+    assert int(step.group(2).replace(",", "")) == round(tokens_per_s)
+    assert int(step.group(3).replace(",", "")) == round(tokens_per_s / world)
     if peak_resets and rss_before:
         # Planning on meta: the peak grows by far less than one rank's share of the
         # parameters (llama3_8b: 3.7 GiB per rank; gpt_70b: 4 GiB).

@@ -17,8 +17,8 @@ from torch._subclasses.fake_tensor import is_fake
 from src.config.run_plan import resolve
 from src.harness import compose_config
 from src.models import GPT, get_spec
+from src.planner.profiles import cpu_threads
 from src.planner.report import plan_only
-from src.trainer.launch import cpu_threads
 from src.trainer.loop import train
 from src.trainer.optimizer import build_optimizer, lr_lambda
 from tests.distributed import HANG_S, run_distributed

@@ -149,6 +149,10 @@ class RunPlan:
     planned_peak_gib: float | None = None
     # ... of a pipeline-parallel run: the pp rank whose stages it is (the worst)
     planned_peak_pp_rank: int | None = None
+    # The planner's predicted step (src/planner/step_time.py ``StepTime.summary``:
+    # predicted_step_time_s, predicted_tokens_per_s; set by the launcher, empty when
+    # not predicted)
+    predicted: dict | None = None
     # The config as composed, before the launcher prepared it (auto values, the
     # vocabulary following the tokenizer): what a checkpoint records and a resume
     # continues from (src/runs/resume.py). None outside train.py's launcher.

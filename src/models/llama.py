@@ -534,6 +534,7 @@ register(
         kv_width=lambda config: config.kv_heads * config.head_dim,
         ffn_width=lambda config: config.hidden_dim,
         lora_targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"),
+        forward_ops=(65, 35),
         pipeline=lambda config: PipelineLayout(
             blocks="layers", first=("tok_embeddings",), last=("norm", "output")
         ),

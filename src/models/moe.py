@@ -636,5 +636,6 @@ register(
         after_step=after_step,
         num_experts=lambda config: config.num_experts if config.moe_layers else 0,
         expert_shape=expert_shape,
+        forward_ops=(140, 40),
     )
 )

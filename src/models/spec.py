@@ -205,6 +205,10 @@ class ModelSpec:
     # Modules the family imports beyond torch (the planner's process baseline grows
     # by their resident size: planner.IMPORT_BYTES).
     imports: tuple[str, ...] = ()
+    # The ops one forward dispatches, (per block, outside the blocks), for the step
+    # time's dispatch term (src/planner/step_time.py); counted with a dispatch mode
+    # on the family's tiny preset (tests/test_step_time.py checks them).
+    forward_ops: tuple[int, int] = (30, 25)
     # Optional: a context the planner traces the model's activations in (fake
     # tensors, src/planner/trace.py), for a family whose code branches on them.
     trace_context: Callable[[], contextlib.AbstractContextManager] | None = None

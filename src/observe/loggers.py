@@ -372,6 +372,18 @@ def _this_attempts_speed(s: dict) -> tuple[dict, str]:
     )
 
 
+def _predicted_step(s: dict) -> str:
+    """The planner's predicted step time against the measured one, for the closing
+    line ('' where either is missing)."""
+    predicted, measured = s.get("predicted_step_time_s"), s.get("step_time_s")
+    if not isinstance(predicted, int | float) or not isinstance(measured, int | float):
+        return ""
+    return (
+        f", step time predicted {predicted * 1e3:,.1f} ms, measured "
+        f"{measured * 1e3:,.1f} ms ({measured / predicted - 1:+.0%})"
+    )
+
+
 class ConsoleSink(Sink):
     """At the end of a successful training run, the summary a user reads first."""
 
@@ -424,6 +436,7 @@ class ConsoleSink(Sink):
                 f", peak memory/rank ({of}) planned {planned:.3f} GiB{worst}, "
                 f"measured {measured:.3f} GiB ({drift:+.0%})"
             )
+        figures += _predicted_step(s)
         took = f" in {s['wall_time_s']:.0f} s" if "wall_time_s" in s else ""
         attempts = s.get("attempts") or []
         if len(attempts) > 1:  # a resumed run: the whole run, then each attempt

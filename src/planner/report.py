@@ -52,6 +52,7 @@ from src.planner.settings import (
     accelerator_name,
     mem_margin,
 )
+from src.planner.step_time import predicted_step
 from src.sharding import GIB, WrapPlan, get_precision
 
 log = logging.getLogger(__name__)
@@ -286,6 +287,8 @@ def plan_only(
     verdict, info = fit_report(resolved, est, world)
     if verdict:
         log.info(verdict)
+    step, why = predicted_step(resolved, plan, world)
+    log.info(step.table() if step else f"step time: not predicted ({why})")
     logger = Logger.files(run_dir)
     logger.log_table("wrap_plan", plan.rows())
     logger.log_summary(
@@ -299,6 +302,7 @@ def plan_only(
             **est.gib(),
             **stages,
             **info,
+            **(step.summary() if step else {}),
         }
     )
     logger.finish()

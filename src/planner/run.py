@@ -23,6 +23,7 @@ from src.planner.estimate import (
 from src.planner.run_estimate import estimate_plan
 from src.planner.search import search
 from src.planner.settings import PP, PRECISION, mem_margin, run_budget_bytes
+from src.planner.step_time import StepTime, predicted_step
 from src.sharding import GIB
 
 
@@ -48,6 +49,8 @@ class Planned:
     overrides: dict  # the choices as the overrides a user types (the run's record)
     estimate: Estimate | None = None  # the run's peak (a pipeline: its worst stage's)
     unplanned: str = ""  # why there is no estimate, where one was asked for
+    step: StepTime | None = None  # the predicted step (src/planner/step_time.py)
+    unpredicted: str = ""  # why there is no predicted step, where one was asked for
 
     @property
     def planned_peak_gib(self) -> float | None:
@@ -58,6 +61,27 @@ class Planned:
     def planned_peak_pp_rank(self) -> int | None:
         """The pp rank the estimate is of (a pipeline's worst stage); else None."""
         return self.estimate.pp_rank if self.estimate else None
+
+    def recorded(self) -> dict:
+        """What the run plan records of the planner's answer (rank 0 logs it beside
+        what it measures): the planned peak, its pp rank, the predicted step."""
+        return {
+            "planned_peak_gib": self.planned_peak_gib,
+            "planned_peak_pp_rank": self.planned_peak_pp_rank,
+            "predicted": self.step.summary() if self.step else None,
+        }
+
+    @property
+    def step_line(self) -> str:
+        """The predicted step time as the run's start says it ('' where not asked)."""
+        if self.step is not None:
+            return (
+                f"planner: step time {self.step.total_s * 1e3:,.1f} ms predicted "
+                f"({self.step.source})"
+            )
+        return (
+            self.unpredicted and f"planner: no step time predicted ({self.unpredicted})"
+        )
 
     @property
     def lower_bound(self) -> str:
@@ -71,6 +95,7 @@ def plan_run(
     world: int | None = None,
     estimate: bool = True,
     say: Callable[[str], object] | None = None,
+    predict: bool = False,
 ) -> Planned:
     """The planner's answer for a run about to start, in one call: the block policy
     where the size policy would split blocks (:func:`default_policy`; ``user_keys``:
@@ -79,7 +104,8 @@ def plan_run(
     to ``say`` as it is made, then (``estimate``) the run's estimate, computed once
     before the ranks start so each run logs it beside what it measures. A config
     error is raised; any other failure to estimate (e.g. a custom model the meta
-    device cannot build) is said in ``unplanned``: training does not depend on it."""
+    device cannot build) is said in ``unplanned``: training does not depend on it.
+    ``predict``: also its step time (src/planner/step_time.py), said to ``say``."""
     resolved, policy, chose = default_policy(resolved, user_keys)
     resolved, reasons, auto = resolve_auto(resolved, world)
     reasons = [policy, *reasons] if policy else reasons
@@ -90,12 +116,18 @@ def plan_run(
     if not estimate:
         return plan
     try:
-        _, est = estimate_plan(resolved, world or resolved.world_size)
+        wrap, est = estimate_plan(resolved, world or resolved.world_size)
     except ConfigError:  # a config every rank would fail on: said before they start
         raise
     except Exception as err:
         return replace(plan, unplanned=f"{type(err).__name__}: {err}")
-    return replace(plan, estimate=est)
+    if not predict:
+        return replace(plan, estimate=est)
+    step, why = predicted_step(resolved, wrap, world)
+    plan = replace(plan, estimate=est, step=step, unpredicted=why)
+    if say is not None and plan.step_line:
+        say(plan.step_line)
+    return plan
 
 
 #: Ranks per core past which a CPU run is said to be oversubscribed.

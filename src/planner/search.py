@@ -116,7 +116,7 @@ def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
     return list(dict.fromkeys(out))  # the first of equal points
 
 
-def _n_blocks(resolved: RunPlan) -> int:
+def n_blocks(resolved: RunPlan) -> int:
     """How many blocks the checkpointing transform targets in the run's model."""
     from src.planner.trace import block_order
 
@@ -145,7 +145,7 @@ def _options(
             vals = list(GRAD_SYNC)
         elif key == AC:
             ac = resolved.checkpointing
-            out[key] = ac_options(str(ac.mode), int(ac.every), _n_blocks(resolved))
+            out[key] = ac_options(str(ac.mode), int(ac.every), n_blocks(resolved))
             continue
         elif key == DEVICES:
             vals = [world * 2**i for i in range(12) if world * 2**i <= max_world]
@@ -201,7 +201,7 @@ def pipeline_options(resolved: RunPlan, world: int) -> list[int]:
     block, where the backend and the model family can pipeline (none with
     a stage cut or sequence parallelism set: they fix the layout)."""
     per_rank = SCHEDULES[str(resolved.pipeline.schedule)].stages_per_rank
-    blocks = _n_blocks(resolved)
+    blocks = n_blocks(resolved)
     layout = resolved.layout
     group = layout.tp * layout.cp * layout.dp_replicate
     fixed = (

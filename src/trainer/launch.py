@@ -70,6 +70,7 @@ from src.observe.logs import (
     set_log_level,
 )
 from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
+from src.planner.profiles import cpu_threads
 from src.planner.report import plan_only
 from src.planner.run import machine_check, oversubscribed, plan_run
 from src.trainer.faults import (
@@ -162,6 +163,7 @@ def prepare(
         _world_from_env(),
         estimate=rank0 and not cfg.trainer.plan_only,
         say=log.info if rank0 else None,
+        predict=splits is None,  # a training run's step time
     )
     cfg = with_overrides(cfg, run.overrides)  # the planner's choices, recorded
     resolved = replace(run.resolved, run_config=composed)
@@ -179,8 +181,7 @@ def prepare(
             log.warning("%s", oversubscribed(local))
     return cfg, replace(
         resolved,
-        planned_peak_gib=run.planned_peak_gib,
-        planned_peak_pp_rank=run.planned_peak_pp_rank,
+        **run.recorded(),
         data_record=meta and meta.get("record"),
     )
 
@@ -641,18 +642,6 @@ def init_distributed(timeout_s: float) -> tuple[torch.device, Heartbeat | None]:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(local_world))
     return device, _join_group(timeout_s, "nccl" if cuda else "gloo")
-
-
-def cpu_threads(local_world: int) -> int:
-    """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (the user's
-    choice: on a machine other processes share, one thread per rank runs far faster
-    than threads that wait for each other; docs/benchmarks.md), else ``cores // local
-    ranks``, so the ranks on a machine do not oversubscribe it."""
-    wanted = os.environ.get("OMP_NUM_THREADS", "")
-    if wanted.isdigit() and int(wanted) > 0:
-        return int(wanted)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-    return max(1, (cores or os.cpu_count() or 1) // local_world)
 
 
 def _join_group(timeout_s: float, backend: str) -> Heartbeat | None:

@@ -402,15 +402,17 @@ class Trainer:
 
     def _planned(self) -> dict[str, float]:
         """The planner's ``peak_mem_gib`` (launcher's estimate), logged beside it (a
-        pipeline's: its worst stage's, and that stage's pp rank)."""
+        pipeline's: its worst stage's, and that stage's pp rank), and its predicted
+        step time and tokens/s."""
         planned, pp_rank = (
             self.resolved.planned_peak_gib,
             self.resolved.planned_peak_pp_rank,
         )
+        predicted = self.resolved.predicted or {}
         if planned is None:
-            return {}
+            return dict(predicted)
         stage = {} if pp_rank is None else {"planned_peak_pp_rank": pp_rank}
-        return {"planned_peak_gib": planned, **stage}
+        return {"planned_peak_gib": planned, **stage, **predicted}
 
     def _after_step(self) -> dict[str, float]:
         """The family's work after each optimizer step (a MoE's router bias) and its

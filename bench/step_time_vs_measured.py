@@ -1,0 +1,154 @@
+"""The step-time model against measured steps: ordinary ``train.py`` runs.
+
+Each configuration runs as a user runs it (``data=synthetic logger=none``, a few steps,
+1-2 ranks); its summary.json holds the planner's ``predicted_step_time_s`` (from this
+machine's probed profile, src/planner/profiles.py) and the measured ``step_time_s``
+(the windows after the first). The table gives both, the error, and the load: the
+share of its window a rank's threads waited for a core other processes held
+(``cpu_wait_others``), with the step that share leaves (``alone``: measured x (1 -
+cpu_wait_others)), since on a shared machine the measured step stretches with other
+processes' load. One thread per rank (``OMP_NUM_THREADS=1``: threads of one rank
+wait for each other on a shared machine). Nothing is fitted to these runs: the
+profile is the probe's.
+
+    python -m bench.step_time_vs_measured [--configs NAME ...] [--steps 8] [--append-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import publish
+
+ROOT = Path(__file__).resolve().parent.parent
+_MID = ["model.n_layer=6", "model.n_head=8", "model.n_embd=512"]
+_MID += ["model.vocab_size=8192", "model.block_size=256", "trainer.batch_size=8"]
+
+#: name -> overrides (2 ranks unless said): backends, layouts, checkpointing,
+#: accumulation, precision, families, the default model up to ~30M parameters.
+CONFIGS: dict[str, list[str]] = {
+    "gpt_fsdp2": [],
+    "gpt_fsdp1": ["sharding=fsdp1"],
+    "gpt_ddp": ["sharding=ddp"],
+    "gpt_none_1rank": ["sharding=none", "trainer.devices=1"],
+    "gpt_tp2": ["sharding.tensor_parallel=2"],
+    "gpt_pp2_1f1b": ["sharding.pipeline_parallel=2", "sharding.pp_microbatches=4"],
+    "gpt_pp2_gpipe": [
+        "sharding.pipeline_parallel=2",
+        "sharding.pp_microbatches=4",
+        "sharding.pp_schedule=gpipe",
+    ],  # fmt: skip
+    "gpt_cp2": ["sharding.context_parallel=2"],
+    "gpt_ac_full": ["sharding.activation_checkpointing=full"],
+    "gpt_ac_selective": ["sharding.activation_checkpointing=selective"],
+    "gpt_accum4": ["trainer.grad_accum=4"],
+    "gpt_bf16": ["precision=bf16_mixed"],
+    "llama_fsdp2": ["model=llama_tiny"],
+    "llama_cp2": ["model=llama_tiny", "sharding.context_parallel=2"],
+    "moe_fsdp2": ["model=moe_tiny"],
+    "moe_ep2": ["model=moe_tiny", "sharding.expert_parallel=2"],
+    "gpt_28m_fsdp2": _MID,
+    "gpt_28m_ddp_accum4": [*_MID, "sharding=ddp", "trainer.grad_accum=4"],
+}
+#: The same on one rank (no collective waits for a peer other processes hold off a
+#: core): the compute terms alone.
+_ONE = ["sharding=none", "trainer.devices=1", "trainer.batch_size=8"]
+CONFIGS |= {
+    "gpt_1rank": _ONE,
+    "gpt_1rank_ac_full": [*_ONE, "sharding.activation_checkpointing=full"],
+    "gpt_1rank_ac_selective": [*_ONE, "sharding.activation_checkpointing=selective"],
+    "gpt_1rank_accum4": [*_ONE, "trainer.grad_accum=4"],
+    "gpt_1rank_bf16": [*_ONE, "precision=bf16_mixed"],
+    "llama_1rank": [*_ONE, "model=llama_tiny"],
+    "moe_1rank": [*_ONE, "model=moe_tiny"],
+    "gpt_28m_1rank": [*_MID, *_ONE[:2], "trainer.batch_size=4"],
+}
+
+
+def run(overrides: list[str], steps: int) -> dict:
+    """summary.json of ``python train.py <overrides>`` run for ``steps`` steps."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        args = [
+            "data=synthetic", "logger=none", f"trainer.max_steps={steps}",
+            "trainer.log_every=2", "trainer.val_every=0", "trainer.progress=false",
+            "trainer.ckpt_final=false", *overrides, f"hydra.run.dir={run_dir}",
+        ]  # fmt: skip
+        subprocess.run(
+            [sys.executable, "train.py", *args], cwd=ROOT, check=True,
+            stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def row(name: str, summary: dict, load_before: str) -> dict:
+    """One configuration's figures."""
+    predicted, measured = summary["predicted_step_time_s"], summary["step_time_s"]
+    others = float(summary.get("cpu_wait_others") or 0.0)
+    alone = measured * (1 - others)
+    return {
+        "config": name,
+        "ranks": summary["world_size"],
+        "params": f"{summary['num_params'] / 1e6:.2f}M",
+        "predicted ms": round(predicted * 1e3, 1),
+        "measured ms": round(measured * 1e3, 1),
+        "error": f"{measured / predicted - 1:+.0%}",
+        "waited for others": f"{others:.0%}",
+        "alone ms": round(alone * 1e3, 1),
+        "error alone": f"{alone / predicted - 1:+.0%}",
+        "loadavg": load_before,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--append-docs", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = _parser().parse_args(argv)
+    rows, errors, alone = [], [], []
+    for name in args.configs or list(CONFIGS):
+        load = _loadavg()
+        summary = run(CONFIGS[name], args.steps)
+        rows.append(row(name, summary, load))
+        print(rows[-1], flush=True)
+        predicted = summary["predicted_step_time_s"]
+        errors.append(abs(summary["step_time_s"] / predicted - 1))
+        alone.append(abs(rows[-1]["alone ms"] / 1e3 / predicted - 1))
+    note = (
+        f"median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; "
+        f"against the step alone (measured less the share its threads waited for "
+        f"cores other processes held): median {statistics.median(alone):.0%}, worst "
+        f"{max(alone):.0%}. loadavg: the 1-minute load average as each run started."
+    )
+    print(note)
+    publish(
+        rows,
+        "Step-time model: predicted against measured step time",
+        note,
+        bench="step_time_vs_measured",
+        argv=argv,
+        append=args.append_docs,
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""Device profiles for the step-time model (src/planner/step_time.py): how fast a rank
+multiplies matrices, moves memory and talks to the other ranks.
+
+A CPU's profile is measured by a short probe (:func:`probe_cpu`, about a second:
+matmuls and causal attention in fp32 and bf16 at one thread and at every core, a
+copy's and GELU's bandwidth, a chain of tiny ops forward and backward for the per-op
+dispatch time, and gloo collectives between two ranks run as two threads of this
+process) and cached as JSON under ``$SHARDWRAP_PROFILE_DIR``
+(default ``$SHARDWRAP_CACHE/profiles``, else ``~/.cache/shardwrap/profiles``), keyed by
+the machine's identity (CPU model, cores, torch version): a changed identity, or a file
+that is not a profile, is measured again. A GPU's profile is its datasheet's
+(:data:`GPU_LINKS`, matmul rates from src/observe/metrics.py), not calibrated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from src.observe.metrics import lookup_gpu_peak_tflops
+
+log = logging.getLogger(__name__)
+
+#: The collectives a profile times: name -> how many times the tensor's bytes one rank
+#: moves over its link, per ``(n - 1) / n`` (ring algorithms), and ``p2p`` once.
+COLLECTIVES = {
+    "all_reduce": 2.0,
+    "all_gather": 1.0,
+    "reduce_scatter": 1.0,
+    "all_to_all": 1.0,
+    "p2p": 1.0,
+}
+_DTYPES = ("fp32", "bf16")
+#: The cached profile's format: a file of another is measured again.
+PROFILE_FORMAT = 3
+_DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective on a link: ``latency_s + factor * bytes / bandwidth``."""
+
+    latency_s: float
+    bandwidth: float  # bytes/s one rank moves (bus bandwidth)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the step-time model reads of a device.
+
+    The rates are per thread count (CPU: ``{1: ..., cores: ...}``) or ``{1: ...}``
+    for a GPU: matmuls and causal attention (forward and backward, FLOPs as the
+    family formula counts them) per dtype, a copy's bandwidth and the activation
+    function's (GELU forward and backward, 5 tensor-widths moved per element);
+    ``links`` per collective within a node, ``inter_links`` across nodes (the CPU
+    probe: the same); ``overlap``: whether a collective runs beside compute (a
+    GPU's NCCL kernels do; a CPU's gloo threads take the cores the ranks compute
+    on)."""
+
+    name: str
+    source: str  # "probe ..." or "datasheet, not calibrated"
+    cores: int  # CPU cores (0 on a GPU)
+    matmul: dict[str, dict[int, float]]  # dtype -> threads -> FLOP/s
+    attention: dict[str, dict[int, float]]  # dtype -> threads -> FLOP/s (causal SDPA)
+    memory_bw: dict[int, float]  # threads -> bytes/s (a copy)
+    activation_bw: dict[int, float]  # threads -> bytes/s of GELU forward + backward
+    op_s: float  # one op's dispatch time (framework overhead, not its work)
+    links: dict[str, Link]
+    inter_links: dict[str, Link]
+    ranks_per_node: int
+    overlap: bool
+
+    def rate(self, table: dict[int, float], threads: int) -> float:
+        """The figure at ``threads`` (between measured counts: linear, at most the
+        largest count's)."""
+        counts = sorted(table)
+        if threads in table:
+            return table[threads]
+        lo = max((c for c in counts if c <= threads), default=counts[0])
+        hi = min((c for c in counts if c >= threads), default=counts[-1])
+        if lo == hi:
+            return table[lo]
+        w = (threads - lo) / (hi - lo)
+        return table[lo] + w * (table[hi] - table[lo])
+
+
+# ------------------------------------------------------------------- GPU datasheets
+
+#: Per accelerator (substring of its name, first match wins): memory bandwidth (B/s),
+#: NVLink bandwidth per direction (B/s) and the InfiniBand NIC per GPU (B/s), from
+#: NVIDIA's datasheets; latencies assumed (NCCL's small-message latency, ~10 us in a
+#: node, ~20 us across nodes). Not calibrated: no GPU run has measured them yet.
+GPU_LINKS: list[tuple[str, float, float, float]] = [
+    ("B200", 8.0e12, 900e9, 50e9),  # HBM3e 8 TB/s, NVLink 5 1.8 TB/s, CX-7 400 Gb/s
+    ("H200", 4.8e12, 450e9, 50e9),  # HBM3e 4.8 TB/s, NVLink 4 900 GB/s, 400 Gb/s
+    ("H100", 3.35e12, 450e9, 50e9),  # SXM HBM3 3.35 TB/s
+    ("A100", 2.0e12, 300e9, 25e9),  # 80 GB SXM 2.0 TB/s, NVLink 3 600 GB/s, HDR
+]
+_GPU_LATENCY_S, _IB_LATENCY_S, _GPU_OP_S = 10e-6, 20e-6, 5e-6
+
+
+def gpu_profile(accelerator: str) -> DeviceProfile | None:
+    """The datasheet profile of ``accelerator`` (a device name or a budget's name such
+    as ``h100_80gb``); None for one not in :data:`GPU_LINKS`."""
+    name = accelerator.upper().replace("_", " ")
+    for key, memory, nvlink, ib in GPU_LINKS:
+        if key in name:
+            matmul = {}
+            for dtype in _DTYPES:
+                tflops = lookup_gpu_peak_tflops(name, _DTYPE_OF[dtype])
+                matmul[dtype] = {1: (tflops or 0.0) * 1e12}
+            link = {c: Link(_GPU_LATENCY_S, nvlink) for c in COLLECTIVES}
+            inter = {c: Link(_IB_LATENCY_S, ib) for c in COLLECTIVES}
+            return DeviceProfile(
+                name=key,
+                source="datasheet, not calibrated",
+                cores=0,
+                matmul=matmul,
+                attention=matmul,  # flash kernels: a share of it, not calibrated
+                memory_bw={1: memory},
+                activation_bw={1: memory},
+                op_s=_GPU_OP_S,
+                links=link,
+                inter_links=inter,
+                ranks_per_node=8,
+                overlap=True,
+            )
+    return None
+
+
+# ------------------------------------------------------------------------ CPU probe
+
+
+def cpu_identity() -> dict[str, str | int]:
+    """What a CPU profile is valid for: the CPU model, its cores, torch's version
+    (and the file's format)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.partition(":")[2].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": available_cores(),
+        "torch": torch.__version__,
+        "format": PROFILE_FORMAT,
+    }
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_threads(local_world: int, cores: int | None = None) -> int:
+    """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (the user's
+    choice: on a machine other processes share, one thread per rank runs far faster
+    than threads that wait for each other; docs/benchmarks.md), else ``cores // local
+    ranks``, so the ranks on a machine do not oversubscribe it (``cores``: this
+    machine's unless given)."""
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if wanted.isdigit() and int(wanted) > 0:
+        return int(wanted)
+    return max(1, (cores or available_cores()) // local_world)
+
+
+def _best(fn, repeats: int, clock=time.perf_counter) -> float:
+    """The shortest of ``repeats`` runs of ``fn`` by ``clock`` (the compute figures:
+    CPU time, which other processes' load on a shared machine does not stretch)."""
+    best = math.inf
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return best
+
+
+def _matmul_rate(dtype: torch.dtype, clock) -> float:
+    """Best FLOP/s of square matmuls: 512 wide, or 128 where the dtype is emulated
+    (a 128 matmul above 1 ms), so the probe stays short."""
+    gen = torch.Generator().manual_seed(0)
+    n = 128
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    if _best(lambda: torch.mm(a, b), 2, clock) < 1e-3:
+        n = 512
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    return 2.0 * n**3 / _best(lambda: torch.mm(a, b), 3, clock)
+
+
+def _memory_bw(clock, elements: int = 1 << 23) -> float:
+    src, dst = torch.ones(elements), torch.empty(elements)
+    return 2.0 * 4 * elements / _best(lambda: dst.copy_(src), 5, clock)
+
+
+def _attention_rate(dtype: torch.dtype, clock) -> float:
+    """Causal SDPA forward and backward (2 x 4 heads of 256 x 64) in FLOP/s as the
+    family formula counts them (3 x 4 B H T^2 d: the full score matrix)."""
+    b, h, t, d = 2, 4, 256, 64
+    q = torch.randn(b, h, t, d).to(dtype).requires_grad_()
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out.sum().backward()
+
+    return 12.0 * b * h * t * t * d / _best(step, 3, clock)
+
+
+def _activation_bw(clock, elements: int = 1 << 20) -> float:
+    """GELU forward and backward over fp32 elements: 5 x 4 bytes each (read x, write
+    y; read x and the gradient, write the input's)."""
+    x = torch.randn(elements, requires_grad=True)
+    grad = torch.ones(elements)
+
+    def step() -> None:
+        torch.nn.functional.gelu(x).backward(grad)
+
+    return 20.0 * elements / _best(step, 3, clock)
+
+
+def _op_seconds(blocks: int = 10) -> float:
+    """One op's dispatch time, its backward included: a chain of tiny blocks (a
+    16-wide linear, GELU, a residual add: 3 forward ops each) run forward and
+    backward, over its forward ops."""
+    layer = torch.nn.Linear(16, 16)
+    x = torch.ones(1, 16, requires_grad=True)
+
+    def step() -> None:
+        h = x
+        for _ in range(blocks):
+            h = h + torch.nn.functional.gelu(layer(h))
+        h.sum().backward()
+
+    return _best(step, 3, time.thread_time) / (3 * blocks)
+
+
+def _cpu_clock(threads: int):
+    """One thread's figures by its CPU time (``time.thread_time``: other processes'
+    load does not stretch it, so they are the machine's alone); several threads'
+    by wall time (their CPU time is not read reliably at this scale), which holds
+    the load the probe met."""
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def _compute_figures(cores: int) -> dict[str, dict]:
+    """The compute rates (:class:`DeviceProfile`) at one thread and at ``cores``,
+    timed by the CPU time they get (:func:`_cpu_clock`)."""
+    threads = torch.get_num_threads()
+    out: dict[str, dict] = {
+        "matmul": {d: {} for d in _DTYPES},
+        "attention": {d: {} for d in _DTYPES},
+        "memory_bw": {},
+        "activation_bw": {},
+    }
+    try:
+        for count in sorted({1, cores}):
+            torch.set_num_threads(count)
+            clock = _cpu_clock(count)
+            for name in _DTYPES:
+                dtype = _DTYPE_OF[name]
+                out["matmul"][name][count] = _matmul_rate(dtype, clock)
+                out["attention"][name][count] = _attention_rate(dtype, clock)
+            out["memory_bw"][count] = _memory_bw(clock)
+            out["activation_bw"][count] = _activation_bw(clock)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _gloo_links(small: int = 2, large: int = 1 << 20) -> dict[str, Link]:
+    """Each collective between two gloo ranks (threads of this process sharing a
+    store): latency from a 2-element tensor, bandwidth from a 4 MiB one."""
+    store = dist.HashStore()
+    groups: list = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+
+    _on_two(join)
+    out: dict[str, Link] = {}
+    for name in COLLECTIVES:
+        t_small = _timed_collective(groups, name, small)
+        t_large, full = _timed_collective(groups, name, large), 4 * large
+        if name == "all_gather":  # the full tensor is the gathered output
+            full *= 2
+        moved = COLLECTIVES[name] * (1.0 if name == "p2p" else 0.5) * full
+        out[name] = Link(t_small, moved / max(t_large - t_small, 1e-9))
+    return out
+
+
+def _on_two(work) -> list:
+    results: list = [None, None]
+
+    def run(rank: int) -> None:
+        results[rank] = work(rank)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _timed_collective(groups: list, name: str, n: int, repeats: int = 4) -> float:
+    """The slower rank's best time of collective ``name`` over ``n`` fp32 elements."""
+
+    def work(rank: int) -> float:
+        pg, x, half = groups[rank], torch.ones(n), torch.empty(n // 2)
+        calls = {
+            "all_reduce": lambda: pg.allreduce([x]),
+            "all_gather": lambda: pg._allgather_base(torch.empty(2 * n), x),
+            "reduce_scatter": lambda: pg._reduce_scatter_base(half, x),
+            "all_to_all": lambda: pg.alltoall_base(torch.empty(n), x, [], []),
+            "p2p": lambda: pg.send([x], 1, 0) if rank == 0 else pg.recv([x], 0, 0),
+        }
+        return _best(lambda: calls[name]().wait(), repeats)
+
+    return max(_on_two(work))
+
+
+def probe_cpu() -> DeviceProfile:
+    """Measure this CPU's profile (about a second on an idle 2-core machine)."""
+    identity = cpu_identity()
+    cores = int(identity["cores"])
+    rates = _compute_figures(cores)
+    links = _gloo_links()
+    return DeviceProfile(
+        name=f"cpu: {identity['cpu']}, {cores} cores",
+        source="probe",
+        cores=cores,
+        **rates,
+        op_s=_op_seconds(),
+        links=links,
+        inter_links=links,
+        ranks_per_node=cores,
+        overlap=False,
+    )
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def profile_dir() -> Path:
+    """Where CPU profiles are cached (module docstring)."""
+    own = os.environ.get("SHARDWRAP_PROFILE_DIR")
+    if own:
+        return Path(own).expanduser()
+    base = os.environ.get("SHARDWRAP_CACHE") or "~/.cache/shardwrap"
+    return Path(base).expanduser() / "profiles"
+
+
+def _cache_path(identity: dict) -> Path:
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return profile_dir() / f"cpu-{key[:16]}.json"
+
+
+def cpu_profile(probe=probe_cpu) -> DeviceProfile:
+    """This CPU's profile: cached for its identity, else measured (``probe``) and
+    cached; a cache file that is not a valid profile is said in one line and
+    measured again."""
+    identity = cpu_identity()
+    path = _cache_path(identity)
+    if path.exists():
+        try:
+            found = _from_json(json.loads(path.read_text()), identity)
+            return replace(found, source=f"probe, cached in {path}")
+        except (ValueError, TypeError, KeyError, OSError) as err:
+            log.warning("device profile %s refused (%s): measured again", path, err)
+    profile = probe()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"identity": identity, **asdict(profile)}))
+        tmp.replace(path)
+    except OSError as err:
+        log.warning("device profile not cached in %s (%s)", path, err)
+    return replace(profile, source=f"probe, measured now, cached in {path}")
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} is not a number")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} is not a positive number")
+    return float(value)
+
+
+def _table(raw, what: str) -> dict[int, float]:
+    if not isinstance(raw, dict) or not raw:
+        raise TypeError(f"{what} is not a table")
+    return {int(k): _number(v, f"{what}[{k}]") for k, v in raw.items()}
+
+
+def _links(raw, what: str) -> dict[str, Link]:
+    if not isinstance(raw, dict) or set(raw) != set(COLLECTIVES):
+        raise ValueError(f"{what} does not name each collective")
+    return {
+        c: Link(
+            _number(raw[c]["latency_s"], f"{what}.{c}"),
+            _number(raw[c]["bandwidth"], f"{what}.{c}"),
+        )
+        for c in COLLECTIVES
+    }
+
+
+def _from_json(raw, identity: dict) -> DeviceProfile:
+    """A profile read back from disk, every field's type checked."""
+    if not isinstance(raw, dict) or raw.get("identity") != identity:
+        raise ValueError("not this machine's profile")
+    for key in ("matmul", "attention"):
+        if not isinstance(raw[key], dict) or set(raw[key]) != set(_DTYPES):
+            raise ValueError(f"{key} does not name fp32 and bf16")
+    if not isinstance(raw["name"], str) or not isinstance(raw["overlap"], bool):
+        raise TypeError("name or overlap has the wrong type")
+    return DeviceProfile(
+        name=raw["name"],
+        source="probe",
+        cores=int(_number(raw["cores"], "cores")),
+        matmul={d: _table(raw["matmul"][d], f"matmul.{d}") for d in _DTYPES},
+        attention={d: _table(raw["attention"][d], f"attention.{d}") for d in _DTYPES},
+        memory_bw=_table(raw["memory_bw"], "memory_bw"),
+        activation_bw=_table(raw["activation_bw"], "activation_bw"),
+        op_s=_number(raw["op_s"], "op_s"),
+        links=_links(raw["links"], "links"),
+        inter_links=_links(raw["inter_links"], "inter_links"),
+        ranks_per_node=int(_number(raw["ranks_per_node"], "ranks_per_node")),
+        overlap=raw["overlap"],
+    )
+
+
+def profile_for(device: str, accelerator: str = "") -> DeviceProfile | None:
+    """The profile a plan for ``device`` uses: the named accelerator's datasheet on
+    CUDA (None when not in :data:`GPU_LINKS`), this CPU's probe otherwise."""
+    if device == "cuda":
+        return gpu_profile(accelerator)
+    return cpu_profile()

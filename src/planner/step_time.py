@@ -1,0 +1,510 @@
+"""The step-time model: one optimizer step of a run plan on a device profile, term by
+term (docs/planner.md, "The step-time model"). Formula work over the run plan, the
+wrap plan's units and the family's FLOPs formula (``ModelSpec.flops_per_token``, the
+one MFU divides by); nothing is traced or run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from src.config.run_plan import RunPlan
+from src.models.memory import checkpointed_blocks
+from src.planner.profiles import (
+    COLLECTIVES,
+    GPU_LINKS,
+    DeviceProfile,
+    Link,
+    cpu_threads,
+    profile_for,
+)
+from src.planner.search import n_blocks
+from src.sharding import WrapPlan
+from src.sharding.backends import backend_class
+from src.sharding.pipeline import bubble_fraction
+
+#: Elements read or written per token by one block's norms and residual adds
+#: (forward and backward), in units of its width: two norms (read x, write y: 4) and
+#: two residual adds (read 2, write 1: 6) in forward, 10; backward reads what forward
+#: wrote and writes the gradients, about twice that: 30. At the copy bandwidth.
+ELEMENTWISE_PER_LAYER = 30
+#: ... and by the loss per token, in units of the vocabulary, fp32: the logits
+#: written, log-softmax read and written, backward read and written, the gradient of
+#: the logits read by the head's matmul: 8.
+ELEMENTWISE_LOSS = 8
+#: The MLP's activation function's elements per token, in units of the width (GPT's
+#: 4x hidden; Llama's SwiGLU about 3.5x: counted as 4), forward and backward at the
+#: profile's activation bandwidth (5 tensor-widths moved per element).
+ACTIVATION_PER_LAYER = 4
+#: Bytes AdamW's step and the gradient-norm clip move per local parameter (fp32):
+#: parameter, gradient and both moments read, parameter and moments written, the
+#: update's temporaries and the norm's read of the gradient: 16 elements of 4 bytes.
+OPTIMIZER_BYTES_PER_PARAM = 64
+#: The accelerators with a datasheet profile, as said.
+GPUS = ", ".join(name for name, *_ in GPU_LINKS)
+#: DDP's gradient buckets (torch's default ``bucket_cap_mb``).
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the model's formula work needs of its shape."""
+
+    layers: int
+    width: int  # the hidden size
+    vocab: int
+    seq_len: int
+    matmul_flops: float  # per token, forward and backward (6 N)
+    attention_flops: float  # per token, forward and backward
+    kv_width: int  # keys' (= values') width per layer (what CP gathers)
+    moe_layers: int = 0
+    top_k: int = 0
+
+    @property
+    def head_flops(self) -> float:
+        """The output head's share of ``matmul_flops`` (6 V d)."""
+        return 6.0 * self.vocab * self.width
+
+
+def model_shape(resolved: RunPlan, layers: int) -> ModelShape:
+    """The shape of ``resolved``'s model with ``layers`` blocks; the family's FLOPs
+    formula split into matmuls (at sequence length 0) and attention (the rest)."""
+    spec, config = resolved.spec, resolved.model_config
+    seq = int(resolved.batch.seq_len)
+    matmul = float(spec.flops_per_token(config, 0))
+    attention = float(spec.flops_per_token(config, seq)) - matmul
+    width = round(attention / (12 * layers * seq)) if layers and seq else 0
+    routed = spec.expert_shape and spec.num_experts and spec.num_experts(config)
+    experts = spec.expert_shape(config, seq) if routed else None
+    return ModelShape(
+        layers=layers,
+        width=width,
+        vocab=int(spec.vocab_size(config)),
+        seq_len=seq,
+        matmul_flops=matmul,
+        attention_flops=attention,
+        kv_width=int(spec.kv_width(config)) if spec.kv_width else width,
+        moe_layers=experts.layers if experts else 0,
+        top_k=experts.top_k if experts else 0,
+    )
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the prediction: seconds per optimizer step, and how they come."""
+
+    name: str
+    seconds: float
+    how: str
+
+
+@dataclass
+class StepTime:
+    """A predicted step: its terms (the total is the step), the figures it gives."""
+
+    terms: list[Term]
+    total_s: float
+    tokens_per_step: int
+    world: int
+    model_flops_per_rank: float  # per step, for MFU (no recomputation)
+    peak_flops: float  # the profile's matmul rate a rank gets in the compute dtype
+    profile: DeviceProfile
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.total_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_rank / self.total_s / self.peak_flops
+
+    @property
+    def source(self) -> str:
+        """Which profile the figures come from, as said."""
+        return f"{self.profile.name} ({self.profile.source})"
+
+    def summary(self) -> dict[str, float]:
+        """The figures summary.json records."""
+        return {
+            "predicted_step_time_s": self.total_s,
+            "predicted_tokens_per_s": self.tokens_per_s,
+        }
+
+    def table(self) -> str:
+        """The prediction, term by term, as plan-only prints it."""
+        lines = [f"step time (predicted from {self.source}):"]
+        for t in self.terms:
+            lines.append(f"  {t.name:<34} {_ms(t.seconds):>12}  ({t.how})")
+        lines.append(
+            f"  {'step':<34} {_ms(self.total_s):>12}  {self.tokens_per_s:,.0f} "
+            f"tokens/s, {self.tokens_per_s / self.world:,.0f} per device, MFU "
+            f"{self.mfu:.1%}"
+        )
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _flops(flops: float, rate: float, dtype: str) -> str:
+    return f"{flops / 1e9:,.2f} GFLOP at {rate / 1e9:,.1f} GFLOP/s {dtype}".rstrip()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f} ms"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one rank of this run gets of the profile."""
+
+    matmul: float  # FLOP/s in the compute dtype
+    attention: float  # FLOP/s of causal attention, forward and backward
+    memory: float  # bytes/s of a copy
+    activation: float  # bytes/s of the activation function, forward and backward
+    op_s: float
+    dtype: str
+    threads: int
+    notes: tuple[str, ...] = ()
+
+
+def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
+    """The matmul rate, bandwidth and op time one of ``world`` ranks gets (on a CPU:
+    the ranks split the cores; more ranks than cores share them, each rate divided
+    by the ranks per core, said)."""
+    dtype = "fp32" if dtype_bytes >= 4 else "bf16"
+    notes = []
+    if dtype_bytes < 2:
+        notes.append("float8 matmuls counted at the bf16 rate")
+    threads, share = 1, 1.0
+    if profile.cores:  # a CPU: the ranks split its cores
+        threads = cpu_threads(world, profile.cores)
+        share = min(1.0, profile.cores / (world * threads))
+    if share < 1.0:
+        notes.append(
+            f"{world} ranks x {threads} thread(s) share {profile.cores} cores: each "
+            f"rank gets 1/{1 / share:.3g} of {threads} thread(s)' rates"
+        )
+    if profile.cores and world > 2:
+        notes.append("collectives as the probe measured them between 2 ranks")
+
+    def rate(table: dict[int, float]) -> float:
+        return profile.rate(table, threads) * share
+
+    return Rates(
+        rate(profile.matmul[dtype]),
+        rate(profile.attention[dtype]),
+        rate(profile.memory_bw),
+        rate(profile.activation_bw),
+        profile.op_s / share,
+        dtype,
+        threads,
+        tuple(notes),
+    )
+
+
+def collective(link: Link, kind: str, ranks: int, nbytes: float) -> float:
+    """Seconds of one collective over ``ranks`` on ``link`` with a full tensor of
+    ``nbytes``: latency + factor (n - 1) / n bytes / bandwidth (a ring's)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    share = 1.0 if kind == "p2p" else (ranks - 1) / ranks
+    return link.latency_s + COLLECTIVES[kind] * share * nbytes / link.bandwidth
+
+
+def _link(profile: DeviceProfile, kind: str, span: int) -> Link:
+    """The link of a group whose ranks lie within ``span`` consecutive ranks (its
+    size times the inner degrees' product): a node's when they fit one."""
+    within = span <= profile.ranks_per_node
+    return (profile.links if within else profile.inter_links)[kind]
+
+
+def predict(
+    resolved: RunPlan, plan: WrapPlan, profile: DeviceProfile, world: int | None = None
+) -> StepTime:
+    """The step time of ``resolved`` on ``world`` ranks (default: its devices) with
+    ``plan``'s units (a pipeline's: its worst stage's) on ``profile``."""
+    world = world or resolved.world_size
+    shape = model_shape(resolved, n_blocks(resolved))
+    step = _Step(resolved, plan, profile, world, shape)
+    return step.result()
+
+
+class _Step:
+    """The terms of one step, computed once (:func:`predict`)."""
+
+    def __init__(self, resolved, plan, profile, world, shape: ModelShape) -> None:
+        self.r, self.plan, self.profile, self.world, self.m = (
+            resolved, plan, profile, world, shape,
+        )  # fmt: skip
+        lay = resolved.layout
+        self.lay = lay
+        self.accum = int(resolved.batch.grad_accum)
+        self.pp_micro = int(resolved.pipeline.microbatches) if lay.pp > 1 else 1
+        self.tokens = int(resolved.batch.batch_size) * shape.seq_len
+        self.pbytes = resolved.precision.param_dtype.itemsize
+        if resolved.float8 is not None:
+            self.pbytes = 1
+        self.rbytes = resolved.precision.reduce_dtype.itemsize
+        self.rates = rank_rates(profile, world, self.pbytes)
+        # a micro-batch's tokens on one rank (a pipeline micro-batch's, pipelined)
+        dp = max(1, lay.dp)
+        self.micro_tokens = self.tokens / dp / lay.cp / self.accum / self.pp_micro
+        self.micro = self.accum * self.pp_micro  # micro-batches a rank runs per step
+        self.local_layers = shape.layers / lay.pp
+
+    # -- compute ------------------------------------------------------------------
+
+    def compute_terms(self) -> list[Term]:
+        m, rates = self.m, self.rates
+        per_rank = self.tokens / self.world
+        mm = m.matmul_flops * per_rank
+        att = m.attention_flops * per_rank
+        elem, act = self._elementwise_bytes(), self._activation_bytes()
+        terms = [
+            Term("matmuls", mm / rates.matmul, _flops(mm, rates.matmul, rates.dtype)),
+            Term("attention", att / rates.attention, _flops(att, rates.attention, "")),
+            Term(
+                "activation function",
+                act / rates.activation,
+                f"{act / 2**20:,.1f} MiB at {rates.activation / 1e9:,.2f} GB/s",
+            ),
+            Term(
+                "norms, residuals, loss",
+                elem / rates.memory,
+                f"{elem / 2**20:,.1f} MiB at {rates.memory / 1e9:,.1f} GB/s",
+            ),
+        ]
+        terms += self._recompute(mm - m.head_flops * per_rank, att, act)
+        block, outside = self.r.spec.forward_ops
+        ops = self.micro * (block * self.local_layers + outside)
+        terms.append(
+            Term(
+                "op dispatch",
+                ops * rates.op_s,
+                f"{ops:,.0f} ops x {rates.op_s * 1e6:.1f} us",
+            )
+        )
+        return terms
+
+    def _recompute(self, blocks_mm: float, att: float, act: float) -> list[Term]:
+        """Checkpointing's second forward of its blocks (a third of their work:
+        forward is 1 of forward + backward's 3): ``full`` all of it, ``selective``
+        the activation function's (the matmul and attention outputs are kept)."""
+        ck, rates, layers = self.r.checkpointing, self.rates, self.m.layers
+        share = sum(checkpointed_blocks(layers, ck.mode, int(ck.every)))
+        share /= max(1, layers)
+        if ck.mode == "none" or not share:
+            return []
+        act_s = act * share * 2 / 5 / rates.activation  # forward: 2 of its 5 widths
+        if ck.mode == "selective":
+            return [Term("recompute (checkpointing)", act_s, "selective: the "
+                         "activation function's forward again")]  # fmt: skip
+        work = blocks_mm * share / 3 / rates.matmul + att * share / 3 / rates.attention
+        return [
+            Term(
+                "recompute (checkpointing)",
+                work + act_s,
+                f"full, {share:.0%} of blocks: their forward again",
+            )
+        ]
+
+    def _layer_tokens(self) -> float:
+        """Tokens one rank's blocks see per step (tp ranks split their width)."""
+        return self.tokens / max(1, self.lay.dp) / self.lay.cp * self.local_layers
+
+    def _activation_bytes(self) -> float:
+        width = ACTIVATION_PER_LAYER * self.m.width / self.lay.tp
+        return self._layer_tokens() * width * 5 * self.pbytes
+
+    def _elementwise_bytes(self) -> float:
+        m, lay = self.m, self.lay
+        blocks = self._layer_tokens() * ELEMENTWISE_PER_LAYER * m.width * self.pbytes
+        loss = ELEMENTWISE_LOSS * m.vocab / lay.tp * 4
+        return blocks + self.tokens / max(1, lay.dp) / lay.cp * loss
+
+    def optimizer_term(self) -> Term:
+        local = self.plan.bytes_per_rank() / 4
+        nbytes = OPTIMIZER_BYTES_PER_PARAM * local
+        return Term(
+            "optimizer step",
+            nbytes / self.rates.memory,
+            f"AdamW and clipping over {local / 1e6:,.2f}M local parameters",
+        )
+
+    # -- communication --------------------------------------------------------------
+
+    def fsdp_comm(self) -> list[tuple[float, float]]:
+        """Per unit: (all-gather seconds, reduce-scatter seconds) per step."""
+        r, lay, p = self.r, self.lay, self.profile
+        n = lay.fsdp_shard if _shards(r.backend) else 1
+        if n <= 1:
+            return []
+        sync_every = str(r.batch.grad_sync) == "every" or self.accum == 1
+        scatters = self.accum if sync_every else 1
+        reshard = r.unit.reshard_after_forward is not False
+        span = n * lay.tp  # the shard ranks lie outside the tp ranks
+        ag, rs = _link(p, "all_gather", span), _link(p, "reduce_scatter", span)
+        out = []
+        for unit in self.plan.units:
+            gathered = unit.local_numel * self.pbytes
+            again = reshard and unit.path != "" and lay.pp == 1
+            gathers = self.micro * (2 if again else 1)
+            scatter = collective(
+                rs, "reduce_scatter", n, unit.local_numel * self.rbytes
+            )
+            out.append(
+                (
+                    gathers * collective(ag, "all_gather", n, gathered),
+                    scatters * scatter,
+                )
+            )
+        return out
+
+    def comm_terms(self) -> list[Term]:
+        r, lay, p, m = self.r, self.lay, self.profile, self.m
+        act = self.micro_tokens * m.width * self.pbytes  # one block input, one rank
+        layers = self.local_layers
+        terms = []
+        if not _shards(r.backend) and lay.dp > 1:  # replicated: DDP
+            terms.append(self._ddp())
+        if _shards(r.backend) and lay.dp_replicate > 1:
+            nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
+            link = _link(p, "all_reduce", lay.stage_size)
+            t = len(self.plan.units) * collective(
+                link, "all_reduce", lay.dp_replicate, nbytes / len(self.plan.units)
+            )
+            terms.append(Term("HSDP all-reduce", t, f"{lay.dp_replicate} replicas"))
+        if lay.tp > 1:
+            link = _link(p, "all_reduce", lay.tp)
+            t = self.micro * layers * 4 * collective(link, "all_reduce", lay.tp, act)
+            terms.append(
+                Term("TP all-reduces", t, "2 in forward, 2 in backward per block")
+            )
+        if lay.cp > 1:
+            kv = 2 * self.micro_tokens * lay.cp * m.kv_width * self.pbytes
+            each = collective(
+                _link(p, "all_gather", lay.cp * lay.tp), "all_gather", lay.cp, kv
+            )
+            rs = _link(p, "reduce_scatter", lay.cp * lay.tp)
+            each += collective(rs, "reduce_scatter", lay.cp, kv)
+            terms.append(
+                Term("CP K/V gathers", self.micro * layers * each,
+                     "K and V gathered per block, their gradients reduce-scattered")
+            )  # fmt: skip
+        if lay.ep > 1 and m.moe_layers:
+            sent = self.micro_tokens * m.top_k * m.width * self.pbytes * lay.ep
+            link = _link(p, "all_to_all", lay.ep_shard * lay.tp * lay.cp)
+            t = (
+                self.micro
+                * m.moe_layers
+                / lay.pp
+                * 4
+                * collective(link, "all_to_all", lay.ep, sent)
+            )
+            terms.append(
+                Term("EP all-to-alls", t, "dispatch and combine, forward and backward")
+            )
+        if lay.pp > 1:
+            link = _link(p, "p2p", self.world)
+            transfers = 2 if lay.pp == 2 else 4
+            t = self.micro * transfers * collective(link, "p2p", 2, act)
+            terms.append(Term("PP send/recv", t, f"{transfers} per micro-batch"))
+        return terms
+
+    def _ddp(self) -> Term:
+        lay, p = self.lay, self.profile
+        nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
+        buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
+        link = _link(p, "all_reduce", lay.stage_size)
+        once = buckets * collective(link, "all_reduce", lay.dp, nbytes / buckets)
+        every = str(self.r.batch.grad_sync) == "every"
+        times = self.accum if every else 1
+        return Term(
+            "DDP all-reduce",
+            times * once,
+            f"{nbytes / 2**20:,.1f} MiB of gradients in {buckets} bucket(s), "
+            f"{times} time(s) per step",
+        )
+
+    # -- the step ---------------------------------------------------------------
+
+    def result(self) -> StepTime:
+        compute = self.compute_terms()
+        comm = self.comm_terms()
+        compute_s = sum(t.seconds for t in compute)
+        units = self.fsdp_comm()
+        terms = list(compute)
+        if units:
+            terms.append(self._fsdp_term(units, compute_s))
+        terms += comm
+        if self.lay.pp > 1:
+            bubble = bubble_fraction(
+                str(self.r.pipeline.schedule), self.lay.pp, self.pp_micro
+            )
+            busy = sum(t.seconds for t in terms)
+            terms.append(
+                Term("pipeline bubble", busy * bubble / (1 - bubble),
+                     f"{bubble:.0%} of the step idle ({self.r.pipeline.schedule})")
+            )  # fmt: skip
+        terms.append(self.optimizer_term())
+        notes = list(self.rates.notes)
+        total = sum(t.seconds for t in terms)
+        return StepTime(
+            terms=terms,
+            total_s=total,
+            tokens_per_step=self.tokens,
+            world=self.world,
+            model_flops_per_rank=(self.m.matmul_flops + self.m.attention_flops)
+            * self.tokens
+            / self.world,
+            peak_flops=self.rates.matmul,
+            profile=self.profile,
+            notes=notes,
+        )
+
+    def _fsdp_term(self, units: list[tuple[float, float]], compute_s: float) -> Term:
+        """FSDP's collectives: each unit's next gather runs beside this unit's compute
+        where the profile overlaps (max of the two per unit, the first gather
+        exposed); else they add up."""
+        comm = sum(g + s for g, s in units)
+        n = self.lay.fsdp_shard
+        if not self.profile.overlap:
+            return Term(
+                "FSDP all-gather + reduce-scatter",
+                comm,
+                f"{len(units)} unit(s) over {n} ranks, not overlapped (gloo on the "
+                "cores the ranks compute on)",
+            )
+        total = sum(u.local_numel for u in self.plan.units) or 1
+        exposed = units[0][0] / self.micro
+        for unit, (g, s) in zip(self.plan.units, units, strict=True):
+            work = compute_s * unit.local_numel / total
+            exposed += max(0.0, g + s - work)
+        return Term(
+            "FSDP all-gather + reduce-scatter",
+            exposed,
+            f"{len(units)} unit(s) over {n} ranks, {comm * 1e3:,.2f} ms overlapped "
+            "with compute (the exposed part)",
+        )
+
+
+def _shards(backend: str) -> bool:
+    return backend_class(backend).shards_parameters
+
+
+def predicted_step(
+    resolved: RunPlan, plan: WrapPlan, world: int | None = None
+) -> tuple[StepTime | None, str]:
+    """``(prediction, '')`` of ``resolved`` on the profile of the device its plan is
+    for (:func:`~src.planner.profiles.profile_for`), or ``(None, why not)``."""
+    from src.planner.settings import accelerator_name, device_type
+
+    device, accelerator = device_type(resolved), accelerator_name(resolved)
+    try:  # a prediction is a figure beside the plan, never in its way
+        profile = profile_for(device, accelerator)
+        if profile is None:
+            return None, f"no device profile for {accelerator!r} (datasheets: {GPUS})"
+        return predict(resolved, plan, profile, world), ""
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"

@@ -1,0 +1,246 @@
+"""The step-time model (src/planner/step_time.py) term by term on hand-checkable
+cases, and the device profiles' cache (src/planner/profiles.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import src.config.schema  # noqa: F401  (registers the base_config schema for compose)
+from src.config.run_plan import resolve
+from src.harness import compose_config
+from src.models.gpt import count_params
+from src.planner import profiles
+from src.planner.profiles import COLLECTIVES, DeviceProfile, Link, gpu_profile
+from src.planner.run_estimate import estimate_plan
+from src.planner.step_time import OPTIMIZER_BYTES_PER_PARAM, predict, predicted_step
+from src.sharding.pipeline import bubble_fraction
+
+LATENCY, BANDWIDTH = 1e-3, 1e8
+FLOPS, MEMORY = 1e9, 1e9
+
+
+def _profile(cores: int = 0, overlap: bool = False) -> DeviceProfile:
+    """Round figures: matmuls 1 GFLOP/s (fp32), attention half that, a copy 1 GB/s,
+    the activation function a quarter of it, 1 ms + bytes / 100 MB/s a collective."""
+    link = {c: Link(LATENCY, BANDWIDTH) for c in COLLECTIVES}
+    return DeviceProfile(
+        name="test",
+        source="by hand",
+        cores=cores,
+        matmul={"fp32": {1: FLOPS}, "bf16": {1: 2 * FLOPS}},
+        attention={"fp32": {1: FLOPS / 2}, "bf16": {1: FLOPS}},
+        memory_bw={1: MEMORY},
+        activation_bw={1: MEMORY / 4},
+        op_s=1e-6,
+        links=link,
+        inter_links=link,
+        ranks_per_node=8,
+        overlap=overlap,
+    )
+
+
+def _predict(*overrides: str, profile: DeviceProfile | None = None):
+    cfg = compose_config("model=tiny", "data=synthetic", "logger=none", *overrides)
+    resolved = resolve(cfg)
+    plan, _ = estimate_plan(resolved, resolved.world_size)
+    step = predict(resolved, plan, profile or _profile())
+    return resolved, plan, step, {t.name: t.seconds for t in step.terms}
+
+
+def test_compute_terms_are_6N_tokens_plus_attention_and_the_recompute():
+    """model=tiny (2 layers, width 64, vocabulary 256, 64 tokens), 16 sequences on
+    one rank: matmuls 6 N per token (N: every parameter but the position table) at
+    the matmul rate, attention 12 L d T per token at the attention rate, GELU over
+    4 d per layer and token (5 fp32 widths moved) at its bandwidth, norms, residuals
+    (30 d) and the loss (8 V fp32) at the copy's; full checkpointing runs the blocks'
+    forward again (a third of their matmuls, the head's left out, and attention,
+    and 2 of the activation's 5 widths), selective the activation's alone."""
+    resolved, _, step, terms = _predict("trainer.devices=1", "sharding=none")
+    config = resolved.model_config
+    tokens, layers, width, vocab = 16 * 64, 2, 64, 256
+    n = count_params(config) - 64 * width  # the position embedding is a lookup
+    assert terms["matmuls"] == pytest.approx(6 * n * tokens / FLOPS)
+    attention = 12 * layers * width * 64 * tokens
+    assert terms["attention"] == pytest.approx(attention / (FLOPS / 2))
+    act = tokens * layers * 4 * width * 5 * 4
+    assert terms["activation function"] == pytest.approx(act / (MEMORY / 4))
+    rest = tokens * (layers * 30 * width * 4 + 8 * vocab * 4)
+    assert terms["norms, residuals, loss"] == pytest.approx(rest / MEMORY)
+    assert step.model_flops_per_rank == pytest.approx(6 * n * tokens + attention)
+    assert step.total_s == pytest.approx(sum(terms.values()))
+    assert step.tokens_per_s == pytest.approx(tokens / step.total_s)
+    head = 6 * vocab * width * tokens
+    again = (6 * n * tokens - head) / 3 / FLOPS + attention / 3 / (FLOPS / 2)
+    again_act = act * 2 / 5 / (MEMORY / 4)
+    ac = ("trainer.devices=1", "sharding=none", "sharding.activation_checkpointing")
+    _, _, _, full = _predict(*ac[:2], f"{ac[2]}=full")
+    assert full["recompute (checkpointing)"] == pytest.approx(again + again_act)
+    # every 2nd of 2 blocks: half of that
+    every = "sharding.activation_checkpointing_every=2"
+    _, _, _, half = _predict(*ac[:2], f"{ac[2]}=full", every)
+    assert half["recompute (checkpointing)"] == pytest.approx((again + again_act) / 2)
+    _, _, _, selective = _predict(*ac[:2], f"{ac[2]}=selective")
+    assert selective["recompute (checkpointing)"] == pytest.approx(again_act)
+
+
+def test_fsdp_collectives_per_unit_and_their_overlap():
+    """FSDP2 on 2 ranks: each unit gathered in forward and again in backward (the
+    root once), its gradients reduce-scattered once; each collective 1 ms + half
+    the unit's bytes / 100 MB/s. Where the profile overlaps, a unit costs the larger
+    of its compute and its collectives, the first gather exposed."""
+    _, plan, step, terms = _predict("trainer.devices=2")
+    want = 0.0
+    for unit in plan.units:
+        one = LATENCY + 0.5 * unit.numel * 4 / BANDWIDTH
+        want += (1 if unit.path == "" else 2) * one + one
+    assert terms["FSDP all-gather + reduce-scatter"] == pytest.approx(want)
+    # two micro-batches: the gathers twice, the reduce-scatter once (grad_sync last)
+    _, plan, _, accum = _predict("trainer.devices=2", "trainer.grad_accum=2")
+    assert accum["FSDP all-gather + reduce-scatter"] == pytest.approx(
+        want + sum(
+            (1 if u.path == "" else 2) * (LATENCY + 0.5 * u.numel * 4 / BANDWIDTH)
+            for u in plan.units
+        )
+    )  # fmt: skip
+    _, _, over, overlapped = _predict(
+        "trainer.devices=2", profile=_profile(overlap=True)
+    )
+    assert overlapped["FSDP all-gather + reduce-scatter"] < want
+    assert "overlapped with compute" in over.table()
+
+
+def test_ddp_pipeline_and_oversubscribed_cpu_terms(monkeypatch):
+    """DDP all-reduces its fp32 gradients once a step (2 x half the bytes on 2
+    ranks); PP2 idles the bubble's share of the step; 8 ranks on a 2-core profile
+    each get a quarter of one core's rates, said."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # cores // ranks threads
+    _, plan, _, ddp = _predict("trainer.devices=2", "sharding=ddp")
+    grads = plan.bytes_per_rank()
+    assert ddp["DDP all-reduce"] == pytest.approx(LATENCY + grads / BANDWIDTH)
+    assert ddp["optimizer step"] == pytest.approx(
+        OPTIMIZER_BYTES_PER_PARAM * grads / 4 / MEMORY
+    )
+    resolved, _, step, pp = _predict(
+        "trainer.devices=2",
+        "sharding.pipeline_parallel=2",
+        "sharding.pp_microbatches=4",
+    )
+    bubble = bubble_fraction(resolved.pipeline.schedule, 2, 4)
+    busy = sum(
+        v for k, v in pp.items() if k not in ("pipeline bubble", "optimizer step")
+    )
+    assert pp["pipeline bubble"] == pytest.approx(busy * bubble / (1 - bubble))
+    _, _, alone, one = _predict(
+        "trainer.devices=1", "sharding=none", profile=_profile(2)
+    )
+    _, _, shared, eight = _predict("trainer.devices=8", profile=_profile(2))
+    assert eight["matmuls"] == pytest.approx(one["matmuls"] / 8 * 4)  # 1/8 the work
+    assert any(
+        "8 ranks x 1 thread(s) share 2 cores: each rank gets 1/4 " in n
+        for n in shared.notes
+    )
+    assert not alone.notes
+
+
+def test_gpu_profiles_are_datasheets_and_say_so():
+    h100 = gpu_profile("h100_80gb")
+    assert h100.source == "datasheet, not calibrated"
+    assert h100.matmul["bf16"][1] == pytest.approx(989.4e12)
+    assert gpu_profile("rtx_9999") is None
+    _, _, step, _ = _predict("trainer.devices=8", "precision=bf16_mixed", profile=h100)
+    assert "H100 (datasheet, not calibrated)" in step.table()
+    # a plan for an accelerator without a profile says so, and predicts nothing
+    cfg = compose_config("model=tiny", "trainer.mem_budget_gib=l40s")
+    resolved = resolve(cfg)
+    plan, _ = estimate_plan(resolved, resolved.world_size)
+    assert predicted_step(resolved, plan) == (
+        None, "no device profile for 'l40s' (datasheets: B200, H200, H100, A100)"
+    )  # fmt: skip
+
+
+def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
+    tmp_path, monkeypatch, caplog
+):
+    """Measured once and written; read back (no probe); measured again when the
+    machine's identity changes, and when the file is damaged or forged (one line)."""
+    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
+    probes = []
+
+    def probe():
+        probes.append(1)
+        return _profile(cores=2)
+
+    first = profiles.cpu_profile(probe)
+    assert len(probes) == 1 and "measured now" in first.source
+    again = profiles.cpu_profile(probe)
+    assert len(probes) == 1 and again.source.startswith("probe, cached in")
+    assert again.links == first.links and again.matmul == first.matmul
+    [path] = tmp_path.glob("cpu-*.json")
+
+    identity = profiles.cpu_identity()
+    monkeypatch.setattr(profiles, "cpu_identity", lambda: {**identity, "torch": "0.0"})
+    profiles.cpu_profile(probe)
+    assert len(probes) == 2 and len(list(tmp_path.glob("cpu-*.json"))) == 2
+    monkeypatch.setattr(profiles, "cpu_identity", lambda: identity)
+
+    raw = json.loads(path.read_text())
+    forged = [
+        "{not json",
+        json.dumps({**raw, "op_s": "fast"}),
+        json.dumps({**raw, "matmul": {"fp32": {"1": -1.0}, "bf16": {"1": 1.0}}}),
+        json.dumps({**raw, "links": {}}),
+        json.dumps([raw]),
+    ]
+    for text in forged:
+        path.write_text(text)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=profiles.__name__):
+            profiles.cpu_profile(probe)
+        [line] = [r.getMessage() for r in caplog.records]
+        assert line.startswith(f"device profile {path} refused (") and "\n" not in line
+        assert json.loads(path.read_text())["identity"] == identity  # written again
+    assert len(probes) == 2 + len(forged)
+
+
+def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
+    """The real probe (about a second): every rate positive, at one thread and at
+    every core, each collective's latency and bandwidth; cached as measured."""
+    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
+    found = profiles.cpu_profile()
+    cores = profiles.available_cores()
+    assert found.cores == cores and found.name.endswith(f", {cores} cores")
+    for table in (*found.matmul.values(), *found.attention.values()):
+        assert set(table) == {1, cores} and min(table.values()) > 0
+    assert set(found.memory_bw) == set(found.activation_bw) == {1, cores}
+    assert found.op_s > 0 and set(found.links) == set(COLLECTIVES)
+    assert all(k.latency_s > 0 and k.bandwidth > 0 for k in found.links.values())
+    assert profiles.cpu_profile().matmul == found.matmul  # read back
+
+
+@pytest.mark.parametrize("preset", ["small", "llama_tiny", "moe_tiny"])
+def test_a_familys_forward_ops_are_what_its_forward_dispatches(preset):
+    """``ModelSpec.forward_ops`` (the dispatch term's count) against the ops a real
+    forward of the family's tiny preset dispatches (two sequences): within 10%."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from src.planner.search import n_blocks
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    resolved = resolve(compose_config(f"model={preset}", "data=synthetic"))
+    spec, config = resolved.spec, resolved.model_config
+    model = spec.build(config, 0)
+    idx = torch.randint(0, spec.vocab_size(config), (2, resolved.batch.seq_len))
+    with torch.no_grad(), Count():
+        model(idx, idx)
+    block, outside = spec.forward_ops
+    assert Count.ops == pytest.approx(block * n_blocks(resolved) + outside, rel=0.1)
