@@ -498,24 +498,37 @@ class Checkpointer:
         model: nn.Module,
         verify: bool = True,
         hint: str = RESUME_HINT,
+        fresh: Callable[[str], bool] | None = None,
     ) -> dict:
         """Restore only the model of a checkpoint (sample.py, eval.py,
         ``trainer.init_from``), resharded onto ``model`` as :meth:`load` does;
         optimizer, scheduler and RNG states stay unread. ``hint``: what a mismatch's
-        error advises. Returns ``{"step": step, **extra}``."""
+        error advises; ``fresh``: the tensors (by name) that stay as initialised
+        where the checkpoint has none (new LoRA adapters on a trained model).
+        Returns ``{"step": step, **extra}``."""
         path = Path(path)
         meta = self._meta(path, verify)
         state, keys = canonical_keys(get_model_state_dict(model, options=_DSD_OPTIONS))
         model_tensors, objects = _split(state)
-        wanted = {"model": model_tensors}
         with _as_error(path):
             index = _read_index(path, meta)
+        if fresh is not None:
+            saved = index.state_dict_metadata
+            model_tensors = {
+                k: v
+                for k, v in model_tensors.items()
+                if not fresh(k) or f"model.{k}" in saved
+            }
+        wanted = {"model": model_tensors}
         _check_same_tensors(path, index, wanted, hint)
         with _as_error(path):
             objects = json_like(meta["model_objects"], objects, "model_objects")
         _read_tensors(path, index, wanted)
         model_tensors.update(objects)
-        set_model_state_dict(model, own_keys(model_tensors, keys), options=_DSD_OPTIONS)
+        options = _DSD_OPTIONS
+        if len(model_tensors) + len(objects) < len(state):  # some stay fresh
+            options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        set_model_state_dict(model, own_keys(model_tensors, keys), options=options)
         return {**_from_json(meta["extra"]), "step": meta["step"]}
 
     def check_model(

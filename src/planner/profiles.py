@@ -84,16 +84,20 @@ class DeviceProfile:
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
-        largest count's)."""
+        largest count's), and never below a smaller count's: more threads can
+        always run as fewer, so a count that measured slower (its threads held off
+        their cores by other processes while the probe ran: fp32 matmuls at 2 threads
+        once read 0.18 GFLOP/s against 80 at one) is a load artifact, not a rate."""
         counts = sorted(table)
+        floor = max((table[c] for c in counts if c <= threads), default=0.0)
         if threads in table:
-            return table[threads]
+            return max(table[threads], floor)
         lo = max((c for c in counts if c <= threads), default=counts[0])
         hi = min((c for c in counts if c >= threads), default=counts[-1])
         if lo == hi:
-            return table[lo]
+            return max(table[lo], floor)
         w = (threads - lo) / (hi - lo)
-        return table[lo] + w * (table[hi] - table[lo])
+        return max(table[lo] + w * (table[hi] - table[lo]), floor)
 
 
 # ------------------------------------------------------------------- GPU datasheets

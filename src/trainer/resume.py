@@ -27,6 +27,7 @@ from src.checkpoint.values import checked_extra
 from src.data.mixture import MIX_STATE
 from src.errors import ConfigError
 from src.models import ModelSpec
+from src.sharding import is_adapter
 from src.trainer.best import EARLY_STOP
 from src.trainer.faults import RESTART_CAUSE_ENV
 from src.trainer.optimizer import apply_hyperparameters
@@ -260,7 +261,8 @@ def init_weights(
     run's layout, its precision whatever the source's); optimizer, schedule, RNG and
     step stay this run's fresh ones. Returns what summary.json records."""
     path = init_checkpoint(cfg.trainer.init_from, ckpt.verify, _report_skip(rank))
-    state = ckpt.load_model(path, model, verify=False, hint=INIT_HINT)
+    # a LoRA run from a trained model: its new adapters keep their init
+    state = ckpt.load_model(path, model, verify=False, hint=INIT_HINT, fresh=is_adapter)
     log.info(
         "%s: the model's weights from %s (step %d); optimizer, schedule and step "
         "start fresh",
