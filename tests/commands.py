@@ -56,7 +56,9 @@ def in_process(
         for handler in ours:
             project.addHandler(handler)
     out, err = capsys.readouterr()
-    return code, out, err
+    if isinstance(code, str):  # sys.exit(message): as Python, the line and status 1
+        code, err = 1, f"{err}{code}\n"
+    return code or 0, out, err
 
 
 def one_rank(monkeypatch, capsys, script: str, *args: str) -> CompletedProcess:
