@@ -44,6 +44,10 @@ def in_process(
     # session's console handler on the project logger would print them twice).
     project = logging.getLogger(PROJECT_LOGGER)
     ours = [h for h in project.handlers if isinstance(h, ConsoleHandler)]
+    # Hydra's job logging replaces the root logger's handlers (caplog's among them)
+    # as in the command's own process: the test's are back once it ends.
+    root = logging.getLogger()
+    test_handlers, test_level = root.handlers[:], root.level
     capsys.readouterr()
     code = 0
     try:
@@ -55,8 +59,15 @@ def in_process(
     finally:
         for handler in ours:
             project.addHandler(handler)
+        for handler in root.handlers:
+            if handler not in test_handlers:
+                handler.close()  # the command's train.log, as its exit closes it
+        root.handlers[:] = test_handlers
+        root.setLevel(test_level)
     out, err = capsys.readouterr()
-    return code, out, err
+    if isinstance(code, str):  # sys.exit(message): as Python, the line and status 1
+        code, err = 1, f"{err}{code}\n"
+    return code or 0, out, err
 
 
 def one_rank(monkeypatch, capsys, script: str, *args: str) -> CompletedProcess:

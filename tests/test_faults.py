@@ -5,7 +5,9 @@ dir, damaged or mismatched checkpoints, a full disk, resume bookkeeping.
 
 Each test drives ``train.py`` on 2 gloo ranks in a subprocess and waits on its output
 (a blocking read of the lines rank 0 prints) or polls a file with a deadline, never
-on a timer. The "case N" names are those of issue 17.
+on a timer; a command refused before any rank starts runs in this process. Runs
+compared with one uninterrupted run share it (the ``reference`` fixture), and a check
+that needs a run already made rides on it. The "case N" names are those of issue 17.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 import torch
@@ -29,6 +33,8 @@ from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import resolve_resume
 from src.models.gpt import GPT, GPTConfig
 from src.trainer.faults import start_time
+from src.trainer.launch import cpu_threads
+from tests.commands import in_process
 from tests.distributed import HANG_S, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +84,15 @@ def run_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True
     )
+
+
+def refused(monkeypatch, capsys, run_dir: Path, *overrides: str) -> CompletedProcess:
+    """train.py refused before any rank starts, run in this process as ``python
+    train.py`` runs it (tests/commands.py; a real process's config error:
+    tests/test_sweep.py)."""
+    args = [*BASE, f"hydra.run.dir={run_dir}", *overrides]
+    code, out, err = in_process(monkeypatch, capsys, "train.py", *args)
+    return CompletedProcess(["train.py", *args], code, out, err)
 
 
 def read_until(proc: subprocess.Popen, needle: str) -> list[str]:
@@ -151,78 +166,6 @@ def tokenized_corpus(tmp_path: Path) -> list[str]:
     ]
 
 
-def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
-    # Dropout draws from the training RNG, which the checkpoint restores; the batches
-    # come from a BPE-tokenized corpus in the token cache (built by the first run).
-    steps = ["trainer.max_steps=12", "trainer.ckpt_every=4", "model.dropout=0.1"]
-    steps += tokenized_corpus(tmp_path)
-    straight = tmp_path / "straight"
-    first = subprocess.run(
-        command(straight, *steps), check=True, cwd=ROOT, capture_output=True, text=True
-    )
-    assert "token cache: built" in first.stdout
-    assert "model.vocab_size=512: follows data.tokenizer=bpe" in first.stdout
-
-    # SIGKILL to the whole process group (launcher and ranks), sent by rank 1 during
-    # step 6, after the step-4 checkpoint: sent by this test after reading the
-    # checkpoint's line, it raced the remaining steps of a tiny model (on a busy
-    # machine the run could end first, or be killed writing a later checkpoint).
-    broken = tmp_path / "broken"
-    proc = start(broken, *steps, signal_at="step6:group:SIGKILL")
-    out, _ = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == -signal.SIGKILL, out[-3000:]
-    assert "token cache: reusing" in out
-    assert "checkpoint saved to" in out and "step 6:" not in out, out[-3000:]
-    resumed = subprocess.run(
-        command(broken, *steps, "trainer.resume=auto"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed from" in resumed.stdout
-    assert "token cache: reusing" in resumed.stdout
-    # The killed run's lock is stale: taken over, saying whose it was.
-    assert f"run dir lock of PID {proc.pid} on" in resumed.stdout
-    expected, got = losses(straight), losses(broken)
-    assert max(got) == 12
-    # Every step logged by either attempt equals the uninterrupted run, bit for bit.
-    assert {s: expected[s] for s in got} == got
-
-
-def test_ranks_die_with_their_launcher_and_the_run_then_resumes(tmp_path):
-    """Issue 48 item 4: ``kill -9`` of the launcher alone (the OOM killer, a user)
-    ends its ranks and the rank server within seconds, instead of leaving them
-    training; the lock recorded the ranks (PID, start time) while they ran; the
-    documented resume then takes the lock over and finishes the run. Rank 1 sends
-    the SIGKILL during step 5 (after the step-4 checkpoint), then waits for the
-    launcher to tell it to stop, which it never does: only its death with the
-    launcher ends it."""
-    steps = ["trainer.max_steps=8", "trainer.ckpt_every=2"]
-    proc = start(tmp_path, *steps, signal_at="step5:launcher:SIGKILL")
-    read_until(proc, "step 1:")
-    ranks = worker_pids(proc.pid)
-    servers = [p for p, cmd in children(proc.pid).items() if "forkserver" in cmd]
-    assert len(ranks) == 2 and len(servers) == 1, (ranks, servers)
-    lines = (tmp_path / "run.lock").read_text().splitlines()
-    recorded = sorted(json.loads(line)["pid"] for line in lines[1:])
-    assert recorded == ranks, lines
-    out, _ = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == -signal.SIGKILL, out[-3000:]
-    deadline = time.monotonic() + 20  # SIGKILLs, by the kernel: milliseconds
-    while living := [p for p in ranks + servers if start_time(p) is not None]:
-        assert time.monotonic() < deadline, f"outlived their launcher: {living}"
-        time.sleep(0.05)
-    assert "step 6:" not in out and max(losses(tmp_path)) <= 5
-    assert "leaked semaphore" not in out, out[-2000:]  # the tracker unlinks them
-
-    resumed = run_train(tmp_path, *steps, "trainer.resume=auto")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"run dir lock of PID {proc.pid} on" in resumed.stdout
-    assert "resumed from" in resumed.stdout
-    assert sorted(losses(tmp_path)) == list(range(1, 9))
-
-
 def test_an_export_killed_midway_leaves_no_half_export_and_a_resume_finishes_it(
     tmp_path,
 ):
@@ -269,30 +212,6 @@ def test_rank_killed_mid_step_ends_the_job_with_an_error(tmp_path):
     assert "leaked semaphore" not in rest, rest[-2000:]
 
 
-def test_max_restarts_restarts_the_ranks_and_they_resume(tmp_path):
-    # Rank 1 kills itself during step 6, after the step-4 checkpoint (the restarted
-    # ranks do not): killed by this test after reading the checkpoint's line, it
-    # raced the remaining steps of a tiny model on a busy machine.
-    proc = start(
-        tmp_path,
-        "trainer.max_steps=16",
-        "trainer.ckpt_every=4",
-        "trainer.max_restarts=1",
-        signal_at="step6:self:SIGKILL",
-    )
-    out, _ = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == 0, out[-3000:]
-    # The restarted ranks name the failure and say truthfully what they resume from.
-    assert re.search(
-        rf"elastic restart 1 of 1 after rank 1 on {socket.gethostname()} failed "
-        r"\(exit code -9\): killed by SIGKILL; resuming from the newest good checkpoint",
-        out,
-    ), out[-3000:]
-    assert "resumed from" in out and "(step 4)" in out, out[-3000:]
-    assert max(losses(tmp_path)) == 16
-    assert (tmp_path / "checkpoints" / "step_00000016").is_dir()
-
-
 def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_path):
     # An absurd learning rate blows the weights up after the first update.
     run = subprocess.run(
@@ -326,25 +245,34 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_pat
     assert state["step"] >= 1
 
 
-def test_fp16_resume_restores_the_grad_scaler_and_matches(tmp_path):
-    """Resume from the middle checkpoint of a finished fp16 run: the loss scale comes
-    back with the model, so the resumed steps equal the original ones."""
-    steps = ["trainer.max_steps=6", "trainer.ckpt_every=3", "precision=fp16_mixed"]
+def test_an_elastic_restart_resumes_fp16_exactly_with_its_grad_scaler(tmp_path):
+    """trainer.max_restarts restarts the ranks and they resume: rank 1 kills itself
+    during step 6, after the step-4 checkpoint (the restarted ranks do not; killed by
+    this test after reading the checkpoint's line, it raced the remaining steps of a
+    tiny model on a busy machine). The restarted ranks name the failure and say
+    truthfully what they resume from; in fp16 the loss scale comes back with the
+    model, so every step equals the uninterrupted run's."""
+    steps = ["trainer.max_steps=8", "trainer.ckpt_every=4", "precision=fp16_mixed"]
     straight = tmp_path / "straight"
     subprocess.run(command(straight, *steps), check=True, cwd=ROOT, capture_output=True)
-    meta = json.loads((straight / "checkpoints/step_00000003/meta.json").read_text())
+    meta = json.loads((straight / "checkpoints/step_00000004/meta.json").read_text())
     assert meta["extra"]["scaler"]["scale"] > 0
 
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    os.rename(
-        straight / "checkpoints/step_00000003", resumed / "checkpoints/step_00000003"
+    restarted = tmp_path / "restarted"
+    proc = start(
+        restarted, *steps, "trainer.max_restarts=1", signal_at="step6:self:SIGKILL"
     )
-    run = run_train(resumed, *steps, "trainer.resume=auto")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    got, expected = losses(resumed), losses(straight)
-    assert sorted(got) == [4, 5, 6]
-    assert got == {s: expected[s] for s in got}
+    out, _ = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(
+        rf"elastic restart 1 of 1 after rank 1 on {socket.gethostname()} failed "
+        r"\(exit code -9\): killed by SIGKILL; resuming from the newest good checkpoint",
+        out,
+    ), out[-3000:]
+    assert "resumed from" in out and "(step 4)" in out, out[-3000:]
+    assert max(losses(restarted)) == 8
+    assert (restarted / "checkpoints" / "step_00000008").is_dir()
+    assert losses(restarted) == losses(straight)
 
 
 # ----------------------------------------------- one reference run, several faults
@@ -353,30 +281,88 @@ def test_fp16_resume_restores_the_grad_scaler_and_matches(tmp_path):
 REFERENCE = ["trainer.max_steps=6", "model.dropout=0.1"]
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The uninterrupted run the faulted ones are compared with: its run dir, and the
+    overrides each of them takes: REFERENCE, batches from a BPE-tokenized corpus
+    whose token cache this run builds (the others reuse it)."""
+
+    dir: Path
+    args: tuple[str, ...]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(tmp_path_factory) -> Reference:
     """An uninterrupted 6-step run with a checkpoint every 2 steps, all kept."""
+    args = (*REFERENCE, *tokenized_corpus(tmp_path_factory.mktemp("corpus")))
     run_dir = tmp_path_factory.mktemp("reference")
-    run = run_train(run_dir, *REFERENCE, "trainer.ckpt_every=2", "trainer.keep_last=0")
+    run = run_train(run_dir, *args, "trainer.ckpt_every=2", "trainer.keep_last=0")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    return run_dir
+    assert "token cache: built" in run.stdout
+    assert "model.vocab_size=512: follows data.tokenizer=bpe" in run.stdout
+    return Reference(run_dir, args)
 
 
-def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
+def test_ranks_die_with_their_launcher_and_the_run_then_resumes_exactly(
+    reference, tmp_path
+):
+    """Issue 48 item 4: ``kill -9`` of the launcher alone (the OOM killer, a user)
+    ends its ranks and the rank server within seconds, instead of leaving them
+    training; the lock recorded the ranks (PID, start time) while they ran. Rank 1
+    sends the SIGKILL during step 5, after the step-4 checkpoint (sent by this test
+    after reading the checkpoint's line, it raced the remaining steps of a tiny model),
+    then waits for the launcher to tell it to stop, which it never does: only its
+    death with the launcher ends it. The documented resume then takes the stale lock
+    over, saying whose it was, and every step logged by either attempt equals the
+    uninterrupted run, bit for bit (dropout's random stream restored, the batches
+    from the reused token cache)."""
+    steps = [*reference.args, "trainer.ckpt_every=2"]
+    proc = start(tmp_path, *steps, signal_at="step5:launcher:SIGKILL")
+    seen = read_until(proc, "step 1:")
+    ranks = worker_pids(proc.pid)
+    servers = [p for p, cmd in children(proc.pid).items() if "forkserver" in cmd]
+    assert len(ranks) == 2 and len(servers) == 1, (ranks, servers)
+    lines = (tmp_path / "run.lock").read_text().splitlines()
+    recorded = sorted(json.loads(line)["pid"] for line in lines[1:])
+    assert recorded == ranks, lines
+    rest, _ = proc.communicate(timeout=HANG_S)
+    out = "".join(seen) + rest
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    deadline = time.monotonic() + 20  # SIGKILLs, by the kernel: milliseconds
+    while living := [p for p in ranks + servers if start_time(p) is not None]:
+        assert time.monotonic() < deadline, f"outlived their launcher: {living}"
+        time.sleep(0.05)
+    assert "token cache: reusing" in out
+    assert "checkpoint saved to" in out and "step 6:" not in out, out[-3000:]
+    assert max(losses(tmp_path)) <= 5
+    assert "leaked semaphore" not in out, out[-2000:]  # the tracker unlinks them
+
+    resumed = run_train(tmp_path, *steps, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"run dir lock of PID {proc.pid} on" in resumed.stdout
+    assert "resumed from" in resumed.stdout
+    assert "token cache: reusing" in resumed.stdout
+    assert loss_rows(tmp_path) == loss_rows(reference.dir)
+
+
+def test_damaged_or_mismatched_checkpoint_never_loads(
+    reference, monkeypatch, capsys, tmp_path
+):
     """Cases 2, 3, 8 and 9: a model that is not the checkpoint's is refused in one
     line naming the key and the recorded value, before any rank starts; a corrupted
     newest checkpoint is skipped, saying why; the newest good checkpoint then resumes
     exactly, replacing the rows the first run logged past it; then there is nothing
     left to train. (A different max_steps refused: tests/test_run_dir.py; a model
     that does not match a checkpoint's tensors: tests/test_checkpoint.py.)"""
-    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(reference.dir, tmp_path, dirs_exist_ok=True)
     (tmp_path / "run.lock").unlink()
     shard = tmp_path / "checkpoints/step_00000006/__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[4096:4160] = bytes(b ^ 0xFF for b in data[4096:4160])
     shard.write_bytes(bytes(data))
 
-    smaller = run_train(tmp_path, *REFERENCE, "trainer.resume=auto", "model.n_layer=1")
+    args = [*reference.args, "trainer.resume=auto"]
+    smaller = refused(monkeypatch, capsys, tmp_path, *args, "model.n_layer=1")
     assert smaller.returncode == 2
     assert smaller.stderr.startswith(
         "config error: model.n_layer: 2 was recorded by checkpoint "
@@ -390,81 +376,24 @@ def test_damaged_or_mismatched_checkpoint_never_loads(reference, tmp_path):
     ]
 
     # It replaces the corrupted checkpoint of step 6 as it goes.
-    resumed = run_train(
-        tmp_path, *REFERENCE, "trainer.resume=auto", "trainer.ckpt_every=2"
-    )
+    resumed = run_train(tmp_path, *args, "trainer.ckpt_every=2")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "skipping checkpoint" in resumed.stdout
     assert "step_00000006: __0_0.distcp fails its checksum" in resumed.stdout
     assert "step_00000004 (step 4)" in resumed.stdout
     assert "dropped 2 rows past step 4" in resumed.stdout
     # Each step once, and the resumed ones equal the uninterrupted run, bit for bit.
-    assert loss_rows(tmp_path) == loss_rows(reference)
+    assert loss_rows(tmp_path) == loss_rows(reference.dir)
 
     summary = (tmp_path / "summary.json").read_bytes()
-    done = run_train(tmp_path, *REFERENCE, "trainer.resume=auto")
+    done = run_train(tmp_path, *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "nothing to train: the checkpoint is at step 6" in done.stdout
     assert (tmp_path / "summary.json").read_bytes() == summary
 
 
-def test_sigterm_stops_after_a_checkpoint_and_a_requeue_resumes_exactly(
-    reference, tmp_path
-):
-    """Cases 1 and 5: a second run on a busy run dir refuses in one line naming the
-    holder; SIGTERM to the launcher alone (sent by rank 1 during step 3, as a
-    scheduler would: a signal from this test after reading a step's line raced the
-    remaining steps of a tiny model) ends the step, writes a checkpoint (ckpt_every
-    is 0), exits 143 with one line; a SLURM requeue resumes by itself and loses no
-    step."""
-    proc = start(tmp_path, *REFERENCE, signal_at="step3:launcher")
-    # Stopped while its ranks train, it keeps the lock while the second run tries.
-    # (Stopped as soon as the lock was taken, its rendezvous store could time out
-    # connecting to itself while a second train.py started on a loaded machine.)
-    read_until(proc, "step 1:")
-    os.killpg(proc.pid, signal.SIGSTOP)
-    try:
-        second = run_train(tmp_path, *REFERENCE, "trainer.seed=1")
-    finally:
-        os.killpg(proc.pid, signal.SIGCONT)
-    assert second.returncode == 1
-    line = one_line_error(second.stdout + second.stderr)
-    assert f"is in use by another run (PID {proc.pid} on" in line
-
-    out, _ = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
-    assert "Traceback" not in out
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("stopped by SIGTERM at step 3: checkpoint ")
-    assert last.endswith(
-        f"resume with python train.py hydra.run.dir={tmp_path} trainer.resume=auto"
-    )
-    stopped_at = max(losses(tmp_path))
-    assert stopped_at == 3
-    assert (tmp_path / f"checkpoints/step_{stopped_at:08d}").is_dir()
-
-    # The requeued job is signalled again, during its last step: the run is complete,
-    # so it ends as one (exit 0, no resume line, no requeue).
-    env = {
-        **os.environ,
-        "SLURM_RESTART_COUNT": "1",
-        "SLURM_JOB_ID": "42",
-        "SHARDWRAP_TEST_SIGNAL_AT": "step6:launcher",
-    }
-    requeued = subprocess.run(
-        command(tmp_path, *REFERENCE), cwd=ROOT, capture_output=True, text=True, env=env
-    )
-    assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-2000:]
-    assert "SLURM job 42 requeued" in requeued.stdout
-    assert f"(step {stopped_at})" in requeued.stdout
-    ends = requeued.stdout + requeued.stderr
-    assert "SIGTERM arrived as the run finished; nothing was stopped" in ends
-    assert "resume with" not in ends
-    assert loss_rows(tmp_path) == loss_rows(reference)
-
-
 def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
-    reference, tmp_path
+    reference, monkeypatch, capsys, tmp_path
 ):
     """One stop path, whoever gets the signal, in a chain of runs on one run dir: SIGTERM
     and SIGINT to rank 1 alone, SIGHUP to the launcher alone (a closed terminal), each
@@ -473,16 +402,17 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
     stopped, and the exit status is 128 + signal. Then two Ctrl-Cs, the second while
     the stop's checkpoint is being written, and the same with two SIGTERMs to rank 1:
     one line says it was skipped, nothing half-written stays, and the newest
-    checkpoint is named. The last run resumes and the whole run equals the
+    checkpoint is named. Then SIGTERM to the launcher alone and a SLURM requeue
+    (:func:`_sigterm_to_the_launcher_and_a_requeue`); the whole run equals the
     uninterrupted one, bit for bit."""
     checkpoints = tmp_path / "checkpoints"
-    resume = ["trainer.resume=auto"]
+    args = [*reference.args, "trainer.resume=auto"]
     for step, signal_at, signum in [
         (1, "step1:self:SIGTERM", signal.SIGTERM),
         (2, "step2:self:SIGINT", signal.SIGINT),
         (3, "step3:launcher:SIGHUP", signal.SIGHUP),
     ]:
-        run = run_with_signal(tmp_path, signal_at, *REFERENCE, *resume)
+        run = run_with_signal(tmp_path, signal_at, *args)
         out = run.stdout
         assert run.returncode == 128 + signum, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
@@ -508,7 +438,7 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
         ("step4,checkpoint4", signal.SIGINT),
         ("step4:self,checkpoint4:self", signal.SIGTERM),
     ]:
-        run = run_with_signal(tmp_path, signal_at, *REFERENCE, *resume)
+        run = run_with_signal(tmp_path, signal_at, *args)
         out = run.stdout
         assert run.returncode == 128 + signum, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
@@ -524,11 +454,64 @@ def test_a_signal_to_any_process_stops_the_run_and_every_stop_resumes_exactly(
             "step_00000003",
         ]
 
-    done = run_train(tmp_path, *REFERENCE, *resume)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "(step 3)" in done.stdout
-    assert loss_rows(tmp_path) == loss_rows(reference)
+    _sigterm_to_the_launcher_and_a_requeue(monkeypatch, capsys, tmp_path, reference)
+    assert loss_rows(tmp_path) == loss_rows(reference.dir)
     assert "stopped" not in json.loads((tmp_path / "summary.json").read_text())
+
+
+def _sigterm_to_the_launcher_and_a_requeue(monkeypatch, capsys, run_dir, reference):
+    """Cases 1 and 5, on a run dir whose newest checkpoint is step 3: a second run on
+    the busy run dir refuses in one line naming the holder; SIGTERM to the launcher
+    alone (sent by rank 1 during step 5, as a scheduler would: a signal from this test
+    after reading a step's line raced the remaining steps of a tiny model) ends the
+    step, writes a checkpoint (ckpt_every is 0), exits 143 with one line; a SLURM
+    requeue resumes by itself and loses no step."""
+    args = [*reference.args, "trainer.resume=auto"]
+    proc = start(run_dir, *args, signal_at="step5:launcher")
+    # Stopped while its ranks train, it keeps the lock while the second run tries.
+    # (Stopped as soon as the lock was taken, its rendezvous store could time out
+    # connecting to itself while a second train.py started on a loaded machine.)
+    read_until(proc, "resumed from")
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        second = refused(monkeypatch, capsys, run_dir, *args, "trainer.seed=1")
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    assert second.returncode == 1
+    line = one_line_error(second.stdout + second.stderr)
+    assert f"is in use by another run (PID {proc.pid} on" in line
+
+    out, _ = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "Traceback" not in out
+    assert out.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM at step 5: checkpoint {run_dir}/checkpoints/"
+        f"step_00000005; resume with python train.py hydra.run.dir={run_dir} "
+        "trainer.resume=auto"
+    )
+    assert max(losses(run_dir)) == 5
+
+    # The requeued job is signalled again, during its last step: the run is complete,
+    # so it ends as one (exit 0, no resume line, no requeue).
+    env = {
+        **os.environ,
+        "SLURM_RESTART_COUNT": "1",
+        "SLURM_JOB_ID": "42",
+        "SHARDWRAP_TEST_SIGNAL_AT": "step6:launcher",
+    }
+    requeued = subprocess.run(
+        command(run_dir, *reference.args),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-2000:]
+    assert "SLURM job 42 requeued" in requeued.stdout
+    assert "(step 5)" in requeued.stdout
+    ends = requeued.stdout + requeued.stderr
+    assert "SIGTERM arrived as the run finished; nothing was stopped" in ends
+    assert "resume with" not in ends
 
 
 def test_a_rank_killed_under_two_torchrun_agents_is_one_line_naming_it(
@@ -542,8 +525,14 @@ def test_a_rank_killed_under_two_torchrun_agents_is_one_line_naming_it(
     then resumes exactly on a local launch."""
     port = free_port()
     ranks = [o for o in BASE if not o.startswith("trainer.devices")]
-    overrides = [*ranks, *REFERENCE, "trainer.ckpt_every=2", "trainer.keep_last=0"]
-    env = {**os.environ, "SHARDWRAP_TEST_SIGNAL_AT": "step3:self:SIGKILL"}
+    overrides = [*ranks, *reference.args, "trainer.ckpt_every=2", "trainer.keep_last=0"]
+    env = {
+        **os.environ,
+        "SHARDWRAP_TEST_SIGNAL_AT": "step3:self:SIGKILL",
+        # An agent's one rank would take every core; a rank of the reference's local
+        # launch, its share: other matmul splits, other last bits of the weights.
+        "OMP_NUM_THREADS": str(cpu_threads(2)),
+    }
     agents = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
@@ -583,11 +572,11 @@ def test_a_rank_killed_under_two_torchrun_agents_is_one_line_naming_it(
     assert "Signal 9 (SIGKILL)" in dead and "error: " not in dead, dead[-3000:]
 
     resumed = run_train(
-        tmp_path, *REFERENCE, "trainer.ckpt_every=2", "trainer.resume=auto"
+        tmp_path, *reference.args, "trainer.ckpt_every=2", "trainer.resume=auto"
     )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "(step 2)" in resumed.stdout
-    assert loss_rows(tmp_path) == loss_rows(reference)
+    assert loss_rows(tmp_path) == loss_rows(reference.dir)
 
 
 def run_with_signal(
@@ -650,10 +639,11 @@ def test_full_disk_says_no_space_left_and_where(tmp_path):
     assert not list(tmp_path.glob("**/*.tmp*"))
 
 
-def test_errors_before_any_rank_starts_are_one_line(tmp_path):
+def test_errors_before_any_rank_starts_are_one_line(monkeypatch, capsys, tmp_path):
     """Case 8: a data glob that matches nothing. (A run dir that cannot be created:
     tests/test_run_dir.py, train.py's command line in-process.)"""
-    run = run_train(tmp_path / "run", "data=text", f"data.paths={tmp_path}/none/*.txt")
+    glob = f"data.paths={tmp_path}/none/*.txt"
+    run = refused(monkeypatch, capsys, tmp_path / "run", "data=text", glob)
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert run.stderr.startswith("config error: data.paths: no files match")

@@ -9,6 +9,7 @@ import csv
 import json
 import re
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from src.trainer.launch import prepare
 from tests import commands
 from tests.commands import in_process
 from tests.records import said
-from tests.test_researcher_ux import ONE_RANK, one_config_error, run
+from tests.test_researcher_ux import ONE_RANK, one_config_error
 from tests.test_train import make_cfg
 
 
@@ -68,16 +69,20 @@ def test_a_split_too_small_is_named_before_any_rank_for_every_source(
 
 
 @pytest.mark.slow
-def test_a_val_loss_sweep_without_validation_is_refused_in_one_line(tmp_path):
+def test_a_val_loss_sweep_without_validation_is_refused_in_one_line(
+    tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
     """``sweep.objective=val_loss`` (the default) and ``data.val_fraction=0``: every
     job would score the worst value. The job is refused before it starts, one line
-    naming the key, and its row says why."""
+    naming the key, and its row says why. (In-process: the sweep's one job is
+    refused before it would train.)"""
     sweep = tmp_path / "sweep"
-    out = run(
-        "train.py", "-m", *ONE_RANK, "data=synthetic", "data.num_tokens=20000",
-        "data.val_fraction=0", "logger=none", f"hydra.sweep.dir={sweep}",
-        cache=tmp_path / "cache",
-    )  # fmt: skip
+    monkeypatch.setenv("SHARDWRAP_CACHE", str(tmp_path / "cache"))
+    out = CompletedProcess([], *in_process(
+        monkeypatch, capsys, "train.py", "-m", *ONE_RANK, "data=synthetic",
+        "data.num_tokens=20000", "data.val_fraction=0", "logger=none",
+        f"hydra.sweep.dir={sweep}",
+    ))  # fmt: skip
     assert out.returncode == 0, out.stderr
     want = (
         "config error: data.val_fraction: 0 gives no val_loss, the sweep's objective "
@@ -105,22 +110,25 @@ SMALL = [
 
 
 @pytest.mark.slow
-def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(tmp_path, caplog):
+def test_compare_a_sweep_dir_defaults_and_runs_of_other_tokenizers(
+    tmp_path, caplog, monkeypatch, capsys, stop_handlers_restored
+):
     """``python -m src.runs.compare runs/sweep`` (and ``runs/sweep/*``, which also
     matches multirun.yaml and the summary's files) compares the sweep's jobs and
     plots their curves; a run beside them that did not set the swept key shows the
-    value it ran with; a BPE run beside byte-level ones is not ranked against them."""
+    value it ran with; a BPE run beside byte-level ones is not ranked against them.
+    (The runs train on one rank in-process, tests/commands.py.)"""
     from src.runs.compare import main as compare_main
 
     cache, sweep, bpe = tmp_path / "cache", tmp_path / "sweep", tmp_path / "bpe"
-    out = run(
-        "train.py", "-m", *SMALL, "trainer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}",
-        cache=cache,
+    out = one_rank(
+        monkeypatch, capsys, "train.py", "-m", *SMALL, "trainer.lr=1e-3,3e-3",
+        f"hydra.sweep.dir={sweep}", cache=cache,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    out = run(
-        "train.py", *SMALL, "data.tokenizer=bpe", "data.bpe_vocab_size=300",
-        f"hydra.run.dir={bpe}", cache=cache,
+    out = one_rank(
+        monkeypatch, capsys, "train.py", *SMALL, "data.tokenizer=bpe",
+        "data.bpe_vocab_size=300", f"hydra.run.dir={bpe}", cache=cache,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
 
