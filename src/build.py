@@ -26,8 +26,10 @@ from src.errors import ConfigError
 from src.models.spec import lm_loss
 from src.sharding import (
     Backend,
+    LoraSpec,
     TiedParametersWarning,
     UnitTransform,
+    adapted_layers,
     build_backend,
     build_policy,
     build_sharded_model,
@@ -37,6 +39,7 @@ from src.sharding import (
     wrap,
 )
 from src.sharding.layout import ParallelLayout
+from src.sharding.lora import targeted
 from src.sharding.pipeline import (
     SCHEDULES,
     Pipeline,
@@ -219,17 +222,8 @@ def build_model(
             lora=plan.lora,
             frozen=functools.partial(_matches, plan.freeze) if plan.freeze else None,
         )
-    if plan.lora is not None and not any(
-        is_adapter(n) for n, _ in model.named_parameters()
-    ):
-        names = sorted(
-            {n.split(".")[-2] for n, _ in model.named_parameters() if "." in n}
-        )
-        raise ConfigError(
-            "model.lora.targets",
-            f"{list(plan.lora.targets)} matches no linear layer of the model "
-            f"(its modules with weights: {', '.join(names[:12])})",
-        )
+    if plan.lora is not None:
+        check_adapted(model, plan.lora)
     check_freeze(model, plan.freeze)
     set_prefetch(model, plan.unit.forward_prefetch, plan.unit.backward_prefetch)
     if pretrained:
@@ -242,6 +236,36 @@ def build_model(
             part=stage is not None,
         )
     return model
+
+
+def check_adapted(model: nn.Module, lora: LoraSpec) -> None:
+    """ConfigError naming ``model.lora.targets`` when no linear layer got an adapter,
+    or one it matches did not: a layer the wrap policy made a unit of its own is
+    sharded as it is built, before its parent's step could adapt it."""
+    if not any(is_adapter(n) for n, _ in model.named_parameters()):
+        names = sorted(
+            {n.split(".")[-2] for n, _ in model.named_parameters() if "." in n}
+        )
+        raise ConfigError(
+            "model.lora.targets",
+            f"{list(lora.targets)} matches no linear layer of the model "
+            f"(its modules with weights: {', '.join(names[:12])})",
+        )
+    adapted = {p for p, _ in adapted_layers(model)}
+    for name, m in model.named_modules():
+        path = canonical_name(name, model)
+        if (
+            isinstance(m, nn.Linear)
+            and path not in adapted
+            and not any(path.startswith(f"{a}.") for a in adapted)
+            and targeted(path, lora.targets)
+        ):
+            raise ConfigError(
+                "model.lora.targets",
+                f"{path} is a sharding unit of its own (sharding.policy / "
+                "sharding.min_params): its adapter cannot be added as it is built; "
+                "use sharding.policy=block or a larger sharding.min_params",
+            )
 
 
 def _matches(patterns: tuple[str, ...], name: str) -> bool:

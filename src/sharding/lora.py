@@ -63,7 +63,8 @@ def is_adapter(name: str) -> bool:
     return any(seg in ADAPTER_SEGMENTS for seg in name.split("."))
 
 
-def _targeted(path: str, targets: Iterable[str]) -> bool:
+def targeted(path: str, targets: Iterable[str]) -> bool:
+    """Whether a module path (or one of its dotted tails) matches a target pattern."""
     parts = path.split(".")
     tails = [".".join(parts[i:]) for i in range(len(parts))]
     return any(fnmatch.fnmatchcase(t, p) for p in targets for t in tails)
@@ -86,7 +87,7 @@ def add_lora(module: nn.Module, spec: LoraSpec) -> int:
     names = [
         name
         for name, m in module.named_modules()
-        if type(m) is nn.Linear and name not in inside and _targeted(name, spec.targets)
+        if type(m) is nn.Linear and name not in inside and targeted(name, spec.targets)
     ]
     if names:
         _inject(module, spec, names)
