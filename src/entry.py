@@ -29,14 +29,17 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 class _TorchaoImportNoise(logging.Filter):
     """Drops what importing torchao logs on a build whose compiled extensions do not
-    load here (``Failed to load .../torchao/_C*.so``: a CPU, or another CUDA) and
-    torch's deprecation note on torchao's own enums; every other record of those
+    load here (``Failed to load .../torchao/_C*.so``: a CPU, or another CUDA), its
+    note that a CPU has no triton, and torch's deprecation note on torchao's own
+    enums; every other record of those
     loggers (a real error) passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.msg if isinstance(record.msg, str) else ""
         if record.name == "torchao":
             return not (msg.startswith("Failed to load ") and "torchao/_C" in msg)
+        if record.name == "torchao.kernel.intmm":  # peft's import of it, on a CPU
+            return "Detected no triton" not in msg
         args = record.args if isinstance(record.args, tuple) else ()
         return not (
             msg.startswith("%s is an Enum subclass")
@@ -49,7 +52,7 @@ def quiet_torchao() -> None:
     """Filter torchao's import noise (:class:`_TorchaoImportNoise`); called where
     torchao is imported (float8, and transformers' imports of it in src/models/hf.py
     and the commands), before it is. Idempotent."""
-    for name in ("torchao", "torch.utils._pytree"):
+    for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _TorchaoImportNoise) for f in logger.filters):
             logger.addFilter(_TorchaoImportNoise())
