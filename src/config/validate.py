@@ -38,6 +38,7 @@ from src.config.schema import (
     MIN_LR_RATIO,
     OBJECTIVES,
     RESUME_SCHEDULES,
+    LAYOUT_CHOICES,
 )
 from src.data.sources import DATA_SOURCES
 from src.errors import ConfigError, keyed
@@ -562,6 +563,7 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
         "expected null (table or probe) or a positive number",
     )
     _choice(cfg, "trainer.resume_schedule", RESUME_SCHEDULES)
+    _choice(cfg, "trainer.layout", LAYOUT_CHOICES)
     _require(
         t.resume in (None, "auto") or os.path.exists(os.path.expanduser(t.resume)),
         "trainer.resume",

@@ -91,12 +91,14 @@ def layout_search(
         return [], 0
     blocks = n_blocks(resolved)
     search = _Search(resolved, world, profile, blocks)
-    points = sorted(
-        search.points(precisions), key=lambda p: p.guess, reverse=True
-    )
+    points = sorted(search.points(precisions), key=lambda p: p.guess, reverse=True)
     found: list[Layout] = []
     margin = mem_margin(resolved)
-    for point in points[:MAX_ESTIMATED]:
+    for point in points:
+        if len(found) == TOP or search.estimated >= MAX_ESTIMATED:
+            break
+        if not search.may_fit(point, budget, margin):
+            continue
         fitted = search.fitted(point, budget, margin)
         if fitted is not None:
             found.append(fitted)
@@ -114,6 +116,9 @@ class _Search:
         self.backend = backend_class(resolved.backend)
         self.seq_len = int(resolved.spec.seq_len(resolved.model_config))
         self.models: dict[tuple[int, int], Any] = {}
+        self.wraps: dict[tuple, Any] = {}
+        self.frugal: dict[tuple, bool] = {}  # a group's verdict with full checkpointing
+        self.estimated = 0  # points estimated for memory
         self.batch = int(resolved.batch.batch_size)
 
     def _degrees(self) -> Iterator[dict[str, int]]:
@@ -132,12 +137,17 @@ class _Search:
                 continue
             dp = w // (tp * pp * cp)
             node = max(1, self.profile.ranks_per_node // (tp * cp))
-            for rep in sorted({1, dp // min(dp, node), dp} if b.shards_parameters else {1}):
+            for rep in sorted(
+                {1, dp // min(dp, node), dp} if b.shards_parameters else {1}
+            ):
                 yield {"pp": pp, "dp_replicate": rep, "tp": tp, "cp": cp, "ep": ep}
 
     def points(self, precisions: tuple[str, ...]) -> Iterator[_Point]:
         """Every point whose layout the one rule takes, predicted."""
-        precs = [self.r.precision.name, *(p for p in precisions if p != self.r.precision.name)]
+        precs = [
+            self.r.precision.name,
+            *(p for p in precisions if p != self.r.precision.name),
+        ]
         for degrees in self._degrees():
             try:
                 layout = replace(self.r.layout, world_size=self.world, **degrees)
@@ -182,8 +192,9 @@ class _Search:
         }
         if pp > 1:
             fields.update({"pipeline.schedule": schedule, "pipeline.microbatches": m})
-        elif accum > 1 and fields["batch.batch_size"] != self.batch:
-            return None  # accumulation that only grows the batch: not a layout
+        least = splitting_batch(self.batch, layout, self.world, 1, pp, m)
+        if accum > 1 and fields["batch.batch_size"] != least:
+            return None  # accumulation that grows the batch further: not a layout
         return fields
 
     def _predict(self, fields: dict[str, Any]) -> StepTime | None:
@@ -192,7 +203,9 @@ class _Search:
         lay = plan_run.layout
         key = (lay.tp, lay.ep)
         if key not in self.models:
-            base = varied(plan_run, {"layout": replace(lay, pp=1), "checkpointing.mode": "none"})
+            base = varied(
+                plan_run, {"layout": replace(lay, pp=1), "checkpointing.mode": "none"}
+            )
             try:
                 self.models[key] = build_meta_model(base)
             except Exception:
@@ -200,21 +213,47 @@ class _Search:
         model = self.models[key]
         if model is None:
             return None
-        wrap = plan_of(plan_run, model, self.world // lay.pp)
+        at = (lay.pp, lay.dp_replicate, lay.tp, lay.cp, lay.ep)
+        if at not in self.wraps:
+            self.wraps[at] = plan_of(plan_run, model, self.world // lay.pp)
+        wrap = self.wraps[at]
         try:
             return predict(plan_run, wrap, self.profile, self.world, self.blocks)
         except Exception:
             return None
 
-    def fitted(self, point: _Point, budget: int, margin: float) -> Layout | None:
-        """``point`` as a :class:`Layout` where its estimate fits ``budget``."""
-        run = varied(self.r, point.fields)
+    def may_fit(self, point: _Point, budget: int, margin: float) -> bool:
+        """Whether ``point``'s layout fits with full checkpointing and the most
+        accumulation (one estimate for the points that differ in those only: the
+        others hold more)."""
+        f = point.fields
+        at = (f["layout"], f["precision"], f.get("pipeline.schedule"))
+        if at not in self.frugal:
+            m = f.get("pipeline.microbatches", 1)
+            frugal = next(
+                g
+                for a in reversed(ACCUMS)
+                if (g := self._fields(f["layout"], f["precision"], at[2], m, "full", a))
+            )
+            self.frugal[at] = self._estimate(frugal, budget, margin) is not None
+        return self.frugal[at]
+
+    def _estimate(self, fields: dict, budget: int, margin: float):
+        """``(run, wrap plan, estimate)`` of ``fields`` where it fits ``budget``."""
+        run = varied(self.r, fields)
+        self.estimated += 1
         try:
             wrap, est = estimate_plan(run, self.world)
         except Exception:
             return None
-        if needed(est, margin) > budget:
+        return (run, wrap, est) if needed(est, margin) <= budget else None
+
+    def fitted(self, point: _Point, budget: int, margin: float) -> Layout | None:
+        """``point`` as a :class:`Layout` where its estimate fits ``budget``."""
+        found = self._estimate(point.fields, budget, margin)
+        if found is None:
             return None
+        run, wrap, est = found
         step = predict(run, wrap, self.profile, self.world, self.blocks)
         return Layout(
             self._overrides(run),
@@ -239,3 +278,25 @@ class _Search:
         if run.checkpointing.mode == "full" and self.r.checkpointing.every != 1:
             out[OVERRIDES["checkpointing.every"]] = 1
         return out
+
+
+def run_layouts(resolved: RunPlan, world: int) -> tuple[list[Layout], str]:
+    """The fastest layouts of ``resolved``'s ``world`` ranks that fit its budget
+    (``trainer.mem_budget_gib``, else a sweep's cap, else this machine's memory per
+    rank), and the line that heads them."""
+    from src.planner.constants import machine_budget_bytes
+    from src.planner.estimate import fmt_bytes
+    from src.planner.settings import run_budget_bytes
+
+    budget, source = run_budget_bytes(resolved), "the run's budget"
+    if budget is None:
+        budget, source = machine_budget_bytes(world), "this machine's memory per rank"
+    found, points = layout_search(
+        resolved, world, budget, resolved.budget.layout_precisions
+    )
+    head = (
+        f"layouts of {world} ranks that fit {fmt_bytes(budget)} ({source}), fastest "
+        f"predicted first ({points} points predicted; add a line's overrides to this "
+        "command, or trainer.layout=fastest for the first):"
+    )
+    return found, head

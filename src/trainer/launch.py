@@ -157,6 +157,7 @@ def prepare(
     # when chosen, is in both the config and the object it returns. Rank 0 says its
     # choices and logs its estimate beside what it measures: planned once, by rank 0.
     rank0 = _is_rank0()
+    cfg, resolved, chosen = _fastest_layout(cfg, resolved, rank0)
     run = plan_run(
         as_ranks_start(resolved),
         user_keys,
@@ -182,8 +183,35 @@ def prepare(
     return cfg, replace(
         resolved,
         **run.recorded(),
+        layout_chosen=chosen,
         data_record=meta and meta.get("record"),
     )
+
+
+def _fastest_layout(
+    cfg: DictConfig, resolved: RunPlan, say: bool
+) -> tuple[DictConfig, RunPlan, dict | None]:
+    """With ``trainer.layout=fastest``: ``cfg`` and its plan in the planner's fastest
+    layout that fits (src/planner/layouts.py), said in one line (``say``), and its
+    record; else as they are. Every rank searches alike (formula work, no data)."""
+    if cfg.trainer.layout != "fastest" or cfg.trainer.plan_only:
+        return cfg, resolved, None
+    from src.planner.layouts import run_layouts
+
+    found, _ = run_layouts(resolved, _world_from_env() or resolved.world_size)
+    if not found:
+        raise ConfigError(
+            "trainer.layout", "no layout of these ranks fits: the planner found none"
+        )
+    best = found[0]
+    sets = {
+        ("precision.name" if k == "precision" else k): v
+        for k, v in best.overrides.items()
+    }
+    cfg = with_overrides(cfg, sets)
+    if say:
+        log.info("layout: trainer.layout=fastest: %s", best.line())
+    return cfg, resolve(cfg), best.record()
 
 
 def as_ranks_start(resolved: RunPlan) -> RunPlan:
