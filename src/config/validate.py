@@ -35,10 +35,10 @@ from src.config.schema import (
     EXPORTS,
     GRAD_SYNC,
     INIT_DEVICES,
+    LAYOUT_CHOICES,
     MIN_LR_RATIO,
     OBJECTIVES,
     RESUME_SCHEDULES,
-    LAYOUT_CHOICES,
 )
 from src.data.sources import DATA_SOURCES
 from src.errors import ConfigError, keyed

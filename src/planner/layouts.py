@@ -28,7 +28,7 @@ from src.planner.search import (
 )
 from src.planner.settings import accelerator_name, device_type, mem_margin
 from src.planner.step_time import StepTime, predict
-from src.sharding import GIB, LayoutError, backend_class, refusal
+from src.sharding import LayoutError, backend_class, refusal
 from src.sharding.pipeline import SCHEDULES, microbatches_problem
 
 #: Layouts plan-only lists.
@@ -39,8 +39,10 @@ DEGREES = (2, 4, 8, 16)
 AC_MODES = ("none", "selective", "full")
 #: Gradient-accumulation steps tried (each where it splits the batch).
 ACCUMS = (1, 2, 4, 8)
-#: Points estimated for memory at most, fastest predicted first.
-MAX_ESTIMATED = 60
+#: Points estimated for memory at most, fastest predicted first (pipelined ones, whose
+#: stages are built each time: :data:`MAX_PIPELINED`).
+MAX_ESTIMATED = 40
+MAX_PIPELINED = 6
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class _Search:
         self.wraps: dict[tuple, Any] = {}
         self.frugal: dict[tuple, bool] = {}  # a group's verdict with full checkpointing
         self.estimated = 0  # points estimated for memory
+        self.pipelined = 0  # of them pipelined
+        self.estimates: dict[tuple, Any] = {}
         self.batch = int(resolved.batch.batch_size)
 
     def _degrees(self) -> Iterator[dict[str, int]]:
@@ -240,13 +244,21 @@ class _Search:
 
     def _estimate(self, fields: dict, budget: int, margin: float):
         """``(run, wrap plan, estimate)`` of ``fields`` where it fits ``budget``."""
-        run = varied(self.r, fields)
-        self.estimated += 1
-        try:
-            wrap, est = estimate_plan(run, self.world)
-        except Exception:
-            return None
-        return (run, wrap, est) if needed(est, margin) <= budget else None
+        key = tuple(fields.items())
+        if key not in self.estimates:
+            run = varied(self.r, fields)
+            lay = run.layout
+            model = self.models.get((lay.tp, lay.ep)) if lay.pp == 1 else None
+            if lay.pp > 1 and self.pipelined >= MAX_PIPELINED:
+                return None
+            self.estimated += 1
+            self.pipelined += lay.pp > 1
+            try:
+                self.estimates[key] = (run, *estimate_plan(run, self.world, model))
+            except Exception:
+                self.estimates[key] = None
+        found = self.estimates[key]
+        return found if found and needed(found[2], margin) <= budget else None
 
     def fitted(self, point: _Point, budget: int, margin: float) -> Layout | None:
         """``point`` as a :class:`Layout` where its estimate fits ``budget``."""
