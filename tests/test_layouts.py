@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import src.config.schema  # noqa: F401  (registers the base_config schema for compose)
-from src.config.run_plan import resolve
+from src.config.run_plan import resolve, with_overrides
 from src.config.validate import validate
 from src.errors import ConfigError
 from src.harness import compose_config
@@ -52,7 +52,9 @@ def test_layout_fastest_trains_the_first_and_records_it(caplog):
 
     cfg = compose_config(*BASE, "trainer.layout=fastest")
     with caplog.at_level("INFO"):
-        out, run, record = _fastest_layout(cfg, resolve(cfg), say=True)
+        sets, record = _fastest_layout(resolve(cfg), say=True)
+    out = with_overrides(cfg, sets)
+    run = resolve(out)
     said = [r.message for r in caplog.records if "trainer.layout=fastest" in r.message]
     assert len(said) == 1
     for key, value in record["overrides"].items():
