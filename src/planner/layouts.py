@@ -41,8 +41,8 @@ AC_MODES = ("none", "selective", "full")
 ACCUMS = (1, 2, 4, 8)
 #: Points estimated for memory at most, fastest predicted first (pipelined ones, whose
 #: stages are built each time: :data:`MAX_PIPELINED`).
-MAX_ESTIMATED = 40
-MAX_PIPELINED = 6
+MAX_ESTIMATED = 20
+MAX_PIPELINED = 4
 
 
 @dataclass(frozen=True)
