@@ -118,6 +118,7 @@ class Budget:
     fixed_devices: bool = False
     logger: str = "wandb"
     forked_ranks: bool = False
+    layout_precisions: tuple[str, ...] = ()  # the layout search's other precisions
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,9 @@ class RunPlan:
     # predicted_step_time_s, predicted_tokens_per_s; set by the launcher, empty when
     # not predicted)
     predicted: dict | None = None
+    # The layout trainer.layout=fastest chose (src/planner/layouts.py
+    # ``Layout.record``), set by the launcher; None otherwise
+    layout_chosen: dict | None = None
     # The config as composed, before the launcher prepared it (auto values, the
     # vocabulary following the tokenizer): what a checkpoint records and a resume
     # continues from (src/runs/resume.py). None outside train.py's launcher.
@@ -223,6 +227,9 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
             bool(OmegaConf.select(cfg, "trainer.memory_check", default=True)),
             bool(OmegaConf.select(cfg, "trainer.fixed_devices", default=False)),
             str(OmegaConf.select(cfg, "logger.backend", default=None) or "wandb"),
+            layout_precisions=tuple(
+                OmegaConf.select(cfg, "trainer.layout_precisions", default=None) or ()
+            ),
         ),
         model_name=str(OmegaConf.select(cfg, "model.name", default="") or ""),
         init_device=cfg.model.init_device,

@@ -42,6 +42,8 @@ EXPORTS = (False, True, "hf")
 #: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does (refuse
 #: it, or extend the schedule; src/trainer/loop.py).
 RESUME_SCHEDULES = ("keep", "extend")
+#: ``trainer.layout``: train the layout as set, or the planner's fastest that fits.
+LAYOUT_CHOICES = ("as_set", "fastest")
 #: ``trainer.min_lr=null`` (the default): the cosine ends at ``trainer.lr`` times this,
 #: so the schedule follows the learning rate a sweep or a command line sets
 #: (src/trainer/optimizer.py ``final_lr``).
@@ -215,6 +217,12 @@ class TrainerConfig:
     )
     fixed_devices: bool = described(
         "the planner's proposals keep trainer.devices as set (change anything else)"
+    )
+    layout: str = described(
+        "as_set, or fastest: train the planner's fastest layout that fits"
+    )
+    layout_precisions: list[str] = described(
+        "precisions the layout search may try besides precision.name"
     )
     peak_tflops: float | None = described(
         "per-rank peak for MFU (null: GPU table or CPU probe)"

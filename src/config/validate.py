@@ -35,6 +35,7 @@ from src.config.schema import (
     EXPORTS,
     GRAD_SYNC,
     INIT_DEVICES,
+    LAYOUT_CHOICES,
     MIN_LR_RATIO,
     OBJECTIVES,
     RESUME_SCHEDULES,
@@ -562,6 +563,7 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
         "expected null (table or probe) or a positive number",
     )
     _choice(cfg, "trainer.resume_schedule", RESUME_SCHEDULES)
+    _choice(cfg, "trainer.layout", LAYOUT_CHOICES)
     _require(
         t.resume in (None, "auto") or os.path.exists(os.path.expanduser(t.resume)),
         "trainer.resume",

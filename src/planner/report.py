@@ -23,6 +23,7 @@ from src.planner.costs import (
 )
 from src.planner.estimate import Estimate, fmt_bytes, needed, with_margin
 from src.planner.inputs import build_meta_model
+from src.planner.layouts import run_layouts
 from src.planner.pipeline import (
     bubble_line,
     pipeline_estimates,
@@ -289,6 +290,10 @@ def plan_only(
         log.info(verdict)
     step, why = predicted_step(resolved, plan, world)
     log.info(step.table() if step else f"step time: not predicted ({why})")
+    layouts, head = run_layouts(resolved, world)
+    log.info(
+        "\n".join([head, *(f"  {i}. {x.line()}" for i, x in enumerate(layouts, 1))])
+    )
     logger = Logger.files(run_dir)
     logger.log_table("wrap_plan", plan.rows())
     logger.log_summary(
@@ -303,6 +308,7 @@ def plan_only(
             **stages,
             **info,
             **(step.summary() if step else {}),
+            "layouts": [x.record() for x in layouts],
         }
     )
     logger.finish()

@@ -220,12 +220,17 @@ def _link(profile: DeviceProfile, kind: str, span: int) -> Link:
 
 
 def predict(
-    resolved: RunPlan, plan: WrapPlan, profile: DeviceProfile, world: int | None = None
+    resolved: RunPlan,
+    plan: WrapPlan,
+    profile: DeviceProfile,
+    world: int | None = None,
+    blocks: int | None = None,
 ) -> StepTime:
     """The step time of ``resolved`` on ``world`` ranks (default: its devices) with
-    ``plan``'s units (a pipeline's: its worst stage's) on ``profile``."""
+    ``plan``'s units (a pipeline's: its worst stage's) on ``profile`` (``blocks``:
+    the model's, where counted already)."""
     world = world or resolved.world_size
-    shape = model_shape(resolved, n_blocks(resolved))
+    shape = model_shape(resolved, blocks or n_blocks(resolved))
     step = _Step(resolved, plan, profile, world, shape)
     return step.result()
 

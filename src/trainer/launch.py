@@ -114,13 +114,13 @@ def prepare(
     """What the ranks start from, decided once before any starts: ``cfg`` resolved
     (ranks have no Hydra context), the data in the token cache (tokenized by a fresh
     run's ``model.pretrained``'s tokenizer.json if any), the vocabulary following the
-    tokenizer, every ``auto`` chosen, its :class:`RunPlan`. ``user_keys``: the keys
-    the user set (default: this Hydra job's command line);
-    ``run_dir``: a training run's dir (:func:`admitted` writes its ``data.json``);
-    ``splits``: the data's splits the command reads, each checked to hold a window
-    (default: training's, :func:`training_splits`; none: no data is read, the
-    tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data (its
-    tokenizer file read, its corpus still the data's). Bad input: ``ConfigError``."""
+    tokenizer, the fastest layout where asked, every ``auto`` chosen, its
+    :class:`RunPlan`. ``user_keys``: the keys the user set (default: this Hydra
+    job's command line); ``run_dir``: a training run's dir (:func:`admitted` writes
+    its ``data.json``); ``splits``: the data's splits the command reads, each checked
+    to hold a window (default: training's, :func:`training_splits`; none: no data is
+    read, the tokenizer alone gives the vocabulary); ``pin``: a resume's pinned data
+    (its tokenizer file read, its corpus still the data's). Bad input: ConfigError."""
     signal_point("prepare")
     cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(cfg)
@@ -128,6 +128,7 @@ def prepare(
     user_keys = job_user_keys() if user_keys is None else user_keys
     if pin is None and splits is None:  # a training run: the checkpoint's tokenizer
         pretrained_tokenizer(cfg, user_keys, say=_is_rank0())
+    cfg, chosen = _with_fastest_layout(cfg, splits is None)  # a resume keeps it
     composed = OmegaConf.to_container(cfg)  # what a checkpoint records
     resolved = resolve(cfg)
     if pin is not None:  # recorded as the run's config, read as its own file
@@ -153,9 +154,7 @@ def prepare(
         sizes = split_sizes(cfg.data, meta)
         wanted = training_splits(cfg.trainer, sizes) if splits is None else splits
         check_split_sizes(cfg.data, sizes, seq_len, wanted)
-    # The planner reads that object (the model's spec and config); the block policy,
-    # when chosen, is in both the config and the object it returns. Rank 0 says its
-    # choices and logs its estimate beside what it measures: planned once, by rank 0.
+    # The planner's choices go to the config and the plan; rank 0 says them, once.
     rank0 = _is_rank0()
     run = plan_run(
         as_ranks_start(resolved),
@@ -182,8 +181,39 @@ def prepare(
     return cfg, replace(
         resolved,
         **run.recorded(),
+        layout_chosen=chosen,
         data_record=meta and meta.get("record"),
     )
+
+
+def _with_fastest_layout(
+    cfg: DictConfig, training: bool
+) -> tuple[DictConfig, dict | None]:
+    """``cfg`` in the planner's fastest layout that fits, and its record, where a
+    ``training`` run asks (``trainer.layout=fastest``; plan-only lists them
+    instead); else ``cfg``."""
+    if not training or cfg.trainer.layout != "fastest" or cfg.trainer.plan_only:
+        return cfg, None
+    sets, record = _fastest_layout(resolve(cfg), _is_rank0())
+    return with_overrides(cfg, sets), record
+
+
+def _fastest_layout(resolved: RunPlan, say: bool) -> tuple[dict, dict]:
+    """``trainer.layout=fastest``: the planner's fastest layout of the run's ranks
+    that fits (src/planner/layouts.py) as the config keys to set and as recorded,
+    said in one line (``say``). Every rank searches alike (formula work, no data)."""
+    from src.planner.layouts import run_layouts
+
+    found, _ = run_layouts(resolved, _world_from_env() or resolved.world_size)
+    if not found:
+        raise ConfigError(
+            "trainer.layout", "no layout of these ranks fits: the planner found none"
+        )
+    best = found[0]
+    if say:
+        log.info("layout: trainer.layout=fastest: %s", best.line())
+    group = {"precision": "precision.name"}  # a config group, set by its name
+    return {group.get(k, k): v for k, v in best.overrides.items()}, best.record()
 
 
 def as_ranks_start(resolved: RunPlan) -> RunPlan:

@@ -408,7 +408,9 @@ class Trainer:
             self.resolved.planned_peak_gib,
             self.resolved.planned_peak_pp_rank,
         )
-        predicted = self.resolved.predicted or {}
+        predicted = dict(self.resolved.predicted or {})
+        if self.resolved.layout_chosen is not None:
+            predicted["layout"] = self.resolved.layout_chosen
         if planned is None:
             return dict(predicted)
         stage = {} if pp_rank is None else {"planned_peak_pp_rank": pp_rank}
