@@ -15,12 +15,13 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from src.config.run_plan import resolve
+from src.config.schema import LR_SCHEDULES
 from src.harness import compose_config
 from src.models import GPT, get_spec
 from src.planner.profiles import cpu_threads
 from src.planner.report import plan_only
 from src.trainer.loop import train
-from src.trainer.optimizer import build_optimizer, lr_lambda
+from src.trainer.optimizer import apply_hyperparameters, build_optimizer, lr_lambda
 from tests.distributed import HANG_S, run_distributed
 from tests.test_models import TinyLM
 
@@ -61,6 +62,44 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert f(cfg.trainer.max_steps) == pytest.approx(0.1)
     steps = range(10, cfg.trainer.max_steps + 1)
     assert all(f(a) >= f(b) for a, b in zip(steps, steps[1:], strict=False))
+
+
+@pytest.mark.parametrize("schedule", LR_SCHEDULES)
+def test_each_schedule_decays_as_named_and_resumes_exactly(schedule):
+    """The warmup is shared; then cosine and linear fall to min_lr, wsd holds lr until
+    its last decay_fraction, constant holds lr. A resume (and one extending
+    max_steps) continues with the formula's learning rate, bit for bit."""
+    over = ("trainer.lr=1e-3", "trainer.min_lr=1e-4", "trainer.warmup_steps=10")
+    cfg = make_cfg(*over, f"trainer.schedule={schedule}", "trainer.max_steps=50")
+    f, end = lr_lambda(cfg), 0.1 if schedule != "constant" else 1.0
+    assert [f(s) for s in range(10)] == [(s + 1) / 10 for s in range(10)]
+    assert f(10) == 1.0 and f(50) == pytest.approx(end) and f(60) == f(50)
+    steps = range(10, 51)
+    assert all(f(a) >= f(b) for a, b in zip(steps, steps[1:], strict=False))
+    if schedule == "wsd":  # decay_fraction 0.2 of 50 steps: the decay from step 40
+        assert f(40) == 1.0 and f(41) < 1.0 and f(45) == pytest.approx(0.55)
+    if schedule == "linear":
+        assert f(30) == pytest.approx(0.1 + 0.9 * 0.5)
+
+    def lrs(cfg, start, stop, state=None):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        if state is not None:
+            opt.load_state_dict(state[0])
+            sched.load_state_dict(state[1])
+            apply_hyperparameters(opt, sched, cfg)
+        out = []
+        for _ in range(start, stop):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out, (opt.state_dict(), sched.state_dict())
+
+    whole, _ = lrs(cfg, 0, 50)
+    _, state = lrs(cfg, 0, 30)
+    assert lrs(cfg, 30, 50, state)[0] == whole[30:]
+    longer = make_cfg(*over, f"trainer.schedule={schedule}", "trainer.max_steps=80")
+    assert lrs(longer, 30, 80, state)[0] == lrs(longer, 0, 80)[0][30:]
 
 
 def test_weight_decay_only_on_matrices():

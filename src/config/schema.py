@@ -42,6 +42,10 @@ EXPORTS = (False, True, "hf")
 #: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does (refuse
 #: it, or extend the schedule; src/trainer/loop.py).
 RESUME_SCHEDULES = ("keep", "extend")
+#: ``trainer.schedule``: the learning rate after the warmup: cosine or linear down to
+#: ``min_lr``, wsd (stable at ``lr``, then a linear decay over the last
+#: ``trainer.decay_fraction`` of the steps) or constant (src/trainer/optimizer.py).
+LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 #: ``trainer.min_lr=null`` (the default): the cosine ends at ``trainer.lr`` times this,
 #: so the schedule follows the learning rate a sweep or a command line sets
 #: (src/trainer/optimizer.py ``final_lr``).
@@ -167,9 +171,16 @@ class TrainerConfig:
     sample_tokens: int = described("new tokens per trainer.sample_every sample")
     lr: float = described("peak learning rate (AdamW)")
     min_lr: float | None = described(
-        f"learning rate at the end of the cosine decay (null: lr x {MIN_LR_RATIO})"
+        f"learning rate at the end of the decay (null: lr x {MIN_LR_RATIO})"
     )
     warmup_steps: int = described("steps of linear warmup")
+    # one of LR_SCHEDULES
+    schedule: str = described(
+        lambda: f"learning rate after the warmup: {or_list(LR_SCHEDULES)}"
+    )
+    decay_fraction: float = described(
+        "schedule=wsd: the decay to min_lr takes this share of max_steps, at the end"
+    )
     weight_decay: float = described("AdamW weight decay (2-D weights only)")
     betas: list[float] = described("AdamW betas")
     grad_clip: float = described("max global gradient norm (0 = off)")

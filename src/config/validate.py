@@ -35,6 +35,7 @@ from src.config.schema import (
     EXPORTS,
     GRAD_SYNC,
     INIT_DEVICES,
+    LR_SCHEDULES,
     MIN_LR_RATIO,
     OBJECTIVES,
     RESUME_SCHEDULES,
@@ -562,6 +563,12 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
         "expected null (table or probe) or a positive number",
     )
     _choice(cfg, "trainer.resume_schedule", RESUME_SCHEDULES)
+    _choice(cfg, "trainer.schedule", LR_SCHEDULES)
+    _require(
+        0 < t.decay_fraction <= 1,
+        "trainer.decay_fraction",
+        f"got {t.decay_fraction:g}, expected a share of max_steps in (0, 1]",
+    )
     _require(
         t.resume in (None, "auto") or os.path.exists(os.path.expanduser(t.resume)),
         "trainer.resume",

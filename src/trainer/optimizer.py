@@ -51,22 +51,49 @@ def _weight_decay(t: DictConfig, no_decay: bool) -> float:
 
 
 def final_lr(t: DictConfig) -> float:
-    """Where the cosine ends: ``trainer.min_lr``, or when null (the default)
+    """Where the decay ends: ``trainer.min_lr``, or when null (the default)
     ``trainer.lr`` x :data:`MIN_LR_RATIO`, so it follows the learning rate."""
     return t.lr * MIN_LR_RATIO if t.min_lr is None else t.min_lr
 
 
+def _cosine(q: float) -> float:
+    return 0.5 * (1 + math.cos(math.pi * q))
+
+
+def _linear(q: float) -> float:
+    return 1 - q
+
+
+#: ``trainer.schedule`` (one of :data:`LR_SCHEDULES`) -> (the first step of its decay,
+#: its shape from 1 to 0 over the decay's progress 0..1); constant never decays.
+_DECAYS = {
+    "cosine": (lambda t: t.warmup_steps, _cosine),
+    "linear": (lambda t: t.warmup_steps, _linear),
+    "wsd": (
+        lambda t: max(
+            t.warmup_steps, t.max_steps - round(t.decay_fraction * t.max_steps)
+        ),
+        _linear,
+    ),
+}
+
+
 def lr_lambda(cfg: DictConfig):
-    """LR multiplier per step: linear warmup to 1, then cosine down to
-    :func:`final_lr` / lr."""
+    """LR multiplier per step: linear warmup to 1, then ``trainer.schedule`` down to
+    :func:`final_lr` / lr (a pure function of the step and the config, so a resume,
+    and a resume that extends ``max_steps``, gets the formula's learning rate)."""
     t = cfg.trainer
     floor = final_lr(t) / t.lr
+    start, shape = _DECAYS.get(t.schedule, (None, None))
+    first = None if start is None else start(t)
 
     def factor(step: int) -> float:
         if step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
-        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if first is None or step < first:
+            return 1.0
+        progress = (step - first) / max(1, t.max_steps - first)
+        return floor + (1 - floor) * shape(min(1.0, progress))
 
     return factor
 
