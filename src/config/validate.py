@@ -38,6 +38,7 @@ from src.config.schema import (
     LR_SCHEDULES,
     MIN_LR_RATIO,
     OBJECTIVES,
+    OPTIMIZERS,
     RESUME_SCHEDULES,
 )
 from src.data.sources import DATA_SOURCES
@@ -564,6 +565,13 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
     )
     _choice(cfg, "trainer.resume_schedule", RESUME_SCHEDULES)
     _choice(cfg, "trainer.schedule", LR_SCHEDULES)
+    _choice(cfg, "trainer.optimizer", OPTIMIZERS)
+    _require(
+        t.optimizer != "muon" or cfg.sharding.backend != "fsdp1",
+        "trainer.optimizer",
+        "muon orthogonalises each weight matrix, and sharding=fsdp1 holds them as "
+        "flat 1-D shards: use sharding=fsdp2, ddp or none",
+    )
     _require(
         0 < t.decay_fraction <= 1,
         "trainer.decay_fraction",

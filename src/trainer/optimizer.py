@@ -14,31 +14,51 @@ from omegaconf import DictConfig
 from src.config.schema import MIN_LR_RATIO
 from src.models import ModelSpec
 from src.sharding import canonical_name
+from src.trainer.optimizers import MUON, Lion, MuonAdamW
 
 
 def build_optimizer(
     model: nn.Module, cfg: DictConfig, spec: ModelSpec
-) -> torch.optim.AdamW:
-    """AdamW with weight decay except where the family's no-decay rule says (biases
-    and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
-    views, so the live tensors cannot tell)."""
-    no_decay_name = spec.no_decay
-    decay, no_decay = [], []
+) -> torch.optim.Optimizer:
+    """``trainer.optimizer``: AdamW, or Muon for the weight matrices (AdamW for the
+    embeddings, the output head, norms and biases), with weight decay except where the
+    family's no-decay rule says (biases and normalisation gains), decided by canonical
+    name (FSDP1 shards are flat 1-D views, so the live tensors cannot tell)."""
+    t = cfg.trainer
+    muon = t.optimizer == "muon"
+    adamw_only = _embeddings_and_head(model) if muon else set()
+    kinds: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            is_nd = no_decay_name(canonical_name(name, model))
-            (no_decay if is_nd else decay).append(p)
-    t = cfg.trainer
+            nd = spec.no_decay(canonical_name(name, model))
+            is_muon = muon and not nd and p.ndim == 2 and id(p) not in adamw_only
+            kinds.setdefault((nd, is_muon), []).append(p)
     # An empty group (all of a LoRA run's trained weights decay) is left out: torch's
     # distributed optimizer state cannot name one.
     groups = [
         {"params": params, "weight_decay": _weight_decay(t, nd), NO_DECAY: nd}
-        for params, nd in ((decay, False), (no_decay, True))
-        if params
+        | ({MUON: is_muon, "momentum": t.muon_momentum} if muon else {})
+        for (nd, is_muon), params in sorted(kinds.items())
     ]
     # foreach: one op per group, not per tensor (4-7% of a CPU step; torch's default
     # on CUDA already). Its working set is a planner term (src/planner/optimizer_step.py).
-    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
+    if t.optimizer == "lion":
+        return Lion(groups, lr=t.lr, betas=tuple(t.betas))
+    cls = MuonAdamW if muon else torch.optim.AdamW
+    return cls(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
+
+
+def _embeddings_and_head(model: nn.Module) -> set[int]:
+    """The ids of the embedding tables and of the output head (a linear layer as wide
+    as the largest embedding's vocabulary): Muon's recipe leaves them to AdamW."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    heads = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m.out_features == vocab
+    ]
+    return {id(p) for m in embeddings + heads for p in m.parameters()}
 
 
 #: A param group's flag: its parameters take no weight decay.
@@ -110,11 +130,10 @@ def apply_hyperparameters(
     for i, group in enumerate(optimizer.param_groups):
         # a checkpoint from before the flag: its two groups, decay first
         no_decay = group.setdefault(NO_DECAY, i == 1)
-        group.update(
-            weight_decay=_weight_decay(t, no_decay),
-            betas=tuple(t.betas),
-            initial_lr=t.lr,
-        )
+        group.update(weight_decay=_weight_decay(t, no_decay), initial_lr=t.lr)
+        group["betas"] = tuple(t.betas)
+        if group.get(MUON):
+            group["momentum"] = t.muon_momentum
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
     for group, base, factor in zip(
         optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
