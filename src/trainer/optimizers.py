@@ -26,10 +26,7 @@ class MuonAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss(closure)
         groups = self.param_groups
         try:  # AdamW's step over its own groups only
             self.param_groups = [g for g in groups if not g.get(MUON)]
@@ -63,6 +60,14 @@ class MuonAdamW(torch.optim.AdamW):
         p.add_(ortho, alpha=-_adjust_lr(lr, "match_rms_adamw", p.shape))
 
 
+def _loss(closure) -> torch.Tensor | None:
+    """An optimizer step's ``closure()``, with gradients, if given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def newton_schulz(g: torch.Tensor) -> torch.Tensor:
     """torch.optim.Muon's quintic Newton-Schulz orthogonalisation of the whole matrix
     ``g``, in its own dtype: torch's runs in bf16, where a gradient that a sharded
@@ -93,10 +98,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss(closure)
         for group in self.param_groups:
             lr, (beta1, beta2) = group["lr"], group["betas"]
             for p in group["params"]:
