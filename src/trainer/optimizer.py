@@ -49,16 +49,15 @@ def build_optimizer(
 
 
 def _embeddings_and_head(model: nn.Module) -> set[int]:
-    """The ids of the embedding tables and of the output head (a linear layer as wide
-    as the largest embedding's vocabulary): Muon's recipe leaves them to AdamW."""
+    """The ids of the embedding tables' parameters and the output head's (the model's
+    last linear layer, when as wide as its largest embedding's vocabulary; an MLP may be
+    as wide too): Muon's recipe leaves them to AdamW."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=None)
-    heads = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.Linear) and m.out_features == vocab
-    ]
-    return {id(p) for m in embeddings + heads for p in m.parameters()}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if linears and linears[-1].out_features == vocab:
+        embeddings.append(linears[-1])
+    return {id(p) for m in embeddings for p in m.parameters()}
 
 
 #: A param group's flag: its parameters take no weight decay.
