@@ -129,7 +129,7 @@ def test_muon_takes_the_block_matrices_as_torch_muon_and_lion_steps_by_sign():
         )
         ours.step()
         theirs.step()
-    assert set(ours.state[w]) == {"momentum_buffer"}
+    assert set(ours.state[w]) == {"momentum_buffer", "step"}
     torch.testing.assert_close(w, ref, atol=1e-3, rtol=0)  # bf16 against fp32
     assert (w - ref).abs().max() > 0  # ours orthogonalises in fp32
 

@@ -46,6 +46,9 @@ class MuonAdamW(torch.optim.AdamW):
             state["momentum_buffer"] = torch.zeros_like(
                 p, memory_format=torch.preserve_format
             )
+            # AdamW.load_state_dict reads every parameter's step
+            state["step"] = torch.tensor(0.0)
+        state["step"] += 1
         buf, momentum = state["momentum_buffer"], group["momentum"]
         buf.lerp_(p.grad, 1 - momentum)
         update = p.grad.lerp(buf, momentum)  # Nesterov
