@@ -12,7 +12,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.config.schema import MIN_LR_RATIO
-from src.models import ModelSpec
+from src.models import ModelSpec, muon_matrices
 from src.sharding import canonical_name
 from src.trainer.optimizers import MUON, Lion, MuonAdamW
 
@@ -26,13 +26,12 @@ def build_optimizer(
     name (FSDP1 shards are flat 1-D views, so the live tensors cannot tell)."""
     t = cfg.trainer
     muon = t.optimizer == "muon"
-    adamw_only = _embeddings_and_head(model) if muon else set()
+    matrices = muon_matrices(model, spec.no_decay) if muon else set()
     kinds: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             nd = spec.no_decay(canonical_name(name, model))
-            is_muon = muon and not nd and p.ndim == 2 and id(p) not in adamw_only
-            kinds.setdefault((nd, is_muon), []).append(p)
+            kinds.setdefault((nd, id(p) in matrices), []).append(p)
     # An empty group (all of a LoRA run's trained weights decay) is left out: torch's
     # distributed optimizer state cannot name one.
     groups = [
@@ -46,18 +45,6 @@ def build_optimizer(
         return Lion(groups, lr=t.lr, betas=tuple(t.betas))
     cls = MuonAdamW if muon else torch.optim.AdamW
     return cls(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
-
-
-def _embeddings_and_head(model: nn.Module) -> set[int]:
-    """The ids of the embedding tables' parameters and the output head's (the model's
-    last linear layer, when as wide as its largest embedding's vocabulary; an MLP may be
-    as wide too): Muon's recipe leaves them to AdamW."""
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    vocab = max((m.num_embeddings for m in embeddings), default=None)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if linears and linears[-1].out_features == vocab:
-        embeddings.append(linears[-1])
-    return {id(p) for m in embeddings for p in m.parameters()}
 
 
 #: A param group's flag: its parameters take no weight decay.
