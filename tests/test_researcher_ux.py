@@ -93,6 +93,11 @@ def test_mistakes_are_one_line_naming_the_key_and_the_fix(
         "trainer.schedule: got 'cosin', expected one of: " + ", ".join(LR_SCHEDULES)
     )
 
+    line = one_config_error(
+        command("train.py", "trainer.optimizer=muon", "sharding=fsdp1")
+    )
+    assert line.startswith("trainer.optimizer: muon orthogonalises each weight matrix")
+
     missing = tmp_path / "no" / "such" / "step_00000100"
     args = [f"hydra.run.dir={tmp_path}/a", f"trainer.resume={missing}"]
     line = one_config_error(command("train.py", *args))
