@@ -734,45 +734,62 @@ def test_export_single_process_ties_once(tmp_path):
     assert_same(state, dict(model.state_dict()))
 
 
-def test_trainer_async_checkpoints_publish_and_resume_exactly(tmp_path):
-    """The loop with ``trainer.ckpt_async=true`` (one FSDP2 rank, run in this process
-    as train.py runs it): every checkpoint is published by the end of the run, and a
-    run resumed from one continues bit for bit."""
+#: A 4-step run of one FSDP2 rank, checkpointed at steps 2 and 4.
+ONE_RANK_RUN = (
+    "model=tiny",
+    "logger=none",
+    "data=synthetic",
+    "data.num_tokens=20000",
+    "trainer.devices=1",
+    "trainer.max_steps=4",
+    "trainer.batch_size=4",
+    "trainer.log_every=1",
+    "trainer.val_every=0",
+    "trainer.progress=false",
+    "trainer.peak_tflops=1",
+    "trainer.ckpt_every=2",
+)
+
+
+def one_rank(*overrides: str, run_dir: Path) -> dict[int, float]:
+    """:data:`ONE_RANK_RUN` in this process as train.py runs it: its loss per step."""
     from src.config.validate import validate
     from src.trainer.launch import run_rank
     from tests.test_train import make_cfg, read_rows
 
-    run = [
-        "model=tiny",
-        "logger=none",
-        "data=synthetic",
-        "data.num_tokens=20000",
-        "trainer.devices=1",
-        "trainer.max_steps=4",
-        "trainer.batch_size=4",
-        "trainer.log_every=1",
-        "trainer.val_every=0",
-        "trainer.progress=false",
-        "trainer.peak_tflops=1",
-        "trainer.ckpt_every=2",
-        "trainer.ckpt_async=true",
-    ]
+    cfg = make_cfg(*ONE_RANK_RUN, *overrides)
+    run_rank(cfg, str(run_dir), validate(cfg))
+    return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r}
 
-    def one_rank(*overrides: str, run_dir: Path) -> None:
-        cfg = make_cfg(*run, *overrides)
-        run_rank(cfg, str(run_dir), validate(cfg))
 
-    one_rank(run_dir=tmp_path / "straight")
+def test_trainer_async_checkpoints_publish_and_resume_exactly(tmp_path):
+    """The loop with ``trainer.ckpt_async=true`` (one FSDP2 rank, run in this process
+    as train.py runs it): every checkpoint is published by the end of the run, and a
+    run resumed from one continues bit for bit."""
+    straight = one_rank("trainer.ckpt_async=true", run_dir=tmp_path / "straight")
     ckpts = tmp_path / "straight" / "checkpoints"
     assert [p.name for p in complete_checkpoints(ckpts)] == [
         "step_00000002",
         "step_00000004",
     ]
     step_2 = ckpts / "step_00000002"
-    one_rank(f"trainer.resume={step_2}", run_dir=tmp_path / "resumed")
+    resumed = one_rank(
+        "trainer.ckpt_async=true", f"trainer.resume={step_2}", run_dir=tmp_path / "r"
+    )
+    assert resumed == {3: straight[3], 4: straight[4]}
 
-    def losses(run_dir: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r}
 
-    straight = losses(tmp_path / "straight")
-    assert losses(tmp_path / "resumed") == {3: straight[3], 4: straight[4]}
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("trainer.optimizer=muon", "trainer.schedule=wsd", "trainer.warmup_steps=1"),
+        ("trainer.optimizer=lion", "trainer.schedule=linear", "trainer.warmup_steps=1"),
+    ],
+)
+def test_each_optimizer_and_schedule_resumes_exactly(tmp_path, overrides):
+    """Muon (its matrices' momentum and AdamW's moments for the rest) and Lion in
+    the distributed checkpoint: a resume continues bit for bit."""
+    straight = one_rank(*overrides, run_dir=tmp_path / "straight")
+    step_2 = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    resumed = one_rank(*overrides, f"trainer.resume={step_2}", run_dir=tmp_path / "r")
+    assert resumed == {3: straight[3], 4: straight[4]}

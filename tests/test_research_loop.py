@@ -38,7 +38,9 @@ from src.runs.from_run import (
 from src.trainer.launch import prepare, run_rank, run_ranks
 from src.trainer.optimizer import final_lr, lr_lambda
 from src.trainer.sampling import SAMPLING_CHANGES, sample_texts, sampling_changes
+from tests.commands import in_process
 from tests.distributed import HANG_S
+from tests.test_researcher_ux import one_config_error
 from tests.test_train import ROOT, make_cfg, read_rows, run_cmd
 
 # A tiny model on 2 MB of the stdlib's sources (byte-level), one rank in this process.
@@ -78,7 +80,9 @@ def gpt_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_resume_schedule_extend_continues_and_keep_refuses(gpt_run, tmp_path):
+def test_resume_schedule_extend_continues_and_keep_refuses(
+    gpt_run, tmp_path, monkeypatch, capsys
+):
     """A 20-step run resumed with max_steps=40: ``keep`` (the default) refuses in one
     line naming the key; ``extend`` continues from step 20 on the 40-step schedule
     and its summary says so."""
@@ -90,6 +94,14 @@ def test_resume_schedule_extend_continues_and_keep_refuses(gpt_run, tmp_path):
     line = str(err.value)
     assert "\n" not in line and line.startswith("trainer.max_steps: got 40, but")
     assert "trainer.max_steps=20" in line and "trainer.resume_schedule=extend" in line
+
+    # another optimizer: the checkpoint's state is AdamW's (train.py, before a rank)
+    args = (*GPT_RUN, f"hydra.run.dir={run_dir}", "trainer.resume=auto")
+    line = one_config_error(
+        in_process(monkeypatch, capsys, "train.py", *args, "trainer.optimizer=muon")
+    )
+    assert line.startswith("trainer.optimizer: 'adamw' was recorded by checkpoint ")
+    assert "trainer.init_from=CHECKPOINT" in line
 
     summary = train_run(run_dir, *longer, "trainer.resume_schedule=extend")
     rows = read_rows(run_dir)

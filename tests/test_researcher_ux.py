@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from src.config.cli_help import is_schema_option, user_options
-from src.config.schema import MIN_LR_RATIO, ShardingConfig
+from src.config.schema import LR_SCHEDULES, MIN_LR_RATIO, ShardingConfig
 from src.config.validate import validate
 from src.data.sources import prepare_data, tokenizer_of
 from src.observe.logs import capture_warnings
@@ -87,6 +87,16 @@ def test_mistakes_are_one_line_naming_the_key_and_the_fix(
     )
     assert line.startswith("data.paths: no data= option is chosen to hold it: add ")
     assert "data=files" in line
+
+    line = one_config_error(command("train.py", "trainer.schedule=cosin"))
+    assert line == (
+        "trainer.schedule: got 'cosin', expected one of: " + ", ".join(LR_SCHEDULES)
+    )
+
+    line = one_config_error(
+        command("train.py", "trainer.optimizer=muon", "sharding=fsdp1")
+    )
+    assert line.startswith("trainer.optimizer: muon orthogonalises each weight matrix")
 
     missing = tmp_path / "no" / "such" / "step_00000100"
     args = [f"hydra.run.dir={tmp_path}/a", f"trainer.resume={missing}"]

@@ -14,6 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from src.config.schema import OPTIMIZERS
+from src.harness import compose_config
+from src.models import get_spec
 from src.models.gpt import GPT, GPTConfig, init_tensor
 from src.sharding import (
     LoraSpec,
@@ -24,6 +27,7 @@ from src.sharding import (
     trainable_counts,
     wrap_plan,
 )
+from src.trainer.optimizer import build_optimizer
 from tests.distributed import run_distributed
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
@@ -37,9 +41,14 @@ def batches():
         yield x, torch.roll(x, -1, dims=1)
 
 
-def train(model, backend, x_y, rank=0, world=1):
-    """AdamW + global-norm clipping; returns the global loss of each step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+def train(model, backend, x_y, rank=0, world=1, optimizer=None):
+    """AdamW (or ``trainer.optimizer=optimizer`` as the trainer builds it) +
+    global-norm clipping; returns the global loss of each step."""
+    if optimizer is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+    else:
+        cfg = compose_config(f"trainer.optimizer={optimizer}", "trainer.lr=2e-3")
+        opt = build_optimizer(model, cfg, get_spec("gpt"))
     losses = []
     for x, y in x_y:
         rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -65,14 +74,16 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in sd.items()}
 
 
-def reference():
+def reference(optimizer=None):
     backend = build_backend("none", "fp32", "cpu")
     model = build_sharded_model(lambda: GPT(CFG, seed=SEED), backend, None)
-    losses = train(model, backend, batches())
+    losses = train(model, backend, batches(), optimizer=optimizer)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def sharded_run(rank, world, backend_name, policy_names, min_params, init_device):
+def sharded_run(
+    rank, world, backend_name, policy_names, min_params, init_device, optimizers=()
+):
     torch.manual_seed(rank)  # different global RNG per rank: init must not depend on it
     backend = build_backend(backend_name, "fp32", "cpu")
     policy = build_policy(
@@ -88,12 +99,18 @@ def sharded_run(rank, world, backend_name, policy_names, min_params, init_device
     units = [u.path for u in wrap_plan(model, world).units]
     init = full_state(model)
     losses = train(model, backend, batches(), rank, world)
-    return {"losses": losses, "final": full_state(model), "init": init, "units": units}
+    out = {"losses": losses, "final": full_state(model), "init": init, "units": units}
+    for name in optimizers:  # the same model trained afresh by each optimizer
+        model = build_sharded_model(lambda: GPT(CFG, seed=SEED), backend, policy)
+        losses = train(model, backend, batches(), rank, world, optimizer=name)
+        out[name] = {"losses": losses, "final": full_state(model)}
+    return out
 
 
-def check_against_reference(results):
-    ref_losses, ref_final = reference()
+def check_against_reference(results, optimizer=None):
+    ref_losses, ref_final = reference(optimizer)
     for out in results:
+        out = out if optimizer is None else out[optimizer]
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-5, rel=0)
         for name, value in ref_final.items():
             torch.testing.assert_close(out["final"][name], value, atol=1e-5, rtol=0)
@@ -119,9 +136,13 @@ def test_sharded_training_matches_unsharded(backend_name, min_params, expected_u
 
 @pytest.mark.slow
 def test_block_policy_matches_unsharded():
-    results = run_distributed(sharded_run, 2, "fsdp2", "block", 1e8, "cpu")
+    """And each trainer.optimizer (Muon orthogonalises each sharded matrix whole)."""
+    results = run_distributed(
+        sharded_run, 2, "fsdp2", "block", 1e8, "cpu", OPTIMIZERS[1:]
+    )
     assert results[0]["units"] == ["", "h.0", "h.1"]
-    check_against_reference(results)
+    for optimizer in (None, *OPTIMIZERS[1:]):
+        check_against_reference(results, optimizer)
 
 
 @pytest.mark.slow

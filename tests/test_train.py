@@ -15,12 +15,14 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from src.config.run_plan import resolve
+from src.config.schema import LR_SCHEDULES
 from src.harness import compose_config
 from src.models import GPT, get_spec
 from src.planner.profiles import cpu_threads
 from src.planner.report import plan_only
 from src.trainer.loop import train
-from src.trainer.optimizer import build_optimizer, lr_lambda
+from src.trainer.optimizer import apply_hyperparameters, build_optimizer, lr_lambda
+from src.trainer.optimizers import MUON, MuonAdamW
 from tests.distributed import HANG_S, run_distributed
 from tests.test_models import TinyLM
 
@@ -61,6 +63,88 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert f(cfg.trainer.max_steps) == pytest.approx(0.1)
     steps = range(10, cfg.trainer.max_steps + 1)
     assert all(f(a) >= f(b) for a, b in zip(steps, steps[1:], strict=False))
+
+
+@pytest.mark.parametrize("schedule", LR_SCHEDULES)
+def test_each_schedule_decays_as_named_and_resumes_exactly(schedule):
+    """The warmup is shared; then cosine and linear fall to min_lr, wsd holds lr until
+    its last decay_fraction, constant holds lr. A resume (and one extending
+    max_steps) continues with the formula's learning rate, bit for bit."""
+    over = ("trainer.lr=1e-3", "trainer.min_lr=1e-4", "trainer.warmup_steps=10")
+    cfg = make_cfg(*over, f"trainer.schedule={schedule}", "trainer.max_steps=50")
+    f, end = lr_lambda(cfg), 0.1 if schedule != "constant" else 1.0
+    assert [f(s) for s in range(10)] == [(s + 1) / 10 for s in range(10)]
+    assert f(10) == 1.0 and f(50) == pytest.approx(end) and f(60) == f(50)
+    steps = range(10, 51)
+    assert all(f(a) >= f(b) for a, b in zip(steps, steps[1:], strict=False))
+    if schedule == "wsd":  # decay_fraction 0.2 of 50 steps: the decay from step 40
+        assert f(40) == 1.0 and f(41) < 1.0 and f(45) == pytest.approx(0.55)
+    if schedule == "linear":
+        assert f(30) == pytest.approx(0.1 + 0.9 * 0.5)
+
+    def lrs(cfg, start, stop, state=None):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        if state is not None:
+            opt.load_state_dict(state[0])
+            sched.load_state_dict(state[1])
+            apply_hyperparameters(opt, sched, cfg)
+        out = []
+        for _ in range(start, stop):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out, (opt.state_dict(), sched.state_dict())
+
+    whole, _ = lrs(cfg, 0, 50)
+    _, state = lrs(cfg, 0, 30)
+    assert lrs(cfg, 30, 50, state)[0] == whole[30:]
+    longer = make_cfg(*over, f"trainer.schedule={schedule}", "trainer.max_steps=80")
+    assert lrs(longer, 30, 80, state)[0] == lrs(longer, 0, 80)[0][30:]
+
+
+def test_muon_takes_the_block_matrices_as_torch_muon_and_lion_steps_by_sign():
+    """optimizer=muon: Muon for the blocks' matrices (one momentum buffer each), AdamW
+    for the embeddings (the tied head), norms and biases; its update is
+    torch.optim.Muon's (Moonlight's AdamW-RMS lr), up to torch's bf16 Newton-Schulz.
+    optimizer=lion: p -= lr * sign(interpolated momentum), one buffer."""
+    cfg = make_cfg("model=tiny", "trainer.optimizer=muon")
+    model = GPT(get_spec("gpt").make_config(cfg.model))
+    opt = build_optimizer(model, cfg, resolve(cfg).spec)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = [names[id(p)] for g in opt.param_groups if g[MUON] for p in g["params"]]
+    assert muon and all(n.startswith("h.") and n.endswith(".weight") for n in muon)
+    assert "wte.weight" not in muon and len(muon) == 4 * model.config.n_layer
+
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    ref = torch.nn.Parameter(w.detach().clone())
+    ours = MuonAdamW([{"params": [w], MUON: True, "momentum": 0.95}], lr=0.02)
+    ours.param_groups[0]["weight_decay"] = 0.1
+    theirs = torch.optim.Muon(
+        [ref], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    )
+    for step in range(3):
+        w.grad = ref.grad = torch.randn(
+            8, 16, generator=torch.Generator().manual_seed(step)
+        )
+        ours.step()
+        theirs.step()
+    assert set(ours.state[w]) == {"momentum_buffer", "step"}
+    torch.testing.assert_close(w, ref, atol=1e-3, rtol=0)  # bf16 against fp32
+    assert (w - ref).abs().max() > 0  # ours orthogonalises in fp32
+
+    p = torch.nn.Parameter(torch.ones(4))
+    lion = build_optimizer(
+        torch.nn.Linear(4, 1, bias=False),
+        make_cfg("trainer.optimizer=lion"),
+        get_spec("gpt"),
+    )
+    assert type(lion).__name__ == "Lion"
+    lion = type(lion)([p], lr=0.1, betas=(0.9, 0.99), weight_decay=0.5)
+    p.grad = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    lion.step()
+    assert p.tolist() == pytest.approx([0.85, 1.05, 0.95, 0.85])
+    assert lion.state[p]["exp_avg"].tolist() == pytest.approx([0.01, -0.02, 0, 0.03])
 
 
 def test_weight_decay_only_on_matrices():

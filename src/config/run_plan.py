@@ -145,6 +145,7 @@ class RunPlan:
     seed: int = 0
     lora: LoraSpec | None = None  # model.lora: adapters, the rest frozen
     freeze: tuple[str, ...] = ()  # trainer.freeze: parameter-name patterns
+    optimizer: str = "adamw"  # trainer.optimizer (the planner counts its state)
     # The planner's predicted peak_mem_gib (set by the launcher before the ranks
     # start; None when not planned, e.g. the planner failed on a custom model).
     planned_peak_gib: float | None = None
@@ -237,6 +238,7 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
         seed=t.seed,
         lora=lora_spec(cfg, spec, layout),
         freeze=tuple(OmegaConf.select(cfg, "trainer.freeze", default=None) or ()),
+        optimizer=str(OmegaConf.select(cfg, "trainer.optimizer", default="adamw")),
     )
 
 

@@ -44,6 +44,13 @@ EXPORTS = (False, True, "hf")
 RESUME_SCHEDULES = ("keep", "extend")
 #: ``trainer.layout``: train the layout as set, or the planner's fastest that fits.
 LAYOUT_CHOICES = ("as_set", "fastest")
+#: ``trainer.schedule``: the learning rate after the warmup: cosine or linear down to
+#: ``min_lr``, wsd (stable at ``lr``, then a linear decay over the last
+#: ``trainer.decay_fraction`` of the steps) or constant (src/trainer/optimizer.py).
+LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
+#: ``trainer.optimizer``: AdamW; Muon for the weight matrices with AdamW for the
+#: embeddings, head, norms and biases; Lion (src/trainer/optimizer.py).
+OPTIMIZERS = ("adamw", "muon", "lion")
 #: ``trainer.min_lr=null`` (the default): the cosine ends at ``trainer.lr`` times this,
 #: so the schedule follows the learning rate a sweep or a command line sets
 #: (src/trainer/optimizer.py ``final_lr``).
@@ -167,13 +174,23 @@ class TrainerConfig:
         "texts continued by trainer.sample_every (a list)"
     )
     sample_tokens: int = described("new tokens per trainer.sample_every sample")
-    lr: float = described("peak learning rate (AdamW)")
+    # one of OPTIMIZERS
+    optimizer: str = described(lambda: f"the optimizer: {or_list(OPTIMIZERS)}")
+    lr: float = described("peak learning rate (every optimizer)")
     min_lr: float | None = described(
-        f"learning rate at the end of the cosine decay (null: lr x {MIN_LR_RATIO})"
+        f"learning rate at the end of the decay (null: lr x {MIN_LR_RATIO})"
     )
     warmup_steps: int = described("steps of linear warmup")
+    # one of LR_SCHEDULES
+    schedule: str = described(
+        lambda: f"learning rate after the warmup: {or_list(LR_SCHEDULES)}"
+    )
+    decay_fraction: float = described(
+        "schedule=wsd: the decay to min_lr takes this share of max_steps, at the end"
+    )
     weight_decay: float = described("AdamW weight decay (2-D weights only)")
-    betas: list[float] = described("AdamW betas")
+    betas: list[float] = described("AdamW betas (and Lion's)")
+    muon_momentum: float = described("optimizer=muon: the matrices' momentum")
     grad_clip: float = described("max global gradient norm (0 = off)")
     ckpt_every: int = described(
         "steps between sharded checkpoints (0 = only on a stop and at the end)"

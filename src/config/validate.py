@@ -36,8 +36,10 @@ from src.config.schema import (
     GRAD_SYNC,
     INIT_DEVICES,
     LAYOUT_CHOICES,
+    LR_SCHEDULES,
     MIN_LR_RATIO,
     OBJECTIVES,
+    OPTIMIZERS,
     RESUME_SCHEDULES,
 )
 from src.data.sources import DATA_SOURCES
@@ -564,6 +566,19 @@ def _check_trainer(cfg: DictConfig, spec: ModelSpec, config: Any) -> None:
     )
     _choice(cfg, "trainer.resume_schedule", RESUME_SCHEDULES)
     _choice(cfg, "trainer.layout", LAYOUT_CHOICES)
+    _choice(cfg, "trainer.schedule", LR_SCHEDULES)
+    _choice(cfg, "trainer.optimizer", OPTIMIZERS)
+    _require(
+        t.optimizer != "muon" or cfg.sharding.backend != "fsdp1",
+        "trainer.optimizer",
+        "muon orthogonalises each weight matrix, and sharding=fsdp1 holds them as "
+        "flat 1-D shards: use sharding=fsdp2, ddp or none",
+    )
+    _require(
+        0 < t.decay_fraction <= 1,
+        "trainer.decay_fraction",
+        f"got {t.decay_fraction:g}, expected a share of max_steps in (0, 1]",
+    )
     _require(
         t.resume in (None, "auto") or os.path.exists(os.path.expanduser(t.resume)),
         "trainer.resume",

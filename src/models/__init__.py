@@ -13,7 +13,14 @@ from src.models.gpt import (
     flops_per_token,
     init_tensor,
 )
-from src.models.spec import ModelKeys, ModelSpec, families, get_spec, register
+from src.models.spec import (
+    ModelKeys,
+    ModelSpec,
+    families,
+    get_spec,
+    muon_matrices,
+    register,
+)
 
 __all__ = [
     "GPT",
@@ -26,5 +33,6 @@ __all__ = [
     "flops_per_token",
     "get_spec",
     "init_tensor",
+    "muon_matrices",
     "register",
 ]

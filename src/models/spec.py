@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from src.models.memory import ActivationBytes
 from src.registry import Registry, described, or_list
+from src.sharding import canonical_name
 from src.sharding.backends import name_generator  # noqa: F401 (the families' init)
 from src.sharding.parallelize import Parallelize, parallelize_decoder
 
@@ -415,3 +416,25 @@ def get_spec(family: str) -> ModelSpec:
             f"model.family: unknown model family {family!r}, expected one of: "
             f"{', '.join(families())}"
         ) from None
+
+
+def muon_matrices(model: nn.Module, no_decay: Callable[[str], bool]) -> set[int]:
+    """The ids of the parameters Muon trains (``trainer.optimizer=muon``): the trained
+    2-D weights that decay (by canonical name, ``no_decay``), less the embedding tables
+    and the output head (the model's last linear layer, when as wide as its largest
+    embedding's vocabulary; an MLP may be as wide too), which Moonlight's recipe leaves
+    to AdamW with the norms, the biases and 3-D expert weights."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if linears and linears[-1].out_features == vocab:
+        embeddings.append(linears[-1])
+    adamw = {id(p) for m in embeddings for p in m.parameters()}
+    return {
+        id(p)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+        and p.ndim == 2
+        and id(p) not in adamw
+        and not no_decay(canonical_name(name, model))
+    }

@@ -55,7 +55,9 @@ class RunShape:
     ac_every: int = 1
     prefetch: int = 1  # units all-gathered ahead in backward (FSDP's default: 1)
     device: str = "cpu"
-    optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
+    # state buffers per trained parameter (src/planner/optimizer_step.py
+    # ``optimizer_states``; AdamW: exp_avg, exp_avg_sq)
+    optimizer_states: float = 2
     # a pipeline stage (``world``: its ranks; ``micro_batch``: a pipeline
     # micro-batch): torch's schedules keep every unit gathered and its gradients
     # unsharded from the first backward to the step's end (no_sync, no reshard)
@@ -99,7 +101,7 @@ _LABELS = {
     "params": "parameters (sharded, fp32)",
     "gathered_units": "all-gathered units",
     "grads": "gradients",
-    "optimizer": "optimizer state (AdamW)",
+    "optimizer": "optimizer state",
     "mixed_precision": "mixed-precision copies",
     "activations": "activations (saved)",
     "experts": "expert dispatch (EP)",

@@ -16,6 +16,7 @@ from src.errors import ConfigError
 from src.observe.loggers import LOGGERS
 from src.planner.constants import process_bytes
 from src.planner.estimate import RunShape
+from src.planner.optimizer_step import optimizer_states
 from src.planner.settings import device_type
 from src.sharding import (
     ParallelLayout,
@@ -120,6 +121,7 @@ def run_shape(plan: RunPlan, world: int) -> RunShape:
         ac_every=int(plan.checkpointing.every),
         prefetch=_prefetch(plan),
         device=device_type(plan),
+        optimizer_states=optimizer_states(plan),
     )
 
 

@@ -17,6 +17,11 @@ docs/benchmarks.md "foreach AdamW" below the speed history.
 
 from __future__ import annotations
 
+import torch
+
+from src.config.run_plan import RunPlan
+from src.models import muon_matrices
+
 FOREACH_COPIES = 1  # one fp32 copy of the local states: _foreach_sqrt(exp_avg_sq)
 
 NOTE = "foreach AdamW: sqrt(exp_avg_sq) of all local states, one fp32 copy"
@@ -26,3 +31,24 @@ def optimizer_step_transient(local_param_bytes: int) -> int:
     """The update's temporaries, in bytes, on one rank holding ``local_param_bytes``
     of fp32 parameters (its shard; the whole model unsharded)."""
     return FOREACH_COPIES * local_param_bytes
+
+
+#: ``trainer.optimizer`` -> fp32 state buffers per trained parameter: AdamW's exp_avg
+#: and exp_avg_sq, Lion's exp_avg; Muon's matrices keep one momentum buffer
+#: (:data:`MUON_MATRIX_STATES`), its other parameters AdamW's two.
+STATES = {"adamw": 2, "muon": 2, "lion": 1}
+MUON_MATRIX_STATES = 1
+
+
+def optimizer_states(plan: RunPlan) -> float:
+    """State buffers per trained parameter, on average over the model: Muon's share of
+    the parameters (its meta model's matrices, tied ones once) keeps one, the rest two."""
+    states = STATES[plan.optimizer]
+    if plan.optimizer != "muon":
+        return states
+    with torch.device("meta"):
+        model = plan.spec.build(plan.model_config, 0)
+    matrices = muon_matrices(model, plan.spec.no_decay)
+    numel = {id(p): p.numel() for p in model.parameters()}
+    share = sum(numel[i] for i in matrices) / max(1, sum(numel.values()))
+    return states - share * (states - MUON_MATRIX_STATES)

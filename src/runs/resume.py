@@ -252,6 +252,8 @@ _FIXED = {
     "data.": "a resume keeps the checkpoint's data and tokenizer",
     "trainer.seed": "it orders the batches; a resume keeps the checkpoint's data stream",
     "precision.": "another precision changes the checkpoint's numerics",
+    "trainer.optimizer": "the checkpoint holds that optimizer's state (trainer.init_"
+    "from=CHECKPOINT starts from its weights with a fresh optimizer)",
 }
 
 

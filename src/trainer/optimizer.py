@@ -12,33 +12,39 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from src.config.schema import MIN_LR_RATIO
-from src.models import ModelSpec
+from src.models import ModelSpec, muon_matrices
 from src.sharding import canonical_name
+from src.trainer.optimizers import MUON, Lion, MuonAdamW
 
 
 def build_optimizer(
     model: nn.Module, cfg: DictConfig, spec: ModelSpec
-) -> torch.optim.AdamW:
-    """AdamW with weight decay except where the family's no-decay rule says (biases
-    and normalisation gains), decided by canonical name (FSDP1 shards are flat 1-D
-    views, so the live tensors cannot tell)."""
-    no_decay_name = spec.no_decay
-    decay, no_decay = [], []
+) -> torch.optim.Optimizer:
+    """``trainer.optimizer``: AdamW, or Muon for the weight matrices (AdamW for the
+    embeddings, the output head, norms and biases), with weight decay except where the
+    family's no-decay rule says (biases and normalisation gains), decided by canonical
+    name (FSDP1 shards are flat 1-D views, so the live tensors cannot tell)."""
+    t = cfg.trainer
+    muon = t.optimizer == "muon"
+    matrices = muon_matrices(model, spec.no_decay) if muon else set()
+    kinds: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            is_nd = no_decay_name(canonical_name(name, model))
-            (no_decay if is_nd else decay).append(p)
-    t = cfg.trainer
+            nd = spec.no_decay(canonical_name(name, model))
+            kinds.setdefault((nd, id(p) in matrices), []).append(p)
     # An empty group (all of a LoRA run's trained weights decay) is left out: torch's
     # distributed optimizer state cannot name one.
     groups = [
         {"params": params, "weight_decay": _weight_decay(t, nd), NO_DECAY: nd}
-        for params, nd in ((decay, False), (no_decay, True))
-        if params
+        | ({MUON: is_muon, "momentum": t.muon_momentum} if muon else {})
+        for (nd, is_muon), params in sorted(kinds.items())
     ]
     # foreach: one op per group, not per tensor (4-7% of a CPU step; torch's default
     # on CUDA already). Its working set is a planner term (src/planner/optimizer_step.py).
-    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
+    if t.optimizer == "lion":
+        return Lion(groups, lr=t.lr, betas=tuple(t.betas))
+    cls = MuonAdamW if muon else torch.optim.AdamW
+    return cls(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
 
 
 #: A param group's flag: its parameters take no weight decay.
@@ -51,22 +57,49 @@ def _weight_decay(t: DictConfig, no_decay: bool) -> float:
 
 
 def final_lr(t: DictConfig) -> float:
-    """Where the cosine ends: ``trainer.min_lr``, or when null (the default)
+    """Where the decay ends: ``trainer.min_lr``, or when null (the default)
     ``trainer.lr`` x :data:`MIN_LR_RATIO`, so it follows the learning rate."""
     return t.lr * MIN_LR_RATIO if t.min_lr is None else t.min_lr
 
 
+def _cosine(q: float) -> float:
+    return 0.5 * (1 + math.cos(math.pi * q))
+
+
+def _linear(q: float) -> float:
+    return 1 - q
+
+
+#: ``trainer.schedule`` (one of :data:`LR_SCHEDULES`) -> (the first step of its decay,
+#: its shape from 1 to 0 over the decay's progress 0..1); constant never decays.
+_DECAYS = {
+    "cosine": (lambda t: t.warmup_steps, _cosine),
+    "linear": (lambda t: t.warmup_steps, _linear),
+    "wsd": (
+        lambda t: max(
+            t.warmup_steps, t.max_steps - round(t.decay_fraction * t.max_steps)
+        ),
+        _linear,
+    ),
+}
+
+
 def lr_lambda(cfg: DictConfig):
-    """LR multiplier per step: linear warmup to 1, then cosine down to
-    :func:`final_lr` / lr."""
+    """LR multiplier per step: linear warmup to 1, then ``trainer.schedule`` down to
+    :func:`final_lr` / lr (a pure function of the step and the config, so a resume,
+    and a resume that extends ``max_steps``, gets the formula's learning rate)."""
     t = cfg.trainer
     floor = final_lr(t) / t.lr
+    start, shape = _DECAYS.get(t.schedule, (None, None))
+    first = None if start is None else start(t)
 
     def factor(step: int) -> float:
         if step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
-        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if first is None or step < first:
+            return 1.0
+        progress = (step - first) / max(1, t.max_steps - first)
+        return floor + (1 - floor) * shape(min(1.0, progress))
 
     return factor
 
@@ -83,11 +116,10 @@ def apply_hyperparameters(
     for i, group in enumerate(optimizer.param_groups):
         # a checkpoint from before the flag: its two groups, decay first
         no_decay = group.setdefault(NO_DECAY, i == 1)
-        group.update(
-            weight_decay=_weight_decay(t, no_decay),
-            betas=tuple(t.betas),
-            initial_lr=t.lr,
-        )
+        group.update(weight_decay=_weight_decay(t, no_decay), initial_lr=t.lr)
+        group["betas"] = tuple(t.betas)
+        if group.get(MUON):
+            group["momentum"] = t.muon_momentum
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
     for group, base, factor in zip(
         optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
