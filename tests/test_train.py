@@ -103,6 +103,33 @@ def test_each_schedule_decays_as_named_and_resumes_exactly(schedule):
     assert lrs(longer, 30, 80, state)[0] == lrs(longer, 0, 80)[0][30:]
 
 
+def test_muon_leaves_the_output_head_to_adamw_on_every_pipeline_stage():
+    """A pipeline stage without the embedding still knows its head by the model's
+    vocabulary: the same matrices as the whole model's, stage by stage (Llama, untied:
+    PP2 with Muon trained head-by-AdamW on stage 1 only once it was told)."""
+    from src.build import rank_stages
+    from src.models.spec import muon_matrices
+
+    cfg = make_cfg(
+        "model=llama_tiny", "sharding.pipeline_parallel=2", "trainer.devices=2"
+    )
+    plan = resolve(cfg)
+    vocab = plan.spec.vocab_size(plan.model_config)
+    with torch.device("meta"):
+        whole = plan.spec.build(plan.model_config, 0)
+
+    def muon_names(model):
+        ids = muon_matrices(model, plan.spec.no_decay, vocab)
+        return {n for n, p in model.named_parameters() if id(p) in ids}
+
+    staged = set()
+    for pp_rank in (0, 1):
+        for part in rank_stages(plan, 2, pp_rank).parts():
+            staged |= muon_names(part)
+    assert staged == muon_names(whole)
+    assert "output.weight" not in staged and "layers.3.attention.wq.weight" in staged
+
+
 def test_muon_takes_the_block_matrices_as_torch_muon_and_lion_steps_by_sign():
     """optimizer=muon: Muon for the blocks' matrices (one momentum buffer each), AdamW
     for the embeddings (the tied head), norms and biases; its update is

@@ -418,14 +418,18 @@ def get_spec(family: str) -> ModelSpec:
         ) from None
 
 
-def muon_matrices(model: nn.Module, no_decay: Callable[[str], bool]) -> set[int]:
+def muon_matrices(
+    model: nn.Module, no_decay: Callable[[str], bool], vocab: int | None = None
+) -> set[int]:
     """The ids of the parameters Muon trains (``trainer.optimizer=muon``): the trained
     2-D weights that decay (by canonical name, ``no_decay``), less the embedding tables
-    and the output head (the model's last linear layer, when as wide as its largest
-    embedding's vocabulary; an MLP may be as wide too), which Moonlight's recipe leaves
-    to AdamW with the norms, the biases and 3-D expert weights."""
+    and the output head (the model's last linear layer, when as wide as the model's
+    vocabulary ``vocab``, default its largest embedding's; an MLP may be as wide too),
+    which Moonlight's recipe leaves to AdamW with the norms, the biases and 3-D expert
+    weights. A pipeline stage without the embedding names ``vocab`` for its head."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    if vocab is None:
+        vocab = max((m.num_embeddings for m in embeddings), default=None)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if linears and linears[-1].out_features == vocab:
         embeddings.append(linears[-1])

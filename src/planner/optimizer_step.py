@@ -48,7 +48,8 @@ def optimizer_states(plan: RunPlan) -> float:
         return states
     with torch.device("meta"):
         model = plan.spec.build(plan.model_config, 0)
-    matrices = muon_matrices(model, plan.spec.no_decay)
+    vocab = plan.spec.vocab_size(plan.model_config)
+    matrices = muon_matrices(model, plan.spec.no_decay, vocab)
     numel = {id(p): p.numel() for p in model.parameters()}
     share = sum(numel[i] for i in matrices) / max(1, sum(numel.values()))
     return states - share * (states - MUON_MATRIX_STATES)

@@ -140,7 +140,8 @@ class Trainer:
         self.meter = self._throughput_meter()
         self._build_data()
         self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg, self.resolved.spec)
+        spec, config = self.resolved.spec, self.resolved.model_config
+        self.optimizer = build_optimizer(self.model, cfg, spec, spec.vocab_size(config))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg)
         )

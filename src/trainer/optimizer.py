@@ -18,15 +18,16 @@ from src.trainer.optimizers import MUON, Lion, MuonAdamW
 
 
 def build_optimizer(
-    model: nn.Module, cfg: DictConfig, spec: ModelSpec
+    model: nn.Module, cfg: DictConfig, spec: ModelSpec, vocab: int | None = None
 ) -> torch.optim.Optimizer:
     """``trainer.optimizer``: AdamW, or Muon for the weight matrices (AdamW for the
     embeddings, the output head, norms and biases), with weight decay except where the
     family's no-decay rule says (biases and normalisation gains), decided by canonical
-    name (FSDP1 shards are flat 1-D views, so the live tensors cannot tell)."""
+    name (FSDP1 shards are flat 1-D views, so the live tensors cannot tell). ``vocab``:
+    the model's vocabulary, which tells Muon the output head on any pipeline stage."""
     t = cfg.trainer
     muon = t.optimizer == "muon"
-    matrices = muon_matrices(model, spec.no_decay) if muon else set()
+    matrices = muon_matrices(model, spec.no_decay, vocab) if muon else set()
     kinds: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
