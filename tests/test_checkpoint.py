@@ -573,6 +573,25 @@ def test_single_process_round_trip(tmp_path):
     assert_same(full_moments(model, optimizer), full_moments(model2, optimizer2))
 
 
+def test_a_checkpoint_from_before_a_param_group_flag_resumes(tmp_path):
+    """A group setting the code added since a checkpoint was saved (build_optimizer's
+    ``no_decay`` flag) keeps this run's value; the rest loads as saved: an older
+    run's checkpoint is not called damaged, and training goes on as it would."""
+    ckpt = Checkpointer(tmp_path)
+    model = make_model(0)
+    optimizer, scheduler = make_optim(model)
+    train(model, optimizer, scheduler, range(2))
+    path = ckpt.save(2, model, optimizer, scheduler)
+    losses = train(model, optimizer, scheduler, range(2, 4))
+
+    model2 = make_model(1)
+    optimizer2, scheduler2 = make_optim(model2)
+    optimizer2.param_groups[0]["no_decay"] = False  # a flag the saver did not have
+    assert ckpt.load(path, model2, optimizer2, scheduler2)["step"] == 2
+    assert optimizer2.param_groups[0]["no_decay"] is False
+    assert train(model2, optimizer2, scheduler2, range(2, 4)) == losses
+
+
 def save_steps(ckpt: Checkpointer, steps):
     """Train a fresh model one step at a time, saving after each."""
     model = make_model(0)

@@ -31,11 +31,14 @@ import torch
 
 from src.checkpoint.dcp import Checkpointer
 from src.checkpoint.folders import resolve_resume
+from src.models import get_spec
 from src.models.gpt import GPT, GPTConfig
 from src.trainer.faults import start_time
 from src.trainer.launch import cpu_threads
+from src.trainer.optimizer import build_optimizer
 from tests.commands import in_process
 from tests.distributed import HANG_S, free_port
+from tests.test_config import make_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
@@ -237,9 +240,9 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_pat
     model = GPT(
         GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64)
     )
-    optimizer = torch.optim.AdamW(model.parameters())
-    # As the trainer builds it: its schedule adds initial_lr to every param group, and
-    # loading checks the saved groups against this optimizer's keys.
+    # As the trainer builds it (its groups and their flags; its schedule adds
+    # initial_lr to every group): loading checks the saved groups against these keys.
+    optimizer = build_optimizer(model, make_cfg("model=tiny"), get_spec("gpt"))
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = Checkpointer(tmp_path / "checkpoints").load(last, model, optimizer)
     assert state["step"] >= 1

@@ -457,6 +457,7 @@ class Checkpointer:
         with _as_error(path):
             index = _read_index(path, meta)
         _check_same_tensors(path, index, wanted)
+        optim_objects, added = _added_since(optim_objects, meta.get("optim_objects"))
         held = {
             "model_objects": set(_all_ranks(list(model_objects))),
             "optim_objects": set(_all_ranks(list(optim_objects))),
@@ -471,7 +472,7 @@ class Checkpointer:
                 rng = _read_rng(_rng_file(path, this_rank()), path)
         _read_tensors(path, index, wanted)
         model_tensors.update(model_objects)
-        optim_tensors.update(optim_objects)
+        optim_tensors.update({**optim_objects, **added})
         set_state_dict(
             model,
             optimizer,
@@ -647,6 +648,21 @@ def _check_same_tensors(
             raise CheckpointError(
                 f"checkpoint {path} does not match this run: {problem} ({hint})"
             )
+
+
+def _added_since(live: dict, saved: Any) -> tuple[dict, dict]:
+    """``live`` optimizer objects split into those a checkpoint must hold, and the
+    param-group settings one saved before they existed does not (a group flag the
+    code added since, such as ``no_decay``), which keep this run's values; any other
+    difference is still checked (:func:`_saved_objects`)."""
+    if not isinstance(saved, dict):
+        return live, {}
+    added = {
+        k: v
+        for k, v in live.items()
+        if k.startswith("param_groups.") and k not in saved
+    }
+    return {k: v for k, v in live.items() if k not in added}, added
 
 
 def _saved_objects(meta: dict, section: str, live: dict, held: dict[str, set]) -> dict:
