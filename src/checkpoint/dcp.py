@@ -650,17 +650,23 @@ def _check_same_tensors(
             )
 
 
+#: A param group's flag: its parameters take no weight decay (src/trainer/optimizer.py).
+#: A checkpoint saved before the flag existed holds it nowhere, and loads with this
+#: run's.
+NO_DECAY = "no_decay"
+
+
 def _added_since(live: dict, saved: Any) -> tuple[dict, dict]:
     """``live`` optimizer objects split into those a checkpoint must hold, and the
-    param-group settings one saved before they existed does not (a group flag the
-    code added since, such as ``no_decay``), which keep this run's values; any other
-    difference is still checked (:func:`_saved_objects`)."""
-    if not isinstance(saved, dict):
+    group flag a checkpoint saved before it existed holds nowhere (:data:`NO_DECAY`),
+    which keeps this run's value; any other difference is still checked
+    (:func:`_saved_objects`: one flag missing among others is damage)."""
+    if not isinstance(saved, dict) or any(k.endswith(f".{NO_DECAY}") for k in saved):
         return live, {}
     added = {
         k: v
         for k, v in live.items()
-        if k.startswith("param_groups.") and k not in saved
+        if k.startswith("param_groups.") and k.endswith(f".{NO_DECAY}")
     }
     return {k: v for k, v in live.items() if k not in added}, added
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from src.checkpoint.dcp import NO_DECAY
 from src.config.schema import MIN_LR_RATIO
 from src.models import ModelSpec, muon_matrices
 from src.sharding import canonical_name
@@ -46,10 +47,6 @@ def build_optimizer(
         return Lion(groups, lr=t.lr, betas=tuple(t.betas))
     cls = MuonAdamW if muon else torch.optim.AdamW
     return cls(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
-
-
-#: A param group's flag: its parameters take no weight decay.
-NO_DECAY = "no_decay"
 
 
 def _weight_decay(t: DictConfig, no_decay: bool) -> float:
