@@ -275,9 +275,11 @@ def _matches(patterns: tuple[str, ...], name: str) -> bool:
 def check_freeze(model: nn.Module, patterns: tuple[str, ...]) -> None:
     """ConfigError naming ``trainer.freeze`` for a pattern that matches no parameter
     of the model (by canonical name, fnmatch)."""
+    if not patterns:
+        return
     names = [canonical_name(n, model) for n, _ in model.named_parameters()]
     for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+        if not any(_matches((pattern,), n) for n in names):
             raise ConfigError(
                 "trainer.freeze",
                 f"{pattern!r} matches no parameter of the model (names such as "
