@@ -185,12 +185,24 @@ def evaluate(
     if documents is not None:
         batches, weights = within_documents(batches, documents, backend)
     for i, (x, y) in enumerate(batches):
-        x, y, docs = on_rank(backend, x, y, documents)
-        with backend.autocast(), backend.loss_context():
-            _, loss = model(x, y, **forward_kwargs(backend, x, docs))
-        total += loss.float() * (1 if documents is None else weights[i])
+        loss = _eval_loss(model, backend, x, y, documents)
+        total += loss * (1 if documents is None else weights[i])
     n = len(batches) if documents is None else 1
     return global_mean(total / max(1, n))
+
+
+def _eval_loss(
+    model: nn.Module,
+    backend: Backend,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    documents: Documents | None,
+) -> torch.Tensor:
+    """One validation batch's mean loss on this rank, in fp32."""
+    x, y, docs = on_rank(backend, x, y, documents)
+    with backend.autocast(), backend.loss_context():
+        _, loss = model(x, y, **forward_kwargs(backend, x, docs))
+    return loss.float()
 
 
 @torch.no_grad()
@@ -219,10 +231,8 @@ def evaluate_sources(
         per_target = per_counted_target(sum(counts), backend)
         total = torch.zeros((), device=backend.device)
         for (b, _, _), (x, y), n in zip(items, masked, counts, strict=True):
-            x, y, docs = on_rank(backend, x, y if n else batches[b][1], documents)
-            with backend.autocast(), backend.loss_context():
-                _, loss = model(x, y, **forward_kwargs(backend, x, docs))
-            total += loss.float() * (n * per_target)
+            loss = _eval_loss(model, backend, x, y if n else batches[b][1], documents)
+            total += loss * (n * per_target)
         losses[name] = global_mean(total)
         inverse.append(1 / per_target)  # the source's targets, up to a constant
     mixed = sum(v * w for v, w in zip(losses.values(), inverse, strict=True))
