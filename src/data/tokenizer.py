@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from src.data.chat import special_token, tokenizer_config
 from src.data.corpus import EOD, Corpus, CorpusError, build_lock, digest
 from src.files import atomic_path, read_json_object
 
@@ -51,6 +52,9 @@ class Tokenizer:
     # tokenizer_config.json), for the Hugging Face export; byte and bpe have none.
     bos_token: str | None = None
     pad_token: str | None = None
+    #: a run on conversations (``data=chat``): ``chat(messages, add_generation_prompt)``
+    #: renders them by its chat template (src/data/chat.py)
+    chat: Any = None
 
     def encode(self, pieces: list[bytes]) -> list[np.ndarray]:
         """Token ids of each piece (UTF-8 bytes; a character cut at a split edge is
@@ -95,29 +99,6 @@ def _from_hf(hf: Any, name: str, eos_token: str | None, eos_hint: str | None):
     )
 
 
-def _tokenizer_config(directory: str) -> dict:
-    """A Hugging Face ``tokenizer_config.json`` of ``directory`` ({} if none)."""
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.lexists(path):
-        return {}
-    try:
-        return read_json_object(path)
-    except (OSError, ValueError) as exc:
-        raise CorpusError(f"data.tokenizer: {path} is unreadable ({exc})") from None
-
-
-def _special_from_config(directory: str, key: str) -> str | None:
-    """``key`` (``eos_token``, ``bos_token``...) of a Hugging Face
-    ``tokenizer_config.json``, if any."""
-    token = _tokenizer_config(directory).get(key)
-    return token.get("content") if isinstance(token, dict) else token
-
-
-def _eos_from_config(directory: str) -> str | None:
-    """``eos_token`` of a Hugging Face ``tokenizer_config.json``, if any."""
-    return _special_from_config(directory, "eos_token")
-
-
 def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
     """A ``tokenizer.json`` file or a Hugging Face tokenizer/model directory."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -129,13 +110,14 @@ def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
             "tokenizer.json or tokenizer directory (no such path)"
         )
     directory = full if os.path.isdir(full) else os.path.dirname(full)
-    eos_hint = _eos_from_config(directory)
+    config = tokenizer_config(directory)
+    eos_hint = special_token(config, "eos_token")
     json_file = os.path.join(full, "tokenizer.json") if os.path.isdir(full) else full
     try:
         if os.path.isfile(json_file):
             hf = HFTokenizer.from_file(json_file)
         else:  # slow-tokenizer files only (vocab.json + merges.txt, sentencepiece)
-            if _tokenizer_config(directory).get("auto_map"):
+            if config.get("auto_map"):
                 raise CorpusError(
                     f"data.tokenizer: {path!r} needs its own Python code (auto_map in "
                     "tokenizer_config.json), which is never run; save it as a "
@@ -159,7 +141,7 @@ def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
     tokenizer = _from_hf(hf, path, eos_token, eos_hint)
     tokenizer.path = json_file if os.path.isfile(json_file) else full
     for key in ("bos_token", "pad_token"):
-        token = _special_from_config(directory, key)
+        token = special_token(config, key)
         if token is not None and hf.token_to_id(token) is not None:
             setattr(tokenizer, key, token)
     return tokenizer
