@@ -114,7 +114,7 @@ def runs(root) -> Path:
         export = ["trainer.export=hf"] if family == "llama" else []
         one_rank(root, f"one_{family}", *model, *export)
     one_rank(root, "one_gpt_docs", *FAMILIES["gpt"], *DOCS)
-    for family in ("gpt", "llama"):
+    for family in FAMILIES:
         one_rank(root, f"one_{family}_lora", *FAMILIES[family], *LORA)
     pretrained = [f"model.pretrained={root / 'one_llama' / 'hf'}"]
     one_rank(root, "one_pretrained", *FAMILIES["llama"], *pretrained)
@@ -134,6 +134,7 @@ def runs(root) -> Path:
             "pretrained_tp": [*llama, *TP2, *pretrained],
             "tp2_fsdp2_gpt_docs": [*gpt, *TP2, *AC, *DOCS],
             "tp2_fsdp2_llama_lora": [*llama, *TP2, *LORA],
+            "tp2_fsdp2_hf_lora": [*FAMILIES["hf"], *TP2, *LORA],
         },
     )
     run_distributed(
@@ -171,7 +172,8 @@ def test_tensor_parallel_matches_one_rank(runs):
     assert len(set(ref.values())) == 4 and ref != gpt
     assert_close(losses(runs / "tp2_fsdp2_gpt_docs"), ref, range(1, 5))
     # LoRA: a frozen base (a trained one would part from the 1-rank run at step 2)
-    for family, run in (("gpt", "tp2_gpt_lora"), ("llama", "tp2_fsdp2_llama_lora")):
+    lora = {"gpt": "tp2_gpt_lora", "llama": "tp2_fsdp2_llama_lora"}
+    for family, run in {**lora, "hf": "tp2_fsdp2_hf_lora"}.items():
         ref = losses(runs / f"one_{family}_lora")
         assert len(set(ref.values())) == 4 and ref != losses(runs / f"one_{family}")
         assert_close(losses(runs / run), ref, range(1, 5))
