@@ -68,6 +68,8 @@ DOCUMENTS = ["data=text", "data.packing=documents"]
 DOCS = [*DOCUMENTS, "trainer.grad_accum=2"]
 # LoRA (peft's layers): each adapted layer's halves split as its base layer is
 LORA = ["model.lora.rank=4"]
+# Muon (its Newton-Schulz on each whole matrix, however the matrix is sharded)
+MUON = ["trainer.optimizer=muon"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -116,6 +118,8 @@ def runs(root) -> Path:
     one_rank(root, "one_gpt_docs", *FAMILIES["gpt"], *DOCS)
     for family in FAMILIES:
         one_rank(root, f"one_{family}_lora", *FAMILIES[family], *LORA)
+    for family in ("gpt", "llama"):
+        one_rank(root, f"one_{family}_muon", *FAMILIES[family], *MUON)
     pretrained = [f"model.pretrained={root / 'one_llama' / 'hf'}"]
     one_rank(root, "one_pretrained", *FAMILIES["llama"], *pretrained)
     gpt, llama = FAMILIES["gpt"], FAMILIES["llama"]
@@ -135,6 +139,8 @@ def runs(root) -> Path:
             "tp2_fsdp2_gpt_docs": [*gpt, *TP2, *AC, *DOCS],
             "tp2_fsdp2_llama_lora": [*llama, *TP2, *LORA],
             "tp2_fsdp2_hf_lora": [*FAMILIES["hf"], *TP2, *LORA],
+            "tp2_fsdp2_llama_muon": [*llama, *TP2, *MUON],
+            "hsdp_muon": [*gpt, "sharding.replicate=2", *MUON],
         },
     )
     run_distributed(
@@ -175,6 +181,11 @@ def test_tensor_parallel_matches_one_rank(runs):
     lora = {"gpt": "tp2_gpt_lora", "llama": "tp2_fsdp2_llama_lora"}
     for family, run in {**lora, "hf": "tp2_fsdp2_hf_lora"}.items():
         ref = losses(runs / f"one_{family}_lora")
+        assert len(set(ref.values())) == 4 and ref != losses(runs / f"one_{family}")
+        assert_close(losses(runs / run), ref, range(1, 5))
+    # Muon on HSDP (2 x 2) and TP2 x FSDP2; PP2: tests/test_pipeline.py
+    for family, run in (("gpt", "hsdp_muon"), ("llama", "tp2_fsdp2_llama_muon")):
+        ref = losses(runs / f"one_{family}_muon")
         assert len(set(ref.values())) == 4 and ref != losses(runs / f"one_{family}")
         assert_close(losses(runs / run), ref, range(1, 5))
 
