@@ -108,6 +108,17 @@ def test_a_tokenizers_own_template_is_used_and_a_bad_one_is_one_line(tmp_path):
         f"data.chat_template: {CHATS}:1: the template"
     )
     assert renderer(own)([{"role": "user", "content": "x"}]) == "[user] x\n"
+    # an export's tokenizer renders as the run did (transformers' own)
+    from transformers import AutoTokenizer
+
+    from src.data.tokenizer import save_hf_tokenizer
+
+    save_hf_tokenizer(tokenizer, tmp_path / "export")
+    exported = AutoTokenizer.from_pretrained(tmp_path / "export")
+    messages = json.loads(CHATS.open().readline())["messages"]
+    assert exported.apply_chat_template(messages, tokenize=False) == (
+        tokenizer.chat(messages)
+    )
 
 
 @pytest.mark.parametrize(

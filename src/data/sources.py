@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from src.data.chat import AUTO, renderer, template_of
+from src.data.chat import AUTO, template_of
 from src.data.corpus import CHAT_FORMAT, DATA_FORMATS, Corpus, CorpusError
 from src.data.mixture import (
     MixedStream,
@@ -262,7 +262,7 @@ def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     tokenizer = load_tokenizer(data_cfg, corpus, verbose=False)
     if data_cfg.format == CHAT_FORMAT:
         template = template_of(str(data_cfg.chat_template), str(data_cfg.tokenizer))
-        tokenizer.chat = renderer(*template[:3])
+        tokenizer.chat_template = template[:3]
     return tokenizer
 
 

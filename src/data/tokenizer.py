@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from src.data.chat import special_token, tokenizer_config
+from src.data.chat import renderer, special_token, tokenizer_config
 from src.data.corpus import EOD, Corpus, CorpusError, build_lock, digest
 from src.files import atomic_path, read_json_object
 
@@ -52,9 +52,15 @@ class Tokenizer:
     # tokenizer_config.json), for the Hugging Face export; byte and bpe have none.
     bos_token: str | None = None
     pad_token: str | None = None
-    #: a run on conversations (``data=chat``): ``chat(messages, add_generation_prompt)``
-    #: renders them by its chat template (src/data/chat.py)
-    chat: Any = None
+    #: a run on conversations (``data=chat``): its chat template and the ``bos_token``
+    #: and ``eos_token`` it is rendered with (src/data/chat.py)
+    chat_template: tuple[str, str, str] | None = None
+
+    @property
+    def chat(self) -> Any:
+        """``render(messages, add_generation_prompt)`` by the run's chat template
+        (None: not a run on conversations)."""
+        return renderer(*self.chat_template) if self.chat_template else None
 
     def encode(self, pieces: list[bytes]) -> list[np.ndarray]:
         """Token ids of each piece (UTF-8 bytes; a character cut at a split edge is
@@ -283,7 +289,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> Non
     that ``transformers.AutoTokenizer.from_pretrained(directory)`` encodes text to
     the same ids as the run (without special tokens, as the run encodes documents),
     with the run's end-of-document token as ``eos_token`` (and the tokenizer
-    directory's own ``bos_token`` / ``pad_token``, if it has them)."""
+    directory's own ``bos_token`` / ``pad_token``, if it has them) and the chat
+    template of a run on conversations."""
     from tokenizers import Tokenizer as HFTokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -299,6 +306,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> Non
     fast = PreTrainedTokenizerFast(
         tokenizer_object=hf, **{k: v for k, v in specials.items() if v is not None}
     )
+    if tokenizer.chat_template:  # a run on conversations: apply_chat_template works
+        fast.chat_template = tokenizer.chat_template[0]
     fast.save_pretrained(str(directory))
     # transformers fills an unnamed special token with its family's own (Qwen2:
     # <|endoftext|>, a token the run never had): written as null, none is added.
