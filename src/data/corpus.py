@@ -28,10 +28,11 @@ from src.data.chat import conversation_pieces, renderer, template_of
 from src.errors import ConfigError, not_writable
 from src.files import free_space, read_json, unwritable, write_json_atomic
 
-#: How a file holds its documents; ``chat``: JSONL conversations, rendered by
-#: ``data.chat_template`` with a loss mask (``data=chat``, src/data/chat.py).
-DATA_FORMATS = ("text", "jsonl", "parquet", "chat")
+#: JSONL conversations, rendered by ``data.chat_template`` with a loss mask
+#: (``data=chat``, src/data/chat.py).
 CHAT_FORMAT = "chat"
+#: How a file holds its documents.
+DATA_FORMATS = ("text", "jsonl", "parquet", CHAT_FORMAT)
 #: ``data.format``: ``auto`` (the default) picks each file's format by its extension
 #: (:data:`FORMAT_BY_EXTENSION`, else text); a format name reads every file in it.
 FORMAT_CHOICES = ("auto", *DATA_FORMATS)
