@@ -101,14 +101,15 @@ def fit_report(resolved: RunPlan, est: Estimate, world: int) -> tuple[str, dict]
     if len(ep_options(resolved)) > 1:  # an MoE model: its experts can split
         keys.append(EP)
     found = fit_search(
-        resolved, keys, budget, world, max_world=world * 64, complete_batch=True
-    )
+        resolved, keys, budget, world, max_world=world * 64, complete_batch=True,
+        by_model=True,
+    )  # fmt: skip
     if found.best is None and len(cp_options(resolved)) > 1:
         # context parallelism last: it helps once a micro-batch is one sequence, and
         # searching it multiplies the points by its degrees
         with_cp = fit_search(
             resolved, [*keys, CP], budget, world, max_world=world * 64,
-            complete_batch=True,
+            complete_batch=True, by_model=True,
         )  # fmt: skip
         smaller = with_cp.smallest.estimate.total < found.smallest.estimate.total
         if with_cp.best is not None or smaller:
@@ -159,7 +160,13 @@ def proposal_line(title: str, resolved: RunPlan, best: Candidate, budget: int) -
 
 
 def cost_line(resolved: RunPlan, best: Candidate) -> str:
-    """What a proposal's relative cost measures, and its factors."""
+    """What a proposal's relative cost measures, and its factors (or the
+    step-time model it comes from)."""
+    if best.basis:
+        return (
+            f"predicted device time per token x{best.cost:.2f} against the run as "
+            f"set: {best.basis}"
+        )
     currents = {k: field_of(resolved, k) for k in best.changes}
     currents[DEVICES] = resolved.world_size
     currents[PRECISION] = resolved.precision.name

@@ -68,6 +68,9 @@ class Candidate:
     changes: dict[str, Any]
     estimate: Estimate
     cost: float
+    #: what ``cost`` comes from where not :data:`~src.planner.costs.COST`'s factors:
+    #: the step-time model's profile (:meth:`_Points.timed`)
+    basis: str = ""
 
     def describe(self) -> str:
         every = OVERRIDES[f"{AC}.every"]
@@ -292,16 +295,21 @@ def fit_search(
     world: int,
     max_world: int | None = None,
     complete_batch: bool = False,
+    by_model: bool = False,
 ) -> Found:
     """:func:`search`, with the cheapest fit at ``world`` ranks too.
     ``complete_batch``: a point whose ranks would get no whole share of
     ``trainer.batch_size`` (fewer sequences than data-parallel ranks x
     micro-batches, or an uneven split) also sets the smallest batch that splits,
-    so that it runs as printed (the plan-only proposals; never ``auto``)."""
+    so that it runs as printed (the plan-only proposals; never ``auto``).
+    ``by_model``: the fits are ranked by the step-time model's device time per
+    token (:meth:`_Points.timed`) where the device has a profile, not by
+    :data:`~src.planner.costs.COST`'s factors."""
     options = _options(resolved, keys, world, max_world or world)
     margin = mem_margin(resolved)
     points = _Points.of(resolved, options, world, complete_batch)
-    best = here = smallest = smallest_here = None
+    fits: list[Candidate] = []
+    smallest = smallest_here = None
     for point in _product(options):
         cand = points.candidate(point)
         if cand is None:
@@ -312,14 +320,35 @@ def fit_search(
             smallest = cand
         if same and (smallest_here is None or total < smallest_here.estimate.total):
             smallest_here = cand
-        if needed(cand.estimate, margin) > budget:
-            continue
-        if best is None or cand.cost < best.cost:
-            best = cand
-        if same and (here is None or cand.cost < here.cost):
-            here = cand
+        if needed(cand.estimate, margin) <= budget:
+            fits.append(cand)
     assert smallest is not None
-    return Found(best, here, smallest, smallest_here)
+    if by_model:
+        fits = points.timed(fits) or fits
+    here = [c for c in fits if c.changes.get(DEVICES, world) == world]
+    return Found(cheapest(fits), cheapest(here), smallest, smallest_here)
+
+
+#: Costs within this factor of the cheapest are a tie, won by the fewest changes:
+#: below what the step-time model resolves (a change that fits and one that also
+#: moves an unrelated setting for a predicted 0.3% are the same proposal).
+TIE = 1.01
+
+
+def cheapest(cands: list[Candidate]) -> Candidate | None:
+    """The candidate of least cost, of those within :data:`TIE` of it the one with
+    the fewest changes (then the least cost; then the first: the order of
+    :func:`_options`' values); None for none. Of those that grow the batch (so
+    that it splits over their ranks), only the least grown compete: a bigger batch
+    is another experiment, and a step's fixed costs spread over more tokens would
+    make it look cheap."""
+    if not cands:
+        return None
+    batch = min(c.changes.get(BATCH, 0) for c in cands)  # 0: the batch as set
+    cands = [c for c in cands if c.changes.get(BATCH, 0) == batch]
+    least = min(c.cost for c in cands)
+    near = [c for c in cands if c.cost <= least * TIE]
+    return min(near, key=lambda c: (len(c.changes), c.cost))
 
 
 @dataclass
@@ -351,6 +380,7 @@ class _Points:
     staged: dict[tuple[float, int], StagePlans] = field(default_factory=dict)
     staged_plans: dict[tuple[float, int, int], list] = field(default_factory=dict)
     wholes: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    timing_models: dict[tuple[float, int], Any] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -383,6 +413,56 @@ class _Points:
             schedule=str(resolved.pipeline.schedule),
             complete_batch=complete_batch,
         )
+
+    def timed(self, cands: list[Candidate]) -> list[Candidate] | None:
+        """``cands`` with their cost the step-time model's device time per token
+        (seconds of all the point's ranks for one token) over the run as set's
+        (a point the model cannot time: last); None where the device has no
+        profile or the run as set cannot be timed."""
+        from src.planner.profiles import profile_for
+
+        profile = profile_for(*self.device)
+        if profile is None:
+            return None
+        blocks = n_blocks(self.resolved)
+        base = self._device_time(self.resolved, profile, blocks)
+        if not base:
+            return None
+        out = []
+        for cand in cands:
+            try:
+                run = varied(self.resolved, cand.fields())
+            except LayoutError:
+                run = None
+            t = self._device_time(run, profile, blocks) if run else None
+            basis = f"the step-time model on {profile.name} ({profile.source})"
+            out.append(replace(cand, cost=t / base if t else math.inf, basis=basis))
+        return out
+
+    def _device_time(self, run: RunPlan, profile: Any, blocks: int) -> float | None:
+        """Predicted seconds of all of ``run``'s ranks per token (its pipeline's
+        stages predicted on the whole model's units, as the layout search does)."""
+        from src.planner.step_time import predict
+
+        lay = run.layout
+        key = (float(run.wrap.min_params), lay.ep)
+        if key not in self.timing_models:
+            flat = varied(
+                run, {"layout": replace(lay, pp=1), "checkpointing.mode": "none"}
+            )
+            try:
+                self.timing_models[key] = build_meta_model(flat)
+            except Exception:  # a point the model cannot build: not timed
+                self.timing_models[key] = None
+        model = self.timing_models[key]
+        if model is None:
+            return None
+        try:
+            plan = plan_of(run, model, lay.world_size // lay.pp)
+            step = predict(run, plan, profile, lay.world_size, blocks)
+        except Exception:  # a prediction is a ranking aid, never in the way
+            return None
+        return step.total_s * lay.world_size / step.tokens_per_step
 
     def candidate(self, point: dict[str, Any]) -> Candidate | None:
         """``point``'s estimate and cost; None for a point the search skips."""
