@@ -339,6 +339,8 @@ class EvalConfig:
     batch_size: int | None = MISSING  # sequences per batch; null: the run's micro-batch
     devices: Any = MISSING  # ranks: an int >= 1 or auto
     trust_remote_code: bool = MISSING  # run the code the run's config names
+    tasks: list[str] | None = MISSING  # lm-eval task names; null: loss and perplexity
+    tasks_dirs: list[str] = MISSING  # the user's task dirs, beside conf/eval_tasks/
 
 
 @dataclass

@@ -604,6 +604,19 @@ def validate_sample(cfg: DictConfig) -> None:
     keyed("devices", resolve_devices, cfg.devices)
 
 
+def _check_task_names(names: Any, key: str, allow_none: bool = False) -> None:
+    """A list of names (downstream tasks, their dirs): none empty, none twice."""
+    if names is None and allow_none:
+        return
+    names = list(names or [])
+    _require(
+        all(isinstance(n, str) and n.strip() for n in names)
+        and len(set(names)) == len(names),
+        key,
+        f"got {names!r}, expected a list of distinct non-empty names",
+    )
+
+
 def check_hf_export(spec: ModelSpec, config: Any, key: str, hint: str = "") -> None:
     """A Hugging Face export of ``spec``'s model ``config`` (``trainer.export=hf``,
     export.py's ``format=hf``) is possible: the family has an adapter, and
@@ -651,3 +664,5 @@ def validate_eval(cfg: DictConfig) -> None:
         f"got {cfg.batch_size}, expected null (the run's micro-batch) or >= 1",
     )
     keyed("devices", resolve_devices, cfg.devices)
+    _check_task_names(cfg.tasks, "tasks", allow_none=True)
+    _check_task_names(cfg.tasks_dirs, "tasks_dirs")

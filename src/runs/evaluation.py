@@ -35,6 +35,7 @@ from src.data.sources import (
 from src.errors import ConfigError
 from src.files import keep_aside, read_json, write_json_atomic
 from src.runs.from_run import load_model, run_tokenizer
+from src.trainer.downstream import flat_metrics, run_tasks
 from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.trainer.step import evaluate, evaluate_sources
 
@@ -134,6 +135,42 @@ def eval_rank(
     }
 
 
+def tasks_rank(
+    device: torch.device,
+    cfg: DictConfig,
+    resolved: RunPlan,
+    checkpoint: Path,
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """One rank of ``eval.py tasks=[...]``: the run's model from ``checkpoint``
+    scored on ``opts``' lm-eval tasks (src/trainer/downstream.py), the same on
+    every rank."""
+    model, backend, step = load_model(resolved, checkpoint, device)
+    scores, seconds = run_tasks(
+        model,
+        backend,
+        resolved,
+        run_tokenizer(cfg),
+        opts["tasks"],
+        opts["specs"],
+        **({"batch_size": opts["batch_size"]} if opts["batch_size"] else {}),
+    )
+    return {
+        "step": step,
+        "tasks": scores,
+        "eval_tasks_s": seconds,
+        "world_size": dist.get_world_size(),
+    }
+
+
+def figures(entry: dict[str, Any]) -> dict[str, float]:
+    """What a record of eval.json logs to wandb: ``eval/loss`` and
+    ``eval/perplexity``, or each task's ``eval/<task>/<metric>``."""
+    if "tasks" in entry:
+        return flat_metrics(entry["tasks"])
+    return {"eval/loss": entry["loss"], "eval/perplexity": entry["perplexity"]}
+
+
 def changed_run_data(run_dir: Path, cfg: DictConfig) -> str | None:
     """How the files of the run's own data config (``cfg``: as eval.py prepared it)
     differ from those the run trained on (src/data/pinning.py), in a few words
@@ -175,6 +212,16 @@ def record(
     }
 
 
+def task_record(result: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """What eval.json keeps of one ``tasks=[...]`` evaluation: ``tasks``, an entry
+    per task with its metrics (as lm-eval names them: ``acc``, ``exact_match``)."""
+    return {
+        "checkpoint": str(checkpoint),
+        **result,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
 def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
     """Append ``entry`` to ``<run dir>/eval.json``. A history that is not a JSON
     list of records (cut short by a torn write, edited) is kept aside, never
@@ -202,7 +249,7 @@ def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
 
 
 def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> None:
-    """``eval/loss`` and ``eval/perplexity`` in a wandb run of their own
+    """The record's :func:`figures` in a wandb run of their own
     (``job_type="eval"``, files in ``<run dir>/wandb/eval``), in the training run's
     project and group (as its run_id.json records it), its name ``eval:<training run's name>``, and the training
     run's id and this evaluation's record in its config: the training run itself is
@@ -216,7 +263,9 @@ def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> N
     name = training.get("name") or run_dir.name
     config = {
         "training_run": {"id": training.get("id"), "name": name, "dir": str(run_dir)},
-        "eval": {k: v for k, v in entry.items() if k not in ("loss", "perplexity")},
+        "eval": {
+            k: v for k, v in entry.items() if k not in ("loss", "perplexity", "tasks")
+        },
     }
     wandb_dir = run_dir / "wandb" / EVAL_WANDB_DIR
     wandb_dir.mkdir(parents=True, exist_ok=True)
@@ -229,9 +278,9 @@ def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> N
         group=group,
         config=config,
     )
-    figures = {"eval/loss": entry["loss"], "eval/perplexity": entry["perplexity"]}
-    run.log(figures)
-    run.summary.update({**figures, "eval/step": entry["step"]})
+    logged = figures(entry)
+    run.log(logged)
+    run.summary.update({**logged, "eval/step": entry["step"]})
     run.finish()
     if run_cfg.logger.mode == "offline":
         log.info("upload to wandb: wandb sync %s/wandb/offline-run-*", wandb_dir)

@@ -1,0 +1,105 @@
+"""Downstream tasks through lm-eval on the run's model: :func:`run_tasks` (eval.py's
+``tasks=`` and the trainer's ``trainer.eval_tasks``), on every rank.
+
+Every rank runs the harness on the same tasks (the same requests in the same order,
+so the same forwards of the sharded model: src/trainer/lm_adapter.py) and gets rank
+0's scores. This is simpler than rank 0 driving the harness and sending each batch of
+requests to the others (a second protocol, a worker loop per rank) and as exact: the
+harness's work is deterministic and the scores it reads are rank 0's; its CPU work
+(tokenizing a few hundred requests) is done on each rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from src.config.run_plan import RunPlan
+from src.data.tokenizer import Tokenizer
+from src.sharding import Backend
+from src.trainer.eval_tasks import offline, task_manager
+
+log = logging.getLogger(__name__)
+
+#: The metric-key prefix of a task's figures: ``eval/<task>/<metric>``.
+TASK_PREFIX = "eval/"
+
+
+def metric_name(key: str) -> str:
+    """lm-eval's ``"acc,none"`` -> ``acc``; a filtered metric keeps its filter's
+    name (``"exact_match,strict-match"`` -> ``exact_match_strict-match``)."""
+    metric, _, filtered = key.partition(",")
+    return metric if filtered in ("", "none") else f"{metric}_{filtered}"
+
+
+def task_metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``{task: {metric: value}}`` of lm-eval's results (no stderr, no alias)."""
+    out = {}
+    for task, figures in results["results"].items():
+        out[task] = {
+            metric_name(k): float(v)
+            for k, v in figures.items()
+            if "," in k and "_stderr" not in k and isinstance(v, (int, float))
+        }
+    return out
+
+
+@contextlib.contextmanager
+def _rng_kept(device: torch.device) -> Iterator[None]:
+    """Python's, numpy's and torch's random states restored after (lm-eval seeds
+    them all; training's streams go on as if it had not run)."""
+    state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(state)
+            np.random.set_state(np_state)
+
+
+def run_tasks(
+    model: nn.Module,
+    backend: Backend,
+    resolved: RunPlan,
+    tokenizer: Tokenizer,
+    names: Sequence[str],
+    specs: Sequence[Any],
+    *,
+    batch_size: int = 8,
+    kv_cache: bool = True,
+) -> tuple[dict[str, dict[str, float]], float]:
+    """Scores of the tasks ``names`` (``specs``: as src/trainer/eval_tasks.py found
+    them) on this rank's shards of ``model``, and the seconds they took; the same
+    on every rank (a collective)."""
+    from lm_eval.evaluator import simple_evaluate
+
+    from src.trainer.lm_adapter import ShardedLM
+
+    start = time.perf_counter()
+    lm = ShardedLM(model, backend, resolved, tokenizer, batch_size, kv_cache)
+    with _rng_kept(backend.device), offline():
+        results = simple_evaluate(
+            model=lm,
+            tasks=list(specs),
+            task_manager=task_manager(specs),
+            bootstrap_iters=0,  # no stderr resampling: seconds for nothing here
+            log_samples=False,
+        )
+    return task_metrics(results), time.perf_counter() - start
+
+
+def flat_metrics(scores: dict[str, dict[str, float]]) -> dict[str, float]:
+    """``{"eval/<task>/<metric>": value}`` of :func:`run_tasks`' scores."""
+    return {
+        f"{TASK_PREFIX}{task}/{metric}": value
+        for task, figures in scores.items()
+        for metric, value in figures.items()
+    }
