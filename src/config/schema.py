@@ -174,6 +174,15 @@ class TrainerConfig:
         "texts continued by trainer.sample_every (a list)"
     )
     sample_tokens: int = described("new tokens per trainer.sample_every sample")
+    eval_tasks: list[str] = described(
+        "lm-eval tasks scored during training (docs/evaluation.md; [] = none)"
+    )
+    eval_tasks_every: int = described(
+        "steps between trainer.eval_tasks scores (and at the end; 0 = at the end)"
+    )
+    eval_tasks_dirs: list[str] = described(
+        "folders of your own lm-eval task YAMLs, beside conf/eval_tasks/"
+    )
     # one of OPTIMIZERS
     optimizer: str = described(lambda: f"the optimizer: {or_list(OPTIMIZERS)}")
     lr: float = described("peak learning rate (every optimizer)")

@@ -479,6 +479,7 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
         "trainer.sample_every",
         f"samples need text: data={cfg.data.name} has no tokenizer",
     )
+    _check_eval_tasks(cfg)
     _choice(cfg, "trainer.log_level", LOG_LEVELS)
     _positive_int(cfg, "trainer.profile_start")
     _positive_int(cfg, "trainer.profile_steps")
@@ -602,6 +603,20 @@ def validate_sample(cfg: DictConfig) -> None:
         f"got {cfg.top_k}, expected null or an integer >= 1",
     )
     keyed("devices", resolve_devices, cfg.devices)
+
+
+def _check_eval_tasks(cfg: DictConfig) -> None:
+    """trainer.eval_tasks's keys (the tasks themselves are found by launch.prepare,
+    before any rank starts)."""
+    t = cfg.trainer
+    _check_task_names(t.eval_tasks, "trainer.eval_tasks")
+    _check_task_names(t.eval_tasks_dirs, "trainer.eval_tasks_dirs")
+    _positive_int(cfg, "trainer.eval_tasks_every", minimum=0)
+    _require(
+        not t.eval_tasks or DATA_SOURCES[cfg.data.name].tokenized,
+        "trainer.eval_tasks",
+        f"tasks are text: data={cfg.data.name} has no tokenizer",
+    )
 
 
 def _check_task_names(names: Any, key: str, allow_none: bool = False) -> None:

@@ -24,13 +24,11 @@ import torch.nn as nn
 
 from src.config.run_plan import RunPlan
 from src.data.tokenizer import Tokenizer
+from src.observe.keys import TASKS_SECONDS, task_metric_key
 from src.sharding import Backend
-from src.trainer.eval_tasks import offline, task_manager
+from src.trainer.eval_tasks import offline, task_manager, task_specs
 
 log = logging.getLogger(__name__)
-
-#: The metric-key prefix of a task's figures: ``eval/<task>/<metric>``.
-TASK_PREFIX = "eval/"
 
 
 def metric_name(key: str) -> str:
@@ -99,7 +97,49 @@ def run_tasks(
 def flat_metrics(scores: dict[str, dict[str, float]]) -> dict[str, float]:
     """``{"eval/<task>/<metric>": value}`` of :func:`run_tasks`' scores."""
     return {
-        f"{TASK_PREFIX}{task}/{metric}": value
+        task_metric_key(task, metric): value
         for task, figures in scores.items()
         for metric, value in figures.items()
     }
+
+
+class LoopTasks:
+    """``trainer.eval_tasks`` during training: every ``trainer.eval_tasks_every``
+    steps and at the last, on the ranks' sharded model (the loop's one hook)."""
+
+    def __init__(self, trainer_cfg: Any) -> None:
+        self.names = list(trainer_cfg.eval_tasks)
+        self.dirs = list(trainer_cfg.eval_tasks_dirs)
+        self.every = trainer_cfg.eval_tasks_every
+        self.specs: list[Any] | None = None
+
+    def due(self, step: int, last: bool) -> bool:
+        return bool(self.names) and (
+            last or bool(self.every and step % self.every == 0)
+        )
+
+    def run(self, trainer: Any, step: int) -> dict[str, float]:
+        """Score the tasks on ``trainer``'s model and log them at ``step`` with
+        ``tokens_seen`` (metrics.jsonl, wandb, the summary); their seconds are
+        logged as ``eval_tasks_s``, not counted in the throughput."""
+        if self.specs is None:  # found and checked before the ranks started
+            keys = ("trainer.eval_tasks", "trainer.eval_tasks_dirs")
+            self.specs = task_specs(self.names, self.dirs, *keys)
+        scores, seconds = run_tasks(
+            trainer.whole_model(),
+            trainer.backend,
+            trainer.resolved,
+            trainer.tokenizer,
+            self.names,
+            self.specs,
+            kv_cache=not trainer.cfg.sharding.compile,  # a compile per cache length
+        )
+        row = {**flat_metrics(scores), TASKS_SECONDS: seconds}
+        trainer.logger.log({**row, "tokens_seen": trainer.tokens_seen}, step)
+        trainer.summary.update(row)
+        figures = ", ".join(
+            f"{k} {v:.4f}" for k, v in row.items() if k != TASKS_SECONDS
+        )
+        log.info("step %d: %s (%.1f s)", step, figures, seconds)
+        trainer.meter.restart(step)  # the tasks' time is not training throughput
+        return row

@@ -196,3 +196,11 @@ def check_tasks(
     specs = task_specs(names, dirs, key, dirs_key)
     build_tasks(names, specs, key)
     return specs
+
+
+def check_loop_tasks(trainer_cfg: Any) -> None:
+    """``trainer.eval_tasks`` checked as :func:`check_tasks` does (nothing without)."""
+    if trainer_cfg.eval_tasks:
+        keys = ("trainer.eval_tasks", "trainer.eval_tasks_dirs")
+        names, dirs = list(trainer_cfg.eval_tasks), list(trainer_cfg.eval_tasks_dirs)
+        check_tasks(names, dirs, *keys)

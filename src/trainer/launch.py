@@ -73,6 +73,7 @@ from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.profiles import cpu_threads
 from src.planner.report import plan_only
 from src.planner.run import machine_check, oversubscribed, plan_run
+from src.trainer.eval_tasks import check_loop_tasks
 from src.trainer.faults import (
     RANK_REPORTS,
     RESTART_CAUSE_ENV,
@@ -178,6 +179,7 @@ def prepare(
             machine_check(resolved, run.estimate, local)
         if oversubscribed(local):
             log.warning("%s", oversubscribed(local))
+        check_loop_tasks(cfg.trainer)  # found, their data loaded: one line if not
     return cfg, replace(
         resolved,
         **run.recorded(),

@@ -67,6 +67,7 @@ from src.observe.routing import RoutingWatch
 from src.sharding import canonical_name, wrap_plan
 from src.text import plural
 from src.trainer.best import EARLY_STOP, Best
+from src.trainer.downstream import LoopTasks
 from src.trainer.faults import mean_and_stop, signal_point, stop_signal
 from src.trainer.header import log_float8, log_wrap_plan, millions
 from src.trainer.health import block_norms
@@ -182,7 +183,9 @@ class Trainer:
         self.mix = (
             MixCounter(self.batches) if isinstance(train_split, MixedStream) else None
         )
-        self.tokenizer = tokenizer_of(self.cfg.data) if t.sample_every else None
+        self.tasks = LoopTasks(t)  # trainer.eval_tasks (src/trainer/downstream.py)
+        text = t.sample_every or self.tasks.names
+        self.tokenizer = tokenizer_of(self.cfg.data) if text else None
         self.documents = None  # data.packing=documents: its end-of-document id
         if self.resolved.batch.documents:
             self.documents = Documents(tokenizer_of(self.cfg.data).eos_id)
@@ -728,6 +731,8 @@ class Trainer:
                 val_loss = self.validate(step)
             if sample_every and (step % sample_every == 0 or last):
                 self.sample(step)
+            if self.tasks.due(step, last):
+                self.tasks.run(self, step)
             best = val_loss is not None and self.best.seen(step, val_loss)
             stop = val_loss is not None and self.best.exhausted
             saved = (
@@ -749,6 +754,7 @@ class Trainer:
                 val_loss is not None
                 or saved
                 or (sample_every and step % sample_every == 0)
+                or self.tasks.due(step, False)
             )
             self.stop_if_asked(step, None if not saved else path, recheck=bool(busy))
         return self.finish()
