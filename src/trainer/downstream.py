@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -83,7 +85,10 @@ def run_tasks(
 
     start = time.perf_counter()
     lm = ShardedLM(model, backend, resolved, tokenizer, batch_size, kv_cache)
-    with _rng_kept(backend.device), offline():
+    # every rank is lm-eval's rank 0 of 1; it returns results only where LOCAL_RANK
+    # is 0 too (its torchrun tensor-parallel case): each rank reads its own
+    local_rank0 = mock.patch.dict(os.environ, {"LOCAL_RANK": "0"})
+    with _rng_kept(backend.device), offline(), local_rank0:
         results = simple_evaluate(
             model=lm,
             tasks=list(specs),

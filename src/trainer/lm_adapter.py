@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (before our name: see ShardedLM)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -41,6 +42,27 @@ def _broadcast(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+class _EvenShares(nn.Module):
+    """Tensor parallelism's forward on rows of any length: padded on the right to a
+    multiple of the tp degree (its sequence split takes equal shares; causal
+    attention, so no earlier position changes), the logits cut back and gathered
+    whole from their vocabulary shards."""
+
+    def __init__(self, model: nn.Module, multiple: int) -> None:
+        super().__init__()
+        self.inner, self.multiple = model, multiple
+
+    def forward(self, idx: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+        length = idx.size(1)
+        logits, loss = self.inner(F.pad(idx, (0, -length % self.multiple)), **kwargs)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits[:, :length], loss
+
+
+# lm-eval 0.4.13 fills its registry of built-in models (hf, vllm, ...) only while it
+# is empty: registering a name first hid them (model="hf": "no model for this name"),
+# hence lm_eval.models imported above.
 @register_model("sharded")
 class ShardedLM(TemplateLM):
     """The run's ``model`` (this rank's shards) and ``tokenizer`` for lm-eval;
@@ -56,10 +78,12 @@ class ShardedLM(TemplateLM):
         kv_cache: bool = True,
     ) -> None:
         super().__init__()
-        self.model, self.backend, self.resolved = model, backend, resolved
-        self.tokenizer_ = tokenizer
+        tp = backend.layout.tp
+        self.model = _EvenShares(model, tp) if tp > 1 else model
+        self.backend, self.resolved, self.tokenizer_ = backend, resolved, tokenizer
         self.context = resolved.spec.seq_len(resolved.model_config)
-        self.batch_size, self.kv_cache = batch_size, kv_cache
+        # under tensor parallelism a cached token (one) is no even split either
+        self.batch_size, self.kv_cache = batch_size, kv_cache and tp == 1
         self._device = backend.device
 
     @property
@@ -80,8 +104,6 @@ class ShardedLM(TemplateLM):
         self.model.eval()
         with self.backend.autocast():
             logits = self.model(x.to(self._device))[0]
-        if isinstance(logits, DTensor):  # vocabulary-sharded (tensor parallelism)
-            logits = logits.full_tensor()
         return logits.float()
 
     def rows(
@@ -113,7 +135,7 @@ class ShardedLM(TemplateLM):
                 )
             logits, y = self.logits(x), y.to(self._device)
             nll = F.cross_entropy(
-                logits.view(-1, logits.size(-1)),
+                logits.reshape(-1, logits.size(-1)),
                 y.view(-1),
                 ignore_index=-1,
                 reduction="none",
