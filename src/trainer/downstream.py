@@ -79,7 +79,7 @@ def run_tasks(
     """Scores of the tasks ``names`` (``specs``: as src/trainer/eval_tasks.py found
     them) on this rank's shards of ``model``, and the seconds they took; the same
     on every rank (a collective)."""
-    from lm_eval.evaluator import simple_evaluate
+    from lm_eval import evaluator
 
     from src.trainer.lm_adapter import ShardedLM
 
@@ -88,8 +88,10 @@ def run_tasks(
     # every rank is lm-eval's rank 0 of 1; it returns results only where LOCAL_RANK
     # is 0 too (its torchrun tensor-parallel case): each rank reads its own
     local_rank0 = mock.patch.dict(os.environ, {"LOCAL_RANK": "0"})
-    with _rng_kept(backend.device), offline(), local_rank0:
-        results = simple_evaluate(
+    # its report of the environment (torch's collect_env: ~2 s of subprocesses)
+    no_env_report = mock.patch.object(evaluator, "add_env_info", lambda _: None)
+    with _rng_kept(backend.device), offline(), local_rank0, no_env_report:
+        results = evaluator.simple_evaluate(
             model=lm,
             tasks=list(specs),
             task_manager=task_manager(specs),
