@@ -34,7 +34,6 @@ from src.runs.evaluation import (
     log_to_wandb,
     record,
     task_record,
-    tasks_rank,
     write_record,
 )
 from src.runs.from_run import on_ranks, run_tokenizer
@@ -113,7 +112,7 @@ def _evaluate_tasks(cfg: DictConfig) -> dict:
         specs = check_tasks(names, list(cfg.tasks_dirs), "tasks", "tasks_dirs")
     opts = {"tasks": names, "specs": specs, "batch_size": cfg.batch_size}
     with exit_on_config_error():  # a rank's failure: one line
-        result = on_ranks(tasks_rank, run_cfg, resolved, checkpoint, opts)
+        result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)
     if result is None:  # a rank > 0 under torchrun: rank 0 reports
         return {}
     entry = task_record(result, checkpoint)

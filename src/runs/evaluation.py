@@ -32,9 +32,11 @@ from src.data.sources import (
     load_splits,
     tokenizer_of,
 )
+from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError
 from src.files import keep_aside, read_json, write_json_atomic
 from src.runs.from_run import load_model, run_tokenizer
+from src.sharding import Backend
 from src.trainer.downstream import flat_metrics, run_tasks
 from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.trainer.step import evaluate, evaluate_sources
@@ -100,8 +102,12 @@ def eval_rank(
     opts: dict[str, Any],
 ) -> dict[str, Any]:
     """One rank of eval.py: the mean loss of the run's model from ``checkpoint`` on
-    ``opts``' split, batches and batch size (None: the run's)."""
+    ``opts``' split, batches and batch size (None: the run's); with ``opts["tasks"]``
+    its scores on those lm-eval tasks instead."""
     model, backend, step = load_model(resolved, checkpoint, device)
+    if opts.get("tasks"):
+        tokenizer = run_tokenizer(cfg)
+        return _scored_tasks(model, backend, step, resolved, tokenizer, opts)
     t, spec, config = cfg.trainer, resolved.spec, resolved.model_config
     train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
     stream = {"train": train, "val": val}.get(opts["split"])
@@ -135,22 +141,21 @@ def eval_rank(
     }
 
 
-def tasks_rank(
-    device: torch.device,
-    cfg: DictConfig,
+def _scored_tasks(
+    model: torch.nn.Module,
+    backend: Backend,
+    step: int,
     resolved: RunPlan,
-    checkpoint: Path,
+    tokenizer: Tokenizer,
     opts: dict[str, Any],
 ) -> dict[str, Any]:
-    """One rank of ``eval.py tasks=[...]``: the run's model from ``checkpoint``
-    scored on ``opts``' lm-eval tasks (src/trainer/downstream.py), the same on
-    every rank."""
-    model, backend, step = load_model(resolved, checkpoint, device)
+    """``eval.py tasks=[...]`` on this rank: the model scored on ``opts``' lm-eval
+    tasks (src/trainer/downstream.py), the same on every rank."""
     scores, seconds = run_tasks(
         model,
         backend,
         resolved,
-        run_tokenizer(cfg),
+        tokenizer,
         opts["tasks"],
         opts["specs"],
         **({"batch_size": opts["batch_size"]} if opts["batch_size"] else {}),
