@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from src.config.validate import validate
 from src.harness import run_distributed
+from src.runs.compare import compare
 from src.runs.from_run import load_model, run_tokenizer
 from src.trainer.eval_tasks import check_tasks, task_specs
 from src.trainer.launch import prepare, run_ranks
@@ -102,12 +103,13 @@ def _scores(device, cfg, resolved, checkpoint, opts) -> dict:
 
 
 def test_adapter_scores_equal_the_models_loss_and_the_loops_rows(
-    run_dir, one_rank, monkeypatch, capsys
+    run_dir, one_rank, tmp_path, monkeypatch, capsys
 ):
     """The adapter's log-likelihood of each continuation is the model's own summed
     loss on the same tokens; eval.py tasks=[...] on the last checkpoint gives the
     scores the loop logged at that step (eval.json's entry per task), and the loop
-    logged them with tokens_seen and their seconds."""
+    logged them with tokens_seen and their seconds; compare shows them as columns
+    and ranks by one."""
     rows = task_rows(run_dir)
     assert sorted(rows) == [4]
     assert set(rows[4]) == {
@@ -133,6 +135,10 @@ def test_adapter_scores_equal_the_models_loss_and_the_loops_rows(
     }
     assert entry["step"] == 4 and flat.items() <= rows[4].items()
     assert set(flat) == {"eval/pycode_mc/acc", "eval/pycode_mc/acc_norm"}
+    # compare's columns, ranked by one
+    rows = compare([run_dir], tmp_path, make_plot=False, metric="eval/pycode_mc/acc")
+    assert rows[0]["best"] and rows[0]["eval/pycode_complete/exact_match"] == 0.0
+    assert {k: rows[0][k] for k in flat} == flat
 
 
 def test_hf_backend_on_the_export_equals_the_adapter(run_dir, one_rank):

@@ -20,6 +20,7 @@ from omegaconf import MISSING
 from src.data.sources import DATA_SOURCES, DataConfig
 from src.data.token_cache import SPLITS
 from src.models import families, get_spec
+from src.observe.keys import is_task_metric
 from src.observe.loggers import LOGGERS, LoggerConfig
 from src.registry import described, or_list
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
@@ -37,6 +38,15 @@ GRAD_SYNC = ("last", "every")
 #: ``sweep.objective`` -> its own direction (``sweep.direction=null``); read by
 #: src/runs/sweep.py.
 OBJECTIVES = {"val_loss": "min", "loss": "min", "tokens_per_s": "max"}
+
+
+def objective_direction(name: str) -> str:
+    """A sweep objective's own direction: :data:`OBJECTIVES`', or for a downstream
+    task's metric (``eval/<task>/<metric>``, trainer.eval_tasks) max: accuracies
+    (``sweep.direction=min`` for a perplexity)."""
+    return OBJECTIVES.get(name) or ("max" if is_task_metric(name) else "min")
+
+
 DIRECTIONS = ("min", "max")
 EXPORTS = (False, True, "hf")
 #: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does (refuse
@@ -284,7 +294,9 @@ class SweepConfig:
     scores below every job within it."""
 
     objective: str = described(
-        f"what makes a sweep point best: {or_list(OBJECTIVES)}", "val_loss"
+        f"what makes a sweep point best: {or_list(OBJECTIVES)}, or a task's "
+        "eval/<task>/<metric> (trainer.eval_tasks)",
+        "val_loss",
     )
     direction: str | None = described(
         f"{or_list(DIRECTIONS)} (null: the objective's own)", None

@@ -45,6 +45,7 @@ from src.config.schema import (
 from src.data.sources import DATA_SOURCES
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec
+from src.observe.keys import is_task_metric
 from src.observe.loggers import LOGGERS
 from src.observe.logs import LOG_LEVELS
 from src.sharding import (
@@ -273,7 +274,13 @@ def validate(cfg: DictConfig) -> RunPlan:
     reject_non_finite(cfg)
     refuse_schemas(cfg)
     cap = cfg.sweep.mem_cap_gib
-    _choice(cfg, "sweep.objective", OBJECTIVES)
+    objective = cfg.sweep.objective
+    _require(
+        objective in OBJECTIVES or is_task_metric(str(objective)),
+        "sweep.objective",
+        f"got {objective!r}, expected one of: {', '.join(OBJECTIVES)}, or a task's "
+        "eval/<task>/<metric> (trainer.eval_tasks)",
+    )
     _require(
         cfg.sweep.direction is None or cfg.sweep.direction in DIRECTIONS,
         "sweep.direction",

@@ -67,11 +67,14 @@ def task_metric_key(task: str, metric: str) -> str:
     return TASK_METRIC.format(task, metric)
 
 
+def is_task_metric(key: str) -> bool:
+    """Whether ``key`` names a downstream task's metric (:func:`task_metric_key`)."""
+    head = TASK_METRIC.split("{}")[0]
+    return key.startswith(head) and key.count("/") == 2 and not key.endswith("/")
+
+
 def task_metrics_in(row: dict) -> dict[str, float]:
     """The downstream task metrics (:func:`task_metric_key`) in ``row``."""
-    head = TASK_METRIC.split("{}")[0]
     return {
-        k: v
-        for k, v in row.items()
-        if k.startswith(head) and k.count("/") == 2 and isinstance(v, int | float)
+        k: v for k, v in row.items() if is_task_metric(k) and isinstance(v, int | float)
     }

@@ -35,6 +35,7 @@ from src.data.sources import (
 from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError
 from src.files import keep_aside, read_json, write_json_atomic
+from src.observe.keys import task_metrics_in
 from src.runs.from_run import load_model, run_tokenizer
 from src.sharding import Backend
 from src.trainer.downstream import flat_metrics, run_tasks
@@ -225,6 +226,21 @@ def task_record(result: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
         **result,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def task_columns(run_dir: Path, summary: dict[str, Any]) -> dict[str, float]:
+    """A run's downstream task metrics for compare and the sweep summary: the
+    loop's last (summary.json), each replaced by eval.py's latest (eval.json) of
+    that task; a damaged eval.json adds none."""
+    out = task_metrics_in(summary)
+    try:
+        records = read_json(run_dir / EVAL_FILE)
+        for r in records if isinstance(records, list) else []:
+            if isinstance(r, dict) and isinstance(r.get("tasks"), dict):
+                out.update(task_metrics_in(flat_metrics(r["tasks"])))
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    return out
 
 
 def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
