@@ -38,7 +38,7 @@ from src.files import keep_aside, read_json, write_json_atomic
 from src.observe.keys import task_metrics_in
 from src.runs.from_run import load_model, run_tokenizer
 from src.sharding import Backend
-from src.trainer.downstream import flat_metrics, run_tasks
+from src.trainer.downstream import flat_metrics, per_rank_rows, run_tasks
 from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.trainer.step import evaluate, evaluate_sources
 
@@ -106,10 +106,13 @@ def eval_rank(
     ``opts``' split, batches and batch size (None: the run's); with ``opts["tasks"]``
     its scores on those lm-eval tasks instead."""
     model, backend, step = load_model(resolved, checkpoint, device)
+    t = cfg.trainer
     if opts.get("tasks"):
         tokenizer = run_tokenizer(cfg)
-        return _scored_tasks(model, backend, step, resolved, tokenizer, opts)
-    t, spec, config = cfg.trainer, resolved.spec, resolved.model_config
+        rows = opts["batch_size"] or t.batch_size // t.grad_accum  # as the loss's
+        args = (resolved, tokenizer, rows, opts)
+        return _scored_tasks(model, backend, step, *args)
+    spec, config = resolved.spec, resolved.model_config
     train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
     stream = {"train": train, "val": val}.get(opts["split"])
     if stream is None:  # all: the stream the splits were cut from, in order
@@ -148,6 +151,7 @@ def _scored_tasks(
     step: int,
     resolved: RunPlan,
     tokenizer: Tokenizer,
+    rows: int,
     opts: dict[str, Any],
 ) -> dict[str, Any]:
     """``eval.py tasks=[...]`` on this rank: the model scored on ``opts``' lm-eval
@@ -159,7 +163,7 @@ def _scored_tasks(
         tokenizer,
         opts["tasks"],
         opts["specs"],
-        **({"batch_size": opts["batch_size"]} if opts["batch_size"] else {}),
+        batch_size=per_rank_rows(rows, dist.get_world_size()),
     )
     return {
         "step": step,

@@ -101,6 +101,13 @@ def run_tasks(
     return task_metrics(results), time.perf_counter() - start
 
 
+def per_rank_rows(rows: int, ranks: int) -> int:
+    """Rows per forward of the tasks' log-likelihoods: those a rank forwards of a
+    training micro-batch of ``rows`` sequences, so the forward, without gradients,
+    is no bigger than one the planner counts in the training step's peak."""
+    return max(1, rows // ranks)
+
+
 def flat_metrics(scores: dict[str, dict[str, float]]) -> dict[str, float]:
     """``{"eval/<task>/<metric>": value}`` of :func:`run_tasks`' scores."""
     return {
@@ -132,6 +139,8 @@ class LoopTasks:
         if self.specs is None:  # found and checked before the ranks started
             keys = ("trainer.eval_tasks", "trainer.eval_tasks_dirs")
             self.specs = task_specs(self.names, self.dirs, *keys)
+        t = trainer.cfg.trainer
+        micro_batch = t.batch_size // t.grad_accum
         scores, seconds = run_tasks(
             trainer.whole_model(),
             trainer.backend,
@@ -139,6 +148,7 @@ class LoopTasks:
             trainer.tokenizer,
             self.names,
             self.specs,
+            batch_size=per_rank_rows(micro_batch, trainer.backend.dp_size),
             kv_cache=not trainer.cfg.sharding.compile,  # a compile per cache length
         )
         row = {**flat_metrics(scores), TASKS_SECONDS: seconds}
