@@ -36,7 +36,7 @@ RUN = [
     "logger=none",
     "data.max_bytes=300000",
     "trainer.max_steps=4",
-    "trainer.batch_size=4",
+    "trainer.batch_size=16",
     "trainer.log_every=2",
     "trainer.val_every=0",
     "trainer.progress=false",
@@ -118,7 +118,7 @@ def test_adapter_scores_equal_the_models_loss_and_the_loops_rows(
         "eval/pycode_complete/exact_match",
     }
     logged = {r["step"]: r for r in read_rows(run_dir) if "eval_tasks_s" in r}
-    assert logged[4]["tokens_seen"] == 4 * 4 * 64 and logged[4]["eval_tasks_s"] > 0
+    assert logged[4]["tokens_seen"] == 4 * 16 * 64 and logged[4]["eval_tasks_s"] > 0
 
     out = one_rank
     assert out["step"] == 4
