@@ -18,6 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from src.checkpoint.dcp import best_checkpoints
 from src.config.validate import validate
 from src.harness import run_distributed
 from src.runs.compare import compare
@@ -184,7 +185,9 @@ def _two_ranks(rank: int, world: int, runs: dict, opened_1: tuple, specs: list):
     for name, (cfg, resolved, run_dir) in runs.items():
         train(cfg, run_dir, torch.device("cpu"), resolved)
         out[name] = task_rows(Path(run_dir)) if rank == 0 else None
-        if name == "fsdp2":  # its last checkpoint lost: resumed from step 2
+        if name == "fsdp2":  # the checkpoints' scores; the last lost: resumed from 2
+            found = best_checkpoints(Path(run_dir) / "checkpoints", 2)
+            out["kept"] = {p.name: score for score, p in found}
             if rank == 0:
                 shutil.rmtree(Path(run_dir) / "checkpoints" / "step_00000004")
             dist.barrier()
@@ -199,12 +202,18 @@ def _two_ranks(rank: int, world: int, runs: dict, opened_1: tuple, specs: list):
 def test_two_ranks_equal_one_and_log_in_the_loop(run_dir, one_rank, tmp_path):
     """On 2 ranks (one launch): the 1-rank run's checkpoint scores the same (each
     log-likelihood within 1e-6, the same task scores); in the loop under FSDP2 and
-    TP2 the tasks are logged at their steps (eval_tasks_every=2), and a run resumed
-    from step 2 logs each step's row once, with the scores it had."""
+    TP2 the tasks are logged at their steps (eval_tasks_every=2), their checkpoints
+    ranked by trainer.best_metric, and a run resumed from step 2 logs each step's
+    row once, with the scores it had."""
     loop = [*RUN, "trainer.devices=2", "trainer.eval_tasks=[pycode_mc]"]
     runs = {}
     for name, extra in {
-        "fsdp2": ["trainer.eval_tasks_every=2", "trainer.ckpt_every=2"],
+        "fsdp2": [
+            "trainer.eval_tasks_every=2",
+            "trainer.ckpt_every=2",
+            "trainer.keep_best=1",
+            "trainer.best_metric=eval/pycode_mc/acc_norm",
+        ],
         "tp2": ["sharding.tensor_parallel=2", "trainer.max_steps=2"],
     }.items():
         cfg = make_cfg(*loop, *extra)
@@ -225,6 +234,9 @@ def test_two_ranks_equal_one_and_log_in_the_loop(run_dir, one_rank, tmp_path):
     keys = {"eval/pycode_mc/acc", "eval/pycode_mc/acc_norm"}
     assert sorted(out["fsdp2"]) == [2, 4] and set(out["fsdp2"][4]) == keys
     assert out["resumed"] == out["fsdp2"]  # step 4's row again, none doubled
+    # trainer.best_metric: each checkpoint ranked by its acc_norm, the highest best
+    acc = {s: r["eval/pycode_mc/acc_norm"] for s, r in out["fsdp2"].items()}
+    assert out["kept"] == {"step_00000002": -acc[2], "step_00000004": -acc[4]}
     assert sorted(out["tp2"]) == [2] and set(out["tp2"][2]) == keys
 
 
@@ -269,6 +281,11 @@ def test_bad_tasks_are_one_line_before_any_rank(run_dir, tmp_path, monkeypatch, 
             "eval.py",
             [f"run={run_dir}", "tasks=[pycode_mc]", f"tasks_dirs=[{empty}]"],
             f"tasks_dirs: {empty} holds no lm-eval task",
+        ),
+        (
+            "train.py",
+            [*train, "trainer.eval_tasks=[pycode_mc]", "trainer.best_metric=eval/x/a"],
+            "trainer.best_metric: got 'eval/x/a', expected val_loss or eval/<task>/",
         ),
         (
             "eval.py",

@@ -222,6 +222,10 @@ class TrainerConfig:
         "also keep the K checkpoints of the lowest val_loss (0 = off; a validation "
         "step among the K best so far is saved)"
     )
+    best_metric: str = described(
+        "what keep_best and early stopping rank by: val_loss (lowest best), or a "
+        "task's eval/<task>/<metric> of trainer.eval_tasks (highest best)"
+    )
     early_stop_patience: int = described(
         "stop when val_loss has not improved for N validations (0 = off)"
     )

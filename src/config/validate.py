@@ -468,7 +468,9 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
     for key in ("keep_best", "early_stop_patience"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
         _require(
-            not t[key] or (t.val_every and t.val_batches),
+            not t[key]
+            or t.best_metric != "val_loss"
+            or (t.val_every and t.val_batches),
             f"trainer.{key}",
             f"{t[key]} ranks checkpoints by val_loss, but trainer.val_every="
             f"{t.val_every} trainer.val_batches={t.val_batches} never validate",
@@ -619,6 +621,14 @@ def _check_eval_tasks(cfg: DictConfig) -> None:
     _check_task_names(t.eval_tasks, "trainer.eval_tasks")
     _check_task_names(t.eval_tasks_dirs, "trainer.eval_tasks_dirs")
     _positive_int(cfg, "trainer.eval_tasks_every", minimum=0)
+    metric = str(t.best_metric)
+    _require(
+        metric == "val_loss"
+        or (is_task_metric(metric) and metric.split("/")[1] in t.eval_tasks),
+        "trainer.best_metric",
+        f"got {metric!r}, expected val_loss or eval/<task>/<metric> of a task in "
+        f"trainer.eval_tasks ({', '.join(t.eval_tasks) or 'none'})",
+    )
     _require(
         not t.eval_tasks or DATA_SOURCES[cfg.data.name].tokenized,
         "trainer.eval_tasks",

@@ -26,8 +26,10 @@ import torch.nn as nn
 
 from src.config.run_plan import RunPlan
 from src.data.tokenizer import Tokenizer
+from src.errors import RunError
 from src.observe.keys import TASKS_SECONDS, task_metric_key
 from src.sharding import Backend
+from src.trainer.best import score_of
 from src.trainer.eval_tasks import offline, task_manager, task_specs
 
 log = logging.getLogger(__name__)
@@ -125,12 +127,28 @@ class LoopTasks:
         self.names = list(trainer_cfg.eval_tasks)
         self.dirs = list(trainer_cfg.eval_tasks_dirs)
         self.every = trainer_cfg.eval_tasks_every
+        self.metric = trainer_cfg.best_metric
         self.specs: list[Any] | None = None
 
     def due(self, step: int, last: bool) -> bool:
         return bool(self.names) and (
             last or bool(self.every and step % self.every == 0)
         )
+
+    def score(self, val_loss: float | None, row: dict[str, float]) -> float | None:
+        """This step's score for keep_best and early stopping (lower is best,
+        :func:`best.score_of`): its ``val_loss`` or ``trainer.best_metric``'s value
+        in the step's task ``row``; None where the step has none."""
+        if self.metric == "val_loss":
+            return val_loss
+        if not row:
+            return None
+        if self.metric not in row:
+            raise RunError(
+                f"trainer.best_metric={self.metric} is not among the tasks' "
+                f"metrics: {', '.join(k for k in row if k != TASKS_SECONDS)}"
+            )
+        return score_of(self.metric, row[self.metric])
 
     def run(self, trainer: Any, step: int) -> dict[str, float]:
         """Score the tasks on ``trainer``'s model and log them at ``step`` with
