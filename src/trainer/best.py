@@ -111,11 +111,11 @@ class Best:
         )
 
     def summary(self, step: int) -> dict:
-        """``summary.json``'s ``early_stop``."""
+        """``summary.json``'s ``early_stop`` (``metric``: a task's, not val_loss)."""
         return {
             "step": step,
-            "metric": self.metric,
             f"best_{self.metric}": score_of(self.metric, self.best),
             "best_step": self.best_step,
             "patience": self.patience,
+            **({"metric": self.metric} if self.metric != "val_loss" else {}),
         }
