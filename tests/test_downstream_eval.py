@@ -296,3 +296,28 @@ def test_bad_tasks_are_one_line_before_any_rank(run_dir, tmp_path, monkeypatch, 
     for script, args, start in cases:
         line = one_config_error(in_process(monkeypatch, capsys, script, *args))
         assert line.startswith(start), line
+
+
+def test_lm_eval_is_imported_only_when_a_task_is_asked():
+    """No module of the project imports lm-eval (pandas, sklearn, datasets: seconds)
+    at its top but the adapter's, which is itself imported only inside functions:
+    train.py and eval.py start without it."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    lazy = ("lm_eval", "datasets", "src.trainer.lm_adapter")
+    found = []
+    for path in [*root.glob("*.py"), *(root / "src").rglob("*.py")]:
+        for node in ast.parse(path.read_text()).body:  # module-level statements
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == m or n.startswith(m + ".") for n in names for m in lazy):
+                found.append(path.relative_to(root).as_posix())
+    assert (
+        found
+        == ["src/trainer/lm_adapter.py"] * found.count("src/trainer/lm_adapter.py")
+        and found
+    ), found
