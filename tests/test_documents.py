@@ -10,6 +10,7 @@ test_expert_parallel.py (EP2 x FSDP2)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -179,7 +180,7 @@ def test_a_micro_batch_without_counted_targets_weighs_nothing_and_stays_finite()
     batch, weights = within_documents(
         [(x, x.roll(-1, 1)), (ends, ends + 1)], DOCS, one_rank()
     )
-    assert weights == [1.0, 0.0] and batch[1][1].tolist() == [[1] * 6]
+    assert weights == [1.0, 0.0] and batch[1][1].tolist() == [[0] * 6]
     model = model_of("gpt")
     loss = model(*batch[1], docs=DOCS.ids(ends))[1] * weights[1]
     loss.backward()
@@ -241,6 +242,26 @@ def test_resume_and_eval_keep_the_runs_packing(tmp_path):
     """A run packed by documents (two micro-batches) resumed from its step 2 gives
     the uninterrupted run's losses exactly; eval.py scores it within documents, as
     the run validated (one rank, in this process)."""
+    run = [
+        "model=tiny", "model.block_size=32", "data=text", "data.max_bytes=100000",
+        "data.packing=documents", *RESUMED_RUN,
+    ]  # fmt: skip
+    resumes_exactly_and_evaluates_as_validated(tmp_path, run)
+
+
+#: Four steps of two micro-batches, checkpointed at 2, validated at 4, on one rank.
+RESUMED_RUN = [
+    "logger=none", "trainer.devices=1", "trainer.max_steps=4", "trainer.grad_accum=2",
+    "trainer.val_every=4", "trainer.val_batches=2", "trainer.batch_size=4",
+    "trainer.progress=false", "trainer.peak_tflops=1", "trainer.ckpt_every=2",
+    "trainer.keep_last=0", "trainer.log_every=1",
+]  # fmt: skip
+
+
+def resumes_exactly_and_evaluates_as_validated(tmp_path: Path, run: list[str]) -> None:
+    """``run`` (with :data:`RESUMED_RUN`) in ``tmp_path/whole``, resumed from its step
+    2 in ``tmp_path/resumed``: the same losses at steps 3 and 4; eval.py's loss of
+    the whole run equals its val loss."""
     import json
 
     from hydra import compose, initialize_config_dir
@@ -250,13 +271,6 @@ def test_resume_and_eval_keep_the_runs_packing(tmp_path):
     from tests.test_research_loop import train_run
     from tests.test_train import read_rows
 
-    run = [
-        "model=tiny", "model.block_size=32", "data=text", "data.max_bytes=100000",
-        "data.packing=documents", "logger=none", "trainer.devices=1",
-        "trainer.max_steps=4", "trainer.grad_accum=2", "trainer.val_every=4",
-        "trainer.val_batches=2", "trainer.batch_size=4", "trainer.progress=false",
-        "trainer.peak_tflops=1", "trainer.ckpt_every=2", "trainer.keep_last=0", "trainer.log_every=1",
-    ]  # fmt: skip
     train_run(tmp_path / "whole", *run)
     step_2 = tmp_path / "whole" / "checkpoints" / "step_00000002"
     train_run(tmp_path / "resumed", *run, f"trainer.resume={step_2}")

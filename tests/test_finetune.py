@@ -113,8 +113,8 @@ def test_freeze_keeps_the_matched_parameters_and_trains_the_rest(
             "model.lora.targets: ['nothing'] matches no linear layer of the model",
         ),
         (
-            ["sharding.tensor_parallel=2", "trainer.devices=2"],
-            "model.lora.rank: LoRA adapters do not run with sharding.tensor_parallel=2",
+            ["sharding.pipeline_parallel=2", "trainer.devices=2"],
+            "model.lora.rank: LoRA adapters do not run with sharding.pipeline_parallel=2",
         ),
         (["model.lora.dropout=1.5"], "model.lora.dropout: got 1.5, expected in [0, 1)"),
     ],

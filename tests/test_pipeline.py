@@ -41,6 +41,7 @@ from tests.distributed import run_distributed
 from tests.test_config import assert_fails_naming
 from tests.test_tensor_parallel import (
     CKPT,
+    MUON,
     RUN,
     _train_runs,
     assert_close,
@@ -123,6 +124,7 @@ def runs(tmp_path_factory) -> Path:
     from_export = [f"model.pretrained={root / 'one_gpt' / 'hf'}", *ACCUM]
     one_rank(root, "one_gpt_accum", *gpt, *from_export)
     one_rank(root, "one_llama_docs", *fams["llama"], *DOCS)
+    one_rank(root, "one_llama_muon", *fams["llama"], *MUON)
     # as one_rank, RUN's synthetic data keys left out (as _train_runs does)
     own_data = [o for o in RUN if not o.startswith("data")]
     hf_text = make_cfg(
@@ -175,6 +177,7 @@ def runs(tmp_path_factory) -> Path:
             # every schedule offered trains on gloo: GPipe too
             "pp2_gpipe_gpt": [*gpt, *PP2, "sharding.pp_schedule=gpipe"],
             "pp2_llama_docs": [*fams["llama"], *PP2, *DOCS],
+            "pp2_llama_muon": [*fams["llama"], *PP2, *MUON],
         },
     )
     return root
@@ -188,6 +191,10 @@ def test_pipeline_matches_one_rank(runs):
         for layout in ("pp2", "interleaved_fsdp2", "pp2_tp2"):
             assert_close(losses(runs / f"{layout}_{family}"), ref, range(1, 5))
     assert_close(losses(runs / "pp2_gpipe_gpt"), losses(runs / "one_gpt"), range(1, 5))
+    # Muon: each stage's matrices orthogonalised whole, its head by the vocabulary
+    ref = losses(runs / "one_llama_muon")
+    assert len(set(ref.values())) == 4 and ref != losses(runs / "one_llama")
+    assert_close(losses(runs / "pp2_llama_muon"), ref, range(1, 5))
 
 
 @pytest.mark.slow

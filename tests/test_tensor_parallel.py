@@ -66,6 +66,10 @@ CKPT = ["trainer.ckpt_every=1", "trainer.keep_last=0"]
 # with EOS; two micro-batches whose counted targets differ across ranks
 DOCUMENTS = ["data=text", "data.packing=documents"]
 DOCS = [*DOCUMENTS, "trainer.grad_accum=2"]
+# LoRA (peft's layers): each adapted layer's halves split as its base layer is
+LORA = ["model.lora.rank=4"]
+# Muon (its Newton-Schulz on each whole matrix, however the matrix is sharded)
+MUON = ["trainer.optimizer=muon"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -112,6 +116,10 @@ def runs(root) -> Path:
         export = ["trainer.export=hf"] if family == "llama" else []
         one_rank(root, f"one_{family}", *model, *export)
     one_rank(root, "one_gpt_docs", *FAMILIES["gpt"], *DOCS)
+    for family in FAMILIES:
+        one_rank(root, f"one_{family}_lora", *FAMILIES[family], *LORA)
+    for family in ("gpt", "llama"):
+        one_rank(root, f"one_{family}_muon", *FAMILIES[family], *MUON)
     pretrained = [f"model.pretrained={root / 'one_llama' / 'hf'}"]
     one_rank(root, "one_pretrained", *FAMILIES["llama"], *pretrained)
     gpt, llama = FAMILIES["gpt"], FAMILIES["llama"]
@@ -129,6 +137,10 @@ def runs(root) -> Path:
             "export_tp": [*llama, *TP2, "trainer.export=hf"],
             "pretrained_tp": [*llama, *TP2, *pretrained],
             "tp2_fsdp2_gpt_docs": [*gpt, *TP2, *AC, *DOCS],
+            "tp2_fsdp2_llama_lora": [*llama, *TP2, *LORA],
+            "tp2_fsdp2_hf_lora": [*FAMILIES["hf"], *TP2, *LORA],
+            "tp2_fsdp2_llama_muon": [*llama, *TP2, *MUON],
+            "hsdp_muon": [*gpt, "sharding.replicate=2", *MUON],
         },
     )
     run_distributed(
@@ -138,6 +150,7 @@ def runs(root) -> Path:
         {
             **{f"tp2_{f}": [*m, *TP2] for f, m in FAMILIES.items()},
             "tp2_gpt_no_sp": [*gpt, *TP2, "sharding.sequence_parallel=false"],
+            "tp2_gpt_lora": [*gpt, *TP2, *LORA],
         },
     )
     return root
@@ -164,6 +177,17 @@ def test_tensor_parallel_matches_one_rank(runs):
     ref = losses(runs / "one_gpt_docs")
     assert len(set(ref.values())) == 4 and ref != gpt
     assert_close(losses(runs / "tp2_fsdp2_gpt_docs"), ref, range(1, 5))
+    # LoRA: a frozen base (a trained one would part from the 1-rank run at step 2)
+    lora = {"gpt": "tp2_gpt_lora", "llama": "tp2_fsdp2_llama_lora"}
+    for family, run in {**lora, "hf": "tp2_fsdp2_hf_lora"}.items():
+        ref = losses(runs / f"one_{family}_lora")
+        assert len(set(ref.values())) == 4 and ref != losses(runs / f"one_{family}")
+        assert_close(losses(runs / run), ref, range(1, 5))
+    # Muon on HSDP (2 x 2) and TP2 x FSDP2; PP2: tests/test_pipeline.py
+    for family, run in (("gpt", "hsdp_muon"), ("llama", "tp2_fsdp2_llama_muon")):
+        ref = losses(runs / f"one_{family}_muon")
+        assert len(set(ref.values())) == 4 and ref != losses(runs / f"one_{family}")
+        assert_close(losses(runs / run), ref, range(1, 5))
 
 
 @pytest.mark.slow

@@ -379,7 +379,6 @@ def lora_spec(
             "layers' module names (fnmatch patterns)",
         )
     not_yet = {
-        "sharding.tensor_parallel": layout.tp > 1,
         "sharding.pipeline_parallel": layout.pp > 1,
         "sharding.backend": cfg.sharding.backend == "fsdp1",
         "precision.name": cfg.precision.name == "float8",
@@ -389,7 +388,8 @@ def lora_spec(
             raise ConfigError(
                 "model.lora.rank",
                 f"LoRA adapters do not run with {key}={OmegaConf.select(cfg, key)} "
-                "yet (FSDP2, DDP or one rank, without float8); set model.lora.rank=0 "
+                "yet (FSDP2, tensor parallelism, DDP or one rank, without float8); set "
+                "model.lora.rank=0 "
                 f"or change {key}",
             )
     return LoraSpec(

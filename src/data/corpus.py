@@ -24,11 +24,15 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from src.data.chat import conversation_pieces, renderer, template_of
 from src.errors import ConfigError, not_writable
 from src.files import free_space, read_json, unwritable, write_json_atomic
 
+#: JSONL conversations, rendered by ``data.chat_template`` with a loss mask
+#: (``data=chat``, src/data/chat.py).
+CHAT_FORMAT = "chat"
 #: How a file holds its documents.
-DATA_FORMATS = ("text", "jsonl", "parquet")
+DATA_FORMATS = ("text", "jsonl", "parquet", CHAT_FORMAT)
 #: ``data.format``: ``auto`` (the default) picks each file's format by its extension
 #: (:data:`FORMAT_BY_EXTENSION`, else text); a format name reads every file in it.
 FORMAT_CHOICES = ("auto", *DATA_FORMATS)
@@ -83,6 +87,8 @@ class Corpus:
     text_key: str = "text"
     val_fraction: float = 0.05
     max_bytes: int | None = None
+    #: data=chat: (template, bos, eos): each line a conversation (src/data/chat.py)
+    chat: tuple[str, str, str] | None = None
     _total: int | None = field(default=None, init=False, repr=False)
     _fingerprint: dict | None = field(default=None, init=False, repr=False)
 
@@ -112,12 +118,16 @@ class Corpus:
                 f"data.val_fraction: got {val_fraction}, expected a fraction in "
                 "[0, 1) (0: no validation split)"
             )
+        chat = None  # conversations: the template they are rendered with
+        if fmt == CHAT_FORMAT:
+            chat = template_of(str(cfg.chat_template), str(cfg.tokenizer))[:3]
         return cls(
             files=resolve_files(cfg.paths),
             format=fmt,
             text_key=cfg.text_key,
             val_fraction=val_fraction,
             max_bytes=max_bytes,
+            chat=chat,
         )
 
     def fingerprint(self, cache_dir: str | None = None) -> dict:
@@ -131,6 +141,7 @@ class Corpus:
                 "text_key": self.text_key if set(formats) != {"text"} else None,
                 "val_fraction": self.val_fraction,
                 "max_bytes": self.max_bytes,
+                **({"chat": digest(self.chat)} if self.chat else {}),
                 "files": content_digests(self.files, cache_dir),
             }
         return self._fingerprint
@@ -142,7 +153,12 @@ class Corpus:
     def _documents(
         self, files: list[str], formats: list[str]
     ) -> Iterator[bytes | None]:
-        reader = {"text": self._text, "jsonl": self._jsonl, "parquet": self._parquet}
+        reader = {
+            "text": self._text,
+            "jsonl": self._jsonl,
+            "parquet": self._parquet,
+            CHAT_FORMAT: self._conversations,
+        }
         for path, fmt in zip(files, formats, strict=True):
             yield from reader[fmt](path)
 
@@ -180,6 +196,9 @@ class Corpus:
                     )
                 yield text.encode()
                 yield EOD
+
+    def _conversations(self, path: str) -> Iterator[bytes | None]:
+        yield from conversation_pieces(path, self.text_key, renderer(*self.chat))
 
     def _parquet(self, path: str) -> Iterator[bytes | None]:
         import pyarrow as pa
@@ -248,22 +267,28 @@ class Corpus:
 
     def pieces(self) -> Iterator[tuple[int, bytes | None]]:
         """The capped stream in one pass, as ``(split, piece)`` with split 0 (train)
-        or 1 (validation); the piece that straddles the split is cut in two."""
+        or 1 (validation); the piece that straddles the split is cut in two (of
+        conversations, the one that straddles it stays whole in the training split).
+        A cut keeps the piece's type (:class:`~src.data.chat.Trained`)."""
         cut, end = self.split_at(), self.num_bytes()
-        pos = 0
+        pos, start = 0, 0  # start: where the current document began
+        whole = self.chat is not None
         for piece in self.documents():
             if pos >= end:
                 return
+            split = int((start if whole else pos) >= cut)
             if piece is EOD:
-                yield int(pos >= cut), EOD
+                yield split, EOD
                 pos += 1
+                start = pos
                 continue
-            piece = piece[: end - pos]
-            if pos < cut < pos + len(piece):
-                yield 0, piece[: cut - pos]
-                yield 1, piece[cut - pos :]
+            if len(piece) > end - pos:
+                piece = type(piece)(piece[: end - pos])
+            if not whole and pos < cut < pos + len(piece):
+                yield 0, type(piece)(piece[: cut - pos])
+                yield 1, type(piece)(piece[cut - pos :])
             else:
-                yield int(pos >= cut), piece
+                yield split, piece
             pos += len(piece)
 
 

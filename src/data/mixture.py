@@ -242,10 +242,14 @@ class ValBatches(list):
 
 
 def make_batches(stream: Any, global_batch_size: int, block_size: int, seed: int):
-    """The global batches of a split: mixed for a :class:`MixedStream`."""
+    """The global batches of a split: mixed for a :class:`MixedStream`, rows of
+    conversations for one with a loss mask (``data=chat``)."""
+    from src.data.sft import ChatBatches
     from src.data.sources import GlobalBatches
 
     cls = MixedBatches if isinstance(stream, MixedStream) else GlobalBatches
+    if getattr(stream, "mask", None) is not None:
+        cls = ChatBatches
     return cls(stream, global_batch_size, block_size, seed)
 
 
@@ -312,4 +316,8 @@ def whole_stream(train: Any, val: Any, vocab_size: int) -> Any:
             train.weights,
         )
     tokens = np.concatenate([np.asarray(train.tokens), np.asarray(val.tokens)])
-    return TokenStream(tokens, vocab_size, "data", max_token=0)  # both checked
+    mask = None  # conversations: their loss mask too
+    if train.mask is not None:
+        mask = np.concatenate([np.asarray(train.mask), np.asarray(val.mask)])
+    # both checked
+    return TokenStream(tokens, vocab_size, "data", 0, mask, train.eos_id)

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from src.data.corpus import DATA_FORMATS, Corpus, CorpusError
+from src.data.chat import AUTO, template_of
+from src.data.corpus import CHAT_FORMAT, DATA_FORMATS, Corpus, CorpusError
 from src.data.mixture import (
     MixedStream,
     check_weights,
@@ -59,7 +60,9 @@ class TokenStream:
     """A 1-D integer token array (``np.memmap`` or ndarray) checked against the vocab.
 
     ``source`` is the config key the tokens came from, so errors point at it;
-    ``max_token``, when known (the token cache records it), spares a scan.
+    ``max_token``, when known (the token cache records it), spares a scan; ``mask``
+    (conversations, ``data=chat``): 1 where a token is a trained target, and
+    ``eos_id`` ends each conversation.
     """
 
     def __init__(
@@ -68,6 +71,8 @@ class TokenStream:
         vocab_size: int,
         source: str,
         max_token: int | None = None,
+        mask: np.ndarray | None = None,
+        eos_id: int | None = None,
     ):
         if tokens.ndim != 1:
             raise ValueError(
@@ -75,6 +80,7 @@ class TokenStream:
             )
         self.tokens = tokens
         self.source = source
+        self.mask, self.eos_id = mask, eos_id
         top = _max_token(tokens) if max_token is None else max_token
         if top >= vocab_size:
             raise ValueError(
@@ -203,6 +209,8 @@ def check_split_sizes(
     if meta is None:
         return
     window = seq_len + 1
+    if data_cfg.get("format") == CHAT_FORMAT:  # rows of conversations, padded
+        window = 2
     for source in meta.get("mix", ()):  # a mixture: each of its sources
         check_split_sizes(data_cfg, {**source, "mix": ()}, seq_len, splits)
     fraction = data_cfg.get("val_fraction")
@@ -246,11 +254,16 @@ def check_split_sizes(
 def tokenizer_of(data_cfg: Any) -> Tokenizer | None:
     """The tokenizer the run's text was tokenized with (``data.tokenizer``; a BPE from
     its cache, which needs the corpus; byte and a file need none), or None for the
-    sources without one (``synthetic``, ``tokens``)."""
+    sources without one (``synthetic``, ``tokens``). Of conversations, it renders a
+    prompt by the run's chat template (``Tokenizer.chat``)."""
     if not DATA_SOURCES[data_cfg.name].tokenized:
         return None
     corpus = Corpus.from_config(data_cfg) if data_cfg.tokenizer == "bpe" else None
-    return load_tokenizer(data_cfg, corpus, verbose=False)
+    tokenizer = load_tokenizer(data_cfg, corpus, verbose=False)
+    if data_cfg.format == CHAT_FORMAT:
+        template = template_of(str(data_cfg.chat_template), str(data_cfg.tokenizer))
+        tokenizer.chat_template = template[:3]
+    return tokenizer
 
 
 #: A Hugging Face checkpoint's own tokenizer, in the ``model.pretrained`` directory.
@@ -330,7 +343,7 @@ def follow_tokenizer_vocab(
     return False
 
 
-def _text_splits(
+def text_splits(
     cfg: Any, vocab_size: int, seed: int
 ) -> tuple[TokenStream, TokenStream]:
     globs = mixture_globs(cfg)
@@ -350,7 +363,14 @@ def _text_splits(
         )
     entry = token_cache(cfg, verbose=False)  # the launcher built it, usually
     return tuple(
-        TokenStream(entry.tokens(split), vocab_size, "data.paths", entry.meta["max_id"])
+        TokenStream(
+            entry.tokens(split),
+            vocab_size,
+            "data.paths",
+            entry.meta["max_id"],
+            entry.mask(split),
+            entry.meta["eos_id"],
+        )
         for split in SPLITS
     )
 
@@ -455,16 +475,34 @@ class FilesDataConfig(DataConfig):
     weights: Any = described(
         "a mixture: one sampling weight per glob of data.paths (null: one corpus)"
     )
+    chat_template: str = described(
+        f"data.format={CHAT_FORMAT}: {AUTO} (the tokenizer's own, else ChatML), a "
+        ".jinja file, or a Jinja template"
+    )
     cache_dir: str = described("where tokenized corpora are cached")
 
 
-def _check_files(data: Any) -> None:
+def check_files(data: Any) -> None:
     if OmegaConf.is_missing(data, "paths"):
         raise ConfigError(
             "data.paths",
             "required with data=files: a glob or a list of globs of your corpus",
         )
     check_weights(data)
+    if data.format != CHAT_FORMAT:
+        return
+    if data.get("weights") is not None:
+        raise ConfigError(
+            "data.weights",
+            f"data.format={CHAT_FORMAT} takes one corpus of conversations (no "
+            "mixture); drop it",
+        )
+    if data.packing != "documents":
+        raise ConfigError(
+            "data.packing",
+            f"{data.packing}: conversations (data.format={CHAT_FORMAT}) are packed "
+            "whole into rows, each attending only to itself; use documents",
+        )
 
 
 @dataclass(frozen=True)
@@ -488,9 +526,9 @@ class DataSource:
 #: ``DATA_SOURCES.add`` (listed in src/trainer/__init__.py, which imports it) plus its
 #: conf/data/<name>.yaml; docs/architecture.md shows it step by step (tokens_data.py).
 DATA_SOURCES: Registry[DataSource] = Registry("data source")
-for _name in ("text", "files"):
+for _name in ("text", "files", "chat"):
     DATA_SOURCES.add(
-        _name, DataSource(FilesDataConfig, _text_splits, _check_files, tokenized=True)
+        _name, DataSource(FilesDataConfig, text_splits, check_files, tokenized=True)
     )
 
 
@@ -501,22 +539,27 @@ class GlobalBatches:
     def __init__(
         self, stream: TokenStream, global_batch_size: int, block_size: int, seed: int
     ):
-        if global_batch_size <= 0 or block_size <= 0:
-            raise ValueError(
-                f"global batch size ({global_batch_size}) and model.block_size "
-                f"({block_size}) must be positive"
-            )
+        self._hold(stream, global_batch_size, block_size, seed)
         if len(stream) < block_size + 1:
             raise ValueError(
                 f"{stream.source}: split has {len(stream)} tokens, fewer than "
                 f"model.block_size + 1 = {block_size + 1}"
             )
+        self._window = np.arange(block_size + 1)
+        self._num_offsets = len(stream) - block_size  # valid window starts
+
+    def _hold(
+        self, stream: TokenStream, global_batch_size: int, block_size: int, seed: int
+    ) -> None:
+        if global_batch_size <= 0 or block_size <= 0:
+            raise ValueError(
+                f"global batch size ({global_batch_size}) and model.block_size "
+                f"({block_size}) must be positive"
+            )
         self.stream = stream
         self.global_batch_size = global_batch_size
         self.block_size = block_size
         self.seed = seed
-        self._window = np.arange(block_size + 1)
-        self._num_offsets = len(stream) - block_size  # valid window starts
 
     def _rows(self, rank: int, world_size: int) -> slice:
         if world_size <= 0 or not 0 <= rank < world_size:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from src.data.chat import Trained
 from src.data.corpus import DIGESTS_FILE, EOD, Corpus, build_lock, digest
 from src.data.tokenizer import Tokenizer, cache_path, load_tokenizer
 from src.files import read_json
@@ -73,6 +74,16 @@ class CacheEntry:
             os.path.join(self.path, f"{split}.bin"), dtype=self.dtype, mode="r"
         )
 
+    def mask(self, split: str) -> np.ndarray | None:
+        """The loss mask of a split of conversations (1: a trained token); None for
+        plain text."""
+        if f"{split}_mask_crc32" not in self.meta:
+            return None
+        if self.meta[f"{split}_tokens"] == 0:
+            return np.zeros(0, np.uint8)
+        file = mask_file(os.path.join(self.path, f"{split}.bin"))
+        return np.memmap(file, dtype=np.uint8, mode="r")
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds every id of the vocabulary."""
@@ -84,19 +95,31 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def _write_splits(
     corpus: Corpus, tokenizer: Tokenizer, paths: list[str], bar: tqdm
-) -> list[tuple[int, int]]:
-    """Tokenize the corpus in one pass into the files ``paths`` (train, val); returns
-    (tokens, largest id, CRC-32) of each."""
+) -> list[tuple[int, int, int, int]]:
+    """Tokenize the corpus in one pass into the files ``paths`` (train, val), and of
+    conversations (``corpus.chat``) each split's loss mask beside it (:func:`mask_file`:
+    1 where the token is the assistant's, and at the end of a conversation that
+    ends with the assistant's turn); returns (tokens, largest id, CRC-32, the mask's
+    CRC-32) of each."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = np.array([tokenizer.eos_id], dtype=np.int64)
-    stats = [[0, -1, 0] for _ in paths]
+    stats = [[0, -1, 0, 0] for _ in paths]
     files = [open(path, "wb") for path in paths]  # noqa: SIM115 (closed below)
+    masks = []
+    if corpus.chat is not None:
+        masks = [open(mask_file(path), "wb") for path in paths]  # noqa: SIM115
+    trained = False  # the last piece's (an end of document inherits it)
 
     def flush(batch: list[tuple[int, bytes | None]]) -> None:
+        nonlocal trained
         encoded = iter(tokenizer.encode([p for _, p in batch if p is not EOD]))
         parts: list[list[np.ndarray]] = [[] for _ in paths]
+        flags: list[list[np.ndarray]] = [[] for _ in paths]
         for split, piece in batch:
-            parts[split].append(eos if piece is EOD else next(encoded))
+            ids = eos if piece is EOD else next(encoded)
+            parts[split].append(ids)
+            trained = trained if piece is EOD else isinstance(piece, Trained)
+            flags[split].append(np.full(len(ids), trained, dtype=np.uint8))
         for split, arrays in enumerate(parts):
             ids = np.concatenate(arrays) if arrays else eos[:0]
             if len(ids):
@@ -105,6 +128,10 @@ def _write_splits(
             out = ids.astype(dtype)
             stats[split][2] = zlib.crc32(out, stats[split][2])
             out.tofile(files[split])
+            if masks:
+                mask = np.concatenate(flags[split] or [np.zeros(0, np.uint8)])
+                stats[split][3] = zlib.crc32(mask, stats[split][3])
+                mask.tofile(masks[split])
         bar.update(sum(1 if p is EOD else len(p) for _, p in batch))
 
     try:
@@ -117,9 +144,14 @@ def _write_splits(
                 batch, size = [], 0
         flush(batch)
     finally:
-        for f in files:
+        for f in files + masks:
             f.close()
     return [tuple(s) for s in stats]
+
+
+def mask_file(tokens_file: str) -> str:
+    """Where the loss mask of a split's tokens lives (conversations only)."""
+    return tokens_file.removesuffix(".bin") + ".mask.bin"
 
 
 def build_entry(
@@ -149,10 +181,12 @@ def build_entry(
         ) as bar:
             paths = [os.path.join(tmp, f"{split}.bin") for split in SPLITS]
             stats = _write_splits(corpus, tokenizer, paths, bar)
-        for split, (n, _, crc) in zip(SPLITS, stats, strict=True):
+        for split, (n, _, crc, mask_crc) in zip(SPLITS, stats, strict=True):
             meta[f"{split}_tokens"] = n
             meta[f"{split}_crc32"] = f"{crc:08x}"
-        meta["max_id"] = max(top for _, top, _ in stats)
+            if corpus.chat is not None:
+                meta[f"{split}_mask_crc32"] = f"{mask_crc:08x}"
+        meta["max_id"] = max(s[1] for s in stats)
         meta["build_s"] = round(time.perf_counter() - start, 3)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({**meta, "meta_crc32": _seal(meta)}, f, indent=1)
@@ -213,29 +247,44 @@ def _read_entry(
         return None, f"meta.json: max_id {meta['max_id']} is outside the vocabulary"
     for split in SPLITS:
         file = os.path.join(path, f"{split}.bin")
-        want = meta[f"{split}_tokens"] * dtype.itemsize
-        try:
-            info = os.lstat(file)
-        except OSError:
-            return None, f"{split}.bin is missing"
-        if not stat.S_ISREG(info.st_mode):
-            return None, f"{split}.bin is not a regular file"
-        if info.st_size != want:
-            return (
-                None,
-                f"{split}.bin has {info.st_size:,} bytes, {want:,} were written",
-            )
-        if not check_contents:
-            continue
-        crc, top = _crc32_and_max(file, dtype)
-        if f"{crc:08x}" != meta[f"{split}_crc32"]:
-            return None, f"{split}.bin fails its checksum (corrupted)"
-        if top > meta["max_id"]:  # the ranks take max_id for the vocabulary check
-            return (
-                None,
-                f"{split}.bin holds token id {top}, above max_id {meta['max_id']}",
-            )
+        files = [(file, dtype, f"{split}_crc32")]
+        if f"{split}_mask_crc32" in meta:  # conversations: the loss mask too
+            files.append((mask_file(file), np.dtype(np.uint8), f"{split}_mask_crc32"))
+        for name, kind, crc_key in files:
+            damage = _check_bin(name, kind, meta, split, crc_key, check_contents)
+            if damage:
+                return None, damage
     return CacheEntry(path, meta), None
+
+
+def _check_bin(
+    file: str, dtype: np.dtype, meta: dict, split: str, crc_key: str, contents: bool
+) -> str | None:
+    """Why a split's ``.bin`` (tokens or mask) is damaged, or None: a regular file of
+    the recorded tokens, and (``contents``) of the recorded CRC-32 and, of tokens,
+    no id above ``max_id``."""
+    name = os.path.basename(file)
+    if not isinstance(meta[crc_key], str):
+        return f"meta.json: {crc_key} is {meta[crc_key]!r:.40}"
+    want = meta[f"{split}_tokens"] * dtype.itemsize
+    try:
+        info = os.lstat(file)
+    except OSError:
+        return f"{name} is missing"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{name} is not a regular file"
+    if info.st_size != want:
+        return f"{name} has {info.st_size:,} bytes, {want:,} were written"
+    if not contents:
+        return None
+    crc, top = _crc32_and_max(file, dtype)
+    if f"{crc:08x}" != meta[crc_key]:
+        return f"{name} fails its checksum (corrupted)"
+    if crc_key.endswith("_mask_crc32"):
+        return None if top <= 1 else f"{name} holds {top}, not a 0/1 mask"
+    if top > meta["max_id"]:  # the ranks take max_id for the vocabulary check
+        return f"{name} holds token id {top}, above max_id {meta['max_id']}"
+    return None
 
 
 def _crc32_and_max(file: str, dtype: np.dtype) -> tuple[int, int]:

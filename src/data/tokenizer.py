@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from src.data.chat import renderer, special_token, tokenizer_config
 from src.data.corpus import EOD, Corpus, CorpusError, build_lock, digest
 from src.files import atomic_path, read_json_object
 
@@ -51,6 +52,15 @@ class Tokenizer:
     # tokenizer_config.json), for the Hugging Face export; byte and bpe have none.
     bos_token: str | None = None
     pad_token: str | None = None
+    #: a run on conversations (``data=chat``): its chat template and the ``bos_token``
+    #: and ``eos_token`` it is rendered with (src/data/chat.py)
+    chat_template: tuple[str, str, str] | None = None
+
+    @property
+    def chat(self) -> Any:
+        """``render(messages, add_generation_prompt)`` by the run's chat template
+        (None: not a run on conversations)."""
+        return renderer(*self.chat_template) if self.chat_template else None
 
     def encode(self, pieces: list[bytes]) -> list[np.ndarray]:
         """Token ids of each piece (UTF-8 bytes; a character cut at a split edge is
@@ -95,29 +105,6 @@ def _from_hf(hf: Any, name: str, eos_token: str | None, eos_hint: str | None):
     )
 
 
-def _tokenizer_config(directory: str) -> dict:
-    """A Hugging Face ``tokenizer_config.json`` of ``directory`` ({} if none)."""
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.lexists(path):
-        return {}
-    try:
-        return read_json_object(path)
-    except (OSError, ValueError) as exc:
-        raise CorpusError(f"data.tokenizer: {path} is unreadable ({exc})") from None
-
-
-def _special_from_config(directory: str, key: str) -> str | None:
-    """``key`` (``eos_token``, ``bos_token``...) of a Hugging Face
-    ``tokenizer_config.json``, if any."""
-    token = _tokenizer_config(directory).get(key)
-    return token.get("content") if isinstance(token, dict) else token
-
-
-def _eos_from_config(directory: str) -> str | None:
-    """``eos_token`` of a Hugging Face ``tokenizer_config.json``, if any."""
-    return _special_from_config(directory, "eos_token")
-
-
 def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
     """A ``tokenizer.json`` file or a Hugging Face tokenizer/model directory."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -129,13 +116,14 @@ def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
             "tokenizer.json or tokenizer directory (no such path)"
         )
     directory = full if os.path.isdir(full) else os.path.dirname(full)
-    eos_hint = _eos_from_config(directory)
+    config = tokenizer_config(directory)
+    eos_hint = special_token(config, "eos_token")
     json_file = os.path.join(full, "tokenizer.json") if os.path.isdir(full) else full
     try:
         if os.path.isfile(json_file):
             hf = HFTokenizer.from_file(json_file)
         else:  # slow-tokenizer files only (vocab.json + merges.txt, sentencepiece)
-            if _tokenizer_config(directory).get("auto_map"):
+            if config.get("auto_map"):
                 raise CorpusError(
                     f"data.tokenizer: {path!r} needs its own Python code (auto_map in "
                     "tokenizer_config.json), which is never run; save it as a "
@@ -159,7 +147,7 @@ def load_path_tokenizer(path: str, eos_token: str | None = None) -> Tokenizer:
     tokenizer = _from_hf(hf, path, eos_token, eos_hint)
     tokenizer.path = json_file if os.path.isfile(json_file) else full
     for key in ("bos_token", "pad_token"):
-        token = _special_from_config(directory, key)
+        token = special_token(config, key)
         if token is not None and hf.token_to_id(token) is not None:
             setattr(tokenizer, key, token)
     return tokenizer
@@ -301,7 +289,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> Non
     that ``transformers.AutoTokenizer.from_pretrained(directory)`` encodes text to
     the same ids as the run (without special tokens, as the run encodes documents),
     with the run's end-of-document token as ``eos_token`` (and the tokenizer
-    directory's own ``bos_token`` / ``pad_token``, if it has them)."""
+    directory's own ``bos_token`` / ``pad_token``, if it has them) and the chat
+    template of a run on conversations."""
     from tokenizers import Tokenizer as HFTokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -317,6 +306,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> Non
     fast = PreTrainedTokenizerFast(
         tokenizer_object=hf, **{k: v for k, v in specials.items() if v is not None}
     )
+    if tokenizer.chat_template:  # a run on conversations: apply_chat_template works
+        fast.chat_template = tokenizer.chat_template[0]
     fast.save_pretrained(str(directory))
     # transformers fills an unnamed special token with its family's own (Qwen2:
     # <|endoftext|>, a token the run never had): written as null, none is added.

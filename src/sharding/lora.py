@@ -126,6 +126,15 @@ def lora_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     return out.uniform_(-bound, bound, generator=name_generator(seed, name))
 
 
+def adapter_parts(module: nn.Module) -> tuple[str, str, str] | None:
+    """The paths under a LoRA-adapted linear layer of its base layer and its
+    adapter's two halves (``lora_A``, ``lora_B``); None for any other module."""
+    lora_a = getattr(module, "lora_A", None)
+    if not isinstance(lora_a, nn.ModuleDict) or ADAPTER not in lora_a:
+        return None
+    return "base_layer", f"lora_A.{ADAPTER}", f"lora_B.{ADAPTER}"
+
+
 def trainable_counts(model: nn.Module) -> tuple[int, int]:
     """(trainable, all) parameters of ``model`` (sharded ones counted whole)."""
     seen, trained, total = set(), 0, 0

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .float8 import float8_tp_style, is_float8_linear
+from .lora import adapter_parts
 from .wrap import is_wrapped
 
 #: Set on each module a plan parallelised: the style's short name (for the wrap plan).
@@ -59,22 +60,8 @@ class FusedHeadsParallel(ParallelStyle):
         self.input_layout = input_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            dist_param = nn.Parameter(
-                _distribute(param, device_mesh, [Replicate()], self.src_data_rank),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(name, dist_param)
-        layout = self.input_layout
+        _replicate_parameters(module, device_mesh, self.src_data_rank)
         chunks = self.chunks
-
-        def prepare_input(mod: nn.Module, args: tuple) -> tuple:
-            x = args[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
-            if x.placements != (Replicate(),):
-                x = x.redistribute(placements=(Replicate(),))
-            return (x, *args[1:])
 
         def local_heads(mod: nn.Module, args: tuple, out: DTensor) -> torch.Tensor:
             full = out.to_local(grad_placements=(Partial(),))
@@ -88,9 +75,70 @@ class FusedHeadsParallel(ParallelStyle):
             parts = full.unflatten(-1, (chunks, tp, width // tp))
             return parts.select(-2, rank).flatten(-2)
 
-        module.register_forward_pre_hook(prepare_input)
+        module.register_forward_pre_hook(
+            _replicated_input(device_mesh, self.input_layout)
+        )
         module.register_forward_hook(local_heads)
         return module
+
+
+class ReplicateParallel(ParallelStyle):
+    """A linear layer whose weight is whole on every tp rank (a LoRA adapter's half
+    beside a sharded base layer: :func:`_adapter_styles`): its input made a
+    replicated DTensor (from ``input_layouts``), its output redistributed to
+    ``output_layouts``, local if ``use_local_output``. Its weight's gradient, partial
+    where the layer after it is sharded, is summed over the tp ranks by DTensor."""
+
+    def __init__(
+        self,
+        input_layouts: Any = None,
+        output_layouts: Any = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layout = input_layouts or Replicate()
+        self.output_layout = output_layouts or Replicate()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _replicate_parameters(module, device_mesh, self.src_data_rank)
+        layout, local = self.output_layout, self.use_local_output
+
+        def prepare_output(mod: nn.Module, args: tuple, out: DTensor) -> Any:
+            if out.placements != (layout,):
+                out = out.redistribute(placements=(layout,))
+            return out.to_local() if local else out
+
+        module.register_forward_pre_hook(
+            _replicated_input(device_mesh, self.input_layout)
+        )
+        module.register_forward_hook(prepare_output)
+        return module
+
+
+def _replicate_parameters(module: nn.Module, mesh: DeviceMesh, src: Any) -> None:
+    """``module``'s own parameters as DTensors replicated on ``mesh``."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist_param = nn.Parameter(
+            _distribute(param, mesh, [Replicate()], src),
+            requires_grad=param.requires_grad,
+        )
+        module.register_parameter(name, dist_param)
+
+
+def _replicated_input(mesh: DeviceMesh, layout: Any) -> Any:
+    """A forward pre-hook making the first input a replicated DTensor (a local
+    tensor read as ``layout``)."""
+
+    def prepare_input(mod: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+        if x.placements != (Replicate(),):
+            x = x.redistribute(placements=(Replicate(),))
+        return (x, *args[1:])
+
+    return prepare_input
 
 
 def _distribute(param: torch.Tensor, mesh: DeviceMesh, placements: list, src) -> Any:
@@ -126,6 +174,7 @@ def style_name(style: ParallelStyle) -> str:
         PrepareModuleInput: "input",
         PrepareModuleInputOutput: "input-output",
         FusedHeadsParallel: "fused-heads",
+        ReplicateParallel: "replicate",
     }.get(type(style), type(style).__name__)
 
 
@@ -141,6 +190,7 @@ def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> Non
         names = [n for n, m in target.named_modules() if not isinstance(m, nn.Identity)]
         styles = {p: st for p, st in styles.items() if _matching(names, p)}
         styles = _float8_styles(target, styles, mesh)
+        styles = _adapter_styles(target, styles)
         ties = _ties(target)
         parallelize_module(target, mesh, dict(styles), src_data_rank=None)
         _mark(target, styles)
@@ -169,6 +219,71 @@ def _float8_styles(
         for pattern, style in styles.items()
         for name, sub in modules.items()
         if _matches(name, pattern)
+    }
+
+
+def _adapter_styles(
+    target: nn.Module, styles: Mapping[str, ParallelStyle]
+) -> Mapping[str, ParallelStyle]:
+    """``styles`` with each one on a LoRA-adapted linear layer (src/sharding/lora.py)
+    put on its parts, by exact module path: the base layer as planned; of a colwise
+    (or fused-heads) layer, ``lora_A`` replicated and ``lora_B`` colwise (its heads);
+    of a rowwise one, ``lora_A``
+    rowwise (its small output all-reduced) and ``lora_B`` replicated, giving the
+    base's output layout. ``base + B(A(x))`` then adds like placements, and each
+    adapter's gradient is summed where DTensor needs it."""
+    modules = dict(target.named_modules())
+    adapted = {n for n, m in modules.items() if adapter_parts(m)}
+    if not adapted:
+        return styles
+    out: dict[str, ParallelStyle] = {}
+    for pattern, style in styles.items():
+        names = [n for n in modules if _matches(n, pattern)]
+        if not adapted & set(names):
+            out[pattern] = style
+            continue
+        if not isinstance(
+            style, ColwiseParallel | RowwiseParallel | FusedHeadsParallel
+        ):
+            raise ValueError(
+                f"tensor parallelism: {pattern} has LoRA adapters and a "
+                f"{style_name(style)} style; only colwise, rowwise and fused-heads "
+                "layers take them"
+            )
+        for name in names:
+            out.update(_split_adapted(name, style, modules[name]))
+    return out
+
+
+def _split_adapted(
+    name: str, style: ParallelStyle, module: nn.Module
+) -> dict[str, ParallelStyle]:
+    parts = adapter_parts(module)
+    if parts is None:
+        return {name: style}
+    base, lora_a, lora_b = (f"{name}.{p}" for p in parts)
+    if isinstance(style, FusedHeadsParallel):  # lora_B's heads as the base's
+        return {
+            base: style,
+            lora_a: ReplicateParallel(style.input_layout, use_local_output=False),
+            lora_b: FusedHeadsParallel(style.chunks),
+        }
+    (given,), (wanted,) = style.input_layouts, style.output_layouts
+    local = style.use_local_output
+    if isinstance(style, ColwiseParallel):
+        return {
+            base: style,
+            lora_a: ReplicateParallel(given, Replicate(), use_local_output=False),
+            lora_b: ColwiseParallel(
+                input_layouts=Replicate(), output_layouts=wanted, use_local_output=local
+            ),
+        }
+    return {
+        base: style,
+        lora_a: RowwiseParallel(
+            input_layouts=given, output_layouts=Replicate(), use_local_output=False
+        ),
+        lora_b: ReplicateParallel(Replicate(), wanted, use_local_output=local),
     }
 
 

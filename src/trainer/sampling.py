@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from src.config.run_plan import LAYOUT_KEYS, RunPlan, world_size
+from src.data.chat import prompt_text
 from src.data.packing import Documents
 from src.data.tokenizer import Tokenizer
 from src.models import ModelSpec
@@ -178,7 +179,9 @@ def sample_texts(
     Temperature 0 is greedy decoding; the random draws come from their own
     generator seeded by ``seed`` (the global RNG streams are left alone). A run
     packed by documents (``data.packing=documents``) decodes within one: from the
-    prompt's last document, each text ending before its first new end token."""
+    prompt's last document, each text ending before its first new end token. A run
+    on conversations (``tokenizer.chat``) is asked as a user: the prompt rendered by
+    its chat template, with the generation prompt."""
     # The whole model, root included: the training step restores train mode only when
     # the root is in eval (src/trainer/step.py), and a family's generate() may set a
     # submodule alone.
@@ -186,6 +189,8 @@ def sample_texts(
     out = []
     documents = Documents(tokenizer.eos_id) if resolved.batch.documents else None
     for prompt in prompts:
+        if tokenizer.chat is not None:
+            prompt = prompt_text(tokenizer.chat, prompt)
         ids = tokenizer.encode_text(prompt) or [tokenizer.eos_id]
         if documents is not None:
             ids = documents.last(ids)

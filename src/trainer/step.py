@@ -101,11 +101,15 @@ def within_documents(
     backend: Backend,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[float]]:
     """The micro-batches with their document-boundary targets dropped, and their
-    :func:`counted_weights`. One without a counted target keeps its targets at
-    weight 0: its mean over none would be NaN, and so would NaN x 0."""
+    :func:`counted_weights`. One without a counted target gets every target (id 0)
+    at weight 0: its mean over none would be NaN, and so would NaN x 0 (its own
+    targets may all be -1: a conversation's prompt)."""
     counted = [(x, documents.targets(x, y)) for x, y in batch]
     weights = counted_weights(counted, backend)
-    kept = [c if w else b for b, c, w in zip(batch, counted, weights, strict=True)]
+    kept = [
+        (x, y if w else torch.zeros_like(y))
+        for (x, y), w in zip(counted, weights, strict=True)
+    ]
     return kept, weights
 
 
@@ -217,7 +221,7 @@ def evaluate_sources(
     it (batches are grouped by source, src/data/mixture.py); the mixed loss is the
     mean over all of them, each source's weighed by its global count of targets.
     A rank without a target of the source in a batch still runs the forward (the
-    collectives) at weight 0, on its own targets (no NaN)."""
+    collectives) at weight 0, on targets of id 0 (no NaN)."""
     model.eval()
     losses, inverse = {}, []
     for i, name in enumerate(batches.names):
@@ -230,8 +234,10 @@ def evaluate_sources(
         counts = counted(masked, backend)
         per_target = per_counted_target(sum(counts), backend)
         total = torch.zeros((), device=backend.device)
-        for (b, _, _), (x, y), n in zip(items, masked, counts, strict=True):
-            loss = _eval_loss(model, backend, x, y if n else batches[b][1], documents)
+        for (x, y), n in zip(masked, counts, strict=True):
+            loss = _eval_loss(
+                model, backend, x, y if n else torch.zeros_like(y), documents
+            )
             total += loss * (n * per_target)
         losses[name] = global_mean(total)
         inverse.append(1 / per_target)  # the source's targets, up to a constant
