@@ -1,4 +1,5 @@
-"""Loss and perplexity of a trained checkpoint: ``python eval.py run=<run dir>``.
+"""Loss and perplexity of a trained checkpoint: ``python eval.py run=<run dir>``;
+with ``tasks=[NAME,...]``, its scores on lm-eval tasks (docs/evaluation.md).
 
 The run's own composed config (``<run dir>/.hydra/config.yaml``) gives the model,
 tokenizer, sharding and data; ``data=files data.paths=...`` (any data option)
@@ -29,11 +30,14 @@ from src.runs.evaluation import (
     eval_changes,
     eval_rank,
     eval_split,
+    figures,
     log_to_wandb,
     record,
+    task_record,
     write_record,
 )
-from src.runs.from_run import on_ranks
+from src.runs.from_run import on_ranks, run_tokenizer
+from src.trainer.eval_tasks import check_tasks
 
 log = logging.getLogger("eval")
 
@@ -46,6 +50,8 @@ def evaluate_run(cfg: DictConfig) -> dict:
 
 
 def _evaluate_run(cfg: DictConfig) -> dict:
+    if cfg.tasks is not None:
+        return _evaluate_tasks(cfg)
     with exit_on_config_error():
         validate_eval(cfg)
         split = eval_split(cfg)
@@ -82,6 +88,45 @@ def _evaluate_run(cfg: DictConfig) -> dict:
         "" if entry["world_size"] == 1 else "s",
         entry["loss"],
         entry["perplexity"],
+        path,
+    )
+    log_to_wandb(run_cfg, run_dir, entry)
+    return entry
+
+
+def _evaluate_tasks(cfg: DictConfig) -> dict:
+    """``tasks=[...]``: the checkpoint scored on lm-eval tasks, every task found
+    and its data loaded before a rank starts."""
+    with exit_on_config_error():
+        validate_eval(cfg)
+        run_dir, checkpoint, run_cfg, resolved = open_run(
+            cfg.run,
+            lambda run_cfg: eval_changes(cfg, run_cfg),
+            EVAL_FILE,
+            cfg.trust_remote_code,
+            (),  # reads no data: the tasks bring theirs
+            cfg.ckpt,
+        )
+        run_tokenizer(run_cfg)  # a run on token ids has no text to score
+        names = list(cfg.tasks)
+        specs = check_tasks(names, list(cfg.tasks_dirs), "tasks", "tasks_dirs")
+    opts = {"tasks": names, "specs": specs, "batch_size": cfg.batch_size}
+    with exit_on_config_error():  # a rank's failure: one line
+        result = on_ranks(eval_rank, run_cfg, resolved, checkpoint, opts)
+    if result is None:  # a rank > 0 under torchrun: rank 0 reports
+        return {}
+    entry = task_record(result, checkpoint)
+    path = write_record(run_dir, entry)
+    log.info(
+        "eval of %s (step %d) on %d task%s in %.1f s, %d rank%s: %s (appended to %s)",
+        checkpoint,
+        entry["step"],
+        len(names),
+        "" if len(names) == 1 else "s",
+        entry["eval_tasks_s"],
+        entry["world_size"],
+        "" if entry["world_size"] == 1 else "s",
+        ", ".join(f"{k} {v:.4f}" for k, v in figures(entry).items()),
         path,
     )
     log_to_wandb(run_cfg, run_dir, entry)

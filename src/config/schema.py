@@ -20,6 +20,7 @@ from omegaconf import MISSING
 from src.data.sources import DATA_SOURCES, DataConfig
 from src.data.token_cache import SPLITS
 from src.models import families, get_spec
+from src.observe.keys import is_task_metric
 from src.observe.loggers import LOGGERS, LoggerConfig
 from src.registry import described, or_list
 from src.sharding import BACKENDS, CHECKPOINTING, PRECISIONS
@@ -37,6 +38,15 @@ GRAD_SYNC = ("last", "every")
 #: ``sweep.objective`` -> its own direction (``sweep.direction=null``); read by
 #: src/runs/sweep.py.
 OBJECTIVES = {"val_loss": "min", "loss": "min", "tokens_per_s": "max"}
+
+
+def objective_direction(name: str) -> str:
+    """A sweep objective's own direction: :data:`OBJECTIVES`', or for a downstream
+    task's metric (``eval/<task>/<metric>``, trainer.eval_tasks) max: accuracies
+    (``sweep.direction=min`` for a perplexity)."""
+    return OBJECTIVES.get(name) or ("max" if is_task_metric(name) else "min")
+
+
 DIRECTIONS = ("min", "max")
 EXPORTS = (False, True, "hf")
 #: ``trainer.resume_schedule``: what a resume with another ``max_steps`` does (refuse
@@ -174,6 +184,15 @@ class TrainerConfig:
         "texts continued by trainer.sample_every (a list)"
     )
     sample_tokens: int = described("new tokens per trainer.sample_every sample")
+    eval_tasks: list[str] = described(
+        "lm-eval tasks scored during training (docs/evaluation.md; [] = none)"
+    )
+    eval_tasks_every: int = described(
+        "steps between trainer.eval_tasks scores (and at the end; 0 = at the end)"
+    )
+    eval_tasks_dirs: list[str] = described(
+        "folders of your own lm-eval task YAMLs, beside conf/eval_tasks/"
+    )
     # one of OPTIMIZERS
     optimizer: str = described(lambda: f"the optimizer: {or_list(OPTIMIZERS)}")
     lr: float = described("peak learning rate (every optimizer)")
@@ -202,6 +221,10 @@ class TrainerConfig:
     keep_best: int = described(
         "also keep the K checkpoints of the lowest val_loss (0 = off; a validation "
         "step among the K best so far is saved)"
+    )
+    best_metric: str = described(
+        "what keep_best and early stopping rank by: val_loss (lowest best), or a "
+        "task's eval/<task>/<metric> of trainer.eval_tasks (highest best)"
     )
     early_stop_patience: int = described(
         "stop when val_loss has not improved for N validations (0 = off)"
@@ -275,7 +298,9 @@ class SweepConfig:
     scores below every job within it."""
 
     objective: str = described(
-        f"what makes a sweep point best: {or_list(OBJECTIVES)}", "val_loss"
+        f"what makes a sweep point best: {or_list(OBJECTIVES)}, or a task's "
+        "eval/<task>/<metric> (trainer.eval_tasks)",
+        "val_loss",
     )
     direction: str | None = described(
         f"{or_list(DIRECTIONS)} (null: the objective's own)", None
@@ -339,6 +364,8 @@ class EvalConfig:
     batch_size: int | None = MISSING  # sequences per batch; null: the run's micro-batch
     devices: Any = MISSING  # ranks: an int >= 1 or auto
     trust_remote_code: bool = MISSING  # run the code the run's config names
+    tasks: list[str] | None = MISSING  # lm-eval task names; null: loss and perplexity
+    tasks_dirs: list[str] = MISSING  # the user's task dirs, beside conf/eval_tasks/
 
 
 @dataclass

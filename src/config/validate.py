@@ -45,6 +45,7 @@ from src.config.schema import (
 from src.data.sources import DATA_SOURCES
 from src.errors import ConfigError, keyed
 from src.models import ModelSpec
+from src.observe.keys import is_task_metric
 from src.observe.loggers import LOGGERS
 from src.observe.logs import LOG_LEVELS
 from src.sharding import (
@@ -273,7 +274,13 @@ def validate(cfg: DictConfig) -> RunPlan:
     reject_non_finite(cfg)
     refuse_schemas(cfg)
     cap = cfg.sweep.mem_cap_gib
-    _choice(cfg, "sweep.objective", OBJECTIVES)
+    objective = cfg.sweep.objective
+    _require(
+        objective in OBJECTIVES or is_task_metric(str(objective)),
+        "sweep.objective",
+        f"got {objective!r}, expected one of: {', '.join(OBJECTIVES)}, or a task's "
+        "eval/<task>/<metric> (trainer.eval_tasks)",
+    )
     _require(
         cfg.sweep.direction is None or cfg.sweep.direction in DIRECTIONS,
         "sweep.direction",
@@ -461,7 +468,9 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
     for key in ("keep_best", "early_stop_patience"):
         _positive_int(cfg, f"trainer.{key}", minimum=0)
         _require(
-            not t[key] or (t.val_every and t.val_batches),
+            not t[key]
+            or t.best_metric != "val_loss"
+            or (t.val_every and t.val_batches),
             f"trainer.{key}",
             f"{t[key]} ranks checkpoints by val_loss, but trainer.val_every="
             f"{t.val_every} trainer.val_batches={t.val_batches} never validate",
@@ -479,6 +488,7 @@ def _check_batches(cfg: DictConfig, layout: ParallelLayout) -> None:
         "trainer.sample_every",
         f"samples need text: data={cfg.data.name} has no tokenizer",
     )
+    _check_eval_tasks(cfg)
     _choice(cfg, "trainer.log_level", LOG_LEVELS)
     _positive_int(cfg, "trainer.profile_start")
     _positive_int(cfg, "trainer.profile_steps")
@@ -604,6 +614,41 @@ def validate_sample(cfg: DictConfig) -> None:
     keyed("devices", resolve_devices, cfg.devices)
 
 
+def _check_eval_tasks(cfg: DictConfig) -> None:
+    """trainer.eval_tasks's keys (the tasks themselves are found by launch.prepare,
+    before any rank starts)."""
+    t = cfg.trainer
+    _check_task_names(t.eval_tasks, "trainer.eval_tasks")
+    _check_task_names(t.eval_tasks_dirs, "trainer.eval_tasks_dirs")
+    _positive_int(cfg, "trainer.eval_tasks_every", minimum=0)
+    metric = str(t.best_metric)
+    _require(
+        metric == "val_loss"
+        or (is_task_metric(metric) and metric.split("/")[1] in t.eval_tasks),
+        "trainer.best_metric",
+        f"got {metric!r}, expected val_loss or eval/<task>/<metric> of a task in "
+        f"trainer.eval_tasks ({', '.join(t.eval_tasks) or 'none'})",
+    )
+    _require(
+        not t.eval_tasks or DATA_SOURCES[cfg.data.name].tokenized,
+        "trainer.eval_tasks",
+        f"tasks are text: data={cfg.data.name} has no tokenizer",
+    )
+
+
+def _check_task_names(names: Any, key: str, allow_none: bool = False) -> None:
+    """A list of names (downstream tasks, their dirs): none empty, none twice."""
+    if names is None and allow_none:
+        return
+    names = list(names or [])
+    _require(
+        all(isinstance(n, str) and n.strip() for n in names)
+        and len(set(names)) == len(names),
+        key,
+        f"got {names!r}, expected a list of distinct non-empty names",
+    )
+
+
 def check_hf_export(spec: ModelSpec, config: Any, key: str, hint: str = "") -> None:
     """A Hugging Face export of ``spec``'s model ``config`` (``trainer.export=hf``,
     export.py's ``format=hf``) is possible: the family has an adapter, and
@@ -651,3 +696,5 @@ def validate_eval(cfg: DictConfig) -> None:
         f"got {cfg.batch_size}, expected null (the run's micro-batch) or >= 1",
     )
     keyed("devices", resolve_devices, cfg.devices)
+    _check_task_names(cfg.tasks, "tasks", allow_none=True)
+    _check_task_names(cfg.tasks_dirs, "tasks_dirs")

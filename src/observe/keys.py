@@ -53,3 +53,28 @@ def val_line(row: dict) -> str:
     sources = source_val_losses(row)
     each = ", ".join(f"{n} {v:.4f}" for n, v in sources.items())
     return f"val_loss {row['val_loss']:.4f}" + (f" ({each})" if each else "")
+
+
+#: A downstream task's metric (lm-eval, src/trainer/downstream.py), in the loop's
+#: rows and summary, eval.py's wandb run, compare's and the sweep summary's columns.
+TASK_METRIC = "eval/{}/{}"
+#: The seconds a round of downstream tasks took (not training throughput).
+TASKS_SECONDS = "eval_tasks_s"
+
+
+def task_metric_key(task: str, metric: str) -> str:
+    """``eval/<task>/<metric>``: ``eval/pycode_mc/acc``."""
+    return TASK_METRIC.format(task, metric)
+
+
+def is_task_metric(key: str) -> bool:
+    """Whether ``key`` names a downstream task's metric (:func:`task_metric_key`)."""
+    head = TASK_METRIC.split("{}")[0]
+    return key.startswith(head) and key.count("/") == 2 and not key.endswith("/")
+
+
+def task_metrics_in(row: dict) -> dict[str, float]:
+    """The downstream task metrics (:func:`task_metric_key`) in ``row``."""
+    return {
+        k: v for k, v in row.items() if is_task_metric(k) and isinstance(v, int | float)
+    }

@@ -414,9 +414,10 @@ class ConsoleSink(Sink):
             figures += f", validation {s['validation']}"
         early = s.get("early_stop")
         if isinstance(early, dict):  # trainer.early_stop_patience
+            metric = early.get("metric", "val_loss")
             figures += (
-                f", stopped early (best val_loss {early['best_val_loss']:.4f} at step "
-                f"{early['best_step']})"
+                f", stopped early (best {metric} {early[f'best_{metric}']:.4f} at "
+                f"step {early['best_step']})"
             )
         planned, measured = s.get("planned_peak_gib"), s.get("peak_mem_gib")
         drift = None

@@ -21,7 +21,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from src.config.schema import OBJECTIVES
+from src.config.schema import OBJECTIVES, objective_direction
+from src.observe.keys import is_task_metric
 from src.observe.loggers import METRICS_FILE
 from src.runs.sweep import collect_dirs, job_dirs, summary_table, write_csv
 
@@ -144,7 +145,7 @@ def compare(
     run has (default: the first run's ``sweep.objective``); ``x``: the plot's x-axis."""
     dirs = expand(run_dirs)
     names = run_names(dirs)
-    goal = (metric, OBJECTIVES[metric]) if metric else None
+    goal = (metric, objective_direction(metric)) if metric else None
     keys, rows, goal = collect_dirs(dirs, names, goal)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,6 +157,15 @@ def compare(
         plot(stem.with_suffix(".png"), dirs, labels(names, keys, rows), x)
     log.info("%d runs compared (%s.{md,csv,png}):\n%s", len(rows), stem, table)
     return rows
+
+
+def _metric(name: str) -> str:
+    """``--metric``: an objective or a downstream task's metric."""
+    if name in OBJECTIVES or is_task_metric(name):
+        return name
+    raise argparse.ArgumentTypeError(
+        f"{name!r}: expected one of {', '.join(OBJECTIVES)} or eval/<task>/<metric>"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -170,8 +180,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument(
         "--metric",
-        choices=OBJECTIVES,
-        help="the figure the best run has (default: the first run's sweep.objective)",
+        type=_metric,
+        help=f"the figure the best run has: {', '.join(OBJECTIVES)} or a task's "
+        "eval/<task>/<metric> (default: the first run's sweep.objective)",
     )
     parser.add_argument("--x", choices=X_AXES, default="step", help="plot x-axis")
     args = parser.parse_args(argv)

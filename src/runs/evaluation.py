@@ -32,9 +32,13 @@ from src.data.sources import (
     load_splits,
     tokenizer_of,
 )
+from src.data.tokenizer import Tokenizer
 from src.errors import ConfigError
 from src.files import keep_aside, read_json, write_json_atomic
+from src.observe.keys import task_metrics_in
 from src.runs.from_run import load_model, run_tokenizer
+from src.sharding import Backend
+from src.trainer.downstream import flat_metrics, per_rank_rows, run_tasks
 from src.trainer.sampling import SHARDED_ONLY, spread_over
 from src.trainer.step import evaluate, evaluate_sources
 
@@ -99,9 +103,16 @@ def eval_rank(
     opts: dict[str, Any],
 ) -> dict[str, Any]:
     """One rank of eval.py: the mean loss of the run's model from ``checkpoint`` on
-    ``opts``' split, batches and batch size (None: the run's)."""
+    ``opts``' split, batches and batch size (None: the run's); with ``opts["tasks"]``
+    its scores on those lm-eval tasks instead."""
     model, backend, step = load_model(resolved, checkpoint, device)
-    t, spec, config = cfg.trainer, resolved.spec, resolved.model_config
+    t = cfg.trainer
+    if opts.get("tasks"):
+        tokenizer = run_tokenizer(cfg)
+        rows = opts["batch_size"] or t.batch_size // t.grad_accum  # as the loss's
+        args = (resolved, tokenizer, rows, opts)
+        return _scored_tasks(model, backend, step, *args)
+    spec, config = resolved.spec, resolved.model_config
     train, val = load_splits(cfg.data, spec.vocab_size(config), t.seed)
     stream = {"train": train, "val": val}.get(opts["split"])
     if stream is None:  # all: the stream the splits were cut from, in order
@@ -132,6 +143,42 @@ def eval_rank(
         "data_tokens": len(train) + len(val),
         "world_size": world,
     }
+
+
+def _scored_tasks(
+    model: torch.nn.Module,
+    backend: Backend,
+    step: int,
+    resolved: RunPlan,
+    tokenizer: Tokenizer,
+    rows: int,
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """``eval.py tasks=[...]`` on this rank: the model scored on ``opts``' lm-eval
+    tasks (src/trainer/downstream.py), the same on every rank."""
+    scores, seconds = run_tasks(
+        model,
+        backend,
+        resolved,
+        tokenizer,
+        opts["tasks"],
+        opts["specs"],
+        batch_size=per_rank_rows(rows, dist.get_world_size()),
+    )
+    return {
+        "step": step,
+        "tasks": scores,
+        "eval_tasks_s": seconds,
+        "world_size": dist.get_world_size(),
+    }
+
+
+def figures(entry: dict[str, Any]) -> dict[str, float]:
+    """What a record of eval.json logs to wandb: ``eval/loss`` and
+    ``eval/perplexity``, or each task's ``eval/<task>/<metric>``."""
+    if "tasks" in entry:
+        return flat_metrics(entry["tasks"])
+    return {"eval/loss": entry["loss"], "eval/perplexity": entry["perplexity"]}
 
 
 def changed_run_data(run_dir: Path, cfg: DictConfig) -> str | None:
@@ -175,6 +222,31 @@ def record(
     }
 
 
+def task_record(result: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """What eval.json keeps of one ``tasks=[...]`` evaluation: ``tasks``, an entry
+    per task with its metrics (as lm-eval names them: ``acc``, ``exact_match``)."""
+    return {
+        "checkpoint": str(checkpoint),
+        **result,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def task_columns(run_dir: Path, summary: dict[str, Any]) -> dict[str, float]:
+    """A run's downstream task metrics for compare and the sweep summary: the
+    loop's last (summary.json), each replaced by eval.py's latest (eval.json) of
+    that task; a damaged eval.json adds none."""
+    out = task_metrics_in(summary)
+    try:
+        records = read_json(run_dir / EVAL_FILE)
+        for r in records if isinstance(records, list) else []:
+            if isinstance(r, dict) and isinstance(r.get("tasks"), dict):
+                out.update(task_metrics_in(flat_metrics(r["tasks"])))
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    return out
+
+
 def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
     """Append ``entry`` to ``<run dir>/eval.json``. A history that is not a JSON
     list of records (cut short by a torn write, edited) is kept aside, never
@@ -202,7 +274,7 @@ def write_record(run_dir: Path, entry: dict[str, Any]) -> Path:
 
 
 def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> None:
-    """``eval/loss`` and ``eval/perplexity`` in a wandb run of their own
+    """The record's :func:`figures` in a wandb run of their own
     (``job_type="eval"``, files in ``<run dir>/wandb/eval``), in the training run's
     project and group (as its run_id.json records it), its name ``eval:<training run's name>``, and the training
     run's id and this evaluation's record in its config: the training run itself is
@@ -216,7 +288,9 @@ def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> N
     name = training.get("name") or run_dir.name
     config = {
         "training_run": {"id": training.get("id"), "name": name, "dir": str(run_dir)},
-        "eval": {k: v for k, v in entry.items() if k not in ("loss", "perplexity")},
+        "eval": {
+            k: v for k, v in entry.items() if k not in ("loss", "perplexity", "tasks")
+        },
     }
     wandb_dir = run_dir / "wandb" / EVAL_WANDB_DIR
     wandb_dir.mkdir(parents=True, exist_ok=True)
@@ -229,9 +303,9 @@ def log_to_wandb(run_cfg: DictConfig, run_dir: Path, entry: dict[str, Any]) -> N
         group=group,
         config=config,
     )
-    figures = {"eval/loss": entry["loss"], "eval/perplexity": entry["perplexity"]}
-    run.log(figures)
-    run.summary.update({**figures, "eval/step": entry["step"]})
+    logged = figures(entry)
+    run.log(logged)
+    run.summary.update({**logged, "eval/step": entry["step"]})
     run.finish()
     if run_cfg.logger.mode == "offline":
         log.info("upload to wandb: wandb sync %s/wandb/offline-run-*", wandb_dir)

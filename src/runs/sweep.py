@@ -40,12 +40,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.folders import complete_checkpoints, run_checkpoints
-from src.config.schema import OBJECTIVES
+from src.config.schema import objective_direction
 from src.data.pinning import DATA_RECORD
 from src.errors import ConfigError
 from src.files import read_json, read_yaml, write_json_atomic
-from src.observe.keys import source_of, source_val_key, source_val_losses
+from src.observe.keys import (
+    is_task_metric,
+    source_of,
+    source_val_key,
+    source_val_losses,
+)
 from src.observe.metrics import CONTENDED, contended
+from src.runs.evaluation import task_columns
 from src.runs.resume import checkpoint_config, differences
 from src.runs.sweep_plan import job_number, never_ran, plan_jobs, swept_keys
 from src.text import markdown_table
@@ -136,7 +142,7 @@ def objective_of(cfg: DictConfig | None) -> tuple[str, str]:
     name = OmegaConf.select(cfg, "sweep.objective", default=None) if cfg else None
     name = name or "val_loss"
     direction = OmegaConf.select(cfg, "sweep.direction", default=None) if cfg else None
-    return name, direction or OBJECTIVES.get(name, "min")
+    return name, direction or objective_direction(name)
 
 
 def check_objective(cfg: DictConfig) -> None:
@@ -178,7 +184,7 @@ def objective(
     scores below every run within it: ``-(peak - cap)`` when maximising a figure that
     is never negative (tokens/s; better the closer it came), ``+inf`` when minimising.
     """
-    direction = direction or OBJECTIVES.get(name, "min")
+    direction = direction or objective_direction(name)
     value = summary.get(name)
     if not isinstance(value, int | float) or not math.isfinite(value):
         return worst(direction)
@@ -397,6 +403,7 @@ def collect_dirs(
             "status": status,
             **{m: summary.get(m) for m in METRICS},
             **{source_val_key(n): v for n, v in source_val_losses(summary).items()},
+            **task_columns(job_dir, summary),
             "best": False,
             "error": damaged.get(job_dir) or record.get("error", ""),
             "job_dir": str(job_dir),
@@ -475,8 +482,11 @@ def best_row(rows: list[dict], name: str, direction: str) -> dict | None:
 
 def _same_columns(rows: list[dict]) -> list[dict]:
     """The rows with every per-source validation loss any of them has (a mixture's,
-    ``val/<source>/loss``), None where a run has none, after ``val_loss``."""
-    sources = list(dict.fromkeys(k for r in rows for k in r if source_of(k)))
+    ``val/<source>/loss``) and every task metric (``eval/<task>/<metric>``), None
+    where a run has none, after ``val_loss``."""
+    sources = list(
+        dict.fromkeys(k for r in rows for k in r if source_of(k) or is_task_metric(k))
+    )
     out = []
     for r in rows:
         base = {k: v for k, v in r.items() if k not in sources}

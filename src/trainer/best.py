@@ -29,6 +29,12 @@ from src.checkpoint.dcp import best_checkpoints
 EARLY_STOP = "early_stop"
 
 
+def score_of(metric: str, value: float) -> float:
+    """What ranks checkpoints, the lowest best (``trainer.best_metric``): val_loss
+    itself, a task's metric negated (the highest is best); its own inverse."""
+    return value if metric == "val_loss" else -value
+
+
 @dataclass
 class Best:
     """What the trainer knows of its validations: the ``keep_best`` lowest scores of
@@ -42,6 +48,7 @@ class Best:
     kept: list[float] = field(default_factory=list)
     min_delta: float = 0.0  # an improvement is a val_loss below best - min_delta
     warmup: int = 0  # validations at steps <= warmup are not counted
+    metric: str = "val_loss"  # trainer.best_metric: the scores are score_of's
 
     @classmethod
     def start(
@@ -52,12 +59,14 @@ class Best:
         state: dict | None,
         min_delta: float = 0.0,
         warmup: int = 0,
+        metric: str = "val_loss",
     ) -> Best:
         """At the start of a run: the scores of the best checkpoints in
         ``directory``, and the early-stopping ``state`` of the checkpoint resumed
         (None: a fresh start)."""
         kept = [score for score, _ in best_checkpoints(directory, keep_best)]
         best = cls(keep_best, patience, kept=kept, min_delta=min_delta, warmup=warmup)
+        best.metric = metric
         if state:
             best.best, best.best_step, best.since = (
                 state["best"],
@@ -96,16 +105,17 @@ class Best:
     def line(self, step: int) -> str:
         """The console's line when training stops early at ``step``."""
         return (
-            f"step {step}: stopping early: val_loss has not improved on "
-            f"{self.best:.4f} (step {self.best_step}) for {self.since} validations "
-            f"(trainer.early_stop_patience={self.patience})"
+            f"step {step}: stopping early: {self.metric} has not improved on "
+            f"{score_of(self.metric, self.best):.4f} (step {self.best_step}) for "
+            f"{self.since} validations (trainer.early_stop_patience={self.patience})"
         )
 
     def summary(self, step: int) -> dict:
-        """``summary.json``'s ``early_stop``."""
+        """``summary.json``'s ``early_stop`` (``metric``: a task's, not val_loss)."""
         return {
             "step": step,
-            "best_val_loss": self.best,
+            f"best_{self.metric}": score_of(self.metric, self.best),
             "best_step": self.best_step,
             "patience": self.patience,
+            **({"metric": self.metric} if self.metric != "val_loss" else {}),
         }

@@ -73,6 +73,7 @@ from src.observe.metrics import RUN_ROOT_ENV, set_malloc_mmap_threshold
 from src.planner.profiles import cpu_threads
 from src.planner.report import plan_only
 from src.planner.run import machine_check, oversubscribed, plan_run
+from src.trainer.eval_tasks import check_loop_tasks
 from src.trainer.faults import (
     RANK_REPORTS,
     RESTART_CAUSE_ENV,
@@ -172,18 +173,25 @@ def prepare(
         log.warning("planner: no estimate for this run (%s)", run.unplanned)
     if run.lower_bound:
         log.warning("planner: the estimate is a lower bound: %s", run.lower_bound)
-    if splits is None:  # a training run: no bigger than this machine
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or resolved.world_size
-        if run.estimate is not None:
-            machine_check(resolved, run.estimate, local)
-        if oversubscribed(local):
-            log.warning("%s", oversubscribed(local))
+    if splits is None:  # a training run: its tasks found, their data loaded
+        _machine_checks(resolved, run.estimate)
+        check_loop_tasks(cfg.trainer)
     return cfg, replace(
         resolved,
         **run.recorded(),
         layout_chosen=chosen,
         data_record=meta and meta.get("record"),
     )
+
+
+def _machine_checks(resolved: RunPlan, estimate: Any) -> None:
+    """A training run, on rank 0: no bigger than this machine (by the planner's
+    ``estimate``), its ranks no more than its cores (a warning)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or resolved.world_size
+    if estimate is not None:
+        machine_check(resolved, estimate, local)
+    if oversubscribed(local):
+        log.warning("%s", oversubscribed(local))
 
 
 def _with_fastest_layout(

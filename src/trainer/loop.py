@@ -67,6 +67,7 @@ from src.observe.routing import RoutingWatch
 from src.sharding import canonical_name, wrap_plan
 from src.text import plural
 from src.trainer.best import EARLY_STOP, Best
+from src.trainer.downstream import LoopTasks
 from src.trainer.faults import mean_and_stop, signal_point, stop_signal
 from src.trainer.header import log_float8, log_wrap_plan, millions
 from src.trainer.health import block_norms
@@ -182,7 +183,9 @@ class Trainer:
         self.mix = (
             MixCounter(self.batches) if isinstance(train_split, MixedStream) else None
         )
-        self.tokenizer = tokenizer_of(self.cfg.data) if t.sample_every else None
+        self.tasks = LoopTasks(t)  # trainer.eval_tasks (src/trainer/downstream.py)
+        text = t.sample_every or self.tasks.names
+        self.tokenizer = tokenizer_of(self.cfg.data) if text else None
         self.documents = None  # data.packing=documents: its end-of-document id
         if self.resolved.batch.documents:
             self.documents = Documents(tokenizer_of(self.cfg.data).eos_id)
@@ -259,7 +262,7 @@ class Trainer:
             self.origin = init_weights(self.cfg, self.ckpt, self.model, self.rank)
         self.best = Best.start(
             t.keep_best, t.early_stop_patience, self.ckpt.directory, saved[EARLY_STOP],
-            t.early_stop_min_delta, t.warmup_steps,
+            t.early_stop_min_delta, t.warmup_steps, t.best_metric,
         )  # fmt: skip
         if self.mix is not None:
             gone = self.mix.restore(saved[MIX_STATE])
@@ -580,10 +583,10 @@ class Trainer:
         self.meter.restart(step)  # sampling time is not training throughput
         return rows
 
-    def checkpoint(self, step: int, val_loss: float | None = None) -> Path:
+    def checkpoint(self, step: int, score: float | None = None) -> Path:
         """A sharded checkpoint of ``step`` (a collective; in the background with
-        ``trainer.ckpt_async``); ``val_loss``: the step's, which ranks it
-        (``trainer.keep_best``)."""
+        ``trainer.ckpt_async``); ``score``: the step's by ``trainer.best_metric``
+        (lower is best: best.score_of), which ranks it (``trainer.keep_best``)."""
         # The config it was saved with: a resume continues from it (src/runs/resume.py).
         config = self.resolved.run_config or OmegaConf.to_container(self.cfg)
         extra = {
@@ -595,8 +598,8 @@ class Trainer:
             extra[ORIGIN] = self.origin
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
-        if val_loss is not None:
-            extra[SCORE] = val_loss
+        if score is not None:
+            extra[SCORE] = score
         if self.best.state() is not None:
             extra[EARLY_STOP] = self.best.state()
         if self.mix is not None:
@@ -728,15 +731,17 @@ class Trainer:
                 val_loss = self.validate(step)
             if sample_every and (step % sample_every == 0 or last):
                 self.sample(step)
-            best = val_loss is not None and self.best.seen(step, val_loss)
-            stop = val_loss is not None and self.best.exhausted
+            tasks = self.tasks.run(self, step) if self.tasks.due(step, last) else {}
+            score = self.tasks.score(val_loss, tasks)  # trainer.best_metric's
+            best = score is not None and self.best.seen(step, score)
+            stop = score is not None and self.best.exhausted
             saved = (
                 ((last or stop) and t.ckpt_final)
                 or (ckpt_every and step % ckpt_every == 0)
                 or best
             )
             if saved:
-                path = self.checkpoint(step, val_loss)
+                path = self.checkpoint(step, score)
             if export_every and step % export_every == 0:
                 self.export(step)
             if stop:
@@ -749,6 +754,7 @@ class Trainer:
                 val_loss is not None
                 or saved
                 or (sample_every and step % sample_every == 0)
+                or self.tasks.due(step, False)
             )
             self.stop_if_asked(step, None if not saved else path, recheck=bool(busy))
         return self.finish()

@@ -123,6 +123,43 @@ def _broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def continued(
+    model: nn.Module,
+    resolved: RunPlan,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    vocab_size: int,
+    kv_cache: bool = True,
+) -> torch.Tensor:
+    """``idx`` (B, T) followed by ``max_new_tokens`` tokens of ``model``, decoded on
+    every rank in step: through the family's own ``generate()`` if it has one, else
+    src/models/generate.py's loop, rank 0's tokens broadcast at each step."""
+    spec, config = resolved.spec, resolved.model_config
+    if spec.generate is not None:
+        with torch.random.fork_rng(), _root_gathered(model):
+            torch.manual_seed(seed)
+            return spec.generate(
+                model, idx, max_new_tokens, temperature, top_k, vocab_size
+            )
+    return generate(
+        model,
+        idx,
+        max_new_tokens,
+        spec.seq_len(config),
+        temperature=temperature,
+        top_k=top_k,
+        generator=torch.Generator(device=idx.device).manual_seed(seed),
+        vocab_size=vocab_size,
+        kv_cache=kv_cache and spec.kv_cache,
+        agree=_broadcast_from_rank0,
+    )
+
+
+@torch.no_grad()
 def sample_texts(
     model: nn.Module,
     resolved: RunPlan,
@@ -145,7 +182,6 @@ def sample_texts(
     prompt's last document, each text ending before its first new end token. A run
     on conversations (``tokenizer.chat``) is asked as a user: the prompt rendered by
     its chat template, with the generation prompt."""
-    spec, config = resolved.spec, resolved.model_config
     # The whole model, root included: the training step restores train mode only when
     # the root is in eval (src/trainer/step.py), and a family's generate() may set a
     # submodule alone.
@@ -159,25 +195,17 @@ def sample_texts(
         if documents is not None:
             ids = documents.last(ids)
         idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
-        if spec.generate is not None:
-            with torch.random.fork_rng(), _root_gathered(model):
-                torch.manual_seed(seed)
-                tokens = spec.generate(
-                    model, idx, max_new_tokens, temperature, top_k, tokenizer.vocab_size
-                )
-        else:
-            tokens = generate(
-                model,
-                idx,
-                max_new_tokens,
-                spec.seq_len(config),
-                temperature=temperature,
-                top_k=top_k,
-                generator=torch.Generator(device=device).manual_seed(seed),
-                vocab_size=tokenizer.vocab_size,
-                kv_cache=kv_cache and spec.kv_cache,
-                agree=_broadcast_from_rank0,
-            )
+        tokens = continued(
+            model,
+            resolved,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            vocab_size=tokenizer.vocab_size,
+            kv_cache=kv_cache,
+        )
         rows = [row.tolist() for row in tokens]
         if documents is not None:
             rows = [documents.until_end(row, len(ids)) for row in rows]
