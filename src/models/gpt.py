@@ -45,6 +45,7 @@ from src.models.spec import (
     default_device,
     init_tensor_from,
     materialize,
+    meta_embedding,
     name_generator,
     register,
     tie_,
@@ -216,8 +217,8 @@ class GPT(Decoder):
         device = default_device()
         # Built on meta (skipping torch's default init), materialised below.
         with torch.device("meta"):
-            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+            self.wte = meta_embedding(config.vocab_size, config.n_embd)
+            self.wpe = meta_embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         # Each block initialises itself (and is sharded by `wrap` inside enable_wrap).
         self.h = nn.ModuleList(

@@ -47,6 +47,7 @@ from src.models.spec import (
     default_device,
     init_tensor_from,
     materialize,
+    meta_embedding,
     name_generator,
     register,
     tie_,
@@ -262,7 +263,7 @@ class Llama(Decoder):
         self.config = config
         device = default_device()
         with torch.device("meta"):
-            self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+            self.tok_embeddings = meta_embedding(config.vocab_size, config.dim)
             self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
             wrap(self.block_cls(config, i, seed)) for i in range(config.n_layers)

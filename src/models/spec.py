@@ -329,6 +329,13 @@ def default_device() -> torch.device:
     return torch.empty(()).device
 
 
+def meta_embedding(num: int, dim: int) -> nn.Embedding:
+    """An ``nn.Embedding`` on the meta device without torch's default init, whose
+    ``normal_`` on meta imports torch._dynamo (~1 s of CPU in each launcher that
+    plans a model); the family's ``init_tensor`` gives its values."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim, device="meta"))
+
+
 def check_positive_ints(config: Any, keys: Sequence[str]) -> None:
     """``ValueError`` naming ``model.<key>`` for the first of ``keys`` that is not an
     integer >= 1 (for a family config's ``__post_init__``)."""
