@@ -576,7 +576,9 @@ def test_a_command_writes_nothing_into_a_run_it_does_not_own(
     with run_dir_lock(victim):
         before = _files(victim)
         for extra in (["trainer.resume=auto"], [*other, "trainer.resume=auto"], other):
-            run = _train(*RUN, f"hydra.run.dir={victim}", *extra)
+            # One rank: refused before any rank starts, it starts no rank server
+            # either (its imports, seconds of CPU, for nothing; src/entry.py).
+            run = _train(*RUN, "trainer.devices=1", f"hydra.run.dir={victim}", *extra)
             assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
             assert "Traceback" not in run.stdout + run.stderr
             (line,) = [x for x in run.stderr.splitlines() if x.startswith("error:")]

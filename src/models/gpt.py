@@ -46,6 +46,7 @@ from src.models.spec import (
     init_tensor_from,
     materialize,
     name_generator,
+    on_meta,
     register,
     tie_,
 )
@@ -183,7 +184,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, index: int, seed: int = 0) -> None:
         super().__init__()
         device = default_device()
-        with torch.device("meta"):  # no default init: init_tensor sets every value
+        with on_meta():  # no default init: init_tensor sets every value
             self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.attn = CausalSelfAttention(config)
             self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -215,7 +216,7 @@ class GPT(Decoder):
         self.seed = seed
         device = default_device()
         # Built on meta (skipping torch's default init), materialised below.
-        with torch.device("meta"):
+        with on_meta():
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
             self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -223,7 +224,7 @@ class GPT(Decoder):
         self.h = nn.ModuleList(
             wrap(Block(config, i, seed)) for i in range(config.n_layer)
         )
-        with torch.device("meta"):
+        with on_meta():
             self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         own = {"wte.": self.wte, "wpe.": self.wpe, "ln_f.": self.ln_f}

@@ -48,6 +48,7 @@ from src.models.spec import (
     init_tensor_from,
     materialize,
     name_generator,
+    on_meta,
     register,
     tie_,
 )
@@ -219,7 +220,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: LlamaConfig, index: int, seed: int = 0) -> None:
         super().__init__()
         device = default_device()
-        with torch.device("meta"):  # no default init: init_tensor sets every value
+        with on_meta():  # no default init: init_tensor sets every value
             self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
             self.attention = Attention(config)
             self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -261,13 +262,13 @@ class Llama(Decoder):
         super().__init__()
         self.config = config
         device = default_device()
-        with torch.device("meta"):
+        with on_meta():
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
             wrap(self.block_cls(config, i, seed)) for i in range(config.n_layers)
         )
-        with torch.device("meta"):
+        with on_meta():
             self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         own = {

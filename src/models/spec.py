@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, get_type_hints
 
@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from src.models.memory import ActivationBytes
 from src.registry import Registry, described, or_list
@@ -327,6 +328,40 @@ def check_tp_divides(tp: int, sizes: Mapping[str, int]) -> None:
 def default_device() -> torch.device:
     """Where a new tensor goes now (honours ``with torch.device(...)``)."""
     return torch.empty(()).device
+
+
+class _SkipDefaultInit(TorchFunctionMode):
+    """Returns the meta tensor that ``torch.nn.init``'s functions (and the fills
+    behind its ``ones_`` and ``zeros_``) would fill, unfilled."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = args[0] if args else kwargs.get("tensor")
+        if func in _DEFAULT_INITS and isinstance(out, torch.Tensor) and out.is_meta:
+            return out
+        return func(*args, **kwargs)
+
+
+_DEFAULT_INITS = frozenset(
+    (
+        nn.init.uniform_,
+        nn.init.normal_,
+        nn.init.kaiming_uniform_,
+        torch.Tensor.fill_,
+        torch.Tensor.zero_,
+    )
+)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Modules built here are on the meta device, without torch's default init
+    (``reset_parameters``): on meta it only costs time (over half of building a
+    block, each time the planner builds a model) and ``normal_`` imports
+    torch._dynamo (~1 s of a launcher's CPU). The family's ``init_tensor`` gives
+    every value."""
+    with torch.device("meta"), _SkipDefaultInit():
+        yield
 
 
 def check_positive_ints(config: Any, keys: Sequence[str]) -> None:
