@@ -26,7 +26,13 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.config.cli_help import is_schema_option, option_keys, user_groups, user_options
+from src.config.cli_help import (
+    is_schema_option,
+    option_keys,
+    option_parents,
+    user_groups,
+    user_options,
+)
 from src.config.schema import Config
 from src.config.validate import refuse_null_groups
 from src.errors import FULL_ERROR_ENV, ConfigError, RunError
@@ -61,6 +67,9 @@ def _unchosen_group(key: str) -> str | None:
     ]
     if not holders:
         return None
+    # the option the others extend first (data=files before its presets text, chat)
+    among = set(holders)
+    holders.sort(key=lambda o: bool(among.intersection(option_parents(group, o))))
     return (
         f"no {group}= option is chosen to hold it: add {group}={holders[0]} (the "
         f"{group}= options with this key: {', '.join(holders)})"

@@ -36,18 +36,29 @@ def user_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def option_keys(group: str, option: str) -> set[str]:
-    """The top-level keys an option's YAML sets (conf/<group>/<option>.yaml), those of
-    the options it extends in its defaults list included."""
+def _option_yaml(group: str, option: str) -> dict:
     try:
         node = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text())
     except (OSError, yaml.YAMLError):
-        return set()
-    node = node if isinstance(node, dict) else {}
-    keys = set(node) - {"defaults"}
-    for parent in node.get("defaults") or ():
-        if isinstance(parent, str) and parent in user_options(group):
-            keys |= option_keys(group, parent)
+        return {}
+    return node if isinstance(node, dict) else {}
+
+
+def option_parents(group: str, option: str) -> list[str]:
+    """The options of ``group`` that ``option`` extends (its defaults list)."""
+    return [
+        p
+        for p in _option_yaml(group, option).get("defaults") or ()
+        if isinstance(p, str) and p in user_options(group)
+    ]
+
+
+def option_keys(group: str, option: str) -> set[str]:
+    """The top-level keys an option's YAML sets (conf/<group>/<option>.yaml), those of
+    the options it extends in its defaults list included."""
+    keys = set(_option_yaml(group, option)) - {"defaults"}
+    for parent in option_parents(group, option):
+        keys |= option_keys(group, parent)
     return keys
 
 

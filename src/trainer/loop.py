@@ -794,4 +794,7 @@ def train(
     # A failed run (exception, NaN, a dead peer) still closes its files and marks its
     # wandb run failed, so the next job of a sweep does not inherit it.
     with build_logger(cfg, run_dir, dist.get_rank(), begin=False) as logger:
-        return Trainer(cfg, run_dir, device, resolved, logger).fit()
+        try:
+            return Trainer(cfg, run_dir, device, resolved, logger).fit()
+        finally:  # the sampler watched this run's model: none after it
+            live_memory.stop()
