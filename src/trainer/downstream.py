@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import torch
@@ -30,7 +28,13 @@ from src.errors import RunError
 from src.observe.keys import TASKS_SECONDS, task_metric_key
 from src.sharding import Backend
 from src.trainer.best import score_of
-from src.trainer.eval_tasks import offline, task_manager, task_specs
+from src.trainer.eval_tasks import (
+    env_var,
+    offline,
+    replaced,
+    task_manager,
+    task_specs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +93,9 @@ def run_tasks(
     lm = ShardedLM(model, backend, resolved, tokenizer, batch_size, kv_cache)
     # every rank is lm-eval's rank 0 of 1; it returns results only where LOCAL_RANK
     # is 0 too (its torchrun tensor-parallel case): each rank reads its own
-    local_rank0 = mock.patch.dict(os.environ, {"LOCAL_RANK": "0"})
+    local_rank0 = env_var("LOCAL_RANK", "0")
     # its report of the environment (torch's collect_env: ~2 s of subprocesses)
-    no_env_report = mock.patch.object(evaluator, "add_env_info", lambda _: None)
+    no_env_report = replaced(evaluator, "add_env_info", lambda _: None)
     with _rng_kept(backend.device), offline(), local_rank0, no_env_report:
         results = evaluator.simple_evaluate(
             model=lm,

@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 from src.errors import ConfigError
 
@@ -127,6 +127,33 @@ def task_specs(
 
 
 @contextlib.contextmanager
+def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` for the duration (lm-eval's module-level names
+    that it offers no setting for), restored after."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` is ``value`` for the duration, then as it
+    was (unset if it was)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+@contextlib.contextmanager
 def offline() -> Iterator[None]:
     """The Hugging Face hub offline for the duration (``datasets`` reads its flag at
     import: set on its config module, restored after): a dataset not on disk fails at
@@ -145,9 +172,7 @@ def offline() -> Iterator[None]:
     level = harness.level
     harness.setLevel(logging.WARNING)
     try:  # each rank would draw lm-eval's bar of each task's requests
-        with mock.patch.object(
-            task_module, "tqdm", functools.partial(tqdm, disable=True)
-        ):
+        with replaced(task_module, "tqdm", functools.partial(tqdm, disable=True)):
             yield
     finally:
         hub.HF_HUB_OFFLINE, hub.HF_DATASETS_OFFLINE = saved
