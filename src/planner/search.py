@@ -446,6 +446,8 @@ class _Points:
 
         lay = run.layout
         key = (float(run.wrap.min_params), lay.ep)
+        if key not in self.timing_models and self.cur_pp == 1 and key in self.models:
+            self.timing_models[key] = self.models[key]  # the same unpipelined build
         if key not in self.timing_models:
             flat = varied(
                 run, {"layout": replace(lay, pp=1), "checkpointing.mode": "none"}
