@@ -9,11 +9,11 @@ and to a wandb run of its own, linked to the run's. Keys in conf/eval.yaml; a co
 the key (exit status 2).
 """
 
-from src.entry import quiet_ctrl_c, start_rank_server, started
+from src.entry import fork_rank_server, quiet_ctrl_c, start_rank_server, started
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
-    start_rank_server("devices", given=True)  # devices=N>1: the ranks' imports
+    start_rank_server("devices", given=True)  # devices=N>1: ranks fork from a server
 
 import logging
 
@@ -140,4 +140,5 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     started()
+    fork_rank_server()  # the imports done: the ranks fork from a copy
     run_cli(main)

@@ -9,11 +9,11 @@ one consolidated ``model.safetensors``, into ``out`` or ``<run dir>/exports/step
 Keys in conf/export.yaml; a config error is one line naming the key (exit status 2).
 """
 
-from src.entry import quiet_ctrl_c, start_rank_server, started
+from src.entry import fork_rank_server, quiet_ctrl_c, start_rank_server, started
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
-    start_rank_server("devices", given=True)  # devices=N>1: the ranks' imports
+    start_rank_server("devices", given=True)  # devices=N>1: ranks fork from a server
 
 import logging
 from pathlib import Path
@@ -79,4 +79,5 @@ def _export(cfg: DictConfig) -> str | None:
 
 if __name__ == "__main__":
     started()
+    fork_rank_server()  # the imports done: the ranks fork from a copy
     run_cli(main)

@@ -7,11 +7,11 @@ decode with a KV cache, Hugging Face models through ``generate()``. The keys are
 conf/sample.yaml; a config error is one line naming the key (exit status 2).
 """
 
-from src.entry import quiet_ctrl_c, start_rank_server, started
+from src.entry import fork_rank_server, quiet_ctrl_c, start_rank_server, started
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
-    start_rank_server("devices", given=True)  # devices=N>1: the ranks' imports
+    start_rank_server("devices", given=True)  # devices=N>1: ranks fork from a server
 
 import logging
 
@@ -76,4 +76,5 @@ def _sample(cfg: DictConfig) -> list[str]:
 
 if __name__ == "__main__":
     started()
+    fork_rank_server()  # the imports done: the ranks fork from a copy
     run_cli(main)

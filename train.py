@@ -7,11 +7,11 @@ multirun (``-m``) a failed job is recorded instead and the other jobs still run
 (docs/sweeps.md).
 """
 
-from src.entry import quiet_ctrl_c, start_rank_server
+from src.entry import fork_rank_server, quiet_ctrl_c, start_rank_server
 
 if __name__ == "__main__":
     quiet_ctrl_c()  # first: a Ctrl-C while the imports below run is one line
-    start_rank_server()  # the ranks' imports, alongside the ones below
+    start_rank_server()  # ranks will fork from a rank server (forked below)
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -96,4 +96,5 @@ def _run(cfg: DictConfig, run_dir: str) -> dict | None:
 
 if __name__ == "__main__":
     stop_before_start()  # Ctrl-C before the ranks start: one line, exit 130
+    fork_rank_server()  # the imports done: the ranks fork from a copy of them
     run_cli(main)

@@ -22,9 +22,7 @@ from typing import Any
 #: starts with them blocked until its own handler is in place.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 _rank_server = False  # start_rank_server() ran in this process (its ranks fork)
-#: Set only while the rank server starts, to the launcher's PID: the server ties its
-#: life to that process (:func:`_die_with_parent`) as it imports this module.
-_SERVER_OF_ENV = "SHARDWRAP_RANK_SERVER_OF"
+_server_wanted = False  # and ranks may start: fork_rank_server() forks the server
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -101,11 +99,6 @@ def die_with_launcher() -> None:
     threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
 
 
-if os.environ.get(_SERVER_OF_ENV) == str(os.getppid()):
-    # This process is the rank server, importing what its ranks need.
-    _die_with_parent(int(os.environ.pop(_SERVER_OF_ENV)))
-
-
 def _stop_while_starting(signum: int, frame: Any) -> None:
     sys.stderr.write(
         f"stopped by {signal.Signals(signum).name} while starting; nothing to resume\n"
@@ -154,24 +147,14 @@ def _rank_preload() -> list[str]:
 
 
 def start_rank_server(ranks_key: str = "trainer.devices", given: bool = False) -> None:
-    """Start the process the local ranks are forked from, importing this command
-    (``__main__`` and so everything it imports) while this process does the same.
-    A spawned rank imported torch, Hydra and the project itself after the launcher
-    had (about 4 s of CPU per rank, all ranks at once); forked from this server a
-    rank starts with them imported, and a sweep's jobs share the one server. It has
-    run nothing but imports, so nothing is forked mid-way (no threads, no OpenMP
-    pool). The kernel kills it when this process ends (:func:`_die_with_parent`),
-    and its ranks die with it (:func:`die_with_launcher`). It starts with
-    :data:`STOP_SIGNALS` blocked, which every rank inherits as
-    a spawned rank inherited the launcher's mask (src/trainer/faults.py unblocks
-    them once a rank's handler is in place). Not under torchrun, whose ranks are
-    this command itself: there this process dies with torchrun's agent, its parent.
-    :func:`stop_rank_server` ends it when no rank will start here (one rank,
-    plan-only, a config error); it is not started when the command line says so
-    already (:func:`_no_rank_starts`: ``ranks_key``, the command's key of its rank
-    count; ``given``: one rank unless that key is given, as sample.py's, eval.py's
-    and export.py's ``devices``)."""
-    global _rank_server
+    """Say that this command forks its local ranks from a rank server (started by
+    :func:`fork_rank_server` once its imports are done), unless the command line
+    says no rank starts here (:func:`_no_rank_starts`: ``ranks_key``, the command's
+    key of its rank count; ``given``: one rank unless that key is given, as
+    sample.py's, eval.py's and export.py's ``devices``). Not under torchrun, whose
+    ranks are this command itself: there this process dies with torchrun's agent,
+    its parent. Called first, before the imports."""
+    global _rank_server, _server_wanted
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun rank: its parent is torchrun's agent, which a kill -9 ends
         # without ending its ranks; the kernel ends this one with it.
@@ -182,7 +165,8 @@ def start_rank_server(ranks_key: str = "trainer.devices", given: bool = False) -
     _rank_server = True
     if _no_rank_starts(sys.argv[1:], ranks_key, given):  # planned as if they fork
         return
-    multiprocessing.set_forkserver_preload(_rank_preload())
+    _server_wanted = True
+    multiprocessing.set_forkserver_preload(_rank_preload())  # if it must restart
     # The resource tracker (a process of its own) unlinks what a killed launcher
     # left registered (torch elastic's queues and event), as it should, but warns
     # `There appear to be N leaked semaphore objects` after the kill: it starts with
@@ -190,14 +174,66 @@ def start_rank_server(ranks_key: str = "trainer.devices", given: bool = False) -
     sys.warnoptions.append(f"ignore:{_TRACKER_WARNING}:UserWarning")
     # Started first: starting it unblocks SIGINT and SIGTERM in this thread.
     resource_tracker.ensure_running()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    os.environ[_SERVER_OF_ENV] = str(os.getpid())  # the server dies with this process
-    try:
-        forkserver.ensure_running()
-    finally:
-        del os.environ[_SERVER_OF_ENV]
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     atexit.register(stop_rank_server)
+
+
+def fork_rank_server() -> None:
+    """Fork the process the local ranks are forked from, now that this command has
+    imported torch, Hydra and the project and has run nothing yet (no thread, no
+    OpenMP pool, no collective: what a fork copies is imports alone). A rank
+    forked from it starts with them imported, as does every job of a sweep; the
+    server imports ``torch._dynamo`` (every rank's first optimizer step would,
+    ~1.7 s of CPU a rank) while this process validates and plans.
+
+    It serves multiprocessing's forkserver protocol, so torch elastic starts ranks
+    from it with ``start_method="forkserver"``; were it gone, multiprocessing
+    would start a server of its own (a new interpreter importing
+    :func:`_rank_preload`). Before, that new interpreter was the only server: it
+    imported everything a second time beside this process's own imports (~4 s of
+    CPU a launch). The kernel kills it when this process ends
+    (:func:`_die_with_parent`), and its ranks die with it
+    (:func:`die_with_launcher`). It runs with :data:`STOP_SIGNALS` blocked, which
+    every rank inherits as a spawned rank inherited the launcher's mask
+    (src/trainer/faults.py unblocks them once a rank's handler is in place) and
+    Python's default handlers, as a new interpreter has them. A no-op unless
+    :func:`start_rank_server` said ranks fork here."""
+    server = forkserver._forkserver
+    if not _server_wanted or server._forkserver_pid is not None:
+        return
+    import socket
+    from multiprocessing import connection, util
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    launcher = os.getpid()
+    address = connection.arbitrary_address("AF_UNIX")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # at EOF for the server once this process ends
+        pid = os.fork()
+        if pid == 0:  # the server
+            code = 0
+            try:
+                os.close(alive_w)
+                _die_with_parent(launcher)
+                signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+                for sig in STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                forkserver.main(listener.fileno(), alive_r, ["torch._dynamo"])
+            except SystemExit:  # its end: every client (this process) gone
+                pass
+            except BaseException:
+                code = 1
+                util.sub_debug("rank server failed")
+            finally:
+                os._exit(code)  # never this process's exit handlers
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
 def _no_rank_starts(argv: list[str], ranks_key: str, given: bool) -> bool:

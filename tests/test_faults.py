@@ -127,9 +127,14 @@ def children(pid: int) -> dict[int, str]:
 
 def worker_pids(pid: int) -> list[int]:
     """The rank processes the launcher started: forked by its rank server (a child
-    of the launcher running multiprocessing's forkserver; src/entry.py)."""
-    servers = [p for p, cmd in children(pid).items() if "forkserver" in cmd]
-    return sorted(rank for server in servers for rank in children(server))
+    the launcher forked from itself; src/entry.py), its only child with children."""
+    return sorted(rank for server in rank_servers(pid) for rank in children(server))
+
+
+def rank_servers(pid: int) -> list[int]:
+    """The launcher's children that have children: its rank server (the resource
+    tracker, its other child, starts none)."""
+    return [child for child in children(pid) if children(child)]
 
 
 def loss_rows(run_dir: Path) -> list[tuple[int, float]]:
@@ -323,7 +328,7 @@ def test_ranks_die_with_their_launcher_and_the_run_then_resumes_exactly(
     proc = start(tmp_path, *steps, signal_at="step5:launcher:SIGKILL")
     seen = read_until(proc, "step 1:")
     ranks = worker_pids(proc.pid)
-    servers = [p for p, cmd in children(proc.pid).items() if "forkserver" in cmd]
+    servers = rank_servers(proc.pid)
     assert len(ranks) == 2 and len(servers) == 1, (ranks, servers)
     lines = (tmp_path / "run.lock").read_text().splitlines()
     recorded = sorted(json.loads(line)["pid"] for line in lines[1:])
