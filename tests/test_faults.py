@@ -68,10 +68,27 @@ def command(run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test():
+    """A run :func:`start` began in its own session is killed, with its process
+    group, when its test ends: a test that fails before it stops the run (a
+    ``max_steps=100000`` one) left it training on the machine's cores."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def start(run_dir: Path, *overrides: str, signal_at: str = "") -> subprocess.Popen:
     """train.py in the background; ``signal_at``: SHARDWRAP_TEST_SIGNAL_AT (faults.py)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHARDWRAP_TEST_SIGNAL_AT": signal_at}
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         command(run_dir, *overrides),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -80,6 +97,8 @@ def start(run_dir: Path, *overrides: str, signal_at: str = "") -> subprocess.Pop
         cwd=ROOT,
         start_new_session=True,  # its own process group, so the test can kill it all
     )
+    _STARTED.append(proc)
+    return proc
 
 
 def run_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

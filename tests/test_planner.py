@@ -469,11 +469,22 @@ def test_optimizer_step_peak_and_unsharded_backends():
     assert none.phase == "optimizer step"
     assert none.parts["params"] == 1600 * 4
     assert none.parts["grads"] == 1600 * 4
-    assert none.parts["transient"] == 1600 * 4  # foreach AdamW: a copy of the states
+    assert none.parts["transient"] == 0  # fused AdamW: in place
+    assert "fused AdamW" in none.notes["transient"]
+    lion = replace(SHAPE, backend="none", world=1, optimizer="lion")
+    lion = estimate(PLAN, replace(lion, optimizer_step_copies=1), tiny)
+    assert lion.parts["transient"] == 1600 * 4  # Lion's updates: a copy at most
     ddp = estimate(PLAN, replace(SHAPE, backend="ddp", device="cuda"), tiny)
     assert ddp.phase == "optimizer step"
     assert ddp.parts["grads"] == 2 * 1600 * 4  # gradients + DDP's bucket copies
-    assert ddp.parts["transient"] == 1600 * 4  # foreach AdamW on CUDA
+    assert ddp.parts["transient"] == 0
+    # A tied embedding and head: backward's last moment sums the tied weight's two
+    # gradients, one more of its size above the step (here the whole root's).
+    tied = replace(PLAN, tied_numel=1000)
+    one = estimate(tied, replace(SHAPE, backend="none", world=1), tiny)
+    assert one.phase == "embedding backward"
+    assert one.total - none.total == 1000 * 4
+    assert one.parts["transient"] == 1000 * 4
     assert ddp.parts["runtime"] == RUNTIME_BYTES["cuda"][4]
 
 
@@ -985,7 +996,7 @@ def _plan(capsys, tmp_path, *overrides: str) -> str:
     [
         # 1 device and 1 sequence: 2 devices need a batch of 2 (no other change fits)
         ["trainer.batch_size=1", "trainer.mem_budget_gib=24"],
-        # a fit at the devices as set (foreach AdamW's fp32 copy of the states: 5.8 GiB)
+        # a fit at the devices as set
         ["trainer.mem_budget_gib=33"],
         # on an A100: checkpointing every 16th block
         ["trainer.mem_budget_gib=a100_40gb"],

@@ -14,7 +14,9 @@ reports the largest; the main ones:
   with checkpointing, its recomputed activations) plus the unit's unsharded gradients
   on their way to the reduce-scatter;
 - ``optimizer step``: parameters, gradients, AdamW's two states and the update's
-  temporaries (the peak when parameters dominate).
+  temporaries (the peak when parameters dominate);
+- ``embedding backward``: with a tied embedding and head, the same gradients and one
+  more of the tied weight's size (its two gradients summed).
 
 With gradient accumulation the first two hold the gradients of earlier micro-batches:
 sharded when they are reduce-scattered every micro-batch (``trainer.grad_sync=every``),
@@ -30,8 +32,7 @@ from dataclasses import dataclass, field
 from src.config.run_plan import OVERRIDES
 from src.models.memory import ActivationBytes
 from src.planner.constants import CONSTANTS_SOURCE, process_bytes, runtime_bytes
-from src.planner.optimizer_step import NOTE as OPTIMIZER_STEP_NOTE
-from src.planner.optimizer_step import optimizer_step_transient
+from src.planner.optimizer_step import step_note
 from src.sharding import GIB, MIB, WrapPlan, backend_class
 
 
@@ -58,6 +59,9 @@ class RunShape:
     # state buffers per trained parameter (src/planner/optimizer_step.py
     # ``optimizer_states``; AdamW: exp_avg, exp_avg_sq)
     optimizer_states: float = 2
+    # fp32 copies of the local states the update allocates (``optimizer_step_copies``)
+    optimizer_step_copies: float = 0
+    optimizer: str = "adamw"
     # a pipeline stage (``world``: its ranks; ``micro_batch``: a pipeline
     # micro-batch): torch's schedules keep every unit gathered and its gradients
     # unsharded from the first backward to the step's end (no_sync, no reshard)
@@ -195,6 +199,7 @@ class _Held:
     gather_copy: int  # FSDP2's copy-out of an all-gather
     last_gather: int = 0  # the last unit's all-gather output, alive to forward's end
     buckets: int = 0  # DDP's gradient buckets, held in every moment
+    tied_grad: int = 0  # a tied weight's second gradient, summed into its first
 
 
 def _held_sharded(
@@ -263,6 +268,7 @@ def _held_sharded(
         # alive through the head and the loss (a one-unit model's, the whole
         # model's, through the whole forward). Not with one shard: nothing gathered.
         last_gather=largest_unit if s.gather_copy_out and plan.shard_size > 1 else 0,
+        tied_grad=plan.tied_numel * s.param_bytes,
     )
 
 
@@ -296,6 +302,7 @@ def _held_unsharded(
         # Autocast keeps a low-precision copy of each weight for backward.
         mixed_precision=total * s.param_bytes if s.mixed else 0,
         gather_copy=0,
+        tied_grad=plan.tied_numel * 4,
         buckets=buckets,
     )
 
@@ -382,7 +389,7 @@ def estimate(
     source = CONSTANTS_SOURCE.get(s.device, CONSTANTS_SOURCE["cuda"])
     notes["runtime"] = notes["process"] = f"{s.device}: {source}"
     if phase == "optimizer step":
-        notes["transient"] = OPTIMIZER_STEP_NOTE
+        notes["transient"] = step_note(s.optimizer, s.optimizer_step_copies)
     if dispatch is not None:
         notes["experts"] = dispatch.note
     return Estimate(parts=parts, phase=phase, shape=shape, notes=notes)
@@ -398,8 +405,8 @@ def _moments(
 ) -> dict[str, dict[str, int]]:
     """The parts of each moment of a step (``base``: those every moment holds alike;
     ``held``: the gradients held through backward, :func:`_accumulated`)."""
-    # The update's temporaries: foreach AdamW's copy (src/planner/optimizer_step.py).
-    opt_temp = optimizer_step_transient(h.trained)
+    # The update's temporaries (src/planner/optimizer_step.py).
+    opt_temp = int(s.optimizer_step_copies * h.trained)
     # The last block's all-gather in forward: every earlier block's activations are
     # saved (a one-unit model gathers before any).
     before_last = acts.saved - acts.saved // n_blocks if n_blocks else 0
@@ -452,6 +459,21 @@ def _moments(
             "loss": 0,
             "transient": opt_temp,
         },
+    } | ({"embedding backward": _embedding_backward(h, s, base)} if h.tied_grad else {})
+
+
+def _embedding_backward(h: _Held, s: RunShape, base: dict[str, int]) -> dict[str, int]:
+    """The last moment of backward for a model whose embedding and output head share
+    a weight: the embedding's gradient is made beside the head's (held since the loss)
+    and summed into it. Every other gradient is made (sharded, with FSDP, but the
+    root's own), no activation is left."""
+    root = h.root_grad if s.shards else 0
+    return {
+        **base,
+        "grads": h.final_grads + h.buckets + root,
+        "activations": 0,
+        "loss": 0,
+        "transient": h.tied_grad,
     }
 
 

@@ -16,7 +16,7 @@ from src.errors import ConfigError
 from src.observe.loggers import LOGGERS
 from src.planner.constants import process_bytes
 from src.planner.estimate import RunShape
-from src.planner.optimizer_step import optimizer_states
+from src.planner.optimizer_step import optimizer_states, optimizer_step_copies
 from src.planner.settings import device_type
 from src.sharding import (
     ParallelLayout,
@@ -122,6 +122,8 @@ def run_shape(plan: RunPlan, world: int) -> RunShape:
         prefetch=_prefetch(plan),
         device=device_type(plan),
         optimizer_states=optimizer_states(plan),
+        optimizer_step_copies=optimizer_step_copies(plan),
+        optimizer=plan.optimizer,
     )
 
 

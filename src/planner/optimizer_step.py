@@ -1,18 +1,18 @@
-"""The optimizer step's working set, a term of the estimate (issue 55).
+"""The optimizer step's working set, a term of the estimate (issues 55, 58).
 
-The trainer's AdamW is torch's foreach implementation on every device
-(src/trainer/optimizer.py ``build_optimizer``: ``foreach=True``). Per parameter group
-it computes ``sqrt(exp_avg_sq)`` for all the group's tensors at once, a new tensor the
-size of the group's local states, then divides and adds in place into the parameters:
+The trainer's AdamW is torch's fused implementation on every device
+(src/trainer/optimizer.py ``build_optimizer``: ``fused=True``): one kernel per tensor
+updates the parameter and both states in place, so the step allocates nothing beyond
+them. Lion and Muon (src/trainer/optimizers.py) loop over tensors in Python, each
+update a new tensor the size of its parameter (Muon's also gathered whole), planned
+as before at one fp32 copy of the local states, an upper bound:
 
-    optimizer step transient = FOREACH_COPIES x local parameter bytes (fp32)
+    optimizer step transient = STEP_COPIES[optimizer] x local parameter bytes (fp32)
 
-Assumption: one group holds nearly all the parameters (the decayed matrices; the
-no-decay group's norms and biases are a small share), so the largest group's copy is
-the whole local state; the other in-place foreach ops allocate nothing. Measured on
-CPU (2 gloo ranks, 128 MiB of local parameters): 128 MiB above the step's other
-parts with foreach against 48 MiB with torch's per-tensor loop (its largest tensor),
-docs/benchmarks.md "foreach AdamW" below the speed history.
+Measured on CPU (one rank, 1.1 GiB planned, the step the peak; docs/benchmarks.md
+"fused AdamW"): foreach's copy was 128 MiB above the step's other parts over 128
+MiB of local parameters, torch's per-tensor loop 48 MiB (its largest tensor), fused
+none.
 """
 
 from __future__ import annotations
@@ -22,15 +22,33 @@ import torch
 from src.config.run_plan import RunPlan
 from src.models import muon_matrices
 
-FOREACH_COPIES = 1  # one fp32 copy of the local states: _foreach_sqrt(exp_avg_sq)
+#: ``trainer.optimizer`` -> fp32 copies of the local states its update allocates.
+STEP_COPIES = {"adamw": 0, "muon": 1, "lion": 1}
 
-NOTE = "foreach AdamW: sqrt(exp_avg_sq) of all local states, one fp32 copy"
+NOTES = {
+    "adamw": "fused AdamW: each tensor updated in place, no temporaries",
+    "muon": "Muon: each matrix's update a new tensor (and gathered whole); at most "
+    "one fp32 copy of the local states",
+    "lion": "Lion: each tensor's update a new tensor; at most one fp32 copy of the "
+    "local states",
+}
 
 
-def optimizer_step_transient(local_param_bytes: int) -> int:
-    """The update's temporaries, in bytes, on one rank holding ``local_param_bytes``
-    of fp32 parameters (its shard; the whole model unsharded)."""
-    return FOREACH_COPIES * local_param_bytes
+def optimizer_step_copies(plan: RunPlan) -> float:
+    """Local-state copies the update allocates (:data:`STEP_COPIES`); fp16's gradient
+    scaler keeps AdamW foreach (``_foreach_sqrt`` of a whole group: one copy)."""
+    if plan.optimizer == "adamw" and plan.precision.needs_grad_scaler:
+        return 1
+    return STEP_COPIES[plan.optimizer]
+
+
+def step_note(plan_optimizer: str, copies: float) -> str:
+    """The estimate's note on the step's transient."""
+    if plan_optimizer == "adamw" and copies:
+        return (
+            "foreach AdamW (fp16's gradient scaler): one fp32 copy of the local states"
+        )
+    return NOTES[plan_optimizer]
 
 
 #: ``trainer.optimizer`` -> fp32 state buffers per trained parameter: AdamW's exp_avg

@@ -37,10 +37,11 @@ ELEMENTWISE_LOSS = 8
 #: 4x hidden; Llama's SwiGLU about 3.5x: counted as 4), forward and backward at the
 #: profile's activation bandwidth (5 tensor-widths moved per element).
 ACTIVATION_PER_LAYER = 4
-#: Bytes AdamW's step and the gradient-norm clip move per local parameter (fp32):
-#: parameter, gradient and both moments read, parameter and moments written, the
-#: update's temporaries and the norm's read of the gradient: 16 elements of 4 bytes.
-OPTIMIZER_BYTES_PER_PARAM = 64
+#: Bytes fused AdamW's step and the gradient-norm clip move per local parameter
+#: (fp32): parameter, gradient and both moments read, parameter and moments written
+#: (in place, no temporaries), the norm's read of the gradient and the clip's scaling
+#: of it: 10 elements of 4 bytes.
+OPTIMIZER_BYTES_PER_PARAM = 40
 #: The accelerators with a datasheet profile, as said.
 GPUS = ", ".join(name for name, *_ in GPU_LINKS)
 #: DDP's gradient buckets (torch's default ``bucket_cap_mb``).

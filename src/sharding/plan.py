@@ -68,6 +68,9 @@ class WrapPlan:
     #: ``num_stages``)
     stages: tuple[int, ...] = ()
     num_stages: int = 0
+    #: trained elements of parameters two modules share (a tied embedding and output
+    #: head): backward sums their two gradients, one more of that size alive
+    tied_numel: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.layout, int):
@@ -192,9 +195,20 @@ def wrap_plan(model: nn.Module, layout: ParallelLayout | int = 1) -> WrapPlan:
             )
         )
     plan.total_numel = sum(u.numel for u in plan.units)
+    plan.tied_numel = _tied_numel(model)
     _count_float8(model, plan.units)
     _count_trained(model, plan.units)
     return plan
+
+
+def _tied_numel(model: nn.Module) -> int:
+    """Trained elements of the parameters that more than one module holds."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return sum(
+        p.numel() for p in model.parameters() if p.requires_grad and seen[id(p)] > 1
+    )
 
 
 def _owner(by_path: dict[str, Unit], path: str) -> Unit | None:

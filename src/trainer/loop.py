@@ -136,17 +136,17 @@ class Trainer:
         torch.manual_seed(t.seed)  # dropout; parameters are seeded per name
         self._start_time = time.perf_counter()
         self.backend = make_backend(self.resolved, self.device)
-        # Before the model's memory phase starts: rank 0's CPU peak-FLOP/s probe
-        # allocates matrices that are no part of training's peak.
+        # Before the model's memory phase: rank 0's peak-FLOP/s probe is no part of it.
         self.meter = self._throughput_meter()
         self._build_data()
         self._build_model()
         spec, config = self.resolved.spec, self.resolved.model_config
-        self.optimizer = build_optimizer(self.model, cfg, spec, spec.vocab_size(config))
+        self.scaler = self.backend.grad_scaler()  # fp16's, which fused AdamW refuses
+        vocab, fused = spec.vocab_size(config), self.scaler is None
+        self.optimizer = build_optimizer(self.model, cfg, spec, vocab, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg)
         )
-        self.scaler = self.backend.grad_scaler()
         self._resume()
         self.logger.log(
             {

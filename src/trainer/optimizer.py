@@ -19,13 +19,19 @@ from src.trainer.optimizers import MUON, Lion, MuonAdamW
 
 
 def build_optimizer(
-    model: nn.Module, cfg: DictConfig, spec: ModelSpec, vocab: int | None = None
+    model: nn.Module,
+    cfg: DictConfig,
+    spec: ModelSpec,
+    vocab: int | None = None,
+    fused: bool = True,
 ) -> torch.optim.Optimizer:
     """``trainer.optimizer``: AdamW, or Muon for the weight matrices (AdamW for the
     embeddings, the output head, norms and biases), with weight decay except where the
     family's no-decay rule says (biases and normalisation gains), decided by canonical
     name (FSDP1 shards are flat 1-D views, so the live tensors cannot tell). ``vocab``:
-    the model's vocabulary, which tells Muon the output head on any pipeline stage."""
+    the model's vocabulary, which tells Muon the output head on any pipeline stage.
+    ``fused``: AdamW's fused implementation, else foreach (fp16's gradient scaler
+    hands fused AdamW a ``found_inf`` of another shape than a sharded step's)."""
     t = cfg.trainer
     muon = t.optimizer == "muon"
     matrices = muon_matrices(model, spec.no_decay, vocab) if muon else set()
@@ -41,12 +47,14 @@ def build_optimizer(
         | ({MUON: is_muon, "momentum": t.muon_momentum} if muon else {})
         for (nd, is_muon), params in sorted(kinds.items())
     ]
-    # foreach: one op per group, not per tensor (4-7% of a CPU step; torch's default
-    # on CUDA already). Its working set is a planner term (src/planner/optimizer_step.py).
+    # fused: one kernel per tensor, in place (no group-sized temporaries: the planner's
+    # src/planner/optimizer_step.py); on CPU 3-4x faster than foreach or torch's
+    # per-tensor loop (docs/benchmarks.md, bench.optimizer_step); torchtitan's default.
     if t.optimizer == "lion":
         return Lion(groups, lr=t.lr, betas=tuple(t.betas))
     cls = MuonAdamW if muon else torch.optim.AdamW
-    return cls(groups, lr=t.lr, betas=tuple(t.betas), foreach=True)
+    impl = {"fused": True} if fused else {"foreach": True}
+    return cls(groups, lr=t.lr, betas=tuple(t.betas), **impl)
 
 
 def _weight_decay(t: DictConfig, no_decay: bool) -> float:
