@@ -30,9 +30,14 @@ from bench.common import publish
 ROOT = Path(__file__).resolve().parent.parent
 _MID = ["model.n_layer=6", "model.n_head=8", "model.n_embd=512"]
 _MID += ["model.vocab_size=8192", "model.block_size=256", "trainer.batch_size=8"]
+#: ~92M parameters: GPT-2 small's blocks over a vocabulary of 8192.
+_BIG = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768"]
+_BIG += ["model.vocab_size=8192", "model.block_size=128"]
+_HF = ["model=hf", "model.config=tiny_qwen2", "model.block_size=128"]
 
 #: name -> overrides (2 ranks unless said): backends, layouts, checkpointing,
-#: accumulation, precision, families, the default model up to ~30M parameters.
+#: accumulation, precision, GPT / Llama / MoE / a transformers model, the default
+#: model up to ~92M parameters.
 CONFIGS: dict[str, list[str]] = {
     "gpt_fsdp2": [],
     "gpt_fsdp1": ["sharding=fsdp1"],
@@ -56,6 +61,13 @@ CONFIGS: dict[str, list[str]] = {
     "moe_ep2": ["model=moe_tiny", "sharding.expert_parallel=2"],
     "gpt_28m_fsdp2": _MID,
     "gpt_28m_ddp_accum4": [*_MID, "sharding=ddp", "trainer.grad_accum=4"],
+    "gpt_92m_fsdp2": [*_BIG, "trainer.batch_size=4"],
+    "llama_tp2": ["model=llama_tiny", "sharding.tensor_parallel=2"],
+    "llama_ac_selective": [
+        "model=llama_tiny",
+        "sharding.activation_checkpointing=selective",
+    ],
+    "hf_fsdp2": _HF,
 }
 #: The same on one rank (no collective waits for a peer other processes hold off a
 #: core): the compute terms alone.
@@ -69,6 +81,8 @@ CONFIGS |= {
     "llama_1rank": [*_ONE, "model=llama_tiny"],
     "moe_1rank": [*_ONE, "model=moe_tiny"],
     "gpt_28m_1rank": [*_MID, *_ONE[:2], "trainer.batch_size=4"],
+    "gpt_92m_1rank": [*_BIG, *_ONE[:2], "trainer.batch_size=2"],
+    "hf_1rank": [*_ONE, *_HF],
 }
 
 

@@ -82,22 +82,27 @@ class _Point:
 
 
 def layout_search(
-    resolved: RunPlan, world: int, budget: int, precisions: tuple[str, ...] = ()
+    resolved: RunPlan,
+    world: int,
+    budget: int,
+    precisions: tuple[str, ...] = (),
+    every: bool = False,
 ) -> tuple[list[Layout], int]:
     """The :data:`TOP` fastest layouts of ``world`` ranks whose estimate fits
     ``budget`` bytes per rank (``precisions``: tried besides the run's), and how
-    many points were predicted."""
+    many points were predicted. ``every``: all that fit, none pruned by the caps
+    (what bench.layout_ranking measures; slow on a big model)."""
     device, accel = device_type(resolved), accelerator_name(resolved)
     profile = profile_for(device, accel)
     if profile is None:
         return [], 0
     blocks = n_blocks(resolved)
-    search = _Search(resolved, world, profile, blocks)
+    search = _Search(resolved, world, profile, blocks, capped=not every)
     points = sorted(search.points(precisions), key=lambda p: p.guess, reverse=True)
     found: list[Layout] = []
     margin = mem_margin(resolved)
     for point in points:
-        if len(found) == TOP or search.estimated >= MAX_ESTIMATED:
+        if not every and (len(found) == TOP or search.estimated >= MAX_ESTIMATED):
             break
         if not search.may_fit(point, budget, margin):
             continue
@@ -105,16 +110,19 @@ def layout_search(
         if fitted is not None:
             found.append(fitted)
     found.sort(key=lambda lay: lay.predicted_tokens_per_s, reverse=True)
-    return found[:TOP], len(points)
+    return (found if every else found[:TOP]), len(points)
 
 
 class _Search:
     """The points of one search and what they share (meta models, by degrees)."""
 
-    def __init__(self, resolved: RunPlan, world: int, profile, blocks: int) -> None:
+    def __init__(
+        self, resolved: RunPlan, world: int, profile, blocks: int, capped: bool = True
+    ) -> None:
         self.r, self.world, self.profile, self.blocks = (
             resolved, world, profile, blocks,
         )  # fmt: skip
+        self.capped = capped  # at most MAX_PIPELINED pipelined estimates
         self.backend = backend_class(resolved.backend)
         self.seq_len = int(resolved.spec.seq_len(resolved.model_config))
         self.models: dict[tuple[int, int], Any] = {}
@@ -249,7 +257,7 @@ class _Search:
             run = varied(self.r, fields)
             lay = run.layout
             model = self.models.get((lay.tp, lay.ep)) if lay.pp == 1 else None
-            if lay.pp > 1 and self.pipelined >= MAX_PIPELINED:
+            if lay.pp > 1 and self.capped and self.pipelined >= MAX_PIPELINED:
                 return None
             self.estimated += 1
             self.pipelined += lay.pp > 1

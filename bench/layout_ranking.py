@@ -1,0 +1,106 @@
+"""The layout search's ranking against measured runs: does the layout the planner
+predicts fastest train fastest?
+
+For each model, every layout of 2 ranks that the search finds fitting this machine
+(``layout_search(..., every=True)``: each degree, pipeline schedule and checkpointing
+mode; one micro-batch, since accumulation is another batch shape, not a layout) is
+run as printed, one after another in this process's run, as ordinary ``train.py``
+runs (``bench.step_time_vs_measured.run``: one thread per rank, a few steps). Per
+model: Kendall's tau between the predicted and the measured tokens/s (scipy), and
+whether the predicted fastest is the measured fastest or within 5% of it.
+
+    python -m bench.layout_ranking [--models gpt llama moe] [--steps 8] [--append-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from scipy.stats import kendalltau
+
+from bench.common import publish
+from bench.step_time_vs_measured import run
+from src.config.validate import validate
+from src.harness import compose_config
+from src.planner.constants import machine_budget_bytes
+from src.planner.layouts import layout_search
+
+WORLD = 2
+#: model -> overrides (each ~1M parameters: a few seconds a run).
+MODELS = {
+    "gpt": [],
+    "llama": ["model=llama_tiny"],
+    "moe": ["model=moe_tiny"],
+    "hf": ["model=hf", "model.config=tiny_qwen2", "model.block_size=128"],
+}
+_RUN = ["data=synthetic", "logger=none", f"trainer.devices={WORLD}"]
+
+
+def layouts(model: list[str]) -> list:
+    """The layouts of :data:`WORLD` ranks that fit, with one micro-batch."""
+    resolved = validate(compose_config(*_RUN, *model))
+    found, _ = layout_search(resolved, WORLD, machine_budget_bytes(WORLD), every=True)
+    return [lay for lay in found if "trainer.grad_accum" not in lay.overrides]
+
+
+def measure(name: str, steps: int) -> tuple[list[dict], dict]:
+    """Each layout's predicted and measured tokens/s, and the model's verdict."""
+    rows = []
+    for lay in layouts(MODELS[name]):
+        overrides = [*MODELS[name], *lay.args().split()]
+        summary = run([*overrides, f"trainer.devices={WORLD}"], steps)
+        measured = summary["tokens_per_s"]
+        rows.append({
+            "model": name,
+            "layout": lay.args() or "(as set)",
+            "predicted tokens/s": round(summary["predicted_tokens_per_s"]),
+            "measured tokens/s": round(measured),
+            "measured / predicted": round(measured / summary["predicted_tokens_per_s"], 2),
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    predicted = [r["predicted tokens/s"] for r in rows]
+    measured = [r["measured tokens/s"] for r in rows]
+    tau = kendalltau(predicted, measured).statistic
+    best_predicted = measured[predicted.index(max(predicted))]
+    verdict = {
+        "model": name,
+        "layouts": len(rows),
+        "Kendall tau": round(float(tau), 2),
+        "predicted fastest, measured": f"{best_predicted / max(measured):.0%} of the fastest",
+    }  # fmt: skip
+    return rows, verdict
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--models", nargs="+", choices=list(MODELS), default=["gpt", "llama", "moe"]
+    )
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--append-docs", action="store_true")
+    args = parser.parse_args(argv)
+    rows, verdicts = [], []
+    for name in args.models:
+        got, verdict = measure(name, args.steps)
+        rows += got
+        verdicts.append(verdict)
+        print(verdict, flush=True)
+    note = "; ".join(
+        f"{v['model']}: tau {v['Kendall tau']} over {v['layouts']} layouts, the "
+        f"predicted fastest {v['predicted fastest, measured']}"
+        for v in verdicts
+    )
+    print(note)
+    publish(
+        rows,
+        "Layout search: predicted against measured ranking, 2 ranks",
+        note,
+        bench="layout_ranking",
+        argv=argv,
+        append=args.append_docs,
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
