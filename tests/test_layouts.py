@@ -67,3 +67,23 @@ def test_layout_fastest_trains_the_first_and_records_it(caplog):
 def test_layout_wrong_value_names_the_key():
     with pytest.raises(ConfigError, match=r"trainer\.layout.*as_set, fastest"):
         validate(compose_config(*BASE, "trainer.layout=quickest"))
+
+
+def test_every_layout_the_search_lists_passes_the_runs_checks(tmp_path):
+    """All the layouts the search finds fitting (``every=True``; MoE on 2 ranks: EP,
+    TP, HSDP, checkpointing) pass what a run checks before its ranks start:
+    validation and ``prepare`` (the planner's units, where selective checkpointing
+    of a block that expert parallelism splits is refused: the search listed it)."""
+    from src.planner.constants import machine_budget_bytes
+    from src.planner.layouts import layout_search
+    from src.trainer.launch import prepare
+
+    base = ("model=moe_tiny", "data=synthetic", "trainer.devices=2", "logger=none")
+    resolved = validate(compose_config(*base))
+    found, _ = layout_search(resolved, 2, machine_budget_bytes(2), every=True)
+    assert len(found) > 5
+    assert any("sharding.expert_parallel=2" in lay.args() for lay in found)
+    for lay in found:
+        cfg = compose_config(*base, *lay.args().split())
+        validate(cfg)
+        prepare(cfg, None, run_dir=str(tmp_path))

@@ -24,6 +24,7 @@ from src.planner.search import (
     ep_options,
     fmt_value,
     n_blocks,
+    splits_blocks,
     splitting_batch,
 )
 from src.planner.settings import accelerator_name, device_type, mem_margin
@@ -229,6 +230,8 @@ class _Search:
         if at not in self.wraps:
             self.wraps[at] = plan_of(plan_run, model, self.world // lay.pp)
         wrap = self.wraps[at]
+        if fields["checkpointing.mode"] == "selective" and splits_blocks(wrap):
+            return None  # a run refuses it: selective needs each block one unit
         try:
             return predict(plan_run, wrap, self.profile, self.world, self.blocks)
         except Exception:
