@@ -1,9 +1,9 @@
-"""The first things each command (train.py, sample.py, eval.py) does, before its
-imports: importing torch, transformers and Hydra takes seconds, and a Ctrl-C then
-raised KeyboardInterrupt inside the import machinery, a traceback of importlib frames
-for a command that had done nothing; and the rank server starts, so that those
-seconds are spent once, alongside this process's own imports, instead of once per
-rank after them. This module imports nothing heavy."""
+"""The first things each command (train.py, sample.py, eval.py, export.py) does,
+before its imports: importing torch, transformers and Hydra takes seconds, and a
+Ctrl-C then raised KeyboardInterrupt inside the import machinery, a traceback of
+importlib frames for a command that had done nothing; and, once they are done, the
+last: the rank server is forked, so that those seconds are spent once, by this
+process, instead of once per rank. This module imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -196,12 +196,18 @@ def fork_rank_server() -> None:
     every rank inherits as a spawned rank inherited the launcher's mask
     (src/trainer/faults.py unblocks them once a rank's handler is in place) and
     Python's default handlers, as a new interpreter has them. A no-op unless
-    :func:`start_rank_server` said ranks fork here."""
+    :func:`start_rank_server` said ranks fork here, and where an import started a
+    thread (a fork copies none, and a lock one held stays locked in the copy):
+    multiprocessing then starts its own server at the first rank."""
+    import threading
+
     server = forkserver._forkserver
     if not _server_wanted or server._forkserver_pid is not None:
         return
+    if threading.active_count() > 1:  # an import started one: no fork of it
+        return  # multiprocessing starts a server of its own at the first rank
     import socket
-    from multiprocessing import connection, util
+    from multiprocessing import connection
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -225,9 +231,9 @@ def fork_rank_server() -> None:
                 forkserver.main(listener.fileno(), alive_r, ["torch._dynamo"])
             except SystemExit:  # its end: every client (this process) gone
                 pass
-            except BaseException:
+            except BaseException as err:  # no rank can start: say why, once
                 code = 1
-                util.sub_debug("rank server failed")
+                sys.stderr.write(f"rank server failed: {err!r}\n")
             finally:
                 os._exit(code)  # never this process's exit handlers
         os.close(alive_r)
@@ -238,7 +244,7 @@ def fork_rank_server() -> None:
 
 def _no_rank_starts(argv: list[str], ranks_key: str, given: bool) -> bool:
     """The command line says no rank will fork (the plan alone, or one rank, which
-    runs in this process): the server's imports would only cost CPU (~4 s).
+    runs in this process): no server is forked.
     ``ranks_key``: the key of the rank count; ``given``: more than one rank only
     when that key is given."""
     said = dict(a.lstrip("+").lower().partition("=")[::2] for a in argv)
