@@ -26,6 +26,24 @@ def pytest_configure(config):
     worker "left with SIGINT ignored" of tests/test_cli.py's comment.)"""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _share_the_cores(config)
+
+
+def _share_the_cores(config) -> None:
+    """Each test process (an xdist worker, and every train.py it starts) gets its
+    share of the cores as intra-op threads (``OMP_NUM_THREADS``, unless set):
+    two workers of 2 threads on 2 cores made OpenMP's threads wait for each other
+    (the in-process model tests took 16% longer). Multi-rank runs already get
+    cores // ranks; the tests of that default clear the variable themselves."""
+    if "OMP_NUM_THREADS" in os.environ or hasattr(config, "workerinput"):
+        return  # the user's; or a worker, which inherits the controller's
+    from src.planner.profiles import available_cores
+
+    workers = getattr(config.option, "numprocesses", None) or 1
+    workers = workers if isinstance(workers, int) else available_cores()
+    threads = max(1, available_cores() // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True, scope="session")
