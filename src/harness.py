@@ -14,6 +14,8 @@ environment as it is at the call.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import tempfile
 import time
@@ -34,7 +36,22 @@ RANK_MODULES = ["src.runs.compose", "src.trainer.launch"]
 
 
 def compose_config(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
-    """conf/config.yaml composed with ``overrides``, typed by src/config/schema.py."""
+    """conf/config.yaml composed with ``overrides``, typed by src/config/schema.py.
+    Each call gets its own copy of what the same overrides composed to before in
+    this process: Hydra reads and merges every YAML file again at each compose
+    (~0.25 s, against ~8 ms for the copy), and tests compose the same configs many
+    times. With ``return_hydra_config`` (the run's cwd and time in it) it composes."""
+    if return_hydra_config:
+        return _compose(overrides, True)
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.lru_cache(maxsize=256)
+def _composed(overrides: tuple[str, ...]) -> DictConfig:
+    return _compose(overrides, False)
+
+
+def _compose(overrides: tuple[str, ...], return_hydra_config: bool) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     import src.config.schema  # noqa: F401  (registers the schema)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -88,10 +89,13 @@ def base_of(overrides: list[str] | tuple[str, ...]) -> list[str]:
 
 def _train_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> None:
     """Train each named run in turn on the same process group, its config saved as
-    train.py saves it (for eval.py)."""
+    train.py saves it (for eval.py). Rank 0 composes each config and sends it to
+    the others (Hydra's compose costs more CPU than a tiny run's steps)."""
     for name, overrides in runs.items():
         base = base_of(overrides)
-        cfg = make_cfg(*base, *overrides)
+        box = [make_cfg(*base, *overrides) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        cfg = box[0]
         if rank == 0:
             (Path(root) / name / ".hydra").mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, Path(root) / name / RUN_CONFIG)

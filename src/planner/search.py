@@ -4,6 +4,7 @@ budget and the one with the smallest estimate."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -382,6 +383,10 @@ class _Points:
     wholes: dict[tuple[int, int], tuple] = field(default_factory=dict)
     timing_models: dict[tuple[float, int], Any] = field(default_factory=dict)
     timing_plans: dict[tuple, Any] = field(default_factory=dict)  # their wrap plans
+    # what many points share: the one rule's verdict on a layout, an estimate (a
+    # 70B's search met each of its 15,960 twice), both pure functions of the key
+    refusals: dict[tuple, bool] = field(default_factory=dict)
+    estimates: dict[tuple, Any] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -393,7 +398,7 @@ class _Points:
     ) -> _Points:
         base = run_shape(resolved, world)
         device = (base.device, accelerator_name(resolved))
-        acts = run_activation_fn(resolved)
+        acts = functools.lru_cache(maxsize=None)(run_activation_fn(resolved))
         process = family_process_bytes(resolved, base.device)
         return cls(
             resolved,
@@ -491,11 +496,17 @@ class _Points:
         """Whether the one rule refuses the point's layout (its degrees, backend,
         precision and sequence); ep's fit to the shard ranks is judged where the
         point is estimated."""
+        prec = point.get(PRECISION, self.resolved.precision.name)
+        key = (w, pp, cp, ep, prec)
+        if key not in self.refusals:
+            self.refusals[key] = self._refusal(w, pp, cp, ep, prec)
+        return self.refusals[key]
+
+    def _refusal(self, w: int, pp: int, cp: int, ep: int, prec: str) -> bool:
         try:
             degrees = replace(self.resolved.layout, world_size=w, pp=pp, cp=cp, ep=1)
         except LayoutError:
             return True  # the degrees do not divide the ranks
-        prec = point.get(PRECISION, self.resolved.precision.name)
         if refusal(degrees, backend_class(self.resolved.backend), prec, self.seq_len):
             return True
         return ep > 1 and refused_with("ep", degrees)
@@ -560,7 +571,12 @@ class _Points:
             a = tp_activations(resolved, shape, a, self.models[mp, ep])
         a = cp_activations(resolved, shape, a, self.models[mp, ep], cp)
         dispatch = ep_dispatch(resolved, shape)
-        est = estimate(plan, shape, a, self.process, dispatch=dispatch)
+        key = (mp, w, ep, shape, a, dispatch)
+        if key not in self.estimates:
+            self.estimates[key] = estimate(
+                plan, shape, a, self.process, dispatch=dispatch
+            )
+        est = self.estimates[key]
         changed = self._changed(point, w, accum)
         cost = change_cost(self.currents, changed, self.device)
         cost /= pipeline_cost(self.schedule, self.cur_pp, self.cur_m)
