@@ -112,6 +112,46 @@ def test_fsdp_collectives_per_unit_and_their_overlap():
     assert "overlapped with compute" in over.table()
 
 
+def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
+    """A profile's framework figures: each FSDP unit costs ``fsdp_unit_s`` per
+    micro-batch (FSDP2 and FSDP1; none without sharding) and its collectives move
+    at ``fsdp_bandwidth`` (the hooks run unsharded too: HSDP of 1-rank replicas),
+    each block op under TP costs ``dtensor_op_s`` (ops: the
+    family's ``forward_ops`` per block, per micro-batch); a profile without them (a
+    GPU's datasheet) has neither line."""
+    from dataclasses import replace
+
+    bw = BANDWIDTH / 3
+    framework = replace(
+        _profile(), fsdp_unit_s=1e-3, dtensor_op_s=1e-5, fsdp_bandwidth=bw
+    )
+    _, plan, _, fsdp = _predict("trainer.devices=2", profile=framework)
+    assert fsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
+    one = {u.path: LATENCY + 0.5 * u.numel * 4 / bw for u in plan.units}
+    want = sum((1 if p == "" else 2) * t + t for p, t in one.items())
+    assert fsdp["FSDP all-gather + reduce-scatter"] == pytest.approx(want)
+    _, plan, _, accum = _predict(
+        "trainer.devices=2", "trainer.grad_accum=2", "sharding=fsdp1",
+        profile=framework,
+    )  # fmt: skip
+    assert accum["FSDP hooks and copies"] == pytest.approx(2 * len(plan.units) * 1e-3)
+    resolved, _, _, tp = _predict(
+        "trainer.devices=2", "sharding.tensor_parallel=2", profile=framework
+    )
+    block_ops = resolved.spec.forward_ops[0]
+    layers = resolved.model_config.n_layer
+    assert tp["DTensor dispatch (TP)"] == pytest.approx(block_ops * layers * 1e-5)
+    # HSDP with one rank per replica: nothing sharded, every unit's hooks still run
+    _, plan, _, hsdp = _predict(
+        "trainer.devices=2", "sharding.replicate=2", profile=framework
+    )
+    assert "FSDP all-gather + reduce-scatter" not in hsdp
+    assert hsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
+    _, _, _, ddp = _predict("trainer.devices=2", "sharding=ddp", profile=framework)
+    _, _, _, plain = _predict("trainer.devices=2")
+    assert not {"FSDP hooks and copies", "DTensor dispatch (TP)"} & {*ddp, *plain}
+
+
 def test_ddp_pipeline_and_oversubscribed_cpu_terms(monkeypatch):
     """DDP all-reduces its fp32 gradients once a step (2 x half the bytes on 2
     ranks); PP2 idles the bubble's share of the step; 8 ranks on a 2-core profile
@@ -192,6 +232,8 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
         json.dumps({**raw, "op_s": "fast"}),
         json.dumps({**raw, "matmul": {"fp32": {"1": -1.0}, "bf16": {"1": 1.0}}}),
         json.dumps({**raw, "links": {}}),
+        json.dumps({**raw, "fsdp_unit_s": -1e-3}),
+        json.dumps({**raw, "fsdp_bandwidth": True}),
         json.dumps([raw]),
     ]
     for text in forged:
@@ -206,8 +248,11 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
 
 
 def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
-    """The real probe (about a second): every rate positive, at one thread and at
-    every core, each collective's latency and bandwidth; cached as measured."""
+    """The real probe (a few seconds: two rank processes): every rate positive, at
+    one thread and at every core, each collective's latency and bandwidth between
+    two processes, FSDP's time per unit and DTensor's per op (>= 0: what is left
+    of the measured extra once the modelled collectives are taken off); cached as
+    measured."""
     monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
     found = profiles.cpu_profile()
     cores = profiles.available_cores()
@@ -217,7 +262,10 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert set(found.memory_bw) == set(found.activation_bw) == {1, cores}
     assert found.op_s > 0 and set(found.links) == set(COLLECTIVES)
     assert all(k.latency_s > 0 and k.bandwidth > 0 for k in found.links.values())
-    assert profiles.cpu_profile().matmul == found.matmul  # read back
+    assert found.fsdp_unit_s >= 0 and found.dtensor_op_s >= 0
+    assert found.fsdp_bandwidth > 0
+    back = profiles.cpu_profile()
+    assert back.matmul == found.matmul and back.fsdp_unit_s == found.fsdp_unit_s
 
 
 @pytest.mark.parametrize("preset", ["small", "llama_tiny", "moe_tiny"])

@@ -1,11 +1,12 @@
 """Device profiles for the step-time model (src/planner/step_time.py): how fast a rank
 multiplies matrices, moves memory and talks to the other ranks.
 
-A CPU's profile is measured by a short probe (:func:`probe_cpu`, about a second:
+A CPU's profile is measured by a short probe (:func:`probe_cpu`, about ten seconds:
 matmuls and causal attention in fp32 and bf16 at one thread and at every core, a
 copy's and GELU's bandwidth, a chain of tiny ops forward and backward for the per-op
-dispatch time, and gloo collectives between two ranks run as two threads of this
-process) and cached as JSON under ``$SHARDWRAP_PROFILE_DIR``
+dispatch time; then two processes of one thread each, src/planner/rank_probe.py, for
+gloo's collectives between them and what FSDP2 and tensor parallelism add to a step
+beyond their collectives) and cached as JSON under ``$SHARDWRAP_PROFILE_DIR``
 (default ``$SHARDWRAP_CACHE/profiles``, else ``~/.cache/shardwrap/profiles``), keyed by
 the machine's identity (CPU model, cores, torch version): a changed identity, or a file
 that is not a profile, is measured again. A GPU's profile is its datasheet's
@@ -20,14 +21,11 @@ import logging
 import math
 import os
 import platform
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from src.observe.metrics import lookup_gpu_peak_tflops
 
@@ -44,7 +42,7 @@ COLLECTIVES = {
 }
 _DTYPES = ("fp32", "bf16")
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 3
+PROFILE_FORMAT = 4
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -67,7 +65,8 @@ class DeviceProfile:
     ``links`` per collective within a node, ``inter_links`` across nodes (the CPU
     probe: the same); ``overlap``: whether a collective runs beside compute (a
     GPU's NCCL kernels do; a CPU's gloo threads take the cores the ranks compute
-    on)."""
+    on); ``fsdp_unit_s`` and ``dtensor_op_s``: the framework's own time per FSDP unit
+    and per op under tensor parallelism (src/planner/rank_probe.py)."""
 
     name: str
     source: str  # "probe ..." or "datasheet, not calibrated"
@@ -81,6 +80,15 @@ class DeviceProfile:
     inter_links: dict[str, Link]
     ranks_per_node: int
     overlap: bool
+    #: per FSDP unit and micro-batch, beyond its collectives: hooks, copy-in and
+    #: copy-out (0: not measured, a GPU's, whose Python runs ahead of its kernels)
+    fsdp_unit_s: float = 0.0
+    #: per forward op under tensor parallelism (its backward included), beyond the
+    #: op itself: DTensor's dispatch and redistribution checks (0: not measured)
+    dtensor_op_s: float = 0.0
+    #: bytes/s of FSDP's all-gathers and reduce-scatters as a step meets them (its
+    #: copies included; 0: the links' own)
+    fsdp_bandwidth: float = 0.0
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
@@ -288,64 +296,59 @@ def _compute_figures(cores: int) -> dict[str, dict]:
     return out
 
 
-def _gloo_links(small: int = 2, large: int = 1 << 20) -> dict[str, Link]:
-    """Each collective between two gloo ranks (threads of this process sharing a
-    store): latency from a 2-element tensor, bandwidth from a 4 MiB one."""
-    store = dist.HashStore()
-    groups: list = [None, None]
+def collective(link: Link, kind: str, ranks: int, nbytes: float) -> float:
+    """Seconds of one collective over ``ranks`` on ``link`` with a full tensor of
+    ``nbytes``: latency + factor (n - 1) / n bytes / bandwidth (a ring's)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    share = 1.0 if kind == "p2p" else (ranks - 1) / ranks
+    return link.latency_s + COLLECTIVES[kind] * share * nbytes / link.bandwidth
 
-    def join(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
 
-    _on_two(join)
+def _links(times: dict[str, list[float]], large: int) -> dict[str, Link]:
+    """Each collective's link from its seconds on 2 and on ``large`` fp32 elements:
+    latency from the small, bandwidth from the difference."""
     out: dict[str, Link] = {}
     for name in COLLECTIVES:
-        t_small = _timed_collective(groups, name, small)
-        t_large, full = _timed_collective(groups, name, large), 4 * large
-        if name == "all_gather":  # the full tensor is the gathered output
-            full *= 2
+        t_small, t_large = times[name]
+        full = 4 * large * (2 if name == "all_gather" else 1)  # gathered: the output
         moved = COLLECTIVES[name] * (1.0 if name == "p2p" else 0.5) * full
         out[name] = Link(t_small, moved / max(t_large - t_small, 1e-9))
     return out
 
 
-def _on_two(work) -> list:
-    results: list = [None, None]
+def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
+    """From the probe chains' extra seconds (src/planner/rank_probe.py): FSDP's time
+    per unit beyond its collectives' latencies and bytes, and its bandwidth (a
+    unit's two all-gathers and reduce-scatter moving half its bytes each, fitted on
+    the two widths); DTensor's time per op under TP, less its two all-reduces per
+    block."""
+    from src.planner import rank_probe as rp
 
-    def run(rank: int) -> None:
-        results[rank] = work(rank)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
-def _timed_collective(groups: list, name: str, n: int, repeats: int = 4) -> float:
-    """The slower rank's best time of collective ``name`` over ``n`` fp32 elements."""
-
-    def work(rank: int) -> float:
-        pg, x, half = groups[rank], torch.ones(n), torch.empty(n // 2)
-        calls = {
-            "all_reduce": lambda: pg.allreduce([x]),
-            "all_gather": lambda: pg._allgather_base(torch.empty(2 * n), x),
-            "reduce_scatter": lambda: pg._reduce_scatter_base(half, x),
-            "all_to_all": lambda: pg.alltoall_base(torch.empty(n), x, [], []),
-            "p2p": lambda: pg.send([x], 1, 0) if rank == 0 else pg.recv([x], 0, 0),
-        }
-        return _best(lambda: calls[name]().wait(), repeats)
-
-    return max(_on_two(work))
+    small, wide = (4 * rp.unit_numel(w) for w in (rp.WIDTH, rp.WIDE))
+    per_unit = [measured[k] / rp.BLOCKS for k in ("fsdp_extra_s", "fsdp_wide_extra_s")]
+    latency = 2 * links["all_gather"].latency_s + links["reduce_scatter"].latency_s
+    per_byte = max((per_unit[1] - per_unit[0]) / (wide - small), 1e-12)
+    act = 4 * rp.BATCH * rp.WIDTH
+    block_comm = 2 * collective(links["all_reduce"], "all_reduce", 2, act)
+    tp = (measured["tp_extra_s"] / rp.BLOCKS - block_comm) / rp.BLOCK_OPS
+    return {
+        "fsdp_unit_s": max(0.0, per_unit[0] - latency - per_byte * small),
+        "fsdp_bandwidth": 1.5 / per_byte,
+        "dtensor_op_s": max(0.0, tp),
+    }
 
 
 def probe_cpu() -> DeviceProfile:
-    """Measure this CPU's profile (about a second on an idle 2-core machine)."""
+    """Measure this CPU's profile (a few seconds on an idle 2-core machine: the rank
+    probe starts two interpreters)."""
+    from src.planner import rank_probe
+
     identity = cpu_identity()
     cores = int(identity["cores"])
     rates = _compute_figures(cores)
-    links = _gloo_links()
+    measured = rank_probe.measure()
+    links = _links(measured["collectives"], rank_probe.LARGE)
     return DeviceProfile(
         name=f"cpu: {identity['cpu']}, {cores} cores",
         source="probe",
@@ -356,6 +359,7 @@ def probe_cpu() -> DeviceProfile:
         inter_links=links,
         ranks_per_node=cores,
         overlap=False,
+        **_overheads(links, measured),
     )
 
 
@@ -407,13 +411,17 @@ def _number(value, what: str) -> float:
     return float(value)
 
 
+def _at_least_zero(value, what: str) -> float:
+    return 0.0 if value == 0 and not isinstance(value, bool) else _number(value, what)
+
+
 def _table(raw, what: str) -> dict[int, float]:
     if not isinstance(raw, dict) or not raw:
         raise TypeError(f"{what} is not a table")
     return {int(k): _number(v, f"{what}[{k}]") for k, v in raw.items()}
 
 
-def _links(raw, what: str) -> dict[str, Link]:
+def _read_links(raw, what: str) -> dict[str, Link]:
     if not isinstance(raw, dict) or set(raw) != set(COLLECTIVES):
         raise ValueError(f"{what} does not name each collective")
     return {
@@ -443,10 +451,13 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         memory_bw=_table(raw["memory_bw"], "memory_bw"),
         activation_bw=_table(raw["activation_bw"], "activation_bw"),
         op_s=_number(raw["op_s"], "op_s"),
-        links=_links(raw["links"], "links"),
-        inter_links=_links(raw["inter_links"], "inter_links"),
+        links=_read_links(raw["links"], "links"),
+        inter_links=_read_links(raw["inter_links"], "inter_links"),
         ranks_per_node=int(_number(raw["ranks_per_node"], "ranks_per_node")),
         overlap=raw["overlap"],
+        fsdp_unit_s=_at_least_zero(raw["fsdp_unit_s"], "fsdp_unit_s"),
+        dtensor_op_s=_at_least_zero(raw["dtensor_op_s"], "dtensor_op_s"),
+        fsdp_bandwidth=_at_least_zero(raw["fsdp_bandwidth"], "fsdp_bandwidth"),
     )
 
 

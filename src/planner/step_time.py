@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from src.config.run_plan import RunPlan
 from src.models.memory import checkpointed_blocks
 from src.planner.profiles import (
-    COLLECTIVES,
     GPU_LINKS,
     DeviceProfile,
     Link,
+    collective,
     cpu_threads,
     profile_for,
 )
@@ -164,6 +164,8 @@ class Rates:
     memory: float  # bytes/s of a copy
     activation: float  # bytes/s of the activation function, forward and backward
     op_s: float
+    fsdp_unit_s: float  # per FSDP unit and micro-batch (the profile's, shared)
+    dtensor_op_s: float  # per op under TP
     dtype: str
     threads: int
     notes: tuple[str, ...] = ()
@@ -198,19 +200,12 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
         rate(profile.memory_bw),
         rate(profile.activation_bw),
         profile.op_s / share,
+        profile.fsdp_unit_s / share,
+        profile.dtensor_op_s / share,
         dtype,
         threads,
         tuple(notes),
     )
-
-
-def collective(link: Link, kind: str, ranks: int, nbytes: float) -> float:
-    """Seconds of one collective over ``ranks`` on ``link`` with a full tensor of
-    ``nbytes``: latency + factor (n - 1) / n bytes / bandwidth (a ring's)."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    share = 1.0 if kind == "p2p" else (ranks - 1) / ranks
-    return link.latency_s + COLLECTIVES[kind] * share * nbytes / link.bandwidth
 
 
 def _link(profile: DeviceProfile, kind: str, span: int) -> Link:
@@ -291,6 +286,16 @@ class _Step:
                 f"{ops:,.0f} ops x {rates.op_s * 1e6:.1f} us",
             )
         )
+        if self.lay.tp > 1 and rates.dtensor_op_s:
+            tp_ops = self.micro * block * self.local_layers
+            each = rates.dtensor_op_s
+            terms.append(
+                Term(
+                    "DTensor dispatch (TP)",
+                    tp_ops * each,
+                    f"{tp_ops:,.0f} block ops x {each * 1e6:.1f} us (the probe's)",
+                )
+            )
         return terms
 
     def _recompute(self, blocks_mm: float, att: float, act: float) -> list[Term]:
@@ -351,6 +356,8 @@ class _Step:
         reshard = r.unit.reshard_after_forward is not False
         span = n * lay.tp  # the shard ranks lie outside the tp ranks
         ag, rs = _link(p, "all_gather", span), _link(p, "reduce_scatter", span)
+        if p.fsdp_bandwidth:  # as FSDP meets them, its copies in (the CPU probe)
+            ag, rs = (Link(k.latency_s, p.fsdp_bandwidth) for k in (ag, rs))
         out = []
         for unit in self.plan.units:
             gathered = unit.local_numel * self.pbytes
@@ -443,6 +450,15 @@ class _Step:
         terms = list(compute)
         if units:
             terms.append(self._fsdp_term(units, compute_s))
+        if _shards(self.r.backend) and self.rates.fsdp_unit_s:
+            # every unit's hooks run, its parameters sharded or not (HSDP's
+            # replicas of one rank, TP's dp of 1)
+            count = self.micro * len(self.plan.units)
+            each = self.rates.fsdp_unit_s
+            terms.append(
+                Term("FSDP hooks and copies", count * each,
+                     f"{count} unit passes x {each * 1e6:,.0f} us (the probe's)")
+            )  # fmt: skip
         terms += comm
         if self.lay.pp > 1:
             bubble = bubble_fraction(

@@ -1,0 +1,245 @@
+"""The part of a CPU's profile (src/planner/profiles.py) that only ranks in separate
+processes can measure: gloo's collectives between two processes, and what FSDP2 and
+tensor parallelism add to a step beyond their collectives.
+
+Two threads of one process (the probe's first way) share the interpreter and a
+store in memory: their collectives read 2-3x faster than the ranks' (the step-time
+model under-predicted 2-rank runs by 24-277%, docs/benchmarks.md), and FSDP's hooks
+and copies or DTensor's per-op dispatch, which dominate a small model's step, were
+not measured at all. :func:`measure` starts two processes (``python -m
+src.planner.rank_probe RANK DIR``, one thread each, a gloo group over a file store
+in DIR); each writes its figures as JSON, read back as numbers, and the slower
+rank's figure is the profile's.
+
+Per rank, all timed by wall clock after a barrier (a collective waits for its peer):
+
+- each collective (:data:`~src.planner.profiles.COLLECTIVES`) on a 2-element and a
+  1M-element fp32 tensor: its latency and its bandwidth;
+- a chain of small MLP blocks trained plain, then with FSDP2 on every block and the
+  root: the extra time per unit, less the collectives' latencies the step-time
+  model counts for it (two all-gathers and one reduce-scatter), is
+  ``fsdp_unit_s``; the same chain 8x wider, less that, over the bytes of its
+  collectives, is FSDP's bandwidth (``fsdp_bandwidth``);
+- the same chain with tensor parallelism (column- then row-wise): the extra time
+  per forward op, less its two all-reduces per block, is ``dtensor_op_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: The chain the overheads are measured on: blocks of width x 4*width, a batch of
+#: BATCH rows; small, so that the step is its overheads. FSDP's bytes are timed on
+#: the same chain at WIDE (8.4 MB a unit): gloo between processes moving tensors of
+#: a real model's size, with FSDP's copies, which a 4 MiB collective alone reads
+#: at twice the speed.
+WIDTH, BLOCKS, BATCH, WIDE = 64, 6, 8, 512
+#: Forward ops of one chain block (linear, GELU, linear, residual add).
+BLOCK_OPS = 4
+SMALL, LARGE = 2, 1 << 20
+_TIMEOUT_S = 120
+
+
+def _timed(fn, repeats: int = 7, warmup: int = 2) -> float:
+    """Median wall seconds of ``fn`` over ``repeats`` (after ``warmup``), each after a
+    barrier so both ranks start it together."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _calls(rank: int, n: int) -> dict:
+    """Each collective on ``n`` fp32 elements, as a call."""
+    x, half, gathered, out = (torch.ones(n), torch.empty(n // 2),
+                              torch.empty(2 * n), torch.empty(n))  # fmt: skip
+    return {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(half, x),
+        "all_to_all": lambda: dist.all_to_all_single(out, x),
+        "p2p": lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0),
+    }
+
+
+def _collectives(rank: int, rounds: int = 3) -> dict[str, list[float]]:
+    """Each collective's seconds on a small and a large fp32 tensor: the least of
+    ``rounds`` medians (a loopback collective between two busy cores reads 3-4 ms
+    instead of 0.3 for a second or so at times: one round met it in 3 tries)."""
+    out: dict[str, list[float]] = {}
+    for n in (SMALL, LARGE):
+        calls = _calls(rank, n)
+        for name, call in calls.items():
+            times = [_timed(call, repeats=5, warmup=2) for _ in range(rounds)]
+            out.setdefault(name, []).append(min(times))
+    return out
+
+
+def unit_numel(width: int) -> int:
+    """Parameters of one chain block (a unit under FSDP)."""
+    return 8 * width**2 + 5 * width
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def _chain(width: int = WIDTH) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(_Block(width) for _ in range(BLOCKS)))
+
+
+def _step_time(model: nn.Module, width: int = WIDTH) -> float:
+    x = torch.randn(BATCH, width)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    return _timed(step)
+
+
+def _fsdp_extra(width: int = WIDTH) -> float:
+    """Seconds FSDP2 adds to the chain's forward and backward (every block a unit)."""
+    from torch.distributed.fsdp import fully_shard
+
+    plain = _step_time(_chain(width), width)
+    model = _chain(width)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    return _step_time(model, width) - plain
+
+
+def _tp_extra() -> float:
+    """Seconds tensor parallelism (each block's MLP column- then row-wise) adds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plain = _step_time(_chain())
+    mesh = init_device_mesh("cpu", (2,))
+    model = _chain()
+    for block in model:
+        plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        parallelize_module(block, mesh, plan)
+    return _step_time(model) - plain
+
+
+def rank_main(rank: int, where: str) -> None:
+    """One of the two probe ranks: measure, write ``rank<R>.json`` in ``where``."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(where, "store"), 2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        figures = {
+            "collectives": _collectives(rank),
+            "fsdp_extra_s": _fsdp_extra(),
+            "fsdp_wide_extra_s": _fsdp_extra(WIDE),
+            "tp_extra_s": _tp_extra(),
+        }
+    finally:
+        dist.destroy_process_group()
+    Path(where, f"rank{rank}.json").write_text(json.dumps(figures))
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"rank probe: {what} is not a number")
+    return float(value)
+
+
+def _read(path: Path) -> dict:
+    """One rank's figures, every one checked to be a number."""
+    raw = json.loads(path.read_text())
+    out = {
+        "collectives": {
+            name: [_number(t, name) for t in times]
+            for name, times in raw["collectives"].items()
+        },
+        "fsdp_extra_s": _number(raw["fsdp_extra_s"], "fsdp_extra_s"),
+        "fsdp_wide_extra_s": _number(raw["fsdp_wide_extra_s"], "fsdp_wide_extra_s"),
+        "tp_extra_s": _number(raw["tp_extra_s"], "tp_extra_s"),
+    }
+    for name, times in out["collectives"].items():
+        if len(times) != 2:
+            raise ValueError(f"rank probe: {name} has {len(times)} times, not 2")
+    return out
+
+
+def measure() -> dict:
+    """Run the two probe ranks; the slower rank's figures: ``collectives`` (name ->
+    [seconds on 2 elements, on LARGE]), ``fsdp_extra_s`` (and at WIDE),
+    ``tp_extra_s``."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(root), env.get("PYTHONPATH", "")) if p
+    )
+    env.pop("RANK", None)
+    env.pop("LOCAL_RANK", None)
+    with tempfile.TemporaryDirectory(prefix="rank_probe_") as where:
+        cmd = [sys.executable, "-m", "src.planner.rank_probe"]
+        procs = [
+            subprocess.Popen(
+                [*cmd, str(rank), where],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        errors = []
+        for proc in procs:
+            try:
+                _, err = proc.communicate(timeout=_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode:
+                errors.append(err.strip().splitlines()[-1:] or ["(no output)"])
+        if errors:
+            raise RuntimeError(f"rank probe failed: {errors[0][0]}")
+        ranks = [_read(Path(where, f"rank{r}.json")) for r in range(2)]
+    return {
+        "collectives": {
+            name: [max(r["collectives"][name][i] for r in ranks) for i in range(2)]
+            for name in ranks[0]["collectives"]
+        },
+        "fsdp_extra_s": max(r["fsdp_extra_s"] for r in ranks),
+        "fsdp_wide_extra_s": max(r["fsdp_wide_extra_s"] for r in ranks),
+        "tp_extra_s": max(r["tp_extra_s"] for r in ranks),
+    }
+
+
+if __name__ == "__main__":
+    rank_main(int(sys.argv[1]), sys.argv[2])
