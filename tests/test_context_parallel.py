@@ -286,6 +286,7 @@ def test_the_fit_search_proposes_context_parallelism_for_a_long_sequence():
         "model.n_layers=8",
         "trainer.devices=4",
         "trainer.batch_size=4",
+        "logger=none",  # the budgets below: the model's, not a logger's
     )
     keys = [AC, DEVICES, CP]
     best, _ = search(resolve(cfg), keys, int(0.6 * GIB), 4, max_world=64)

@@ -136,15 +136,16 @@ def _fsdp_extra(width: int = WIDTH) -> float:
 
 def _tp_extra() -> float:
     """Seconds tensor parallelism (each block's MLP column- then row-wise) adds."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
+    from src.sharding.layout import flat_mesh
+
     plain = _step_time(_chain())
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = flat_mesh("cpu", 2)
     model = _chain()
     for block in model:
         plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
