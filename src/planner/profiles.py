@@ -340,8 +340,8 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
 
 
 def probe_cpu() -> DeviceProfile:
-    """Measure this CPU's profile (a few seconds on an idle 2-core machine: the rank
-    probe starts two interpreters)."""
+    """Measure this CPU's profile (about ten seconds on an idle 2-core machine: the
+    rank probe starts two interpreters)."""
     from src.planner import rank_probe
 
     identity = cpu_identity()

@@ -92,11 +92,6 @@ def _collectives(rank: int, rounds: int = 3) -> dict[str, list[float]]:
     return out
 
 
-def unit_numel(width: int) -> int:
-    """Parameters of one chain block (a unit under FSDP)."""
-    return 8 * width**2 + 5 * width
-
-
 class _Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -106,6 +101,11 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(x)
+
+
+def unit_numel(width: int) -> int:
+    """Parameters of one chain block (a unit under FSDP)."""
+    return sum(p.numel() for p in _Block(width).parameters())
 
 
 def _chain(width: int = WIDTH) -> nn.Sequential:
