@@ -101,6 +101,17 @@ def run(overrides: list[str], steps: int) -> dict:
         return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+def _forget_op_times() -> None:
+    """This machine's op times forgotten (src/planner/work.py): the next run times
+    its ops again. This VM's speed drifts within minutes at idle (fp32 matmuls at one
+    thread 90 then 65 GFLOP/s, an op's dispatch 40 then 78 us, 15 minutes apart):
+    a prediction from times of another minute would measure the drift."""
+    from src.planner.profiles import cpu_identity, work_cache
+
+    for path in work_cache(cpu_identity()).parent.glob("*-ops-*t.json"):
+        path.unlink(missing_ok=True)
+
+
 def _loadavg() -> str:
     try:
         return Path("/proc/loadavg").read_text().split()[0]
@@ -132,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--append-docs", action="store_true")
+    p.add_argument(
+        "--keep-op-times",
+        action="store_true",
+        help="predict from the op times cached earlier (default: each run times "
+        "the model's ops as it starts, beside the steps it is compared with)",
+    )
     return p
 
 
@@ -140,6 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, errors, alone = [], [], []
     for name in args.configs or list(CONFIGS):
         load = _loadavg()
+        if not args.keep_op_times:
+            _forget_op_times()
         summary = run(CONFIGS[name], args.steps)
         rows.append(row(name, summary, load))
         print(rows[-1], flush=True)

@@ -234,6 +234,8 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
         json.dumps({**raw, "links": {}}),
         json.dumps({**raw, "fsdp_unit_s": -1e-3}),
         json.dumps({**raw, "fsdp_bandwidth": True}),
+        json.dumps({**raw, "traced_op_s": "1us"}),
+        json.dumps({**raw, "ddp_bandwidth": -1.0}),
         json.dumps([raw]),
     ]
     for text in forged:
@@ -263,7 +265,8 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert found.op_s > 0 and set(found.links) == set(COLLECTIVES)
     assert all(k.latency_s > 0 and k.bandwidth > 0 for k in found.links.values())
     assert found.fsdp_unit_s >= 0 and found.dtensor_op_s >= 0
-    assert found.fsdp_bandwidth > 0
+    assert found.fsdp_bandwidth > 0 and found.ddp_bandwidth > 0
+    assert found.traced_op_s >= 0 and found.ddp_bucket_s >= 0
     back = profiles.cpu_profile()
     assert back.matmul == found.matmul and back.fsdp_unit_s == found.fsdp_unit_s
 

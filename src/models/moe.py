@@ -165,11 +165,15 @@ class _ContiguousGrad(torch.autograd.Function):
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` with ``offs`` runs here (probed once, on a tiny
     problem, without autograd: the first call may come inside a checkpointed
-    forward, which must not see the probe's tensors)."""
+    forward, which must not see the probe's tensors; on real tensors: the first may
+    come while the planner traces the model on fake ones (its dispatch modes off:
+    a fake grouped matmul accepts bf16 only)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _disable_current_modes():
             x = torch.ones(4, 16, device=device_type, dtype=dtype)
             w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
             offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)

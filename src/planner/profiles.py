@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,7 +43,7 @@ COLLECTIVES = {
 }
 _DTYPES = ("fp32", "bf16")
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 4
+PROFILE_FORMAT = 5
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -80,6 +81,9 @@ class DeviceProfile:
     inter_links: dict[str, Link]
     ranks_per_node: int
     overlap: bool
+    #: per op of a traced step beyond the op's own replayed time (the autograd
+    #: engine, modules' calls; src/planner/work.py; 0: not measured, as on a GPU)
+    traced_op_s: float = 0.0
     #: per FSDP unit and micro-batch, beyond its collectives: hooks, copy-in and
     #: copy-out (0: not measured, a GPU's, whose Python runs ahead of its kernels)
     fsdp_unit_s: float = 0.0
@@ -89,6 +93,10 @@ class DeviceProfile:
     #: bytes/s of FSDP's all-gathers and reduce-scatters as a step meets them (its
     #: copies included; 0: the links' own)
     fsdp_bandwidth: float = 0.0
+    #: DDP per gradient bucket and its bytes/s, as a step meets them (its copies
+    #: and its thread's share of the core in; 0: the all-reduce link's)
+    ddp_bucket_s: float = 0.0
+    ddp_bandwidth: float = 0.0
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
@@ -263,6 +271,38 @@ def _op_seconds(blocks: int = 10) -> float:
     return _best(step, 3, time.thread_time) / (3 * blocks)
 
 
+def _traced_op_seconds(blocks: int = 10) -> float:
+    """What a step costs per op beyond its ops' own time: the chain of
+    :func:`_op_seconds` timed, less each of its ops replayed alone
+    (src/planner/work.py), over its ops, views included."""
+    from src.planner import work
+
+    layer = torch.nn.Linear(16, 16)
+    x = torch.ones(1, 16, requires_grad=True)
+
+    def step() -> None:
+        h = x
+        for _ in range(blocks):
+            h = h + torch.nn.functional.gelu(layer(h))
+        h.sum().backward()
+
+    step()
+    runs = []
+    for _ in range(7):  # the median, as the replays take theirs
+        t0 = time.thread_time()
+        step()
+        runs.append(time.thread_time() - t0)
+    total = statistics.median(runs)
+    recorder = work.Recorder()
+    with recorder:
+        step()
+    ops = recorder.out
+    times = work.OpTimes(None, 1, lambda call: 0.0)
+    replayed = sum(n * times(ops.calls[k]) for k, n in ops.regions[work.HEAD].items())
+    count = sum(ops.regions[work.HEAD].values()) + ops.views.get(work.HEAD, 0)
+    return max(total - replayed, 0.0) / count
+
+
 def _cpu_clock(threads: int):
     """One thread's figures by its CPU time (``time.thread_time``: other processes'
     load does not stretch it, so they are the machine's alone); several threads'
@@ -322,7 +362,8 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     per unit beyond its collectives' latencies and bytes, and its bandwidth (a
     unit's two all-gathers and reduce-scatter moving half its bytes each, fitted on
     the two widths); DTensor's time per op under TP, less its two all-reduces per
-    block."""
+    block; DDP's per bucket and its bandwidth (the gradients' bytes, fitted on the
+    two widths)."""
     from src.planner import rank_probe as rp
 
     small, wide = (4 * rp.unit_numel(w) for w in (rp.WIDTH, rp.WIDE))
@@ -332,10 +373,14 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     act = 4 * rp.BATCH * rp.WIDTH
     block_comm = 2 * collective(links["all_reduce"], "all_reduce", 2, act)
     tp = (measured["tp_extra_s"] / rp.BLOCKS - block_comm) / rp.BLOCK_OPS
+    ddp = [measured[k] for k in ("ddp_extra_s", "ddp_wide_extra_s")]
+    ddp_per_byte = max((ddp[1] - ddp[0]) / (wide - small) / rp.BLOCKS, 1e-12)
     return {
         "fsdp_unit_s": max(0.0, per_unit[0] - latency - per_byte * small),
         "fsdp_bandwidth": 1.5 / per_byte,
         "dtensor_op_s": max(0.0, tp),
+        "ddp_bucket_s": max(0.0, ddp[0] - ddp_per_byte * small * rp.BLOCKS),
+        "ddp_bandwidth": 1.0 / ddp_per_byte,
     }
 
 
@@ -355,6 +400,7 @@ def probe_cpu() -> DeviceProfile:
         cores=cores,
         **rates,
         op_s=_op_seconds(),
+        traced_op_s=_traced_op_seconds(),
         links=links,
         inter_links=links,
         ranks_per_node=cores,
@@ -378,6 +424,13 @@ def profile_dir() -> Path:
 def _cache_path(identity: dict) -> Path:
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return profile_dir() / f"cpu-{key[:16]}.json"
+
+
+def work_cache(identity: dict, threads: int = 1) -> Path:
+    """Where the op times of the CPU of ``identity`` at ``threads`` threads are
+    cached (beside its profile; src/planner/work.py)."""
+    path = _cache_path(identity)
+    return path.with_name(f"{path.stem}-ops-{threads}t.json")
 
 
 def cpu_profile(probe=probe_cpu) -> DeviceProfile:
@@ -455,9 +508,12 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         inter_links=_read_links(raw["inter_links"], "inter_links"),
         ranks_per_node=int(_number(raw["ranks_per_node"], "ranks_per_node")),
         overlap=raw["overlap"],
+        traced_op_s=_at_least_zero(raw["traced_op_s"], "traced_op_s"),
         fsdp_unit_s=_at_least_zero(raw["fsdp_unit_s"], "fsdp_unit_s"),
         dtensor_op_s=_at_least_zero(raw["dtensor_op_s"], "dtensor_op_s"),
         fsdp_bandwidth=_at_least_zero(raw["fsdp_bandwidth"], "fsdp_bandwidth"),
+        ddp_bucket_s=_at_least_zero(raw["ddp_bucket_s"], "ddp_bucket_s"),
+        ddp_bandwidth=_at_least_zero(raw["ddp_bandwidth"], "ddp_bandwidth"),
     )
 
 

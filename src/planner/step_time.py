@@ -9,15 +9,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from src.config.run_plan import RunPlan
 from src.models.memory import checkpointed_blocks
+from src.planner import work
 from src.planner.profiles import (
     GPU_LINKS,
     DeviceProfile,
     Link,
     collective,
+    cpu_identity,
     cpu_threads,
     profile_for,
+    work_cache,
 )
 from src.planner.search import n_blocks
 from src.sharding import WrapPlan
@@ -164,6 +169,7 @@ class Rates:
     memory: float  # bytes/s of a copy
     activation: float  # bytes/s of the activation function, forward and backward
     op_s: float
+    traced_op_s: float  # per traced op, beyond its replay (src/planner/work.py)
     fsdp_unit_s: float  # per FSDP unit and micro-batch (the profile's, shared)
     dtensor_op_s: float  # per op under TP
     dtype: str
@@ -200,6 +206,7 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
         rate(profile.memory_bw),
         rate(profile.activation_bw),
         profile.op_s / share,
+        profile.traced_op_s / share,
         profile.fsdp_unit_s / share,
         profile.dtensor_op_s / share,
         dtype,
@@ -257,6 +264,9 @@ class _Step:
     # -- compute ------------------------------------------------------------------
 
     def compute_terms(self) -> list[Term]:
+        timed = self._timed_terms()
+        if timed is not None:
+            return timed + self._dtensor_terms()
         m, rates = self.m, self.rates
         per_rank = self.tokens / self.world
         mm = m.matmul_flops * per_rank
@@ -286,17 +296,65 @@ class _Step:
                 f"{ops:,.0f} ops x {rates.op_s * 1e6:.1f} us",
             )
         )
-        if self.lay.tp > 1 and rates.dtensor_op_s:
-            tp_ops = self.micro * block * self.local_layers
-            each = rates.dtensor_op_s
-            terms.append(
-                Term(
-                    "DTensor dispatch (TP)",
-                    tp_ops * each,
-                    f"{tp_ops:,.0f} block ops x {each * 1e6:.1f} us (the probe's)",
-                )
+        return terms + self._dtensor_terms()
+
+    def _dtensor_terms(self) -> list[Term]:
+        each = self.rates.dtensor_op_s
+        if self.lay.tp == 1 or not each:
+            return []
+        tp_ops = self.micro * self.r.spec.forward_ops[0] * self.local_layers
+        return [
+            Term(
+                "DTensor dispatch (TP)",
+                tp_ops * each,
+                f"{tp_ops:,.0f} block ops x {each * 1e6:.1f} us (the probe's)",
             )
-        return terms
+        ]
+
+    def _timed_terms(self) -> list[Term] | None:
+        """On a probed CPU whose cores the ranks do not share: the model's own ops
+        of one micro-batch, timed here (src/planner/work.py), times the micro-batches
+        a rank runs; under CP each rank's queries meet the whole sequence's keys
+        (its attention ``cp`` times the local sequence's)."""
+        p, r, lay = self.profile, self.r, self.lay
+        if not (p.cores and p.traced_op_s) or self.world > p.cores:
+            return None
+        micro_batch = int(r.batch.batch_size) // max(1, lay.dp) // self.micro
+        seq = self.m.seq_len // lay.cp
+        if micro_batch < 1 or seq < 1:
+            return None
+        dtype = torch.float32 if self.pbytes >= 4 else torch.bfloat16
+        try:
+            ops, blocks = work.run_ops(r, micro_batch, seq, dtype, r.checkpointing.mode)
+        except Exception:  # a model the fake tensors cannot trace: the formula's
+            return None
+        times = work.op_times(
+            work_cache(cpu_identity(), self.rates.threads), self.rates.threads, self._counted
+        )
+        parts = work.region_times(ops, times)
+        times.save()
+        total = {"matmul": 0.0, "attention": 0.0, "other": 0.0, "ops": 0.0}
+        for region, t in parts.items():
+            for k in total:
+                total[k] += blocks.get(region, 0.0) * getattr(t, k) * self.micro
+        total["attention"] *= lay.cp
+        n_ops, each = total["ops"], self.rates.traced_op_s
+        how = f"{len(ops.calls)} distinct ops of the model timed on this CPU"
+        return [
+            Term("matmuls", total["matmul"], how),
+            Term("attention", total["attention"], "its ops timed" + (
+                f", x {lay.cp} (CP: queries against the whole sequence)"
+                if lay.cp > 1 else "")),
+            Term("other ops", total["other"], "norms, activations, loss, routing: "
+                 "timed"),
+            Term("autograd and modules", n_ops * each,
+                 f"{n_ops:,.0f} ops x {each * 1e6:.1f} us (the probe's)"),
+        ]  # fmt: skip
+
+    def _counted(self, call: work.OpCall) -> float:
+        """An op not run: FLOPs at the matmul rate, bytes at the copy bandwidth."""
+        rates = self.rates
+        return call.flops() / rates.matmul + call.nbytes() / rates.memory + rates.op_s
 
     def _recompute(self, blocks_mm: float, att: float, act: float) -> list[Term]:
         """Checkpointing's second forward of its blocks (a third of their work:
@@ -429,8 +487,11 @@ class _Step:
         lay, p = self.lay, self.profile
         nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
         buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
-        link = _link(p, "all_reduce", lay.stage_size)
-        once = buckets * collective(link, "all_reduce", lay.dp, nbytes / buckets)
+        if p.ddp_bandwidth:  # as DDP meets it, its copies in (the CPU probe)
+            once = buckets * p.ddp_bucket_s + nbytes / p.ddp_bandwidth
+        else:
+            link = _link(p, "all_reduce", lay.stage_size)
+            once = buckets * collective(link, "all_reduce", lay.dp, nbytes / buckets)
         every = str(self.r.batch.grad_sync) == "every"
         times = self.accum if every else 1
         return Term(

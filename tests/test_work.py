@@ -1,0 +1,129 @@
+"""The model's own ops, traced on fake tensors and timed on this CPU
+(src/planner/work.py): what the step-time model computes a probed CPU's step from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import src.config.schema  # noqa: F401  (registers the base_config schema for compose)
+from src.config.run_plan import resolve
+from src.harness import compose_config
+from src.planner import work
+from src.planner.run_estimate import estimate_plan
+from src.planner.step_time import predict
+from src.planner.trace import HEAD, block_order
+from tests.test_step_time import FLOPS, _profile
+
+
+def _traced(preset: str, mode: str):
+    resolved = resolve(compose_config(f"model={preset}", "data=synthetic"))
+    spec, config = resolved.spec, resolved.model_config
+    with torch.device("meta"):
+        model = spec.build(config, 0)
+    classes = spec.block_classes(config)
+    seq = resolved.batch.seq_len
+    ops = work.traced_ops(model, classes, 2, seq, torch.float32, mode)
+    order = block_order(model, classes)
+
+    def flops(region) -> float:
+        counts = ops.regions[region]
+        return sum(n * ops.calls[key].flops() for key, n in counts.items())
+
+    blocks = {cls: order.count(cls) * flops(cls) for cls in set(order)}
+    return resolved, ops, flops(HEAD), blocks, 2 * seq
+
+
+@pytest.mark.parametrize("preset", ["small", "llama_tiny", "moe_tiny"])
+def test_the_traced_matmuls_are_the_family_formulas_flops(preset):
+    """Forward and backward of one micro-batch traced: its matmuls' FLOPs (a MoE's
+    grouped expert matmuls among them) are the family's 6N per token within 1%;
+    with full checkpointing each block runs its forward again, up to the last op
+    whose output backward needs (torch's checkpoint stops its recompute there: the
+    GPT's MLP output projection is not run again): more, at most 4/3."""
+    resolved, ops, head, blocks, tokens = _traced(preset, "none")
+    formula = resolved.spec.flops_per_token(resolved.model_config, 0) * tokens
+    assert head + sum(blocks.values()) == pytest.approx(formula, rel=0.01)
+    names = {call.name for call in ops.calls.values()}
+    assert ("aten._grouped_mm" in names) == (preset == "moe_tiny")
+    _, _, head_full, blocks_full, _ = _traced(preset, "full")
+    assert head_full == head
+    for cls, f in blocks.items():
+        assert 1.15 * f < blocks_full[cls] <= f * 4 / 3 * (1 + 1e-9)
+
+
+def test_op_times_are_measured_once_and_a_forged_cache_is_refused(
+    tmp_path, monkeypatch
+):
+    """An op is run once at its shapes and its time kept on disk; read back, it is
+    not run again; a cache that is not a table of positive numbers is ignored
+    whole; an op past the replay limits is counted instead."""
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    with work.Recorder() as recorder:
+        torch.mm(a, b)
+    [call] = recorder.out.calls.values()
+    assert call.kind == "matmul" and call.flops() == 2 * 64 * 32 * 16
+    path = tmp_path / "ops.json"
+    times = work.OpTimes(path, 1, counted=lambda c: pytest.fail("counted"))
+    seconds = times(call)
+    assert seconds > 0
+    times.save()
+    assert json.loads(path.read_text()) == {call.key: seconds}
+
+    def refuse(*_):
+        raise AssertionError("replayed again")
+
+    monkeypatch.setattr(work, "replay_seconds", refuse)
+    assert work.OpTimes(path, 1, counted=refuse)(call) == seconds
+    for forged in ({call.key: "fast"}, {call.key: -1.0}, [seconds], {call.key: True}):
+        path.write_text(json.dumps(forged))
+        assert work.OpTimes(path, 1, counted=lambda c: 7.0)(call) == 7.0
+    monkeypatch.setattr(work, "REPLAY_FLOPS", 1.0)
+    assert work.OpTimes(None, 1, counted=lambda c: 3.0)(call) == 3.0
+
+
+def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
+    tmp_path, monkeypatch
+):
+    """On a CPU profile with the probe's per-op figure, one rank's compute is the
+    traced ops' times (here: each op's FLOPs at the profile's rate, plus 1 us)
+    plus the per-op figure for every op, views included, its blocks' as often as
+    the model has them; the traced matmuls equal the formula's within 2%, and the
+    times are cached beside the profile."""
+    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        work, "replay_seconds", lambda call, clock=None: call.flops() / FLOPS + 1e-6
+    )
+    probed = replace(_profile(cores=2), traced_op_s=2e-6)
+    terms = {}
+    for profile in (_profile(cores=2), probed):
+        cfg = compose_config(
+            "model=tiny", "data=synthetic", "logger=none", "trainer.devices=1",
+            "sharding=none",
+        )  # fmt: skip
+        resolved = resolve(cfg)
+        plan, _ = estimate_plan(resolved, 1)
+        step = predict(resolved, plan, profile)
+        terms[profile.traced_op_s] = {t.name: t.seconds for t in step.terms}
+    formula, timed = terms[0.0], terms[2e-6]
+    assert "activation function" in formula and "other ops" not in formula
+    assert timed["matmuls"] == pytest.approx(formula["matmuls"], rel=0.02)
+    seq = resolved.batch.seq_len
+    ops, blocks = work.run_ops(
+        resolved, resolved.batch.batch_size, seq, torch.float32, "none"
+    )
+    n_ops = sum(
+        blocks[region] * (sum(counts.values()) + ops.views.get(region, 0))
+        for region, counts in ops.regions.items()
+    )
+    assert blocks[HEAD] == 1 and n_ops > 500
+    assert timed["autograd and modules"] == pytest.approx(n_ops * 2e-6)
+    assert json.loads(next(tmp_path.glob("*-ops-*t.json")).read_text())
+    cfg = compose_config("model=tiny", "data=synthetic", "trainer.devices=8")
+    shared = resolve(cfg)  # eight ranks on two cores: the formula, as measured
+    plan, _ = estimate_plan(shared, 8)
+    names = [t.name for t in predict(shared, plan, probed).terms]
+    assert "activation function" in names and "other ops" not in names
