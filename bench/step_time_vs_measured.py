@@ -101,15 +101,19 @@ def run(overrides: list[str], steps: int) -> dict:
         return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
-def _forget_op_times() -> None:
-    """This machine's op times forgotten (src/planner/work.py): the next run times
-    its ops again. This VM's speed drifts within minutes at idle (fp32 matmuls at one
-    thread 90 then 65 GFLOP/s, an op's dispatch 40 then 78 us, 15 minutes apart):
-    a prediction from times of another minute would measure the drift."""
+def _forget(ops_only: bool) -> None:
+    """This machine's op times (src/planner/work.py), or its whole profile,
+    forgotten: the next run measures them again. This VM's speed drifts within
+    minutes at idle (fp32 matmuls at one thread 90 then 65 GFLOP/s, an op's dispatch
+    40 then 78 us, 15 minutes apart): a prediction from figures of another minute
+    would measure the drift."""
     from src.planner.profiles import cpu_identity, work_cache
 
-    for path in work_cache(cpu_identity()).parent.glob("*-ops-*t.json"):
+    ops = work_cache(cpu_identity())
+    for path in ops.parent.glob("*-ops-*t.json"):
         path.unlink(missing_ok=True)
+    if not ops_only:
+        ops.with_name(ops.name.split("-ops-")[0] + ".json").unlink(missing_ok=True)
 
 
 def _loadavg() -> str:
@@ -119,7 +123,24 @@ def _loadavg() -> str:
         return "?"
 
 
-def row(name: str, summary: dict, load_before: str) -> dict:
+def _cpu_ticks() -> tuple[int, int]:
+    """(all, stolen) CPU ticks since boot (/proc/stat): the hypervisor's steal is
+    time this VM's cores were taken away, which no in-guest clock subtracts."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(f) for f in fields[:8]]
+        return sum(ticks), ticks[7]
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
+def _stolen(before: tuple[int, int]) -> str:
+    after = _cpu_ticks()
+    total = after[0] - before[0]
+    return f"{(after[1] - before[1]) / total:.0%}" if total > 0 else "?"
+
+
+def row(name: str, summary: dict, load_before: str, stolen: str = "?") -> dict:
     """One configuration's figures."""
     predicted, measured = summary["predicted_step_time_s"], summary["step_time_s"]
     others = float(summary.get("cpu_wait_others") or 0.0)
@@ -135,6 +156,7 @@ def row(name: str, summary: dict, load_before: str) -> dict:
         "alone ms": round(alone * 1e3, 1),
         "error alone": f"{alone / predicted - 1:+.0%}",
         "loadavg": load_before,
+        "stolen": stolen,
     }
 
 
@@ -143,6 +165,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--append-docs", action="store_true")
+    p.add_argument(
+        "--fresh-profile",
+        action="store_true",
+        help="probe the machine again before each run (about 13 s each): the "
+        "comparison at the speed the machine has in that minute",
+    )
     p.add_argument(
         "--keep-op-times",
         action="store_true",
@@ -157,10 +185,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, errors, alone = [], [], []
     for name in args.configs or list(CONFIGS):
         load = _loadavg()
-        if not args.keep_op_times:
-            _forget_op_times()
+        if args.fresh_profile or not args.keep_op_times:
+            _forget(ops_only=not args.fresh_profile)
+        ticks = _cpu_ticks()
         summary = run(CONFIGS[name], args.steps)
-        rows.append(row(name, summary, load))
+        rows.append(row(name, summary, load, _stolen(ticks)))
         print(rows[-1], flush=True)
         predicted = summary["predicted_step_time_s"]
         errors.append(abs(summary["step_time_s"] / predicted - 1))
@@ -169,7 +198,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; "
         f"against the step alone (measured less the share its threads waited for "
         f"cores other processes held): median {statistics.median(alone):.0%}, worst "
-        f"{max(alone):.0%}. loadavg: the 1-minute load average as each run started."
+        f"{max(alone):.0%}. loadavg: the 1-minute load average as each run started; "
+        f"stolen: the share of the machine's CPU time the hypervisor took during the "
+        f"run (/proc/stat's steal)."
     )
     print(note)
     publish(

@@ -40,6 +40,7 @@ def test_step_time_vs_measured_rows_from_the_runs_summaries(
         "+50%",
     )
     assert (second["error"], second["error alone"]) == ("+0%", "+0%")
+    assert all(r["stolen"] == "?" or r["stolen"].endswith("%") for r in (first, second))
     out = capsys.readouterr().out
     assert "median |error| 100%, worst 200%; against the step alone" in out
     assert "median 25%, worst 50%" in out

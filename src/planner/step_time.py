@@ -329,7 +329,9 @@ class _Step:
         except Exception:  # a model the fake tensors cannot trace: the formula's
             return None
         times = work.op_times(
-            work_cache(cpu_identity(), self.rates.threads), self.rates.threads, self._counted
+            work_cache(cpu_identity(), self.rates.threads),
+            self.rates.threads,
+            self._counted,
         )
         parts = work.region_times(ops, times)
         times.save()

@@ -14,7 +14,8 @@ model's hundred small ops per block at their dispatch cost. So, on a probed CPU:
   (embeddings, head, loss: :data:`~src.planner.trace.HEAD`);
 - :class:`OpTimes` runs each distinct op once on real tensors of those shapes, in
   the thread count a rank gets (random floats, zero indices, a grouped matmul's
-  groups even), and keeps the shortest of a few runs by the thread's CPU time:
+  groups even), and keeps the median of a few runs by the thread's CPU time, each
+  after 1 MiB of other data was written (past a core's L2):
   cached on disk beside the profile (``cpu-<machine>-ops-<threads>t.json``: op
   and shapes -> seconds, each checked to be a positive number when read). An op
   past :data:`REPLAY_BYTES` or :data:`REPLAY_FLOPS`, or one that will not run on
@@ -59,7 +60,9 @@ ATTENTION = "scaled_dot_product"
 #: for a large elementwise op.
 REPLAY_BYTES, REPLAY_FLOPS = 64 * 2**20, 4e9
 _REPEATS = 5
-#: Bytes written between an op's runs, past the caches a core sees.
+#: Bytes written between an op's runs: past a core's L2 (512 KiB on this EPYC), not
+#: its L3: 16 MiB made the small models' ops 22% slower than their steps, none at
+#: all the default model's 40% faster.
 FLUSH_BYTES = 2**20
 
 
@@ -201,7 +204,8 @@ def replay_seconds(call: OpCall, clock=time.thread_time) -> float:
     """The median of a few runs of ``call`` on real tensors of its shapes, each
     after the caches were filled with other data (a step's op meets its inputs
     where the ops before it left them, not where its own last run did: the default
-    model's matmuls read 55 ms replayed warm, 88 cold, 77 in its step)."""
+    model's block matmuls read 55 ms a step replayed warm, 88 after 16 MiB; its
+    step's, the head's included, 77 under the profiler)."""
     args, kwargs = _inputs(call)
     flush = torch.empty(FLUSH_BYTES // 4)
     with torch.no_grad():
