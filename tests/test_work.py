@@ -67,22 +67,30 @@ def test_op_times_are_measured_once_and_a_forged_cache_is_refused(
     [call] = recorder.out.calls.values()
     assert call.kind == "matmul" and call.flops() == 2 * 64 * 32 * 16
     path = tmp_path / "ops.json"
-    times = work.OpTimes(path, 1, counted=lambda c: pytest.fail("counted"))
-    seconds = times(call)
+    times = work.OpTimes(path, 1)
+    seconds = times(call, lambda c: pytest.fail("counted"))
     assert seconds > 0
     times.save()
-    assert json.loads(path.read_text()) == {call.key: seconds}
+    assert json.loads(path.read_text()) == {"ops": {call.key: seconds}, "runs": {}}
 
     def refuse(*_):
         raise AssertionError("replayed again")
 
     monkeypatch.setattr(work, "replay_seconds", refuse)
-    assert work.OpTimes(path, 1, counted=refuse)(call) == seconds
-    for forged in ({call.key: "fast"}, {call.key: -1.0}, [seconds], {call.key: True}):
-        path.write_text(json.dumps(forged))
-        assert work.OpTimes(path, 1, counted=lambda c: 7.0)(call) == 7.0
+    assert work.OpTimes(path, 1)(call, refuse) == seconds
+    forged = [
+        {call.key: seconds},
+        {"ops": {call.key: "fast"}, "runs": {}},
+        {"ops": {call.key: -1.0}, "runs": {}},
+        {"ops": {call.key: True}, "runs": {}},
+        {"ops": {call.key: seconds}, "runs": {"k": {"matmul": 1.0}}},
+        [seconds],
+    ]
+    for raw in forged:
+        path.write_text(json.dumps(raw))
+        assert work.OpTimes(path, 1)(call, lambda c: 7.0) == 7.0
     monkeypatch.setattr(work, "REPLAY_FLOPS", 1.0)
-    assert work.OpTimes(None, 1, counted=lambda c: 3.0)(call) == 3.0
+    assert work.OpTimes(None, 1)(call, lambda c: 3.0) == 3.0
 
 
 def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
@@ -121,7 +129,13 @@ def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
     )
     assert blocks[HEAD] == 1 and n_ops > 500
     assert timed["autograd and modules"] == pytest.approx(n_ops * 2e-6)
-    assert json.loads(next(tmp_path.glob("*-ops-*t.json")).read_text())
+    cached = json.loads(next(tmp_path.glob("*-ops-*t.json")).read_text())
+    assert len(cached["runs"]) == 1 and cached["ops"]
+    monkeypatch.setattr(work, "_OPS", {})  # a new process: its totals read back
+    monkeypatch.setattr(work, "_TIMES", {})
+    monkeypatch.setattr(work, "traced_ops", lambda *a, **k: pytest.fail("traced"))
+    again = {t.name: t.seconds for t in predict(resolved, plan, probed).terms}
+    assert again == timed
     cfg = compose_config("model=tiny", "data=synthetic", "trainer.devices=8")
     shared = resolve(cfg)  # eight ranks on two cores: the formula, as measured
     plan, _ = estimate_plan(shared, 8)

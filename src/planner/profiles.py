@@ -297,8 +297,11 @@ def _traced_op_seconds(blocks: int = 10) -> float:
     with recorder:
         step()
     ops = recorder.out
-    times = work.OpTimes(None, 1, lambda call: 0.0)
-    replayed = sum(n * times(ops.calls[k]) for k, n in ops.regions[work.HEAD].items())
+    times = work.OpTimes(None, 1)
+    replayed = sum(
+        n * times(ops.calls[k], lambda call: 0.0)
+        for k, n in ops.regions[work.HEAD].items()
+    )
     count = sum(ops.regions[work.HEAD].values()) + ops.views.get(work.HEAD, 0)
     return max(total - replayed, 0.0) / count
 

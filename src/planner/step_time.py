@@ -324,24 +324,20 @@ class _Step:
         if micro_batch < 1 or seq < 1:
             return None
         dtype = torch.float32 if self.pbytes >= 4 else torch.bfloat16
+        threads = self.rates.threads
+        times = work.op_times(work_cache(cpu_identity(), threads), threads)
         try:
-            ops, blocks = work.run_ops(r, micro_batch, seq, dtype, r.checkpointing.mode)
+            total = work.micro_batch_work(
+                r, micro_batch, seq, dtype, r.checkpointing.mode, times, self._counted
+            )
         except Exception:  # a model the fake tensors cannot trace: the formula's
             return None
-        times = work.op_times(
-            work_cache(cpu_identity(), self.rates.threads),
-            self.rates.threads,
-            self._counted,
-        )
-        parts = work.region_times(ops, times)
         times.save()
-        total = {"matmul": 0.0, "attention": 0.0, "other": 0.0, "ops": 0.0}
-        for region, t in parts.items():
-            for k in total:
-                total[k] += blocks.get(region, 0.0) * getattr(t, k) * self.micro
+        total = {k: v * self.micro for k, v in total.items()}
         total["attention"] *= lay.cp
         n_ops, each = total["ops"], self.rates.traced_op_s
-        how = f"{len(ops.calls)} distinct ops of the model timed on this CPU"
+        how = f"{total['distinct'] / self.micro:,.0f} distinct ops of the model timed"
+        how += " on this CPU"
         return [
             Term("matmuls", total["matmul"], how),
             Term("attention", total["attention"], "its ops timed" + (
@@ -489,8 +485,9 @@ class _Step:
         lay, p = self.lay, self.profile
         nbytes = self.plan.bytes_per_rank() / 4 * self.rbytes
         buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
-        if p.ddp_bandwidth:  # as DDP meets it, its copies in (the CPU probe)
-            once = buckets * p.ddp_bucket_s + nbytes / p.ddp_bandwidth
+        if p.ddp_bandwidth:  # as DDP meets it, its copies in (the 2-rank probe's)
+            ring = 2 * (lay.dp - 1) / lay.dp  # 1 on the probe's 2 ranks
+            once = buckets * p.ddp_bucket_s + ring * nbytes / p.ddp_bandwidth
         else:
             link = _link(p, "all_reduce", lay.stage_size)
             once = buckets * collective(link, "all_reduce", lay.dp, nbytes / buckets)

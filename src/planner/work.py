@@ -17,7 +17,8 @@ model's hundred small ops per block at their dispatch cost. So, on a probed CPU:
   groups even), and keeps the median of a few runs by the thread's CPU time, each
   after 1 MiB of other data was written (past a core's L2):
   cached on disk beside the profile (``cpu-<machine>-ops-<threads>t.json``: op
-  and shapes -> seconds, each checked to be a positive number when read). An op
+  and shapes -> seconds, and each micro-batch's totals by model config and shape,
+  each checked to be a number when read: a later plan traces nothing). An op
   past :data:`REPLAY_BYTES` or :data:`REPLAY_FLOPS`, or one that will not run on
   made-up inputs, is counted from the profile (FLOPs at its matmul rate, bytes at
   its copy bandwidth, plus its per-op time);
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import math
 import statistics
@@ -221,27 +223,28 @@ def replay_seconds(call: OpCall, clock=time.thread_time) -> float:
 
 class OpTimes:
     """Seconds of each op at ``threads`` threads on this CPU, measured once per op
-    and shapes, cached in ``path`` (module docstring); ``counted``: an op's time
-    from the profile's rates where it is not run."""
+    and shapes, cached in ``path`` (module docstring)."""
 
-    def __init__(self, path: Path | None, threads: int, counted: Callable) -> None:
-        self.path, self.threads, self.counted = path, threads, counted
-        self.times: dict[str, float] = _read_times(path) if path else {}
+    def __init__(self, path: Path | None, threads: int) -> None:
+        self.path, self.threads = path, threads
+        self.times, self.runs = _read_times(path) if path else ({}, {})
         self.dirty = False
 
-    def __call__(self, call: OpCall) -> float:
+    def __call__(self, call: OpCall, counted: Callable[[OpCall], float]) -> float:
+        """``call``'s seconds: run here, or ``counted`` (from the profile's rates)
+        where it is not run."""
         found = self.times.get(call.key)
         if found is not None:
             return found
         if call.nbytes() > REPLAY_BYTES or call.flops() > REPLAY_FLOPS:
-            return self.counted(call)
+            return counted(call)
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
             clock = time.thread_time if self.threads == 1 else time.perf_counter
             seconds = replay_seconds(call, clock)
         except Exception:  # an op made-up inputs cannot drive: counted
-            return self.counted(call)
+            return counted(call)
         finally:
             torch.set_num_threads(before)
         self.times[call.key] = seconds
@@ -254,29 +257,37 @@ class OpTimes:
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.times))
+            tmp.write_text(json.dumps({"ops": self.times, "runs": self.runs}))
             tmp.replace(self.path)
             self.dirty = False
 
 
-def _read_times(path: Path) -> dict[str, float]:
-    """A cache file's op times; one that is not a table of positive numbers is
-    ignored whole (measured again)."""
+def _positive(v: Any) -> bool:
+    return (
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        and v > 0
+    )  # fmt: skip
+
+
+def _read_times(path: Path) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """A cache file's op times and micro-batch totals (:data:`KINDS` each); a file
+    that is not tables of positive numbers is ignored whole (measured again)."""
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict):
-        return {}
-    ok = all(
-        isinstance(k, str)
-        and isinstance(v, int | float)
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-        and v > 0
-        for k, v in raw.items()
-    )
-    return {k: float(v) for k, v in raw.items()} if ok else {}
+        ops, runs = raw["ops"], raw["runs"]
+        ok = all(isinstance(k, str) and _positive(v) for k, v in ops.items()) and all(
+            isinstance(k, str)
+            and set(v) == set(KINDS)
+            and all(_positive(x) or x == 0 for x in v.values())
+            for k, v in runs.items()
+        )
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}, {}
+    if not ok:
+        return {}, {}
+    return {k: float(v) for k, v in ops.items()}, {
+        k: {x: float(y) for x, y in v.items()} for k, v in runs.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -289,14 +300,16 @@ class RegionTime:
     ops: int  # views included
 
 
-def region_times(ops: TracedOps, times: OpTimes) -> dict[Any, RegionTime]:
+def region_times(
+    ops: TracedOps, times: OpTimes, counted: Callable[[OpCall], float]
+) -> dict[Any, RegionTime]:
     """Each region's seconds by kind (``times`` of each op, times its count)."""
     out = {}
     for region, counts in ops.regions.items():
         by = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
         for key, n in counts.items():
             call = ops.calls[key]
-            by[call.kind] += n * times(call)
+            by[call.kind] += n * times(call, counted)
         n_ops = sum(counts.values()) + ops.views.get(region, 0)
         out[region] = RegionTime(by["matmul"], by["attention"], by["other"], n_ops)
     for region, n in ops.views.items():
@@ -306,15 +319,17 @@ def region_times(ops: TracedOps, times: OpTimes) -> dict[Any, RegionTime]:
 
 # ------------------------------------------------------------------ for a run plan
 
+#: What one micro-batch's totals hold: seconds by kind, ops, distinct ops.
+KINDS = ("matmul", "attention", "other", "ops", "distinct")
 _OPS: dict[tuple, TracedOps] = {}
 _TIMES: dict[tuple, OpTimes] = {}
 
 
-def op_times(path: Path | None, threads: int, counted: Callable) -> OpTimes:
+def op_times(path: Path | None, threads: int) -> OpTimes:
     """The process's :class:`OpTimes` for ``path`` and ``threads`` (one cache read)."""
     key = (path, threads)
     if key not in _TIMES:
-        _TIMES[key] = OpTimes(path, threads, counted)
+        _TIMES[key] = OpTimes(path, threads)
     return _TIMES[key]
 
 
@@ -342,3 +357,31 @@ def run_ops(
         counts = {cls: order.count(cls) / lay.pp for cls in set(order)}
         _OPS[key] = (ops, {HEAD: 1.0, **counts})
     return _OPS[key]
+
+
+def micro_batch_work(
+    resolved: Any,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    mode: str,
+    times: OpTimes,
+    counted: Callable[[OpCall], float],
+) -> dict[str, float]:
+    """One rank's micro-batch (:data:`KINDS`: its blocks' as many times as the rank
+    runs them), cached in ``times`` beside its ops: a later plan of the same model
+    and shape on this machine neither traces nor runs anything."""
+    lay = resolved.layout
+    ident = (resolved.spec.name, repr(resolved.model_config), lay.tp, lay.pp,
+             micro_batch, seq_len, str(dtype), mode)  # fmt: skip
+    key = hashlib.sha256(repr(ident).encode()).hexdigest()[:24]
+    if key not in times.runs:
+        ops, blocks = run_ops(resolved, micro_batch, seq_len, dtype, mode)
+        total = dict.fromkeys(KINDS, 0.0)
+        for region, t in region_times(ops, times, counted).items():
+            for kind in KINDS[:4]:
+                total[kind] += blocks.get(region, 0.0) * getattr(t, kind)
+        total["distinct"] = float(len(ops.calls))
+        times.runs[key] = total
+        times.dirty = True
+    return times.runs[key]
