@@ -42,6 +42,15 @@ def _profile(cores: int = 0, overlap: bool = False) -> DeviceProfile:
     )
 
 
+def build_model_params(*overrides: str):
+    """The parameters of the model ``overrides`` compose, built on meta."""
+    import torch
+
+    resolved = resolve(compose_config(*overrides, "data=synthetic"))
+    with torch.device("meta"):
+        return list(resolved.spec.build(resolved.model_config, 0).parameters())
+
+
 def _predict(*overrides: str, profile: DeviceProfile | None = None):
     cfg = compose_config("model=tiny", "data=synthetic", "logger=none", *overrides)
     resolved = resolve(cfg)
@@ -117,16 +126,22 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     micro-batch (FSDP2 and FSDP1; none without sharding) and its collectives move
     at ``fsdp_bandwidth`` (the hooks run unsharded too: HSDP of 1-rank replicas),
     each block op under TP costs ``dtensor_op_s`` (ops: the
-    family's ``forward_ops`` per block, per micro-batch); a profile without them (a
-    GPU's datasheet) has neither line."""
+    family's ``forward_ops`` per block, per micro-batch), each parameter tensor of
+    FSDP2 (DTensors) ``dtensor_param_s`` in the optimizer step (not FSDP1's flat
+    parameters, not DDP's); a profile without them (a GPU's datasheet) has none of
+    these lines."""
     from dataclasses import replace
 
     bw = BANDWIDTH / 3
     framework = replace(
-        _profile(), fsdp_unit_s=1e-3, dtensor_op_s=1e-5, fsdp_bandwidth=bw
-    )
+        _profile(), fsdp_unit_s=1e-3, dtensor_op_s=1e-5, fsdp_bandwidth=bw,
+        dtensor_param_s=1e-4,
+    )  # fmt: skip
     _, plan, _, fsdp = _predict("trainer.devices=2", profile=framework)
     assert fsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
+    tensors = sum(1 for _ in build_model_params("model=tiny"))
+    assert sum(u.tensors for u in plan.units) == tensors
+    assert fsdp["optimizer on DTensors"] == pytest.approx(tensors * 1e-4)
     one = {u.path: LATENCY + 0.5 * u.numel * 4 / bw for u in plan.units}
     want = sum((1 if p == "" else 2) * t + t for p, t in one.items())
     assert fsdp["FSDP all-gather + reduce-scatter"] == pytest.approx(want)
@@ -135,6 +150,7 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
         profile=framework,
     )  # fmt: skip
     assert accum["FSDP hooks and copies"] == pytest.approx(2 * len(plan.units) * 1e-3)
+    assert "optimizer on DTensors" not in accum  # FSDP1's flat parameters
     resolved, _, _, tp = _predict(
         "trainer.devices=2", "sharding.tensor_parallel=2", profile=framework
     )
@@ -149,7 +165,8 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     assert hsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
     _, _, _, ddp = _predict("trainer.devices=2", "sharding=ddp", profile=framework)
     _, _, _, plain = _predict("trainer.devices=2")
-    assert not {"FSDP hooks and copies", "DTensor dispatch (TP)"} & {*ddp, *plain}
+    lines = {"FSDP hooks and copies", "DTensor dispatch (TP)", "optimizer on DTensors"}
+    assert not lines & {*ddp, *plain}
 
 
 def test_ddp_pipeline_and_oversubscribed_cpu_terms(monkeypatch):

@@ -110,6 +110,7 @@ def _merged_plan(plans: list[WrapPlan]) -> WrapPlan:
             sum(u.numel for u in roots),
             sum(u.bytes_per_rank for u in roots),
             sum(u.local_numel for u in roots),
+            tensors=sum(u.tensors for u in roots),
         )
         units = [root, *units]
     first = plans[0]

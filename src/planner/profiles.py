@@ -97,6 +97,9 @@ class DeviceProfile:
     #: and its thread's share of the core in; 0: the all-reduce link's)
     ddp_bucket_s: float = 0.0
     ddp_bandwidth: float = 0.0
+    #: per parameter tensor, what the clip and optimizer step add when parameters
+    #: are DTensors (FSDP2, TP) (0: not measured)
+    dtensor_param_s: float = 0.0
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
@@ -384,6 +387,7 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
         "dtensor_op_s": max(0.0, tp),
         "ddp_bucket_s": max(0.0, ddp[0] - ddp_per_byte * small * rp.BLOCKS),
         "ddp_bandwidth": 1.0 / ddp_per_byte,
+        "dtensor_param_s": max(0.0, measured["dtensor_param_s"]),
     }
 
 
@@ -517,6 +521,7 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         fsdp_bandwidth=_at_least_zero(raw["fsdp_bandwidth"], "fsdp_bandwidth"),
         ddp_bucket_s=_at_least_zero(raw["ddp_bucket_s"], "ddp_bucket_s"),
         ddp_bandwidth=_at_least_zero(raw["ddp_bandwidth"], "ddp_bandwidth"),
+        dtensor_param_s=_at_least_zero(raw["dtensor_param_s"], "dtensor_param_s"),
     )
 
 

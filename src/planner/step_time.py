@@ -172,6 +172,7 @@ class Rates:
     traced_op_s: float  # per traced op, beyond its replay (src/planner/work.py)
     fsdp_unit_s: float  # per FSDP unit and micro-batch (the profile's, shared)
     dtensor_op_s: float  # per op under TP
+    dtensor_param_s: float  # per parameter tensor of the optimizer, as DTensors
     dtype: str
     threads: int
     notes: tuple[str, ...] = ()
@@ -209,6 +210,7 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
         profile.traced_op_s / share,
         profile.fsdp_unit_s / share,
         profile.dtensor_op_s / share,
+        profile.dtensor_param_s / share,
         dtype,
         threads,
         tuple(notes),
@@ -390,14 +392,26 @@ class _Step:
         loss = ELEMENTWISE_LOSS * m.vocab / lay.tp * 4
         return blocks + self.tokens / max(1, lay.dp) / lay.cp * loss
 
-    def optimizer_term(self) -> Term:
+    def optimizer_terms(self) -> list[Term]:
         local = self.plan.bytes_per_rank() / 4
         nbytes = OPTIMIZER_BYTES_PER_PARAM * local
-        return Term(
-            "optimizer step",
-            nbytes / self.rates.memory,
-            f"AdamW and clipping over {local / 1e6:,.2f}M local parameters",
-        )
+        terms = [
+            Term(
+                "optimizer step",
+                nbytes / self.rates.memory,
+                f"AdamW and clipping over {local / 1e6:,.2f}M local parameters",
+            )
+        ]
+        each = self.rates.dtensor_param_s
+        dtensors = backend_class(self.r.backend).dtensor_parameters or self.lay.tp > 1
+        tensors = sum(u.tensors for u in self.plan.units)
+        if each and dtensors and tensors:
+            terms.append(
+                Term("optimizer on DTensors", tensors * each,
+                     f"{tensors} parameter tensors x {each * 1e6:,.0f} us (the "
+                     "probe's)")
+            )  # fmt: skip
+        return terms
 
     # -- communication --------------------------------------------------------------
 
@@ -529,7 +543,7 @@ class _Step:
                 Term("pipeline bubble", busy * bubble / (1 - bubble),
                      f"{bubble:.0%} of the step idle ({self.r.pipeline.schedule})")
             )  # fmt: skip
-        terms.append(self.optimizer_term())
+        terms += self.optimizer_terms()
         notes = list(self.rates.notes)
         total = sum(t.seconds for t in terms)
         return StepTime(

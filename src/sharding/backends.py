@@ -159,6 +159,9 @@ class Backend:
     # a unit's all-gather output is copied into its parameters' own unsharded
     # tensors (both alive at once while it is gathered)
     gather_copy_out: ClassVar[bool]
+    # each parameter a DTensor (per-parameter sharding): the optimizer step and the
+    # clip dispatch through DTensor once per tensor
+    dtensor_parameters: ClassVar[bool]
     float8: ClassVar[bool]  # takes float8 linear layers (precision=float8)
     expert_parallel: ClassVar[bool]  # takes expert_parallel > 1 (from the shard ranks)
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
@@ -175,6 +178,7 @@ class Backend:
         "pipeline_parallel",
         "context_parallel",
         "gather_copy_out",
+        "dtensor_parameters",
         "float8",
         "expert_parallel",
     )
@@ -452,6 +456,7 @@ class _FSDPBackend(Backend):
     pipeline_parallel = False
     context_parallel = False
     gather_copy_out = False  # FSDP1: the flat parameter is the all-gather's output
+    dtensor_parameters = False  # FSDP1: flat parameters
     float8 = True
     expert_parallel = False
 
@@ -480,6 +485,7 @@ class FSDP2Backend(_FSDPBackend):
     partial_reshard = True
     explicit_prefetch = True
     gather_copy_out = True
+    dtensor_parameters = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

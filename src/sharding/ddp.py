@@ -27,6 +27,7 @@ class DDPBackend(Backend):
     shards_parameters = False
     bucketed_gradients = True  # gradient_as_bucket_view=False: a second copy
     gather_copy_out = False
+    dtensor_parameters = False
     float8 = True
     meta_init = False
     hybrid = False

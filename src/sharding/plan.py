@@ -40,6 +40,8 @@ class Unit:
     #: of ``numel``, the elements that train (``requires_grad``: not frozen, not a
     #: LoRA base weight); -1: all of them
     trained_numel: int = -1
+    #: its parameter tensors (what an optimizer step over DTensors dispatches per)
+    tensors: int = 0
 
     def __post_init__(self) -> None:
         if self.local_numel < 0:
@@ -192,6 +194,7 @@ def wrap_plan(model: nn.Module, layout: ParallelLayout | int = 1) -> WrapPlan:
                 numel=info.numel,
                 bytes_per_rank=info.bytes_per_rank(plan.shard_size),
                 local_numel=sum(rows * row for rows, row, _ in info.shapes),
+                tensors=len(info.shapes),
             )
         )
     plan.total_numel = sum(u.numel for u in plan.units)

@@ -25,4 +25,5 @@ class SingleProcessBackend(Backend):
     expert_parallel = False
     context_parallel = False
     gather_copy_out = False
+    dtensor_parameters = False
     float8 = True
