@@ -66,7 +66,7 @@ class DeviceProfile:
     ``links`` per collective within a node, ``inter_links`` across nodes (the CPU
     probe: the same); ``overlap``: whether a collective runs beside compute (a
     GPU's NCCL kernels do; a CPU's gloo threads take the cores the ranks compute
-    on); ``fsdp_unit_s`` and ``dtensor_op_s``: the framework's own time per FSDP unit
+    on); ``fsdp_unit_s`` and ``dtensor_module_s``: the framework's own time per FSDP unit
     and per op under tensor parallelism (src/planner/rank_probe.py)."""
 
     name: str
@@ -87,9 +87,10 @@ class DeviceProfile:
     #: per FSDP unit and micro-batch, beyond its collectives: hooks, copy-in and
     #: copy-out (0: not measured, a GPU's, whose Python runs ahead of its kernels)
     fsdp_unit_s: float = 0.0
-    #: per forward op under tensor parallelism (its backward included), beyond the
-    #: op itself: DTensor's dispatch and redistribution checks (0: not measured)
-    dtensor_op_s: float = 0.0
+    #: per tensor-parallel module and forward (its backward included), beyond its
+    #: own work and all-reduces: DTensor's dispatch and redistributions (0: not
+    #: measured)
+    dtensor_module_s: float = 0.0
     #: bytes/s of FSDP's all-gathers and reduce-scatters as a step meets them (its
     #: copies included; 0: the links' own)
     fsdp_bandwidth: float = 0.0
@@ -378,13 +379,13 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     per_byte = max((per_unit[1] - per_unit[0]) / (wide - small), 1e-12)
     act = 4 * rp.BATCH * rp.WIDTH
     block_comm = 2 * collective(links["all_reduce"], "all_reduce", 2, act)
-    tp = (measured["tp_extra_s"] / rp.BLOCKS - block_comm) / rp.BLOCK_OPS
+    tp = (measured["tp_extra_s"] / rp.BLOCKS - block_comm) / rp.TP_MODULES
     ddp = [measured[k] for k in ("ddp_extra_s", "ddp_wide_extra_s")]
     ddp_per_byte = max((ddp[1] - ddp[0]) / (wide - small) / rp.BLOCKS, 1e-12)
     return {
         "fsdp_unit_s": max(0.0, per_unit[0] - latency - per_byte * small),
         "fsdp_bandwidth": 1.5 / per_byte,
-        "dtensor_op_s": max(0.0, tp),
+        "dtensor_module_s": max(0.0, tp),
         "ddp_bucket_s": max(0.0, ddp[0] - ddp_per_byte * small * rp.BLOCKS),
         "ddp_bandwidth": 1.0 / ddp_per_byte,
         "dtensor_param_s": max(0.0, measured["dtensor_param_s"]),
@@ -517,7 +518,7 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         overlap=raw["overlap"],
         traced_op_s=_at_least_zero(raw["traced_op_s"], "traced_op_s"),
         fsdp_unit_s=_at_least_zero(raw["fsdp_unit_s"], "fsdp_unit_s"),
-        dtensor_op_s=_at_least_zero(raw["dtensor_op_s"], "dtensor_op_s"),
+        dtensor_module_s=_at_least_zero(raw["dtensor_module_s"], "dtensor_module_s"),
         fsdp_bandwidth=_at_least_zero(raw["fsdp_bandwidth"], "fsdp_bandwidth"),
         ddp_bucket_s=_at_least_zero(raw["ddp_bucket_s"], "ddp_bucket_s"),
         ddp_bandwidth=_at_least_zero(raw["ddp_bandwidth"], "ddp_bandwidth"),

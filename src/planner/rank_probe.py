@@ -21,7 +21,8 @@ Per rank, all timed by wall clock after a barrier (a collective waits for its pe
   ``fsdp_unit_s``; the same chain 8x wider, less that, over the bytes of its
   collectives, is FSDP's bandwidth (``fsdp_bandwidth``);
 - the same chain with tensor parallelism (column- then row-wise): the extra time
-  per forward op, less its two all-reduces per block, is ``dtensor_op_s``;
+  per tensor-parallel module, less its two all-reduces per block, is
+  ``dtensor_module_s``;
 - the chain under DDP at both widths (one gradient bucket each): its time per
   bucket (``ddp_bucket_s``) and its bandwidth (``ddp_bandwidth``), all-reduce,
   bucket copies and the gloo thread's share of the rank's core in (the 2-rank
@@ -55,8 +56,8 @@ from torch import nn
 #: a real model's size, with FSDP's copies, which a 4 MiB collective alone reads
 #: at twice the speed.
 WIDTH, BLOCKS, BATCH, WIDE = 64, 6, 8, 512
-#: Forward ops of one chain block (linear, GELU, linear, residual add).
-BLOCK_OPS = 4
+#: Tensor-parallel modules of one chain block (its two linears).
+TP_MODULES = 2
 SMALL, LARGE = 2, 1 << 20
 #: The chains' extra seconds each rank reports.
 EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "tp_extra_s", "ddp_extra_s",

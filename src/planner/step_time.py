@@ -171,7 +171,7 @@ class Rates:
     op_s: float
     traced_op_s: float  # per traced op, beyond its replay (src/planner/work.py)
     fsdp_unit_s: float  # per FSDP unit and micro-batch (the profile's, shared)
-    dtensor_op_s: float  # per op under TP
+    dtensor_module_s: float  # per tensor-parallel module and micro-batch
     dtensor_param_s: float  # per parameter tensor of the optimizer, as DTensors
     dtype: str
     threads: int
@@ -209,7 +209,7 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
         profile.op_s / share,
         profile.traced_op_s / share,
         profile.fsdp_unit_s / share,
-        profile.dtensor_op_s / share,
+        profile.dtensor_module_s / share,
         profile.dtensor_param_s / share,
         dtype,
         threads,
@@ -301,15 +301,17 @@ class _Step:
         return terms + self._dtensor_terms()
 
     def _dtensor_terms(self) -> list[Term]:
-        each = self.rates.dtensor_op_s
-        if self.lay.tp == 1 or not each:
+        each = self.rates.dtensor_module_s
+        modules = len(self.plan.tp_modules)
+        if self.lay.tp == 1 or not each or not modules:
             return []
-        tp_ops = self.micro * self.r.spec.forward_ops[0] * self.local_layers
+        passes = self.micro * modules
         return [
             Term(
                 "DTensor dispatch (TP)",
-                tp_ops * each,
-                f"{tp_ops:,.0f} block ops x {each * 1e6:.1f} us (the probe's)",
+                passes * each,
+                f"{passes:,} passes of {modules} tensor-parallel modules x "
+                f"{each * 1e6:,.0f} us (the probe's)",
             )
         ]
 
