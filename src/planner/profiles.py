@@ -259,10 +259,9 @@ def _activation_bw(clock, elements: int = 1 << 20) -> float:
     return 20.0 * elements / _best(step, 3, clock)
 
 
-def _op_seconds(blocks: int = 10) -> float:
-    """One op's dispatch time, its backward included: a chain of tiny blocks (a
-    16-wide linear, GELU, a residual add: 3 forward ops each) run forward and
-    backward, over its forward ops."""
+def _tiny_chain(blocks: int = 10):
+    """A step of tiny blocks (a 16-wide linear, GELU, a residual add: 3 forward ops
+    each), forward and backward: a step that is all dispatch."""
     layer = torch.nn.Linear(16, 16)
     x = torch.ones(1, 16, requires_grad=True)
 
@@ -272,42 +271,38 @@ def _op_seconds(blocks: int = 10) -> float:
             h = h + torch.nn.functional.gelu(layer(h))
         h.sum().backward()
 
-    return _best(step, 3, time.thread_time) / (3 * blocks)
+    return step
 
 
-def _traced_op_seconds(blocks: int = 10) -> float:
-    """What a step costs per op beyond its ops' own time: the chain of
-    :func:`_op_seconds` timed, less each of its ops replayed alone
+def _op_seconds(blocks: int = 10) -> float:
+    """One op's dispatch time, its backward included: :func:`_tiny_chain` over its
+    forward ops."""
+    return _best(_tiny_chain(blocks), 3, time.thread_time) / (3 * blocks)
+
+
+def _traced_op_seconds() -> float:
+    """What a step costs per op beyond its ops' own time: :func:`_tiny_chain` timed
+    (the median, as the replays take theirs), less each of its ops replayed alone
     (src/planner/work.py), over its ops, views included."""
     from src.planner import work
 
-    layer = torch.nn.Linear(16, 16)
-    x = torch.ones(1, 16, requires_grad=True)
-
-    def step() -> None:
-        h = x
-        for _ in range(blocks):
-            h = h + torch.nn.functional.gelu(layer(h))
-        h.sum().backward()
-
+    step = _tiny_chain()
     step()
     runs = []
-    for _ in range(7):  # the median, as the replays take theirs
+    for _ in range(7):
         t0 = time.thread_time()
         step()
         runs.append(time.thread_time() - t0)
-    total = statistics.median(runs)
     recorder = work.Recorder()
     with recorder:
         step()
-    ops = recorder.out
+    ops = recorder.out.regions[work.HEAD]
     times = work.OpTimes(None, 1)
     replayed = sum(
-        n * times(ops.calls[k], lambda call: 0.0)
-        for k, n in ops.regions[work.HEAD].items()
+        n * times(recorder.out.calls[k], lambda call: 0.0) for k, n in ops.items()
     )
-    count = sum(ops.regions[work.HEAD].values()) + ops.views.get(work.HEAD, 0)
-    return max(total - replayed, 0.0) / count
+    count = sum(ops.values()) + recorder.out.views.get(work.HEAD, 0)
+    return max(statistics.median(runs) - replayed, 0.0) / count
 
 
 def _cpu_clock(threads: int):
