@@ -31,7 +31,7 @@ import contextlib
 import copy
 import fnmatch
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,22 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def on_fake_tensors(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
+    """A copy of ``model`` (a meta-device model) on fake tensors, inside their mode:
+    its floating parameters in ``dtype`` (as FSDP's mixed precision casts them;
+    buffers stay as they are)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = copy.deepcopy(model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        yield model
+
+
 def trace(
     model: nn.Module,
     block_classes: Sequence[type[nn.Module]],
@@ -201,18 +217,11 @@ def trace(
     traced) in ``checkpointing`` mode, its parameters in ``dtype`` (as FSDP's mixed
     precision casts them; buffers stay as they are); ``context``: the family's
     (its spec's ``trace_context``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}")
-    model = copy.deepcopy(model)
     classes = tuple(block_classes)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
+    with on_fake_tensors(model, dtype) as model:
         params = list(model.parameters())
-        for p in params:
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
         held = {_storage(t)._cdata for t in [*params, *model.buffers()]}
         tracker = _Tracker(held)
         for p in params:

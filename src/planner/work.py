@@ -34,7 +34,6 @@ Written here rather than taken from a library: torch's profiler times a real run
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import math
@@ -51,7 +50,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from src.planner.trace import HEAD, _instrument_blocks, _run
+from src.planner.trace import HEAD, _instrument_blocks, _run, on_fake_tensors
 
 #: Ops that are matrix multiplications, and those that are attention.
 MATMULS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
@@ -162,15 +161,8 @@ def traced_ops(
 ) -> TracedOps:
     """The ops of one training micro-batch of ``model`` (a meta-device model; a copy
     is traced), its parameters in ``dtype``, in ``checkpointing`` mode."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    model = copy.deepcopy(model)
     rec = Recorder()
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        for p in model.parameters():
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
+    with on_fake_tensors(model, dtype) as model:
         _instrument_blocks(model, tuple(block_classes), rec, checkpointing)
         idx = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         with context() if context else contextlib.nullcontext(), rec:
