@@ -141,3 +141,24 @@ def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
     plan, _ = estimate_plan(shared, 8)
     names = [t.name for t in predict(shared, plan, probed).terms]
     assert "activation function" in names and "other ops" not in names
+
+
+def test_expert_parallelism_is_said_to_be_timed_without_its_shapes(
+    tmp_path, monkeypatch
+):
+    """A MoE under EP on a probed CPU: its ops traced as one rank running every
+    expert (grouped matmuls among them), and the prediction says so in a note."""
+    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        work, "replay_seconds", lambda call, clock=None: call.flops() / FLOPS + 1e-6
+    )
+    probed = replace(_profile(cores=2), traced_op_s=2e-6)
+    cfg = compose_config(
+        "model=moe_tiny", "data=synthetic", "logger=none", "trainer.devices=2",
+        "sharding.expert_parallel=2",
+    )  # fmt: skip
+    resolved = resolve(cfg)
+    plan, _ = estimate_plan(resolved, 2)
+    step = predict(resolved, plan, probed)
+    assert {"matmuls", "other ops", "EP all-to-alls"} <= {t.name for t in step.terms}
+    assert any("expert parallelism's shapes are not traced" in n for n in step.notes)

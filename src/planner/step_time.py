@@ -262,6 +262,7 @@ class _Step:
         self.micro_tokens = self.tokens / dp / lay.cp / self.accum / self.pp_micro
         self.micro = self.accum * self.pp_micro  # micro-batches a rank runs per step
         self.local_layers = shape.layers / lay.pp
+        self.notes: list[str] = []
 
     # -- compute ------------------------------------------------------------------
 
@@ -337,6 +338,11 @@ class _Step:
         except Exception:  # a model the fake tensors cannot trace: the formula's
             return None
         times.save()
+        if lay.ep > 1:
+            self.notes.append(
+                "the experts' ops timed as one rank runs all of them (the same "
+                "FLOPs; expert parallelism's shapes are not traced)"
+            )
         total = {k: v * self.micro for k, v in total.items()}
         total["attention"] *= lay.cp
         n_ops, each = total["ops"], self.rates.traced_op_s
@@ -546,7 +552,7 @@ class _Step:
                      f"{bubble:.0%} of the step idle ({self.r.pipeline.schedule})")
             )  # fmt: skip
         terms += self.optimizer_terms()
-        notes = list(self.rates.notes)
+        notes = list(self.rates.notes) + self.notes
         total = sum(t.seconds for t in terms)
         return StepTime(
             terms=terms,
