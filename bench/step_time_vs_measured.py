@@ -110,7 +110,7 @@ def _forget(ops_only: bool) -> None:
     from src.planner.profiles import cpu_identity, work_cache
 
     ops = work_cache(cpu_identity())
-    for path in ops.parent.glob("*-ops-*t.json"):
+    for path in ops.parent.glob("*-ops-*.json"):
         path.unlink(missing_ok=True)
     if not ops_only:
         ops.with_name(ops.name.split("-ops-")[0] + ".json").unlink(missing_ok=True)

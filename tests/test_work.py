@@ -129,7 +129,7 @@ def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
     )
     assert blocks[HEAD] == 1 and n_ops > 500
     assert timed["autograd and modules"] == pytest.approx(n_ops * 2e-6)
-    cached = json.loads(next(tmp_path.glob("*-ops-*t.json")).read_text())
+    cached = json.loads(next(tmp_path.glob("*-ops-*.json")).read_text())
     assert len(cached["runs"]) == 1 and cached["ops"]
     monkeypatch.setattr(work, "_OPS", {})  # a new process: its totals read back
     monkeypatch.setattr(work, "_TIMES", {})

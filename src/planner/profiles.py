@@ -429,11 +429,11 @@ def _cache_path(identity: dict) -> Path:
     return profile_dir() / f"cpu-{key[:16]}.json"
 
 
-def work_cache(identity: dict, threads: int = 1) -> Path:
-    """Where the op times of the CPU of ``identity`` at ``threads`` threads are
-    cached (beside its profile; src/planner/work.py)."""
+def work_cache(identity: dict, threads: int = 1, neighbours: int = 0) -> Path:
+    """Where the op times of the CPU of ``identity`` at ``threads`` threads, beside
+    ``neighbours`` other ranks, are cached (beside its profile; src/planner/work.py)."""
     path = _cache_path(identity)
-    return path.with_name(f"{path.stem}-ops-{threads}t.json")
+    return path.with_name(f"{path.stem}-ops-{threads}t{neighbours}n.json")
 
 
 def cpu_profile(probe=probe_cpu) -> DeviceProfile:

@@ -330,7 +330,10 @@ class _Step:
             return None
         dtype = torch.float32 if self.pbytes >= 4 else torch.bfloat16
         threads = self.rates.threads
-        times = work.op_times(work_cache(cpu_identity(), threads), threads)
+        # the run's other ranks on this machine compute beside each one
+        neighbours = min(self.world, p.cores // threads) - 1
+        path = work_cache(cpu_identity(), threads, neighbours)
+        times = work.op_times(path, threads, neighbours)
         try:
             total = work.micro_batch_work(
                 r, micro_batch, seq, dtype, r.checkpointing.mode, times, self._counted

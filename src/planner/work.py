@@ -13,10 +13,11 @@ model's hundred small ops per block at their dispatch cost. So, on a probed CPU:
   shapes, strides and dtypes, per region: each block class, and the rest
   (embeddings, head, loss: :data:`~src.planner.trace.HEAD`);
 - :class:`OpTimes` runs each distinct op once on real tensors of those shapes, in
-  the thread count a rank gets (random floats, zero indices, a grouped matmul's
+  the thread count a rank gets, beside threads that compute as the run's other
+  ranks on this machine would (random floats, zero indices, a grouped matmul's
   groups even), and keeps the median of a few runs by the thread's CPU time, each
   after 1 MiB of other data was written (past a core's L2):
-  cached on disk beside the profile (``cpu-<machine>-ops-<threads>t.json``: op
+  cached on disk beside the profile (``cpu-<machine>-ops-<threads>t<neighbours>n.json``: op
   and shapes -> seconds, and each micro-batch's totals by model config and shape,
   each checked to be a number when read: a later plan traces nothing). An op
   past :data:`REPLAY_BYTES` or :data:`REPLAY_FLOPS`, or one that will not run on
@@ -38,9 +39,10 @@ import hashlib
 import json
 import math
 import statistics
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,12 +216,40 @@ def replay_seconds(call: OpCall, clock=time.thread_time) -> float:
 
 class OpTimes:
     """Seconds of each op at ``threads`` threads on this CPU, measured once per op
-    and shapes, cached in ``path`` (module docstring)."""
+    and shapes, cached in ``path`` (module docstring), with ``neighbours`` other
+    ranks computing beside it (:meth:`busy`)."""
 
-    def __init__(self, path: Path | None, threads: int) -> None:
-        self.path, self.threads = path, threads
+    def __init__(self, path: Path | None, threads: int, neighbours: int = 0) -> None:
+        self.path, self.threads, self.neighbours = path, threads, neighbours
         self.times, self.runs = _read_times(path) if path else ({}, {})
         self.dirty = False
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """The other ranks of a run that fills the cores, as threads computing
+        beside the replays (a matmul and a 16 MiB add in turn, each releasing the
+        interpreter): an op shares its core's caches and the memory bus with them
+        as in the run (the default GPT's ops replayed in two processes at once
+        read 10-20% slower than alone)."""
+        stop = threading.Event()
+
+        def work() -> None:
+            a, b = torch.randn(768, 768), torch.randn(768, 768)
+            x, y = torch.randn(1 << 22), torch.randn(1 << 22)
+            while not stop.is_set():
+                torch.mm(a, b)
+                x.add_(y)
+
+        threads = [threading.Thread(target=work, daemon=True)
+                   for _ in range(self.neighbours)]  # fmt: skip
+        for t in threads:
+            t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
 
     def __call__(self, call: OpCall, counted: Callable[[OpCall], float]) -> float:
         """``call``'s seconds: run here, or ``counted`` (from the profile's rates)
@@ -316,11 +346,11 @@ _OPS: dict[tuple, TracedOps] = {}
 _TIMES: dict[tuple, OpTimes] = {}
 
 
-def op_times(path: Path | None, threads: int) -> OpTimes:
-    """The process's :class:`OpTimes` for ``path`` and ``threads`` (one cache read)."""
-    key = (path, threads)
+def op_times(path: Path | None, threads: int, neighbours: int = 0) -> OpTimes:
+    """The process's :class:`OpTimes` for ``path`` (one cache read)."""
+    key = (path, threads, neighbours)
     if key not in _TIMES:
-        _TIMES[key] = OpTimes(path, threads)
+        _TIMES[key] = OpTimes(path, threads, neighbours)
     return _TIMES[key]
 
 
@@ -369,7 +399,9 @@ def micro_batch_work(
     if key not in times.runs:
         ops, blocks = run_ops(resolved, micro_batch, seq_len, dtype, mode)
         total = dict.fromkeys(KINDS, 0.0)
-        for region, t in region_times(ops, times, counted).items():
+        with times.busy():
+            parts = region_times(ops, times, counted)
+        for region, t in parts.items():
             for kind in KINDS[:4]:
                 total[kind] += blocks.get(region, 0.0) * getattr(t, kind)
         total["distinct"] = float(len(ops.calls))
