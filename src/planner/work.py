@@ -142,6 +142,8 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         region = (self.window or HEAD) if self.backward else self.region
+        if func.namespace == "prim":  # metadata fake tensors dispatch, eager does not
+            return _run(func, args, kwargs)
         if func.is_view:
             self.out.views[region] = self.out.views.get(region, 0) + 1
         else:
