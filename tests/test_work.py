@@ -128,7 +128,7 @@ def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
         blocks[region] * (sum(counts.values()) + ops.views.get(region, 0))
         for region, counts in ops.regions.items()
     )
-    assert blocks[HEAD] == 1 and n_ops > 500
+    assert blocks[HEAD] == 1 and n_ops > 100
     assert timed["autograd and modules"] == pytest.approx(n_ops * 2e-6)
     cached = json.loads(next(tmp_path.glob("*-ops-*.json")).read_text())
     assert len(cached["runs"]) == 1 and cached["ops"]
