@@ -26,12 +26,12 @@ Per rank, all timed by wall clock after a barrier (a collective waits for its pe
 - the chain under DDP at both widths (one gradient bucket each): its time per
   bucket (``ddp_bucket_s``) and its bandwidth (``ddp_bandwidth``), all-reduce,
   bucket copies and the gloo thread's share of the rank's core in (the 2-rank
-  default GPT under DDP measured 48 ms a step above its one-rank step, its 1.6 MiB
-  all-reduce probed alone 2 ms);
+  default GPT under DDP measured 0-48 ms a step above its one-rank step, its 1.6
+  MiB all-reduce probed alone 2 ms);
 - the clip and a fused AdamW step over the chain's parameters, plain and under
   FSDP2: the extra per parameter tensor is ``dtensor_param_s`` (each dispatched
-  through DTensor: 270-350 us against ~20 us plain, which the default GPT's 52
-  tensors make 15-18 ms a step).
+  through DTensor: 270-490 us against ~20 us plain, which the default GPT's 52
+  tensors make 15-25 ms a step).
 """
 
 from __future__ import annotations
