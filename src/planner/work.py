@@ -199,10 +199,10 @@ def _inputs(call: OpCall) -> tuple[tuple, dict]:
 
 def replay_seconds(call: OpCall, clock=time.thread_time) -> float:
     """The median of a few runs of ``call`` on real tensors of its shapes, each
-    after the caches were filled with other data (a step's op meets its inputs
-    where the ops before it left them, not where its own last run did: the default
-    model's block matmuls read 55 ms a step replayed warm, 88 after 16 MiB; its
-    step's, the head's included, 77 under the profiler)."""
+    after :data:`FLUSH_BYTES` of other data were written (a step's op meets its
+    inputs where the ops before it left them, not where its own last run did: the
+    default model's block matmuls read 55 ms a step replayed warm, 88 after 16 MiB;
+    its step's, the head's included, 77 under the profiler)."""
     args, kwargs = _inputs(call)
     flush = torch.empty(FLUSH_BYTES // 4)
     with torch.no_grad():
@@ -344,7 +344,7 @@ def region_times(
 
 #: What one micro-batch's totals hold: seconds by kind, ops, distinct ops.
 KINDS = ("matmul", "attention", "other", "ops", "distinct")
-_OPS: dict[tuple, TracedOps] = {}
+_OPS: dict[tuple, tuple[TracedOps, dict[Any, float]]] = {}
 _TIMES: dict[tuple, OpTimes] = {}
 
 
@@ -366,7 +366,7 @@ def run_ops(
     from src.planner.trace import block_order, tp_local
 
     spec, config, lay = resolved.spec, resolved.model_config, resolved.layout
-    key = (spec.name, repr(config), lay.tp, micro_batch, seq_len, dtype, mode)
+    key = (spec.name, repr(config), lay.tp, lay.pp, micro_batch, seq_len, dtype, mode)
     if key not in _OPS:
         classes = spec.block_classes(config)
         with torch.device("meta"):
