@@ -94,19 +94,25 @@ def test_op_times_are_measured_once_and_a_forged_cache_is_refused(
     assert work.OpTimes(None, 1)(call, lambda c: 3.0) == 3.0
 
 
+@pytest.fixture
+def probed(tmp_path, monkeypatch):
+    """A 2-core CPU profile with the probe's per-op figure (2 us), its op times in
+    ``tmp_path``, each op "replayed" as its FLOPs at the profile's rate plus 1 us."""
+    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        work, "replay_seconds", lambda call, clock=None: call.flops() / FLOPS + 1e-6
+    )
+    return replace(_profile(cores=2), traced_op_s=2e-6)
+
+
 def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
-    tmp_path, monkeypatch
+    probed, tmp_path, monkeypatch
 ):
     """On a CPU profile with the probe's per-op figure, one rank's compute is the
     traced ops' times (here: each op's FLOPs at the profile's rate, plus 1 us)
     plus the per-op figure for every op, views included, its blocks' as often as
     the model has them; the traced matmuls equal the formula's within 2%, and the
     times are cached beside the profile."""
-    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setattr(
-        work, "replay_seconds", lambda call, clock=None: call.flops() / FLOPS + 1e-6
-    )
-    probed = replace(_profile(cores=2), traced_op_s=2e-6)
     terms = {}
     for profile in (_profile(cores=2), probed):
         cfg = compose_config(
@@ -144,16 +150,9 @@ def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
     assert "activation function" in names and "other ops" not in names
 
 
-def test_expert_parallelism_is_said_to_be_timed_without_its_shapes(
-    tmp_path, monkeypatch
-):
+def test_expert_parallelism_is_said_to_be_timed_without_its_shapes(probed):
     """A MoE under EP on a probed CPU: its ops traced as one rank running every
     expert (grouped matmuls among them), and the prediction says so in a note."""
-    monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setattr(
-        work, "replay_seconds", lambda call, clock=None: call.flops() / FLOPS + 1e-6
-    )
-    probed = replace(_profile(cores=2), traced_op_s=2e-6)
     cfg = compose_config(
         "model=moe_tiny", "data=synthetic", "logger=none", "trainer.devices=2",
         "sharding.expert_parallel=2",
