@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -72,7 +73,9 @@ def test_op_times_are_measured_once_and_a_forged_cache_is_refused(
     seconds = times(call, lambda c: pytest.fail("counted"))
     assert seconds > 0
     times.save()
-    assert json.loads(path.read_text()) == {"ops": {call.key: seconds}, "runs": {}}
+    assert json.loads(path.read_text()) == {
+        "format": work.TIMES_FORMAT, "ops": {call.key: seconds}, "runs": {},
+    }  # fmt: skip
 
     def refuse(*_):
         raise AssertionError("replayed again")
@@ -81,10 +84,15 @@ def test_op_times_are_measured_once_and_a_forged_cache_is_refused(
     assert work.OpTimes(path, 1)(call, refuse) == seconds
     forged = [
         {call.key: seconds},
-        {"ops": {call.key: "fast"}, "runs": {}},
-        {"ops": {call.key: -1.0}, "runs": {}},
-        {"ops": {call.key: True}, "runs": {}},
-        {"ops": {call.key: seconds}, "runs": {"k": {"matmul": 1.0}}},
+        {"format": work.TIMES_FORMAT - 1, "ops": {call.key: seconds}, "runs": {}},
+        {"format": work.TIMES_FORMAT, "ops": {call.key: "fast"}, "runs": {}},
+        {"format": work.TIMES_FORMAT, "ops": {call.key: -1.0}, "runs": {}},
+        {"format": work.TIMES_FORMAT, "ops": {call.key: True}, "runs": {}},
+        {
+            "format": work.TIMES_FORMAT,
+            "ops": {call.key: seconds},
+            "runs": {"k": {"matmul": 1.0}},
+        },
         [seconds],
     ]
     for raw in forged:
@@ -97,8 +105,10 @@ def test_op_times_are_measured_once_and_a_forged_cache_is_refused(
 @pytest.fixture
 def probed(tmp_path, monkeypatch):
     """A 2-core CPU profile with the probe's per-op figure (2 us), its op times in
-    ``tmp_path``, each op "replayed" as its FLOPs at the profile's rate plus 1 us."""
+    ``tmp_path``, each op "replayed" as its FLOPs at the profile's rate plus 1 us,
+    the model's own overhead not run (the probe's figure holds)."""
     monkeypatch.setenv("SHARDWRAP_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(work, "model_overhead", lambda *a: None)
     monkeypatch.setattr(
         work, "replay_seconds", lambda call, clock=None: call.flops() / FLOPS + 1e-6
     )
@@ -162,3 +172,97 @@ def test_expert_parallelism_is_said_to_be_timed_without_its_shapes(probed):
     step = predict(resolved, plan, probed)
     assert {"matmuls", "other ops", "EP all-to-alls"} <= {t.name for t in step.terms}
     assert any("expert parallelism's shapes are not traced" in n for n in step.notes)
+
+
+def _grouped_reference(a, b, offs):
+    """A grouped matmul group by group: ``offs`` split ``a``'s rows (2-D x 3-D),
+    the shared dimension (2-D x 2-D: one output per group), or ``b``'s columns."""
+    starts = [0, *offs.tolist()[:-1]]
+    parts = list(zip(starts, offs.tolist(), strict=True))
+    if a.dim() == 2 and b.dim() == 3:
+        return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(parts)])
+    if a.dim() == 2:
+        return torch.stack([a[:, s:e] @ b[s:e] for s, e in parts])
+    return torch.cat([a[g] @ b[:, s:e] for g, (s, e) in enumerate(parts)], dim=1)
+
+
+def test_grouped_matmuls_replay_every_token_of_each_expert():
+    """Each grouped matmul of the MoE's forward and backward (offs at dispatch: a
+    positional argument) is replayed with its tokens split evenly over the
+    experts, on the dimension that form splits, and computes what the experts one
+    by one would; its FLOPs are theirs."""
+    _, ops, *_ = _traced("moe_tiny", "none")
+    grouped = [c for c in ops.calls.values() if c.name == "aten._grouped_mm"]
+    assert {(len(c.tensors()[0][1]), len(c.tensors()[1][1])) for c in grouped} >= {
+        (2, 3), (2, 2)
+    }  # fmt: skip
+    for call in grouped:
+        args, kwargs = work._inputs(call)
+        a, b, offs = args[0], args[1], args[2] if len(args) > 2 else kwargs["offs"]
+        sizes = torch.diff(offs, prepend=torch.zeros(1, dtype=offs.dtype))
+        assert offs[-1] == work._grouped_rows(a, b) > 0 and (sizes == sizes[0]).all()
+        torch.testing.assert_close(
+            call.func(*args, **kwargs), _grouped_reference(a, b, offs)
+        )
+        per_group = _grouped_reference(
+            torch.ones_like(a), torch.ones_like(b), offs
+        )  # each output element sums one group's shared dimension
+        assert call.flops() == 2 * per_group.sum().item()
+
+
+def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
+    """The model's per-op time beyond its ops comes from a real run of its head and
+    first block (the later blocks left on meta, the tied head still tied, every
+    value the family's init); Python the model runs between its ops raises it by
+    that time over its ops; a family without an init, or one past the size limit,
+    has none (the probe's figure holds)."""
+    resolved = resolve(compose_config("model=tiny", "data=synthetic"))
+    spec, config = resolved.spec, resolved.model_config
+    classes = tuple(spec.block_classes(config))
+    with torch.device("meta"):
+        model = spec.build(config, 0)
+    assert work._materialize(model, classes, spec.init_tensor, config)
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    assert all(p.device.type == "cpu" for p in blocks[0].parameters())
+    assert all(p.device.type == "meta" for b in blocks[1:] for p in b.parameters())
+    for name, p in model.named_parameters():
+        if p.device.type == "cpu":
+            torch.testing.assert_close(
+                p.data, spec.init_tensor(name, p.shape, config, 0)
+            )  # fmt: skip
+    assert model.lm_head.weight is model.wte.weight
+
+    def figure() -> float:
+        monkeypatch.setattr(work, "_OVERHEAD", {})
+        return work.model_overhead(resolved, 16, "none", 1)
+
+    plain = figure()
+    assert 0 <= plain < 1e-3
+    spin, ops = 2e-3, []
+    materialize = work._materialize
+
+    def slowed(model, *args):
+        done = materialize(model, *args)
+
+        def busy(*_):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < spin:
+                pass
+
+        model.register_forward_pre_hook(busy)
+        ops.append(model)
+        return done
+
+    monkeypatch.setattr(work, "_materialize", slowed)
+    slow = figure()
+    with work._OpClock() as clock:
+        _, loss = ops[0](*[torch.zeros(1, 16, dtype=torch.long)] * 2)
+        loss.backward()
+    assert slow - plain == pytest.approx(spin / clock.ops, rel=0.5)
+    monkeypatch.setattr(work, "_materialize", materialize)
+    monkeypatch.setattr(work, "OVERHEAD_NUMEL", 10)
+    assert figure() is None
+    no_init = replace(resolved, spec=replace(spec, init_tensor=None))
+    monkeypatch.setattr(work, "OVERHEAD_NUMEL", 2**30)
+    monkeypatch.setattr(work, "_OVERHEAD", {})
+    assert work.model_overhead(no_init, 16, "none", 1) is None

@@ -346,9 +346,11 @@ class _Step:
                 "the experts' ops timed as one rank runs all of them (the same "
                 "FLOPs; expert parallelism's shapes are not traced)"
             )
+        per_op = total["per_op"]
         total = {k: v * self.micro for k, v in total.items()}
         total["attention"] *= lay.cp
-        n_ops, each = total["ops"], self.rates.traced_op_s
+        n_ops, each = total["ops"], per_op or self.rates.traced_op_s
+        whose = "this model's, run here" if per_op else "the probe's"
         how = f"{total['distinct'] / self.micro:,.0f} distinct ops of the model timed"
         how += " on this CPU"
         return [
@@ -359,7 +361,7 @@ class _Step:
             Term("other ops", total["other"], "norms, activations, loss, routing: "
                  "timed"),
             Term("autograd and modules", n_ops * each,
-                 f"{n_ops:,.0f} ops x {each * 1e6:.1f} us (the probe's)"),
+                 f"{n_ops:,.0f} ops x {each * 1e6:.1f} us ({whose})"),
         ]  # fmt: skip
 
     def _counted(self, call: work.OpCall) -> float:

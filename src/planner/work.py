@@ -23,9 +23,17 @@ model's hundred small ops per block at their dispatch cost. So, on a probed CPU:
   past :data:`REPLAY_BYTES` or :data:`REPLAY_FLOPS`, or one that will not run on
   made-up inputs, is counted from the profile (FLOPs at its matmul rate, bytes at
   its copy bandwidth, plus its per-op time);
-- what a replay does not run (the autograd engine, modules' ``__call__``, hooks)
-  is the profile's ``traced_op_s`` per op, views included: fitted by the probe on
-  its own chain (src/planner/profiles.py), its step timed against its ops replayed.
+- what a replay does not run (the autograd engine, modules' ``__call__``, hooks,
+  the family's own Python: a transformers model's masks, a MoE's routing) is
+  :func:`model_overhead` per op, views included: the model itself run for real at
+  a tiny shape (:data:`OVERHEAD_SHAPE`; the head and the first block of each class
+  materialized from the family's init, the later blocks handing on its output),
+  timed against its ops replayed at that shape. Where the model cannot be run so
+  (no ``init_tensor``, or past :data:`OVERHEAD_NUMEL`), it is the profile's
+  ``traced_op_s``, fitted the same way by the probe on its own chain
+  (src/planner/profiles.py). On this VM that chain's 2 us an op left a
+  transformers model's step 40% and the MoE's 30% above its prediction; their own
+  runs measure the per-op time their Python adds.
 
 Written here rather than taken from a library: torch's profiler times a real run
 (which is what the plan is for avoiding), and the simulators that replay operators
@@ -67,6 +75,16 @@ _REPEATS = 5
 #: its L3. With 16 MiB the small models' ops summed 22% above their steps; with
 #: none, the default model's 40% below.
 FLUSH_BYTES = 2**20
+#: The cache file's format: a file of another is measured again (2: grouped
+#: matmuls split their tokens evenly, where 1 left every group empty).
+TIMES_FORMAT = 2
+#: (micro-batch, sequence) of :func:`model_overhead`'s real run: its ops take
+#: microseconds, so what the step adds to them stands out.
+OVERHEAD_SHAPE = (1, 16)
+#: Past this many elements (the head's and the first block of each class's) the
+#: model is not materialized for :func:`model_overhead`: the profile's figure holds.
+OVERHEAD_NUMEL = 64 * 2**20
+OVERHEAD_REPEATS = 15
 
 
 def _leaf(x: Any) -> Any:
@@ -111,6 +129,8 @@ class OpCall:
         a, b = (shapes[1], shapes[2]) if "addmm" in self.name else shapes[:2]
         if "_grouped_mm" in self.name and len(a) == 2 and len(b) == 3:
             return 2.0 * a[0] * a[1] * b[2]
+        if "_grouped_mm" in self.name and len(a) == 3 and len(b) == 2:
+            return 2.0 * a[1] * a[2] * b[1]
         return 2.0 * math.prod(a) * b[-1]
 
 
@@ -188,13 +208,35 @@ def _real(leaf: Any) -> Any:
 
 
 def _inputs(call: OpCall) -> tuple[tuple, dict]:
+    """Real tensors for ``call``; a grouped matmul's ``offs`` (its third argument,
+    positional at dispatch: zeros made every group empty, and the MoE's experts
+    replayed at a tenth of their time) split its tokens evenly."""
     flat = [_real(x) for x in call.leaves]
     args, kwargs = tree_unflatten(flat, call.spec)
-    if call.name == "aten._grouped_mm" and kwargs.get("offs") is not None:
-        groups, rows = kwargs["offs"].shape[0], args[0].shape[0]
-        even = torch.full((groups,), rows // groups, dtype=torch.int32)
-        kwargs["offs"] = torch.cumsum(even, 0).to(torch.int32)
+    if call.name == "aten._grouped_mm":
+        args = list(args)
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        if offs is not None:
+            groups, rows = offs.shape[0], _grouped_rows(*args[:2])
+            even = torch.full((groups,), rows // groups, dtype=torch.int32)
+            even = torch.cumsum(even, 0).to(torch.int32)
+            if len(args) > 2:
+                args[2] = even
+            else:
+                kwargs["offs"] = even
+        args = tuple(args)
     return args, kwargs
+
+
+def _grouped_rows(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The length a grouped matmul's ``offs`` split: the shared dimension of two 2-D
+    operands (a weight's gradient), else the 2-D one's tokens (its rows for ``a``,
+    its columns for ``b``). Split on another (``a``'s rows of a weight gradient
+    are the hidden width) the replay ran a fraction of the tokens: the MoE's expert
+    backward replayed at 0.6 ms where its step spent 8."""
+    if a.dim() == 2 and b.dim() == 2:
+        return a.shape[1]
+    return a.shape[0] if a.dim() == 2 else b.shape[1]
 
 
 def replay_seconds(call: OpCall, clock=time.thread_time) -> float:
@@ -280,7 +322,8 @@ class OpTimes:
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"ops": self.times, "runs": self.runs}))
+            tmp.write_text(json.dumps(
+                {"format": TIMES_FORMAT, "ops": self.times, "runs": self.runs}))  # fmt: skip
             tmp.replace(self.path)
             self.dirty = False
 
@@ -297,6 +340,8 @@ def _read_times(path: Path) -> tuple[dict[str, float], dict[str, dict[str, float
     that is not tables of positive numbers is ignored whole (measured again)."""
     try:
         raw = json.loads(path.read_text())
+        if raw.get("format") != TIMES_FORMAT:  # measured by an older replay
+            return {}, {}
         ops, runs = raw["ops"], raw["runs"]
         ok = all(isinstance(k, str) and _positive(v) for k, v in ops.items()) and all(
             isinstance(k, str)
@@ -342,8 +387,9 @@ def region_times(
 
 # ------------------------------------------------------------------ for a run plan
 
-#: What one micro-batch's totals hold: seconds by kind, ops, distinct ops.
-KINDS = ("matmul", "attention", "other", "ops", "distinct")
+#: What one micro-batch's totals hold: seconds by kind, ops, distinct ops, and the
+#: model's own seconds per op beyond its replay (0: not measured, the profile's).
+KINDS = ("matmul", "attention", "other", "ops", "distinct", "per_op")
 _OPS: dict[tuple, tuple[TracedOps, dict[Any, float]]] = {}
 _TIMES: dict[tuple, OpTimes] = {}
 
@@ -407,6 +453,132 @@ def micro_batch_work(
             for kind in KINDS[:4]:
                 total[kind] += blocks.get(region, 0.0) * getattr(t, kind)
         total["distinct"] = float(len(ops.calls))
+        total["per_op"] = model_overhead(resolved, seq_len, mode, times.threads) or 0.0
         times.runs[key] = total
         times.dirty = True
     return times.runs[key]
+
+
+# ------------------------------------------------------------ the model's overhead
+
+
+class _Untracked:
+    """What trace.py's block instrumentation reports to, where nothing records."""
+
+    def __init__(self) -> None:
+        self.region, self.selective, self.hidden = HEAD, False, {}
+
+    def enter(self, region: Any) -> None:
+        pass
+
+
+def _materialize(
+    model: nn.Module, classes: tuple[type, ...], init_tensor: Callable, config: Any
+) -> bool:
+    """Give the head's and the first block of each class's parameters and buffers
+    of ``model`` (meta) their initial values on CPU, in place (tied ones stay tied);
+    the later blocks stay on meta. False (nothing done) past :data:`OVERHEAD_NUMEL`."""
+    later: set[int] = set()
+    inside: set[int] = set()
+    seen: set[type] = set()
+    for m in model.modules():
+        if id(m) in inside or not isinstance(m, classes):
+            continue
+        inside.update(id(c) for c in m.modules())
+        if type(m) in seen:
+            later.update(id(c) for c in m.modules())
+        seen.add(type(m))
+    kept = [(n, m) for n, m in model.named_modules() if id(m) not in later]
+    held = {id(t): t for _, m in kept for t in [*m._parameters.values(),
+                                                *m._buffers.values()] if t is not None}  # fmt: skip
+    if sum(t.numel() for t in held.values()) > OVERHEAD_NUMEL:
+        return False
+    new: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for prefix, m in kept:
+            for table in (m._parameters, m._buffers):
+                for local, t in table.items():
+                    if t is None:
+                        continue
+                    if id(t) not in new:
+                        name = f"{prefix}.{local}" if prefix else local
+                        value = init_tensor(name, t.shape, config, 0).to(t.dtype)
+                        if isinstance(t, nn.Parameter):
+                            value = nn.Parameter(value, t.requires_grad)
+                        new[id(t)] = value
+                    table[local] = new[id(t)]
+    return True
+
+
+class _OpClock(TorchDispatchMode):
+    """The seconds a real run's ops take inside themselves (views not timed: a
+    replay runs none), and how many it dispatched, views included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds, self.ops = 0.0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.is_view:
+            return func(*args, **(kwargs or {}))
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+_OVERHEAD: dict[tuple, float | None] = {}
+
+
+def model_overhead(
+    resolved: Any, seq_len: int, mode: str, threads: int
+) -> float | None:
+    """Seconds per op (views included) that ``resolved``'s model spends in a forward
+    and backward outside its ops, in checkpointing ``mode``: one micro-batch of
+    :data:`OVERHEAD_SHAPE` (its sequence at most ``seq_len``) run for real, fp32, the
+    head and the first block of each class materialized from the family's init and
+    the later blocks handing on its output; its time less its ops' own (timed inside
+    the run, so what the ops cost in it does not leak into the figure), over its
+    ops; the median of a few. None where the family has no ``init_tensor`` or the
+    materialized part is past :data:`OVERHEAD_NUMEL`."""
+    spec, config = resolved.spec, resolved.model_config
+    key = (spec.name, repr(config), mode, threads)
+    if key in _OVERHEAD:
+        return _OVERHEAD[key]
+    _OVERHEAD[key] = None
+    if spec.init_tensor is None:
+        return None
+    classes = tuple(spec.block_classes(config))
+    with torch.device("meta"):
+        model = spec.build(config, 0)
+    if not _materialize(model, classes, spec.init_tensor, config):
+        return None
+    _instrument_blocks(model, classes, _Untracked(), mode)
+    params = [p for p in model.parameters() if p.device.type != "meta"]
+    micro_batch, seq = OVERHEAD_SHAPE[0], min(OVERHEAD_SHAPE[1], seq_len)
+    idx = torch.zeros(micro_batch, seq, dtype=torch.long)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        _, loss = model(idx, torch.zeros_like(idx))
+        loss.backward()
+        for p in params:
+            p.grad = None
+        return time.perf_counter() - t0
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step()  # warm-up: first calls' allocations and lazy set-up
+        walls, inside = [], []
+        for _ in range(OVERHEAD_REPEATS):  # in turn: a drift meets both alike
+            walls.append(step())
+            with _OpClock() as clock:
+                step()
+            inside.append(clock.seconds)
+    finally:
+        torch.set_num_threads(before)
+    outside = statistics.median(w - i for w, i in zip(walls, inside, strict=True))
+    _OVERHEAD[key] = max(0.0, outside) / max(1, clock.ops)
+    return _OVERHEAD[key]
