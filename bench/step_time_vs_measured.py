@@ -3,7 +3,11 @@
 Each configuration runs as a user runs it (``data=synthetic logger=none``, a few steps,
 1-2 ranks); its summary.json holds the planner's ``predicted_step_time_s`` (from this
 machine's probed profile, src/planner/profiles.py) and the measured ``step_time_s``
-(the windows after the first). The table gives both, the error, and the load: the
+(the window after the first: one log point half-way, one at the end, so one
+measured step in ``steps / 2`` is a logged one, whose memory is sampled at every
+block's moments (src/observe/live_memory.py: 12 ms on the transformers model's
+31 ms step), as one in ``trainer.log_every`` is in a run; with a log point every
+second step half of them were, and the small models read 10-20% slower). The table gives both, the error, and the load: the
 share of its window a rank's threads waited for a core other processes held
 (``cpu_wait_others``), with the step that share leaves (``alone``: measured x (1 -
 cpu_wait_others)), since on a shared machine the measured step stretches with other
@@ -11,7 +15,7 @@ processes' load. One thread per rank (``OMP_NUM_THREADS=1``: threads of one rank
 wait for each other on a shared machine). Nothing is fitted to these runs: the
 profile is the probe's.
 
-    python -m bench.step_time_vs_measured [--configs NAME ...] [--steps 8] [--append-docs]
+    python -m bench.step_time_vs_measured [--configs NAME ...] [--steps 12] [--append-docs]
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def run(overrides: list[str], steps: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         args = [
             "data=synthetic", "logger=none", f"trainer.max_steps={steps}",
-            "trainer.log_every=2", "trainer.val_every=0", "trainer.progress=false",
+            f"trainer.log_every={max(1, steps // 2)}", "trainer.val_every=0", "trainer.progress=false",
             "trainer.ckpt_final=false", *overrides, f"hydra.run.dir={run_dir}",
         ]  # fmt: skip
         subprocess.run(
@@ -163,7 +167,7 @@ def row(name: str, summary: dict, load_before: str, stolen: str = "?") -> dict:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS))
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--append-docs", action="store_true")
     p.add_argument(
         "--fresh-profile",

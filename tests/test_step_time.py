@@ -128,20 +128,21 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     each tensor-parallel module costs ``dtensor_module_s`` per micro-batch (the
     wrap plan's TP modules), each parameter tensor of
     FSDP2 (DTensors) ``dtensor_param_s`` in the optimizer step (not FSDP1's flat
-    parameters, not DDP's); a profile without them (a GPU's datasheet) has none of
-    these lines."""
+    parameters, not DDP's) and every backend's ``param_s``; a profile without them
+    (a GPU's datasheet) has none of these lines."""
     from dataclasses import replace
 
     bw = BANDWIDTH / 3
     framework = replace(
         _profile(), fsdp_unit_s=1e-3, dtensor_module_s=1e-5, fsdp_bandwidth=bw,
-        dtensor_param_s=1e-4,
+        dtensor_param_s=1e-4, param_s=2e-5,
     )  # fmt: skip
     _, plan, _, fsdp = _predict("trainer.devices=2", profile=framework)
     assert fsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
     tensors = sum(1 for _ in build_model_params("model=tiny"))
     assert sum(u.tensors for u in plan.units) == tensors
     assert fsdp["optimizer on DTensors"] == pytest.approx(tensors * 1e-4)
+    assert fsdp["optimizer per tensor"] == pytest.approx(tensors * 2e-5)
     one = {u.path: LATENCY + 0.5 * u.numel * 4 / bw for u in plan.units}
     want = sum((1 if p == "" else 2) * t + t for p, t in one.items())
     assert fsdp["FSDP all-gather + reduce-scatter"] == pytest.approx(want)
@@ -164,8 +165,10 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     assert "FSDP all-gather + reduce-scatter" not in hsdp
     assert hsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
     _, _, _, ddp = _predict("trainer.devices=2", "sharding=ddp", profile=framework)
+    assert ddp["optimizer per tensor"] == pytest.approx(tensors * 2e-5)
     _, _, _, plain = _predict("trainer.devices=2")
     lines = {"FSDP hooks and copies", "DTensor dispatch (TP)", "optimizer on DTensors"}
+    assert "optimizer per tensor" not in plain
     assert not lines & {*ddp, *plain}
 
 
@@ -253,6 +256,7 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
         json.dumps({**raw, "fsdp_bandwidth": True}),
         json.dumps({**raw, "traced_op_s": "1us"}),
         json.dumps({**raw, "ddp_bandwidth": -1.0}),
+        json.dumps({**raw, "param_s": None}),
         json.dumps([raw]),
     ]
     for text in forged:
@@ -284,6 +288,7 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert found.fsdp_unit_s >= 0 and found.dtensor_module_s >= 0
     assert found.fsdp_bandwidth > 0 and found.ddp_bandwidth > 0
     assert found.traced_op_s >= 0 and found.ddp_bucket_s >= 0
+    assert 0 < found.param_s < 1e-3
     back = profiles.cpu_profile()
     assert back.matmul == found.matmul and back.fsdp_unit_s == found.fsdp_unit_s
 

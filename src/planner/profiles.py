@@ -43,7 +43,7 @@ COLLECTIVES = {
 }
 _DTYPES = ("fp32", "bf16")
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 5
+PROFILE_FORMAT = 6
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -101,6 +101,9 @@ class DeviceProfile:
     #: per parameter tensor, what the clip and optimizer step add when parameters
     #: are DTensors (FSDP2, TP) (0: not measured)
     dtensor_param_s: float = 0.0
+    #: per parameter tensor of plain tensors, the clip, a fused AdamW step and the
+    #: zeroing beyond their bytes (0: not measured, a GPU's datasheet)
+    param_s: float = 0.0
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
@@ -305,6 +308,24 @@ def _traced_op_seconds() -> float:
     return max(statistics.median(runs) - replayed, 0.0) / count
 
 
+def _param_seconds(tensors: int = 64) -> float:
+    """Seconds per parameter tensor of the clip, a fused AdamW step and the zeroing,
+    as the trainer's step runs them (src/trainer/step.py), on tensors too small for
+    their bytes to count: the median of 7, by the thread's CPU time."""
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(tensors)]
+    opt = torch.optim.AdamW(params, fused=True)
+    runs = []
+    for _ in range(9):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        t0 = time.thread_time()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        runs.append(time.thread_time() - t0)
+    return statistics.median(runs[2:]) / tensors
+
+
 def _cpu_clock(threads: int):
     """One thread's figures by its CPU time (``time.thread_time``: other processes'
     load does not stretch it, so they are the machine's alone); several threads'
@@ -404,6 +425,7 @@ def probe_cpu() -> DeviceProfile:
         **rates,
         op_s=_op_seconds(),
         traced_op_s=_traced_op_seconds(),
+        param_s=_param_seconds(),
         links=links,
         inter_links=links,
         ranks_per_node=cores,
@@ -518,6 +540,7 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         ddp_bucket_s=_at_least_zero(raw["ddp_bucket_s"], "ddp_bucket_s"),
         ddp_bandwidth=_at_least_zero(raw["ddp_bandwidth"], "ddp_bandwidth"),
         dtensor_param_s=_at_least_zero(raw["dtensor_param_s"], "dtensor_param_s"),
+        param_s=_at_least_zero(raw["param_s"], "param_s"),
     )
 
 

@@ -173,6 +173,7 @@ class Rates:
     fsdp_unit_s: float  # per FSDP unit and micro-batch (the profile's, shared)
     dtensor_module_s: float  # per tensor-parallel module and micro-batch
     dtensor_param_s: float  # per parameter tensor of the optimizer, as DTensors
+    param_s: float  # per parameter tensor of the clip and optimizer step
     dtype: str
     threads: int
     notes: tuple[str, ...] = ()
@@ -211,6 +212,7 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
         profile.fsdp_unit_s / share,
         profile.dtensor_module_s / share,
         profile.dtensor_param_s / share,
+        profile.param_s / share,
         dtype,
         threads,
         tuple(notes),
@@ -415,9 +417,15 @@ class _Step:
                 f"AdamW and clipping over {local / 1e6:,.2f}M local parameters",
             )
         ]
+        tensors = sum(u.tensors for u in self.plan.units)
+        if self.rates.param_s and tensors:
+            terms.append(
+                Term("optimizer per tensor", tensors * self.rates.param_s,
+                     f"{tensors} parameter tensors x {self.rates.param_s * 1e6:,.1f} "
+                     "us: clip, fused AdamW, zeroing (the probe's)")
+            )  # fmt: skip
         each = self.rates.dtensor_param_s
         dtensors = backend_class(self.r.backend).dtensor_parameters or self.lay.tp > 1
-        tensors = sum(u.tensors for u in self.plan.units)
         if each and dtensors and tensors:
             terms.append(
                 Term("optimizer on DTensors", tensors * each,
