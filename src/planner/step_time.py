@@ -450,19 +450,18 @@ class _Step:
         if p.fsdp_bandwidth:  # as FSDP meets them, its copies in (the CPU probe)
             ag, rs = (Link(k.latency_s, p.fsdp_bandwidth) for k in (ag, rs))
         out = []
+        each: dict[int, tuple[float, float]] = {}  # a 70B's 80 blocks: one size
         for unit in self.plan.units:
-            gathered = unit.local_numel * self.pbytes
+            numel = unit.local_numel
+            if numel not in each:
+                each[numel] = (
+                    collective(ag, "all_gather", n, numel * self.pbytes),
+                    collective(rs, "reduce_scatter", n, numel * self.rbytes),
+                )
+            gather, scatter = each[numel]
             again = reshard and unit.path != "" and lay.pp == 1
             gathers = self.micro * (2 if again else 1)
-            scatter = collective(
-                rs, "reduce_scatter", n, unit.local_numel * self.rbytes
-            )
-            out.append(
-                (
-                    gathers * collective(ag, "all_gather", n, gathered),
-                    scatters * scatter,
-                )
-            )
+            out.append((gathers * gather, scatters * scatter))
         return out
 
     def comm_terms(self) -> list[Term]:
