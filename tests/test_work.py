@@ -214,8 +214,8 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
     """The model's per-op time beyond its ops comes from a real run of its head and
     first block (the later blocks left on meta, the tied head still tied, every
     value the family's init); Python the model runs between its ops raises it by
-    that time over its ops; a family without an init, or one past the size limit,
-    has none (the probe's figure holds)."""
+    that time over its ops; a family without an init, one past the size limit, or
+    one whose init fails has none (the probe's figure holds)."""
     resolved = resolve(compose_config("model=tiny", "data=synthetic"))
     spec, config = resolved.spec, resolved.model_config
     classes = tuple(spec.block_classes(config))
@@ -266,3 +266,10 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
     monkeypatch.setattr(work, "OVERHEAD_NUMEL", 2**30)
     monkeypatch.setattr(work, "_OVERHEAD", {})
     assert work.model_overhead(no_init, 16, "none", 1) is None
+
+    def broken(*_):
+        raise RuntimeError("no value for this buffer")
+
+    monkeypatch.setattr(work, "_OVERHEAD", {})
+    failing = replace(resolved, spec=replace(spec, init_tensor=broken))
+    assert work.model_overhead(failing, 16, "none", 1) is None

@@ -549,11 +549,28 @@ def model_overhead(
     _OVERHEAD[key] = None
     if spec.init_tensor is None:
         return None
+    try:  # a model that will not run so keeps the profile's figure, not the formula
+        walls, inside, ops = _overhead_runs(resolved, seq_len, mode, threads)
+    except Exception:
+        return None
+    if not walls:
+        return None
+    outside = statistics.median(w - i for w, i in zip(walls, inside, strict=True))
+    _OVERHEAD[key] = max(0.0, outside) / max(1, ops)
+    return _OVERHEAD[key]
+
+
+def _overhead_runs(
+    resolved: Any, seq_len: int, mode: str, threads: int
+) -> tuple[list[float], list[float], int]:
+    """:func:`model_overhead`'s runs: each real step's wall seconds, its ops' own
+    seconds in the next, and the ops one dispatches (none: not materialized)."""
+    spec, config = resolved.spec, resolved.model_config
     classes = tuple(spec.block_classes(config))
     with torch.device("meta"):
         model = spec.build(config, 0)
     if not _materialize(model, classes, spec.init_tensor, config):
-        return None
+        return [], [], 0
     _instrument_blocks(model, classes, _Untracked(), mode)
     params = [p for p in model.parameters() if p.device.type != "meta"]
     micro_batch, seq = OVERHEAD_SHAPE[0], min(OVERHEAD_SHAPE[1], seq_len)
@@ -579,6 +596,4 @@ def model_overhead(
             inside.append(clock.seconds)
     finally:
         torch.set_num_threads(before)
-    outside = statistics.median(w - i for w, i in zip(walls, inside, strict=True))
-    _OVERHEAD[key] = max(0.0, outside) / max(1, clock.ops)
-    return _OVERHEAD[key]
+    return walls, inside, clock.ops
