@@ -51,8 +51,10 @@ def build_model_params(*overrides: str):
         return list(resolved.spec.build(resolved.model_config, 0).parameters())
 
 
-def _predict(*overrides: str, profile: DeviceProfile | None = None):
-    cfg = compose_config("model=tiny", "data=synthetic", "logger=none", *overrides)
+def _predict(
+    *overrides: str, profile: DeviceProfile | None = None, model: str = "tiny"
+):
+    cfg = compose_config(f"model={model}", "data=synthetic", "logger=none", *overrides)
     resolved = resolve(cfg)
     plan, _ = estimate_plan(resolved, resolved.world_size)
     step = predict(resolved, plan, profile or _profile())

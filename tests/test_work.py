@@ -14,10 +14,9 @@ import src.config.schema  # noqa: F401  (registers the base_config schema for co
 from src.config.run_plan import resolve
 from src.harness import compose_config
 from src.planner import work
-from src.planner.run_estimate import estimate_plan
 from src.planner.step_time import predict
 from src.planner.trace import HEAD, block_order
-from tests.test_step_time import FLOPS, _profile
+from tests.test_step_time import FLOPS, _predict, _profile
 
 
 def _traced(preset: str, mode: str):
@@ -125,14 +124,9 @@ def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
     times are cached beside the profile."""
     terms = {}
     for profile in (_profile(cores=2), probed):
-        cfg = compose_config(
-            "model=tiny", "data=synthetic", "logger=none", "trainer.devices=1",
-            "sharding=none",
-        )  # fmt: skip
-        resolved = resolve(cfg)
-        plan, _ = estimate_plan(resolved, 1)
-        step = predict(resolved, plan, profile)
-        terms[profile.traced_op_s] = {t.name: t.seconds for t in step.terms}
+        resolved, plan, _, terms[profile.traced_op_s] = _predict(
+            "trainer.devices=1", "sharding=none", profile=profile
+        )
     formula, timed = terms[0.0], terms[2e-6]
     assert "activation function" in formula and "other ops" not in formula
     assert timed["matmuls"] == pytest.approx(formula["matmuls"], rel=0.02)
@@ -153,24 +147,19 @@ def test_a_probed_cpu_times_the_models_ops_and_shared_cores_use_the_formula(
     monkeypatch.setattr(work, "traced_ops", lambda *a, **k: pytest.fail("traced"))
     again = {t.name: t.seconds for t in predict(resolved, plan, probed).terms}
     assert again == timed
-    cfg = compose_config("model=tiny", "data=synthetic", "trainer.devices=8")
-    shared = resolve(cfg)  # eight ranks on two cores: the formula, as measured
-    plan, _ = estimate_plan(shared, 8)
-    names = [t.name for t in predict(shared, plan, probed).terms]
-    assert "activation function" in names and "other ops" not in names
+    # eight ranks on two cores: the formula, as measured
+    *_, shared = _predict("trainer.devices=8", profile=probed)
+    assert "activation function" in shared and "other ops" not in shared
 
 
 def test_expert_parallelism_is_said_to_be_timed_without_its_shapes(probed):
     """A MoE under EP on a probed CPU: its ops traced as one rank running every
     expert (grouped matmuls among them), and the prediction says so in a note."""
-    cfg = compose_config(
-        "model=moe_tiny", "data=synthetic", "logger=none", "trainer.devices=2",
-        "sharding.expert_parallel=2",
+    _, _, step, terms = _predict(
+        "trainer.devices=2", "sharding.expert_parallel=2", profile=probed,
+        model="moe_tiny",
     )  # fmt: skip
-    resolved = resolve(cfg)
-    plan, _ = estimate_plan(resolved, 2)
-    step = predict(resolved, plan, probed)
-    assert {"matmuls", "other ops", "EP all-to-alls"} <= {t.name for t in step.terms}
+    assert {"matmuls", "other ops", "EP all-to-alls"} <= set(terms)
     assert any("expert parallelism's shapes are not traced" in n for n in step.notes)
 
 

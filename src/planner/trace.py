@@ -256,11 +256,7 @@ def _instrument_blocks(
     and every later one hand on that block's output; returns the traced classes."""
     first: dict[type, nn.Module] = {}
     outputs: dict[type, Any] = {}
-    inside: set[int] = set()
-    for m in model.modules():
-        if id(m) in inside or not isinstance(m, classes):
-            continue
-        inside.update(id(c) for c in m.modules())
+    for m in outer_blocks(model, classes):
         cls = type(m)
         if cls in first:
             m.forward = functools.partial(_replay, outputs, cls)
@@ -395,14 +391,22 @@ def _shrink(linear: nn.Linear, dim: int, tp: int) -> None:
         linear.in_features = shape[1]
 
 
+def outer_blocks(
+    model: nn.Module, classes: Sequence[type[nn.Module]]
+) -> list[nn.Module]:
+    """``model``'s blocks of ``classes`` in build (module) order, outermost only (a
+    block inside another is the outer one's)."""
+    blocks, inside, classes = [], set(), tuple(classes)
+    for m in model.modules():
+        if id(m) not in inside and isinstance(m, classes):
+            inside.update(id(c) for c in m.modules())
+            blocks.append(m)
+    return blocks
+
+
 def block_order(model: nn.Module, classes: Sequence[type[nn.Module]]) -> list[type]:
     """The classes of ``model``'s blocks in build (module) order, outermost only."""
-    order, inside = [], set()
-    for m in model.modules():
-        if id(m) not in inside and isinstance(m, tuple(classes)):
-            inside.update(id(c) for c in m.modules())
-            order.append(type(m))
-    return order
+    return [type(m) for m in outer_blocks(model, classes)]
 
 
 def traced_activation_bytes(

@@ -60,7 +60,13 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from src.planner.trace import HEAD, _instrument_blocks, _run, on_fake_tensors
+from src.planner.trace import (
+    HEAD,
+    _instrument_blocks,
+    _run,
+    on_fake_tensors,
+    outer_blocks,
+)
 
 #: Ops that are matrix multiplications, and those that are attention.
 MATMULS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
@@ -479,12 +485,8 @@ def _materialize(
     of ``model`` (meta) their initial values on CPU, in place (tied ones stay tied);
     the later blocks stay on meta. False (nothing done) past :data:`OVERHEAD_NUMEL`."""
     later: set[int] = set()
-    inside: set[int] = set()
     seen: set[type] = set()
-    for m in model.modules():
-        if id(m) in inside or not isinstance(m, classes):
-            continue
-        inside.update(id(c) for c in m.modules())
+    for m in outer_blocks(model, classes):
         if type(m) in seen:
             later.update(id(c) for c in m.modules())
         seen.add(type(m))
