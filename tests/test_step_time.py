@@ -15,7 +15,12 @@ from src.models.gpt import count_params
 from src.planner import profiles
 from src.planner.profiles import COLLECTIVES, DeviceProfile, Link, gpu_profile
 from src.planner.run_estimate import estimate_plan
-from src.planner.step_time import OPTIMIZER_BYTES_PER_PARAM, predict, predicted_step
+from src.planner.step_time import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    STEP_SCALARS_BYTES,
+    predict,
+    predicted_step,
+)
 from src.sharding.pipeline import bubble_fraction
 
 LATENCY, BANDWIDTH = 1e-3, 1e8
@@ -130,16 +135,26 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     each tensor-parallel module costs ``dtensor_module_s`` per micro-batch (the
     wrap plan's TP modules), each parameter tensor of
     FSDP2 (DTensors) ``dtensor_param_s`` in the optimizer step (not FSDP1's flat
-    parameters, not DDP's) and every backend's ``param_s``; a profile without them
-    (a GPU's datasheet) has none of these lines."""
+    parameters, not DDP's) and every backend's ``param_s``; ranks wait for each
+    other ``sync_wait`` of their compute (not a pipeline's stages: its bubble is
+    that); the step's small all-reduces are the
+    loss's (every run of 2 ranks), the norm's (parameters split) and the routers'
+    (MoE); a profile without them (a GPU's datasheet) has none of these lines."""
     from dataclasses import replace
 
     bw = BANDWIDTH / 3
     framework = replace(
         _profile(), fsdp_unit_s=1e-3, dtensor_module_s=1e-5, fsdp_bandwidth=bw,
-        dtensor_param_s=1e-4, param_s=2e-5,
+        dtensor_param_s=1e-4, param_s=2e-5, sync_wait=0.1,
     )  # fmt: skip
     _, plan, _, fsdp = _predict("trainer.devices=2", profile=framework)
+    compute = ("matmuls", "attention", "activation function",
+               "norms, residuals, loss", "op dispatch")  # fmt: skip
+    assert fsdp["waiting for the slower rank"] == pytest.approx(
+        0.1 * sum(fsdp[k] for k in compute)
+    )
+    small = LATENCY + STEP_SCALARS_BYTES / BANDWIDTH  # 2 ranks: one exchange
+    assert fsdp["step all-reduces"] == pytest.approx(2 * small, rel=0.01)
     assert fsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
     tensors = sum(1 for _ in build_model_params("model=tiny"))
     assert sum(u.tensors for u in plan.units) == tensors
@@ -168,9 +183,20 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     assert hsdp["FSDP hooks and copies"] == pytest.approx(len(plan.units) * 1e-3)
     _, _, _, ddp = _predict("trainer.devices=2", "sharding=ddp", profile=framework)
     assert ddp["optimizer per tensor"] == pytest.approx(tensors * 2e-5)
+    assert ddp["step all-reduces"] == pytest.approx(small, rel=0.01)  # loss alone
+    _, _, _, moe = _predict("trainer.devices=2", profile=framework, model="moe_tiny")
+    assert moe["step all-reduces"] == pytest.approx(3 * small, rel=0.01)
+    _, _, _, alone = _predict(
+        "trainer.devices=1", "sharding=none", profile=framework
+    )  # fmt: skip
+    assert not {"step all-reduces", "waiting for the slower rank"} & set(alone)
+    _, _, _, pp = _predict(
+        "trainer.devices=2", "sharding.pipeline_parallel=2", profile=framework
+    )  # its stages' waits are its bubble's
+    assert "waiting for the slower rank" not in pp and "pipeline bubble" in pp
     _, _, _, plain = _predict("trainer.devices=2")
     lines = {"FSDP hooks and copies", "DTensor dispatch (TP)", "optimizer on DTensors"}
-    assert "optimizer per tensor" not in plain
+    assert not {"optimizer per tensor", "waiting for the slower rank"} & set(plain)
     assert not lines & {*ddp, *plain}
 
 
@@ -259,6 +285,7 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
         json.dumps({**raw, "traced_op_s": "1us"}),
         json.dumps({**raw, "ddp_bandwidth": -1.0}),
         json.dumps({**raw, "param_s": None}),
+        json.dumps({**raw, "sync_wait": -0.1}),
         json.dumps([raw]),
     ]
     for text in forged:
@@ -290,7 +317,7 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert found.fsdp_unit_s >= 0 and found.dtensor_module_s >= 0
     assert found.fsdp_bandwidth > 0 and found.ddp_bandwidth > 0
     assert found.traced_op_s >= 0 and found.ddp_bucket_s >= 0
-    assert 0 < found.param_s < 1e-3
+    assert 0 < found.param_s < 1e-3 and 0 <= found.sync_wait < 1
     back = profiles.cpu_profile()
     assert back.matmul == found.matmul and back.fsdp_unit_s == found.fsdp_unit_s
 

@@ -13,6 +13,7 @@ import torch
 import src.config.schema  # noqa: F401  (registers the base_config schema for compose)
 from src.config.run_plan import resolve
 from src.harness import compose_config
+from src.observe import live_memory
 from src.planner import work
 from src.planner.step_time import predict
 from src.planner.trace import HEAD, block_order
@@ -203,8 +204,9 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
     """The model's per-op time beyond its ops comes from a real run of its head and
     first block (the later blocks left on meta, the tied head still tied, every
     value the family's init); Python the model runs between its ops raises it by
-    that time over its ops; a family without an init, one past the size limit, or
-    one whose init fails has none (the probe's figure holds)."""
+    that time over its ops, and a logged step's memory sampling its samples' time
+    over its ops; a family without an init, one past the size limit, or one whose
+    init fails has none (the probe's figure holds)."""
     resolved = resolve(compose_config("model=tiny", "data=synthetic"))
     spec, config = resolved.spec, resolved.model_config
     classes = tuple(spec.block_classes(config))
@@ -221,12 +223,29 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
             )  # fmt: skip
     assert model.lm_head.weight is model.wte.weight
 
-    def figure() -> float:
+    def figures() -> tuple[float, float]:
         monkeypatch.setattr(work, "_OVERHEAD", {})
         return work.model_overhead(resolved, 16, "none", 1)
 
-    plain = figure()
-    assert 0 <= plain < 1e-3
+    def figure() -> float:
+        return figures()[0]
+
+    plain, sampling = figures()
+    assert 0 <= plain < 1e-3 and 0 <= sampling < 1e-3
+    calls, sample = [], live_memory.LiveMemory.sample
+
+    def slow_sample(self):
+        calls.append(1)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1e-3:
+            pass
+        sample(self)
+
+    monkeypatch.setattr(live_memory.LiveMemory, "sample", slow_sample)
+    slow_sampling = figures()[1]
+    monkeypatch.setattr(live_memory.LiveMemory, "sample", sample)
+    per_run = len(calls) / work.OVERHEAD_REPEATS  # attach's own sample included
+    assert per_run > 10
     spin, ops = 2e-3, []
     materialize = work._materialize
 
@@ -248,9 +267,12 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
         _, loss = ops[0](*[torch.zeros(1, 16, dtype=torch.long)] * 2)
         loss.backward()
     assert slow - plain == pytest.approx(spin / clock.ops, rel=0.5)
+    assert slow_sampling - sampling == pytest.approx(
+        1e-3 * per_run / clock.ops, rel=0.5
+    )
     monkeypatch.setattr(work, "_materialize", materialize)
     monkeypatch.setattr(work, "OVERHEAD_NUMEL", 10)
-    assert figure() is None
+    assert figures() is None
     no_init = replace(resolved, spec=replace(spec, init_tensor=None))
     monkeypatch.setattr(work, "OVERHEAD_NUMEL", 2**30)
     monkeypatch.setattr(work, "_OVERHEAD", {})

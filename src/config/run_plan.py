@@ -146,6 +146,9 @@ class RunPlan:
     lora: LoraSpec | None = None  # model.lora: adapters, the rest frozen
     freeze: tuple[str, ...] = ()  # trainer.freeze: parameter-name patterns
     optimizer: str = "adamw"  # trainer.optimizer (the planner counts its state)
+    # trainer.log_every: one step in it is logged, its memory sampled (the planner
+    # times that); 0: no step is
+    log_every: int = 0
     # The planner's predicted peak_mem_gib (set by the launcher before the ranks
     # start; None when not planned, e.g. the planner failed on a custom model).
     planned_peak_gib: float | None = None
@@ -239,6 +242,7 @@ def resolve(cfg: DictConfig, planned_peak_gib: float | None = None) -> RunPlan:
         lora=lora_spec(cfg, spec, layout),
         freeze=tuple(OmegaConf.select(cfg, "trainer.freeze", default=None) or ()),
         optimizer=str(OmegaConf.select(cfg, "trainer.optimizer", default="adamw")),
+        log_every=int(t.log_every),
     )
 
 

@@ -42,8 +42,11 @@ COLLECTIVES = {
     "p2p": 1.0,
 }
 _DTYPES = ("fp32", "bf16")
+#: A figure measured at or below zero (noise) is stored as this: 0 means "not
+#: measured".
+MEASURED_FLOOR_S = 1e-7
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 6
+PROFILE_FORMAT = 7
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -104,6 +107,10 @@ class DeviceProfile:
     #: per parameter tensor of plain tensors, the clip, a fused AdamW step and the
     #: zeroing beyond their bytes (0: not measured, a GPU's datasheet)
     param_s: float = 0.0
+    #: per second of a rank's compute between synchronisations, the seconds ranks
+    #: wait for each other at them beyond the collective's latency (the 2-rank
+    #: probe's, src/planner/rank_probe.py; 0: not measured, a GPU's datasheet)
+    sync_wait: float = 0.0
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
@@ -305,7 +312,9 @@ def _traced_op_seconds() -> float:
         n * times(recorder.out.calls[k], lambda call: 0.0) for k, n in ops.items()
     )
     count = sum(ops.values()) + recorder.out.views.get(work.HEAD, 0)
-    return max(statistics.median(runs) - replayed, 0.0) / count
+    # measured, if below what the replays resolve: never 0, which means not
+    # measured (a GPU's) and would send a probed CPU's steps to the formula
+    return max((statistics.median(runs) - replayed) / count, MEASURED_FLOOR_S)
 
 
 def _param_seconds(tensors: int = 64) -> float:
@@ -405,6 +414,7 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
         "ddp_bucket_s": max(0.0, ddp[0] - ddp_per_byte * small * rp.BLOCKS),
         "ddp_bandwidth": 1.0 / ddp_per_byte,
         "dtensor_param_s": max(0.0, measured["dtensor_param_s"]),
+        "sync_wait": max(0.0, measured["sync_wait"]),
     }
 
 
@@ -541,6 +551,7 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         ddp_bandwidth=_at_least_zero(raw["ddp_bandwidth"], "ddp_bandwidth"),
         dtensor_param_s=_at_least_zero(raw["dtensor_param_s"], "dtensor_param_s"),
         param_s=_at_least_zero(raw["param_s"], "param_s"),
+        sync_wait=_at_least_zero(raw["sync_wait"], "sync_wait"),
     )
 
 

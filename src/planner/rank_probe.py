@@ -31,7 +31,15 @@ Per rank, all timed by wall clock after a barrier (a collective waits for its pe
 - the clip and a fused AdamW step over the chain's parameters, plain and under
   FSDP2: the extra per parameter tensor is ``dtensor_param_s`` (each dispatched
   through DTensor: 270-490 us against ~20 us plain, which the default GPT's 52
-  tensors make 15-25 ms a step).
+  tensors make 15-25 ms a step);
+- the chain's forward and backward for about :data:`SYNC_BURST_S`, then a small
+  all-reduce, :data:`SYNC_ROUNDS` times: what a round takes beyond the rank's own
+  compute and the all-reduce's latency, over that compute, is ``sync_wait``. Two
+  processes running the same work do not finish it together (the kernel, the
+  hypervisor, the other rank's gloo threads take a core from one for a while), and
+  at each synchronisation the first waits for the second: the trainer's 2-rank
+  steps of small models spent 10-20% of the step blocked in collectives that their
+  latencies and bytes put at a third of that.
 """
 
 from __future__ import annotations
@@ -61,7 +69,10 @@ TP_MODULES = 2
 SMALL, LARGE = 2, 1 << 20
 #: The chains' extra seconds each rank reports.
 EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "tp_extra_s", "ddp_extra_s",
-          "ddp_wide_extra_s", "dtensor_param_s")  # fmt: skip
+          "ddp_wide_extra_s", "dtensor_param_s", "sync_wait")  # fmt: skip
+#: :func:`_sync_wait`'s compute between two all-reduces (a small model's forward
+#: and backward) and its rounds.
+SYNC_BURST_S, SYNC_ROUNDS = 0.01, 80
 _TIMEOUT_S = 120
 
 
@@ -164,6 +175,37 @@ def _dtensor_optimizer_extra() -> float:
     return (_optimizer_time(model) - plain) / tensors
 
 
+def _sync_wait(latency_s: float) -> float:
+    """Seconds the ranks lose waiting for each other per second of compute between
+    two synchronisations (module docstring): the mean round less this rank's mean
+    compute and the all-reduce's ``latency_s`` (the profile's, which the step-time
+    model counts already), over its mean compute."""
+    model, x, small = _chain(), torch.randn(BATCH, WIDTH), torch.zeros(SMALL)
+
+    def once() -> None:
+        model(x).sum().backward()
+
+    once()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        once()
+    # both ranks run the same number of passes: the slower rank's count
+    n = torch.tensor([max(1, round(SYNC_BURST_S * 5 / (time.perf_counter() - t0)))])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    rounds, computes = [], []
+    dist.barrier()
+    for _ in range(SYNC_ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(int(n)):
+            once()
+        t1 = time.perf_counter()
+        dist.all_reduce(small)
+        rounds.append(time.perf_counter() - t0)
+        computes.append(t1 - t0)
+    compute = statistics.mean(computes)
+    return max(0.0, statistics.mean(rounds) - compute - latency_s) / compute
+
+
 def _step_time(model: nn.Module, width: int = WIDTH) -> float:
     x = torch.randn(BATCH, width)
 
@@ -221,14 +263,16 @@ def rank_main(rank: int, where: str) -> None:
         "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
     try:
+        collectives = _collectives(rank)
         figures = {
-            "collectives": _collectives(rank),
+            "collectives": collectives,
             "fsdp_extra_s": _fsdp_extra(),
             "fsdp_wide_extra_s": _fsdp_extra(WIDE),
             "tp_extra_s": _tp_extra(),
             "ddp_extra_s": _ddp_extra(),
             "ddp_wide_extra_s": _ddp_extra(WIDE),
             "dtensor_param_s": _dtensor_optimizer_extra(),
+            "sync_wait": _sync_wait(collectives["all_reduce"][0]),
         }
     finally:
         dist.destroy_process_group()
@@ -259,7 +303,8 @@ def _read(path: Path) -> dict:
 
 def measure() -> dict:
     """Run the two probe ranks; the slower rank's figures: ``collectives`` (name ->
-    [seconds on 2 elements, on LARGE]) and each of :data:`EXTRAS`."""
+    [seconds on 2 elements, on LARGE]) and each of :data:`EXTRAS` (``sync_wait``:
+    the two ranks' mean)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(
@@ -297,6 +342,8 @@ def measure() -> dict:
             for name in ranks[0]["collectives"]
         },
         **{k: max(r[k] for r in ranks) for k in EXTRAS},
+        # the faster rank waits, the slower does not: the step is their mean's
+        "sync_wait": statistics.mean(r["sync_wait"] for r in ranks),
     }
 
 

@@ -51,6 +51,9 @@ OPTIMIZER_BYTES_PER_PARAM = 40
 GPUS = ", ".join(name for name, *_ in GPU_LINKS)
 #: DDP's gradient buckets (torch's default ``bucket_cap_mb``).
 DDP_BUCKET_BYTES = 25 * 2**20
+#: A step's all-reduced scalars (the loss with a stop flag per signal number, a
+#: norm, a router's counts): a few hundred bytes, latency-bound.
+STEP_SCALARS_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -348,14 +351,14 @@ class _Step:
                 "the experts' ops timed as one rank runs all of them (the same "
                 "FLOPs; expert parallelism's shapes are not traced)"
             )
-        per_op = total["per_op"]
+        per_op, sampled = total["per_op"], total["sampled_per_op"]
         total = {k: v * self.micro for k, v in total.items()}
         total["attention"] *= lay.cp
         n_ops, each = total["ops"], per_op or self.rates.traced_op_s
         whose = "this model's, run here" if per_op else "the probe's"
         how = f"{total['distinct'] / self.micro:,.0f} distinct ops of the model timed"
         how += " on this CPU"
-        return [
+        terms = [
             Term("matmuls", total["matmul"], how),
             Term("attention", total["attention"], "its ops timed" + (
                 f", x {lay.cp} (CP: queries against the whole sequence)"
@@ -365,6 +368,13 @@ class _Step:
             Term("autograd and modules", n_ops * each,
                  f"{n_ops:,.0f} ops x {each * 1e6:.1f} us ({whose})"),
         ]  # fmt: skip
+        if sampled and r.log_every > 0:
+            terms.append(
+                Term("memory sampling (logged steps)", n_ops * sampled / r.log_every,
+                     f"{n_ops * sampled * 1e3:,.2f} ms in 1 step of "
+                     f"trainer.log_every={r.log_every} (this model's hooks, run here)")
+            )  # fmt: skip
+        return terms
 
     def _counted(self, call: work.OpCall) -> float:
         """An op not run: FLOPs at the matmul rate, bytes at the copy bandwidth."""
@@ -513,7 +523,25 @@ class _Step:
             transfers = 2 if lay.pp == 2 else 4
             t = self.micro * transfers * collective(link, "p2p", 2, act)
             terms.append(Term("PP send/recv", t, f"{transfers} per micro-batch"))
-        return terms
+        return terms + self._step_all_reduces()
+
+    def _step_all_reduces(self) -> list[Term]:
+        """The trainer's small all-reduces once a step: the loss's mean with the stop
+        check's flags; the gradient norm's, where the parameters are split across
+        ranks (FSDP, TP, PP stages); a MoE's routing counts."""
+        if self.world <= 1:
+            return []
+        parts = ["the loss and stop flags"]
+        if _shards(self.r.backend) or self.lay.tp > 1 or self.lay.pp > 1:
+            parts.append("the gradient norm")
+        if self.m.moe_layers:
+            parts.append("the routers' counts")
+        link = _link(self.profile, "all_reduce", self.world)
+        each = collective(link, "all_reduce", self.world, STEP_SCALARS_BYTES)
+        return [
+            Term("step all-reduces", len(parts) * each,
+                 f"{len(parts)} x {each * 1e6:,.0f} us: {', '.join(parts)}")
+        ]  # fmt: skip
 
     def _ddp(self) -> Term:
         lay, p = self.lay, self.profile
@@ -554,6 +582,14 @@ class _Step:
                      f"{count} unit passes x {each * 1e6:,.0f} us (the probe's)")
             )  # fmt: skip
         terms += comm
+        # a pipeline's stages wait for each other in its bubble (below)
+        if self.world > 1 and self.profile.sync_wait and self.lay.pp == 1:
+            share = self.profile.sync_wait
+            terms.append(
+                Term("waiting for the slower rank", share * compute_s,
+                     f"{share:.1%} of the compute (the probe's: two ranks' same work "
+                     "ends apart)")
+            )  # fmt: skip
         if self.lay.pp > 1:
             bubble = bubble_fraction(
                 str(self.r.pipeline.schedule), self.lay.pp, self.pp_micro

@@ -251,11 +251,15 @@ def _instrument_blocks(
     classes: tuple[type[nn.Module], ...],
     tracker: _Tracker,
     checkpointing: str,
+    outputs: dict[type, Any] | None = None,
 ) -> list[type]:
     """Make the first block of each class traced (checkpointed as the run would)
-    and every later one hand on that block's output; returns the traced classes."""
+    and every later one hand on that block's output, kept in ``outputs`` (a caller
+    that runs the model again clears it after each step: a kept output keeps its
+    graph, and with it hooks on its parameters' gradient nodes, alive); returns the
+    traced classes."""
     first: dict[type, nn.Module] = {}
-    outputs: dict[type, Any] = {}
+    outputs = {} if outputs is None else outputs
     for m in outer_blocks(model, classes):
         cls = type(m)
         if cls in first:

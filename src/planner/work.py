@@ -82,8 +82,9 @@ _REPEATS = 5
 #: none, the default model's 40% below.
 FLUSH_BYTES = 2**20
 #: The cache file's format: a file of another is measured again (2: grouped
-#: matmuls split their tokens evenly, where 1 left every group empty).
-TIMES_FORMAT = 2
+#: matmuls split their tokens evenly, where 1 left every group empty; 3: the
+#: logged steps' memory sampling per op).
+TIMES_FORMAT = 3
 #: (micro-batch, sequence) of :func:`model_overhead`'s real run: its ops take
 #: microseconds, so what the step adds to them stands out.
 OVERHEAD_SHAPE = (1, 16)
@@ -393,9 +394,10 @@ def region_times(
 
 # ------------------------------------------------------------------ for a run plan
 
-#: What one micro-batch's totals hold: seconds by kind, ops, distinct ops, and the
-#: model's own seconds per op beyond its replay (0: not measured, the profile's).
-KINDS = ("matmul", "attention", "other", "ops", "distinct", "per_op")
+#: What one micro-batch's totals hold: seconds by kind, ops, distinct ops, the
+#: model's own seconds per op beyond its replay (0: not measured, the profile's),
+#: and what a logged step's memory sampling adds per op (0: not measured).
+KINDS = ("matmul", "attention", "other", "ops", "distinct", "per_op", "sampled_per_op")
 _OPS: dict[tuple, tuple[TracedOps, dict[Any, float]]] = {}
 _TIMES: dict[tuple, OpTimes] = {}
 
@@ -459,7 +461,8 @@ def micro_batch_work(
             for kind in KINDS[:4]:
                 total[kind] += blocks.get(region, 0.0) * getattr(t, kind)
         total["distinct"] = float(len(ops.calls))
-        total["per_op"] = model_overhead(resolved, seq_len, mode, times.threads) or 0.0
+        own = model_overhead(resolved, seq_len, mode, times.threads)
+        total["per_op"], total["sampled_per_op"] = own or (0.0, 0.0)
         times.runs[key] = total
         times.dirty = True
     return times.runs[key]
@@ -530,20 +533,23 @@ class _OpClock(TorchDispatchMode):
         return out
 
 
-_OVERHEAD: dict[tuple, float | None] = {}
+_OVERHEAD: dict[tuple, tuple[float, float] | None] = {}
 
 
 def model_overhead(
     resolved: Any, seq_len: int, mode: str, threads: int
-) -> float | None:
+) -> tuple[float, float] | None:
     """Seconds per op (views included) that ``resolved``'s model spends in a forward
-    and backward outside its ops, in checkpointing ``mode``: one micro-batch of
-    :data:`OVERHEAD_SHAPE` (its sequence at most ``seq_len``) run for real, fp32, the
-    head and the first block of each class materialized from the family's init and
-    the later blocks handing on its output; its time less its ops' own (timed inside
-    the run, so what the ops cost in it does not leak into the figure), over its
-    ops; the median of a few. None where the family has no ``init_tensor`` or the
-    materialized part is past :data:`OVERHEAD_NUMEL`."""
+    and backward outside its ops, in checkpointing ``mode``, and what a logged
+    step's memory sampling (src/observe/live_memory.py: hooks at the step's
+    moments, CPU ranks) adds per op: one micro-batch of :data:`OVERHEAD_SHAPE` (its
+    sequence at most ``seq_len``) run for real, fp32, the head and the first block
+    of each class materialized from the family's init and the later blocks handing
+    on its output; its time less its ops' own (timed inside the run, so what the
+    ops cost in it does not leak into the figure), over its ops, and a sampled
+    run's time less a plain one's, over its ops; the medians of a few. None where
+    the family has no ``init_tensor`` or the materialized part is past
+    :data:`OVERHEAD_NUMEL`."""
     spec, config = resolved.spec, resolved.model_config
     key = (spec.name, repr(config), mode, threads)
     if key in _OVERHEAD:
@@ -552,28 +558,34 @@ def model_overhead(
     if spec.init_tensor is None:
         return None
     try:  # a model that will not run so keeps the profile's figure, not the formula
-        walls, inside, ops = _overhead_runs(resolved, seq_len, mode, threads)
+        walls, inside, sampled, ops = _overhead_runs(resolved, seq_len, mode, threads)
     except Exception:
         return None
     if not walls:
         return None
     outside = statistics.median(w - i for w, i in zip(walls, inside, strict=True))
-    _OVERHEAD[key] = max(0.0, outside) / max(1, ops)
+    sampling = statistics.median(s - w for s, w in zip(sampled, walls, strict=True))
+    ops = max(1, ops)
+    _OVERHEAD[key] = (max(0.0, outside) / ops, max(0.0, sampling) / ops)
     return _OVERHEAD[key]
 
 
 def _overhead_runs(
     resolved: Any, seq_len: int, mode: str, threads: int
-) -> tuple[list[float], list[float], int]:
+) -> tuple[list[float], list[float], list[float], int]:
     """:func:`model_overhead`'s runs: each real step's wall seconds, its ops' own
-    seconds in the next, and the ops one dispatches (none: not materialized)."""
+    seconds in the next, a sampled step's wall seconds, and the ops one dispatches
+    (none: not materialized)."""
+    from src.observe.live_memory import LiveMemory
+
     spec, config = resolved.spec, resolved.model_config
     classes = tuple(spec.block_classes(config))
     with torch.device("meta"):
         model = spec.build(config, 0)
     if not _materialize(model, classes, spec.init_tensor, config):
-        return [], [], 0
-    _instrument_blocks(model, classes, _Untracked(), mode)
+        return [], [], [], 0
+    handed: dict = {}
+    _instrument_blocks(model, classes, _Untracked(), mode, handed)
     params = [p for p in model.parameters() if p.device.type != "meta"]
     micro_batch, seq = OVERHEAD_SHAPE[0], min(OVERHEAD_SHAPE[1], seq_len)
     idx = torch.zeros(micro_batch, seq, dtype=torch.long)
@@ -584,18 +596,26 @@ def _overhead_runs(
         loss.backward()
         for p in params:
             p.grad = None
+        handed.clear()
         return time.perf_counter() - t0
 
+    sampler = LiveMemory()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         step()  # warm-up: first calls' allocations and lazy set-up
-        walls, inside = [], []
-        for _ in range(OVERHEAD_REPEATS):  # in turn: a drift meets both alike
+        walls, inside, sampled = [], [], []
+        for _ in range(OVERHEAD_REPEATS):  # in turn: a drift meets them alike
             walls.append(step())
             with _OpClock() as clock:
                 step()
             inside.append(clock.seconds)
+            if sampler.available:  # a logged step's hooks, as the trainer's
+                sampler.attach(model)
+                try:
+                    sampled.append(step())
+                finally:
+                    sampler.detach()
     finally:
         torch.set_num_threads(before)
-    return walls, inside, clock.ops
+    return walls, inside, sampled or walls, clock.ops
