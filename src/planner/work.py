@@ -43,6 +43,7 @@ Written here rather than taken from a library: torch's profiler times a real run
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -561,6 +562,11 @@ def model_overhead(
         walls, inside, sampled, ops = _overhead_runs(resolved, seq_len, mode, threads)
     except Exception:
         return None
+    finally:
+        # The model and its blocks' instrumented forwards hold one another: freed
+        # now, not by a collection in some step of the run this process goes on
+        # to train (one rank trains in the launcher's process).
+        gc.collect()
     if not walls:
         return None
     outside = statistics.median(w - i for w, i in zip(walls, inside, strict=True))
