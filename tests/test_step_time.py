@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 
@@ -317,7 +318,9 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert found.fsdp_unit_s >= 0 and found.dtensor_module_s >= 0
     assert found.fsdp_bandwidth > 0 and found.ddp_bandwidth > 0
     assert found.traced_op_s >= 0 and found.ddp_bucket_s >= 0
-    assert 0 < found.param_s < 1e-3 and 0 <= found.sync_wait < 1
+    # the ranks' wait: a share of their compute, past 1 on a loaded machine
+    assert 0 < found.param_s < 1e-3
+    assert math.isfinite(found.sync_wait) and found.sync_wait >= 0
     back = profiles.cpu_profile()
     assert back.matmul == found.matmul and back.fsdp_unit_s == found.fsdp_unit_s
 
