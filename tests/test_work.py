@@ -17,6 +17,7 @@ from src.observe import live_memory
 from src.planner import work
 from src.planner.step_time import predict
 from src.planner.trace import HEAD, block_order
+from src.sharding.pipeline import bubble_fraction
 from tests.test_step_time import FLOPS, _predict, _profile
 
 
@@ -162,6 +163,30 @@ def test_expert_parallelism_is_said_to_be_timed_without_its_shapes(probed):
     )  # fmt: skip
     assert {"matmuls", "other ops", "EP all-to-alls"} <= set(terms)
     assert any("expert parallelism's shapes are not traced" in n for n in step.notes)
+
+
+def test_a_timed_pipelines_bubble_leaves_out_the_head(probed):
+    """PP2 on a probed CPU: the bubble is the schedule's idle share of the stage's
+    busy time less its ops outside the blocks (embeddings, head, loss: the other
+    stage, which fills and drains the pipeline, runs none of them but an
+    embedding); on the formula, where nothing is timed apart, of all of it."""
+    resolved, _, _, terms = _predict(
+        "trainer.devices=2", "sharding.pipeline_parallel=2", profile=probed
+    )
+    micro = resolved.pipeline.microbatches
+    ops, _ = work.run_ops(
+        resolved, resolved.batch.batch_size // micro, resolved.batch.seq_len,
+        torch.float32, "none",
+    )  # fmt: skip
+    head = micro * sum(
+        n * (ops.calls[k].flops() / FLOPS + 1e-6) for k, n in ops.regions[HEAD].items()
+    )
+    busy = sum(v for k, v in terms.items() if not k.startswith(("pipeline", "optim")))
+    bubble = bubble_fraction(resolved.pipeline.schedule, 2, micro)
+    assert 0 < head < busy
+    assert terms["pipeline bubble"] == pytest.approx(
+        (busy - head) * bubble / (1 - bubble)
+    )
 
 
 def _grouped_reference(a, b, offs):

@@ -268,6 +268,8 @@ class _Step:
         self.micro = self.accum * self.pp_micro  # micro-batches a rank runs per step
         self.local_layers = shape.layers / lay.pp
         self.notes: list[str] = []
+        # the compute outside the blocks (embeddings, head, loss), where timed
+        self.head_s = 0.0
 
     # -- compute ------------------------------------------------------------------
 
@@ -354,6 +356,7 @@ class _Step:
         per_op, sampled = total["per_op"], total["sampled_per_op"]
         total = {k: v * self.micro for k, v in total.items()}
         total["attention"] *= lay.cp
+        self.head_s = total["head"]
         n_ops, each = total["ops"], per_op or self.rates.traced_op_s
         whose = "this model's, run here" if per_op else "the probe's"
         how = f"{total['distinct'] / self.micro:,.0f} distinct ops of the model timed"
@@ -591,14 +594,7 @@ class _Step:
                      "ends apart)")
             )  # fmt: skip
         if self.lay.pp > 1:
-            bubble = bubble_fraction(
-                str(self.r.pipeline.schedule), self.lay.pp, self.pp_micro
-            )
-            busy = sum(t.seconds for t in terms)
-            terms.append(
-                Term("pipeline bubble", busy * bubble / (1 - bubble),
-                     f"{bubble:.0%} of the step idle ({self.r.pipeline.schedule})")
-            )  # fmt: skip
+            terms.append(self._bubble(sum(t.seconds for t in terms)))
         terms += self.optimizer_terms()
         notes = list(self.rates.notes) + self.notes
         total = sum(t.seconds for t in terms)
@@ -614,6 +610,22 @@ class _Step:
             profile=self.profile,
             notes=notes,
         )
+
+    def _bubble(self, busy: float) -> Term:
+        """A pipeline's fill and drain: ``bubble / (1 - bubble)`` of a stage's busy
+        time (the schedule's idle share of equal stages). The stage predicted is
+        the worst, whose busy time holds the embeddings, the head and the loss;
+        while it fills and drains it waits for the other stages, which hold none
+        of them but an embedding: where timed, the idle share is of its time less
+        them (Llama's 1F1B and GPipe on 2 ranks measured 15-30% faster than the
+        whole stage's share said, docs/benchmarks.md)."""
+        schedule = str(self.r.pipeline.schedule)
+        bubble = bubble_fraction(schedule, self.lay.pp, self.pp_micro)
+        idle = (busy - self.head_s) * bubble / (1 - bubble)
+        what = f"{bubble:.0%} of the step idle ({schedule})"
+        if self.head_s:
+            what += ", of the stages' time less the head's"
+        return Term("pipeline bubble", idle, what)
 
     def _fsdp_term(self, units: list[tuple[float, float]], compute_s: float) -> Term:
         """FSDP's collectives: each unit's next gather runs beside this unit's compute

@@ -84,8 +84,8 @@ _REPEATS = 5
 FLUSH_BYTES = 2**20
 #: The cache file's format: a file of another is measured again (2: grouped
 #: matmuls split their tokens evenly, where 1 left every group empty; 3: the
-#: logged steps' memory sampling per op).
-TIMES_FORMAT = 3
+#: logged steps' memory sampling per op; 4: the ops outside the blocks apart).
+TIMES_FORMAT = 4
 #: (micro-batch, sequence) of :func:`model_overhead`'s real run: its ops take
 #: microseconds, so what the step adds to them stands out.
 OVERHEAD_SHAPE = (1, 16)
@@ -397,8 +397,10 @@ def region_times(
 
 #: What one micro-batch's totals hold: seconds by kind, ops, distinct ops, the
 #: model's own seconds per op beyond its replay (0: not measured, the profile's),
-#: and what a logged step's memory sampling adds per op (0: not measured).
-KINDS = ("matmul", "attention", "other", "ops", "distinct", "per_op", "sampled_per_op")
+#: what a logged step's memory sampling adds per op (0: not measured), and the
+#: seconds of its ops outside the blocks (embeddings, head, loss: HEAD's).
+KINDS = ("matmul", "attention", "other", "ops", "distinct", "per_op",
+         "sampled_per_op", "head")  # fmt: skip
 _OPS: dict[tuple, tuple[TracedOps, dict[Any, float]]] = {}
 _TIMES: dict[tuple, OpTimes] = {}
 
@@ -461,6 +463,10 @@ def micro_batch_work(
         for region, t in parts.items():
             for kind in KINDS[:4]:
                 total[kind] += blocks.get(region, 0.0) * getattr(t, kind)
+        if HEAD in parts:
+            total["head"] = (
+                parts[HEAD].matmul + parts[HEAD].attention + parts[HEAD].other
+            )
         total["distinct"] = float(len(ops.calls))
         own = model_overhead(resolved, seq_len, mode, times.threads)
         total["per_op"], total["sampled_per_op"] = own or (0.0, 0.0)
