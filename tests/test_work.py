@@ -293,7 +293,9 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
     with work._OpClock() as clock:
         _, loss = ops[0](*[torch.zeros(1, 16, dtype=torch.long)] * 2)
         loss.backward()
-    assert slow - plain == pytest.approx(spin / clock.ops, rel=0.5)
+    # seen, and not far past it: the other worker's load stretches a wall-clock
+    # figure taken at another moment (3x once in the suite), never shrinks it
+    assert 0.5 * spin / clock.ops < slow - plain < 5 * spin / clock.ops
     assert slow_sampling - sampling == pytest.approx(
         1e-3 * per_run / clock.ops, rel=0.5
     )
