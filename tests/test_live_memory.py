@@ -3,6 +3,8 @@ glibc's free heap, sampled at a step's moments."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -58,6 +60,7 @@ def test_the_hooks_sample_at_the_step_moments_and_see_the_saved_activations():
     net = _Net()
     opt = torch.optim.AdamW(net.parameters())
     x = torch.randn(2048, 512)
+    fds = len(os.listdir("/proc/self/fd"))
     try:
         lm = live_memory.watch(net, torch.device("cpu"))
         assert lm is live_memory.active()
@@ -77,6 +80,8 @@ def test_the_hooks_sample_at_the_step_moments_and_see_the_saved_activations():
     finally:
         live_memory.stop()
     assert "peak_rss_gib" not in memory_metrics(torch.device("cpu"))
+    # its /proc/self/statm closed: a process that trains again opens no more
+    assert len(os.listdir("/proc/self/fd")) == fds and not lm.available
 
 
 def test_a_checkpointed_blocks_children_sample_their_forward_too():

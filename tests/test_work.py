@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import replace
 
@@ -225,13 +226,24 @@ def test_grouped_matmuls_replay_every_token_of_each_expert():
         assert call.flops() == 2 * per_group.sum().item()
 
 
+def _overhead(monkeypatch, resolved) -> tuple[float, float] | None:
+    """``resolved``'s model overhead figures, measured now (not the process's)."""
+    monkeypatch.setattr(work, "_OVERHEAD", {})
+    return work.model_overhead(resolved, 16, "none", 1)
+
+
+def _no_memory_read(monkeypatch) -> None:
+    """A sample reads no memory: glibc's mallinfo2 walks the heap, whose fragments
+    a long-lived test worker has many of (1 ms a sample in the suite)."""
+    monkeypatch.setattr(live_memory.LiveMemory, "sample", lambda self: None)
+
+
 def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
     """The model's per-op time beyond its ops comes from a real run of its head and
     first block (the later blocks left on meta, the tied head still tied, every
     value the family's init); Python the model runs between its ops raises it by
-    that time over its ops, and a logged step's memory sampling its samples' time
-    over its ops; a family without an init, one past the size limit, or one whose
-    init fails has none (the probe's figure holds)."""
+    that time over its ops; a family without an init, one past the size limit, or
+    one whose init fails has none (the probe's figure holds)."""
     resolved = resolve(compose_config("model=tiny", "data=synthetic"))
     spec, config = resolved.spec, resolved.model_config
     classes = tuple(spec.block_classes(config))
@@ -248,31 +260,9 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
             )  # fmt: skip
     assert model.lm_head.weight is model.wte.weight
 
-    def figures() -> tuple[float, float]:
-        monkeypatch.setattr(work, "_OVERHEAD", {})
-        return work.model_overhead(resolved, 16, "none", 1)
-
-    def figure() -> float:
-        return figures()[0]
-
-    # a sample reads no memory here: glibc's mallinfo2 walks the heap, whose
-    # fragments a long-lived test worker has many of (1 ms a sample in the suite)
-    calls, sample = [], live_memory.LiveMemory.sample
-    monkeypatch.setattr(live_memory.LiveMemory, "sample", lambda self: None)
-    plain, sampling = figures()
-    assert 0 <= plain < 1e-3 and 0 <= sampling < 1e-3
-
-    def slow_sample(self):
-        calls.append(1)
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 1e-3:
-            pass
-
-    monkeypatch.setattr(live_memory.LiveMemory, "sample", slow_sample)
-    slow_sampling = figures()[1]
-    monkeypatch.setattr(live_memory.LiveMemory, "sample", sample)
-    per_run = len(calls) / work.OVERHEAD_REPEATS  # attach's own sample included
-    assert per_run > 10
+    _no_memory_read(monkeypatch)
+    plain = _overhead(monkeypatch, resolved)[0]
+    assert 0 <= plain < 1e-3
     spin, ops = 2e-3, []
     materialize = work._materialize
 
@@ -289,27 +279,50 @@ def test_a_models_own_overhead_is_run_on_its_head_and_first_blocks(monkeypatch):
         return done
 
     monkeypatch.setattr(work, "_materialize", slowed)
-    slow = figure()
+    slow = _overhead(monkeypatch, resolved)[0]
     with work._OpClock() as clock:
         _, loss = ops[0](*[torch.zeros(1, 16, dtype=torch.long)] * 2)
         loss.backward()
     # seen, and not far past it: the other worker's load stretches a wall-clock
     # figure taken at another moment (3x once in the suite), never shrinks it
     assert 0.5 * spin / clock.ops < slow - plain < 5 * spin / clock.ops
-    assert slow_sampling - sampling == pytest.approx(
-        1e-3 * per_run / clock.ops, rel=0.5
-    )
     monkeypatch.setattr(work, "_materialize", materialize)
     monkeypatch.setattr(work, "OVERHEAD_NUMEL", 10)
-    assert figures() is None
+    assert _overhead(monkeypatch, resolved) is None
     no_init = replace(resolved, spec=replace(spec, init_tensor=None))
     monkeypatch.setattr(work, "OVERHEAD_NUMEL", 2**30)
-    monkeypatch.setattr(work, "_OVERHEAD", {})
-    assert work.model_overhead(no_init, 16, "none", 1) is None
+    assert _overhead(monkeypatch, no_init) is None
 
     def broken(*_):
         raise RuntimeError("no value for this buffer")
 
-    monkeypatch.setattr(work, "_OVERHEAD", {})
     failing = replace(resolved, spec=replace(spec, init_tensor=broken))
-    assert work.model_overhead(failing, 16, "none", 1) is None
+    assert _overhead(monkeypatch, failing) is None
+
+
+def test_a_logged_steps_memory_sampling_is_timed_on_the_same_run(monkeypatch):
+    """The overhead run also runs the model with the live-memory sampler's hooks
+    attached, as a logged step has them: what that adds per op is its samples'
+    time over the run's ops; the sampler's file is closed after."""
+    resolved = resolve(compose_config("model=tiny", "data=synthetic"))
+    _no_memory_read(monkeypatch)
+    fds = len(os.listdir("/proc/self/fd"))
+    sampling = _overhead(monkeypatch, resolved)[1]
+    assert len(os.listdir("/proc/self/fd")) == fds  # its sampler's file closed
+    assert 0 <= sampling < 1e-3
+    calls = []
+
+    def slow_sample(self):
+        calls.append(1)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1e-3:
+            pass
+
+    monkeypatch.setattr(live_memory.LiveMemory, "sample", slow_sample)
+    slow_sampling = _overhead(monkeypatch, resolved)[1]
+    per_run = len(calls) / work.OVERHEAD_REPEATS  # attach's own sample included
+    assert per_run > 10
+    _no_memory_read(monkeypatch)
+    monkeypatch.setattr(work, "OVERHEAD_REPEATS", 1)
+    ops = work._overhead_runs(resolved, 16, "none", 1)[3]
+    assert slow_sampling - sampling == pytest.approx(1e-3 * per_run / ops, rel=0.5)

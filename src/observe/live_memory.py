@@ -174,6 +174,14 @@ class LiveMemory:
             h.remove()
         self._hooks.clear()
 
+    def close(self) -> None:
+        """Detach and close /proc/self/statm: a sampler done with (no longer
+        :attr:`available`)."""
+        self.detach()
+        if self._statm is not None:
+            os.close(self._statm)
+            self._statm = None
+
 
 def _compiled(module: nn.Module) -> bool:
     return hasattr(module.forward, "_torchdynamo_orig_callable") or hasattr(
@@ -251,8 +259,8 @@ def active() -> LiveMemory | None:
 
 
 def stop() -> None:
-    """Detach this process's sampler (a test's model, a finished run)."""
+    """Detach and close this process's sampler (a test's model, a finished run)."""
     global _ACTIVE
     if _ACTIVE is not None:
-        _ACTIVE.detach()
+        _ACTIVE.close()
     _ACTIVE = None

@@ -630,4 +630,5 @@ def _overhead_runs(
                     sampler.detach()
     finally:
         torch.set_num_threads(before)
+        sampler.close()
     return walls, inside, sampled or walls, clock.ops
