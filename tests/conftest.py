@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -267,6 +268,23 @@ class _State:
         if captured != self.warnings_captured:
             logging.captureWarnings(self.warnings_captured)
         warnings.formatwarning = self.formatwarning
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo group (unless one is up) and its 1-D CPU mesh: DTensor code
+    run in the test's own process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    started = not dist.is_initialized()
+    if started:
+        path = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(path, 1), rank=0, world_size=1
+        )
+    yield init_device_mesh("cpu", (1,))
+    if started:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

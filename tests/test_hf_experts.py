@@ -5,31 +5,14 @@ in tests/test_expert_parallel.py's launch."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from src.models import hf_experts
 from src.models.hf import HFConfig, build
 from tests.test_config import config_error
-
-
-@pytest.fixture
-def one_rank_mesh():
-    started = not dist.is_initialized()
-    if started:
-        path = os.path.join(tempfile.mkdtemp(), "store")
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(path, 1), rank=0, world_size=1
-        )
-    yield init_device_mesh("cpu", (1,))
-    if started:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", ["tiny_mixtral", "tiny_qwen3_moe"])

@@ -94,3 +94,39 @@ def test_profile_window_traces_memory_table_artifact_and_train_log(tmp_path):
     assert re.search(r"step 8: loss [\d.]+, [\d,]+ tok/s, .*mfu .*lr ", log)
     assert "step 8: loss" not in run.stdout
     assert re.search(r"run: 0\.\d+M params \| fsdp2, 5 units \| fp32 \|", run.stdout)
+
+
+def test_unit_ranges_pass_a_dtensor_output_that_no_gradient_reaches(one_rank_mesh):
+    """A root returning (vocabulary-sharded logits, loss), as under tensor
+    parallelism's loss_parallel: its backward range closes and the backward runs
+    (autograd's zeros for the logits were plain tensors and failed in the DTensor
+    graph)."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from src.observe.profiling import UnitRanges
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            weight = distribute_tensor(torch.randn(4, 8), one_rank_mesh, [Shard(1)])
+            self.weight = nn.Parameter(weight)
+
+        def forward(self, x, targets):
+            logits = x.redistribute(one_rank_mesh, [Replicate()]) @ self.weight
+            loss = nn.functional.cross_entropy(logits, targets)
+            return logits, loss.to_local().clone()
+
+    head = Head()
+    ranges = UnitRanges({"": head})
+    x = distribute_tensor(torch.randn(3, 4), one_rank_mesh, [Shard(0)])
+    try:
+        with loss_parallel():
+            _, loss = head(x.requires_grad_(), torch.tensor([1, 2, 3]))
+            loss.backward()
+        assert not ranges.open  # the backward range opened and closed
+    finally:
+        ranges.remove()
+    assert head.weight.grad is not None and torch.isfinite(head.weight.grad).all()

@@ -75,11 +75,15 @@ class CudaOutOfMemory(RunError):
 
 
 class _Mark(torch.autograd.Function):
-    """Identity in forward; in backward calls ``hook`` (once per unit and pass)."""
+    """Identity in forward; in backward calls ``hook`` (once per unit and pass).
+    An output no gradient reaches passes on None, not zeros: autograd's zeros are
+    plain tensors, and a DTensor's graph (tensor parallelism's vocabulary-sharded
+    logits beside the loss) fails on them."""
 
     @staticmethod
     def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):
         ctx.hook = hook
+        ctx.set_materialize_grads(False)
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
