@@ -22,6 +22,7 @@ from src.planner.step_time import (
     predict,
     predicted_step,
 )
+from src.planner.tp_census import census
 from src.sharding.pipeline import bubble_fraction
 
 LATENCY, BANDWIDTH = 1e-3, 1e8
@@ -133,8 +134,9 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     """A profile's framework figures: each FSDP unit costs ``fsdp_unit_s`` per
     micro-batch (FSDP2 and FSDP1; none without sharding) and its collectives move
     at ``fsdp_bandwidth`` (the hooks run unsharded too: HSDP of 1-rank replicas),
-    each tensor-parallel module costs ``dtensor_module_s`` per micro-batch (the
-    wrap plan's TP modules), each parameter tensor of
+    under TP each op DTensor dispatches costs ``dtensor_op_s`` and each collective
+    it sends ``dtensor_comm_s`` beyond its link (the model's census), each parameter
+    tensor of
     FSDP2 (DTensors) ``dtensor_param_s`` in the optimizer step (not FSDP1's flat
     parameters, not DDP's) and every backend's ``param_s``; ranks wait for each
     other ``sync_wait`` of their compute (not a pipeline's stages: its bubble is
@@ -145,7 +147,8 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
 
     bw = BANDWIDTH / 3
     framework = replace(
-        _profile(), fsdp_unit_s=1e-3, dtensor_module_s=1e-5, fsdp_bandwidth=bw,
+        _profile(), fsdp_unit_s=1e-3, dtensor_op_s=1e-5, dtensor_comm_s=1e-3,
+        fsdp_bandwidth=bw,
         dtensor_param_s=1e-4, param_s=2e-5, sync_wait=0.1,
     )  # fmt: skip
     _, plan, _, fsdp = _predict("trainer.devices=2", profile=framework)
@@ -173,9 +176,17 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     resolved, plan, _, tp = _predict(
         "trainer.devices=2", "sharding.tensor_parallel=2", profile=framework
     )
-    layers = resolved.model_config.n_layer
-    assert len(plan.tp_modules) >= 4 * layers  # GPT: qkv, its projection, the MLP's
-    assert tp["DTensor dispatch (TP)"] == pytest.approx(len(plan.tp_modules) * 1e-5)
+    counted = census(resolved)
+    assert tp["DTensor dispatch (TP)"] == pytest.approx(counted.dtensor_ops * 1e-5)
+    rows = resolved.batch.batch_size  # one micro-batch: every row on each tp rank
+    want = sum(
+        n * (LATENCY + COLLECTIVES[k] * 0.5 * nbytes * rows / n / BANDWIDTH + 1e-3)
+        for k, (n, nbytes) in counted.collectives.items()
+    )
+    assert tp["TP collectives"] == pytest.approx(want)
+    n, nbytes = counted.partial_grads
+    each = LATENCY + 2 * 0.5 * nbytes / n / BANDWIDTH + 1e-3
+    assert n and tp["TP gradient all-reduces"] == pytest.approx(n * each)
     # HSDP with one rank per replica: nothing sharded, every unit's hooks still run
     _, plan, _, hsdp = _predict(
         "trainer.devices=2", "sharding.replicate=2", profile=framework
@@ -315,7 +326,8 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert set(found.memory_bw) == set(found.activation_bw) == {1, cores}
     assert found.op_s > 0 and set(found.links) == set(COLLECTIVES)
     assert all(k.latency_s > 0 and k.bandwidth > 0 for k in found.links.values())
-    assert found.fsdp_unit_s >= 0 and found.dtensor_module_s >= 0
+    assert found.fsdp_unit_s >= 0 and found.dtensor_comm_s >= 0
+    assert found.dtensor_op_s > 0
     assert found.fsdp_bandwidth > 0 and found.ddp_bandwidth > 0
     assert found.traced_op_s >= 0 and found.ddp_bucket_s >= 0
     # the ranks' wait: a share of their compute, past 1 on a loaded machine

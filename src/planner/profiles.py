@@ -46,7 +46,7 @@ _DTYPES = ("fp32", "bf16")
 #: measured".
 MEASURED_FLOOR_S = 1e-7
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 7
+PROFILE_FORMAT = 8
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -69,8 +69,8 @@ class DeviceProfile:
     ``links`` per collective within a node, ``inter_links`` across nodes (the CPU
     probe: the same); ``overlap``: whether a collective runs beside compute (a
     GPU's NCCL kernels do; a CPU's gloo threads take the cores the ranks compute
-    on); ``fsdp_unit_s`` and ``dtensor_module_s``: the framework's own time per FSDP unit
-    and per op under tensor parallelism (src/planner/rank_probe.py)."""
+    on); ``fsdp_unit_s`` and ``dtensor_op_s``: the framework's own time per FSDP
+    unit and per op DTensor dispatches under tensor parallelism (src/planner/rank_probe.py)."""
 
     name: str
     source: str  # "probe ..." or "datasheet, not calibrated"
@@ -90,10 +90,13 @@ class DeviceProfile:
     #: per FSDP unit and micro-batch, beyond its collectives: hooks, copy-in and
     #: copy-out (0: not measured, a GPU's, whose Python runs ahead of its kernels)
     fsdp_unit_s: float = 0.0
-    #: per tensor-parallel module and forward (its backward included), beyond its
-    #: own work and all-reduces: DTensor's dispatch and redistributions (0: not
-    #: measured)
-    dtensor_module_s: float = 0.0
+    #: per op DTensor dispatches under tensor parallelism (src/planner/tp_census.py
+    #: counts them), beyond the local op (0: not measured)
+    dtensor_op_s: float = 0.0
+    #: per collective DTensor sends (a redistribution), beyond its link's latency
+    #: and bytes: the redistribution's own work, the functional collective's
+    #: hand-off to gloo's thread and back, the ranks' waits at it (0: not measured)
+    dtensor_comm_s: float = 0.0
     #: bytes/s of FSDP's all-gathers and reduce-scatters as a step meets them (its
     #: copies included; 0: the links' own)
     fsdp_bandwidth: float = 0.0
@@ -393,8 +396,8 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     """From the probe chains' extra seconds (src/planner/rank_probe.py): FSDP's time
     per unit beyond its collectives' latencies and bytes, and its bandwidth (a
     unit's two all-gathers and reduce-scatter moving half its bytes each, fitted on
-    the two widths); DTensor's time per op under TP, less its two all-reduces per
-    block; DDP's per bucket and its bandwidth (the gradients' bytes, fitted on the
+    the two widths); under TP, what the chain adds beyond its collectives' links
+    and DTensor's dispatch per op (measured apart), per collective it sent; DDP's per bucket and its bandwidth (the gradients' bytes, fitted on the
     two widths)."""
     from src.planner import rank_probe as rp
 
@@ -402,15 +405,22 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     per_unit = [measured[k] / rp.BLOCKS for k in ("fsdp_extra_s", "fsdp_wide_extra_s")]
     latency = 2 * links["all_gather"].latency_s + links["reduce_scatter"].latency_s
     per_byte = max((per_unit[1] - per_unit[0]) / (wide - small), 1e-12)
-    act = 4 * rp.BATCH * rp.WIDTH
-    block_comm = 2 * collective(links["all_reduce"], "all_reduce", 2, act)
-    tp = (measured["tp_extra_s"] / rp.BLOCKS - block_comm) / rp.TP_MODULES
+    tp_census = measured["tp_census"]
+    tp_comm = sum(
+        n * collective(links[k], k, 2, nbytes / n)
+        for k, (n, nbytes) in tp_census.collectives.items()
+    )
+    op_s = max(0.0, measured["dtensor_op_s"])
+    tp_ops = tp_census.dtensor_ops * op_s
+    n_comm = sum(n for n, _ in tp_census.collectives.values())
+    tp = (measured["tp_extra_s"] - tp_comm - tp_ops) / max(1, n_comm)
     ddp = [measured[k] for k in ("ddp_extra_s", "ddp_wide_extra_s")]
     ddp_per_byte = max((ddp[1] - ddp[0]) / (wide - small) / rp.BLOCKS, 1e-12)
     return {
         "fsdp_unit_s": max(0.0, per_unit[0] - latency - per_byte * small),
         "fsdp_bandwidth": 1.5 / per_byte,
-        "dtensor_module_s": max(0.0, tp),
+        "dtensor_op_s": op_s,
+        "dtensor_comm_s": max(0.0, tp),
         "ddp_bucket_s": max(0.0, ddp[0] - ddp_per_byte * small * rp.BLOCKS),
         "ddp_bandwidth": 1.0 / ddp_per_byte,
         "dtensor_param_s": max(0.0, measured["dtensor_param_s"]),
@@ -545,7 +555,8 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         overlap=raw["overlap"],
         traced_op_s=_at_least_zero(raw["traced_op_s"], "traced_op_s"),
         fsdp_unit_s=_at_least_zero(raw["fsdp_unit_s"], "fsdp_unit_s"),
-        dtensor_module_s=_at_least_zero(raw["dtensor_module_s"], "dtensor_module_s"),
+        dtensor_op_s=_at_least_zero(raw["dtensor_op_s"], "dtensor_op_s"),
+        dtensor_comm_s=_at_least_zero(raw["dtensor_comm_s"], "dtensor_comm_s"),
         fsdp_bandwidth=_at_least_zero(raw["fsdp_bandwidth"], "fsdp_bandwidth"),
         ddp_bucket_s=_at_least_zero(raw["ddp_bucket_s"], "ddp_bucket_s"),
         ddp_bandwidth=_at_least_zero(raw["ddp_bandwidth"], "ddp_bandwidth"),

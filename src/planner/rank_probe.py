@@ -20,9 +20,9 @@ Per rank, all timed by wall clock after a barrier (a collective waits for its pe
   model counts for it (two all-gathers and one reduce-scatter), is
   ``fsdp_unit_s``; the same chain 8x wider, less that, over the bytes of its
   collectives, is FSDP's bandwidth (``fsdp_bandwidth``);
-- the same chain with tensor parallelism (column- then row-wise): the extra time
-  per tensor-parallel module, less its two all-reduces per block, is
-  ``dtensor_module_s``;
+- the same chain with tensor parallelism (column- then row-wise): the extra time,
+  less its collectives, per op DTensor dispatched (both counted on one more step by
+  src/planner/tp_census.py, as the planner counts a model's) is ``dtensor_op_s``;
 - the chain under DDP at both widths (one gradient bucket each): its time per
   bucket (``ddp_bucket_s``) and its bandwidth (``ddp_bandwidth``), all-reduce,
   bucket copies and the gloo thread's share of the rank's core in (the 2-rank
@@ -58,18 +58,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from src.planner.tp_census import TPCensus, count
+
 #: The chain the overheads are measured on: blocks of width x 4*width, a batch of
 #: BATCH rows; small, so that the step is its overheads. FSDP's bytes are timed on
 #: the same chain at WIDE (8.4 MB a unit): gloo between processes moving tensors of
 #: a real model's size, with FSDP's copies, which a 4 MiB collective alone reads
 #: at twice the speed.
 WIDTH, BLOCKS, BATCH, WIDE = 64, 6, 8, 512
-#: Tensor-parallel modules of one chain block (its two linears).
-TP_MODULES = 2
 SMALL, LARGE = 2, 1 << 20
 #: The chains' extra seconds each rank reports.
 EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "tp_extra_s", "ddp_extra_s",
-          "ddp_wide_extra_s", "dtensor_param_s", "sync_wait")  # fmt: skip
+          "ddp_wide_extra_s", "dtensor_param_s", "dtensor_op_s", "sync_wait")  # fmt: skip
 #: :func:`_sync_wait`'s compute between two all-reduces (a small model's forward
 #: and backward) and its rounds.
 SYNC_BURST_S, SYNC_ROUNDS = 0.01, 80
@@ -236,8 +236,37 @@ def _ddp_extra(width: int = WIDTH) -> float:
     return _step_time(DistributedDataParallel(_chain(width)), width) - plain
 
 
-def _tp_extra() -> float:
-    """Seconds tensor parallelism (each block's MLP column- then row-wise) adds."""
+def _dtensor_op_extra() -> float:
+    """Seconds DTensor's dispatch adds per op it dispatches, no collective among
+    them: a block's norm, scale and residual, forward and backward, on a sequence
+    shard (sequence parallelism's) against the same on plain tensors."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from src.sharding.layout import flat_mesh
+
+    mesh = flat_mesh("cpu", 2)
+    x = torch.randn(BATCH, 2 * WIDTH, WIDTH)
+    weight, bias = torch.ones(WIDTH), torch.zeros(WIDTH)
+
+    def norm_residual(x, weight, bias) -> None:
+        y = nn.functional.layer_norm(x, (WIDTH,), weight, bias)
+        (y * 2.0 + x).sum().backward()
+
+    plain_args = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    shard = distribute_tensor(x, mesh, [Shard(1)])
+    dt_args = [shard] + [
+        distribute_tensor(t, mesh, [Replicate()]) for t in (weight, bias)
+    ]
+    dt_args = [t.detach().requires_grad_() for t in dt_args]
+    plain = _timed(lambda: norm_residual(*plain_args), repeats=15)
+    dtensor = _timed(lambda: norm_residual(*dt_args), repeats=15)
+    ops = count(None, lambda _: norm_residual(*dt_args)).dtensor_ops
+    return max(0.0, dtensor - plain) / max(1, ops)
+
+
+def _tp_extra() -> tuple[float, TPCensus]:
+    """Seconds tensor parallelism (each block's MLP column- then row-wise) adds, and
+    what it dispatched and sent (counted on one more step, untimed)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -252,7 +281,9 @@ def _tp_extra() -> float:
     for block in model:
         plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
         parallelize_module(block, mesh, plan)
-    return _step_time(model) - plain
+    extra = _step_time(model) - plain
+    x = torch.randn(BATCH, WIDTH)
+    return extra, count(model, lambda m: m(x).sum().backward())
 
 
 def rank_main(rank: int, where: str) -> None:
@@ -264,14 +295,18 @@ def rank_main(rank: int, where: str) -> None:
     )
     try:
         collectives = _collectives(rank)
+        tp_extra, tp = _tp_extra()
         figures = {
             "collectives": collectives,
             "fsdp_extra_s": _fsdp_extra(),
             "fsdp_wide_extra_s": _fsdp_extra(WIDE),
-            "tp_extra_s": _tp_extra(),
+            "tp_extra_s": tp_extra,
+            "tp_dtensor_ops": tp.dtensor_ops,
+            "tp_collectives": {k: list(v) for k, v in tp.collectives.items()},
             "ddp_extra_s": _ddp_extra(),
             "ddp_wide_extra_s": _ddp_extra(WIDE),
             "dtensor_param_s": _dtensor_optimizer_extra(),
+            "dtensor_op_s": _dtensor_op_extra(),
             "sync_wait": _sync_wait(collectives["all_reduce"][0]),
         }
     finally:
@@ -285,6 +320,21 @@ def _number(value, what: str) -> float:
     return float(value)
 
 
+def _census(ops, collectives) -> TPCensus:
+    """The TP chain's counts as a rank wrote them (kind -> [count, bytes]), checked."""
+    from src.planner.profiles import COLLECTIVES
+
+    if not isinstance(collectives, dict):
+        raise ValueError("rank probe: tp_collectives is not a mapping")
+    out = {}
+    for kind, item in collectives.items():
+        if kind not in COLLECTIVES or not (isinstance(item, list) and len(item) == 2):
+            raise ValueError(f"rank probe: tp_collectives holds {kind!r}: {item!r}")
+        n, nbytes = (int(_number(v, f"tp_collectives {kind}")) for v in item)
+        out[kind] = (n, nbytes)
+    return TPCensus(int(_number(ops, "tp_dtensor_ops")), out)
+
+
 def _read(path: Path) -> dict:
     """One rank's figures, every one checked to be a number."""
     raw = json.loads(path.read_text())
@@ -294,6 +344,7 @@ def _read(path: Path) -> dict:
             for name, times in raw["collectives"].items()
         },
         **{k: _number(raw[k], k) for k in EXTRAS},
+        "tp_census": _census(raw["tp_dtensor_ops"], raw["tp_collectives"]),
     }
     for name, times in out["collectives"].items():
         if len(times) != 2:
@@ -344,6 +395,7 @@ def measure() -> dict:
         **{k: max(r[k] for r in ranks) for k in EXTRAS},
         # the faster rank waits, the slower does not: the step is their mean's
         "sync_wait": statistics.mean(r["sync_wait"] for r in ranks),
+        "tp_census": ranks[0]["tp_census"],  # the same chain on both
     }
 
 

@@ -25,6 +25,7 @@ from src.planner.profiles import (
     work_cache,
 )
 from src.planner.search import n_blocks
+from src.planner.tp_census import census
 from src.sharding import WrapPlan
 from src.sharding.backends import backend_class
 from src.sharding.pipeline import bubble_fraction
@@ -174,7 +175,8 @@ class Rates:
     op_s: float
     traced_op_s: float  # per traced op, beyond its replay (src/planner/work.py)
     fsdp_unit_s: float  # per FSDP unit and micro-batch (the profile's, shared)
-    dtensor_module_s: float  # per tensor-parallel module and micro-batch
+    dtensor_op_s: float  # per op DTensor dispatches under tensor parallelism
+    dtensor_comm_s: float  # per collective DTensor sends, beyond its link
     dtensor_param_s: float  # per parameter tensor of the optimizer, as DTensors
     param_s: float  # per parameter tensor of the clip and optimizer step
     dtype: str
@@ -213,7 +215,8 @@ def rank_rates(profile: DeviceProfile, world: int, dtype_bytes: int) -> Rates:
         profile.op_s / share,
         profile.traced_op_s / share,
         profile.fsdp_unit_s / share,
-        profile.dtensor_module_s / share,
+        profile.dtensor_op_s / share,
+        profile.dtensor_comm_s / share,
         profile.dtensor_param_s / share,
         profile.param_s / share,
         dtype,
@@ -270,6 +273,23 @@ class _Step:
         self.notes: list[str] = []
         # the compute outside the blocks (embeddings, head, loss), where timed
         self.head_s = 0.0
+        self.tp = self._tp_census()
+
+    def _tp_census(self):
+        """The model's count of what tensor parallelism dispatches and sends
+        (src/planner/tp_census.py); None without it, or, said, where the model does
+        not run on the meta device."""
+        if self.lay.tp <= 1:
+            return None
+        try:
+            return census(self.r)
+        except Exception as err:  # noqa: BLE001 - any model code may fail on meta
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            self.notes.append(
+                "tensor parallelism's collectives and DTensor dispatch not counted: "
+                f"the model does not run on the meta device ({first[:120]})"
+            )
+            return None
 
     # -- compute ------------------------------------------------------------------
 
@@ -309,17 +329,15 @@ class _Step:
         return terms + self._dtensor_terms()
 
     def _dtensor_terms(self) -> list[Term]:
-        each = self.rates.dtensor_module_s
-        modules = len(self.plan.tp_modules)
-        if self.lay.tp == 1 or not each or not modules:
+        each, tp = self.rates.dtensor_op_s, self.tp
+        if tp is None or not each:
             return []
-        passes = self.micro * modules
+        ops = self.micro * tp.dtensor_ops / self.lay.pp
         return [
             Term(
                 "DTensor dispatch (TP)",
-                passes * each,
-                f"{passes:,} passes of {modules} tensor-parallel modules x "
-                f"{each * 1e6:,.0f} us (the probe's)",
+                ops * each,
+                f"{ops:,.0f} ops on DTensors x {each * 1e6:,.1f} us (the probe's)",
             )
         ]
 
@@ -491,12 +509,7 @@ class _Step:
                 link, "all_reduce", lay.dp_replicate, nbytes / len(self.plan.units)
             )
             terms.append(Term("HSDP all-reduce", t, f"{lay.dp_replicate} replicas"))
-        if lay.tp > 1:
-            link = _link(p, "all_reduce", lay.tp)
-            t = self.micro * layers * 4 * collective(link, "all_reduce", lay.tp, act)
-            terms.append(
-                Term("TP all-reduces", t, "2 in forward, 2 in backward per block")
-            )
+        terms += self._tp_comm()
         if lay.cp > 1:
             kv = 2 * self.micro_tokens * lay.cp * m.kv_width * self.pbytes
             each = collective(
@@ -527,6 +540,38 @@ class _Step:
             t = self.micro * transfers * collective(link, "p2p", 2, act)
             terms.append(Term("PP send/recv", t, f"{transfers} per micro-batch"))
         return terms + self._step_all_reduces()
+
+    def _tp_comm(self) -> list[Term]:
+        """Tensor parallelism's collectives as the model sent them (its census, on 1
+        row of the run's sequence in fp32: scaled to the rank's micro-batch and
+        dtype; a pipeline stage's share of the model's), and the gradients left
+        partial on the tp ranks, all-reduced once a step; each beyond its link's
+        time costs the probe's ``dtensor_comm_s`` (a redistribution's own work and
+        the ranks' waits at it)."""
+        tp, lay, p = self.tp, self.lay, self.profile
+        if tp is None:
+            return []
+        scale = self.micro_tokens / self.m.seq_len * self.pbytes / 4
+        extra = self.rates.dtensor_comm_s
+        t, sent = 0.0, []
+        for kind, (n, nbytes) in tp.collectives.items():
+            link = _link(p, kind, lay.tp)
+            t += n * (collective(link, kind, lay.tp, nbytes / n * scale) + extra)
+            sent.append(f"{n / lay.pp:,.0f} {kind.replace('_', '-')}s")
+        beyond = f" + {extra * 1e3:,.2f} ms each (the probe's)" if extra else ""
+        terms = [
+            Term("TP collectives", self.micro * t / lay.pp,
+                 f"{', '.join(sent)} a micro-batch (counted on the model){beyond}")
+        ]  # fmt: skip
+        n, nbytes = tp.partial_grads
+        if n:
+            link = _link(p, "all_reduce", lay.tp)
+            each = collective(link, "all_reduce", lay.tp, nbytes / n * self.rbytes / 4)
+            terms.append(
+                Term("TP gradient all-reduces", n / lay.pp * (each + extra),
+                     f"{n / lay.pp:,.0f} replicated parameters' partial gradients")
+            )  # fmt: skip
+        return terms
 
     def _step_all_reduces(self) -> list[Term]:
         """The trainer's small all-reduces once a step: the loss's mean with the stop

@@ -1,0 +1,202 @@
+"""What tensor parallelism adds to a micro-batch, counted on the model itself.
+
+The run's model is tensor-parallelised on the meta device over a fake process group
+(src/planner/inputs.py): every style of its plan, sequence parallelism, a
+vocabulary-parallel loss and its checkpointing are as the run builds them. One
+forward and backward of one micro-batch runs on it under :class:`_Counter`, a
+dispatch mode that sees each op before DTensor does and counts:
+
+- every op with a DTensor argument: DTensor's dispatch (sharding propagation, the
+  local op's call, wrapping its output) costs a rank the probe's ``dtensor_op_s`` of
+  Python per op beyond the local op's own time;
+- every collective the redistributions issue (sequence parallelism's all-gathers and
+  reduce-scatters, a row-wise layer's all-reduce without it, the loss's), with the
+  bytes of its full tensor;
+- each trained parameter whose gradient comes out ``Partial`` on the tp ranks (a
+  norm's weight under sequence parallelism, a fused projection's weight): FSDP
+  all-reduces each one once a step.
+
+A model written by hand would miss what a family adds (GPT's fused heads, its
+biases, the loss's three all-reduces): the 2-rank GPT under TP ran 26 gradient
+all-reduces and 38 redistributions a step where a per-block formula counted 16.
+The counts are taken on 1 row of the run's sequence (ops do not depend on the rows,
+the bytes of activations scale with them) and on at most two blocks of each class
+(:func:`by_blocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: c10d functional ops -> the profile's collective names (src/planner/profiles.py)
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+
+
+@dataclass(frozen=True)
+class TPCensus:
+    """What one micro-batch of one row dispatched and sent: DTensor's ops, the
+    collectives per kind as ``(count, bytes of their full tensors)``, and the
+    gradients all-reduced over the tp ranks once a step as ``(count, bytes)``.
+    Counts add and subtract (a block's is two models' difference)."""
+
+    dtensor_ops: int = 0
+    collectives: dict[str, tuple[int, int]] = field(default_factory=dict)
+    partial_grads: tuple[int, int] = (0, 0)
+
+    def plus(self, other: TPCensus, times: int = 1) -> TPCensus:
+        kinds = self.collectives.keys() | other.collectives.keys()
+
+        def add(a: tuple, b: tuple) -> tuple:
+            return tuple(x + times * y for x, y in zip(a, b, strict=True))
+
+        return TPCensus(
+            self.dtensor_ops + times * other.dtensor_ops,
+            {
+                k: add(
+                    self.collectives.get(k, (0, 0)), other.collectives.get(k, (0, 0))
+                )
+                for k in sorted(kinds)
+            },
+            add(self.partial_grads, other.partial_grads),
+        )
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtensor_ops = 0
+        self.collectives: dict[str, tuple[int, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor runs it with this mode still on: its collectives and local
+            # ops come back here
+            self.dtensor_ops += 1
+            return NotImplemented
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            # a model reads a value off its data (transformers' packed-sequence
+            # check): meta has none; zero or False, the unpacked path
+            return False if args[0].dtype == torch.bool else 0
+        name = func.overloadpacket.__name__
+        if func.namespace in ("_c10d_functional", "c10d_functional") and name in _KINDS:
+            kind, tensor = _KINDS[name], args[0]
+            nbytes = tensor.numel() * tensor.element_size()
+            if kind == "all_gather":
+                nbytes *= int(args[1])  # the gathered output
+            n, total = self.collectives.get(kind, (0, 0))
+            self.collectives[kind] = (n + 1, total + nbytes)
+        return func(*args, **(kwargs or {}))
+
+
+def count(model: torch.nn.Module | None, run) -> TPCensus:
+    """Count ``run(model)``: one micro-batch's forward, loss and backward (the
+    gradients are dropped after). The caller keeps any process group the model's
+    DTensors need alive."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    counter = _Counter()
+    with counter:
+        run(model)
+    if model is None:  # ops alone
+        return TPCensus(counter.dtensor_ops, counter.collectives)
+    partial = [
+        p.grad.to_local().numel() * p.grad.element_size()
+        for p in model.parameters()
+        if isinstance(p.grad, DTensor)
+        and any(isinstance(pl, Partial) for pl in p.grad.placements)
+    ]
+    model.zero_grad(set_to_none=True)
+    return TPCensus(
+        counter.dtensor_ops, counter.collectives, (len(partial), sum(partial))
+    )
+
+
+def _drop(model: torch.nn.Module, block: torch.nn.Module) -> None:
+    """Take ``block`` out of its container (a ModuleList or ModuleDict iterates the
+    rest)."""
+    for m in model.modules():
+        for key, child in list(m._modules.items()):
+            if child is block:
+                del m._modules[key]
+                return
+
+
+def by_blocks(model: torch.nn.Module, blocks: list, run) -> TPCensus:
+    """The count of ``model`` with all of ``blocks`` (its outer blocks, in order), from
+    runs that keep at most two of each class: one block of a class is the count
+    with two less the count with one; the whole model is the count with one of
+    each plus the rest's. A 70B model counts as fast as a small one."""
+    kinds: dict[type, list] = {}
+    for b in blocks:
+        kinds.setdefault(type(b), []).append(b)
+    for same in kinds.values():
+        for b in same[2:]:
+            _drop(model, b)
+    current = count(model, run)
+    per: dict[type, TPCensus] = {}
+    for cls, same in kinds.items():
+        if len(same) > 1:
+            _drop(model, same[1])
+            fewer = count(model, run)
+            per[cls] = current.plus(fewer, -1)
+            current = fewer
+    for cls, one in per.items():
+        current = current.plus(one, len(kinds[cls]) - 1)
+    return current
+
+
+_CACHE: dict[tuple, TPCensus] = {}
+
+
+def _census(plan) -> TPCensus:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from src.build import build_model
+    from src.planner.inputs import plan_backend, with_ac_chosen
+    from src.planner.trace import outer_blocks
+
+    plan = with_ac_chosen(plan)
+    seq = int(plan.batch.seq_len)
+
+    def step(model: torch.nn.Module) -> None:
+        tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        with loss_parallel():
+            model(tokens, tokens)[1].backward()
+
+    with plan_backend(plan) as backend:
+        model = build_model(plan, backend, init_device="meta")
+        classes = plan.spec.block_classes(plan.model_config)
+        return by_blocks(model, outer_blocks(model, classes), step)
+
+
+def census(plan) -> TPCensus | None:
+    """The :class:`TPCensus` of ``plan``'s model under its tensor parallelism (in
+    fp32, as the meta model holds it), cached per model, sequence, degree,
+    sequence parallelism, float8 and checkpointing; None without tensor
+    parallelism."""
+    lay = plan.layout
+    if lay.tp <= 1:
+        return None
+    key = (
+        repr(plan.model_config),
+        plan.batch.seq_len,
+        lay.tp,
+        plan.unit.sequence_parallel,
+        repr(plan.float8),
+        repr(plan.checkpointing),
+    )
+    if key not in _CACHE:
+        _CACHE[key] = _census(plan)
+    return _CACHE[key]
