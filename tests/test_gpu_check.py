@@ -26,6 +26,9 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
         "profile",
     ]  # fmt: skip  (the OOM leg runs on a GPU only)
     assert all(s["ok"] for s in report["steps"]), report["steps"]
+    planned = [s["step"] for s in report["steps"] if s["step"].endswith("-plan")]
+    ran = [s for s in report["steps"] if s["step"] in planned and "skipped" not in s]
+    assert [s["step"] for s in ran] == ["eager-plan"]  # dry run: the first stands
     eager, compiled, tp2, f8 = report["runs"]
     for row in (eager, compiled, tp2, f8):
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1

@@ -106,3 +106,31 @@ def test_by_blocks_keeps_two_of_each_class():
         blocks = outer_blocks(model, plan.spec.block_classes(plan.model_config))
         by_blocks(model, blocks, step)
     assert seen == [2, 1]
+
+
+def test_a_model_that_cannot_run_on_meta_is_said_not_guessed(monkeypatch):
+    """No TP lines and a note naming why; the census fails once per key, not at
+    every prediction of a search."""
+    from src.planner import tp_census
+    from src.planner.run_estimate import estimate_plan
+    from src.planner.step_time import predict
+    from tests.test_step_time import _profile
+
+    calls = []
+
+    def fails(plan):
+        calls.append(plan)
+        raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+
+    monkeypatch.setattr(tp_census, "_CACHE", {})
+    monkeypatch.setattr(tp_census, "_census", fails)
+    plan = _plan()
+    wrap, _ = estimate_plan(plan, plan.world_size)
+    for _ in range(2):
+        step = predict(plan, wrap, _profile())
+    names = {t.name for t in step.terms}
+    assert not {"TP collectives", "DTensor dispatch (TP)"} & names
+    assert any(
+        "does not run on the meta device (Tensor.item()" in n for n in step.notes
+    )
+    assert len(calls) == 1

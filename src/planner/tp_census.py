@@ -157,7 +157,7 @@ def by_blocks(model: torch.nn.Module, blocks: list, run) -> TPCensus:
     return current
 
 
-_CACHE: dict[tuple, TPCensus] = {}
+_CACHE: dict[tuple, TPCensus | Exception] = {}
 
 
 def _census(plan) -> TPCensus:
@@ -198,5 +198,11 @@ def census(plan) -> TPCensus | None:
         repr(plan.checkpointing),
     )
     if key not in _CACHE:
-        _CACHE[key] = _census(plan)
-    return _CACHE[key]
+        try:
+            _CACHE[key] = _census(plan)
+        except Exception as err:  # a search asks thousands of times: fail once
+            _CACHE[key] = err
+    found = _CACHE[key]
+    if isinstance(found, Exception):
+        raise found
+    return found
