@@ -61,12 +61,21 @@ def test_gpt_under_sequence_parallelism_sends_what_its_plan_says():
     [
         (("sharding.sequence_parallel=false",), "small"),
         (("sharding.activation_checkpointing=full",), "llama_tiny"),
+        (
+            (
+                "sharding.activation_checkpointing=full",
+                "sharding.activation_checkpointing_every=2",
+                "model.n_layers=5",
+            ),
+            "llama_tiny",
+        ),
     ],
 )
 def test_a_layout_counts_as_all_its_blocks_run(overrides, model):
     """Without sequence parallelism the row-wise outputs are all-reduced (2 per
     block forward, 2 backward); full checkpointing's recompute sends its forward's
-    collectives again. Two blocks of each class stand for all of them."""
+    collectives again. Two blocks of each class stand for all of them (of each
+    class and checkpointing: every other block of five checkpointed)."""
     plan = _plan(*overrides, model=model)
     counted = census(plan)
     assert counted == _whole(plan)

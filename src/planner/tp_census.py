@@ -133,19 +133,23 @@ def _drop(model: torch.nn.Module, block: torch.nn.Module) -> None:
                 return
 
 
-def by_blocks(model: torch.nn.Module, blocks: list, run) -> TPCensus:
+def by_blocks(
+    model: torch.nn.Module, blocks: list, run, kinds: list | None = None
+) -> TPCensus:
     """The count of ``model`` with all of ``blocks`` (its outer blocks, in order), from
-    runs that keep at most two of each class: one block of a class is the count
-    with two less the count with one; the whole model is the count with one of
-    each plus the rest's. A 70B model counts as fast as a small one."""
-    kinds: dict[type, list] = {}
-    for b in blocks:
-        kinds.setdefault(type(b), []).append(b)
+    runs that keep at most two of each kind (``kinds[i]`` is block i's: its class
+    and whether it is checkpointed; default its class): one block of a kind is the
+    count with two less the count with one; the whole model is the count with one
+    of each plus the rest's. A 70B model counts as fast as a small one."""
+    kinds_of = kinds or [type(b) for b in blocks]
+    kinds: dict = {}
+    for b, kind in zip(blocks, kinds_of, strict=True):
+        kinds.setdefault(kind, []).append(b)
     for same in kinds.values():
         for b in same[2:]:
             _drop(model, b)
     current = count(model, run)
-    per: dict[type, TPCensus] = {}
+    per: dict = {}
     for cls, same in kinds.items():
         if len(same) > 1:
             _drop(model, same[1])
@@ -164,6 +168,7 @@ def _census(plan) -> TPCensus:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from src.build import build_model
+    from src.models.memory import checkpointed_blocks
     from src.planner.inputs import plan_backend, with_ac_chosen
     from src.planner.trace import outer_blocks
 
@@ -177,8 +182,11 @@ def _census(plan) -> TPCensus:
 
     with plan_backend(plan) as backend:
         model = build_model(plan, backend, init_device="meta")
-        classes = plan.spec.block_classes(plan.model_config)
-        return by_blocks(model, outer_blocks(model, classes), step)
+        blocks = outer_blocks(model, plan.spec.block_classes(plan.model_config))
+        ac = plan.checkpointing
+        flags = checkpointed_blocks(len(blocks), ac.mode, ac.every)
+        kinds = [(type(b), flag) for b, flag in zip(blocks, flags, strict=True)]
+        return by_blocks(model, blocks, step, kinds)
 
 
 def census(plan) -> TPCensus | None:
