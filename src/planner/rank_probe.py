@@ -267,25 +267,59 @@ def _dtensor_op_extra() -> float:
     return max(0.0, dtensor - plain) / max(1, ops)
 
 
+class _NormBlock(nn.Module):
+    """A pre-norm MLP block with its residual: what sequence parallelism splits."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = _Block(width).mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
 def _tp_extra() -> tuple[float, TPCensus]:
-    """Seconds tensor parallelism (each block's MLP column- then row-wise) adds, and
-    what it dispatched and sent (counted on one more step, untimed)."""
+    """Seconds tensor and sequence parallelism add to a chain of pre-norm MLP blocks
+    (as a model's plan splits them: the norm on a sequence shard, the sequence
+    gathered before the MLP, column- then row-wise, its output reduce-scattered
+    back), and what they dispatched and sent (counted on one more step, untimed).
+    The plain chain runs a rank's share of the sequence."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
     from src.sharding.layout import flat_mesh
 
-    plain = _step_time(_chain())
-    mesh = flat_mesh("cpu", 2)
-    model = _chain()
+    def chain() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*(_NormBlock(WIDTH) for _ in range(BLOCKS)))
+
+    x = torch.randn(BATCH // 2, 8, WIDTH)  # a rank's shard of 16 positions
+
+    def timed(model: nn.Module) -> float:
+        return _timed(lambda: model(x).sum().backward(), repeats=9, agg=min)
+
+    plain_model = chain()
+    mesh, model = flat_mesh("cpu", 2), chain()
+    plan = {
+        "norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+    }
     for block in model:
-        plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
         parallelize_module(block, mesh, plan)
-    extra = _step_time(model) - plain
-    x = torch.randn(BATCH, WIDTH)
+    # the median of 5 rounds' differences: one round's moved by a third between
+    # two probes a minute apart
+    extra = statistics.median(timed(model) - timed(plain_model) for _ in range(5))
     return extra, count(model, lambda m: m(x).sum().backward())
 
 
