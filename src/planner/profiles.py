@@ -70,7 +70,8 @@ class DeviceProfile:
     probe: the same); ``overlap``: whether a collective runs beside compute (a
     GPU's NCCL kernels do; a CPU's gloo threads take the cores the ranks compute
     on); ``fsdp_unit_s`` and ``dtensor_op_s``: the framework's own time per FSDP
-    unit and per op DTensor dispatches under tensor parallelism (src/planner/rank_probe.py)."""
+    unit and per op DTensor dispatches under tensor parallelism
+    (src/planner/rank_probe.py)."""
 
     name: str
     source: str  # "probe ..." or "datasheet, not calibrated"
@@ -397,8 +398,9 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     per unit beyond its collectives' latencies and bytes, and its bandwidth (a
     unit's two all-gathers and reduce-scatter moving half its bytes each, fitted on
     the two widths); under TP, what the chain adds beyond its collectives' links
-    and DTensor's dispatch per op (measured apart), per collective it sent; DDP's per bucket and its bandwidth (the gradients' bytes, fitted on the
-    two widths)."""
+    and DTensor's dispatch per op (measured apart), per collective it sent; DDP's
+    per bucket and its bandwidth (the gradients' bytes, fitted on the two
+    widths)."""
     from src.planner import rank_probe as rp
 
     small, wide = (4 * rp.unit_numel(w) for w in (rp.WIDTH, rp.WIDE))

@@ -20,9 +20,13 @@ Per rank, all timed by wall clock after a barrier (a collective waits for its pe
   model counts for it (two all-gathers and one reduce-scatter), is
   ``fsdp_unit_s``; the same chain 8x wider, less that, over the bytes of its
   collectives, is FSDP's bandwidth (``fsdp_bandwidth``);
-- the same chain with tensor parallelism (column- then row-wise): the extra time,
-  less its collectives, per op DTensor dispatched (both counted on one more step by
-  src/planner/tp_census.py, as the planner counts a model's) is ``dtensor_op_s``;
+- a norm, a scale and a residual add on a sequence shard as DTensors, against the
+  same on plain tensors: DTensor's dispatch per op (``dtensor_op_s``);
+- a chain of pre-norm MLP blocks under tensor and sequence parallelism (as a
+  model's plan splits a block): its extra time, less its collectives at the links'
+  figures and its ops at ``dtensor_op_s``, per collective it sent
+  (``dtensor_comm_s``; ops and collectives counted on one more step by
+  src/planner/tp_census.py, as the planner counts a model's);
 - the chain under DDP at both widths (one gradient bucket each): its time per
   bucket (``ddp_bucket_s``) and its bandwidth (``ddp_bandwidth``), all-reduce,
   bucket copies and the gloo thread's share of the rank's core in (the 2-rank
@@ -69,7 +73,8 @@ WIDTH, BLOCKS, BATCH, WIDE = 64, 6, 8, 512
 SMALL, LARGE = 2, 1 << 20
 #: The chains' extra seconds each rank reports.
 EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "tp_extra_s", "ddp_extra_s",
-          "ddp_wide_extra_s", "dtensor_param_s", "dtensor_op_s", "sync_wait")  # fmt: skip
+          "ddp_wide_extra_s", "dtensor_param_s", "dtensor_op_s",
+          "sync_wait")  # fmt: skip
 #: :func:`_sync_wait`'s compute between two all-reduces (a small model's forward
 #: and backward) and its rounds.
 SYNC_BURST_S, SYNC_ROUNDS = 0.01, 80
