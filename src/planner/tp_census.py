@@ -209,7 +209,7 @@ def census(plan) -> TPCensus | None:
         try:
             _CACHE[key] = _census(plan)
         except Exception as err:  # a search asks thousands of times: fail once
-            _CACHE[key] = err
+            _CACHE[key] = err.with_traceback(None)  # not the frames (the model)
     found = _CACHE[key]
     if isinstance(found, Exception):
         raise found
