@@ -408,14 +408,10 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     latency = 2 * links["all_gather"].latency_s + links["reduce_scatter"].latency_s
     per_byte = max((per_unit[1] - per_unit[0]) / (wide - small), 1e-12)
     tp_census = measured["tp_census"]
-    tp_comm = sum(
-        n * collective(links[k], k, 2, nbytes / n)
-        for k, (n, nbytes) in tp_census.collectives.items()
-    )
+    tp_comm = tp_census.comm_s(links, 2)
     op_s = max(0.0, measured["dtensor_op_s"])
     tp_ops = tp_census.dtensor_ops * op_s
-    n_comm = sum(n for n, _ in tp_census.collectives.values())
-    tp = (measured["tp_extra_s"] - tp_comm - tp_ops) / max(1, n_comm)
+    tp = (measured["tp_extra_s"] - tp_comm - tp_ops) / max(1, tp_census.sent)
     ddp = [measured[k] for k in ("ddp_extra_s", "ddp_wide_extra_s")]
     ddp_per_byte = max((ddp[1] - ddp[0]) / (wide - small) / rp.BLOCKS, 1e-12)
     return {

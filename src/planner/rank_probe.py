@@ -211,11 +211,14 @@ def _sync_wait(latency_s: float) -> float:
     return max(0.0, statistics.mean(rounds) - compute - latency_s) / compute
 
 
-def _step_time(model: nn.Module, width: int = WIDTH) -> float:
-    """The chain's forward and backward: the least of 9 runs. A framework figure is
-    the difference of two of these, and with medians FSDP's time per unit read 2.3
-    ms, 2.7 and 6.1 in three probes of one hour."""
-    x = torch.randn(BATCH, width)
+def _step_time(
+    model: nn.Module, width: int = WIDTH, x: torch.Tensor | None = None
+) -> float:
+    """The chain's forward and backward on ``x`` (default ``BATCH`` rows of
+    ``width``): the least of 9 runs. A framework figure is the difference of two of
+    these, and with medians FSDP's time per unit read 2.3 ms, 2.7 and 6.1 in three
+    probes of one hour."""
+    x = torch.randn(BATCH, width) if x is None else x
 
     def step() -> None:
         model(x).sum().backward()
@@ -306,10 +309,6 @@ def _tp_extra() -> tuple[float, TPCensus]:
         return nn.Sequential(*(_NormBlock(WIDTH) for _ in range(BLOCKS)))
 
     x = torch.randn(BATCH // 2, 8, WIDTH)  # a rank's shard of 16 positions
-
-    def timed(model: nn.Module) -> float:
-        return _timed(lambda: model(x).sum().backward(), repeats=9, agg=min)
-
     plain_model = chain()
     mesh, model = flat_mesh("cpu", 2), chain()
     plan = {
@@ -324,7 +323,9 @@ def _tp_extra() -> tuple[float, TPCensus]:
         parallelize_module(block, mesh, plan)
     # the median of 5 rounds' differences: one round's moved by a third between
     # two probes a minute apart
-    extra = statistics.median(timed(model) - timed(plain_model) for _ in range(5))
+    extra = statistics.median(
+        _step_time(model, x=x) - _step_time(plain_model, x=x) for _ in range(5)
+    )
     return extra, count(model, lambda m: m(x).sum().backward())
 
 

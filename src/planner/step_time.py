@@ -553,11 +553,12 @@ class _Step:
             return []
         scale = self.micro_tokens / self.m.seq_len * self.pbytes / 4
         extra = self.rates.dtensor_comm_s
-        t, sent = 0.0, []
-        for kind, (n, nbytes) in tp.collectives.items():
-            link = _link(p, kind, lay.tp)
-            t += n * (collective(link, kind, lay.tp, nbytes / n * scale) + extra)
-            sent.append(f"{n / lay.pp:,.0f} {kind.replace('_', '-')}s")
+        links = {kind: _link(p, kind, lay.tp) for kind in tp.collectives}
+        t = tp.comm_s(links, lay.tp, scale) + tp.sent * extra
+        sent = [
+            f"{n / lay.pp:,.0f} {kind.replace('_', '-')}s"
+            for kind, (n, _) in tp.collectives.items()
+        ]
         beyond = f" + {extra * 1e3:,.2f} ms each (the probe's)" if extra else ""
         terms = [
             Term("TP collectives", self.micro * t / lay.pp,

@@ -51,6 +51,21 @@ class TPCensus:
     collectives: dict[str, tuple[int, int]] = field(default_factory=dict)
     partial_grads: tuple[int, int] = (0, 0)
 
+    @property
+    def sent(self) -> int:
+        """How many collectives, of every kind."""
+        return sum(n for n, _ in self.collectives.values())
+
+    def comm_s(self, links: dict, ranks: int, scale: float = 1.0) -> float:
+        """Seconds of the collectives over ``ranks`` on ``links`` (kind -> Link),
+        each at its kind's mean bytes x ``scale``."""
+        from src.planner.profiles import collective
+
+        return sum(
+            n * collective(links[kind], kind, ranks, nbytes / n * scale)
+            for kind, (n, nbytes) in self.collectives.items()
+        )
+
     def plus(self, other: TPCensus, times: int = 1) -> TPCensus:
         kinds = self.collectives.keys() | other.collectives.keys()
 
@@ -141,23 +156,22 @@ def by_blocks(
     and whether it is checkpointed; default its class): one block of a kind is the
     count with two less the count with one; the whole model is the count with one
     of each plus the rest's. A 70B model counts as fast as a small one."""
-    kinds_of = kinds or [type(b) for b in blocks]
-    kinds: dict = {}
-    for b, kind in zip(blocks, kinds_of, strict=True):
-        kinds.setdefault(kind, []).append(b)
-    for same in kinds.values():
+    groups: dict = {}
+    for b, kind in zip(blocks, kinds or [type(b) for b in blocks], strict=True):
+        groups.setdefault(kind, []).append(b)
+    for same in groups.values():
         for b in same[2:]:
             _drop(model, b)
     current = count(model, run)
     per: dict = {}
-    for cls, same in kinds.items():
+    for kind, same in groups.items():
         if len(same) > 1:
             _drop(model, same[1])
             fewer = count(model, run)
-            per[cls] = current.plus(fewer, -1)
+            per[kind] = current.plus(fewer, -1)
             current = fewer
-    for cls, one in per.items():
-        current = current.plus(one, len(kinds[cls]) - 1)
+    for kind, one in per.items():
+        current = current.plus(one, len(groups[kind]) - 1)
     return current
 
 
