@@ -7,7 +7,7 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,17 @@ def machine() -> str:
     else:
         device = f"CPU, {os.cpu_count()} cores"
     return f"{device}, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def rounds_order(count: int, rounds: int) -> Iterator[tuple[int, int]]:
+    """``(round, index)`` over ``count`` items ``rounds`` times, every other round in
+    reverse order: a bench that keeps each item's best run meets this VM's drift
+    (its speed moves by a third within minutes) at a different place in the list
+    each round, so a slow minute reads as no one item's speed."""
+    for r in range(rounds):
+        order = range(count) if r % 2 == 0 else reversed(range(count))
+        for i in order:
+            yield r, i
 
 
 def append_to_benchmarks(title: str, command: str, table: str, note: str = "") -> None:

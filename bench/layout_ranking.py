@@ -19,7 +19,7 @@ import argparse
 
 from scipy.stats import kendalltau
 
-from bench.common import publish
+from bench.common import publish, rounds_order
 from bench.step_time_vs_measured import run
 from src.config.validate import validate
 from src.harness import compose_config
@@ -47,20 +47,17 @@ def layouts(model: list[str]) -> list:
 def measure(name: str, steps: int, rounds: int = 1) -> tuple[list[dict], dict]:
     """Each layout's predicted and measured tokens/s, and the model's verdict. With
     ``rounds`` > 1 the list runs again, every other round in reverse order, and a
-    layout's figure is its best: this VM's speed drifts by a third within minutes,
-    and a drift reads as a layout's speed when each runs once."""
+    layout's figure is its best (:func:`~bench.common.rounds_order`)."""
     found = layouts(MODELS[name])
     best: dict[int, float] = {}
     predicted: dict[int, float] = {}
-    for r in range(rounds):
-        order = range(len(found)) if r % 2 == 0 else reversed(range(len(found)))
-        for i in order:
-            overrides = [*MODELS[name], *found[i].args().split()]
-            summary = run([*overrides, f"trainer.devices={WORLD}"], steps)
-            best[i] = max(best.get(i, 0.0), summary["tokens_per_s"])
-            predicted[i] = summary["predicted_tokens_per_s"]
-            print({"model": name, "round": r + 1, "layout": found[i].args(),
-                   "measured tokens/s": round(summary["tokens_per_s"])}, flush=True)  # fmt: skip
+    for r, i in rounds_order(len(found), rounds):
+        overrides = [*MODELS[name], *found[i].args().split()]
+        summary = run([*overrides, f"trainer.devices={WORLD}"], steps)
+        best[i] = max(best.get(i, 0.0), summary["tokens_per_s"])
+        predicted[i] = summary["predicted_tokens_per_s"]
+        print({"model": name, "round": r + 1, "layout": found[i].args(),
+               "measured tokens/s": round(summary["tokens_per_s"])}, flush=True)  # fmt: skip
     rows = []
     for i, lay in enumerate(found):
         rows.append({

@@ -45,6 +45,35 @@ def test_step_time_vs_measured_rows_from_the_runs_summaries(
     assert "median |error| 100%, worst 200%; against the step alone" in out
     assert "median 25%, worst 50%" in out
 
+    # Two rounds, the second in reverse order: each config keeps its faster run,
+    # with that run's prediction; the first round's errors are said beside.
+    runs = []
+    summaries = iter([
+        {"predicted_step_time_s": 0.1, "step_time_s": 0.3, "world_size": 2,
+         "num_params": 1},
+        {"predicted_step_time_s": 0.2, "step_time_s": 0.2, "world_size": 1,
+         "num_params": 1},
+        {"predicted_step_time_s": 0.2, "step_time_s": 0.3, "world_size": 1,
+         "num_params": 1},
+        {"predicted_step_time_s": 0.1, "step_time_s": 0.12, "world_size": 2,
+         "num_params": 1},
+    ])  # fmt: skip
+
+    def run(overrides, steps):
+        runs.append(overrides)
+        return next(summaries)
+
+    monkeypatch.setattr(b, "run", run)
+    first, second = b.main(["--configs", "gpt_fsdp2", "gpt_1rank", "--rounds", "2"])
+    assert runs == [
+        b.CONFIGS[n] for n in ("gpt_fsdp2", "gpt_1rank", "gpt_1rank", "gpt_fsdp2")
+    ]
+    assert (first["error"], first["rounds ms"]) == ("+20%", "300.0 / 120.0")
+    assert (second["error"], second["rounds ms"]) == ("+0%", "200.0 / 300.0")
+    out = capsys.readouterr().out
+    assert "median |error| 10%, worst 20%" in out
+    assert "the first round alone: median |error| 100%, worst 200%" in out
+
 
 @pytest.mark.slow
 def test_init_memory_tiny(docs_untouched):
