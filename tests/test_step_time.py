@@ -198,6 +198,7 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     assert ddp["step all-reduces"] == pytest.approx(small, rel=0.01)  # loss alone
     _, _, _, moe = _predict("trainer.devices=2", profile=framework, model="moe_tiny")
     assert moe["step all-reduces"] == pytest.approx(3 * small, rel=0.01)
+
     _, _, _, alone = _predict(
         "trainer.devices=1", "sharding=none", profile=framework
     )  # fmt: skip
@@ -210,6 +211,49 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     lines = {"FSDP hooks and copies", "DTensor dispatch (TP)", "optimizer on DTensors"}
     assert not {"optimizer per tensor", "waiting for the slower rank"} & set(plain)
     assert not lines & {*ddp, *plain}
+
+
+def test_the_wait_grows_as_the_compute_between_synchronisations_shrinks():
+    """With the probe's exponent, the ranks' wait is ``sync_wait x (c / burst) **
+    exponent`` of the compute, ``c`` the compute between two of the step's
+    synchronisations (each FSDP unit's gathers and scatter, the step's
+    all-reduces, TP's collectives...): a layout that meets more often waits a
+    larger share, at most all of its compute; exponent 0 keeps the flat share.
+    The exponent is fitted through the probe's two burst lengths, in [-1, 0]."""
+    from dataclasses import replace
+
+    from src.planner.profiles import _wait_exponent
+    from src.planner.rank_probe import SYNC_BURST_S, SYNC_SHORT_S
+
+    compute = ("matmuls", "attention", "activation function",
+               "norms, residuals, loss", "op dispatch")  # fmt: skip
+    curved = replace(_profile(), sync_wait=0.1, sync_wait_exponent=-0.5)
+    shares = {}
+    for name, layout in (("fsdp", []), ("tp", ["sharding.tensor_parallel=2"])):
+        resolved, plan, step, terms = _predict(
+            "trainer.devices=2", *layout, profile=curved
+        )
+        busy = sum(terms[k] for k in compute)
+        syncs = sum(t.syncs for t in step.terms)
+        want = 0.1 * (busy / syncs / SYNC_BURST_S) ** -0.5
+        assert terms["waiting for the slower rank"] == pytest.approx(
+            min(1.0, want) * busy
+        )
+        shares[name] = terms["waiting for the slower rank"] / busy
+        if name == "fsdp":  # each unit: a gather (two under resharding), a scatter
+            per_unit = sum(3 if u.path else 2 for u in plan.units)
+            assert syncs == per_unit + 2  # the loss's and the norm's all-reduces
+    assert shares["tp"] > shares["fsdp"]
+    _, _, _, flat = _predict(
+        "trainer.devices=2", profile=replace(curved, sync_wait_exponent=0.0)
+    )
+    busy = sum(flat[k] for k in compute)
+    assert flat["waiting for the slower rank"] == pytest.approx(0.1 * busy)
+    ratio = SYNC_SHORT_S / SYNC_BURST_S
+    assert _wait_exponent(0.1, 0.1 * ratio**-0.3) == pytest.approx(-0.3)
+    assert _wait_exponent(0.1, 0.0) == 0.0  # no wait measured: a flat share
+    assert _wait_exponent(0.1, 0.05) == 0.0  # shorter waited less: flat, not up
+    assert _wait_exponent(0.01, 10.0) == -1.0  # at most a constant wait each
 
 
 def test_ddp_pipeline_and_oversubscribed_cpu_terms(monkeypatch):
@@ -298,6 +342,7 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
         json.dumps({**raw, "ddp_bandwidth": -1.0}),
         json.dumps({**raw, "param_s": None}),
         json.dumps({**raw, "sync_wait": -0.1}),
+        json.dumps({**raw, "sync_wait_exponent": 0.5}),
         json.dumps([raw]),
     ]
     for text in forged:
@@ -333,6 +378,7 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     # the ranks' wait: a share of their compute, past 1 on a loaded machine
     assert 0 < found.param_s < 1e-3
     assert math.isfinite(found.sync_wait) and found.sync_wait >= 0
+    assert -1 <= found.sync_wait_exponent <= 0
     back = profiles.cpu_profile()
     assert back.matmul == found.matmul and back.fsdp_unit_s == found.fsdp_unit_s
 

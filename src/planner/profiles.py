@@ -46,7 +46,7 @@ _DTYPES = ("fp32", "bf16")
 #: measured".
 MEASURED_FLOOR_S = 1e-7
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 8
+PROFILE_FORMAT = 9
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -115,6 +115,10 @@ class DeviceProfile:
     #: wait for each other at them beyond the collective's latency (the 2-rank
     #: probe's, src/planner/rank_probe.py; 0: not measured, a GPU's datasheet)
     sync_wait: float = 0.0
+    #: how ``sync_wait`` changes with the compute between two synchronisations:
+    #: the share at ``c`` seconds of it is ``sync_wait x (c / SYNC_BURST_S) **
+    #: exponent`` (in [-1, 0]; 0: the same share at any length)
+    sync_wait_exponent: float = 0.0
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
@@ -423,7 +427,23 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
         "ddp_bandwidth": 1.0 / ddp_per_byte,
         "dtensor_param_s": max(0.0, measured["dtensor_param_s"]),
         "sync_wait": max(0.0, measured["sync_wait"]),
+        "sync_wait_exponent": _wait_exponent(
+            measured["sync_wait"], measured["sync_wait_short"]
+        ),
     }
+
+
+def _wait_exponent(share: float, short: float) -> float:
+    """The exponent of the share of compute ranks wait (:attr:`DeviceProfile.
+    sync_wait_exponent`) through the probe's two burst lengths, in [-1, 0]: at
+    most the same wait per synchronisation at any compute (-1), at least the same
+    share (0, also where either reads no wait)."""
+    from src.planner import rank_probe as rp
+
+    if share <= 0 or short <= 0:
+        return 0.0
+    slope = math.log(short / share) / math.log(rp.SYNC_SHORT_S / rp.SYNC_BURST_S)
+    return min(0.0, max(-1.0, slope))
 
 
 def probe_cpu() -> DeviceProfile:
@@ -561,7 +581,16 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         dtensor_param_s=_at_least_zero(raw["dtensor_param_s"], "dtensor_param_s"),
         param_s=_at_least_zero(raw["param_s"], "param_s"),
         sync_wait=_at_least_zero(raw["sync_wait"], "sync_wait"),
+        sync_wait_exponent=_exponent(raw["sync_wait_exponent"]),
     )
+
+
+def _exponent(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError("sync_wait_exponent is not a number")
+    if not -1.0 <= value <= 0.0:
+        raise ValueError("sync_wait_exponent is not in [-1, 0]")
+    return float(value)
 
 
 def profile_for(device: str, accelerator: str = "") -> DeviceProfile | None:

@@ -38,7 +38,9 @@ Per rank, all timed by wall clock after a barrier (a collective waits for its pe
   tensors make 15-25 ms a step);
 - the chain's forward and backward for about :data:`SYNC_BURST_S`, then a small
   all-reduce, :data:`SYNC_ROUNDS` times: what a round takes beyond the rank's own
-  compute and the all-reduce's latency, over that compute, is ``sync_wait``. Two
+  compute and the all-reduce's latency, over that compute, is ``sync_wait``; the
+  same with :data:`SYNC_SHORT_S` of compute a round is ``sync_wait_short`` (the wait
+  grows slower than the compute before it: the profile's ``sync_wait_exponent``). Two
   processes running the same work do not finish it together (the kernel, the
   hypervisor, the other rank's gloo threads take a core from one for a while), and
   at each synchronisation the first waits for the second: the trainer's 2-rank
@@ -74,10 +76,14 @@ SMALL, LARGE = 2, 1 << 20
 #: The chains' extra seconds each rank reports.
 EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "tp_extra_s", "ddp_extra_s",
           "ddp_wide_extra_s", "dtensor_param_s", "dtensor_op_s",
-          "sync_wait")  # fmt: skip
+          "sync_wait", "sync_wait_short")  # fmt: skip
 #: :func:`_sync_wait`'s compute between two all-reduces (a small model's forward
-#: and backward) and its rounds.
+#: and backward) and its rounds; the short one's (a tensor- or expert-parallel
+#: block's compute between two collectives).
 SYNC_BURST_S, SYNC_ROUNDS = 0.01, 80
+SYNC_SHORT_S, SYNC_SHORT_ROUNDS = 0.001, 300
+#: The figures the profile takes as the two ranks' mean, not the slower's.
+_MEANS = ("sync_wait", "sync_wait_short")
 _TIMEOUT_S = 120
 
 
@@ -180,11 +186,14 @@ def _dtensor_optimizer_extra() -> float:
     return (_optimizer_time(model) - plain) / tensors
 
 
-def _sync_wait(latency_s: float) -> float:
+def _sync_wait(
+    latency_s: float, burst_s: float = SYNC_BURST_S, rounds: int = SYNC_ROUNDS
+) -> float:
     """Seconds the ranks lose waiting for each other per second of compute between
-    two synchronisations (module docstring): the mean round less this rank's mean
-    compute and the all-reduce's ``latency_s`` (the profile's, which the step-time
-    model counts already), over its mean compute."""
+    two synchronisations, with about ``burst_s`` of compute between them (module
+    docstring): the mean round less this rank's mean compute and the all-reduce's
+    ``latency_s`` (the profile's, which the step-time model counts already), over
+    its mean compute."""
     model, x, small = _chain(), torch.randn(BATCH, WIDTH), torch.zeros(SMALL)
 
     def once() -> None:
@@ -195,20 +204,20 @@ def _sync_wait(latency_s: float) -> float:
     for _ in range(5):
         once()
     # both ranks run the same number of passes: the slower rank's count
-    n = torch.tensor([max(1, round(SYNC_BURST_S * 5 / (time.perf_counter() - t0)))])
+    n = torch.tensor([max(1, round(burst_s * 5 / (time.perf_counter() - t0)))])
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    rounds, computes = [], []
+    spent, computes = [], []
     dist.barrier()
-    for _ in range(SYNC_ROUNDS):
+    for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(int(n)):
             once()
         t1 = time.perf_counter()
         dist.all_reduce(small)
-        rounds.append(time.perf_counter() - t0)
+        spent.append(time.perf_counter() - t0)
         computes.append(t1 - t0)
     compute = statistics.mean(computes)
-    return max(0.0, statistics.mean(rounds) - compute - latency_s) / compute
+    return max(0.0, statistics.mean(spent) - compute - latency_s) / compute
 
 
 def _step_time(
@@ -351,6 +360,9 @@ def rank_main(rank: int, where: str) -> None:
             "dtensor_param_s": _dtensor_optimizer_extra(),
             "dtensor_op_s": _dtensor_op_extra(),
             "sync_wait": _sync_wait(collectives["all_reduce"][0]),
+            "sync_wait_short": _sync_wait(
+                collectives["all_reduce"][0], SYNC_SHORT_S, SYNC_SHORT_ROUNDS
+            ),
         }
     finally:
         dist.destroy_process_group()
@@ -397,8 +409,8 @@ def _read(path: Path) -> dict:
 
 def measure() -> dict:
     """Run the two probe ranks; the slower rank's figures: ``collectives`` (name ->
-    [seconds on 2 elements, on LARGE]) and each of :data:`EXTRAS` (``sync_wait``:
-    the two ranks' mean)."""
+    [seconds on 2 elements, on LARGE]) and each of :data:`EXTRAS` (the waits: the
+    two ranks' mean)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(
@@ -437,7 +449,7 @@ def measure() -> dict:
         },
         **{k: max(r[k] for r in ranks) for k in EXTRAS},
         # the faster rank waits, the slower does not: the step is their mean's
-        "sync_wait": statistics.mean(r["sync_wait"] for r in ranks),
+        **{k: statistics.mean(r[k] for r in ranks) for k in _MEANS},
         "tp_census": ranks[0]["tp_census"],  # the same chain on both
     }
 

@@ -24,6 +24,7 @@ from src.planner.profiles import (
     profile_for,
     work_cache,
 )
+from src.planner.rank_probe import SYNC_BURST_S
 from src.planner.search import n_blocks
 from src.planner.tp_census import census
 from src.sharding import WrapPlan
@@ -107,6 +108,9 @@ class Term:
     name: str
     seconds: float
     how: str
+    #: the times a step's ranks meet in its collectives (where they wait for
+    #: each other: the waiting line's count)
+    syncs: float = 0.0
 
 
 @dataclass
@@ -467,8 +471,9 @@ class _Step:
 
     # -- communication --------------------------------------------------------------
 
-    def fsdp_comm(self) -> list[tuple[float, float]]:
-        """Per unit: (all-gather seconds, reduce-scatter seconds) per step."""
+    def fsdp_comm(self) -> list[tuple[float, float, int]]:
+        """Per unit: (all-gather seconds, reduce-scatter seconds, collectives) per
+        step."""
         r, lay, p = self.r, self.lay, self.profile
         n = lay.fsdp_shard if _shards(r.backend) else 1
         if n <= 1:
@@ -492,7 +497,7 @@ class _Step:
             gather, scatter = each[numel]
             again = reshard and unit.path != "" and lay.pp == 1
             gathers = self.micro * (2 if again else 1)
-            out.append((gathers * gather, scatters * scatter))
+            out.append((gathers * gather, scatters * scatter, gathers + scatters))
         return out
 
     def comm_terms(self) -> list[Term]:
@@ -508,7 +513,10 @@ class _Step:
             t = len(self.plan.units) * collective(
                 link, "all_reduce", lay.dp_replicate, nbytes / len(self.plan.units)
             )
-            terms.append(Term("HSDP all-reduce", t, f"{lay.dp_replicate} replicas"))
+            terms.append(
+                Term("HSDP all-reduce", t, f"{lay.dp_replicate} replicas",
+                     syncs=len(self.plan.units))
+            )  # fmt: skip
         terms += self._tp_comm()
         if lay.cp > 1:
             kv = 2 * self.micro_tokens * lay.cp * m.kv_width * self.pbytes
@@ -519,7 +527,8 @@ class _Step:
             each += collective(rs, "reduce_scatter", lay.cp, kv)
             terms.append(
                 Term("CP K/V gathers", self.micro * layers * each,
-                     "K and V gathered per block, their gradients reduce-scattered")
+                     "K and V gathered per block, their gradients reduce-scattered",
+                     syncs=2 * self.micro * layers)
             )  # fmt: skip
         if lay.ep > 1 and m.moe_layers:
             sent = self.micro_tokens * m.top_k * m.width * self.pbytes * lay.ep
@@ -531,14 +540,18 @@ class _Step:
                 * 4
                 * collective(link, "all_to_all", lay.ep, sent)
             )
+            # and the splits' own exchange before each dispatch
+            syncs = self.micro * m.moe_layers / lay.pp * 5
             terms.append(
-                Term("EP all-to-alls", t, "dispatch and combine, forward and backward")
-            )
+                Term("EP all-to-alls", t, "dispatch and combine, forward and backward",
+                     syncs=syncs)
+            )  # fmt: skip
         if lay.pp > 1:
             link = _link(p, "p2p", self.world)
             transfers = 2 if lay.pp == 2 else 4
             t = self.micro * transfers * collective(link, "p2p", 2, act)
             terms.append(Term("PP send/recv", t, f"{transfers} per micro-batch"))
+            # (its stages' waits are its bubble: no syncs counted)
         return terms + self._step_all_reduces()
 
     def _tp_comm(self) -> list[Term]:
@@ -562,7 +575,8 @@ class _Step:
         beyond = f" + {extra * 1e3:,.2f} ms each (the probe's)" if extra else ""
         terms = [
             Term("TP collectives", self.micro * t / lay.pp,
-                 f"{', '.join(sent)} a micro-batch (counted on the model){beyond}")
+                 f"{', '.join(sent)} a micro-batch (counted on the model){beyond}",
+                 syncs=self.micro * tp.sent / lay.pp)
         ]  # fmt: skip
         n, nbytes = tp.partial_grads
         if n:
@@ -570,7 +584,8 @@ class _Step:
             each = collective(link, "all_reduce", lay.tp, nbytes / n * self.rbytes / 4)
             terms.append(
                 Term("TP gradient all-reduces", n / lay.pp * (each + extra),
-                     f"{n / lay.pp:,.0f} replicated parameters' partial gradients")
+                     f"{n / lay.pp:,.0f} replicated parameters' partial gradients",
+                     syncs=n / lay.pp)
             )  # fmt: skip
         return terms
 
@@ -589,7 +604,8 @@ class _Step:
         each = collective(link, "all_reduce", self.world, STEP_SCALARS_BYTES)
         return [
             Term("step all-reduces", len(parts) * each,
-                 f"{len(parts)} x {each * 1e6:,.0f} us: {', '.join(parts)}")
+                 f"{len(parts)} x {each * 1e6:,.0f} us: {', '.join(parts)}",
+                 syncs=len(parts))
         ]  # fmt: skip
 
     def _ddp(self) -> Term:
@@ -609,6 +625,7 @@ class _Step:
             times * once,
             f"{nbytes / 2**20:,.1f} MiB of gradients in {buckets} bucket(s), "
             f"{times} time(s) per step",
+            syncs=times * buckets,
         )
 
     # -- the step ---------------------------------------------------------------
@@ -633,12 +650,7 @@ class _Step:
         terms += comm
         # a pipeline's stages wait for each other in its bubble (below)
         if self.world > 1 and self.profile.sync_wait and self.lay.pp == 1:
-            share = self.profile.sync_wait
-            terms.append(
-                Term("waiting for the slower rank", share * compute_s,
-                     f"{share:.1%} of the compute (the probe's: two ranks' same work "
-                     "ends apart)")
-            )  # fmt: skip
+            terms.append(self._waiting(compute_s, sum(t.syncs for t in terms)))
         if self.lay.pp > 1:
             terms.append(self._bubble(sum(t.seconds for t in terms)))
         terms += self.optimizer_terms()
@@ -655,6 +667,29 @@ class _Step:
             peak_flops=self.rates.matmul,
             profile=self.profile,
             notes=notes,
+        )
+
+    def _waiting(self, compute_s: float, syncs: float) -> Term:
+        """The ranks' waits for each other at their ``syncs`` meetings a step: a
+        share of the compute that grows as the compute between two meetings
+        shrinks (the profile's ``sync_wait`` at the probe's burst, times the ratio
+        to the power ``sync_wait_exponent``), at most all of it."""
+        p = self.profile
+        share, how = p.sync_wait, f"{p.sync_wait:.1%} of the compute (the probe's"
+        if syncs > 0 and p.sync_wait_exponent:
+            between = compute_s / syncs
+            ratio = between / SYNC_BURST_S
+            share = min(1.0, p.sync_wait * ratio**p.sync_wait_exponent)
+            how = (
+                f"{share:.1%} of the compute: {syncs:,.0f} synchronisations a step, "
+                f"{between * 1e3:,.2f} ms of compute between (the probe's "
+                f"{p.sync_wait:.1%} at {SYNC_BURST_S * 1e3:g} ms x "
+                f"{ratio:.3g}^{p.sync_wait_exponent:.2f}"
+            )
+        return Term(
+            "waiting for the slower rank",
+            share * compute_s,
+            how + ": two ranks' same work ends apart)",
         )
 
     def _bubble(self, busy: float) -> Term:
@@ -677,7 +712,8 @@ class _Step:
         """FSDP's collectives: each unit's next gather runs beside this unit's compute
         where the profile overlaps (max of the two per unit, the first gather
         exposed); else they add up."""
-        comm = sum(g + s for g, s in units)
+        comm = sum(g + s for g, s, _ in units)
+        syncs = sum(n for _, _, n in units)
         n = self.lay.fsdp_shard
         if not self.profile.overlap:
             return Term(
@@ -685,10 +721,11 @@ class _Step:
                 comm,
                 f"{len(units)} unit(s) over {n} ranks, not overlapped (gloo on the "
                 "cores the ranks compute on)",
+                syncs=syncs,
             )
         total = sum(u.local_numel for u in self.plan.units) or 1
         exposed = units[0][0] / self.micro
-        for unit, (g, s) in zip(self.plan.units, units, strict=True):
+        for unit, (g, s, _) in zip(self.plan.units, units, strict=True):
             work = compute_s * unit.local_numel / total
             exposed += max(0.0, g + s - work)
         return Term(
@@ -696,6 +733,7 @@ class _Step:
             exposed,
             f"{len(units)} unit(s) over {n} ranks, {comm * 1e3:,.2f} ms overlapped "
             "with compute (the exposed part)",
+            syncs=syncs,
         )
 
 
