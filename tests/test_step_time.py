@@ -167,6 +167,23 @@ def test_fsdp_units_and_tp_ops_cost_the_probes_time_each():
     one = {u.path: LATENCY + 0.5 * u.numel * 4 / bw for u in plan.units}
     want = sum((1 if p == "" else 2) * t + t for p, t in one.items())
     assert fsdp["FSDP all-gather + reduce-scatter"] == pytest.approx(want)
+    # measured slower beside compute: each unit's share its compute covers
+    # (the step's compute split by parameters) moves at that bandwidth
+    busy_bw = bw / 2
+    _, plan, _, loaded = _predict(
+        "trainer.devices=2", profile=replace(framework, fsdp_loaded_bandwidth=busy_bw)
+    )
+    busy_s = sum(loaded[k] for k in compute)
+    total = sum(u.numel for u in plan.units)
+    want = 0.0
+    for u in plan.units:
+        times = 2 if u.path else 1  # gathers; and one scatter
+        free = (times + 1) * (LATENCY + 0.5 * u.numel * 4 / bw)
+        busy = (times + 1) * (LATENCY + 0.5 * u.numel * 4 / busy_bw)
+        beside = min(1.0, busy_s * u.numel / total / busy)
+        want += beside * busy + (1 - beside) * free
+    assert 0 < want - fsdp["FSDP all-gather + reduce-scatter"]
+    assert loaded["FSDP all-gather + reduce-scatter"] == pytest.approx(want)
     _, plan, _, accum = _predict(
         "trainer.devices=2", "trainer.grad_accum=2", "sharding=fsdp1",
         profile=framework,
@@ -338,6 +355,7 @@ def test_the_cpu_profile_is_cached_per_machine_and_a_bad_file_is_measured_again(
         json.dumps({**raw, "links": {}}),
         json.dumps({**raw, "fsdp_unit_s": -1e-3}),
         json.dumps({**raw, "fsdp_bandwidth": True}),
+        json.dumps({**raw, "fsdp_loaded_bandwidth": -5.0}),
         json.dumps({**raw, "traced_op_s": "1us"}),
         json.dumps({**raw, "ddp_bandwidth": -1.0}),
         json.dumps({**raw, "param_s": None}),
@@ -374,6 +392,7 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     assert found.fsdp_unit_s >= 0 and found.dtensor_comm_s >= 0
     assert found.dtensor_op_s > 0
     assert found.fsdp_bandwidth > 0 and found.ddp_bandwidth > 0
+    assert 0 < found.fsdp_loaded_bandwidth <= found.fsdp_bandwidth
     assert found.traced_op_s >= 0 and found.ddp_bucket_s >= 0
     # the ranks' wait: a share of their compute, past 1 on a loaded machine
     assert 0 < found.param_s < 1e-3

@@ -46,7 +46,7 @@ _DTYPES = ("fp32", "bf16")
 #: measured".
 MEASURED_FLOOR_S = 1e-7
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 9
+PROFILE_FORMAT = 10
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -101,6 +101,10 @@ class DeviceProfile:
     #: bytes/s of FSDP's all-gathers and reduce-scatters as a step meets them (its
     #: copies included; 0: the links' own)
     fsdp_bandwidth: float = 0.0
+    #: the same while the ranks compute beside them (the next unit's gathers run
+    #: as this unit computes: gloo's threads and the peer's wait for cores the
+    #: compute holds; 0: ``fsdp_bandwidth``)
+    fsdp_loaded_bandwidth: float = 0.0
     #: DDP per gradient bucket and its bytes/s, as a step meets them (its copies
     #: and its thread's share of the core in; 0: the all-reduce link's)
     ddp_bucket_s: float = 0.0
@@ -411,6 +415,10 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     per_unit = [measured[k] / rp.BLOCKS for k in ("fsdp_extra_s", "fsdp_wide_extra_s")]
     latency = 2 * links["all_gather"].latency_s + links["reduce_scatter"].latency_s
     per_byte = max((per_unit[1] - per_unit[0]) / (wide - small), 1e-12)
+    # the wide chain again with compute beside its collectives: what its units
+    # took beyond the free chain's, per byte
+    loaded = measured["fsdp_loaded_extra_s"] / rp.BLOCKS
+    per_byte_loaded = per_byte + max(0.0, loaded - per_unit[1]) / wide
     tp_census = measured["tp_census"]
     tp_comm = tp_census.comm_s(links, 2)
     op_s = max(0.0, measured["dtensor_op_s"])
@@ -421,6 +429,7 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
     return {
         "fsdp_unit_s": max(0.0, per_unit[0] - latency - per_byte * small),
         "fsdp_bandwidth": 1.5 / per_byte,
+        "fsdp_loaded_bandwidth": 1.5 / per_byte_loaded,
         "dtensor_op_s": op_s,
         "dtensor_comm_s": max(0.0, tp),
         "ddp_bucket_s": max(0.0, ddp[0] - ddp_per_byte * small * rp.BLOCKS),
@@ -576,6 +585,9 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         dtensor_op_s=_at_least_zero(raw["dtensor_op_s"], "dtensor_op_s"),
         dtensor_comm_s=_at_least_zero(raw["dtensor_comm_s"], "dtensor_comm_s"),
         fsdp_bandwidth=_at_least_zero(raw["fsdp_bandwidth"], "fsdp_bandwidth"),
+        fsdp_loaded_bandwidth=_at_least_zero(
+            raw["fsdp_loaded_bandwidth"], "fsdp_loaded_bandwidth"
+        ),
         ddp_bucket_s=_at_least_zero(raw["ddp_bucket_s"], "ddp_bucket_s"),
         ddp_bandwidth=_at_least_zero(raw["ddp_bandwidth"], "ddp_bandwidth"),
         dtensor_param_s=_at_least_zero(raw["dtensor_param_s"], "dtensor_param_s"),

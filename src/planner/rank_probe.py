@@ -73,8 +73,12 @@ from src.planner.tp_census import TPCensus, count
 #: at twice the speed.
 WIDTH, BLOCKS, BATCH, WIDE = 64, 6, 8, 512
 SMALL, LARGE = 2, 1 << 20
+#: The wide chain's rows when its collectives run beside compute: each block's
+#: forward and backward about its unit's gathers and scatter (~35 ms here), as a
+#: model's units do where FSDP prefetches the next unit's parameters.
+LOADED_ROWS = 192
 #: The chains' extra seconds each rank reports.
-EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "tp_extra_s", "ddp_extra_s",
+EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "fsdp_loaded_extra_s", "tp_extra_s", "ddp_extra_s",
           "ddp_wide_extra_s", "dtensor_param_s", "dtensor_op_s",
           "sync_wait", "sync_wait_short")  # fmt: skip
 #: :func:`_sync_wait`'s compute between two all-reduces (a small model's forward
@@ -221,10 +225,13 @@ def _sync_wait(
 
 
 def _step_time(
-    model: nn.Module, width: int = WIDTH, x: torch.Tensor | None = None
+    model: nn.Module,
+    width: int = WIDTH,
+    x: torch.Tensor | None = None,
+    repeats: int = 9,
 ) -> float:
     """The chain's forward and backward on ``x`` (default ``BATCH`` rows of
-    ``width``): the least of 9 runs. A framework figure is the difference of two of
+    ``width``): the least of ``repeats`` runs. A framework figure is the difference of two of
     these, and with medians FSDP's time per unit read 2.3 ms, 2.7 and 6.1 in three
     probes of one hour."""
     x = torch.randn(BATCH, width) if x is None else x
@@ -232,19 +239,21 @@ def _step_time(
     def step() -> None:
         model(x).sum().backward()
 
-    return _timed(step, repeats=9, agg=min)
+    return _timed(step, repeats=repeats, agg=min)
 
 
-def _fsdp_extra(width: int = WIDTH) -> float:
-    """Seconds FSDP2 adds to the chain's forward and backward (every block a unit)."""
+def _fsdp_extra(width: int = WIDTH, rows: int = BATCH, repeats: int = 9) -> float:
+    """Seconds FSDP2 adds to the chain's forward and backward (every block a unit)
+    on ``rows`` rows."""
     from torch.distributed.fsdp import fully_shard
 
-    plain = _step_time(_chain(width), width)
+    x = torch.randn(rows, width)
+    plain = _step_time(_chain(width), x=x, repeats=repeats)
     model = _chain(width)
     for block in model:
         fully_shard(block)
     fully_shard(model)
-    return _step_time(model, width) - plain
+    return _step_time(model, x=x, repeats=repeats) - plain
 
 
 def _ddp_extra(width: int = WIDTH) -> float:
@@ -352,6 +361,7 @@ def rank_main(rank: int, where: str) -> None:
             "collectives": collectives,
             "fsdp_extra_s": _fsdp_extra(),
             "fsdp_wide_extra_s": _fsdp_extra(WIDE),
+            "fsdp_loaded_extra_s": _fsdp_extra(WIDE, LOADED_ROWS, repeats=3),
             "tp_extra_s": tp_extra,
             "tp_dtensor_ops": tp.dtensor_ops,
             "tp_collectives": {k: list(v) for k, v in tp.collectives.items()},

@@ -471,9 +471,11 @@ class _Step:
 
     # -- communication --------------------------------------------------------------
 
-    def fsdp_comm(self) -> list[tuple[float, float, int]]:
+    def fsdp_comm(self, compute_s: float) -> list[tuple[float, float, int]]:
         """Per unit: (all-gather seconds, reduce-scatter seconds, collectives) per
-        step."""
+        step; where the profile measured them beside compute, the share of a
+        unit's collectives its compute (``compute_s`` split by parameters, as
+        prefetching spreads them) runs beside moves at that bandwidth."""
         r, lay, p = self.r, self.lay, self.profile
         n = lay.fsdp_shard if _shards(r.backend) else 1
         if n <= 1:
@@ -483,21 +485,32 @@ class _Step:
         reshard = r.unit.reshard_after_forward is not False
         span = n * lay.tp  # the shard ranks lie outside the tp ranks
         ag, rs = _link(p, "all_gather", span), _link(p, "reduce_scatter", span)
+        links = [(ag, rs)]
         if p.fsdp_bandwidth:  # as FSDP meets them, its copies in (the CPU probe)
-            ag, rs = (Link(k.latency_s, p.fsdp_bandwidth) for k in (ag, rs))
+            links = [
+                (Link(ag.latency_s, bw), Link(rs.latency_s, bw))
+                for bw in (
+                    p.fsdp_bandwidth,
+                    p.fsdp_loaded_bandwidth or p.fsdp_bandwidth,
+                )
+            ]
+        total = sum(u.local_numel for u in self.plan.units) or 1
         out = []
-        each: dict[int, tuple[float, float]] = {}  # a 70B's 80 blocks: one size
         for unit in self.plan.units:
             numel = unit.local_numel
-            if numel not in each:
-                each[numel] = (
-                    collective(ag, "all_gather", n, numel * self.pbytes),
-                    collective(rs, "reduce_scatter", n, numel * self.rbytes),
-                )
-            gather, scatter = each[numel]
             again = reshard and unit.path != "" and lay.pp == 1
             gathers = self.micro * (2 if again else 1)
-            out.append((gathers * gather, scatters * scatter, gathers + scatters))
+            each = [
+                (gathers * collective(g, "all_gather", n, numel * self.pbytes),
+                 scatters * collective(s, "reduce_scatter", n, numel * self.rbytes))
+                for g, s in links
+            ]  # fmt: skip
+            free, busy = each[0], each[-1]  # without compute beside, with
+            beside = min(1.0, compute_s * numel / total / max(sum(busy), 1e-12))
+            gather, scatter = (
+                beside * b + (1 - beside) * f for f, b in zip(free, busy, strict=True)
+            )
+            out.append((gather, scatter, gathers + scatters))
         return out
 
     def comm_terms(self) -> list[Term]:
@@ -634,7 +647,7 @@ class _Step:
         compute = self.compute_terms()
         comm = self.comm_terms()
         compute_s = sum(t.seconds for t in compute)
-        units = self.fsdp_comm()
+        units = self.fsdp_comm(compute_s)
         terms = list(compute)
         if units:
             terms.append(self._fsdp_term(units, compute_s))
