@@ -47,6 +47,9 @@ class Axis(StrEnum):
     DP_SHARD_CP = "dp_shard_cp"
     #: ``dp_replicate x dp_shard x cp``, flattened to be split as (replicate, shard)
     DP_HSDP_CP = "dp_hsdp_cp"
+    #: ``dp_shard x tp``, flattened: a value partial over both (the gradient
+    #: norm of FSDP's tensor-parallel parameters) is then one all-reduce, not two
+    DP_SHARD_TP = "dp_shard_tp"
     #: expert parallelism: the ranks a MoE's experts are split over
     EP = "ep"
     #: ... their part of ``dp_shard`` (with tp, ``ep`` is this times tp)
@@ -299,6 +302,9 @@ class ParallelMesh:
         self.expert_fsdp: DeviceMesh | None = None
         if layout.ep > 1:
             self._split_experts(names)
+        if Axis.TP in names and Axis.CP not in names:
+            # found by DTensor's redistribution where a reduction spans both
+            self.world[Axis.DP_SHARD, Axis.TP]._flatten(Axis.DP_SHARD_TP)
 
     def _dim(self, axis: Axis, names: tuple[str, ...]) -> DeviceMesh | None:
         return self.world[axis] if axis in names else None
