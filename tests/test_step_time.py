@@ -236,15 +236,18 @@ def test_the_wait_grows_as_the_compute_between_synchronisations_shrinks():
     synchronisations (each FSDP unit's gathers and scatter, the step's
     all-reduces, TP's collectives...): a layout that meets more often waits a
     larger share, at most all of its compute; exponent 0 keeps the flat share.
-    The exponent is fitted through the probe's two burst lengths, in [-1, 0]."""
+    The exponent is fitted through the probe's two (compute between
+    synchronisations, share) points as they ran, in [-1, 0]."""
     from dataclasses import replace
 
     from src.planner.profiles import _wait_exponent
-    from src.planner.rank_probe import SYNC_BURST_S, SYNC_SHORT_S
 
     compute = ("matmuls", "attention", "activation function",
                "norms, residuals, loss", "op dispatch")  # fmt: skip
-    curved = replace(_profile(), sync_wait=0.1, sync_wait_exponent=-0.5)
+    burst = 0.008  # the probe's compute between its synchronisations
+    curved = replace(
+        _profile(), sync_wait=0.1, sync_wait_exponent=-0.5, sync_burst_s=burst
+    )
     shares = {}
     for name, layout in (("fsdp", []), ("tp", ["sharding.tensor_parallel=2"])):
         resolved, plan, step, terms = _predict(
@@ -252,7 +255,7 @@ def test_the_wait_grows_as_the_compute_between_synchronisations_shrinks():
         )
         busy = sum(terms[k] for k in compute)
         syncs = sum(t.syncs for t in step.terms)
-        want = 0.1 * (busy / syncs / SYNC_BURST_S) ** -0.5
+        want = 0.1 * (busy / syncs / burst) ** -0.5
         assert terms["waiting for the slower rank"] == pytest.approx(
             min(1.0, want) * busy
         )
@@ -266,11 +269,12 @@ def test_the_wait_grows_as_the_compute_between_synchronisations_shrinks():
     )
     busy = sum(flat[k] for k in compute)
     assert flat["waiting for the slower rank"] == pytest.approx(0.1 * busy)
-    ratio = SYNC_SHORT_S / SYNC_BURST_S
-    assert _wait_exponent(0.1, 0.1 * ratio**-0.3) == pytest.approx(-0.3)
-    assert _wait_exponent(0.1, 0.0) == 0.0  # no wait measured: a flat share
-    assert _wait_exponent(0.1, 0.05) == 0.0  # shorter waited less: flat, not up
-    assert _wait_exponent(0.01, 10.0) == -1.0  # at most a constant wait each
+    # through the two points as they ran (the short rounds: whole passes)
+    assert _wait_exponent((0.01, 0.1), (0.0025, 0.1 * 4**0.3)) == pytest.approx(-0.3)
+    assert _wait_exponent((0.01, 0.1), (0.0025, 0.0)) == 0.0  # no wait: flat
+    assert _wait_exponent((0.01, 0.1), (0.0025, 0.05)) == 0.0  # less: flat, not up
+    assert _wait_exponent((0.01, 0.01), (0.001, 10.0)) == -1.0  # at most constant
+    assert _wait_exponent((0.01, 0.1), (0.0099, 0.3)) == 0.0  # one burst: no slope
 
 
 def test_ddp_pipeline_and_oversubscribed_cpu_terms(monkeypatch):
@@ -397,7 +401,7 @@ def test_the_probe_measures_every_figure_of_a_profile(tmp_path, monkeypatch):
     # the ranks' wait: a share of their compute, past 1 on a loaded machine
     assert 0 < found.param_s < 1e-3
     assert math.isfinite(found.sync_wait) and found.sync_wait >= 0
-    assert -1 <= found.sync_wait_exponent <= 0
+    assert -1 <= found.sync_wait_exponent <= 0 and found.sync_burst_s > 0
     back = profiles.cpu_profile()
     assert back.matmul == found.matmul and back.fsdp_unit_s == found.fsdp_unit_s
 

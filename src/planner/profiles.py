@@ -46,7 +46,7 @@ _DTYPES = ("fp32", "bf16")
 #: measured".
 MEASURED_FLOOR_S = 1e-7
 #: The cached profile's format: a file of another is measured again.
-PROFILE_FORMAT = 10
+PROFILE_FORMAT = 11
 _DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -120,9 +120,11 @@ class DeviceProfile:
     #: probe's, src/planner/rank_probe.py; 0: not measured, a GPU's datasheet)
     sync_wait: float = 0.0
     #: how ``sync_wait`` changes with the compute between two synchronisations:
-    #: the share at ``c`` seconds of it is ``sync_wait x (c / SYNC_BURST_S) **
-    #: exponent`` (in [-1, 0]; 0: the same share at any length)
+    #: the share at ``c`` seconds of it is ``sync_wait x (c / sync_burst_s) **
+    #: exponent`` (in [-1, 0]; 0: the same share at any length), ``sync_burst_s``
+    #: the compute between the probe's synchronisations that ``sync_wait`` is of
     sync_wait_exponent: float = 0.0
+    sync_burst_s: float = 0.0
 
     def rate(self, table: dict[int, float], threads: int) -> float:
         """The figure at ``threads`` (between measured counts: linear, at most the
@@ -437,21 +439,25 @@ def _overheads(links: dict[str, Link], measured: dict) -> dict[str, float]:
         "dtensor_param_s": max(0.0, measured["dtensor_param_s"]),
         "sync_wait": max(0.0, measured["sync_wait"]),
         "sync_wait_exponent": _wait_exponent(
-            measured["sync_wait"], measured["sync_wait_short"]
+            (measured["sync_burst_s"], measured["sync_wait"]),
+            (measured["sync_short_burst_s"], measured["sync_wait_short"]),
         ),
+        "sync_burst_s": max(0.0, measured["sync_burst_s"]),
     }
 
 
-def _wait_exponent(share: float, short: float) -> float:
+def _wait_exponent(long: tuple[float, float], short: tuple[float, float]) -> float:
     """The exponent of the share of compute ranks wait (:attr:`DeviceProfile.
-    sync_wait_exponent`) through the probe's two burst lengths, in [-1, 0]: at
-    most the same wait per synchronisation at any compute (-1), at least the same
-    share (0, also where either reads no wait)."""
-    from src.planner import rank_probe as rp
-
-    if share <= 0 or short <= 0:
+    sync_wait_exponent`) through the probe's two (compute between
+    synchronisations, share) points, in [-1, 0]: at most the same wait per
+    synchronisation at any compute (-1), at least the same share (0, also where
+    either reads no wait or the two computes do not differ)."""
+    (burst, share), (short_burst, short_share) = long, short
+    if min(share, short_share) <= 0 or min(burst, short_burst) <= 0:
         return 0.0
-    slope = math.log(short / share) / math.log(rp.SYNC_SHORT_S / rp.SYNC_BURST_S)
+    if abs(math.log(burst / short_burst)) < 0.1:
+        return 0.0
+    slope = math.log(short_share / share) / math.log(short_burst / burst)
     return min(0.0, max(-1.0, slope))
 
 
@@ -594,6 +600,7 @@ def _from_json(raw, identity: dict) -> DeviceProfile:
         param_s=_at_least_zero(raw["param_s"], "param_s"),
         sync_wait=_at_least_zero(raw["sync_wait"], "sync_wait"),
         sync_wait_exponent=_exponent(raw["sync_wait_exponent"]),
+        sync_burst_s=_at_least_zero(raw["sync_burst_s"], "sync_burst_s"),
     )
 
 

@@ -78,16 +78,17 @@ SMALL, LARGE = 2, 1 << 20
 #: model's units do where FSDP prefetches the next unit's parameters.
 LOADED_ROWS = 192
 #: The chains' extra seconds each rank reports.
-EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "fsdp_loaded_extra_s", "tp_extra_s", "ddp_extra_s",
-          "ddp_wide_extra_s", "dtensor_param_s", "dtensor_op_s",
-          "sync_wait", "sync_wait_short")  # fmt: skip
+EXTRAS = ("fsdp_extra_s", "fsdp_wide_extra_s", "fsdp_loaded_extra_s",
+          "tp_extra_s", "ddp_extra_s", "ddp_wide_extra_s", "dtensor_param_s",
+          "dtensor_op_s", "sync_wait", "sync_burst_s", "sync_wait_short",
+          "sync_short_burst_s")  # fmt: skip
 #: :func:`_sync_wait`'s compute between two all-reduces (a small model's forward
 #: and backward) and its rounds; the short one's (a tensor- or expert-parallel
 #: block's compute between two collectives).
 SYNC_BURST_S, SYNC_ROUNDS = 0.01, 80
 SYNC_SHORT_S, SYNC_SHORT_ROUNDS = 0.001, 300
 #: The figures the profile takes as the two ranks' mean, not the slower's.
-_MEANS = ("sync_wait", "sync_wait_short")
+_MEANS = ("sync_wait", "sync_burst_s", "sync_wait_short", "sync_short_burst_s")
 _TIMEOUT_S = 120
 
 
@@ -192,12 +193,13 @@ def _dtensor_optimizer_extra() -> float:
 
 def _sync_wait(
     latency_s: float, burst_s: float = SYNC_BURST_S, rounds: int = SYNC_ROUNDS
-) -> float:
+) -> tuple[float, float]:
     """Seconds the ranks lose waiting for each other per second of compute between
     two synchronisations, with about ``burst_s`` of compute between them (module
     docstring): the mean round less this rank's mean compute and the all-reduce's
     ``latency_s`` (the profile's, which the step-time model counts already), over
-    its mean compute."""
+    its mean compute; and that mean compute (whole passes of the chain: at least
+    one, ~1-2.5 ms here, where ``burst_s`` is shorter)."""
     model, x, small = _chain(), torch.randn(BATCH, WIDTH), torch.zeros(SMALL)
 
     def once() -> None:
@@ -221,7 +223,7 @@ def _sync_wait(
         spent.append(time.perf_counter() - t0)
         computes.append(t1 - t0)
     compute = statistics.mean(computes)
-    return max(0.0, statistics.mean(spent) - compute - latency_s) / compute
+    return max(0.0, statistics.mean(spent) - compute - latency_s) / compute, compute
 
 
 def _step_time(
@@ -356,6 +358,7 @@ def rank_main(rank: int, where: str) -> None:
     )
     try:
         collectives = _collectives(rank)
+        latency = collectives["all_reduce"][0]
         tp_extra, tp = _tp_extra()
         figures = {
             "collectives": collectives,
@@ -369,9 +372,15 @@ def rank_main(rank: int, where: str) -> None:
             "ddp_wide_extra_s": _ddp_extra(WIDE),
             "dtensor_param_s": _dtensor_optimizer_extra(),
             "dtensor_op_s": _dtensor_op_extra(),
-            "sync_wait": _sync_wait(collectives["all_reduce"][0]),
-            "sync_wait_short": _sync_wait(
-                collectives["all_reduce"][0], SYNC_SHORT_S, SYNC_SHORT_ROUNDS
+            **dict(
+                zip(("sync_wait", "sync_burst_s"), _sync_wait(latency), strict=True)
+            ),
+            **dict(
+                zip(
+                    ("sync_wait_short", "sync_short_burst_s"),
+                    _sync_wait(latency, SYNC_SHORT_S, SYNC_SHORT_ROUNDS),
+                    strict=True,
+                )
             ),
         }
     finally:

@@ -24,7 +24,6 @@ from src.planner.profiles import (
     profile_for,
     work_cache,
 )
-from src.planner.rank_probe import SYNC_BURST_S
 from src.planner.search import n_blocks
 from src.planner.tp_census import census
 from src.sharding import WrapPlan
@@ -496,21 +495,25 @@ class _Step:
             ]
         total = sum(u.local_numel for u in self.plan.units) or 1
         out = []
+        each: dict[tuple, tuple[float, float, int]] = {}  # a 70B's 80 blocks: one
         for unit in self.plan.units:
             numel = unit.local_numel
             again = reshard and unit.path != "" and lay.pp == 1
-            gathers = self.micro * (2 if again else 1)
-            each = [
-                (gathers * collective(g, "all_gather", n, numel * self.pbytes),
-                 scatters * collective(s, "reduce_scatter", n, numel * self.rbytes))
-                for g, s in links
-            ]  # fmt: skip
-            free, busy = each[0], each[-1]  # without compute beside, with
-            beside = min(1.0, compute_s * numel / total / max(sum(busy), 1e-12))
-            gather, scatter = (
-                beside * b + (1 - beside) * f for f, b in zip(free, busy, strict=True)
-            )
-            out.append((gather, scatter, gathers + scatters))
+            if (numel, again) not in each:
+                gathers = self.micro * (2 if again else 1)
+                times = [
+                    (gathers * collective(g, "all_gather", n, numel * self.pbytes),
+                     scatters * collective(s, "reduce_scatter", n, numel * self.rbytes))
+                    for g, s in links
+                ]  # fmt: skip
+                free, busy = times[0], times[-1]  # without compute beside, with
+                beside = min(1.0, compute_s * numel / total / max(sum(busy), 1e-12))
+                gather, scatter = (
+                    beside * b + (1 - beside) * f
+                    for f, b in zip(free, busy, strict=True)
+                )
+                each[numel, again] = (gather, scatter, gathers + scatters)
+            out.append(each[numel, again])
         return out
 
     def comm_terms(self) -> list[Term]:
@@ -689,14 +692,14 @@ class _Step:
         to the power ``sync_wait_exponent``), at most all of it."""
         p = self.profile
         share, how = p.sync_wait, f"{p.sync_wait:.1%} of the compute (the probe's"
-        if syncs > 0 and p.sync_wait_exponent:
+        if syncs > 0 and p.sync_wait_exponent and p.sync_burst_s:
             between = compute_s / syncs
-            ratio = between / SYNC_BURST_S
+            ratio = between / p.sync_burst_s
             share = min(1.0, p.sync_wait * ratio**p.sync_wait_exponent)
             how = (
                 f"{share:.1%} of the compute: {syncs:,.0f} synchronisations a step, "
                 f"{between * 1e3:,.2f} ms of compute between (the probe's "
-                f"{p.sync_wait:.1%} at {SYNC_BURST_S * 1e3:g} ms x "
+                f"{p.sync_wait:.1%} at {p.sync_burst_s * 1e3:.3g} ms x "
                 f"{ratio:.3g}^{p.sync_wait_exponent:.2f}"
             )
         return Term(
