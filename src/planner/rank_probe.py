@@ -233,9 +233,9 @@ def _step_time(
     repeats: int = 9,
 ) -> float:
     """The chain's forward and backward on ``x`` (default ``BATCH`` rows of
-    ``width``): the least of ``repeats`` runs. A framework figure is the difference of two of
-    these, and with medians FSDP's time per unit read 2.3 ms, 2.7 and 6.1 in three
-    probes of one hour."""
+    ``width``): the least of ``repeats`` runs. A framework figure is the difference
+    of two of these, and with medians FSDP's time per unit read 2.3 ms, 2.7 and 6.1
+    in three probes of one hour."""
     x = torch.randn(BATCH, width) if x is None else x
 
     def step() -> None:
@@ -372,17 +372,11 @@ def rank_main(rank: int, where: str) -> None:
             "ddp_wide_extra_s": _ddp_extra(WIDE),
             "dtensor_param_s": _dtensor_optimizer_extra(),
             "dtensor_op_s": _dtensor_op_extra(),
-            **dict(
-                zip(("sync_wait", "sync_burst_s"), _sync_wait(latency), strict=True)
-            ),
-            **dict(
-                zip(
-                    ("sync_wait_short", "sync_short_burst_s"),
-                    _sync_wait(latency, SYNC_SHORT_S, SYNC_SHORT_ROUNDS),
-                    strict=True,
-                )
-            ),
         }
+        wait, burst = _sync_wait(latency)
+        short, short_burst = _sync_wait(latency, SYNC_SHORT_S, SYNC_SHORT_ROUNDS)
+        figures |= {"sync_wait": wait, "sync_burst_s": burst,
+                    "sync_wait_short": short, "sync_short_burst_s": short_burst}  # fmt: skip
     finally:
         dist.destroy_process_group()
     Path(where, f"rank{rank}.json").write_text(json.dumps(figures))
