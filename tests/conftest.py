@@ -50,8 +50,13 @@ def _share_the_cores(config) -> None:
 @pytest.fixture(autouse=True, scope="session")
 def _token_cache_in_tmp(tmp_path_factory):
     """The token cache (data.cache_dir's default, $SHARDWRAP_CACHE) of every test and
-    of the train.py subprocesses they start lives in a session tmp dir, not ~/.cache."""
-    os.environ["SHARDWRAP_CACHE"] = str(tmp_path_factory.mktemp("token_cache"))
+    of the train.py subprocesses they start lives in a session tmp dir, not ~/.cache.
+    The device profiles (and op times) have their own dir there, which a test that
+    points $SHARDWRAP_CACHE elsewhere keeps: it found none and ran the CPU probe
+    (25-47 s a test)."""
+    cache = tmp_path_factory.mktemp("token_cache")
+    os.environ["SHARDWRAP_CACHE"] = str(cache)
+    os.environ["SHARDWRAP_PROFILE_DIR"] = str(cache / "profiles")
     _fixed_cpu_profile()
     yield
 
