@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from src.sharding import (
     WrapPlan,
     build_backend,
     get_precision,
-    wrap_plan,
+    model_units,
 )
 from src.sharding.transforms import SplitBlockError
 
@@ -82,8 +83,14 @@ def plan_backend(plan: RunPlan) -> Iterator[Any]:
 def plan_of(resolved: RunPlan, model: torch.nn.Module, world: int) -> WrapPlan:
     """The wrap plan of ``model`` (built by :func:`build_meta_model`) on ``world``
     ranks holding it (a stage's, under pipeline parallelism), with the run's HSDP
-    replicas and tensor-parallel degree."""
-    return wrap_plan(model, resolved.layout.stage(world))
+    replicas and tensor-parallel degree. The model's walk is kept with it: a search
+    lays one meta model out on many rank counts."""
+    if model not in _UNITS:
+        _UNITS[model] = model_units(model)
+    return _UNITS[model].on(resolved.layout.stage(world))
+
+
+_UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 #: FSDP2's own prefetch depth (``sharding.backward_prefetch: null``): one unit ahead.

@@ -29,7 +29,7 @@ from .lora import (
     trainable_counts,
 )
 from .parallelize import Parallelize, UnitSteps, parallelize_decoder
-from .plan import GIB, MIB, Unit, WrapPlan, wrap_plan
+from .plan import GIB, MIB, ModelUnits, Unit, WrapPlan, model_units, wrap_plan
 from .policies import (
     BlockPolicy,
     ComposedPolicy,
@@ -72,6 +72,7 @@ __all__ = [
     "Precision",
     "SizePolicy",
     "TiedParametersWarning",
+    "ModelUnits",
     "Unit",
     "UnitSteps",
     "UnitTransform",
@@ -96,6 +97,7 @@ __all__ = [
     "get_precision",
     "is_wrapped",
     "make_unit",
+    "model_units",
     "materialize_meta_",
     "parallelize_decoder",
     "set_prefetch",
@@ -103,4 +105,6 @@ __all__ = [
     "wrap",
     "wrap_enabled",
     "wrap_plan",
+    "model_units",
+    "ModelUnits",
 ]
