@@ -74,6 +74,23 @@ def test_step_time_vs_measured_rows_from_the_runs_summaries(
     assert "median |error| 10%, worst 20%" in out
     assert "the first round alone: median |error| 100%, worst 200%" in out
 
+    # --max-drift: after each run a plan-only run times the ops again; a run
+    # during which that prediction moved past the share runs again
+    runs.clear()
+    summaries = iter([
+        {"predicted_step_time_s": 0.1, "step_time_s": 0.15, "world_size": 1,
+         "num_params": 1},
+        {"predicted_step_time_s": 0.13},  # +30%: the machine slowed
+        {"predicted_step_time_s": 0.1, "step_time_s": 0.12, "world_size": 1,
+         "num_params": 1},
+        {"predicted_step_time_s": 0.095},
+    ])  # fmt: skip
+    (kept,) = b.main(["--configs", "gpt_1rank", "--max-drift", "0.1"])
+    one = b.CONFIGS["gpt_1rank"]
+    assert runs == [one, [*one, "trainer.plan_only=true"]] * 2
+    assert (kept["error"], kept["drift"], kept["tries"]) == ("+20%", "-5%", 2)
+    assert "2 runs for 1 configs; still past it: none" in capsys.readouterr().out
+
 
 @pytest.mark.slow
 def test_init_memory_tiny(docs_untouched):
