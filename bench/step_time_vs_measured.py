@@ -241,6 +241,7 @@ def measure(name: str, args: argparse.Namespace) -> tuple[dict, dict]:
             return summary, got
         moved = drift(CONFIGS[name], summary)
         tries.append((abs(moved), summary, {**got, "drift": f"{moved:+.0%}"}))
+        print({"try": len(tries), **tries[-1][2]}, flush=True)  # each, kept or not
         if abs(moved) <= args.max_drift:
             break
     _, summary, got = min(tries, key=lambda t: t[0])

@@ -1069,3 +1069,30 @@ def test_optimizer_state_is_counted_per_optimizer(name):
     trained = sum(p.numel() for p in model.parameters())
     assert optimizer_states(resolved) == pytest.approx(held / trained, rel=1e-12)
     assert name != "muon" or 1 < held / trained < 2
+
+
+def test_plan_of_walks_a_meta_model_once_for_every_rank_count(monkeypatch):
+    """A search lays one meta model out on many rank counts: its units are walked
+    once (src/planner/inputs.py), each layout's plan as a fresh walk gives it."""
+    from src.config.validate import validate
+    from src.planner import inputs
+    from src.sharding import wrap_plan
+
+    resolved = validate(compose_config("model=tiny", "sharding.replicate=2"))
+    model = inputs.build_meta_model(resolved)
+    walks = []
+    walk = inputs.model_units
+    monkeypatch.setattr(inputs, "model_units", lambda m: walks.append(m) or walk(m))
+    for world in (2, 4, 8, 2):
+        got = inputs.plan_of(resolved, model, world)
+        want = wrap_plan(model, resolved.layout.stage(world))
+        assert got.rows() == want.rows() and got.bytes_per_rank() > 0
+        assert (got.shard_size, got.total_numel, got.tied_numel) == (
+            want.shard_size,
+            want.total_numel,
+            want.tied_numel,
+        )
+    assert walks == [model]
+    assert inputs.plan_of(resolved, model, 2).bytes_per_rank() * 2 == pytest.approx(
+        inputs.plan_of(resolved, model, 4).bytes_per_rank() * 4, rel=0.01
+    )  # the shards halve: each layout its own bytes, not the first one's
