@@ -10,7 +10,7 @@ model: Kendall's tau between the predicted and the measured tokens/s (scipy), an
 whether the predicted fastest is the measured fastest or within 5% of it.
 
     python -m bench.layout_ranking [--models gpt llama moe] [--steps 8] [--rounds 2]
-        [--append-docs]
+        [--max-drift 0.1 [--tries 3]] [--append-docs]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import argparse
 from scipy.stats import kendalltau
 
 from bench.common import publish, rounds_order
-from bench.step_time_vs_measured import run
+from bench.step_time_vs_measured import run, steady
 from src.config.validate import validate
 from src.harness import compose_config
 from src.planner.constants import machine_budget_bytes
@@ -44,16 +44,33 @@ def layouts(model: list[str]) -> list:
     return [lay for lay in found if "trainer.grad_accum" not in lay.overrides]
 
 
-def measure(name: str, steps: int, rounds: int = 1) -> tuple[list[dict], dict]:
+def measure(
+    name: str,
+    steps: int,
+    rounds: int = 1,
+    max_drift: float | None = None,
+    tries: int = 3,
+) -> tuple[list[dict], dict]:
     """Each layout's predicted and measured tokens/s, and the model's verdict. With
     ``rounds`` > 1 the list runs again, every other round in reverse order, and a
-    layout's figure is its best (:func:`~bench.common.rounds_order`)."""
+    layout's figure is its best (:func:`~bench.common.rounds_order`); with
+    ``max_drift`` each run is made steady
+    (:func:`~bench.step_time_vs_measured.steady`)."""
     found = layouts(MODELS[name])
     best: dict[int, float] = {}
     predicted: dict[int, float] = {}
     for r, i in rounds_order(len(found), rounds):
-        overrides = [*MODELS[name], *found[i].args().split()]
-        summary = run([*overrides, f"trainer.devices={WORLD}"], steps)
+        overrides = [
+            *MODELS[name],
+            *found[i].args().split(),
+            f"trainer.devices={WORLD}",
+        ]
+        summary, _ = steady(
+            lambda o=overrides: (run(o, steps), {"layout": " ".join(o)}),
+            overrides,
+            max_drift,
+            tries,
+        )
         best[i] = max(best.get(i, 0.0), summary["tokens_per_s"])
         predicted[i] = summary["predicted_tokens_per_s"]
         print({"model": name, "round": r + 1, "layout": found[i].args(),
@@ -89,11 +106,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--rounds", type=int, default=1, help="runs of each layout (its best kept)"
     )
+    parser.add_argument(
+        "--max-drift",
+        type=float,
+        default=None,
+        help="run a layout again while the prediction from its ops timed again just "
+        "after moved more than this share (bench.step_time_vs_measured)",
+    )
+    parser.add_argument("--tries", type=int, default=3)
     parser.add_argument("--append-docs", action="store_true")
     args = parser.parse_args(argv)
     rows, verdicts = [], []
     for name in args.models:
-        got, verdict = measure(name, args.steps, args.rounds)
+        got, verdict = measure(
+            name, args.steps, args.rounds, args.max_drift, args.tries
+        )
         rows += got
         verdicts.append(verdict)
         print(verdict, flush=True)

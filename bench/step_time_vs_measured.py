@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import publish, rounds_order
@@ -225,27 +226,42 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def steady(
+    attempt: Callable[[], tuple[dict, dict]],
+    overrides: list[str],
+    max_drift: float | None,
+    tries: int = 3,
+) -> tuple[dict, dict]:
+    """``attempt()`` (a run of ``overrides``: its summary and its row), again while
+    the machine's speed moved more than ``max_drift`` during it (:func:`drift`;
+    None: once), ``tries`` times at most; the try that moved least, its row with
+    its ``drift`` and the config's ``tries``."""
+    done: list[tuple[float, dict, dict]] = []
+    while len(done) < max(1, tries):
+        summary, got = attempt()
+        if max_drift is None:
+            return summary, got
+        moved = drift(overrides, summary)
+        done.append((abs(moved), summary, {**got, "drift": f"{moved:+.0%}"}))
+        print({"try": len(done), **done[-1][2]}, flush=True)  # each, kept or not
+        if abs(moved) <= max_drift:
+            break
+    _, summary, got = min(done, key=lambda t: t[0])
+    return summary, {**got, "tries": len(done)}
+
+
 def measure(name: str, args: argparse.Namespace) -> tuple[dict, dict]:
-    """One config's run and row; with ``--max-drift``, run again (``--tries`` in
-    all) while the machine's speed moved more than that during it (:func:`drift`),
-    keeping the try that moved least."""
-    tries: list[tuple[float, dict, dict]] = []
-    while len(tries) < max(1, args.tries):
+    """One config's run and row, made steady with ``--max-drift`` (:func:`steady`)."""
+
+    def attempt() -> tuple[dict, dict]:
         load = _loadavg()
         if args.fresh_profile or not args.keep_op_times:
             _forget(ops_only=not args.fresh_profile)
         ticks = _cpu_ticks()
         summary = run(CONFIGS[name], args.steps)
-        got = row(name, summary, load, _stolen(ticks))
-        if args.max_drift is None:
-            return summary, got
-        moved = drift(CONFIGS[name], summary)
-        tries.append((abs(moved), summary, {**got, "drift": f"{moved:+.0%}"}))
-        print({"try": len(tries), **tries[-1][2]}, flush=True)  # each, kept or not
-        if abs(moved) <= args.max_drift:
-            break
-    _, summary, got = min(tries, key=lambda t: t[0])
-    return summary, {**got, "tries": len(tries)}
+        return summary, row(name, summary, load, _stolen(ticks))
+
+    return steady(attempt, CONFIGS[name], args.max_drift, args.tries)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -92,6 +92,44 @@ def test_step_time_vs_measured_rows_from_the_runs_summaries(
     assert "2 runs for 1 configs; still past it: none" in capsys.readouterr().out
 
 
+def test_layout_ranking_verdict_with_a_layout_run_again_for_drift(
+    docs_untouched, monkeypatch, capsys
+):
+    """bench.layout_ranking on two layouts' summaries (no run started): tau and
+    the predicted fastest; with --max-drift a layout whose prediction moved past
+    it during its run (the ops timed again just after) runs again."""
+    from types import SimpleNamespace
+
+    from bench import layout_ranking as lr
+    from bench import step_time_vs_measured as b
+
+    found = [SimpleNamespace(args=lambda: ""), SimpleNamespace(args=lambda: "x=1")]
+    monkeypatch.setattr(lr, "layouts", lambda model: found)
+    summaries = iter([
+        {"predicted_step_time_s": 0.1, "tokens_per_s": 1000, "predicted_tokens_per_s": 1100},
+        {"predicted_step_time_s": 0.102},
+        {"predicted_step_time_s": 0.2, "tokens_per_s": 300, "predicted_tokens_per_s": 500},
+        {"predicted_step_time_s": 0.3},  # +50%: run again
+        {"predicted_step_time_s": 0.2, "tokens_per_s": 450, "predicted_tokens_per_s": 500},
+        {"predicted_step_time_s": 0.21},
+    ])  # fmt: skip
+    runs = []
+
+    def run(overrides, steps):
+        runs.append(overrides)
+        return next(summaries)
+
+    monkeypatch.setattr(b, "run", run)
+    monkeypatch.setattr(lr, "run", run)
+    rows = lr.main(["--models", "gpt", "--max-drift", "0.1"])
+    assert [r["measured tokens/s"] for r in rows] == [1000, 450]
+    assert sum("trainer.plan_only=true" in o for o in runs) == 3 and len(runs) == 6
+    out = capsys.readouterr().out
+    assert (
+        "gpt: tau 1.0 over 2 layouts, the predicted fastest 100% of the fastest" in out
+    )
+
+
 @pytest.mark.slow
 def test_init_memory_tiny(docs_untouched):
     # ~80 MB of fp32 parameters in 24 blocks of 3 MiB, on 2 gloo ranks.
