@@ -105,6 +105,4 @@ __all__ = [
     "wrap",
     "wrap_enabled",
     "wrap_plan",
-    "model_units",
-    "ModelUnits",
 ]
