@@ -65,7 +65,7 @@ def measure(
             *found[i].args().split(),
             f"trainer.devices={WORLD}",
         ]
-        summary, _ = steady(
+        summary, _, _ = steady(
             lambda o=overrides: (run(o, steps), {"layout": " ".join(o)}),
             overrides,
             max_drift,

@@ -231,26 +231,27 @@ def steady(
     overrides: list[str],
     max_drift: float | None,
     tries: int = 3,
-) -> tuple[dict, dict]:
+) -> tuple[dict, dict, float | None]:
     """``attempt()`` (a run of ``overrides``: its summary and its row), again while
     the machine's speed moved more than ``max_drift`` during it (:func:`drift`;
     None: once), ``tries`` times at most; the try that moved least, its row with
-    its ``drift`` and the config's ``tries``."""
+    its ``drift`` and the config's ``tries``, and how far it moved (None: not
+    checked)."""
     done: list[tuple[float, dict, dict]] = []
     while len(done) < max(1, tries):
         summary, got = attempt()
         if max_drift is None:
-            return summary, got
+            return summary, got, None
         moved = drift(overrides, summary)
-        done.append((abs(moved), summary, {**got, "drift": f"{moved:+.0%}"}))
+        done.append((moved, summary, {**got, "drift": f"{moved:+.0%}"}))
         print({"try": len(done), **done[-1][2]}, flush=True)  # each, kept or not
         if abs(moved) <= max_drift:
             break
-    _, summary, got = min(done, key=lambda t: t[0])
-    return summary, {**got, "tries": len(done)}
+    moved, summary, got = min(done, key=lambda t: abs(t[0]))
+    return summary, {**got, "tries": len(done)}, moved
 
 
-def measure(name: str, args: argparse.Namespace) -> tuple[dict, dict]:
+def measure(name: str, args: argparse.Namespace) -> tuple[dict, dict, float | None]:
     """One config's run and row, made steady with ``--max-drift`` (:func:`steady`)."""
 
     def attempt() -> tuple[dict, dict]:
@@ -267,17 +268,18 @@ def measure(name: str, args: argparse.Namespace) -> tuple[dict, dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = _parser().parse_args(argv)
     names = args.configs or list(CONFIGS)
-    best: dict[int, tuple[dict, float]] = {}  # the run with the least step, |error|
+    # the run with the least step: its row, |error| and drift
+    best: dict[int, tuple[dict, float, float | None]] = {}
     first: dict[int, float] = {}  # the first round's |error|
     steps_ms: dict[int, list[str]] = {}
     for r, i in rounds_order(len(names), args.rounds):
-        summary, got = measure(names[i], args)
+        summary, got, moved = measure(names[i], args)
         print({"round": r + 1, **got}, flush=True)
         steps_ms.setdefault(i, []).append(f"{got['measured ms']:,.1f}")
         if r == 0:
             first[i] = _error(summary)
         if i not in best or got["measured ms"] < best[i][0]["measured ms"]:
-            best[i] = got, _error(summary)
+            best[i] = got, _error(summary), moved
     rows = [best[i][0] for i in range(len(names))]
     if args.rounds > 1:
         rows = [
@@ -303,9 +305,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     if args.max_drift is not None:
         over = [
-            r["config"]
-            for r in rows
-            if abs(float(r["drift"][:-1])) > 100 * args.max_drift
+            names[i]
+            for i in range(len(names))
+            if abs(best[i][2] or 0.0) > args.max_drift
         ]
         note += (
             f" Drift: the prediction from the model's ops timed again just after the "
