@@ -117,6 +117,57 @@ def test_by_blocks_keeps_two_of_each_class():
     assert seen == [2, 1]
 
 
+@pytest.mark.parametrize("model", ["small", "hf"])
+def test_only_the_blocks_counted_are_tensor_parallelised(model, monkeypatch, tmp_path):
+    """The census tensor-parallelises the two blocks of each kind it runs, not the
+    rest it drops (their TP was its whole cost on a deep model), and counts as the
+    whole model would: GPT's blocks, parallelised as each is built (with LoRA's
+    adapters), and a transformers Llama's, parallelised with its root. Where the
+    blocks kept are not the first built, it builds the whole model instead."""
+    import json
+    import shutil
+
+    from src.harness import CONF_DIR
+    from src.planner import tp_census
+    from src.sharding import tensor_parallel
+
+    if model == "hf":  # transformers' Llama, 4 layers
+        shutil.copytree(CONF_DIR / "hf_configs" / "tiny_llama", tmp_path / "c")
+        config = json.loads((tmp_path / "c" / "config.json").read_text())
+        config["num_hidden_layers"] = layers = 4
+        (tmp_path / "c" / "config.json").write_text(json.dumps(config))
+        overrides = [f"model.config={tmp_path / 'c'}"]
+    else:
+        overrides = [f"model.n_layer={(layers := 8)}", "model.lora.rank=4"]
+    plan = _plan(*overrides, model=model)
+    from torch.distributed.tensor import DTensor
+
+    split: dict = {}  # id -> each parameter tensor parallelism split (kept alive)
+    parallelize_module = tensor_parallel.parallelize_module
+
+    def recorded(target, *args, **kwargs):
+        out = parallelize_module(target, *args, **kwargs)
+        split.update({id(p): p for p in target.parameters() if isinstance(p, DTensor)})
+        return out
+
+    monkeypatch.setattr(tensor_parallel, "parallelize_module", recorded)
+    monkeypatch.setattr(tp_census, "_CACHE", {})
+    counted = census(plan)
+    shallow = len(split)
+    split.clear()
+    assert counted == _whole(plan)
+    whole = len(split)
+    per_block, rest = divmod(whole - shallow, layers - 2)
+    assert per_block > 0 and rest == 0, (whole, shallow)
+    if model == "hf":
+        return
+    monkeypatch.setattr(tp_census, "_CACHE", {})
+    monkeypatch.setattr(tp_census, "_beyond_two", lambda blocks, kinds: [])
+    split.clear()
+    assert census(plan) == counted
+    assert len(split) == shallow + whole  # the shallow build, then the whole
+
+
 def test_a_model_that_cannot_run_on_meta_is_said_not_guessed(monkeypatch):
     """No TP lines and a note naming why; the census fails once per key, not at
     every prediction of a search."""

@@ -120,14 +120,21 @@ def ac_options(mode: str, every: int, blocks: int) -> list[Checkpointing]:
     return list(dict.fromkeys(out))  # the first of equal points
 
 
+_N_BLOCKS: dict[tuple[str, str], int] = {}
+
+
 def n_blocks(resolved: RunPlan) -> int:
-    """How many blocks the checkpointing transform targets in the run's model."""
+    """How many blocks the checkpointing transform targets in the run's model (a
+    meta build, once per model: a plan-only of gpt_70b asked five times)."""
     from src.planner.trace import block_order
 
     spec, config = resolved.spec, resolved.model_config
-    with torch.device("meta"):
-        model = spec.build(config, 0)
-    return len(block_order(model, spec.block_classes(config)))
+    key = (spec.name, repr(config))
+    if key not in _N_BLOCKS:
+        with torch.device("meta"):
+            model = spec.build(config, 0)
+        _N_BLOCKS[key] = len(block_order(model, spec.block_classes(config)))
+    return _N_BLOCKS[key]
 
 
 def _options(

@@ -26,7 +26,9 @@ the bytes of activations scale with them) and on at most two blocks of each clas
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -194,13 +196,112 @@ def _census(plan) -> TPCensus:
         with loss_parallel():
             model(tokens, tokens)[1].backward()
 
-    with plan_backend(plan) as backend:
-        model = build_model(plan, backend, init_device="meta")
-        blocks = outer_blocks(model, plan.spec.block_classes(plan.model_config))
-        ac = plan.checkpointing
-        flags = checkpointed_blocks(len(blocks), ac.mode, ac.every)
-        kinds = [(type(b), flag) for b, flag in zip(blocks, flags, strict=True)]
-        return by_blocks(model, blocks, step, kinds)
+    classes = tuple(plan.spec.block_classes(plan.model_config))
+    ac = plan.checkpointing
+
+    def kind(block: torch.nn.Module, i: int) -> tuple:
+        return type(block), checkpointed_blocks(i + 1, ac.mode, ac.every)[i]
+
+    for shallow in (True, False):
+        skipped: set[int] = set()
+        built = plan
+        if shallow and classes:
+            parallelize = _first_two_of_each_kind(
+                plan.spec.parallelize, classes, kind, skipped
+            )
+            built = replace(plan, spec=replace(plan.spec, parallelize=parallelize))
+        with plan_backend(built) as backend:
+            try:
+                model = build_model(built, backend, init_device="meta")
+            except Exception:
+                if built is plan:
+                    raise
+                continue  # a block left plain broke the build: whole
+            blocks = outer_blocks(model, classes)
+            kinds = [kind(b, i) for i, b in enumerate(blocks)]
+            if skipped <= {id(b) for b in _beyond_two(blocks, kinds)}:
+                return by_blocks(model, blocks, step, kinds)
+        # built in another order than its modules': a kept block was skipped
+    raise AssertionError("unreachable: a whole build skips nothing")
+
+
+def _beyond_two(blocks: list, kinds: list) -> list:
+    """The blocks after the first two of their kind (what :func:`by_blocks` drops)."""
+    seen: dict = {}
+    beyond = []
+    for b, k in zip(blocks, kinds, strict=True):
+        seen[k] = seen.get(k, 0) + 1
+        if seen[k] > 2:
+            beyond.append(b)
+    return beyond
+
+
+class _WithoutTP:
+    """A build's parallelize steps with tensor parallelism left out."""
+
+    def __init__(self, steps) -> None:
+        self._steps = steps
+
+    def __getattr__(self, name: str):
+        return getattr(self._steps, name)
+
+    def tensor_parallel(self, module: torch.nn.Module) -> None:
+        pass
+
+
+def _first_two_of_each_kind(parallelize, classes: tuple, kind, skipped: set[int]):
+    """The family's ``parallelize``, with no tensor parallelism for a block past
+    the first two of its kind (recorded in ``skipped``), which :func:`by_blocks`
+    drops before counting: parallelising every block of a deep model was the
+    census's whole cost (gpt_70b: ~0.9 s a census, 9 a plan-only). A block built as
+    a unit (GPT, Llama) is skipped as it is built, in build order; one that a module
+    holding it parallelises (a transformers model's layers, tensor-parallelised with
+    its root) is out of that module while it is. Everything else (adapters, float8,
+    checkpointing) is built as the run builds it."""
+    from src.planner.trace import outer_blocks
+
+    seen: dict = {}
+    built: list[int] = []
+
+    def step(module: torch.nn.Module, steps, *, unit: bool) -> None:
+        if isinstance(module, classes):
+            if not unit and id(module) not in built:
+                built.append(id(module))
+                k = kind(module, len(built) - 1)
+                seen[k] = seen.get(k, 0) + 1
+                if seen[k] > 2:
+                    skipped.add(id(module))
+            if id(module) in skipped:
+                steps = _WithoutTP(steps)
+            parallelize(module, steps, unit=unit)
+            return
+        held = outer_blocks(module, classes)
+        kinds = [kind(b, i) for i, b in enumerate(held)]
+        beyond = _beyond_two(held, kinds)
+        skipped.update(id(b) for b in beyond)
+        with _taken_out(module, beyond):
+            parallelize(module, steps, unit=unit)
+
+    return step
+
+
+@contextlib.contextmanager
+def _taken_out(model: torch.nn.Module, blocks: list) -> Iterator[None]:
+    """``blocks`` replaced by placeholders in ``model`` (each in its place: a
+    container's order is kept), put back after."""
+    places = {id(b) for b in blocks}
+    swapped = []
+    for m in model.modules() if blocks else ():
+        for key, child in m._modules.items():
+            if child is not None and id(child) in places:
+                swapped.append((m, key, child))
+    for m, key, _ in swapped:
+        m._modules[key] = torch.nn.Identity()
+    try:
+        yield
+    finally:
+        for m, key, child in swapped:
+            m._modules[key] = child
 
 
 def census(plan) -> TPCensus | None:
