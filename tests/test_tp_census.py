@@ -127,6 +127,8 @@ def test_only_the_blocks_counted_are_tensor_parallelised(model, monkeypatch, tmp
     import json
     import shutil
 
+    from torch.distributed.tensor import DTensor
+
     from src.harness import CONF_DIR
     from src.planner import tp_census
     from src.sharding import tensor_parallel
@@ -140,8 +142,6 @@ def test_only_the_blocks_counted_are_tensor_parallelised(model, monkeypatch, tmp
     else:
         overrides = [f"model.n_layer={(layers := 8)}", "model.lora.rank=4"]
     plan = _plan(*overrides, model=model)
-    from torch.distributed.tensor import DTensor
-
     split: dict = {}  # id -> each parameter tensor parallelism split (kept alive)
     parallelize_module = tensor_parallel.parallelize_module
 
